@@ -1,0 +1,60 @@
+"""Which sub-layer each exported node belongs to: one rule table per architecture family (data).
+
+A node's module path is the innermost torch module scope the exporter recorded on it
+(`pkg.torch.onnx.name_scopes`). The first rule whose pattern matches the path decides; `{0}` in the
+sub-layer name is the first captured group (the layer index). `glue` nodes sit directly in a
+decoder layer (the residual adds) and join the sub-layer whose output they consume.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+
+import onnx
+
+SCOPES_KEY = "pkg.torch.onnx.name_scopes"
+GLUE = "glue"
+
+# (pattern on the module path, sub-layer); applied in order, first match wins.
+DECODER_RULES: list[tuple[str, str]] = [
+    (r"\.layers\.(\d+)\.(input_layernorm|self_attn)(\..*)?$", "L{0}.attn"),
+    (r"\.layers\.(\d+)\.(post_attention_layernorm|mlp)(\..*)?$", "L{0}.ffn"),
+    (r"\.layers\.(\d+)$", "L{0}." + GLUE),
+    (r"\.embed_tokens$", "embed"),
+    (r"\.model\.norm$|\.lm_head$", "final"),
+    (r"\.rotary_emb$|\.model$|^lm$|^$", "prologue"),
+]
+
+RULES_BY_ARCHITECTURE: dict[str, list[tuple[str, str]]] = {
+    "llama": DECODER_RULES,
+    "mistral": DECODER_RULES,
+    "qwen2": DECODER_RULES,
+    "qwen3": DECODER_RULES,
+}
+
+
+def module_path(node: onnx.NodeProto) -> str | None:
+    """The innermost module scope recorded on `node`, or None when the exporter recorded none."""
+    for prop in node.metadata_props:
+        if prop.key == SCOPES_KEY:
+            scopes = ast.literal_eval(prop.value)
+            # The last entry is the op's own name; the one before it is its module.
+            return scopes[-2] if len(scopes) >= 2 else ""
+    return None
+
+
+def sub_layer_candidates(path: str, rules: list[tuple[str, str]]) -> list[str]:
+    """Every sub-layer whose rule matches `path` (a well-formed table gives exactly one)."""
+    found = []
+    for pattern, template in rules:
+        match = re.search(pattern, path)
+        if match:
+            found.append(template.format(*match.groups()))
+    return found
+
+
+def classify(path: str, rules: list[tuple[str, str]]) -> str | None:
+    """The sub-layer of a module path by the first matching rule, or None."""
+    candidates = sub_layer_candidates(path, rules)
+    return candidates[0] if candidates else None

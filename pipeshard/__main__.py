@@ -1,0 +1,5 @@
+import sys
+
+from pipeshard.cli import main
+
+sys.exit(main())

@@ -1,0 +1,108 @@
+"""The `pipeshard` command: export, run (later: partition, inspect, profile, plan, bench)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Sequence
+
+from pipeshard import __version__
+from pipeshard.errors import UserError
+from pipeshard.units import format_bytes
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports usage mistakes as one `error:` line with exit status 2."""
+
+    def error(self, message: str) -> None:  # noqa: D401 - argparse API
+        raise UserError(message)
+
+
+def _command_export(args: argparse.Namespace) -> int:
+    from pipeshard.exporter import export_model
+
+    result = export_model(args.model, args.out, dtype=args.dtype, force=args.force, opset=args.opset,
+                          quiet=args.quiet)
+    total = sum(result.files.values())
+    print(f"exported {args.model} -> {result.out}: {len(result.files)} files, {format_bytes(total)}, "
+          f"{result.seconds:.1f} s, max |logit - PyTorch| {result.max_logit_difference:.2e}")
+    return 0
+
+
+def _command_run(args: argparse.Namespace) -> int:
+    import pipeshard
+
+    engine = pipeshard.load(args.path, threads=args.threads)
+    sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                    top_p=args.top_p, repetition_penalty=args.repetition_penalty, seed=args.seed,
+                    stop_strings=tuple(args.stop))
+    results = []
+    events = engine.stream(args.prompt, chat_template=not args.no_chat_template, system=args.system,
+                           results=results, **sampling)
+    for event in events:
+        if not args.json:
+            print(event.text, end="", flush=True)
+    (result,) = results
+    if args.json:
+        print(json.dumps({
+            "text": result.text, "tokens": result.tokens, "prompt_tokens": len(result.prompt_tokens),
+            "stop_reason": result.stop_reason, "ttft_s": result.ttft_s, "decode_tok_s": result.decode_tok_s,
+            "prefill_tok_s": result.prefill_tok_s,
+        }))
+    else:
+        print(f"\n[{len(result.prompt_tokens)} prompt tokens, {len(result.tokens)} generated, "
+              f"TTFT {result.ttft_s * 1000:.0f} ms, decode {result.decode_tok_s:.1f} tok/s, "
+              f"stop: {result.stop_reason}]", file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="pipeshard", description="Run LLMs larger than VRAM: export, partition, plan, run.")
+    parser.add_argument("--version", action="version", version=f"pipeshard {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log progress details")
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    export = commands.add_parser("export", help="export a model to an ONNX folder (like optimum-cli export onnx)")
+    export.add_argument("model", help="HF model folder, .gguf file, smollm2-135m, or tiny:llama / tiny:qwen3")
+    export.add_argument("out", help="output folder")
+    export.add_argument("--dtype", default="fp32", help="fp32 (default) or fp16")
+    export.add_argument("--opset", type=int, default=None, help="ONNX opset (default 23: fused RMSNorm/rotary/Attention)")
+    export.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    export.add_argument("--quiet", action="store_true", help="no progress bar")
+    export.set_defaults(handler=_command_export)
+
+    run = commands.add_parser("run", help="generate text from an export folder")
+    run.add_argument("path", help="export folder")
+    run.add_argument("prompt")
+    run.add_argument("--max-new-tokens", type=int, default=64)
+    run.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    run.add_argument("--top-k", type=int, default=0)
+    run.add_argument("--top-p", type=float, default=1.0)
+    run.add_argument("--repetition-penalty", type=float, default=1.0)
+    run.add_argument("--seed", type=int, default=None)
+    run.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    run.add_argument("--system", default=None, help="system message for the chat template")
+    run.add_argument("--no-chat-template", action="store_true", help="feed the prompt as raw text")
+    run.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
+    run.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    run.set_defaults(handler=_command_run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
+        return args.handler(args)
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,39 @@
+"""Reading an export folder (the exporter's output) without importing the exporter."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from pipeshard.errors import UserError
+
+EXPORT_SCHEMA_VERSION = 1
+REQUIRED_FIELDS = ("architecture", "dims", "dtype", "model_file", "inputs", "outputs")
+
+
+def read_json(path: Path, what: str) -> dict:
+    """Load a JSON object from `path`; a missing or malformed file is a UserError naming it."""
+    if not path.is_file():
+        raise UserError(f"{path.parent} is not a {what} (no {path.name})")
+    try:
+        document = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise UserError(f"{path} is not valid JSON ({exc})") from None
+    if not isinstance(document, dict):
+        raise UserError(f"{path} is not a JSON object")
+    return document
+
+
+def read_export_info(folder: Path) -> dict:
+    """The export.json of an export folder, checked for the fields the runtime relies on."""
+    path = Path(folder) / "export.json"
+    info = read_json(path, "pipeshard export folder")
+    if info.get("schema_version") != EXPORT_SCHEMA_VERSION:
+        raise UserError(f"{path}: unsupported schema_version {info.get('schema_version')!r} "
+                        f"(this pipeshard reads {EXPORT_SCHEMA_VERSION})")
+    for field in REQUIRED_FIELDS:
+        if field not in info:
+            raise UserError(f"{path}: missing field {field!r}")
+    if not (Path(folder) / info["model_file"]).is_file():
+        raise UserError(f"{Path(folder) / info['model_file']} is missing")
+    return info

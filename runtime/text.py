@@ -1,0 +1,63 @@
+"""Text in and out without transformers: tokenizer.json, the chat template, stop tokens."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer
+
+from pipeshard.errors import UserError
+
+
+class TextCodec:
+    """Encode prompts (optionally through the chat template) and decode generated ids."""
+
+    def __init__(self, folder: Path) -> None:
+        folder = Path(folder)
+        self.tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+        config_path = folder / "tokenizer_config.json"
+        config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        template_path = folder / "chat_template.jinja"
+        self.chat_template = template_path.read_text() if template_path.is_file() else config.get("chat_template")
+        self.bos_token = config.get("bos_token")
+        self.eos_token = config.get("eos_token")
+        self.eos_token_ids = self._eos_ids(folder, config)
+        pad = config.get("pad_token")
+        self.pad_token_id = self.tokenizer.token_to_id(pad) if pad else None
+        if self.pad_token_id is None:
+            self.pad_token_id = self.eos_token_ids[0] if self.eos_token_ids else 0
+
+    def _eos_ids(self, folder: Path, config: dict) -> list[int]:
+        ids: list[int] = []
+        generation = folder / "generation_config.json"
+        if generation.is_file():
+            value = json.loads(generation.read_text()).get("eos_token_id")
+            ids += value if isinstance(value, list) else [value] if value is not None else []
+        if config.get("eos_token") and (token_id := self.tokenizer.token_to_id(config["eos_token"])) is not None:
+            ids.append(token_id)
+        return sorted(set(ids))
+
+    def render_chat(self, prompt: str, system: str | None = None) -> str:
+        """The prompt as one user turn of the model's chat template, ready for the answer."""
+        if not self.chat_template:
+            raise UserError("this model has no chat template; use --no-chat-template")
+        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+        environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, undefined=jinja2.Undefined)
+        environment.globals["raise_exception"] = _raise_template_error
+        return environment.from_string(self.chat_template).render(
+            messages=messages, add_generation_prompt=True, bos_token=self.bos_token or "",
+            eos_token=self.eos_token or "",
+        )
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def _raise_template_error(message: str) -> None:
+    raise UserError(f"chat template: {message}")

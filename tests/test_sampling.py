@@ -1,0 +1,45 @@
+import numpy as np
+import pytest
+
+from pipeshard.errors import UserError
+from pipeshard.runtime.generate import SamplingSettings, choose_next_tokens
+
+LOGITS = np.array([[0.1, 3.0, 2.9, -1.0, 0.5], [5.0, 0.0, 0.0, 0.0, 4.9]])
+
+
+def test_greedy_takes_the_argmax():
+    picked = choose_next_tokens(LOGITS, [], SamplingSettings(), np.random.default_rng(0))
+    assert picked.tolist() == [1, 0]
+
+
+def test_top_k_one_is_greedy_at_any_temperature():
+    settings = SamplingSettings(temperature=5.0, top_k=1)
+    for seed in range(20):
+        assert choose_next_tokens(LOGITS, [], settings, np.random.default_rng(seed)).tolist() == [1, 0]
+
+
+def test_top_p_keeps_only_the_nucleus():
+    settings = SamplingSettings(temperature=1.0, top_p=0.5)
+    seen = {tuple(choose_next_tokens(LOGITS, [], settings, np.random.default_rng(s)).tolist()) for s in range(50)}
+    assert all(first in (1, 2) and second in (0, 4) for first, second in seen)
+
+
+def test_same_seed_same_tokens_and_sampling_varies():
+    settings = SamplingSettings(temperature=2.0)
+    runs = [choose_next_tokens(LOGITS, [], settings, np.random.default_rng(7)).tolist() for _ in range(3)]
+    assert runs[0] == runs[1] == runs[2]
+    varied = {tuple(choose_next_tokens(LOGITS, [], settings, np.random.default_rng(s)).tolist()) for s in range(40)}
+    assert len(varied) > 1
+
+
+def test_repetition_penalty_moves_greedy_off_a_seen_token():
+    history = [[1], []]
+    picked = choose_next_tokens(LOGITS, history, SamplingSettings(repetition_penalty=1.5), np.random.default_rng(0))
+    assert picked.tolist() == [2, 0]
+
+
+@pytest.mark.parametrize("field, value", [("max_new_tokens", 0), ("temperature", -1.0), ("top_p", 0.0),
+                                          ("top_k", -2), ("repetition_penalty", 0.0)])
+def test_invalid_settings_are_user_errors(field, value):
+    with pytest.raises(UserError):
+        SamplingSettings(**{field: value}).validate()
