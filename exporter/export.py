@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import platform
@@ -49,7 +48,7 @@ def _versions() -> dict[str, str]:
 def _stages(total: int, quiet: bool):
     from tqdm import tqdm
 
-    return tqdm(total=total, desc="export", unit="stage", disable=quiet, leave=False,
+    return tqdm(total=total, desc="export", unit="stage", disable=True if quiet else None, leave=False,
                 bar_format="{desc}: {n_fmt}/{total_fmt} stages |{bar:20}| {elapsed}")
 
 
@@ -62,19 +61,19 @@ def export_model(model: str, out: Path, dtype: str = "fp32", force: bool = False
     if out.exists() and not force:
         raise UserError(f"{out} already exists (use --force to replace it)")
     force_offline()
-    import torch
-
     from pipeshard.exporter.configs import export_config_for
     from pipeshard.exporter.onnx_export import DEFAULT_OPSET, export_decoder, max_logit_difference
-    from pipeshard.exporter.sources import load_source
+    from pipeshard.exporter.sources import load_source, resolve_source
     from pipeshard.exporter.tokenizer_onnx import build_tokenizer_models, check_tokenizer_models
 
     opset = opset or DEFAULT_OPSET
+    spec = resolve_source(model)
+    import torch
+
     started = time.perf_counter()
-    progress = _stages(5, quiet)
-    with atomic_output_dir(out, force) as staging:
+    with atomic_output_dir(out, force) as staging, _stages(5, quiet) as progress:
         progress.set_description("load model")
-        source = load_source(model, getattr(torch, DTYPES[dtype]))
+        source = load_source(spec, getattr(torch, DTYPES[dtype]))
         export_config = export_config_for(source.model.config, dtype)
         progress.update()
 
@@ -122,7 +121,6 @@ def export_model(model: str, out: Path, dtype: str = "fp32", force: bool = False
         }
         write_json_atomic(staging / "export.json", document)
         progress.update()
-        progress.close()
     os.sync()
     return ExportResult(out, files, time.perf_counter() - started, difference)
 

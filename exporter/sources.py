@@ -103,19 +103,32 @@ def _plain_copy(gguf_model):
     return plain
 
 
-def load_source(model: str, dtype) -> LoadedSource:
-    """Load MODEL (see module doc) in PyTorch at `dtype`; raise UserError for anything unusable."""
+@dataclass(frozen=True)
+class SourceSpec:
+    """A checked model reference: what kind it is and where its files are."""
+
+    kind: str  # "tiny", "builtin", "gguf" or "hf-folder"
+    name: str
+    folder: Path | None = None
+    gguf_file: str | None = None
+
+    def describe(self) -> dict[str, str]:
+        described = {"kind": self.kind, "name": self.name}
+        if self.folder is not None:
+            described["path"] = str(self.folder / self.gguf_file if self.gguf_file else self.folder)
+        return described
+
+
+def resolve_source(model: str) -> SourceSpec:
+    """Check MODEL (see module doc) without loading weights; raise UserError for anything unusable."""
     if model.startswith("tiny:"):
-        architecture = model.split(":", 1)[1]
-        if architecture not in TINY_CONFIGS:
+        if model.split(":", 1)[1] not in TINY_CONFIGS:
             raise UserError(f"unknown tiny model {model!r}; known: {', '.join('tiny:' + a for a in TINY_CONFIGS)}")
-        torch_model, tokenizer = build_tiny_model(architecture)
-        return LoadedSource(torch_model.to(dtype), tokenizer, {"kind": "tiny", "name": model})
+        return SourceSpec("tiny", model)
     if model in BUILTIN_MODELS:
         path = builtin_gguf_path(model)
         _check_gguf(path)
-        torch_model, tokenizer = _load_pretrained(path.parent, path.name, dtype)
-        return LoadedSource(torch_model, tokenizer, {"kind": "builtin", "name": model, "path": str(path)})
+        return SourceSpec("builtin", model, path.parent, path.name)
     path = Path(model)
     if not path.exists():
         known = ", ".join([*BUILTIN_MODELS, *("tiny:" + a for a in TINY_CONFIGS)])
@@ -123,20 +136,28 @@ def load_source(model: str, dtype) -> LoadedSource:
     if path.is_file():
         architecture = _check_gguf(path)
         _check_architecture(_gguf_model_type(architecture), str(path))
-        torch_model, tokenizer = _load_pretrained(path.parent, path.name, dtype)
-        return LoadedSource(torch_model, tokenizer, {"kind": "gguf", "path": str(path.absolute())})
+        return SourceSpec("gguf", path.name, path.absolute().parent, path.name)
     config_path = path / "config.json"
     if not config_path.is_file():
         raise UserError(f"{path} is not a model folder (no config.json)")
     try:
         model_type = json.loads(config_path.read_text()).get("model_type")
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise UserError(f"{config_path} is not valid JSON ({exc})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as exc:
+        raise UserError(f"{config_path} is not a valid config ({exc})") from None
     _check_architecture(model_type, str(config_path))
-    if not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):
+    if not any(path.glob("*.safetensors")):
         raise UserError(f"{path} has no weights (*.safetensors)")
-    torch_model, tokenizer = _load_pretrained(path, None, dtype)
-    return LoadedSource(torch_model, tokenizer, {"kind": "hf-folder", "path": str(path.absolute())})
+    return SourceSpec("hf-folder", path.name, path.absolute())
+
+
+def load_source(spec: SourceSpec, dtype) -> LoadedSource:
+    """Load a resolved source in PyTorch at `dtype`, with its tokenizer."""
+    if spec.kind == "tiny":
+        torch_model, tokenizer = build_tiny_model(spec.name.split(":", 1)[1])
+        torch_model = torch_model.to(dtype)
+    else:
+        torch_model, tokenizer = _load_pretrained(spec.folder, spec.gguf_file, dtype)
+    return LoadedSource(torch_model, tokenizer, spec.describe())
 
 
 def _gguf_model_type(gguf_architecture: str) -> str:

@@ -51,7 +51,9 @@ def _model(node: onnx.NodeProto, inputs, outputs) -> onnx.ModelProto:
     )
 
 
-def build_tokenizer_models(tokenizer_json: Path, tokenizer_config_json: Path) -> tuple[onnx.ModelProto, onnx.ModelProto]:
+def build_tokenizer_models(
+    tokenizer_json: Path, tokenizer_config_json: Path
+) -> tuple[onnx.ModelProto, onnx.ModelProto]:
     """(encoder: string[N] -> int64 ids[N, L], decoder: int64 ids -> string) for a byte-level BPE."""
     encoder = _model(
         helper.make_node(

@@ -68,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("model", help="HF model folder, .gguf file, smollm2-135m, or tiny:llama / tiny:qwen3")
     export.add_argument("out", help="output folder")
     export.add_argument("--dtype", default="fp32", help="fp32 (default) or fp16")
-    export.add_argument("--opset", type=int, default=None, help="ONNX opset (default 23: fused RMSNorm/rotary/Attention)")
+    export.add_argument("--opset", type=int, default=None, help="ONNX opset (default 23)")
     export.add_argument("--force", action="store_true", help="replace OUT if it exists")
     export.add_argument("--quiet", action="store_true", help="no progress bar")
     export.set_defaults(handler=_command_export)

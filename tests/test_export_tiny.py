@@ -101,3 +101,18 @@ def test_stop_string_cuts_the_text(tiny_llama_export):
     stop = full[2:4]
     cut = engine.generate("Hello", max_new_tokens=16, stop_strings=(stop,))[0]
     assert cut.stop_reason == "stop_string" and cut.text == full[: full.find(stop)]
+
+
+def test_fp16_export_runs_on_the_cpu_and_stays_close_to_fp32(tiny_llama_export, tmp_path):
+    from pipeshard.exporter import export_model
+    from pipeshard.runtime.monolithic import MonolithicStep
+
+    export_model("tiny:llama", tmp_path / "fp16", dtype="fp16", quiet=True)
+    ids = np.array([[5, 17, 99, 3]], dtype=np.int64)
+    logits = []
+    for folder in (tiny_llama_export, tmp_path / "fp16"):
+        step = MonolithicStep(folder)
+        step.start(1)
+        logits.append(step.forward(ids, np.ones_like(ids), np.arange(4)[None]).astype(np.float32))
+    assert np.abs(logits[0] - logits[1]).max() < 0.1
+    assert (logits[0].argmax(-1) == logits[1].argmax(-1)).all()

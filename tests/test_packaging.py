@@ -1,0 +1,47 @@
+"""The wheel carries every subpackage under the one import name `pipeshard`."""
+
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SUBPACKAGES = ["pipeshard", "pipeshard/exporter", "pipeshard/partitioner", "pipeshard/runtime", "pipeshard/profiles"]
+
+
+def test_wheel_contains_every_subpackage(tmp_path):
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                    "-w", str(tmp_path), str(REPO)], check=True, timeout=300)
+    (wheel,) = tmp_path.glob("pipeshard-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    for package in SUBPACKAGES:
+        assert f"{package}/__init__.py" in names, package
+    assert "pipeshard/exporter/export.py" in names and "pipeshard/runtime/generate.py" in names
+    entry_points = next(n for n in names if n.endswith("entry_points.txt"))
+    assert "pipeshard = pipeshard.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
+
+
+def test_console_command_runs():
+    result = subprocess.run([str(Path(sys.executable).with_name("pipeshard")), "--version"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and result.stdout.startswith("pipeshard ")
+
+
+def test_missing_onnxruntime_names_both_extras(monkeypatch):
+    import builtins
+
+    import pytest
+
+    from pipeshard.errors import UserError
+    from pipeshard.runtime.ort import import_onnxruntime
+
+    real_import = builtins.__import__
+
+    def refuse(name, *args, **kwargs):
+        if name == "onnxruntime":
+            raise ImportError(name)
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", refuse)
+    with pytest.raises(UserError, match=r"pipeshard\[cpu\].*pipeshard\[gpu\]"):
+        import_onnxruntime()
