@@ -35,13 +35,17 @@ class Engine:
                                      results)
 
 
-def load(path: str | Path, threads: int | None = None) -> Engine:
-    """Load an export folder (one session over the whole graph)."""
+def load(path: str | Path, threads: int | None = None, verify: bool = False) -> Engine:
+    """Load an export folder (one session over the whole graph) or a model pack (the sub-layer chain)."""
+    from pipeshard.runtime.chain import ChainStep
     from pipeshard.runtime.monolithic import MonolithicStep
+    from pipeshard.runtime.pack import is_pack
 
     folder = Path(path)
     if not folder.exists():
         raise UserError(f"{folder} does not exist")
+    if is_pack(folder):
+        return Engine(ChainStep(folder, threads=threads, verify=verify), TextCodec(folder), folder)
     if not (folder / "export.json").is_file():
-        raise UserError(f"{folder} is not a pipeshard export folder (no export.json)")
+        raise UserError(f"{folder} is neither a pipeshard export folder (export.json) nor a model pack (manifest.json)")
     return Engine(MonolithicStep(folder, threads=threads), TextCodec(folder), folder)

@@ -1,0 +1,255 @@
+"""The exported decoder as a networkx graph, cut into sub-layers by the rule table.
+
+Nodes of the DiGraph are node indices of the ONNX graph (in its topological order); an edge
+u -> v carries the tensor names u produces and v consumes, with their element counts per token
+where the shapes say so. Every node gets exactly one sub-layer; the cut is then checked to be
+the residual stream plus each layer's KV.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import networkx as nx
+import onnx
+from onnx import helper
+
+from pipeshard.errors import UserError
+from pipeshard.partitioner.rules import GLUE, classify, module_path
+
+PROLOGUE = "prologue"
+GRAPH_INPUT = "<input>"
+PAST_PREFIX = "past_key_values."
+PRESENT_PREFIX = "present."
+
+
+class CutError(UserError):
+    """The graph cannot be cut as the rules say (names the nodes or tensors at fault)."""
+
+
+@dataclass
+class SubLayer:
+    """One unit of placement: a connected slice of the decoder with its boundary tensors."""
+
+    name: str
+    kind: str
+    layer: int | None
+    nodes: list[int] = field(default_factory=list)
+    inputs: list[str] = field(default_factory=list)
+    outputs: list[str] = field(default_factory=list)
+    initializers: list[str] = field(default_factory=list)
+
+
+def sub_layer_kind(name: str) -> tuple[str, int | None]:
+    """('attn', 3) for 'L3.attn', ('embed', None) for 'embed'."""
+    match = re.fullmatch(r"L(\d+)\.(\w+)", name)
+    return (match.group(2), int(match.group(1))) if match else (name, None)
+
+
+def execution_order(names: set[str]) -> list[str]:
+    """prologue, embed, L0.attn, L0.ffn, L1.attn, ..., final."""
+    part_rank = {"attn": 0, "router": 1, "ffn": 2}
+
+    def key(name: str):
+        kind, layer = sub_layer_kind(name)
+        if name == PROLOGUE:
+            return (0, 0, 0)
+        if name == "embed":
+            return (1, 0, 0)
+        if layer is not None:
+            return (2, layer, part_rank.get(kind, 3))
+        return (3, 0, 0)
+
+    return sorted(names, key=key)
+
+
+def build_graph(model: onnx.ModelProto) -> nx.DiGraph:
+    """Nodes = ONNX node indices, edges = tensors from producer to consumer."""
+    graph = nx.DiGraph()
+    producer: dict[str, int] = {}
+    for index, node in enumerate(model.graph.node):
+        graph.add_node(index, op_type=node.op_type, name=node.name, path=module_path(node))
+        for output in node.output:
+            producer[output] = index
+    for index, node in enumerate(model.graph.node):
+        for tensor in node.input:
+            if tensor in producer:
+                source = producer[tensor]
+                if graph.has_edge(source, index):
+                    graph.edges[source, index]["tensors"].add(tensor)
+                else:
+                    graph.add_edge(source, index, tensors={tensor})
+    graph.graph["producer"] = producer
+    return graph
+
+
+def assign_sub_layers(model: onnx.ModelProto, graph: nx.DiGraph, rules) -> dict[int, str]:
+    """Sub-layer of every node: by rule, residual glue by data flow, unscoped shape work to the prologue."""
+    assignment: dict[int, str] = {}
+    unmatched: list[int] = []
+    for index in nx.topological_sort(graph):
+        path = graph.nodes[index]["path"]
+        sub_layer = classify(path, rules) if path is not None else None
+        if sub_layer is None:
+            # Exporter-made shape arithmetic with no module: prologue if it reads only graph inputs
+            # and prologue values, otherwise it has no home.
+            sources = {assignment.get(p) for p in graph.predecessors(index)}
+            if sources <= {PROLOGUE}:
+                sub_layer = PROLOGUE
+            else:
+                unmatched.append(index)
+                continue
+        elif sub_layer.endswith("." + GLUE):
+            layer_prefix = sub_layer[: -len(GLUE)]
+            owners = [assignment[p] for p in graph.predecessors(index) if assignment.get(p, "").startswith(layer_prefix)]
+            if not owners:
+                unmatched.append(index)
+                continue
+            sub_layer = execution_order(set(owners))[-1]
+        assignment[index] = sub_layer
+    if unmatched:
+        described = ", ".join(
+            f"{graph.nodes[i]['name']} ({graph.nodes[i]['op_type']} at {graph.nodes[i]['path']!r})" for i in unmatched[:5]
+        )
+        raise CutError(f"{len(unmatched)} node(s) match no sub-layer rule: {described}")
+    return assignment
+
+
+INDEX_TYPES = {onnx.TensorProto.INT64, onnx.TensorProto.INT32, onnx.TensorProto.BOOL}
+
+
+def hoist_shared_index_math(model: onnx.ModelProto, graph: nx.DiGraph, assignment: dict[int, str]) -> None:
+    """Move shape/index arithmetic that one sub-layer computes and others reuse into the prologue.
+
+    The exporter deduplicates identical shape computations across layers (a reshape target built in
+    layer 0 is read by every later layer); cut as-is, that would tie every attention to layer 0.
+    Such values depend only on graph inputs, so they belong to the prologue.
+    """
+    element_type = {v.name: v.type.tensor_type.elem_type
+                    for v in [*model.graph.value_info, *model.graph.input, *model.graph.output]}
+    for producer, consumer, data in list(graph.edges(data=True)):
+        if assignment[producer] in (PROLOGUE, assignment[consumer]):
+            continue
+        if not all(element_type.get(t) in INDEX_TYPES for t in data["tensors"]):
+            continue
+        subgraph = nx.ancestors(graph, producer) | {producer}
+        movable = {n for n in subgraph if assignment[n] != PROLOGUE}
+        if all(all(element_type.get(out) in INDEX_TYPES for out in model.graph.node[n].output) for n in movable):
+            for node in movable:
+                assignment[node] = PROLOGUE
+
+
+def detach_prologue_from_kv(model: onnx.ModelProto, assignment: dict[int, str], kv_heads: int, head_dim: int) -> None:
+    """The exporter reads the past length off a layer's past KV (`Shape(past_key_values.N.key)`);
+    a prologue that did so would need that layer's KV on its device. Compute the same shape from
+    `input_ids` and `attention_mask` instead (past = total - new)."""
+    nodes = model.graph.node
+    for index, node in enumerate(list(nodes)):
+        if node.op_type != "Shape" or assignment.get(index) != PROLOGUE or not node.input[0].startswith(PAST_PREFIX):
+            continue
+        attributes = {a.name: a.i for a in node.attribute}
+        prefix = f"_kvshape_{index}_"
+
+        def constant(name: str, values: list[int], prefix: str = prefix) -> onnx.NodeProto:
+            tensor = helper.make_tensor(prefix + name, onnx.TensorProto.INT64, [len(values)], values)
+            return helper.make_node("Constant", [], [prefix + name], value=tensor)
+
+        replacement = [
+            helper.make_node("Shape", ["attention_mask"], [prefix + "mask"], start=1, end=2),
+            helper.make_node("Shape", ["input_ids"], [prefix + "batch"], start=0, end=1),
+            helper.make_node("Shape", ["input_ids"], [prefix + "new"], start=1, end=2),
+            helper.make_node("Sub", [prefix + "mask", prefix + "new"], [prefix + "past"]),
+            constant("heads", [kv_heads]),
+            constant("head_dim", [head_dim]),
+            helper.make_node("Concat", [prefix + "batch", prefix + "heads", prefix + "past", prefix + "head_dim"],
+                             [prefix + "full"], axis=0),
+            constant("start", [attributes.get("start", 0)]),
+            constant("end", [attributes.get("end", 4)]),
+            helper.make_node("Slice", [prefix + "full", prefix + "start", prefix + "end"], [node.output[0]]),
+        ]
+        for new_node in replacement:
+            new_node.name = new_node.output[0]
+        nodes[index].CopyFrom(replacement[-1])
+        # The helpers go at the end (node indices of the rest stay valid); `topologically_sorted`
+        # puts them in place afterwards.
+        for extra in replacement[:-1]:
+            nodes.append(extra)
+            assignment[len(nodes) - 1] = PROLOGUE
+
+
+def topologically_sorted(model: onnx.ModelProto, assignment: dict[int, str]) -> tuple[onnx.ModelProto, dict[int, str]]:
+    """Reorder nodes topologically (after rewrites appended helpers), carrying the assignment along."""
+    graph = build_graph(model)
+    order = list(nx.lexicographical_topological_sort(graph))
+    reordered = [model.graph.node[i] for i in order]
+    new_assignment = {new: assignment[old] for new, old in enumerate(order)}
+    del model.graph.node[:]
+    model.graph.node.extend(reordered)
+    return model, new_assignment
+
+
+def cut(model: onnx.ModelProto, assignment: dict[int, str]) -> list[SubLayer]:
+    """Group nodes into sub-layers in execution order and find each one's boundary tensors."""
+    graph_inputs = [i.name for i in model.graph.input]
+    graph_outputs = {o.name for o in model.graph.output}
+    initializer_names = {i.name for i in model.graph.initializer}
+    owner_of_tensor: dict[str, str] = {}
+    sub_layers = {name: SubLayer(name, *sub_layer_kind(name)) for name in set(assignment.values())}
+    for index, node in enumerate(model.graph.node):
+        sub_layer = sub_layers[assignment[index]]
+        sub_layer.nodes.append(index)
+        for output in node.output:
+            owner_of_tensor[output] = sub_layer.name
+    consumers: dict[str, set[str]] = {}
+    for index, node in enumerate(model.graph.node):
+        sub_layer = sub_layers[assignment[index]]
+        for tensor in node.input:
+            if not tensor:
+                continue
+            if tensor in initializer_names:
+                if tensor not in sub_layer.initializers:
+                    sub_layer.initializers.append(tensor)
+            elif owner_of_tensor.get(tensor) != sub_layer.name and tensor not in sub_layer.inputs:
+                sub_layer.inputs.append(tensor)
+                consumers.setdefault(tensor, set()).add(sub_layer.name)
+    for tensor, owner in owner_of_tensor.items():
+        if tensor in consumers or tensor in graph_outputs:
+            sub_layers[owner].outputs.append(tensor)
+    for tensor in consumers:
+        if tensor not in owner_of_tensor and tensor not in graph_inputs:
+            raise CutError(f"tensor {tensor} is consumed but neither produced nor a graph input")
+    return [sub_layers[name] for name in execution_order(set(sub_layers))]
+
+
+def verify_cut(sub_layers: list[SubLayer], shapes: dict[str, list], hidden_size: int) -> None:
+    """Between compute sub-layers only the residual stream [batch, tokens, hidden] may cross, plus
+    each attention's own KV and the prologue's shared values; anything else is an error."""
+    produced_by = {tensor: s.name for s in sub_layers for tensor in s.outputs}
+    wide: list[str] = []
+    for sub_layer in sub_layers:
+        for tensor in sub_layer.inputs:
+            source = produced_by.get(tensor, GRAPH_INPUT)
+            if source in (GRAPH_INPUT, PROLOGUE):
+                if source == GRAPH_INPUT and tensor.startswith(PAST_PREFIX):
+                    layer = int(tensor.split(".")[1])
+                    if (sub_layer.kind, sub_layer.layer) != ("attn", layer):
+                        wide.append(f"{tensor} (read by {sub_layer.name})")
+                continue
+            shape = shapes.get(tensor)
+            if not (shape and len(shape) == 3 and shape[-1] == hidden_size):
+                wide.append(f"{tensor} {shape} ({source} -> {sub_layer.name})")
+        for tensor in sub_layer.outputs:
+            if tensor.startswith(PRESENT_PREFIX) and (sub_layer.kind, sub_layer.layer) != (
+                "attn", int(tensor.split(".")[1])):
+                wide.append(f"{tensor} (written by {sub_layer.name})")
+    residual_readers: dict[str, list[str]] = {}
+    for sub_layer in sub_layers:
+        for tensor in sub_layer.inputs:
+            if produced_by.get(tensor, PROLOGUE) != PROLOGUE:
+                residual_readers.setdefault(tensor, []).append(sub_layer.name)
+    for tensor, readers in residual_readers.items():
+        if len(readers) > 1:
+            wide.append(f"{tensor} (read by {', '.join(readers)}: a skip connection across sub-layers)")
+    if wide:
+        raise CutError("the cut is wider than the residual stream plus KV: " + "; ".join(wide))

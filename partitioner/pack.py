@@ -1,0 +1,229 @@
+"""`pipeshard partition EXPORT_DIR PACK`: cut the decoder and write the model pack.
+
+The pack is a folder of sub-layer ONNX files, one weight blob per sub-layer (4096-byte aligned
+tensors, beside the ONNX files because ONNX Runtime refuses external data elsewhere), a
+weights-as-inputs variant of each sub-layer for device sessions, and `manifest.json`
+(docs/model-pack.md). Weights are read once, from the export's data file, straight into blobs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import helper
+
+from pipeshard import __version__
+from pipeshard.errors import UserError
+from pipeshard.fsutil import atomic_output_dir, sha256_file, write_json_atomic
+from pipeshard.partitioner.costs import bytes_moved, checked_flops, kv_bytes_per_token
+from pipeshard.partitioner.graph import (
+    PAST_PREFIX,
+    PRESENT_PREFIX,
+    SubLayer,
+    assign_sub_layers,
+    build_graph,
+    cut,
+    detach_prologue_from_kv,
+    hoist_shared_index_math,
+    topologically_sorted,
+    verify_cut,
+)
+from pipeshard.partitioner.rules import RULES_BY_ARCHITECTURE
+from pipeshard.runtime.exportdir import read_export_info
+from pipeshard.runtime.pack import MANIFEST_NAME, PACK_SCHEMA_VERSION, WEIGHT_ALIGNMENT
+
+log = logging.getLogger(__name__)
+ONNX_DTYPE_NAMES = {onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.FLOAT16: "float16",
+                    onnx.TensorProto.BFLOAT16: "bfloat16", onnx.TensorProto.INT64: "int64",
+                    onnx.TensorProto.BOOL: "bool", onnx.TensorProto.INT32: "int32"}
+
+
+@dataclass
+class PartitionResult:
+    pack: Path
+    sub_layers: int
+    weight_bytes: int
+    seconds: float
+
+
+def _value_infos(model: onnx.ModelProto) -> dict[str, onnx.ValueInfoProto]:
+    infos = {v.name: v for v in model.graph.value_info}
+    infos.update({v.name: v for v in model.graph.input})
+    infos.update({v.name: v for v in model.graph.output})
+    return infos
+
+
+def _dims(info: onnx.ValueInfoProto) -> list:
+    return [d.dim_value if d.HasField("dim_value") else d.dim_param or "?" for d in info.type.tensor_type.shape.dim]
+
+
+def _describe(info: onnx.ValueInfoProto) -> dict:
+    return {"name": info.name, "shape": _dims(info),
+            "dtype": ONNX_DTYPE_NAMES.get(info.type.tensor_type.elem_type, str(info.type.tensor_type.elem_type))}
+
+
+def _external(initializer: onnx.TensorProto) -> dict[str, str] | None:
+    if initializer.data_location != onnx.TensorProto.EXTERNAL:
+        return None
+    return {entry.key: entry.value for entry in initializer.external_data}
+
+
+def _weight_owners(sub_layers: list[SubLayer], initializers: dict[str, onnx.TensorProto]) -> dict[str, str]:
+    """Each external weight is stored once, in the blob of the last sub-layer that uses it (a tied
+    embedding lives with the lm_head; the embedding Gather reads it from there)."""
+    owners: dict[str, str] = {}
+    for sub_layer in sub_layers:
+        for name in sub_layer.initializers:
+            if _external(initializers[name]) is not None:
+                owners[name] = sub_layer.name
+    return owners
+
+
+def _write_blobs(sub_layers, owners, initializers, source_data: Path, staging: Path) -> tuple[dict, dict]:
+    """Copy each owned weight from the export's data file into its sub-layer's blob, aligned."""
+    source = np.memmap(source_data, dtype=np.uint8, mode="r")
+    placements: dict[str, dict] = {}
+    blobs: dict[str, dict] = {}
+    for sub_layer in sub_layers:
+        owned = [name for name in sub_layer.initializers if owners.get(name) == sub_layer.name]
+        if not owned:
+            continue
+        blob_name = f"{sub_layer.name}.weights"
+        digest = hashlib.sha256()
+        offset = 0
+        with open(staging / blob_name, "wb") as blob:
+            for name in owned:
+                padding = (-offset) % WEIGHT_ALIGNMENT
+                if padding:
+                    blob.write(b"\0" * padding)
+                    digest.update(b"\0" * padding)
+                    offset += padding
+                entry = _external(initializers[name])
+                start, length = int(entry.get("offset", 0)), int(entry["length"])
+                chunk = source[start:start + length]
+                if len(chunk) != length:
+                    raise UserError(f"{source_data} is truncated: weight {name} ends past the end of the file")
+                blob.write(chunk)
+                digest.update(chunk)
+                placements[name] = {"file": blob_name, "offset": offset, "bytes": length}
+                offset += length
+        blobs[sub_layer.name] = {"file": blob_name, "bytes": offset, "sha256": digest.hexdigest()}
+    return placements, blobs
+
+
+def _sub_model(model, sub_layer, infos, initializers, placements, weights_as_inputs: bool) -> onnx.ModelProto:
+    nodes = [model.graph.node[i] for i in sub_layer.nodes]
+    inputs = [infos[name] for name in sub_layer.inputs]
+    outputs = [infos[name] for name in sub_layer.outputs]
+    stored = []
+    for name in sub_layer.initializers:
+        original = initializers[name]
+        if name not in placements:
+            stored.append(original)  # small constant, inline
+        elif weights_as_inputs:
+            inputs.append(helper.make_tensor_value_info(name, original.data_type, list(original.dims)))
+        else:
+            stub = onnx.TensorProto()
+            stub.CopyFrom(original)
+            del stub.external_data[:]
+            place = placements[name]
+            for key, value in (("location", place["file"]), ("offset", str(place["offset"])),
+                               ("length", str(place["bytes"]))):
+                stub.external_data.add(key=key, value=value)
+            stored.append(stub)
+    graph = helper.make_graph(nodes, sub_layer.name, inputs, outputs, initializer=stored)
+    sub_model = helper.make_model(graph, opset_imports=list(model.opset_import), ir_version=model.ir_version,
+                                  producer_name="pipeshard", producer_version=__version__)
+    sub_model.functions.extend(model.functions)
+    return sub_model
+
+
+def partition(export_dir: Path, pack: Path, force: bool = False) -> PartitionResult:
+    """Cut EXPORT_DIR's decoder into sub-layers and write the pack to PACK (atomically)."""
+    started = time.perf_counter()
+    export_dir = Path(export_dir)
+    info = read_export_info(export_dir)
+    if Path(pack).exists() and not force:
+        raise UserError(f"{pack} already exists (use --force to replace it)")
+    rules = RULES_BY_ARCHITECTURE.get(info["architecture"])
+    if rules is None:
+        raise UserError(f"no partition rules for architecture {info['architecture']!r}; "
+                        f"known: {', '.join(sorted(RULES_BY_ARCHITECTURE))}")
+    dims, dtype = info["dims"], info["dtype"]
+    model = onnx.load(export_dir / info["model_file"], load_external_data=False)
+    graph = build_graph(model)
+    assignment = assign_sub_layers(model, graph, rules)
+    hoist_shared_index_math(model, graph, assignment)
+    detach_prologue_from_kv(model, assignment, dims["num_key_value_heads"], dims["head_dim"])
+    model, assignment = topologically_sorted(model, assignment)
+    sub_layers = cut(model, assignment)
+    infos = _value_infos(model)
+    verify_cut(sub_layers, {name: _dims(v) for name, v in infos.items()}, dims["hidden_size"])
+    initializers = {i.name: i for i in model.graph.initializer}
+    external = {_external(i)["location"] for i in initializers.values() if _external(i)}
+    if len(external) > 1:
+        raise UserError(f"{export_dir}: weights spread over several files ({sorted(external)}); expected one")
+    owners = _weight_owners(sub_layers, initializers)
+
+    with atomic_output_dir(Path(pack), force) as staging:
+        placements, blobs = (_write_blobs(sub_layers, owners, initializers, export_dir / external.pop(), staging)
+                             if external else ({}, {}))
+        entries = []
+        for sub_layer in sub_layers:
+            files = {"onnx": f"{sub_layer.name}.onnx", "weights_as_inputs": f"{sub_layer.name}.inputs.onnx"}
+            for variant, as_inputs in (("onnx", False), ("weights_as_inputs", True)):
+                onnx.save(_sub_model(model, sub_layer, infos, initializers, placements, as_inputs),
+                          staging / files[variant])
+            weights = [{"name": name, "shape": list(initializers[name].dims),
+                        "dtype": ONNX_DTYPE_NAMES[initializers[name].data_type], **placements[name]}
+                       for name in sub_layer.initializers if name in placements]
+            weight_bytes = sum(w["bytes"] for w in weights)
+            kv = None
+            if sub_layer.kind == "attn":
+                kv = {"past": [t for t in sub_layer.inputs if t.startswith(PAST_PREFIX)],
+                      "present": [t for t in sub_layer.outputs if t.startswith(PRESENT_PREFIX)],
+                      "bytes_per_token": kv_bytes_per_token(dims, dtype)}
+            entries.append({
+                "name": sub_layer.name, "kind": sub_layer.kind, "layer": sub_layer.layer,
+                "files": files, "blob": blobs.get(sub_layer.name), "weights": weights, "weight_bytes": weight_bytes,
+                "inputs": [_describe(infos[t]) for t in sub_layer.inputs],
+                "outputs": [_describe(infos[t]) for t in sub_layer.outputs],
+                "kv": kv,
+                "cost": {"flops": checked_flops(sub_layer, model, dims),
+                         "bytes": bytes_moved(sub_layer, sub_layer.kind, dims, dtype, weight_bytes)},
+                "nodes": len(sub_layer.nodes),
+            })
+        for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                     "chat_template.jinja", "tokenizer.onnx", "detokenizer.onnx"):
+            if (export_dir / name).is_file():
+                (staging / name).write_bytes((export_dir / name).read_bytes())
+        manifest = {
+            "schema_version": PACK_SCHEMA_VERSION,
+            "pipeshard_version": __version__,
+            "model": {
+                "architecture": info["architecture"], "dtype": dtype,
+                "num_layers": dims["num_layers"], "hidden_size": dims["hidden_size"],
+                "intermediate_size": dims["intermediate_size"],
+                "num_attention_heads": dims["num_attention_heads"],
+                "num_key_value_heads": dims["num_key_value_heads"], "head_dim": dims["head_dim"],
+                "vocab_size": dims["vocab_size"], "max_context": dims["max_context"],
+                "tie_word_embeddings": info.get("tie_word_embeddings", False),
+            },
+            "source": {"export": str(export_dir.absolute()), "model_sha256": sha256_file(export_dir / info["model_file"])},
+            "weight_alignment": WEIGHT_ALIGNMENT,
+            "graph_inputs": [_describe(v) for v in model.graph.input],
+            "graph_outputs": [_describe(v) for v in model.graph.output],
+            "kv_bytes_per_token": sum(e["kv"]["bytes_per_token"] for e in entries if e["kv"]),
+            "total_weight_bytes": sum(b["bytes"] for b in blobs.values()),
+            "cost_model": "flops and bytes per step = const + T*new_tokens + C*context + TC*new_tokens*context",
+            "sub_layers": entries,
+        }
+        write_json_atomic(staging / MANIFEST_NAME, manifest)
+    total = sum(b["bytes"] for b in blobs.values())
+    return PartitionResult(Path(pack), len(entries), total, time.perf_counter() - started)

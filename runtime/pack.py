@@ -1,0 +1,71 @@
+"""Reading a model pack (manifest.json + sub-layer files): the contract between partitioner and runtime."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from pipeshard.errors import UserError
+from pipeshard.fsutil import sha256_file
+from pipeshard.runtime.exportdir import read_json
+
+MANIFEST_NAME = "manifest.json"
+PACK_SCHEMA_VERSION = 1
+WEIGHT_ALIGNMENT = 4096
+SUB_LAYER_FIELDS = ("name", "kind", "layer", "files", "blob", "weights", "inputs", "outputs", "kv", "cost")
+
+
+@dataclass
+class Pack:
+    """A loaded manifest and where its files are."""
+
+    folder: Path
+    manifest: dict
+
+    @property
+    def model(self) -> dict:
+        return self.manifest["model"]
+
+    @property
+    def sub_layers(self) -> list[dict]:
+        return self.manifest["sub_layers"]
+
+    def path(self, name: str) -> Path:
+        return self.folder / name
+
+
+def is_pack(folder: Path) -> bool:
+    return (Path(folder) / MANIFEST_NAME).is_file()
+
+
+def load_pack(folder: Path, verify: bool = False) -> Pack:
+    """Read and check a pack: schema, every file present, blob sizes always, sha256 when `verify`."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise UserError(f"{folder} does not exist or is not a folder")
+    path = folder / MANIFEST_NAME
+    manifest = read_json(path, "model pack")
+    if manifest.get("schema_version") != PACK_SCHEMA_VERSION:
+        raise UserError(f"{path}: unsupported schema_version {manifest.get('schema_version')!r} "
+                        f"(this pipeshard reads {PACK_SCHEMA_VERSION})")
+    for field in ("model", "sub_layers"):
+        if field not in manifest:
+            raise UserError(f"{path}: missing field {field!r}")
+    for index, entry in enumerate(manifest["sub_layers"]):
+        for field in SUB_LAYER_FIELDS:
+            if field not in entry:
+                raise UserError(f"{path}: sub_layers[{index}] has no field {field!r}")
+        for file_name in entry["files"].values():
+            if not (folder / file_name).is_file():
+                raise UserError(f"{folder / file_name} is missing (sub-layer {entry['name']})")
+        blob = entry["blob"]
+        if blob:
+            blob_path = folder / blob["file"]
+            if not blob_path.is_file():
+                raise UserError(f"{blob_path} is missing (sub-layer {entry['name']})")
+            size = blob_path.stat().st_size
+            if size != blob["bytes"]:
+                raise UserError(f"{blob_path} has {size} bytes, the manifest says {blob['bytes']} (truncated or replaced)")
+            if verify and sha256_file(blob_path) != blob["sha256"]:
+                raise UserError(f"{blob_path} does not match its sha256 in the manifest (corrupt)")
+    return Pack(folder, manifest)
