@@ -19,12 +19,6 @@ WEIGHT_PASSTHROUGH_OPS = {"Transpose", "Cast", "Identity", "Reshape"}
 MATMUL_OPS = {"MatMul", "Gemm"}
 
 
-def evaluate(coefficients: Coefficients, tokens: float, context: float) -> float:
-    """a + b*T + c*C + d*T*C."""
-    return (coefficients.get("const", 0.0) + coefficients.get("T", 0.0) * tokens
-            + coefficients.get("C", 0.0) * context + coefficients.get("TC", 0.0) * tokens * context)
-
-
 def analytic_flops(kind: str, dims: dict) -> Coefficients:
     """FLOPs from the model dimensions alone (2 per multiply-add)."""
     hidden, heads, kv_heads, head_dim = dims["hidden_size"], dims["num_attention_heads"], \

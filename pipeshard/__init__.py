@@ -3,8 +3,8 @@
 __version__ = "0.1.0"
 
 
-def load(path, threads=None):
+def load(path, threads=None, verify=False):
     """Load an export folder or model pack; see `pipeshard.api.load`."""
     from pipeshard.api import load as _load
 
-    return _load(path, threads=threads)
+    return _load(path, threads=threads, verify=verify)

@@ -34,7 +34,7 @@ def _command_export(args: argparse.Namespace) -> int:
 def _command_run(args: argparse.Namespace) -> int:
     import pipeshard
 
-    engine = pipeshard.load(args.path, threads=args.threads)
+    engine = pipeshard.load(args.path, threads=args.threads, verify=args.verify)
     sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                     top_p=args.top_p, repetition_penalty=args.repetition_penalty, seed=args.seed,
                     stop_strings=tuple(args.stop))
@@ -58,6 +58,27 @@ def _command_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _command_partition(args: argparse.Namespace) -> int:
+    from pipeshard.partitioner.pack import partition
+
+    result = partition(args.export_dir, args.pack, force=args.force)
+    print(f"partitioned {args.export_dir} -> {result.pack}: {result.sub_layers} sub-layers, "
+          f"{format_bytes(result.weight_bytes)} of weight blobs, {result.seconds:.1f} s")
+    return 0
+
+
+def _command_inspect(args: argparse.Namespace) -> int:
+    from pipeshard.runtime.inspect import pack_summary, pack_table
+    from pipeshard.runtime.pack import load_pack
+
+    pack = load_pack(args.pack, verify=args.verify)
+    if args.json:
+        print(json.dumps(pack_summary(pack, args.context), indent=2))
+    else:
+        print(pack_table(pack, args.context))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="pipeshard", description="Run LLMs larger than VRAM: export, partition, plan, run.")
     parser.add_argument("--version", action="version", version=f"pipeshard {__version__}")
@@ -73,8 +94,22 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--quiet", action="store_true", help="no progress bar")
     export.set_defaults(handler=_command_export)
 
-    run = commands.add_parser("run", help="generate text from an export folder")
-    run.add_argument("path", help="export folder")
+    partition = commands.add_parser("partition", help="cut an export into sub-layers and write a model pack")
+    partition.add_argument("export_dir")
+    partition.add_argument("pack", help="output folder")
+    partition.add_argument("--force", action="store_true", help="replace PACK if it exists")
+    partition.set_defaults(handler=_command_partition)
+
+    inspect = commands.add_parser("inspect", help="table of a pack's sub-layers: weights, FLOPs, bytes, KV")
+    inspect.add_argument("pack")
+    inspect.add_argument("--context", type=int, default=1024, help="context length C for the cost columns")
+    inspect.add_argument("--verify", action="store_true", help="check every blob's sha256")
+    inspect.add_argument("--json", action="store_true")
+    inspect.set_defaults(handler=_command_inspect)
+
+    run = commands.add_parser("run", help="generate text from an export folder or a model pack")
+    run.add_argument("path", help="export folder or model pack")
+    run.add_argument("--verify", action="store_true", help="check the pack's sha256 sums before running")
     run.add_argument("prompt")
     run.add_argument("--max-new-tokens", type=int, default=64)
     run.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -99,6 +134,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        return 0
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
         return 130

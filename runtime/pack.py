@@ -34,6 +34,12 @@ class Pack:
         return self.folder / name
 
 
+def evaluate_cost(coefficients: dict[str, float], tokens: float, context: float) -> float:
+    """A manifest cost at T new tokens and context C: const + T*t + C*c + T*C*tc."""
+    return (coefficients.get("const", 0.0) + coefficients.get("T", 0.0) * tokens
+            + coefficients.get("C", 0.0) * context + coefficients.get("TC", 0.0) * tokens * context)
+
+
 def is_pack(folder: Path) -> bool:
     return (Path(folder) / MANIFEST_NAME).is_file()
 

@@ -1,0 +1,145 @@
+"""The partitioner on tiny:llama: a verified cut, aligned blobs with no duplication, a lossless chain."""
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+
+import pipeshard
+from pipeshard.errors import UserError
+from pipeshard.partitioner.costs import analytic_flops, checked_flops
+from pipeshard.partitioner.graph import CutError, SubLayer, verify_cut
+from pipeshard.partitioner.pack import partition
+from pipeshard.runtime.pack import WEIGHT_ALIGNMENT, load_pack
+
+PROMPTS = ["Hi", "What is the capital of France, and why is it famous?", "Count: 1 2 3"]
+
+
+@pytest.fixture(scope="module")
+def tiny_pack(tiny_llama_export, tmp_path_factory):
+    pack = tmp_path_factory.mktemp("packs") / "tiny-llama"
+    partition(tiny_llama_export, pack)
+    return pack
+
+
+def test_sub_layers_in_execution_order(tiny_pack):
+    names = [s["name"] for s in load_pack(tiny_pack).sub_layers]
+    layers = [f"L{i}.{part}" for i in range(4) for part in ("attn", "ffn")]
+    assert names == ["prologue", "embed", *layers, "final"]
+
+
+def test_only_the_residual_stream_and_own_kv_cross_between_compute_sub_layers(tiny_pack):
+    pack = load_pack(tiny_pack)
+    produced = {o["name"]: s["name"] for s in pack.sub_layers for o in s["outputs"]}
+    for entry in pack.sub_layers[2:]:
+        from_compute = [i for i in entry["inputs"] if produced.get(i["name"], "prologue") != "prologue"]
+        assert len(from_compute) == 1 and from_compute[0]["shape"][-1] == pack.model["hidden_size"], entry["name"]
+        kv_inputs = [i["name"] for i in entry["inputs"] if i["name"].startswith("past_key_values.")]
+        assert kv_inputs == ([f"past_key_values.{entry['layer']}.key", f"past_key_values.{entry['layer']}.value"]
+                             if entry["kind"] == "attn" else [])
+    prologue_inputs = {i["name"] for i in pack.sub_layers[0]["inputs"]}
+    assert prologue_inputs <= {"input_ids", "attention_mask", "position_ids"}
+
+
+def test_weights_are_aligned_stored_once_and_byte_identical(tiny_pack, tiny_llama_export):
+    pack = load_pack(tiny_pack, verify=True)
+    source = onnx.load(tiny_llama_export / "model.onnx", load_external_data=False)
+    onnx.load_external_data_for_model(source, str(tiny_llama_export))
+    source_bytes = {t.name: onnx.numpy_helper.to_array(t).tobytes() for t in source.graph.initializer
+                    if t.data_location == onnx.TensorProto.EXTERNAL or len(t.raw_data) >= 1024}
+    stored = {}
+    for entry in pack.sub_layers:
+        for weight in entry["weights"]:
+            assert weight["offset"] % WEIGHT_ALIGNMENT == 0
+            data = (tiny_pack / weight["file"]).read_bytes()[weight["offset"]:weight["offset"] + weight["bytes"]]
+            stored.setdefault(weight["name"], data)
+            assert stored[weight["name"]] == data
+    external_total = (tiny_llama_export / "model.onnx.data").stat().st_size
+    blob_total = sum(e["blob"]["bytes"] for e in pack.sub_layers if e["blob"])
+    assert sum(len(d) for d in stored.values()) == external_total
+    assert blob_total <= external_total + WEIGHT_ALIGNMENT * len(stored)
+    assert all(stored[name] == data for name, data in source_bytes.items() if name in stored)
+
+
+def test_tied_embedding_is_stored_with_the_lm_head_and_read_by_embed(tiny_pack):
+    entries = {e["name"]: e for e in load_pack(tiny_pack).sub_layers}
+    (embed_weight,) = entries["embed"]["weights"]
+    assert entries["embed"]["blob"] is None and embed_weight["file"] == entries["final"]["blob"]["file"]
+
+
+def test_cost_model_matches_the_dimension_formula(tiny_pack):
+    pack = load_pack(tiny_pack)
+    for entry in pack.sub_layers:
+        assert entry["cost"]["flops"] == analytic_flops(entry["kind"], pack.model | {
+            "hidden_size": pack.model["hidden_size"]}), entry["name"]
+    attn = next(e for e in pack.sub_layers if e["kind"] == "attn")
+    assert attn["cost"]["bytes"]["C"] == attn["kv"]["bytes_per_token"] == 2 * 2 * 16 * 4
+
+
+def test_cost_check_rejects_a_graph_that_disagrees_with_the_dimensions(tiny_llama_export):
+    model = onnx.load(tiny_llama_export / "model.onnx", load_external_data=False)
+    matmuls = [i for i, n in enumerate(model.graph.node) if n.op_type == "MatMul"][:2]
+    dims = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}
+    with pytest.raises(UserError, match="cost model check failed for L0.attn"):
+        checked_flops(SubLayer("L0.attn", "attn", 0, nodes=matmuls), model, dims)
+
+
+def test_chain_greedy_tokens_and_logits_equal_the_monolithic_session(tiny_pack, tiny_llama_export):
+    whole, chain = pipeshard.load(tiny_llama_export), pipeshard.load(tiny_pack)
+    assert [g.tokens for g in chain.generate(PROMPTS, max_new_tokens=24)] == \
+        [g.tokens for g in whole.generate(PROMPTS, max_new_tokens=24)]
+    for prompt in PROMPTS:
+        assert chain.generate(prompt, max_new_tokens=24)[0].tokens == whole.generate(prompt, max_new_tokens=24)[0].tokens
+    ids = np.array([[5, 17, 99, 3, 42, 7]], dtype=np.int64)
+    whole.step.start(1)
+    chain.step.start(1)
+    for start, stop in ((0, 4), (4, 5), (5, 6)):
+        mask = np.ones((1, stop), np.int64)
+        positions = np.arange(start, stop)[None]
+        difference = np.abs(whole.step.forward(ids[:, start:stop], mask, positions)
+                            - chain.step.forward(ids[:, start:stop], mask, positions)).max()
+        assert difference < 1e-4
+
+
+def test_verify_cut_names_tensors_wider_than_the_residual_stream():
+    sub_layers = [
+        SubLayer("embed", "embed", None, outputs=["h0"]),
+        SubLayer("L0.attn", "attn", 0, inputs=["h0", "past_key_values.0.key"], outputs=["h1", "scores"]),
+        SubLayer("L0.ffn", "ffn", 0, inputs=["h1", "scores"], outputs=["h2"]),
+    ]
+    shapes = {"h0": ["b", "s", 64], "h1": ["b", "s", 64], "scores": ["b", 4, "s", "t"], "h2": ["b", "s", 64]}
+    with pytest.raises(CutError, match="scores"):
+        verify_cut(sub_layers, shapes, 64)
+
+
+def test_verify_cut_rejects_a_sub_layer_reading_another_layers_kv():
+    sub_layers = [SubLayer("L1.attn", "attn", 1, inputs=["past_key_values.0.key"], outputs=[])]
+    with pytest.raises(CutError, match="past_key_values.0.key"):
+        verify_cut(sub_layers, {}, 64)
+
+
+def test_a_node_matching_no_rule_is_named(tiny_llama_export, tmp_path):
+    model = onnx.load(tiny_llama_export / "model.onnx", load_external_data=False)
+    node = next(n for n in model.graph.node if n.op_type == "MatMul")
+    for prop in node.metadata_props:
+        if prop.key == "pkg.torch.onnx.name_scopes":
+            prop.value = "['', 'lm', 'lm.mystery_block', 'linear']"
+    folder = tmp_path / "export"
+    folder.mkdir()
+    for item in tiny_llama_export.iterdir():
+        (folder / item.name).write_bytes(item.read_bytes())
+    onnx.save(model, folder / "model.onnx")
+    with pytest.raises(CutError, match=f"match no sub-layer rule: {node.name}"):
+        partition(folder, tmp_path / "pack")
+
+
+def test_inspect_lists_every_sub_layer_with_totals(tiny_pack, capsys):
+    from pipeshard.cli import main
+
+    assert main(["inspect", str(tiny_pack)]) == 0
+    table = capsys.readouterr().out
+    assert "L3.ffn" in table and table.strip().splitlines()[-1].startswith("total")
+    assert main(["inspect", str(tiny_pack), "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert len(summary["sub_layers"]) == 11 and summary["totals"]["flops_T64"] > summary["totals"]["flops_T1"] > 0
