@@ -102,7 +102,8 @@ def assign_sub_layers(model: onnx.ModelProto, graph: nx.DiGraph, rules) -> dict[
                 continue
         elif sub_layer.endswith("." + GLUE):
             layer_prefix = sub_layer[: -len(GLUE)]
-            owners = [assignment[p] for p in graph.predecessors(index) if assignment.get(p, "").startswith(layer_prefix)]
+            owners = [assignment[p] for p in graph.predecessors(index)
+                      if assignment.get(p, "").startswith(layer_prefix)]
             if not owners:
                 unmatched.append(index)
                 continue
@@ -110,7 +111,8 @@ def assign_sub_layers(model: onnx.ModelProto, graph: nx.DiGraph, rules) -> dict[
         assignment[index] = sub_layer
     if unmatched:
         described = ", ".join(
-            f"{graph.nodes[i]['name']} ({graph.nodes[i]['op_type']} at {graph.nodes[i]['path']!r})" for i in unmatched[:5]
+            f"{graph.nodes[i]['name']} ({graph.nodes[i]['op_type']} at {graph.nodes[i]['path']!r})"
+            for i in unmatched[:5]
         )
         raise CutError(f"{len(unmatched)} node(s) match no sub-layer rule: {described}")
     return assignment

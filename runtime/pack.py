@@ -71,7 +71,8 @@ def load_pack(folder: Path, verify: bool = False) -> Pack:
                 raise UserError(f"{blob_path} is missing (sub-layer {entry['name']})")
             size = blob_path.stat().st_size
             if size != blob["bytes"]:
-                raise UserError(f"{blob_path} has {size} bytes, the manifest says {blob['bytes']} (truncated or replaced)")
+                raise UserError(f"{blob_path} has {size} bytes, the manifest says {blob['bytes']} "
+                                "(truncated or replaced)")
             if verify and sha256_file(blob_path) != blob["sha256"]:
                 raise UserError(f"{blob_path} does not match its sha256 in the manifest (corrupt)")
     return Pack(folder, manifest)

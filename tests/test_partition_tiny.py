@@ -90,7 +90,8 @@ def test_chain_greedy_tokens_and_logits_equal_the_monolithic_session(tiny_pack, 
     assert [g.tokens for g in chain.generate(PROMPTS, max_new_tokens=24)] == \
         [g.tokens for g in whole.generate(PROMPTS, max_new_tokens=24)]
     for prompt in PROMPTS:
-        assert chain.generate(prompt, max_new_tokens=24)[0].tokens == whole.generate(prompt, max_new_tokens=24)[0].tokens
+        solo = chain.generate(prompt, max_new_tokens=24)[0].tokens
+        assert solo == whole.generate(prompt, max_new_tokens=24)[0].tokens
     ids = np.array([[5, 17, 99, 3, 42, 7]], dtype=np.int64)
     whole.step.start(1)
     chain.step.start(1)
