@@ -1,8 +1,10 @@
 """The all-CPU chain: every sub-layer of a pack in manifest order, one CPU-EP session each.
 
-Boundary tensors move as ORT values through IO binding: the residual stream goes through two
-preallocated buffers (ping-pong), the prologue's shared values and each attention's KV cache are
-ORT-allocated values handed from one step to the next without touching numpy.
+Boundary tensors move as ORT values through IO binding. The residual stream lives in two
+preallocated buffers per batch shape (each residual tensor always in the same one, so a stage's
+pointer bindings stay valid from step to step and are only redone when the batch shape changes);
+the prologue's shared values and each attention's KV cache are ORT-allocated values handed on
+without touching numpy.
 """
 
 from __future__ import annotations
@@ -16,21 +18,33 @@ from pipeshard.runtime.pack import Pack, load_pack
 
 NUMPY_DTYPES = {"fp32": np.float32, "fp16": np.float16}
 STEP_INPUTS = ("input_ids", "attention_mask", "position_ids")
+LOGITS = "logits"
 
 
 class _Stage:
-    """One sub-layer's session, binding and the names it reads and writes."""
+    """One sub-layer's session and binding, with its boundary names sorted by how they are bound."""
 
-    def __init__(self, ort, pack: Pack, entry: dict, options) -> None:
+    def __init__(self, ort, pack: Pack, entry: dict, options, residual: set[str]) -> None:
         self.name = entry["name"]
         self.session = ort.InferenceSession(str(pack.path(entry["files"]["onnx"])), options,
                                             providers=["CPUExecutionProvider"])
-        self.binding = self.session.io_binding()
-        self.inputs = [i["name"] for i in entry["inputs"]]
-        self.outputs = [o["name"] for o in entry["outputs"]]
+        # The raw pybind objects: the Python wrappers validate and wrap on every call, which over
+        # dozens of sub-layers per token costs more than the binding itself.
+        self.binding = self.session.io_binding()._iobinding
+        self.run = self.session._sess.run_with_iobinding
         kv = entry["kv"] or {}
         self.past = kv.get("past", [])
         self.present = kv.get("present", [])
+        inputs = [i["name"] for i in entry["inputs"]]
+        outputs = [o["name"] for o in entry["outputs"]]
+        self.step_inputs = [n for n in inputs if n in STEP_INPUTS]
+        self.residual_inputs = [n for n in inputs if n in residual]
+        self.shared_inputs = [n for n in inputs if n not in STEP_INPUTS and n not in residual and n not in self.past]
+        self.pointer_outputs = [n for n in outputs if n in residual or n == LOGITS]
+        self.allocated_outputs = [n for n in outputs if n not in self.pointer_outputs]
+        # IO binding returns outputs in the order they were first bound: pointers first (see ChainStep).
+        self.bound_output_order = self.pointer_outputs + self.allocated_outputs
+        self.bound_shape: tuple[int, int] | None = None
 
 
 class ChainStep:
@@ -51,70 +65,63 @@ class ChainStep:
         options = cpu_session_options(threads, optimize)
         if not prepack:
             options.add_session_config_entry("session.disable_prepacking", "1")
-        self.stages = [_Stage(ort, self.pack, entry, options) for entry in self.pack.sub_layers]
-        produced_by = {name: stage for stage in self.stages for name in stage.outputs}
-        # Residual-stream tensors: float [batch, tokens, hidden] passed between consecutive compute stages.
-        residual_kinds = {e["name"]: [o["name"] for o in e["outputs"]
-                                      if o["shape"] and o["shape"][-1] == self.hidden_size and len(o["shape"]) == 3]
-                          for e in self.pack.sub_layers}
-        self._residual = {name for names in residual_kinds.values() for name in names}
-        self._logits_name = "logits"
-        self._produced_by = produced_by
+        residual_names = [o["name"] for e in self.pack.sub_layers for o in e["outputs"]
+                          if len(o["shape"]) == 3 and o["shape"][-1] == self.hidden_size and o["name"] != LOGITS]
+        # Consecutive residual tensors alternate between two buffers: a stage never reads and
+        # writes the same one.
+        self._buffer_of = {name: index % 2 for index, name in enumerate(residual_names)}
+        self.stages = [_Stage(ort, self.pack, entry, options, set(residual_names)) for entry in self.pack.sub_layers]
         self.run_options = ort.RunOptions()
+        self._cpu = ort.OrtDevice.make("cpu", 0)._get_c_device()
         self._kv: dict[str, object] = {}
-        self._buffers: dict[tuple[int, int], list[np.ndarray]] = {}
+        self._shape: tuple[int, int] | None = None
+        self._residual: list[np.ndarray] = []
+        self._logits = np.empty(0, self.dtype)
 
     def start(self, batch_size: int) -> None:
         empty = np.zeros((batch_size, self.kv_heads, 0, self.head_dim), dtype=self.dtype)
-        self._kv = {name: self._ort.OrtValue.ortvalue_from_numpy(empty)
+        self._kv = {name: self._ort.OrtValue.ortvalue_from_numpy(empty)._ortvalue
                     for stage in self.stages for name in stage.past}
 
-    def _residual_buffers(self, batch: int, tokens: int) -> list[np.ndarray]:
-        key = (batch, tokens)
-        if key not in self._buffers:
-            self._buffers = {key: [np.empty((batch, tokens, self.hidden_size), self.dtype) for _ in range(2)]}
-        return self._buffers[key]
+    def _bind_pointers(self, stage: _Stage) -> None:
+        """(Re)bind the residual buffers and logits of a stage for the current batch shape."""
+        for name in stage.residual_inputs:
+            array = self._residual[self._buffer_of[name]]
+            stage.binding.bind_input(name, self._cpu, array.dtype, list(array.shape), array.ctypes.data)
+        for name in stage.pointer_outputs:
+            array = self._logits if name == LOGITS else self._residual[self._buffer_of[name]]
+            stage.binding.bind_output(name, self._cpu, array.dtype, list(array.shape), array.ctypes.data)
+        stage.bound_shape = self._shape
 
     def forward(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray) -> np.ndarray:
-        batch, tokens = input_ids.shape
+        shape = input_ids.shape
+        if shape != self._shape:
+            self._shape = shape
+            self._residual = [np.empty((*shape, self.hidden_size), self.dtype) for _ in range(2)]
+            self._logits = np.empty((*shape, self.vocab_size), self.dtype)
         step_inputs = {"input_ids": np.ascontiguousarray(input_ids, dtype=np.int64),
                        "attention_mask": np.ascontiguousarray(attention_mask, dtype=np.int64),
                        "position_ids": np.ascontiguousarray(position_ids, dtype=np.int64)}
-        buffers = self._residual_buffers(batch, tokens)
-        logits = np.empty((batch, tokens, self.vocab_size), self.dtype)
-        values: dict[str, object] = {}
-        flip = 0
+        shared: dict[str, object] = {}
+        kv = self._kv
+        run_options, cpu = self.run_options, self._cpu
         for stage in self.stages:
             binding = stage.binding
-            binding.clear_binding_inputs()
-            binding.clear_binding_outputs()
-            for name in stage.inputs:
-                if name in step_inputs:
-                    binding.bind_cpu_input(name, step_inputs[name])
-                elif name in self._kv:
-                    binding.bind_ortvalue_input(name, self._kv[name])
-                elif isinstance(values[name], np.ndarray):
-                    array = values[name]
-                    binding.bind_input(name, "cpu", 0, array.dtype, array.shape, array.ctypes.data)
-                else:
-                    binding.bind_ortvalue_input(name, values[name])
-            allocated = []
-            for name in stage.outputs:
-                if name in self._residual:
-                    array = buffers[flip]
-                    flip ^= 1
-                    binding.bind_output(name, "cpu", 0, array.dtype, array.shape, array.ctypes.data)
-                    values[name] = array
-                elif name == self._logits_name:
-                    binding.bind_output(name, "cpu", 0, logits.dtype, logits.shape, logits.ctypes.data)
-                else:
-                    binding.bind_output(name)
-                    allocated.append(name)
-            stage.session._sess.run_with_iobinding(binding._iobinding, self.run_options)
-            if allocated:
-                produced = dict(zip(stage.outputs, binding.get_outputs(), strict=True))
-                for name in allocated:
-                    values[name] = produced[name]
-            for past, present in zip(stage.past, stage.present, strict=True):
-                self._kv[past] = values.pop(present)
-        return logits
+            if stage.bound_shape != shape:
+                self._bind_pointers(stage)
+            for name in stage.step_inputs:
+                binding.bind_input(name, step_inputs[name])
+            for name in stage.shared_inputs:
+                binding.bind_ortvalue_input(name, shared[name])
+            for name in stage.past:
+                binding.bind_ortvalue_input(name, kv[name])
+            for name in stage.allocated_outputs:
+                binding.bind_output(name, cpu)
+            stage.run(binding, run_options)
+            if stage.allocated_outputs:
+                produced = binding.get_outputs()
+                for index, name in enumerate(stage.bound_output_order):
+                    shared[name] = produced[index]
+                for past, present in zip(stage.past, stage.present, strict=True):
+                    kv[past] = shared.pop(present)
+        return self._logits
