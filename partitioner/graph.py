@@ -118,6 +118,12 @@ def assign_sub_layers(model: onnx.ModelProto, graph: nx.DiGraph, rules) -> dict[
     return assignment
 
 
+def _int_constant(name: str, values: list[int]) -> onnx.NodeProto:
+    """A Constant node holding an int64 vector."""
+    tensor = helper.make_tensor(name, onnx.TensorProto.INT64, [len(values)], values)
+    return helper.make_node("Constant", [], [name], value=tensor)
+
+
 INDEX_TYPES = {onnx.TensorProto.INT64, onnx.TensorProto.INT32, onnx.TensorProto.BOOL}
 
 
@@ -153,21 +159,17 @@ def detach_prologue_from_kv(model: onnx.ModelProto, assignment: dict[int, str], 
         attributes = {a.name: a.i for a in node.attribute}
         prefix = f"_kvshape_{index}_"
 
-        def constant(name: str, values: list[int], prefix: str = prefix) -> onnx.NodeProto:
-            tensor = helper.make_tensor(prefix + name, onnx.TensorProto.INT64, [len(values)], values)
-            return helper.make_node("Constant", [], [prefix + name], value=tensor)
-
         replacement = [
             helper.make_node("Shape", ["attention_mask"], [prefix + "mask"], start=1, end=2),
             helper.make_node("Shape", ["input_ids"], [prefix + "batch"], start=0, end=1),
             helper.make_node("Shape", ["input_ids"], [prefix + "new"], start=1, end=2),
             helper.make_node("Sub", [prefix + "mask", prefix + "new"], [prefix + "past"]),
-            constant("heads", [kv_heads]),
-            constant("head_dim", [head_dim]),
+            _int_constant(prefix + "heads", [kv_heads]),
+            _int_constant(prefix + "head_dim", [head_dim]),
             helper.make_node("Concat", [prefix + "batch", prefix + "heads", prefix + "past", prefix + "head_dim"],
                              [prefix + "full"], axis=0),
-            constant("start", [attributes.get("start", 0)]),
-            constant("end", [attributes.get("end", 4)]),
+            _int_constant(prefix + "start", [attributes.get("start", 0)]),
+            _int_constant(prefix + "end", [attributes.get("end", 4)]),
             helper.make_node("Slice", [prefix + "full", prefix + "start", prefix + "end"], [node.output[0]]),
         ]
         for new_node in replacement:
@@ -178,6 +180,53 @@ def detach_prologue_from_kv(model: onnx.ModelProto, assignment: dict[int, str], 
         for extra in replacement[:-1]:
             nodes.append(extra)
             assignment[len(nodes) - 1] = PROLOGUE
+
+
+def untranspose_tied_weights(model: onnx.ModelProto, assignment: dict[int, str]) -> None:
+    """`MatMul(x, Transpose(W))` over a weight W: ONNX Runtime folds the Transpose into a second,
+    transposed copy of W at load (108 MiB for SmolLM2's tied lm_head). Rewrite it as
+    Reshape -> Gemm(transB=1) -> Reshape, which reads W in place."""
+    initializers = {i.name: i for i in model.graph.initializer}
+    nodes = model.graph.node
+    producer = {out: index for index, node in enumerate(nodes) for out in node.output}
+    unused: set[int] = set()
+    for index, node in enumerate(list(nodes)):
+        if node.op_type != "MatMul" or node.input[1] not in producer:
+            continue
+        transpose = nodes[producer[node.input[1]]]
+        perm = [a.ints for a in transpose.attribute if a.name == "perm"]
+        weight = initializers.get(transpose.input[0])
+        if transpose.op_type != "Transpose" or weight is None or len(weight.dims) != 2 or \
+                (perm and list(perm[0]) != [1, 0]):
+            continue
+        rows, columns = weight.dims  # W is [out_features, in_features]
+        prefix = f"_gemm_{index}_"
+        replacement = [
+            helper.make_node("Shape", [node.input[0]], [prefix + "lead"], start=0, end=-1),
+            _int_constant(prefix + "out_features", [rows]),
+            helper.make_node("Concat", [prefix + "lead", prefix + "out_features"], [prefix + "out_shape"], axis=0),
+            _int_constant(prefix + "flat", [-1, columns]),
+            helper.make_node("Reshape", [node.input[0], prefix + "flat"], [prefix + "x2d"]),
+            helper.make_node("Gemm", [prefix + "x2d", transpose.input[0]], [prefix + "y2d"], transB=1),
+            helper.make_node("Reshape", [prefix + "y2d", prefix + "out_shape"], [node.output[0]]),
+        ]
+        for new_node in replacement:
+            new_node.name = new_node.output[0]
+            new_node.metadata_props.extend(node.metadata_props)
+        nodes[index].CopyFrom(replacement[-1])
+        for extra in replacement[:-1]:
+            nodes.append(extra)
+            assignment[len(nodes) - 1] = assignment[index]
+        if not any(transpose.output[0] in n.input for n in nodes):
+            unused.add(producer[transpose.output[0]])
+    if unused:
+        kept = [i for i in range(len(nodes)) if i not in unused]
+        remaining = [nodes[i] for i in kept]
+        moved = {new: assignment[old] for new, old in enumerate(kept)}
+        del nodes[:]
+        nodes.extend(remaining)
+        assignment.clear()
+        assignment.update(moved)
 
 
 def topologically_sorted(model: onnx.ModelProto, assignment: dict[int, str]) -> tuple[onnx.ModelProto, dict[int, str]]:

@@ -32,6 +32,7 @@ from pipeshard.partitioner.graph import (
     detach_prologue_from_kv,
     hoist_shared_index_math,
     topologically_sorted,
+    untranspose_tied_weights,
     verify_cut,
 )
 from pipeshard.partitioner.rules import RULES_BY_ARCHITECTURE
@@ -161,6 +162,7 @@ def partition(export_dir: Path, pack: Path, force: bool = False) -> PartitionRes
     assignment = assign_sub_layers(model, graph, rules)
     hoist_shared_index_math(model, graph, assignment)
     detach_prologue_from_kv(model, assignment, dims["num_key_value_heads"], dims["head_dim"])
+    untranspose_tied_weights(model, assignment)
     model, assignment = topologically_sorted(model, assignment)
     sub_layers = cut(model, assignment)
     infos = _value_infos(model)
