@@ -25,6 +25,8 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/pipeshard export smollm2-135m $(DEMO_DIR)/export --force
 	$(BIN)/pipeshard run $(DEMO_DIR)/export $(DEMO_PROMPT) --max-new-tokens 48
+	$(BIN)/pipeshard partition $(DEMO_DIR)/export $(DEMO_DIR)/pack --force
+	$(BIN)/pipeshard run $(DEMO_DIR)/pack $(DEMO_PROMPT) --max-new-tokens 48
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
