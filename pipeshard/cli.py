@@ -79,6 +79,52 @@ def _command_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _command_profile(args: argparse.Namespace) -> int:
+    from pipeshard.profiles.db import default_profile_path, load_profile, machine_fingerprint, save_profile
+    from pipeshard.profiles.summary import summarize
+
+    if args.show:
+        print(summarize(load_profile(args.show), args.show))
+        return 0
+    from tqdm import tqdm
+
+    from pipeshard.profiles.measure import FULL, QUICK, measure_machine, plan_for_pack
+    from pipeshard.runtime.pack import load_pack
+
+    plan = QUICK if args.quick else FULL
+    if args.pack:
+        plan = plan_for_pack(plan, load_pack(args.pack).manifest)
+    threads = _thread_list(args.threads)
+    counts = threads or list(range(1, _physical_cores() + 1))
+    per_thread = 2 * len(plan.dtypes) * len(plan.shapes) * len(plan.tiers) + \
+        len(plan.attention_tokens) * len(plan.attention_contexts) + 1
+    with tqdm(total=per_thread * len(counts), desc="profile", unit="point", disable=None, leave=False) as bar:
+        document = measure_machine(plan, counts, progress=bar.update, use_cuda=False if args.no_cuda else None)
+    out = args.out or default_profile_path(machine_fingerprint())
+    save_profile(document, out)
+    print(summarize(document, str(out)))
+    print(f"saved {out}")
+    return 0
+
+
+def _physical_cores() -> int:
+    from pipeshard.profiles.db import physical_cores
+
+    return physical_cores()
+
+
+def _thread_list(text: str | None) -> list[int] | None:
+    if not text:
+        return None
+    try:
+        values = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise UserError(f"--threads must be a comma-separated list of positive integers, not {text!r}") from None
+    if any(value < 1 for value in values):
+        raise UserError(f"--threads must be a comma-separated list of positive integers, not {text!r}")
+    return values
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="pipeshard", description="Run LLMs larger than VRAM: export, partition, plan, run.")
     parser.add_argument("--version", action="version", version=f"pipeshard {__version__}")
@@ -106,6 +152,16 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--verify", action="store_true", help="check every blob's sha256")
     inspect.add_argument("--json", action="store_true")
     inspect.set_defaults(handler=_command_inspect)
+
+    profile = commands.add_parser("profile", help="measure this machine once and write the profile DB")
+    profile.add_argument("--quick", action="store_true", help="a smaller sweep (under 2 minutes on 2 cores)")
+    profile.add_argument("--out", default=None, help="DB file (default: the user cache dir, keyed by machine)")
+    profile.add_argument("--pack", default=None, help="measure exactly this pack's matrix shapes")
+    profile.add_argument("--threads", default=None, help="thread counts, e.g. 1,2 (default: 1 .. physical cores)")
+    profile.add_argument("--no-cuda", action="store_true", help="skip the CUDA part even if CUDA is usable")
+    profile.add_argument("--show", default=None, metavar="FILE|NAME",
+                         help="print the summary of a DB or reference profile (laptop-8gb, desktop-24gb, laptop-4gb)")
+    profile.set_defaults(handler=_command_profile)
 
     run = commands.add_parser("run", help="generate text from an export folder or a model pack")
     run.add_argument("path", help="export folder or model pack")

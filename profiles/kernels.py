@@ -1,0 +1,84 @@
+"""Tiny ONNX models for the profiler's kernels and a timer that runs them through raw IO binding."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+ONNX_FLOAT = {"fp32": TensorProto.FLOAT, "fp16": TensorProto.FLOAT16}
+NUMPY_FLOAT = {"fp32": np.float32, "fp16": np.float16}
+
+
+def matmul_model(k: int, n: int, dtype: str) -> onnx.ModelProto:
+    """Y[M, N] = X[M, K] @ W[K, N] with W a (random) initializer, as a sub-layer's weights are."""
+    weight = numpy_helper.from_array(
+        (np.random.default_rng(0).standard_normal((k, n), dtype=np.float32) * 0.02).astype(NUMPY_FLOAT[dtype]), "W")
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["X", "W"], ["Y"])], "matmul",
+        [helper.make_tensor_value_info("X", ONNX_FLOAT[dtype], ["M", k])],
+        [helper.make_tensor_value_info("Y", ONNX_FLOAT[dtype], ["M", n])], initializer=[weight])
+    return helper.make_model(graph, opset_imports=[helper.make_operatorsetid("", 21)])
+
+
+def attention_model(heads: int, head_dim: int, dtype: str) -> onnx.ModelProto:
+    """The opset-23 Attention op as the exporter emits it (K/V already expanded to every head):
+    Q [1, heads, T, d], K/V [1, heads, C, d]."""
+    q = helper.make_tensor_value_info("Q", ONNX_FLOAT[dtype], [1, heads, "T", head_dim])
+    k = helper.make_tensor_value_info("K", ONNX_FLOAT[dtype], [1, heads, "C", head_dim])
+    v = helper.make_tensor_value_info("V", ONNX_FLOAT[dtype], [1, heads, "C", head_dim])
+    y = helper.make_tensor_value_info("Y", ONNX_FLOAT[dtype], [1, heads, "T", head_dim])
+    node = helper.make_node("Attention", ["Q", "K", "V"], ["Y"])
+    graph = helper.make_graph([node], "attention", [q, k, v], [y])
+    return helper.make_model(graph, opset_imports=[helper.make_operatorsetid("", 23)])
+
+
+def hop_model(width: int) -> onnx.ModelProto:
+    """The smallest useful session: one Add on a residual-sized vector."""
+    graph = helper.make_graph(
+        [helper.make_node("Add", ["X", "X"], ["Y"])], "hop",
+        [helper.make_tensor_value_info("X", TensorProto.FLOAT, [1, 1, width])],
+        [helper.make_tensor_value_info("Y", TensorProto.FLOAT, [1, 1, width])])
+    return helper.make_model(graph, opset_imports=[helper.make_operatorsetid("", 21)])
+
+
+def median_seconds(run: Callable[[], None], min_seconds: float, min_runs: int = 3, max_runs: int = 2000) -> float:
+    """Median wall time of `run` after one warm-up call, repeated for at least `min_seconds`."""
+    run()
+    times: list[float] = []
+    started = time.perf_counter()
+    while len(times) < min_runs or (time.perf_counter() - started < min_seconds and len(times) < max_runs):
+        begin = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - begin)
+    return float(np.median(times))
+
+
+class BoundSession:
+    """A session with its inputs and outputs bound once to numpy buffers (raw IO binding)."""
+
+    def __init__(self, ort, model: onnx.ModelProto, options, providers, inputs: dict[str, np.ndarray],
+                 output_shapes: dict[str, tuple[tuple[int, ...], np.dtype]], device: str = "cpu") -> None:
+        self.session = ort.InferenceSession(model.SerializeToString(), options, providers=providers)
+        self.binding = self.session.io_binding()
+        self.keep_alive = []
+        for name, array in inputs.items():
+            if device == "cpu":
+                self.binding.bind_cpu_input(name, array)
+            else:
+                value = ort.OrtValue.ortvalue_from_numpy(array, device, 0)
+                self.keep_alive.append(value)
+                self.binding.bind_ortvalue_input(name, value)
+        for name, (shape, dtype) in output_shapes.items():
+            value = ort.OrtValue.ortvalue_from_shape_and_type(list(shape), dtype, device, 0)
+            self.keep_alive.append(value)
+            self.binding.bind_ortvalue_output(name, value)
+        self.run_options = ort.RunOptions()
+        self._raw = self.binding._iobinding
+        self._run = self.session._sess.run_with_iobinding
+
+    def __call__(self) -> None:
+        self._run(self._raw, self.run_options)

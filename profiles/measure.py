@@ -1,0 +1,249 @@
+"""Measure this machine: CPU-EP kernel rates per thread count, the copy link, and their contention.
+
+Without a usable CUDA EP the accelerator is `sim`: its link is a memcpy on a separate thread (what the
+sim device's prefetcher does) and its compute is the CPU EP; the DB says so. With CUDA, `measure_cuda`
+adds the device sweeps, the PCIe link and the EP's memory overhead.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from pipeshard.profiles.db import fingerprint_id, machine_fingerprint, now_iso, physical_cores
+from pipeshard.profiles.kernels import (
+    NUMPY_FLOAT,
+    BoundSession,
+    attention_model,
+    hop_model,
+    matmul_model,
+    median_seconds,
+)
+from pipeshard.runtime.ort import cpu_session_options, import_onnxruntime
+
+log = logging.getLogger(__name__)
+MiB = 1024**2
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What a profile run measures."""
+
+    tiers: tuple[int, ...]
+    shapes: tuple[tuple[int, int], ...]
+    dtypes: tuple[str, ...]
+    attention_tokens: tuple[int, ...]
+    attention_contexts: tuple[int, ...]
+    copy_sizes: tuple[int, ...]
+    bandwidth_bytes: int
+    seconds_per_point: float
+    heads: int = 16
+    head_dim: int = 64
+
+
+QUICK = Plan(tiers=(1, 16, 256), shapes=((576, 1536), (2048, 2048), (4096, 4096)), dtypes=("fp32", "fp16"),
+             attention_tokens=(1, 64), attention_contexts=(512, 4096), copy_sizes=(1 * MiB, 16 * MiB, 128 * MiB),
+             bandwidth_bytes=256 * MiB, seconds_per_point=0.05)
+FULL = Plan(tiers=(1, 4, 16, 64, 256, 1024),
+            shapes=((576, 576), (576, 1536), (1536, 576), (2048, 2048), (2048, 8192), (8192, 2048), (4096, 4096),
+                    (4096, 14336), (14336, 4096)),
+            dtypes=("fp32", "fp16"), attention_tokens=(1, 16, 256), attention_contexts=(256, 1024, 4096, 16384),
+            copy_sizes=(256 * 1024, 1 * MiB, 4 * MiB, 16 * MiB, 64 * MiB, 256 * MiB), bandwidth_bytes=512 * MiB,
+            seconds_per_point=0.15)
+
+
+def plan_for_pack(base: Plan, manifest: dict) -> Plan:
+    """The pack's own matrix shapes and attention dimensions instead of the generic grid."""
+    shapes = sorted({tuple(w["shape"]) for e in manifest["sub_layers"] for w in e["weights"] if len(w["shape"]) == 2})
+    model = manifest["model"]
+    return Plan(**{**base.__dict__, "shapes": tuple(shapes), "heads": model["num_attention_heads"],
+                   "head_dim": model["head_dim"]})
+
+
+class CopyLoop:
+    """Background memcpy loop: the sim device's link, used as the contention load for CPU kernels."""
+
+    def __init__(self, size_bytes: int = 64 * MiB) -> None:
+        self.source = np.ones(size_bytes, dtype=np.uint8)
+        self.target = np.empty_like(self.source)
+        self.copied_bytes = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            np.copyto(self.target, self.source)
+            self.copied_bytes += self.source.nbytes
+
+    def __enter__(self) -> CopyLoop:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def sim_copy_gbps(size_bytes: int, seconds: float) -> float:
+    """Bandwidth of a memcpy of `size_bytes` on another thread (the sim prefetcher's copy)."""
+    source = np.ones(size_bytes, dtype=np.uint8)
+    target = np.empty_like(source)
+    result: list[float] = []
+
+    def copy() -> None:
+        result.append(median_seconds(lambda: np.copyto(target, source), seconds))
+
+    worker = threading.Thread(target=copy)
+    worker.start()
+    worker.join()
+    return size_bytes / result[0] / 1e9
+
+
+def _matmul_rows(ort, plan: Plan, threads: int, progress) -> dict[str, list[dict]]:
+    options = cpu_session_options(threads)
+    table: dict[str, list[dict]] = {}
+    for dtype in plan.dtypes:
+        rows = []
+        for k, n in plan.shapes:
+            model = matmul_model(k, n, dtype)
+            for m in plan.tiers:
+                x = np.random.default_rng(1).standard_normal((m, k), dtype=np.float32).astype(NUMPY_FLOAT[dtype])
+                session = BoundSession(ort, model, options, ["CPUExecutionProvider"], {"X": x},
+                                       {"Y": ((m, n), NUMPY_FLOAT[dtype])})
+                seconds = median_seconds(session, plan.seconds_per_point)
+                rows.append({"M": m, "K": k, "N": n, "seconds": seconds, "gflops": 2 * m * k * n / seconds / 1e9})
+                progress()
+        table[dtype] = rows
+    return table
+
+
+def matmul_read_gbps(ort, threads: int, size_bytes: int, seconds: float) -> float:
+    """Bytes per second an M=1 MatMul streams from a weight of `size_bytes` (the decode roofline)."""
+    side = int(np.sqrt(size_bytes / 4))
+    session = BoundSession(ort, matmul_model(side, side, "fp32"), cpu_session_options(threads),
+                           ["CPUExecutionProvider"], {"X": np.ones((1, side), np.float32)},
+                           {"Y": ((1, side), np.float32)})
+    return side * side * 4 / median_seconds(session, seconds) / 1e9
+
+
+def _attention_rows(ort, plan: Plan, threads: int, progress) -> list[dict]:
+    options = cpu_session_options(threads)
+    rows = []
+    model = attention_model(plan.heads, plan.head_dim, "fp32")
+    for tokens in plan.attention_tokens:
+        for context in plan.attention_contexts:
+            rng = np.random.default_rng(2)
+            q = rng.standard_normal((1, plan.heads, tokens, plan.head_dim), dtype=np.float32)
+            kv = rng.standard_normal((1, plan.heads, context, plan.head_dim), dtype=np.float32)
+            session = BoundSession(ort, model, options, ["CPUExecutionProvider"], {"Q": q, "K": kv, "V": kv.copy()},
+                                   {"Y": (q.shape, np.float32)})
+            seconds = median_seconds(session, plan.seconds_per_point)
+            flops = 4 * plan.heads * plan.head_dim * tokens * context
+            rows.append({"T": tokens, "C": context, "heads": plan.heads, "head_dim": plan.head_dim,
+                         "seconds": seconds, "gflops": flops / seconds / 1e9})
+            progress()
+    return rows
+
+
+def hop_microseconds(ort, threads: int, width: int = 4096) -> float:
+    """Fixed cost of one session run with IO binding (raw call, reused RunOptions)."""
+    x = np.ones((1, 1, width), np.float32)
+    session = BoundSession(ort, hop_model(width), cpu_session_options(threads), ["CPUExecutionProvider"], {"X": x},
+                           {"Y": (x.shape, np.float32)})
+    return median_seconds(session, 0.2, min_runs=200) * 1e6
+
+
+def measure_machine(plan: Plan, thread_counts: list[int] | None = None, progress=lambda: None,
+                    use_cuda: bool | None = None) -> dict:
+    """Run every measurement of `plan`; returns a schema-1 profile document. The CUDA part runs when
+    the CUDA EP is really usable (or is forced off with use_cuda=False)."""
+    from pipeshard.profiles import measure_cuda
+
+    ort = import_onnxruntime()
+    thread_counts = thread_counts or list(range(1, physical_cores() + 1))
+    if use_cuda is None:
+        use_cuda = measure_cuda.cuda_usable()
+    copy_load = measure_cuda.H2DLoop if use_cuda else CopyLoop
+    cpu_threads: dict[str, dict] = {}
+    for threads in thread_counts:
+        idle_matmul = _matmul_rows(ort, plan, threads, progress)
+        read_idle = matmul_read_gbps(ort, threads, plan.bandwidth_bytes, plan.seconds_per_point)
+        copy_idle = sim_copy_gbps(plan.bandwidth_bytes, plan.seconds_per_point)
+        with copy_load():
+            loaded_matmul = _matmul_rows(ort, plan, threads, progress)
+            read_loaded = matmul_read_gbps(ort, threads, plan.bandwidth_bytes, plan.seconds_per_point)
+        cpu_threads[str(threads)] = {
+            "matmul": idle_matmul,
+            "memory_read_gbps": read_idle,
+            "memory_copy_gbps": copy_idle,
+            "attention": _attention_rows(ort, plan, threads, progress),
+            "hop_us": hop_microseconds(ort, threads),
+            "under_copy_load": {"matmul": loaded_matmul, "memory_read_gbps": read_loaded},
+        }
+        progress()
+    if use_cuda:
+        device, link, gpu = measure_cuda.measure_cuda(plan, max(thread_counts))
+        link_rows, loaded_link = link["h2d"], link["under_cpu_load"]["h2d"]
+    else:
+        link_rows = [{"bytes": size, "gbps": sim_copy_gbps(size, plan.seconds_per_point), "pinned": False}
+                     for size in plan.copy_sizes]
+        loaded_link = _copy_under_cpu_load(ort, plan, max(thread_counts))
+        gpu = None
+        device = {"kind": "sim", "name": "sim (host memory; compute on the CPU EP)",
+                  "note": "no usable CUDA EP: the simulated accelerator is measured; not a GPU claim",
+                  "memory_bytes": None, "ep_overhead_bytes": 0, "matmul": {}, "attention": [],
+                  "launch_us": cpu_threads[str(max(thread_counts))]["hop_us"]}
+        link = {"kind": "sim-memcpy", "h2d": link_rows, "d2h": link_rows, "under_cpu_load": {"h2d": loaded_link}}
+    fingerprint = machine_fingerprint(gpu)
+    return {
+        "schema_version": 1,
+        "source": "measured",
+        "created": now_iso(),
+        "fingerprint": fingerprint,
+        "fingerprint_id": fingerprint_id(fingerprint),
+        "plan": {"tiers": list(plan.tiers), "shapes": [list(s) for s in plan.shapes], "dtypes": list(plan.dtypes)},
+        "cpu": {"physical_cores": physical_cores(), "threads": cpu_threads},
+        "device": device,
+        "link": link,
+        "contention": contention_factors(cpu_threads, link_rows, loaded_link),
+    }
+
+
+def _copy_under_cpu_load(ort, plan: Plan, threads: int) -> list[dict]:
+    """The copy's bandwidth while CPU matrix products run on `threads` threads."""
+    k, n = plan.shapes[-1]
+    session = BoundSession(ort, matmul_model(k, n, "fp32"), cpu_session_options(threads), ["CPUExecutionProvider"],
+                           {"X": np.ones((64, k), np.float32)}, {"Y": ((64, n), np.float32)})
+    stop = threading.Event()
+
+    def compute() -> None:
+        while not stop.is_set():
+            session()
+
+    worker = threading.Thread(target=compute, daemon=True)
+    worker.start()
+    try:
+        time.sleep(0.02)
+        return [{"bytes": size, "gbps": sim_copy_gbps(size, plan.seconds_per_point), "pinned": False}
+                for size in plan.copy_sizes]
+    finally:
+        stop.set()
+        worker.join()
+
+
+def contention_factors(cpu_threads: dict, link_idle: list[dict], link_loaded: list[dict]) -> dict:
+    """Slowdowns (>= 1 means slower) of CPU MatMul under a copy, and of the copy under CPU MatMul."""
+    matmul = {}
+    for threads, rates in cpu_threads.items():
+        by_tier: dict[str, list[float]] = {}
+        for dtype, rows in rates["matmul"].items():
+            for idle, loaded in zip(rows, rates["under_copy_load"]["matmul"][dtype], strict=True):
+                by_tier.setdefault(str(idle["M"]), []).append(loaded["seconds"] / idle["seconds"])
+        matmul[threads] = {tier: float(np.median(values)) for tier, values in by_tier.items()}
+        matmul[threads]["memory_read"] = rates["memory_read_gbps"] / rates["under_copy_load"]["memory_read_gbps"]
+    copy = [idle["gbps"] / loaded["gbps"] for idle, loaded in zip(link_idle, link_loaded, strict=True)]
+    return {"cpu_matmul_slowdown_under_copy": matmul, "copy_slowdown_under_cpu_matmul": float(np.median(copy))}
