@@ -28,7 +28,8 @@ def summarize(document: dict, where: str = "") -> str:
         peaks = ", ".join(f"{dtype} {_peak(rows):.0f}" for dtype, rows in device["matmul"].items())
         memory = device.get("memory_bytes") or 0
         lines.append(f"    peak MatMul GFLOP/s: {peaks}; memory {memory / 1024**3:.1f} GiB, EP overhead "
-                     f"{device.get('ep_overhead_bytes', 0) / 1024**2:.0f} MiB, launch {device.get('launch_us', 0):.1f} us")
+                     f"{device.get('ep_overhead_bytes', 0) / 1024**2:.0f} MiB, "
+                     f"launch {device.get('launch_us', 0):.1f} us")
     elif device["kind"] == "sim":
         lines.append("    compute runs on the CPU EP (the rates above); this is a test double, not a GPU")
     link = document["link"]

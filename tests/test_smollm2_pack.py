@@ -29,7 +29,8 @@ def test_partition_takes_under_10_s_and_duplicates_no_weight(smollm2_pack, smoll
     pack_dir, seconds = smollm2_pack
     assert seconds < 10
     pack = load_pack(pack_dir)
-    owned = sum(w["bytes"] for e in pack.sub_layers for w in e["weights"] if e["blob"] and w["file"] == e["blob"]["file"])
+    owned = sum(w["bytes"] for e in pack.sub_layers for w in e["weights"]
+                if e["blob"] and w["file"] == e["blob"]["file"])
     blobs = sum(p.stat().st_size for p in pack_dir.glob("*.weights"))
     export_weights = (smollm2_export / "model.onnx.data").stat().st_size
     assert owned == export_weights
@@ -42,7 +43,8 @@ def test_chain_64_greedy_tokens_equal_the_monolithic_session(smollm2_pack, smoll
     for prompt in PROMPTS:
         ids = whole.generator.prompt_ids(prompt)
         settings = pipeshard.api.SamplingSettings(max_new_tokens=64)
-        assert chain.generator.generate([ids], settings)[0].tokens == whole.generator.generate([ids], settings)[0].tokens
+        chain_tokens = chain.generator.generate([ids], settings)[0].tokens
+        assert chain_tokens == whole.generator.generate([ids], settings)[0].tokens
     ids = np.array([whole.generator.prompt_ids(PROMPTS[1])], dtype=np.int64)
     whole.step.start(1)
     chain.step.start(1)

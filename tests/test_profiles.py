@@ -1,0 +1,117 @@
+"""The profile DB: a small real measurement validates; reference profiles load; bad DBs are clear errors."""
+
+import json
+import logging
+from dataclasses import replace
+
+import pytest
+
+from pipeshard.cli import main
+from pipeshard.errors import UserError
+from pipeshard.profiles.db import MAX_DB_BYTES, REFERENCE_PROFILES, load_profile, reference_profile_path, save_profile
+from pipeshard.profiles.measure import QUICK, measure_machine
+from pipeshard.profiles.reference import reference_profile
+from pipeshard.profiles.summary import summarize
+
+TINY_PLAN = replace(QUICK, tiers=(1, 16), shapes=((256, 512),), dtypes=("fp32",), attention_tokens=(1,),
+                    attention_contexts=(128,), copy_sizes=(1024 * 1024,), bandwidth_bytes=8 * 1024 * 1024,
+                    seconds_per_point=0.01)
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory):
+    document = measure_machine(TINY_PLAN, [1], use_cuda=False)
+    path = tmp_path_factory.mktemp("profile") / "db.json"
+    save_profile(document, path)
+    return path
+
+
+def test_a_measured_db_validates_and_has_every_section(measured):
+    document = load_profile(measured)
+    assert document["source"] == "measured" and document["device"]["kind"] == "sim"
+    rates = document["cpu"]["threads"]["1"]
+    assert [row["M"] for row in rates["matmul"]["fp32"]] == [1, 16]
+    assert all(row["gflops"] > 0 for row in rates["matmul"]["fp32"] + rates["under_copy_load"]["matmul"]["fp32"])
+    assert rates["memory_read_gbps"] > 0 and rates["hop_us"] > 0 and rates["attention"][0]["C"] == 128
+    assert document["link"]["kind"] == "sim-memcpy" and document["link"]["h2d"][0]["gbps"] > 0
+    factors = document["contention"]["cpu_matmul_slowdown_under_copy"]["1"]
+    assert set(factors) == {"1", "16", "memory_read"} and all(value > 0 for value in factors.values())
+    assert measured.stat().st_size < MAX_DB_BYTES
+
+
+@pytest.mark.parametrize("name", REFERENCE_PROFILES)
+def test_reference_profiles_are_spec_current_and_summarized(name, capsys):
+    shipped = json.loads(reference_profile_path(name).read_text())
+    regenerated = json.loads(json.dumps(reference_profile(name)))
+    assert shipped == regenerated, "regenerate: python -m pipeshard.profiles.reference"
+    assert shipped["source"] == "spec" and shipped["spec"]["link"]["gbps"] > 0
+    assert reference_profile_path(name).stat().st_size < MAX_DB_BYTES
+    assert main(["profile", "--show", name]) == 0
+    out = capsys.readouterr().out
+    assert "source spec" in out and "link: pcie" in out
+
+
+def test_reference_machines_cover_the_required_gpus():
+    memory = {name: load_profile(name)["device"]["memory_bytes"] for name in REFERENCE_PROFILES}
+    assert memory == {"laptop-8gb": 8 * 1024**3, "desktop-24gb": 24 * 1024**3, "laptop-4gb": 4 * 1024**3}
+    assert "x8" in load_profile("laptop-8gb")["link"]["name"] and "x16" in load_profile("desktop-24gb")["link"]["name"]
+
+
+def test_show_summarizes_a_measured_db(measured, capsys):
+    assert main(["profile", "--show", str(measured)]) == 0
+    assert "contention, CPU MatMul under copy, 1 threads" in capsys.readouterr().out
+    assert "sim" in summarize(load_profile(measured))
+
+
+@pytest.mark.parametrize("content, field", [
+    ("{ not json", "not valid JSON"),
+    ('{"schema_version": 2}', "'schema_version'"),
+    ('{"schema_version": 1, "source": "measured"}', "'created'"),
+])
+def test_bad_db_is_one_error_line_naming_file_and_field(tmp_path, capsys, content, field):
+    path = tmp_path / "broken.json"
+    path.write_text(content)
+    assert main(["profile", "--show", str(path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error:") and "broken.json" in err[0] and field in err[0]
+
+
+def test_schema_invalid_nested_field_is_named(measured, tmp_path):
+    document = json.loads(measured.read_text())
+    del document["cpu"]["threads"]["1"]["hop_us"]
+    path = tmp_path / "nested.json"
+    path.write_text(json.dumps(document))
+    with pytest.raises(UserError, match=r"cpu\.threads\.1\.hop_us"):
+        load_profile(path)
+
+
+def test_a_profile_from_another_machine_is_reported(measured, tmp_path, caplog):
+    document = json.loads(measured.read_text())
+    document["fingerprint"]["cpu_model"] = "Some Other CPU 9000"
+    document["fingerprint_id"] = "0123456789ab"
+    document["fingerprint"]["onnxruntime"] = "0.1"
+    path = tmp_path / "foreign.json"
+    path.write_text(json.dumps(document))
+    with caplog.at_level(logging.WARNING):
+        load_profile(path)
+    assert "another machine" in caplog.text and "onnxruntime 0.1" in caplog.text
+
+
+def test_unknown_profile_name_lists_the_known_ones(capsys):
+    assert main(["profile", "--show", "gaming-rig"]) == 2
+    assert "laptop-8gb" in capsys.readouterr().err
+
+
+def test_threads_must_be_positive_integers(capsys):
+    assert main(["profile", "--threads", "0,x"]) == 2
+    assert "--threads" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_quick_profile_finishes_within_two_minutes(tmp_path, capsys):
+    import time
+
+    started = time.perf_counter()
+    assert main(["profile", "--quick", "--out", str(tmp_path / "quick.json"), "--no-cuda"]) == 0
+    assert time.perf_counter() - started < 120
+    load_profile(tmp_path / "quick.json")
