@@ -7,6 +7,7 @@ import json
 import logging
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from pipeshard import __version__
 from pipeshard.errors import UserError
@@ -94,7 +95,7 @@ def _command_profile(args: argparse.Namespace) -> int:
     plan = QUICK if args.quick else FULL
     if args.pack:
         plan = plan_for_pack(plan, load_pack(args.pack).manifest)
-    threads = _thread_list(args.threads)
+    threads = _positive_list(args.threads, "--threads")
     counts = threads or list(range(1, _physical_cores() + 1))
     per_thread = 2 * len(plan.dtypes) * len(plan.shapes) * len(plan.tiers) + \
         len(plan.attention_tokens) * len(plan.attention_contexts) + 1
@@ -107,22 +108,61 @@ def _command_profile(args: argparse.Namespace) -> int:
     return 0
 
 
-def _physical_cores() -> int:
-    from pipeshard.profiles.db import physical_cores
+def _command_plan(args: argparse.Namespace) -> int:
+    from pipeshard.fsutil import write_json_atomic
+    from pipeshard.partitioner.planner import Planner, plans_document
+    from pipeshard.partitioner.report import plan_table, plot_timelines
+    from pipeshard.profiles.db import default_profile_path, load_profile, machine_fingerprint
+    from pipeshard.runtime.pack import load_pack
+    from pipeshard.units import parse_size
 
-    return physical_cores()
+    budget = parse_size(args.vram)
+    tiers = _positive_list(args.tiers, "--tiers") or [1, 4, 16, 64, 256, 1024]
+    if args.context < 1 or args.batch < 1:
+        raise UserError("--context and --batch must be positive integers")
+    pack = load_pack(args.pack)
+    profile_ref = args.profile or default_profile_path(machine_fingerprint())
+    if not args.profile and not profile_ref.exists():
+        raise UserError("no profile of this machine yet: run `pipeshard profile` or pass --profile "
+                        "(a DB file, or laptop-8gb / desktop-24gb / laptop-4gb)")
+    profile = load_profile(profile_ref)
+    planner = Planner(pack.manifest, profile, budget, context=args.context, batch=args.batch, threads=args.threads)
+    planned = planner.plan(tuple(tiers))
+    document = plans_document(planner, planned, str(pack.folder), str(profile_ref))
+    if args.out:
+        write_json_atomic(Path(args.out), document)
+    if args.json:
+        print(json.dumps(document, indent=1))
+    else:
+        print(plan_table(planner, planned, profile["device"]["kind"]))
+        if args.out:
+            print(f"wrote {args.out}")
+    if args.plot:
+        plot_tiers = [t for t in (1, 64) if t in tiers] or tiers[:2]
+        plot_timelines(planned, plot_tiers, Path(args.plot),
+                       f"{pack.model['architecture']} {pack.folder.name} on {profile.get('name', profile_ref)}, "
+                       f"budget {budget / 1024**2:.0f} MiB")
+        if not args.json:
+            print(f"wrote {args.plot}")
+    return 0
 
 
-def _thread_list(text: str | None) -> list[int] | None:
+def _positive_list(text: str | None, option: str) -> list[int] | None:
     if not text:
         return None
     try:
         values = [int(part) for part in text.split(",")]
     except ValueError:
-        raise UserError(f"--threads must be a comma-separated list of positive integers, not {text!r}") from None
-    if any(value < 1 for value in values):
-        raise UserError(f"--threads must be a comma-separated list of positive integers, not {text!r}")
+        raise UserError(f"{option} must be a comma-separated list of positive integers, not {text!r}") from None
+    if not values or any(value < 1 for value in values):
+        raise UserError(f"{option} must be a comma-separated list of positive integers, not {text!r}")
     return values
+
+
+def _physical_cores() -> int:
+    from pipeshard.profiles.db import physical_cores
+
+    return physical_cores()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -162,6 +202,19 @@ def build_parser() -> argparse.ArgumentParser:
     profile.add_argument("--show", default=None, metavar="FILE|NAME",
                          help="print the summary of a DB or reference profile (laptop-8gb, desktop-24gb, laptop-4gb)")
     profile.set_defaults(handler=_command_profile)
+
+    plan = commands.add_parser("plan", help="plans per token tier under a VRAM budget (plans.json)")
+    plan.add_argument("pack")
+    plan.add_argument("--vram", required=True, help="VRAM budget, e.g. 2GiB, 512MiB")
+    plan.add_argument("--profile", default=None, help="profile DB file or reference name (default: this machine's)")
+    plan.add_argument("--context", type=int, default=4096, help="context length the KV cache is sized for")
+    plan.add_argument("--batch", type=int, default=1, help="sequences per batch")
+    plan.add_argument("--tiers", default=None, help="token tiers, e.g. 1,4,16,64 (default 1,4,16,64,256,1024)")
+    plan.add_argument("--threads", type=int, default=None, help="CPU threads (default: the most profiled)")
+    plan.add_argument("--out", default=None, help="write plans.json here")
+    plan.add_argument("--json", action="store_true", help="print plans.json instead of the table")
+    plan.add_argument("--plot", default=None, metavar="FILE.png", help="timeline of tiers 1 and 64")
+    plan.set_defaults(handler=_command_plan)
 
     run = commands.add_parser("run", help="generate text from an export folder or a model pack")
     run.add_argument("path", help="export folder or model pack")

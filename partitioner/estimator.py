@@ -1,0 +1,166 @@
+"""The cost model: seconds for a sub-layer on a device, from the pack's shapes and the profile DB.
+
+A sub-layer's time is the sum, over its matrix products, of
+    max(2·T·K·N / achieved FLOP/s(T, K, N),  K·N·element / achieved read bandwidth)
+plus its attention, max(4·heads·head_dim·T·C / achieved attention FLOP/s(T, C), KV bytes / bandwidth),
+plus one hop. Achieved rates come from the profile's tables: the measured shape nearest in
+log(K·N) (and aspect) is taken, and between measured token counts M the rate is interpolated
+as a power law (linear in log-log; clamped at the ends). CPU sub-layers that overlap a copy use the rates measured
+under copy load (or the stored slowdown factor). A copy takes bytes / link bandwidth at that size.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from dataclasses import dataclass
+
+from pipeshard.errors import UserError
+
+ELEMENT_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
+
+
+def _interpolate_log(points: list[tuple[float, float]], x: float) -> float:
+    """y at x, linear in log(y) over log(x) between sorted (x, y) points, clamped outside them.
+    Rates grow in proportion to M while memory-bound, so a power law between points fits them."""
+    xs = [p[0] for p in points]
+    if x <= xs[0]:
+        return points[0][1]
+    if x >= xs[-1]:
+        return points[-1][1]
+    i = bisect.bisect_left(xs, x)
+    (x0, y0), (x1, y1) = points[i - 1], points[i]
+    w = (math.log(x) - math.log(x0)) / (math.log(x1) - math.log(x0))
+    return math.exp(math.log(y0) + w * (math.log(y1) - math.log(y0)))
+
+
+class RateTable:
+    """Achieved GFLOP/s of MatMul by (M, K, N) from a profile's rows."""
+
+    def __init__(self, rows: list[dict]) -> None:
+        if not rows:
+            raise UserError("the profile has no MatMul rates for this device and dtype")
+        self.by_shape: dict[tuple[int, int], list[tuple[float, float]]] = {}
+        for row in rows:
+            self.by_shape.setdefault((row["K"], row["N"]), []).append((float(row["M"]), float(row["gflops"])))
+        for points in self.by_shape.values():
+            points.sort()
+
+    def nearest_shape(self, k: int, n: int) -> tuple[int, int]:
+        def distance(shape: tuple[int, int]) -> float:
+            return abs(math.log(shape[0] * shape[1] / (k * n))) + 0.25 * abs(math.log(shape[0] / shape[1] * n / k))
+
+        return min(self.by_shape, key=distance)
+
+    def gflops(self, m: int, k: int, n: int) -> float:
+        return _interpolate_log(self.by_shape[self.nearest_shape(k, n)], m)
+
+
+class AttentionTable:
+    """Achieved attention GFLOP/s by (T, C)."""
+
+    def __init__(self, rows: list[dict]) -> None:
+        self.by_context: dict[int, list[tuple[float, float]]] = {}
+        for row in rows:
+            self.by_context.setdefault(row["C"], []).append((float(row["T"]), float(row["gflops"])))
+        for points in self.by_context.values():
+            points.sort()
+
+    def gflops(self, tokens: int, context: int) -> float:
+        contexts = sorted(self.by_context)
+        per_context = [(float(c), _interpolate_log(self.by_context[c], tokens)) for c in contexts]
+        return _interpolate_log(per_context, context)
+
+
+@dataclass
+class DeviceRates:
+    """Everything the estimator needs about one compute device."""
+
+    matmul: RateTable
+    matmul_loaded: RateTable | None
+    attention: AttentionTable
+    read_gbps: float
+    read_gbps_loaded: float
+    hop_s: float
+
+
+class Estimator:
+    """Seconds per sub-layer (CPU or device) and per copy, for one pack, profile and thread count."""
+
+    def __init__(self, profile: dict, model: dict, threads: int | None = None) -> None:
+        self.profile = profile
+        self.dtype = model["dtype"]
+        self.element = ELEMENT_BYTES[self.dtype]
+        self.model = model
+        cpu_threads = profile["cpu"]["threads"]
+        available = sorted(int(t) for t in cpu_threads)
+        self.threads = threads if threads and str(threads) in cpu_threads else available[-1]
+        if threads and str(threads) not in cpu_threads:
+            nearest = min(available, key=lambda t: abs(t - threads))
+            self.threads = nearest
+        cpu = cpu_threads[str(self.threads)]
+        self.cpu = DeviceRates(
+            matmul=RateTable(cpu["matmul"][self._table_dtype(cpu["matmul"])]),
+            matmul_loaded=RateTable(cpu["under_copy_load"]["matmul"][self._table_dtype(cpu["matmul"])]),
+            attention=AttentionTable(cpu["attention"]),
+            read_gbps=cpu["memory_read_gbps"],
+            read_gbps_loaded=cpu["under_copy_load"]["memory_read_gbps"],
+            hop_s=cpu["hop_us"] * 1e-6,
+        )
+        device = profile["device"]
+        if device["kind"] == "sim" or not device.get("matmul"):
+            self.device = DeviceRates(self.cpu.matmul, None, self.cpu.attention, self.cpu.read_gbps,
+                                      self.cpu.read_gbps, device.get("launch_us", cpu["hop_us"]) * 1e-6)
+        else:
+            self.device = DeviceRates(
+                matmul=RateTable(device["matmul"][self._table_dtype(device["matmul"])]), matmul_loaded=None,
+                attention=AttentionTable(device["attention"]),
+                read_gbps=device.get("memory_read_gbps") or 500.0, read_gbps_loaded=device.get("memory_read_gbps") or 500.0,
+                hop_s=device.get("launch_us", 10.0) * 1e-6)
+        link = profile["link"]
+        self.link_rows = sorted((r["bytes"], r["gbps"]) for r in link["h2d"] if r.get("pinned", True) or
+                                not any(x.get("pinned") for x in link["h2d"]))
+        self.copy_slowdown = profile["contention"].get("copy_slowdown_under_cpu_matmul", 1.0)
+
+    def _table_dtype(self, table: dict) -> str:
+        return self.dtype if self.dtype in table else "fp32"
+
+    def _matmuls(self, entry: dict) -> list[tuple[int, int]]:
+        """(K, N) of each matrix product: weights are [K, N] for MatMul, [N, K] for the lm_head Gemm."""
+        shapes = []
+        for weight in entry["weights"]:
+            if len(weight["shape"]) != 2:
+                continue
+            k, n = weight["shape"]
+            if entry["kind"] in ("final", "embed") and n == self.model["hidden_size"]:
+                k, n = n, k  # stored [vocab, hidden]: read transposed
+            shapes.append((k, n))
+        return shapes
+
+    def compute_seconds(self, entry: dict, tokens: int, context: int, on_device: bool,
+                        under_copy: bool = False) -> float:
+        """Time of sub-layer `entry` for T=tokens new tokens at context C on the CPU or the device."""
+        rates = self.device if on_device else self.cpu
+        if entry["kind"] in ("prologue",):
+            return rates.hop_s
+        if entry["kind"] == "embed":
+            return rates.hop_s + tokens * self.model["hidden_size"] * self.element / (rates.read_gbps * 1e9)
+        table = rates.matmul_loaded if under_copy and rates.matmul_loaded else rates.matmul
+        read_gbps = rates.read_gbps_loaded if under_copy else rates.read_gbps
+        seconds = rates.hop_s
+        for k, n in self._matmuls(entry):
+            compute = 2.0 * tokens * k * n / (table.gflops(tokens, k, n) * 1e9)
+            memory = k * n * self.element / (read_gbps * 1e9)
+            seconds += max(compute, memory)
+        if entry["kind"] == "attn":
+            flops = 4.0 * self.model["num_attention_heads"] * self.model["head_dim"] * tokens * context
+            kv_bytes = entry["kv"]["bytes_per_token"] * context
+            seconds += max(flops / (rates.attention.gflops(tokens, context) * 1e9), kv_bytes / (read_gbps * 1e9))
+        return seconds
+
+    def copy_seconds(self, size_bytes: int, under_cpu_load: bool = False) -> float:
+        """Host-to-device copy of `size_bytes`."""
+        if size_bytes <= 0:
+            return 0.0
+        gbps = _interpolate_log([(float(b), g) for b, g in self.link_rows], size_bytes)
+        return size_bytes / (gbps * 1e9) * (self.copy_slowdown if under_cpu_load else 1.0)

@@ -1,0 +1,301 @@
+"""Plans per token tier: GPU-only streaming, static pinning, the dynamic split, and the baselines.
+
+A plan is data: for every sub-layer a placement (pinned / streamed / cpu), the predicted seconds,
+the step time and the VRAM breakdown. The runtime executes plans; it never decides placement.
+Policies are functions returning a plan; the estimator (seconds) and the simulator (step time)
+live in their own modules.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import asdict, dataclass, field
+
+from pipeshard import __version__
+from pipeshard.errors import UserError
+from pipeshard.partitioner.estimator import Estimator
+from pipeshard.partitioner.simulate import CPU, PINNED, STREAMED, Simulation, simulate
+
+PLANS_SCHEMA_VERSION = 1
+DEFAULT_TIERS = (1, 4, 16, 64, 256, 1024)
+RESERVE_BYTES = 64 * 1024**2  # kept free for the driver and fragmentation
+STAGING_SLOTS = 2
+HOST_ONLY_KINDS = ("prologue", "embed")  # cheap, and embed reads only T rows of a large table
+STRATEGIES = ("gpu-only", "static", "dynamic")
+BASELINES = ("monolithic", "cpu", "layers", "offload")
+
+
+@dataclass
+class VramBreakdown:
+    pinned_weights: int = 0
+    kv_cache: int = 0
+    staging_slots: int = 0
+    workspace: int = 0
+    ep_overhead: int = 0
+    reserve: int = RESERVE_BYTES
+
+    @property
+    def total(self) -> int:
+        return (self.pinned_weights + self.kv_cache + self.staging_slots + self.workspace + self.ep_overhead
+                + self.reserve)
+
+
+@dataclass
+class Plan:
+    strategy: str
+    tier: int
+    placements: dict[str, str]
+    predicted_s: dict[str, float]
+    step_s: float
+    tokens_per_s: float
+    vram: VramBreakdown
+    budget_bytes: int
+    streamed_bytes: int = 0
+    copy_hidden_fraction: float = 1.0
+    slots: int = STAGING_SLOTS
+    prefetch: bool = True
+    timeline: list = field(default_factory=list, repr=False)
+
+    def counts(self) -> dict[str, int]:
+        return {kind: sum(1 for p in self.placements.values() if p == kind) for kind in (PINNED, STREAMED, CPU)}
+
+    def to_json(self) -> dict:
+        document = asdict(self)
+        document.pop("timeline")
+        document["vram"]["total"] = self.vram.total
+        document["counts"] = self.counts()
+        return document
+
+
+class Planner:
+    """Makes plans for one pack, profile, budget, context and batch; replanning is cheap (no I/O)."""
+
+    def __init__(self, manifest: dict, profile: dict, budget_bytes: int, context: int = 4096, batch: int = 1,
+                 threads: int | None = None) -> None:
+        self.manifest = manifest
+        self.model = manifest["model"]
+        self.sub_layers = manifest["sub_layers"]
+        self.profile = profile
+        self.estimator = Estimator(profile, self.model, threads)
+        self.context = context
+        self.batch = batch
+        self.budget_bytes = budget_bytes
+        self.ep_overhead = int(profile["device"].get("ep_overhead_bytes") or 0)
+        self.device_memory = profile["device"].get("memory_bytes")
+        owned = {}
+        for entry in self.sub_layers:
+            for weight in entry["weights"]:
+                owned[(weight["file"], weight["offset"])] = weight["bytes"]
+        self.weight_bytes = {e["name"]: sum(w["bytes"] for w in e["weights"]) for e in self.sub_layers}
+        self.model_bytes = sum(owned.values())
+        self.placeable = [e for e in self.sub_layers if e["kind"] not in HOST_ONLY_KINDS]
+        # Canonical pin priority: attention (with its KV) first, then FFN in layer order, then the output layer.
+        order = {"attn": 0, "router": 1, "ffn": 2, "final": 3}
+        self.priority = sorted(self.placeable, key=lambda e: (order.get(e["kind"], 2), e["layer"] or 0))
+        self._cost_cache: dict[int, tuple[dict, dict, float]] = {}
+
+    # -- accounting -------------------------------------------------------------------------------------------------
+    def kv_bytes(self, entry: dict) -> int:
+        return entry["kv"]["bytes_per_token"] * self.context * self.batch if entry.get("kv") else 0
+
+    def workspace_bytes(self, tier: int) -> int:
+        """Activation workspace on the device for one step of `tier` tokens (the largest sub-layer's)."""
+        element = self.estimator.element
+        hidden, inter = self.model["hidden_size"], self.model["intermediate_size"]
+        scores = 4 * self.model["num_attention_heads"] * tier * min(self.context, 1 << 20)
+        logits = 4 * tier * self.model["vocab_size"]
+        return tier * element * (4 * hidden + 3 * inter) + max(scores, logits)
+
+    def vram(self, placements: dict[str, str], tier: int, slots: int) -> VramBreakdown:
+        on_device = [e for e in self.placeable if placements[e["name"]] != CPU]
+        streamed = [e for e in on_device if placements[e["name"]] == STREAMED]
+        return VramBreakdown(
+            pinned_weights=sum(self.weight_bytes[e["name"]] for e in on_device if placements[e["name"]] == PINNED),
+            kv_cache=sum(self.kv_bytes(e) for e in on_device),
+            staging_slots=slots * max((self.weight_bytes[e["name"]] for e in streamed), default=0) if streamed else 0,
+            workspace=self.workspace_bytes(tier) if on_device else 0,
+            ep_overhead=self.ep_overhead,
+        )
+
+    def minimum_budget(self) -> int:
+        """The smallest plan: nothing on the device (static with nothing pinned) still needs the EP."""
+        return VramBreakdown(ep_overhead=self.ep_overhead).total
+
+    # -- evaluation -------------------------------------------------------------------------------------------------
+    def evaluate(self, strategy: str, tier: int, placements: dict[str, str], slots: int = STAGING_SLOTS,
+                 prefetch: bool = True, detail: bool = False) -> Plan:
+        full = {e["name"]: placements.get(e["name"], CPU) for e in self.sub_layers}
+        compute, copies, activation = self._costs(tier)
+        slowdown = 1.0
+        if any(p == STREAMED for p in full.values()):
+            factors = self.profile["contention"]["cpu_matmul_slowdown_under_copy"].get(str(self.estimator.threads), {})
+            slowdown = _nearest_tier_factor(factors, tier)
+        simulation: Simulation = simulate(self.sub_layers, full, compute, copies, activation, slots, prefetch,
+                                          slowdown, detail)
+        vram = self.vram(full, tier, slots)
+        streamed_bytes = sum(self.weight_bytes[n] for n, p in full.items() if p == STREAMED)
+        return Plan(strategy, tier, full, simulation.per_sub_layer_s, simulation.step_s,
+                    tier / simulation.step_s, vram, self.budget_bytes, streamed_bytes,
+                    simulation.copy_hidden_s / simulation.copy_busy_s if simulation.copy_busy_s else 1.0,
+                    slots, prefetch, simulation.timeline)
+
+    def _costs(self, tier: int) -> tuple[dict, dict, float]:
+        """Estimator results for a tier, computed once: (compute seconds per device, copy seconds, activation copy)."""
+        if tier not in self._cost_cache:
+            estimator = self.estimator
+            compute = {e["name"]: {"cpu": estimator.compute_seconds(e, tier, self.context, False),
+                                   "gpu": estimator.compute_seconds(e, tier, self.context, True)}
+                       for e in self.sub_layers}
+            copies = {e["name"]: estimator.copy_seconds(self.weight_bytes[e["name"]], under_cpu_load=True)
+                      for e in self.sub_layers}
+            activation = estimator.copy_seconds(tier * self.model["hidden_size"] * estimator.element)
+            self._cost_cache[tier] = (compute, copies, activation)
+        return self._cost_cache[tier]
+
+    def fits(self, plan: Plan) -> bool:
+        return plan.vram.total <= self.budget_bytes
+
+    # -- policies ---------------------------------------------------------------------------------------------------
+    def _pin_prefix(self, tier: int, base: dict[str, str], slots: int) -> dict[str, str]:
+        """Pin in priority order while the plan still fits (placements not pinned keep `base`)."""
+        placements = dict(base)
+        for entry in self.priority:
+            trial = dict(placements)
+            trial[entry["name"]] = PINNED
+            if self.vram(trial, tier, slots).total <= self.budget_bytes:
+                placements = trial
+            else:
+                break
+        return placements
+
+    def gpu_only(self, tier: int) -> Plan | None:
+        """Everything on the GPU: pin by priority, stream the rest through 2 slots (1 if 2 do not fit)."""
+        streamed_all = {e["name"]: STREAMED for e in self.placeable}
+        for slots in (STAGING_SLOTS, 1):
+            if self.vram(streamed_all, tier, slots).total <= self.budget_bytes:
+                return self.evaluate("gpu-only", tier, self._pin_prefix(tier, streamed_all, slots), slots=slots)
+        return None
+
+    def static(self, tier: int) -> Plan:
+        placements = self._pin_prefix(tier, {e["name"]: CPU for e in self.placeable}, 0)
+        return self.evaluate("static", tier, placements, slots=0)
+
+    def dynamic(self, tier: int) -> Plan | None:
+        """Pin as static (leaving room for the slots); then, in order of the time they would save on the
+        GPU, move the remaining sub-layers from the CPU to streaming, keeping each move that the
+        simulation says helps (one simulation per candidate: cheap enough to replan between steps)."""
+        best_plan = None
+        for slots in (STAGING_SLOTS, 1):
+            placements = self._pin_prefix(tier, {e["name"]: CPU for e in self.placeable}, slots)
+            compute, copies, _ = self._costs(tier)
+            candidates = [n for n, p in placements.items() if p == CPU]
+            candidates.sort(key=lambda n: compute[n]["gpu"] + copies[n] - compute[n]["cpu"])
+            best = self.evaluate("dynamic", tier, placements, slots=slots)
+            for name in candidates:
+                trial = {**best.placements, name: STREAMED}
+                plan = self.evaluate("dynamic", tier, trial, slots=slots)
+                if self.fits(plan) and plan.step_s < best.step_s * (1 - 1e-9):
+                    best = plan
+            if any(p == STREAMED for p in best.placements.values()) and self.fits(best) and \
+                    (best_plan is None or best.step_s < best_plan.step_s):
+                best_plan = best
+        return best_plan
+
+    def exhaustive_dynamic(self, tier: int, slots: int = STAGING_SLOTS) -> Plan:
+        """The true optimum of the dynamic split under the same estimator (2^n: small packs only)."""
+        base = self._pin_prefix(tier, {e["name"]: CPU for e in self.placeable}, slots)
+        free = [n for n, p in base.items() if p == CPU]
+        best = self.evaluate("dynamic", tier, base, slots=slots)
+        for choice in itertools.product((CPU, STREAMED), repeat=len(free)):
+            trial = dict(base)
+            trial.update(zip(free, choice, strict=True))
+            plan = self.evaluate("dynamic", tier, trial, slots=slots)
+            if self.fits(plan) and plan.step_s < best.step_s:
+                best = plan
+        return best
+
+    # -- baselines --------------------------------------------------------------------------------------------------
+    def baseline(self, name: str, tier: int) -> Plan | None:
+        if name in ("monolithic", "cpu"):
+            return self.evaluate(name, tier, {e["name"]: CPU for e in self.placeable}, slots=0)
+        layers = sorted({e["layer"] for e in self.placeable if e["layer"] is not None})
+        if name == "layers":
+            placements = {e["name"]: CPU for e in self.placeable}
+            for layer in layers:
+                trial = {**placements, **{e["name"]: PINNED for e in self.placeable if e["layer"] == layer}}
+                if self.vram(trial, tier, 0).total > self.budget_bytes:
+                    break
+                placements = trial
+            if all(p == PINNED for n, p in placements.items() if self._layer_of(n) is not None):
+                trial = {**placements, **{e["name"]: PINNED for e in self.placeable if e["layer"] is None}}
+                if self.vram(trial, tier, 0).total <= self.budget_bytes:
+                    placements = trial
+            return self.evaluate("layers", tier, placements, slots=0)
+        if name == "offload":
+            streamed_all = {e["name"]: STREAMED for e in self.placeable}
+            if self.vram(streamed_all, tier, 1).total > self.budget_bytes:
+                return None
+            in_order = sorted(self.placeable, key=lambda e: self.sub_layers.index(e))
+            placements = dict(streamed_all)
+            for entry in in_order:
+                trial = {**placements, entry["name"]: PINNED}
+                if self.vram(trial, tier, 1).total > self.budget_bytes:
+                    break
+                placements = trial
+            return self.evaluate("offload", tier, placements, slots=1, prefetch=False)
+        raise UserError(f"unknown baseline {name!r}; known: {', '.join(BASELINES)}")
+
+    def _layer_of(self, name: str) -> int | None:
+        return next(e["layer"] for e in self.sub_layers if e["name"] == name)
+
+    # -- per tier ---------------------------------------------------------------------------------------------------
+    def plan_tier(self, tier: int) -> dict:
+        if self.budget_bytes < self.minimum_budget():
+            raise UserError(f"VRAM budget {self.budget_bytes / 1024**2:.0f} MiB is below the minimum of any plan: "
+                            f"{self.minimum_budget() / 1024**2:.0f} MiB (EP overhead + reserve)")
+        candidates = [self.detailed(p) for p in (self.gpu_only(tier), self.static(tier), self.dynamic(tier))
+                      if p is not None]
+        candidates.sort(key=lambda p: p.step_s)
+        baselines = {name: self.baseline(name, tier) for name in ("layers", "offload")}
+        return {"tier": tier, "chosen": candidates[0], "alternatives": candidates[1:],
+                "baselines": {k: self.detailed(v) for k, v in baselines.items() if v is not None}}
+
+    def detailed(self, plan: Plan) -> Plan:
+        """The same plan re-simulated with its timeline and copy overlap (for reports and plans.json)."""
+        return self.evaluate(plan.strategy, plan.tier, plan.placements, plan.slots, plan.prefetch, detail=True)
+
+    def plan(self, tiers: tuple[int, ...] = DEFAULT_TIERS) -> dict:
+        started = time.perf_counter()
+        per_tier = [self.plan_tier(t) for t in tiers]
+        return {"tiers": per_tier, "planning_s": time.perf_counter() - started}
+
+
+def _nearest_tier_factor(factors: dict[str, float], tier: int) -> float:
+    tiers = [int(k) for k in factors if k.isdigit()]
+    if not tiers:
+        return 1.0
+    return max(1.0, factors[str(min(tiers, key=lambda t: abs(t - tier)))])
+
+
+def plans_document(planner: Planner, planned: dict, pack: str, profile_name: str) -> dict:
+    """plans.json (schema 1, docs/plans.md)."""
+    def tier_json(entry: dict) -> dict:
+        return {"tier": entry["tier"], "chosen": entry["chosen"].to_json(),
+                "alternatives": [p.to_json() for p in entry["alternatives"]],
+                "baselines": {k: v.to_json() for k, v in entry["baselines"].items()}}
+
+    return {
+        "schema_version": PLANS_SCHEMA_VERSION,
+        "pipeshard_version": __version__,
+        "pack": pack,
+        "profile": {"name": profile_name, "source": planner.profile["source"],
+                    "fingerprint_id": planner.profile["fingerprint_id"]},
+        "budget_bytes": planner.budget_bytes,
+        "context": planner.context,
+        "batch": planner.batch,
+        "threads": planner.estimator.threads,
+        "model_bytes": planner.model_bytes,
+        "minimum_budget_bytes": planner.minimum_budget(),
+        "tiers": [tier_json(e) for e in planned["tiers"]],
+    }

@@ -1,0 +1,72 @@
+"""The human side of planning: the per-tier table and the timeline picture."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pipeshard.errors import UserError
+from pipeshard.partitioner.planner import Plan
+
+MiB = 1024**2
+
+
+def _counts(plan: Plan, placeable: set[str]) -> str:
+    counts = {"pinned": 0, "streamed": 0, "cpu": 0}
+    for name, place in plan.placements.items():
+        if name in placeable:
+            counts[place] += 1
+    return f"{counts['pinned']}/{counts['streamed']}/{counts['cpu']}"
+
+
+def plan_table(planner, planned: dict, device_kind: str) -> str:
+    """One row per tier: the chosen plan, the others, and the predicted speedup over the baselines."""
+    placeable = {e["name"] for e in planner.placeable}
+    header = (f"{'tier':>5} {'plan':<9} {'ms/step':>9} {'tok/s':>9} {'VRAM MiB':>15} {'pin/str/cpu':>12}  "
+              f"{'other plans (ms)':<28} {'vs layers':>9} {'vs offload':>10}")
+    lines = [f"budget {planner.budget_bytes / MiB:.0f} MiB (minimum {planner.minimum_budget() / MiB:.0f} MiB), "
+             f"context {planner.context}, batch {planner.batch}, {planner.estimator.threads} CPU threads, "
+             f"device {device_kind}, model {planner.model_bytes / MiB:.0f} MiB", header, "-" * len(header)]
+    for entry in planned["tiers"]:
+        chosen: Plan = entry["chosen"]
+        others = ", ".join(f"{p.strategy} {p.step_s * 1e3:.2f}" for p in entry["alternatives"]) or "-"
+        ratios = [f"{entry['baselines'][b].step_s / chosen.step_s:.2f}x" if b in entry["baselines"] else "n/a"
+                  for b in ("layers", "offload")]
+        lines.append(f"{entry['tier']:>5} {chosen.strategy:<9} {chosen.step_s * 1e3:>9.2f} {chosen.tokens_per_s:>9.1f} "
+                     f"{chosen.vram.total / MiB:>6.0f} of {planner.budget_bytes / MiB:<6.0f} "
+                     f"{_counts(chosen, placeable):>12}  {others:<28} {ratios[0]:>9} {ratios[1]:>10}")
+    lines.append("predicted times (roofline estimator + 3-resource simulation); 'vs' = baseline step / chosen step")
+    return "\n".join(lines)
+
+
+def plot_timelines(planned: dict, tiers: list[int], path: Path, title: str) -> None:
+    """Gantt chart of CPU, GPU and copy engine over one steady-state step, one panel per tier."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise UserError("--plot needs matplotlib: pip install 'pipeshard[plot]'") from None
+    chosen = {entry["tier"]: entry["chosen"] for entry in planned["tiers"]}
+    missing = [t for t in tiers if t not in chosen]
+    if missing:
+        raise UserError(f"--plot tiers {missing} are not among the planned tiers {sorted(chosen)}")
+    colors = {"attn": "tab:blue", "ffn": "tab:orange", "final": "tab:green", "other": "tab:gray"}
+    figure, axes = plt.subplots(len(tiers), 1, figsize=(12, 2.2 * len(tiers)), squeeze=False)
+    for axis, tier in zip(axes[:, 0], tiers, strict=True):
+        plan = chosen[tier]
+        rows = {"cpu": 2, "gpu": 1, "copy": 0}
+        for interval in plan.timeline:
+            kind = interval.sub_layer.split(".")[-1].split(" ")[0]
+            color = colors.get(kind, colors["other"]) if interval.resource != "copy" else (
+                "tab:red" if " input" not in interval.sub_layer and interval.sub_layer != "logits" else "tab:pink")
+            axis.barh(rows[interval.resource], (interval.end_s - interval.start_s) * 1e3,
+                      left=interval.start_s * 1e3, color=color, edgecolor="black", linewidth=0.2)
+        axis.set_yticks([0, 1, 2], ["copy", "GPU", "CPU"])
+        axis.set_title(f"T={tier}: {plan.strategy}, {plan.step_s * 1e3:.2f} ms/step predicted, "
+                       f"{plan.copy_hidden_fraction:.0%} of copy time overlaps compute", fontsize=9)
+        axis.set_xlabel("ms")
+    figure.suptitle(title, fontsize=10)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)

@@ -1,0 +1,122 @@
+"""A plan's step time: three resources in order (CPU, GPU, copy engine) over the chain of sub-layers.
+
+Each sub-layer runs on the CPU or the GPU after its input is ready; an activation crossing devices
+is a copy of T x hidden on the copy engine. A streamed sub-layer first needs its weights copied
+into a free slot of a ring of staging slots (a slot frees when the sub-layer that used it
+finishes); copies are issued in chain order as soon as engine and slot allow, so they run ahead of
+compute (prefetch) — or, with `prefetch=False` (the Accelerate-style baseline), only when the
+sub-layer is reached. CPU work that overlaps a copy is slowed by the measured contention. The chain
+is simulated for several consecutive steps and the steady-state step time is the spacing of the
+last two, so the next step's first copies overlap this step's tail.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+PINNED, STREAMED, CPU = "pinned", "streamed", "cpu"
+STEPS = 3
+
+
+@dataclass
+class Interval:
+    """One busy period of one resource, for timelines."""
+
+    resource: str
+    sub_layer: str
+    start_s: float
+    end_s: float
+
+
+@dataclass
+class Simulation:
+    step_s: float
+    per_sub_layer_s: dict[str, float]
+    timeline: list[Interval] = field(default_factory=list)
+    copy_busy_s: float = 0.0
+    copy_hidden_s: float = 0.0
+
+
+def simulate(sub_layers: list[dict], placements: dict[str, str], compute_s: dict[str, dict[str, float]],
+             copy_s: dict[str, float], activation_copy_s: float, slots: int = 2, prefetch: bool = True,
+             cpu_slowdown_under_copy: float = 1.0, detail: bool = True) -> Simulation:
+    """Steady-state step time of one plan (with `detail`, also its timeline and hidden copy time).
+
+    compute_s[name] = {"cpu": seconds, "gpu": seconds}; copy_s[name] = seconds to stream its weights.
+    """
+    free = {"cpu": 0.0, "gpu": 0.0, "copy": 0.0}
+    timeline: list[Interval] = []
+    streamed = [e["name"] for e in sub_layers if placements[e["name"]] == STREAMED]
+    slots = max(slots, 1)
+    copy_end: list[float] = []  # per global streamed index (over all steps)
+    compute_end: list[float] = []  # per global streamed index
+    total_streamed = len(streamed) * STEPS
+
+    def copy(label: str, start: float, seconds: float) -> float:
+        begin = max(free["copy"], start)
+        free["copy"] = begin + seconds
+        timeline.append(Interval("copy", label, begin, free["copy"]))
+        return free["copy"]
+
+    def issue_ready_copies(now: float | None) -> None:
+        """Issue streamed copies whose slot is known to be free (prefetch), or the next one at `now`."""
+        while len(copy_end) < total_streamed:
+            index = len(copy_end)
+            if index >= slots and index - slots >= len(compute_end):
+                return  # its slot's previous user has not run yet
+            slot_released = compute_end[index - slots] if index >= slots else 0.0
+            if not prefetch and now is None:
+                return
+            name = streamed[index % len(streamed)]
+            copy_end.append(copy(name, max(slot_released, now or 0.0), copy_s[name]))
+            if not prefetch:
+                return
+
+    ready = 0.0
+    previous_device = "cpu"  # tokens enter on the host
+    step_ends: list[float] = []
+    per_sub_layer: dict[str, float] = {}
+    for _ in range(STEPS):
+        for entry in sub_layers:
+            name = entry["name"]
+            place = placements[name]
+            device = "cpu" if place == CPU else "gpu"
+            if device != previous_device:
+                ready = copy(f"{name} input", ready, activation_copy_s)
+            if prefetch:
+                issue_ready_copies(None)
+            start = max(free[device], ready)
+            if place == STREAMED:
+                index = len(compute_end)
+                if index >= len(copy_end):
+                    issue_ready_copies(start)
+                start = max(start, copy_end[index])
+            duration = compute_s[name][device]
+            if device == "cpu" and any(i.resource == "copy" and i.start_s < start + duration and i.end_s > start
+                                       for i in timeline[-8:]):
+                duration *= cpu_slowdown_under_copy
+            end = start + duration
+            if place == STREAMED:
+                compute_end.append(end)
+            free[device] = end
+            ready = end
+            previous_device = device
+            per_sub_layer[name] = duration
+            timeline.append(Interval(device, name, start, end))
+        if previous_device != "cpu":  # logits come back to the host
+            ready = copy("logits", ready, activation_copy_s)
+            previous_device = "cpu"
+        step_ends.append(ready)
+    window_start, window_end = step_ends[-2], step_ends[-1]
+    if not detail:  # the plan search needs only the step time
+        return Simulation(window_end - window_start, per_sub_layer)
+    in_window = [i for i in timeline if i.end_s > window_start and i.start_s < window_end]
+    compute_busy = [(i.start_s, i.end_s) for i in in_window if i.resource != "copy"]
+    copy_busy = hidden = 0.0
+    for i in in_window:
+        if i.resource == "copy":
+            start, end = max(i.start_s, window_start), min(i.end_s, window_end)
+            copy_busy += end - start
+            hidden += sum(max(0.0, min(end, e) - max(start, s)) for s, e in compute_busy)
+    shifted = [Interval(i.resource, i.sub_layer, i.start_s - window_start, i.end_s - window_start) for i in in_window]
+    return Simulation(window_end - window_start, per_sub_layer, shifted, copy_busy, min(hidden, copy_busy))
