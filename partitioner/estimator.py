@@ -115,7 +115,8 @@ class Estimator:
             self.device = DeviceRates(
                 matmul=RateTable(device["matmul"][self._table_dtype(device["matmul"])]), matmul_loaded=None,
                 attention=AttentionTable(device["attention"]),
-                read_gbps=device.get("memory_read_gbps") or 500.0, read_gbps_loaded=device.get("memory_read_gbps") or 500.0,
+                read_gbps=device.get("memory_read_gbps") or 500.0,
+                read_gbps_loaded=device.get("memory_read_gbps") or 500.0,
                 hop_s=device.get("launch_us", 10.0) * 1e-6)
         link = profile["link"]
         self.link_rows = sorted((r["bytes"], r["gbps"]) for r in link["h2d"] if r.get("pinned", True) or

@@ -64,6 +64,16 @@ class BoundSession:
                  output_shapes: dict[str, tuple[tuple[int, ...], np.dtype]], device: str = "cpu") -> None:
         self.session = ort.InferenceSession(model.SerializeToString(), options, providers=providers)
         self.binding = self.session.io_binding()
+        self._ort = ort
+        self.device = device
+        self.bind(inputs, output_shapes)
+        self.run_options = ort.RunOptions()
+        self._raw = self.binding._iobinding
+        self._run = self.session._sess.run_with_iobinding
+
+    def bind(self, inputs: dict[str, np.ndarray], output_shapes: dict[str, tuple[tuple[int, ...], np.dtype]]) -> None:
+        """(Re)bind inputs and preallocated outputs, e.g. for another token count M."""
+        ort, device = self._ort, self.device
         self.keep_alive = []
         for name, array in inputs.items():
             if device == "cpu":
@@ -76,9 +86,6 @@ class BoundSession:
             value = ort.OrtValue.ortvalue_from_shape_and_type(list(shape), dtype, device, 0)
             self.keep_alive.append(value)
             self.binding.bind_ortvalue_output(name, value)
-        self.run_options = ort.RunOptions()
-        self._raw = self.binding._iobinding
-        self._run = self.session._sess.run_with_iobinding
 
     def __call__(self) -> None:
         self._run(self._raw, self.run_options)

@@ -103,31 +103,46 @@ def sim_copy_gbps(size_bytes: int, seconds: float) -> float:
     return size_bytes / result[0] / 1e9
 
 
-def _matmul_rows(ort, plan: Plan, threads: int, progress) -> dict[str, list[dict]]:
+def _matmul_rows(ort, plan: Plan, threads: int, copy_load, progress) -> tuple[dict, dict]:
+    """MatMul rates idle and under the copy load, each point measured back to back on one session per shape."""
     options = cpu_session_options(threads)
-    table: dict[str, list[dict]] = {}
+    idle: dict[str, list[dict]] = {}
+    loaded: dict[str, list[dict]] = {}
     for dtype in plan.dtypes:
-        rows = []
+        idle[dtype], loaded[dtype] = [], []
         for k, n in plan.shapes:
-            model = matmul_model(k, n, dtype)
+            session = None
             for m in plan.tiers:
                 x = np.random.default_rng(1).standard_normal((m, k), dtype=np.float32).astype(NUMPY_FLOAT[dtype])
-                session = BoundSession(ort, model, options, ["CPUExecutionProvider"], {"X": x},
-                                       {"Y": ((m, n), NUMPY_FLOAT[dtype])})
-                seconds = median_seconds(session, plan.seconds_per_point)
-                rows.append({"M": m, "K": k, "N": n, "seconds": seconds, "gflops": 2 * m * k * n / seconds / 1e9})
-                progress()
-        table[dtype] = rows
-    return table
+                outputs = {"Y": ((m, n), NUMPY_FLOAT[dtype])}
+                if session is None:
+                    session = BoundSession(ort, matmul_model(k, n, dtype), options, ["CPUExecutionProvider"],
+                                           {"X": x}, outputs)
+                else:
+                    session.bind({"X": x}, outputs)
+                for table, load in ((idle, None), (loaded, copy_load)):
+                    if load is None:
+                        seconds = median_seconds(session, plan.seconds_per_point)
+                    else:
+                        with load():
+                            seconds = median_seconds(session, plan.seconds_per_point)
+                    table[dtype].append({"M": m, "K": k, "N": n, "seconds": seconds,
+                                         "gflops": 2 * m * k * n / seconds / 1e9})
+                    progress()
+    return idle, loaded
 
 
-def matmul_read_gbps(ort, threads: int, size_bytes: int, seconds: float) -> float:
-    """Bytes per second an M=1 MatMul streams from a weight of `size_bytes` (the decode roofline)."""
+def matmul_read_gbps(ort, threads: int, size_bytes: int, seconds: float, copy_load) -> tuple[float, float]:
+    """Bytes per second an M=1 MatMul streams from a weight of `size_bytes` (the decode roofline),
+    idle and under the copy load."""
     side = int(np.sqrt(size_bytes / 4))
     session = BoundSession(ort, matmul_model(side, side, "fp32"), cpu_session_options(threads),
                            ["CPUExecutionProvider"], {"X": np.ones((1, side), np.float32)},
                            {"Y": ((1, side), np.float32)})
-    return side * side * 4 / median_seconds(session, seconds) / 1e9
+    idle = side * side * 4 / median_seconds(session, seconds) / 1e9
+    with copy_load():
+        loaded = side * side * 4 / median_seconds(session, seconds) / 1e9
+    return idle, loaded
 
 
 def _attention_rows(ort, plan: Plan, threads: int, progress) -> list[dict]:
@@ -170,12 +185,10 @@ def measure_machine(plan: Plan, thread_counts: list[int] | None = None, progress
     copy_load = measure_cuda.H2DLoop if use_cuda else CopyLoop
     cpu_threads: dict[str, dict] = {}
     for threads in thread_counts:
-        idle_matmul = _matmul_rows(ort, plan, threads, progress)
-        read_idle = matmul_read_gbps(ort, threads, plan.bandwidth_bytes, plan.seconds_per_point)
+        idle_matmul, loaded_matmul = _matmul_rows(ort, plan, threads, copy_load, progress)
+        read_idle, read_loaded = matmul_read_gbps(ort, threads, plan.bandwidth_bytes, plan.seconds_per_point,
+                                                  copy_load)
         copy_idle = sim_copy_gbps(plan.bandwidth_bytes, plan.seconds_per_point)
-        with copy_load():
-            loaded_matmul = _matmul_rows(ort, plan, threads, progress)
-            read_loaded = matmul_read_gbps(ort, threads, plan.bandwidth_bytes, plan.seconds_per_point)
         cpu_threads[str(threads)] = {
             "matmul": idle_matmul,
             "memory_read_gbps": read_idle,

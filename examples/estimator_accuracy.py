@@ -1,0 +1,88 @@
+"""Estimator accuracy on this machine: predicted vs measured CPU time of every sub-layer and step.
+
+    pipeshard profile --quick --pack PACK --out build/profile.json
+    python examples/estimator_accuracy.py PACK --profile build/profile.json [--threads 2] [--past 256]
+
+For each tier T, the pack's own CPU sessions run a step of T new tokens after a prefill of `past`
+tokens (context C = past + T); each sub-layer's run is timed (median of --repeat steps) and set
+beside the estimator's prediction. Prints the mean absolute percentage error (MAPE) per tier, for
+sub-layers and for whole all-CPU steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+
+from pipeshard.partitioner.estimator import Estimator
+from pipeshard.profiles.db import load_profile
+from pipeshard.runtime.chain import ChainStep
+
+
+def timed_step(step: ChainStep, past: int, tokens: int, rng) -> tuple[float, dict[str, float]]:
+    """Prefill `past` tokens (untimed), then time one step of `tokens` tokens, per stage."""
+    batch_ids = rng.integers(100, 20000, size=(1, past + tokens)).astype(np.int64)
+    step.start(1)
+    mask = np.ones((1, past), np.int64)
+    step.forward(batch_ids[:, :past], mask, np.arange(past)[None])
+    stage_seconds: dict[str, float] = {}
+    originals = {}
+    for stage in step.stages:
+        originals[stage.name] = stage.run
+
+        def timed(binding, options, run=stage.run, name=stage.name):
+            begin = time.perf_counter()
+            run(binding, options)
+            stage_seconds[name] = time.perf_counter() - begin
+
+        stage.run = timed
+    begin = time.perf_counter()
+    step.forward(batch_ids[:, past:], np.ones((1, past + tokens), np.int64), np.arange(past, past + tokens)[None])
+    total = time.perf_counter() - begin
+    for stage in step.stages:
+        stage.run = originals[stage.name]
+    return total, stage_seconds
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("pack")
+    parser.add_argument("--profile", required=True)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--past", type=int, default=256)
+    parser.add_argument("--tiers", default="1,4,16,64,256")
+    parser.add_argument("--repeat", type=int, default=5)
+    args = parser.parse_args()
+    step = ChainStep(args.pack, threads=args.threads)
+    estimator = Estimator(load_profile(args.profile), step.pack.model, args.threads)
+    entries = {e["name"]: e for e in step.pack.sub_layers}
+    rng = np.random.default_rng(0)
+    print(f"{args.pack}, profile {args.profile}, {estimator.threads} threads, past {args.past} tokens")
+    print(f"{'tier':>5} {'sub-layer MAPE':>15} {'by kind (MAPE)':<44} {'step pred ms':>12} {'step meas ms':>12} "
+          f"{'step APE':>9}")
+    for tier in (int(t) for t in args.tiers.split(",")):
+        timed_step(step, args.past, tier, rng)  # warm-up for this shape
+        runs = [timed_step(step, args.past, tier, rng) for _ in range(args.repeat)]
+        measured = {name: statistics.median(r[1][name] for r in runs) for name in entries}
+        measured_total = statistics.median(r[0] for r in runs)
+        context = args.past + tier
+        predicted = {name: estimator.compute_seconds(entry, tier, context, on_device=False)
+                     for name, entry in entries.items()}
+        errors = {name: abs(predicted[name] - measured[name]) / measured[name] for name in entries}
+        by_kind = {}
+        for name, error in errors.items():
+            by_kind.setdefault(entries[name]["kind"], []).append(error)
+        kinds = " ".join(f"{kind} {100 * statistics.mean(values):.0f}%" for kind, values in by_kind.items())
+        compute_kinds = [n for n in entries if entries[n]["kind"] in ("attn", "ffn", "final")]
+        mape = 100 * statistics.mean(errors[n] for n in compute_kinds)
+        step_predicted = sum(predicted.values())
+        print(f"{tier:>5} {mape:>14.1f}% {kinds:<44} {step_predicted * 1e3:>12.2f} {measured_total * 1e3:>12.2f} "
+              f"{100 * abs(step_predicted - measured_total) / measured_total:>8.1f}%")
+    print("sub-layer MAPE over attn/ffn/final; step = one all-CPU forward (predicted: sum of sub-layers)")
+
+
+if __name__ == "__main__":
+    main()
