@@ -250,10 +250,13 @@ class Planner:
         return next(e["layer"] for e in self.sub_layers if e["name"] == name)
 
     # -- per tier ---------------------------------------------------------------------------------------------------
-    def plan_tier(self, tier: int) -> dict:
+    def check_budget(self) -> None:
         if self.budget_bytes < self.minimum_budget():
             raise UserError(f"VRAM budget {self.budget_bytes / 1024**2:.0f} MiB is below the minimum of any plan: "
                             f"{self.minimum_budget() / 1024**2:.0f} MiB (EP overhead + reserve)")
+
+    def plan_tier(self, tier: int) -> dict:
+        self.check_budget()
         candidates = [self.detailed(p) for p in (self.gpu_only(tier), self.static(tier), self.dynamic(tier))
                       if p is not None]
         candidates.sort(key=lambda p: p.step_s)

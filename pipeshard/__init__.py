@@ -3,8 +3,8 @@
 __version__ = "0.1.0"
 
 
-def load(path, threads=None, verify=False):
-    """Load an export folder or model pack; see `pipeshard.api.load`."""
+def load(path, **options):
+    """Load an export folder or model pack; see `pipeshard.api.load` for the options."""
     from pipeshard.api import load as _load
 
-    return _load(path, threads=threads, verify=verify)
+    return _load(path, **options)

@@ -28,6 +28,14 @@ class Engine:
         """Generate for one prompt or a batch; keyword arguments are SamplingSettings fields."""
         return self.generator.generate(self._prompt_ids(prompts, chat_template, system), SamplingSettings(**sampling))
 
+    def set_vram_budget(self, size: str | int) -> None:
+        """Replan for a new VRAM budget between steps (a game took memory back, or gave it)."""
+        from pipeshard.units import parse_size
+
+        if not hasattr(self.step, "set_budget"):
+            raise UserError("this engine runs without a device; load the pack with device= and vram=")
+        self.step.set_budget(size if isinstance(size, int) else parse_size(size))
+
     def stream(self, prompts: str | list[str], chat_template: bool = True, system: str | None = None,
                results: list[Generation] | None = None, **sampling) -> Iterator[StreamEvent]:
         """Like generate, yielding text pieces as they are produced."""
@@ -35,17 +43,66 @@ class Engine:
                                      results)
 
 
-def load(path: str | Path, threads: int | None = None, verify: bool = False) -> Engine:
-    """Load an export folder (one session over the whole graph) or a model pack (the sub-layer chain)."""
+def load(path: str | Path, threads: int | None = None, verify: bool = False, vram: str | int | None = None,
+         device: str = "auto", profile: str | None = None, plan: str = "auto", context: int | None = None,
+         batch: int = 1) -> Engine:
+    """Load an export folder (one session over the whole graph) or a model pack.
+
+    A pack runs as the all-CPU chain unless a device with a VRAM budget is given: then the planner
+    makes one plan per token tier from the profile (a DB file or a reference name) and every step
+    runs its tier's plan. `device`: auto (cuda if usable, else cpu), cuda, sim or cpu.
+    """
     from pipeshard.runtime.chain import ChainStep
     from pipeshard.runtime.monolithic import MonolithicStep
-    from pipeshard.runtime.pack import is_pack
+    from pipeshard.runtime.pack import is_pack, load_pack
 
     folder = Path(path)
     if not folder.exists():
         raise UserError(f"{folder} does not exist")
-    if is_pack(folder):
+    if not is_pack(folder):
+        if not (folder / "export.json").is_file():
+            raise UserError(f"{folder} is neither a pipeshard export folder (export.json) nor a model pack "
+                            "(manifest.json)")
+        return Engine(MonolithicStep(folder, threads=threads), TextCodec(folder), folder)
+    if plan == "monolithic":
+        export = Path(load_pack(folder).manifest["source"]["export"])
+        if not (export / "export.json").is_file():
+            raise UserError(f"--plan monolithic needs the export the pack was made from ({export}), which is gone")
+        return Engine(MonolithicStep(export, threads=threads), TextCodec(folder), folder)
+    if device not in ("auto", "cuda", "sim", "cpu"):
+        raise UserError(f"unknown device {device!r}; choose auto, cuda, sim or cpu")
+    if device == "auto":
+        from pipeshard.profiles.measure_cuda import cuda_usable
+
+        device = "cuda" if vram is not None and cuda_usable() else "cpu"
+    if device == "cpu" or plan == "cpu":
         return Engine(ChainStep(folder, threads=threads, verify=verify), TextCodec(folder), folder)
-    if not (folder / "export.json").is_file():
-        raise UserError(f"{folder} is neither a pipeshard export folder (export.json) nor a model pack (manifest.json)")
-    return Engine(MonolithicStep(folder, threads=threads), TextCodec(folder), folder)
+    if vram is None:
+        raise UserError(f"--device {device} needs a VRAM budget (--vram SIZE)")
+    return Engine(planned_step(folder, device, vram, profile, plan, threads, context, batch, verify),
+                  TextCodec(folder), folder)
+
+
+def planned_step(folder: Path, device: str, vram, profile: str | None, plan: str, threads: int | None,
+                 context: int | None, batch: int, verify: bool):
+    """A PlanStep on a device, planned from the profile for the budget."""
+    from pipeshard.partitioner.planner import STRATEGIES, Planner
+    from pipeshard.profiles.db import default_profile_path, load_profile, machine_fingerprint
+    from pipeshard.runtime.devices import make_device
+    from pipeshard.runtime.pack import load_pack
+    from pipeshard.runtime.planned import PlanStep
+    from pipeshard.units import parse_size
+
+    if plan not in ("auto", *STRATEGIES, "layers", "offload"):
+        raise UserError(f"unknown plan {plan!r}; choose auto, gpu-only, static, dynamic, cpu, monolithic, layers "
+                        "or offload")
+    budget = vram if isinstance(vram, int) else parse_size(vram)
+    manifest = load_pack(folder, verify=verify).manifest
+    profile_ref = profile or default_profile_path(machine_fingerprint())
+    if profile is None and not profile_ref.exists():
+        raise UserError("no profile of this machine yet: run `pipeshard profile` or pass --profile "
+                        "(a DB file, or laptop-8gb / desktop-24gb / laptop-4gb)")
+    planner = Planner(manifest, load_profile(profile_ref), budget,
+                      context=context or min(4096, manifest["model"]["max_context"]), batch=batch, threads=threads)
+    planner.check_budget()
+    return PlanStep(folder, make_device(device, budget), planner, threads=threads, strategy=plan)

@@ -80,8 +80,9 @@ class ChainStep:
 
     def start(self, batch_size: int) -> None:
         empty = np.zeros((batch_size, self.kv_heads, 0, self.head_dim), dtype=self.dtype)
-        self._kv = {name: self._ort.OrtValue.ortvalue_from_numpy(empty)._ortvalue
-                    for stage in self.stages for name in stage.past}
+        # The Python OrtValue owns `empty`'s memory; keep it next to the raw value used for binding.
+        self._empty_kv = self._ort.OrtValue.ortvalue_from_numpy(empty)
+        self._kv = {name: self._empty_kv._ortvalue for stage in self.stages for name in stage.past}
 
     def _bind_pointers(self, stage: _Stage) -> None:
         """(Re)bind the residual buffers and logits of a stage for the current batch shape."""

@@ -1,0 +1,313 @@
+"""Executing plans: each step takes its tier's plan and runs the sub-layers in order.
+
+For every sub-layer the plan says pinned (weights resident in device memory), streamed (weights
+copied into a staging slot ahead of use by the prefetcher) or cpu (a CPU-EP session over the
+memory-mapped blob). Device sessions are the pack's weights-as-inputs variants with the weights bound
+by pointer. Switching plans (another tier, or a new budget) releases what the new plan does not
+use before allocating what it needs, so device memory never passes the budget.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from pipeshard.partitioner.planner import CPU, PINNED, STREAMED, Plan, Planner
+from pipeshard.runtime.devices import cpu_ort_device
+from pipeshard.runtime.ort import cpu_session_options, import_onnxruntime
+from pipeshard.runtime.pack import load_pack
+
+log = logging.getLogger(__name__)
+NUMPY_DTYPES = {"fp32": np.float32, "fp16": np.float16, "float32": np.float32, "float16": np.float16}
+STEP_INPUTS = ("input_ids", "attention_mask", "position_ids")
+
+
+@dataclass
+class StepStats:
+    """What the runtime did, for benchmarks and tests."""
+
+    steps: int = 0
+    plan_switches: int = 0
+    streamed_bytes: int = 0
+    copy_wait_s: float = 0.0
+    copy_s: float = 0.0
+    tiers_used: dict[int, int] = field(default_factory=dict)
+
+
+class _Session:
+    def __init__(self, ort, path: Path, options, providers) -> None:
+        self.session = ort.InferenceSession(str(path), options, providers=providers)
+        self.binding = self.session.io_binding()._iobinding
+        self.run = self.session._sess.run_with_iobinding
+        self.outputs = [o.name for o in self.session.get_outputs()]
+
+
+class PlanStep:
+    """A ForwardStep that executes the planner's plan for each step's tier on a device."""
+
+    def __init__(self, folder: Path, device, planner: Planner, threads: int | None = None,
+                 strategy: str = "auto", tiers: tuple[int, ...] = (1, 4, 16, 64, 256, 1024)) -> None:
+        self._ort = import_onnxruntime()
+        self.pack = load_pack(folder)
+        self.device = device
+        self.planner = planner
+        self.strategy = strategy
+        self.tiers = sorted(tiers)
+        model = self.pack.model
+        self.max_context = int(model["max_context"])
+        self.kv_heads, self.head_dim = int(model["num_key_value_heads"]), int(model["head_dim"])
+        self.dtype = NUMPY_DTYPES[model["dtype"]]
+        self.entries = self.pack.sub_layers
+        self.by_name = {e["name"]: e for e in self.entries}
+        self.options = cpu_session_options(threads)
+        self._cpu_sessions: dict[str, _Session] = {}
+        self._device_sessions: dict[str, _Session] = {}
+        self._blobs = {e["blob"]["file"]: np.memmap(self.pack.path(e["blob"]["file"]), np.uint8, mode="r")
+                       for e in self.entries if e["blob"]}
+        self.run_options = self._ort.RunOptions()
+        self.stats = StepStats()
+        self._plans: dict[int, Plan] = {}
+        self.active: Plan | None = None
+        self._pinned: dict[str, np.ndarray] = {}
+        self._ring: list[np.ndarray] = []
+        self._slot_name: list[str | None] = []
+        self._slot_future: list[Future | None] = []
+        self._streamed: list[str] = []
+        self._kv: dict[str, object] = {}
+        self._kv_owners: dict[str, object] = {}
+        self._kv_on_device: set[str] = set()
+        self._reserved: dict[str, int] = {}
+        self._batch = 1
+        self._ring_position = 0
+
+    # -- plans ------------------------------------------------------------------------------------------------------
+    def tier_for(self, tokens: int) -> int:
+        index = bisect.bisect_left(self.tiers, tokens)
+        return self.tiers[min(index, len(self.tiers) - 1)]
+
+    def plan_for(self, tier: int) -> Plan:
+        if tier not in self._plans:
+            self.planner.check_budget()
+            policies = {"gpu-only": self.planner.gpu_only, "static": self.planner.static,
+                        "dynamic": self.planner.dynamic, "layers": lambda t: self.planner.baseline("layers", t),
+                        "offload": lambda t: self.planner.baseline("offload", t)}
+            plan = policies[self.strategy](tier) if self.strategy in policies else None
+            if plan is None:
+                if self.strategy != "auto":
+                    log.warning("plan %s is not viable (or equals static) at tier %d within %.0f MiB: using the "
+                                "planner's choice", self.strategy, tier, self.planner.budget_bytes / 1024**2)
+                plan = self.planner.plan_tier(tier)["chosen"]
+            self._plans[tier] = plan
+        return self._plans[tier]
+
+    def set_budget(self, budget_bytes: int) -> None:
+        """Replan for a new VRAM budget; the sequences in flight keep their KV (moved as needed)."""
+        self._deactivate()
+        self.planner.budget_bytes = budget_bytes
+        self.planner.check_budget()
+        self._plans.clear()
+        self.device.set_budget(budget_bytes)
+
+    # -- device memory ----------------------------------------------------------------------------------------------
+    def _drain(self) -> None:
+        for future in self._slot_future:
+            if future is not None:
+                future.result()
+
+    def _reserve(self, purpose: str, nbytes: int) -> None:
+        old = self._reserved.pop(purpose, 0)
+        if old:
+            self.device.unreserve(old, purpose)
+        if nbytes:
+            self.device.reserve(nbytes, purpose)
+            self._reserved[purpose] = nbytes
+
+    def _deactivate(self) -> None:
+        """Release everything on the device; KV comes back to the host."""
+        self._drain()
+        for name, buffer in self._pinned.items():
+            self.device.free(buffer, "pinned")
+        self._pinned.clear()
+        for buffer in self._ring:
+            self.device.free(buffer, "staging")
+        self._ring, self._slot_name, self._slot_future = [], [], []
+        for attn in list(self._kv_on_device):
+            self._move_kv(attn, to_device=False)
+        for purpose in list(self._reserved):
+            self._reserve(purpose, 0)
+        self.active = None
+
+    def _kv_reservation(self, entry: dict) -> int:
+        return entry["kv"]["bytes_per_token"] * self.planner.context * self.planner.batch
+
+    def _move_kv(self, attn: str, to_device: bool) -> None:
+        entry = self.by_name[attn]
+        for past in entry["kv"]["past"]:
+            if past in self._kv:
+                self._set_kv(past, self.device.to_device(self._kv[past]) if to_device else
+                             self.device.to_host(self._kv[past]))
+        if to_device:
+            self.device.reserve(self._kv_reservation(entry), "kv")
+            self._kv_on_device.add(attn)
+        else:
+            self.device.unreserve(self._kv_reservation(entry), "kv")
+            self._kv_on_device.discard(attn)
+
+    def _activate(self, plan: Plan) -> None:
+        """Make device memory match `plan`: release first, then allocate and upload."""
+        self._drain()
+        placements = plan.placements
+        for name in [n for n in self._pinned if placements.get(n) != PINNED]:
+            self.device.free(self._pinned.pop(name), "pinned")
+        streamed = [e["name"] for e in self.entries if placements[e["name"]] == STREAMED]
+        slot_bytes = max((self.by_name[n]["blob"]["bytes"] for n in streamed), default=0)
+        slots = min(plan.slots, len(streamed)) if streamed else 0
+        if len(self._ring) != slots or (self._ring and self._ring[0].nbytes != slot_bytes):
+            for buffer in self._ring:
+                self.device.free(buffer, "staging")
+            self._ring = []
+        wanted_attn = {e["name"] for e in self.entries if e["kind"] == "attn" and placements[e["name"]] != CPU}
+        for attn in self._kv_on_device - wanted_attn:
+            self._move_kv(attn, to_device=False)
+        self._reserve("workspace", plan.vram.workspace)
+        self._reserve("ep_overhead+reserve", plan.vram.ep_overhead + plan.vram.reserve)
+        for attn in wanted_attn - self._kv_on_device:
+            self._move_kv(attn, to_device=True)
+        for entry in self.entries:
+            name = entry["name"]
+            if placements[name] == PINNED and name not in self._pinned:
+                buffer = self.device.alloc(entry["blob"]["bytes"], "pinned")
+                self.device.upload_now(buffer, self._blob_bytes(entry))
+                self._pinned[name] = buffer
+        if not self._ring and slots:
+            self._ring = [self.device.alloc(slot_bytes, "staging") for _ in range(slots)]
+        self._streamed = streamed
+        self._slot_name = [None] * len(self._ring)
+        self._slot_future = [None] * len(self._ring)
+        self._ring_position = 0
+        if plan.prefetch:
+            for slot in range(len(self._ring)):
+                self._start_copy(slot, streamed[slot])
+        self.active = plan
+        self.stats.plan_switches += 1
+
+    def _blob_bytes(self, entry: dict) -> np.ndarray:
+        blob = entry["blob"]
+        return self._blobs[blob["file"]][: blob["bytes"]]
+
+    def _start_copy(self, slot: int, name: str) -> None:
+        if self._slot_name[slot] == name:
+            return  # already there (as many slots as streamed sub-layers)
+        self._slot_name[slot] = name
+        entry = self.by_name[name]
+        self._slot_future[slot] = self.device.upload(self._ring[slot], self._blob_bytes(entry))
+        self.stats.streamed_bytes += entry["blob"]["bytes"]
+
+    # -- sessions ---------------------------------------------------------------------------------------------------
+    def _session(self, entry: dict, on_device: bool) -> _Session:
+        cache = self._device_sessions if on_device else self._cpu_sessions
+        if entry["name"] not in cache:
+            variant = "weights_as_inputs" if on_device else "onnx"
+            cache[entry["name"]] = _Session(self._ort, self.pack.path(entry["files"][variant]), self.options,
+                                            self.device.providers if on_device else ["CPUExecutionProvider"])
+        return cache[entry["name"]]
+
+    # -- the step ---------------------------------------------------------------------------------------------------
+    def _set_kv(self, past: str, owner) -> None:
+        """Keep the Python OrtValue (it owns the memory) and use its raw value for binding."""
+        self._kv_owners[past] = owner
+        self._kv[past] = owner._ortvalue
+
+    def start(self, batch_size: int) -> None:
+        empty = np.zeros((batch_size, self.kv_heads, 0, self.head_dim), dtype=self.dtype)
+        self._batch = batch_size
+        for entry in self.entries:
+            for past in (entry["kv"] or {}).get("past", []):
+                value = self._ort.OrtValue.ortvalue_from_numpy(empty)
+                self._set_kv(past, self.device.to_device(value) if entry["name"] in self._kv_on_device else value)
+
+    def forward(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray) -> np.ndarray:
+        batch, tokens = input_ids.shape
+        largest = self.tiers[-1]
+        if batch * tokens > largest and tokens > 1:
+            # Prefill longer than the largest tier: chunks of it (bounds activation memory too).
+            chunk = max(1, largest // batch)
+            past = attention_mask.shape[1] - tokens
+            pieces = []
+            for begin in range(0, tokens, chunk):
+                end = min(begin + chunk, tokens)
+                pieces.append(self.forward(input_ids[:, begin:end], attention_mask[:, : past + end],
+                                           position_ids[:, begin:end]))
+            return np.concatenate(pieces, axis=1)
+        tier = self.tier_for(batch * tokens)
+        plan = self.plan_for(tier)
+        if plan is not self.active:
+            self._activate(plan)
+        self.stats.steps += 1
+        self.stats.tiers_used[tier] = self.stats.tiers_used.get(tier, 0) + 1
+        return self._run_plan(plan, input_ids, attention_mask, position_ids)
+
+    def _run_plan(self, plan: Plan, input_ids, attention_mask, position_ids) -> np.ndarray:
+        step_inputs = {"input_ids": np.ascontiguousarray(input_ids, dtype=np.int64),
+                       "attention_mask": np.ascontiguousarray(attention_mask, dtype=np.int64),
+                       "position_ids": np.ascontiguousarray(position_ids, dtype=np.int64)}
+        cpu = cpu_ort_device()
+        values: dict[str, object] = {}
+        for entry in self.entries:
+            name = entry["name"]
+            placement = plan.placements[name]
+            session = self._session(entry, placement != CPU)
+            binding = session.binding
+            # No clear_binding_*: values kept from the last step (the KV cache) are references into
+            # this binding's outputs, so every input is bound (which takes its own reference) before
+            # the outputs are bound anew.
+            for tensor in (i["name"] for i in entry["inputs"]):
+                if tensor in step_inputs:
+                    array = step_inputs[tensor]
+                    binding.bind_input(tensor, cpu, array.dtype, list(array.shape), array.ctypes.data)
+                elif tensor in self._kv:
+                    binding.bind_ortvalue_input(tensor, self._kv[tensor])
+                else:
+                    binding.bind_ortvalue_input(tensor, values[tensor])
+            slot = None
+            if placement == PINNED:
+                self._bind_weights(binding, entry, self._pinned[name])
+            elif placement == STREAMED:
+                # The ring runs on across steps: the g-th streamed use overall takes slot g mod slots.
+                slot = self._ring_position % len(self._ring)
+                if not plan.prefetch:
+                    self._start_copy(slot, name)
+                assert self._slot_name[slot] == name, (slot, self._slot_name[slot], name)
+                waited = time.perf_counter()
+                self._slot_future[slot].result()
+                self.stats.copy_wait_s += time.perf_counter() - waited
+                self._bind_weights(binding, entry, self._ring[slot])
+            for output in session.outputs:
+                binding.bind_output(output, cpu)
+            session.run(binding, self.run_options)
+            for output, value in zip(session.outputs, binding.get_outputs(), strict=True):
+                values[output] = value
+            if entry["kv"]:
+                for past, present in zip(entry["kv"]["past"], entry["kv"]["present"], strict=True):
+                    self._kv[past] = values.pop(present)
+                    self._kv_owners.pop(past, None)  # ORT owns the new value
+            if placement == STREAMED:
+                if plan.prefetch:
+                    following = (self._ring_position + len(self._ring)) % len(self._streamed)
+                    self._start_copy(slot, self._streamed[following])
+                self._ring_position += 1
+        return values["logits"].numpy()
+
+    def _bind_weights(self, binding, entry: dict, buffer: np.ndarray) -> None:
+        for weight in entry["weights"]:
+            self.device.bind_weight(binding, weight["name"], buffer, weight["offset"],
+                                    NUMPY_DTYPES[weight["dtype"]], weight["shape"])
+
+    def close(self) -> None:
+        self._deactivate()
