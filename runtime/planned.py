@@ -131,7 +131,7 @@ class PlanStep:
     def _deactivate(self) -> None:
         """Release everything on the device; KV comes back to the host."""
         self._drain()
-        for name, buffer in self._pinned.items():
+        for buffer in self._pinned.values():
             self.device.free(buffer, "pinned")
         self._pinned.clear()
         for buffer in self._ring:
