@@ -35,7 +35,8 @@ def _command_export(args: argparse.Namespace) -> int:
 def _command_run(args: argparse.Namespace) -> int:
     import pipeshard
 
-    engine = pipeshard.load(args.path, threads=args.threads, verify=args.verify)
+    engine = pipeshard.load(args.path, threads=args.threads, verify=args.verify, vram=args.vram, device=args.device,
+                            profile=args.profile, plan=args.plan, context=args.context)
     sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                     top_p=args.top_p, repetition_penalty=args.repetition_penalty, seed=args.seed,
                     stop_strings=tuple(args.stop))
@@ -55,8 +56,57 @@ def _command_run(args: argparse.Namespace) -> int:
     else:
         print(f"\n[{len(result.prompt_tokens)} prompt tokens, {len(result.tokens)} generated, "
               f"TTFT {result.ttft_s * 1000:.0f} ms, decode {result.decode_tok_s:.1f} tok/s, "
-              f"stop: {result.stop_reason}]", file=sys.stderr)
+              f"stop: {result.stop_reason}{_device_note(engine)}]", file=sys.stderr)
     return 0
+
+
+def _device_note(engine) -> str:
+    """Where the figures came from: `sim` is a test double, never a GPU claim."""
+    step = engine.step
+    if not hasattr(step, "device"):
+        return ""
+    ledger = getattr(step.device, "ledger", None)
+    peak = f", peak device memory {ledger.peak / 1024**2:.0f} MiB of {ledger.budget_bytes / 1024**2:.0f} MiB" \
+        if ledger else ""
+    tiers = ", ".join(f"T={tier}: {plan.strategy}" for tier, plan in sorted(step._plans.items()))
+    return (f"; device {step.device.kind}{' (simulated: not GPU speed)' if step.device.kind == 'sim' else ''}"
+            f"{peak}; plans {tiers}; streamed {step.stats.streamed_bytes / 1024**2:.1f} MiB")
+
+
+def _command_chat(args: argparse.Namespace) -> int:
+    import pipeshard
+
+    engine = pipeshard.load(args.path, threads=args.threads, vram=args.vram, device=args.device,
+                            profile=args.profile, plan=args.plan, context=args.context)
+    history = []
+    print("pipeshard chat: /budget SIZE changes the VRAM budget, /plan shows the active plan, /quit ends")
+    while True:
+        try:
+            line = input("> ").strip()
+        except EOFError:
+            return 0
+        if not line:
+            continue
+        if line in ("/quit", "/exit"):
+            return 0
+        if line.startswith("/budget"):
+            try:
+                engine.set_vram_budget(line.split(maxsplit=1)[1])
+                print(f"budget now {line.split(maxsplit=1)[1]}; plans are remade at the next step")
+            except (UserError, IndexError) as exc:
+                print(f"error: {exc or 'usage: /budget SIZE'}")
+            continue
+        if line == "/plan":
+            print(_device_note(engine).lstrip("; ") or "all-CPU chain (no device)")
+            continue
+        history.append(line)
+        prompt = "\n".join(history[-4:])
+        try:
+            for event in engine.stream(prompt, max_new_tokens=args.max_new_tokens):
+                print(event.text, end="", flush=True)
+        except KeyboardInterrupt:
+            print("\n[interrupted]")
+        print()
 
 
 def _command_partition(args: argparse.Namespace) -> int:
@@ -219,6 +269,7 @@ def build_parser() -> argparse.ArgumentParser:
     run = commands.add_parser("run", help="generate text from an export folder or a model pack")
     run.add_argument("path", help="export folder or model pack")
     run.add_argument("--verify", action="store_true", help="check the pack's sha256 sums before running")
+    _add_device_options(run)
     run.add_argument("prompt")
     run.add_argument("--max-new-tokens", type=int, default=64)
     run.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -232,7 +283,23 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
     run.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     run.set_defaults(handler=_command_run)
+
+    chat = commands.add_parser("chat", help="interactive chat on a pack (/budget SIZE, /plan)")
+    chat.add_argument("path", help="model pack or export folder")
+    chat.add_argument("--max-new-tokens", type=int, default=256)
+    chat.add_argument("--threads", type=int, default=None)
+    _add_device_options(chat)
+    chat.set_defaults(handler=_command_chat)
     return parser
+
+
+def _add_device_options(command: argparse.ArgumentParser) -> None:
+    command.add_argument("--vram", default=None, help="VRAM budget for the device, e.g. 2GiB")
+    command.add_argument("--device", default="auto", help="auto (cuda if usable, else cpu), cuda, sim or cpu")
+    command.add_argument("--plan", default="auto",
+                         help="auto, gpu-only, static, dynamic, cpu, monolithic, layers or offload")
+    command.add_argument("--profile", default=None, help="profile DB file or reference name")
+    command.add_argument("--context", type=int, default=None, help="KV cache context to plan for (default 4096)")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -251,7 +251,13 @@ class PlanStep:
             self._activate(plan)
         self.stats.steps += 1
         self.stats.tiers_used[tier] = self.stats.tiers_used.get(tier, 0) + 1
-        return self._run_plan(plan, input_ids, attention_mask, position_ids)
+        try:
+            return self._run_plan(plan, input_ids, attention_mask, position_ids)
+        except BaseException:
+            # Interrupted mid-step (Ctrl-C) or failed: the ring and the KV are in an unknown state.
+            # Release the device; the next generation starts clean (start() resets the KV).
+            self._deactivate()
+            raise
 
     def _run_plan(self, plan: Plan, input_ids, attention_mask, position_ids) -> np.ndarray:
         step_inputs = {"input_ids": np.ascontiguousarray(input_ids, dtype=np.int64),

@@ -1,0 +1,142 @@
+"""Plans executed on the simulated device: lossless for every plan, within budget, surviving replans."""
+
+import json
+
+import numpy as np
+import pytest
+
+import pipeshard
+from pipeshard.cli import main
+from pipeshard.errors import UserError
+from pipeshard.partitioner.pack import partition
+from pipeshard.partitioner.planner import Planner
+from pipeshard.profiles.db import load_profile
+
+PROMPTS = ["Hi", "What is the capital of France, and why is it famous?", "Count: 1 2 3", "Tell me a story."]
+PLANS = ["auto", "gpu-only", "static", "dynamic", "layers", "offload", "cpu", "monolithic"]
+
+
+@pytest.fixture(scope="module")
+def pack(tiny_llama_export, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("runtime") / "pack"
+    partition(tiny_llama_export, folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def minimum(pack):
+    manifest = json.loads((pack / "manifest.json").read_text())
+    return Planner(manifest, load_profile("laptop-8gb"), 1 << 40).minimum_budget()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama_export):
+    engine = pipeshard.load(tiny_llama_export)
+    return {"solo": [engine.generate(p, max_new_tokens=16)[0].tokens for p in PROMPTS[:3]],
+            "batch": [g.tokens for g in engine.generate(PROMPTS, max_new_tokens=16)]}
+
+
+def sim(pack, budget, plan="auto"):
+    return pipeshard.load(pack, vram=budget, device="sim", profile="laptop-8gb", plan=plan, context=256)
+
+
+@pytest.mark.parametrize("plan", PLANS)
+def test_every_plan_gives_the_monolithic_greedy_tokens(pack, minimum, reference, plan):
+    # A budget where the tiny model does not fit whole: gpu-only and offload must stream.
+    engine = sim(pack, minimum + 600_000, plan)
+    assert [engine.generate(p, max_new_tokens=16)[0].tokens for p in PROMPTS[:3]] == reference["solo"]
+    assert [g.tokens for g in engine.generate(PROMPTS, max_new_tokens=16)] == reference["batch"]
+
+
+@pytest.mark.parametrize("plan", ["gpu-only", "offload"])
+def test_streaming_plans_really_stream(pack, minimum, plan):
+    engine = sim(pack, minimum + 600_000, plan)
+    engine.generate(PROMPTS[1], max_new_tokens=8)
+    assert engine.step.stats.streamed_bytes > 0
+    assert any(p.strategy == plan and p.counts()["streamed"] > 0 for p in engine.step._plans.values())
+
+
+def test_ledger_peak_never_exceeds_the_budget_across_budgets(pack, minimum, reference):
+    for extra in (0, 50_000, 150_000, 300_000, 450_000, 600_000, 900_000, 2_000_000):
+        for plan in ("auto", "gpu-only", "offload"):
+            engine = sim(pack, minimum + extra, plan)
+            tokens = [g.tokens for g in engine.generate(PROMPTS, max_new_tokens=6)]
+            ledger = engine.step.device.ledger
+            assert ledger.peak <= minimum + extra, (extra, plan, ledger.peak)
+            assert tokens == [t[:6] for t in reference["batch"]]
+
+
+def test_a_budget_change_mid_generation_keeps_the_output(pack, minimum, reference):
+    engine = sim(pack, minimum + 2_000_000)
+    results = []
+    for index, _ in enumerate(engine.stream(PROMPTS[1], results=results, max_new_tokens=16)):
+        if index == 3:
+            engine.set_vram_budget(minimum)  # a game takes its VRAM back
+            assert engine.step.device.ledger.used == 0
+        if index == 8:
+            engine.set_vram_budget(minimum + 600_000)
+    assert results[0].tokens == reference["solo"][1]
+    assert engine.step.stats.plan_switches >= 3
+
+
+def test_shrinking_below_the_minimum_is_an_error_naming_it(pack, minimum):
+    engine = sim(pack, minimum + 600_000)
+    with pytest.raises(UserError, match="minimum"):
+        engine.set_vram_budget(minimum - 1)
+
+
+def test_an_interrupted_step_leaves_the_engine_usable(pack, minimum, reference):
+    engine = sim(pack, minimum + 600_000, "gpu-only")
+    step = engine.step
+    original = step._run_plan
+    calls = {"n": 0}
+
+    def interrupt_once(*args):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt
+        return original(*args)
+
+    step._run_plan = interrupt_once
+    with pytest.raises(KeyboardInterrupt):
+        engine.generate(PROMPTS[1], max_new_tokens=16)
+    assert step.device.ledger.used == 0
+    assert engine.generate(PROMPTS[1], max_new_tokens=16)[0].tokens == reference["solo"][1]
+
+
+def test_long_prompts_are_prefilled_in_chunks_of_the_largest_tier(pack, minimum, tiny_llama_export):
+    engine = pipeshard.load(pack, vram=minimum + 600_000, device="sim", profile="laptop-8gb", context=512)
+    engine.step.tiers = [1, 4, 16]
+    prompt = "one two three four five six seven eight nine ten " * 3
+    whole = pipeshard.load(tiny_llama_export)
+    assert engine.generate(prompt, max_new_tokens=8)[0].tokens == whole.generate(prompt, max_new_tokens=8)[0].tokens
+    assert max(engine.step.stats.tiers_used) == 16
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["--device", "cuda", "--vram", "1GiB", "--profile", "laptop-8gb"], "no usable CUDA"),
+    (["--device", "sim", "--vram", "1MiB", "--profile", "laptop-8gb"], "minimum"),
+    (["--device", "sim", "--profile", "laptop-8gb"], "--vram"),
+    (["--device", "tpu", "--vram", "1GiB"], "unknown device"),
+    (["--device", "sim", "--vram", "1GiB", "--profile", "laptop-8gb", "--plan", "fastest"], "unknown plan"),
+])
+def test_run_device_errors_are_one_line(pack, capsys, argv, fragment):
+    assert main(["run", str(pack), "hello", *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error:") and fragment in err[0]
+
+
+def test_run_on_sim_says_sim_wherever_figures_are_printed(pack, capsys):
+    assert main(["run", str(pack), "hello", "--device", "sim", "--vram", "1GiB", "--profile", "laptop-8gb",
+                 "--max-new-tokens", "4"]) == 0
+    assert "device sim (simulated: not GPU speed)" in capsys.readouterr().err
+
+
+def test_logits_of_a_streamed_plan_match_the_chain(pack, minimum):
+    chain = pipeshard.load(pack)
+    engine = sim(pack, minimum + 600_000, "gpu-only")
+    ids = np.array([[5, 17, 99, 3]], dtype=np.int64)
+    args = (ids, np.ones_like(ids), np.arange(4)[None])
+    chain.step.start(1)
+    engine.step.start(1)
+    assert np.abs(chain.step.forward(*args) - engine.step.forward(*args)).max() < 1e-5
