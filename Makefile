@@ -22,11 +22,26 @@ $(STAMP): $(BIN)/python pyproject.toml
 
 install: $(STAMP)
 
-demo: $(STAMP)
+$(DEMO_DIR)/export/export.json: $(STAMP)
 	$(BIN)/pipeshard export smollm2-135m $(DEMO_DIR)/export --force
-	$(BIN)/pipeshard run $(DEMO_DIR)/export $(DEMO_PROMPT) --max-new-tokens 48
+
+$(DEMO_DIR)/pack/manifest.json: $(DEMO_DIR)/export/export.json
 	$(BIN)/pipeshard partition $(DEMO_DIR)/export $(DEMO_DIR)/pack --force
+
+# The quick profile of this machine, made once.
+$(DEMO_DIR)/profile.json: $(STAMP)
+	$(BIN)/pipeshard profile --quick --out $@
+
+# Export, partition and profile once; then answer on the reference loop, the CPU chain, and the
+# simulated device at the minimum budget plus 25 % of the model's bytes (planned per tier).
+demo: $(DEMO_DIR)/pack/manifest.json $(DEMO_DIR)/profile.json
+	$(BIN)/pipeshard run $(DEMO_DIR)/export $(DEMO_PROMPT) --max-new-tokens 48
 	$(BIN)/pipeshard run $(DEMO_DIR)/pack $(DEMO_PROMPT) --max-new-tokens 48
+	$(BIN)/pipeshard plan $(DEMO_DIR)/pack --vram $$($(BIN)/python -m pipeshard.partitioner.budget $(DEMO_DIR)/pack \
+		$(DEMO_DIR)/profile.json 0.25) --profile $(DEMO_DIR)/profile.json --tiers 1,4,16,64,256
+	$(BIN)/pipeshard run $(DEMO_DIR)/pack $(DEMO_PROMPT) --max-new-tokens 48 --device sim \
+		--vram $$($(BIN)/python -m pipeshard.partitioner.budget $(DEMO_DIR)/pack $(DEMO_DIR)/profile.json 0.25) \
+		--profile $(DEMO_DIR)/profile.json
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q

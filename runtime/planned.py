@@ -65,6 +65,7 @@ class PlanStep:
         self.dtype = NUMPY_DTYPES[model["dtype"]]
         self.entries = self.pack.sub_layers
         self.by_name = {e["name"]: e for e in self.entries}
+        self._inputs = {e["name"]: [i["name"] for i in e["inputs"]] for e in self.entries}
         self.options = cpu_session_options(threads)
         self._cpu_sessions: dict[str, _Session] = {}
         self._device_sessions: dict[str, _Session] = {}
@@ -273,7 +274,7 @@ class PlanStep:
             # No clear_binding_*: values kept from the last step (the KV cache) are references into
             # this binding's outputs, so every input is bound (which takes its own reference) before
             # the outputs are bound anew.
-            for tensor in (i["name"] for i in entry["inputs"]):
+            for tensor in self._inputs[name]:
                 if tensor in step_inputs:
                     array = step_inputs[tensor]
                     binding.bind_input(tensor, cpu, array.dtype, list(array.shape), array.ctypes.data)

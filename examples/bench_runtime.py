@@ -1,0 +1,88 @@
+"""Runtime figures in one run: the chain vs monolithic (interleaved workers, see bench_chain.py), then
+on the simulated device at 25 % of the model's bytes, how much of the gpu-only plan's copy time at
+tier 64 is hidden behind compute.
+
+    python examples/bench_runtime.py EXPORT_DIR PACK [--profile laptop-8gb] [--threads 2] [--steps 6]
+
+`sim` copies are real memcpys on the prefetch thread; the figures say nothing about GPU speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+import pipeshard
+from pipeshard.partitioner.planner import Planner
+from pipeshard.profiles.db import load_profile
+
+TIER = 64
+
+
+def copy_overlap_at_tier(pack: str, profile: str, threads: int, steps: int) -> dict:
+    manifest = json.loads((Path(pack) / "manifest.json").read_text())
+    planner = Planner(manifest, load_profile(profile), 1 << 40)
+    budget = planner.minimum_budget() + planner.model_bytes // 4
+    engine = pipeshard.load(pack, vram=budget, device="sim", profile=profile, plan="gpu-only", threads=threads)
+    step, device = engine.step, engine.step.device
+    step.tiers = [TIER]
+    ids = np.random.default_rng(0).integers(100, 20000, size=(1, TIER * (steps + 1))).astype(np.int64)
+    step.start(1)
+    rows = []
+    for index in range(steps + 1):
+        begin, end = index * TIER, (index + 1) * TIER
+        copy_before, wait_before = device.copy_seconds, step.stats.copy_wait_s
+        started = time.perf_counter()
+        step.forward(ids[:, begin:end], np.ones((1, end), np.int64), np.arange(begin, end)[None])
+        elapsed = time.perf_counter() - started
+        if index == 0:
+            continue  # first step: sessions are created and the plan activated
+        copy = device.copy_seconds - copy_before
+        wait = step.stats.copy_wait_s - wait_before
+        rows.append({"step_s": elapsed, "copy_s": copy, "wait_s": wait, "compute_s": elapsed - wait})
+    plan = step._plans[TIER]
+    return {"budget_mib": budget / 2**20, "plan": plan.strategy, "counts": plan.counts(),
+            "streamed_mib_per_step": plan.streamed_bytes / 2**20, "rows": rows,
+            "peak_mib": device.ledger.peak / 2**20, "predicted_step_s": plan.step_s,
+            "predicted_hidden": plan.copy_hidden_fraction}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("export_dir")
+    parser.add_argument("pack")
+    parser.add_argument("--profile", default="laptop-8gb")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--repeat", type=int, default=5)
+    args = parser.parse_args()
+    spec = importlib.util.spec_from_file_location("bench_chain", Path(__file__).with_name("bench_chain.py"))
+    bench_chain = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_chain)
+    sys.argv = [sys.argv[0], args.export_dir, args.pack, "--threads", str(args.threads), "--repeat", str(args.repeat)]
+    print("== cpu chain vs monolithic ==")
+    bench_chain.main()
+    print(f"== sim device, gpu-only plan at tier {TIER}, budget = minimum + 25 % of the model ==")
+    result = copy_overlap_at_tier(args.pack, args.profile, args.threads, args.steps)
+    copy = sum(r["copy_s"] for r in result["rows"])
+    wait = sum(r["wait_s"] for r in result["rows"])
+    compute = statistics.median(r["compute_s"] for r in result["rows"])
+    copy_median = statistics.median(r["copy_s"] for r in result["rows"])
+    print(f"  budget {result['budget_mib']:.0f} MiB, plan {result['plan']} {result['counts']}, "
+          f"{result['streamed_mib_per_step']:.0f} MiB streamed per step, peak {result['peak_mib']:.0f} MiB (sim)")
+    print(f"  per step (median): {statistics.median(r['step_s'] for r in result['rows']) * 1e3:.0f} ms, "
+          f"compute {compute * 1e3:.0f} ms, copy {copy_median * 1e3:.0f} ms, "
+          f"waiting for copies {statistics.median(r['wait_s'] for r in result['rows']) * 1e3:.1f} ms")
+    print(f"  copy time hidden behind compute: {100 * (1 - wait / copy):.1f} % (sim; planner predicted "
+          f"{100 * result['predicted_hidden']:.0f} % on the {args.profile} profile)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,38 @@
+"""SmolLM2 on the simulated device at 25 % of the model's bytes: every plan gives the monolithic tokens."""
+
+import json
+
+import pytest
+
+import pipeshard
+from pipeshard.partitioner.pack import partition
+from pipeshard.partitioner.planner import Planner
+from pipeshard.profiles.db import load_profile
+
+pytestmark = pytest.mark.slow
+PROMPTS = ["What is the capital of France?", "Write a short poem about autumn leaves.",
+           "Explain what a neural network is to a ten-year-old."]
+BATCH = ["Hi!", "Name three colors.", "What is 2 + 2? Explain briefly.", "Write one sentence about the sea."]
+
+
+@pytest.fixture(scope="module")
+def setup(smollm2_export, tmp_path_factory):
+    pack = tmp_path_factory.mktemp("smolplans") / "pack"
+    partition(smollm2_export, pack)
+    manifest = json.loads((pack / "manifest.json").read_text())
+    planner = Planner(manifest, load_profile("laptop-8gb"), 1 << 40)
+    budget = planner.minimum_budget() + planner.model_bytes // 4
+    whole = pipeshard.load(smollm2_export, threads=2)
+    reference = {"solo": [whole.generate(p, max_new_tokens=64)[0].tokens for p in PROMPTS],
+                 "batch": [g.tokens for g in whole.generate(BATCH, max_new_tokens=64)]}
+    return pack, budget, reference
+
+
+@pytest.mark.parametrize("plan", ["auto", "gpu-only", "static", "dynamic", "layers", "offload", "cpu"])
+def test_plan_is_lossless_at_a_quarter_of_the_model(setup, plan):
+    pack, budget, reference = setup
+    engine = pipeshard.load(pack, vram=budget, device="sim", profile="laptop-8gb", plan=plan, threads=2)
+    assert [engine.generate(p, max_new_tokens=64)[0].tokens for p in PROMPTS] == reference["solo"]
+    assert [g.tokens for g in engine.generate(BATCH, max_new_tokens=64)] == reference["batch"]
+    if plan != "cpu":
+        assert engine.step.device.ledger.peak <= budget
