@@ -55,6 +55,7 @@ def main() -> None:
     parser.add_argument("--past", type=int, default=256)
     parser.add_argument("--tiers", default="1,4,16,64,256")
     parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--verbose", action="store_true", help="absolute times per kind")
     args = parser.parse_args()
     step = ChainStep(args.pack, threads=args.threads)
     estimator = Estimator(load_profile(args.profile), step.pack.model, args.threads)
@@ -72,6 +73,11 @@ def main() -> None:
         predicted = {name: estimator.compute_seconds(entry, tier, context, on_device=False)
                      for name, entry in entries.items()}
         errors = {name: abs(predicted[name] - measured[name]) / measured[name] for name in entries}
+        if args.verbose:
+            for kind in ("attn", "ffn", "final"):
+                names = [n for n in entries if entries[n]["kind"] == kind]
+                print(f"      {kind:6s} predicted {sum(predicted[n] for n in names) * 1e3:8.2f} ms, "
+                      f"measured {sum(measured[n] for n in names) * 1e3:8.2f} ms over {len(names)} sub-layers")
         by_kind = {}
         for name, error in errors.items():
             by_kind.setdefault(entries[name]["kind"], []).append(error)

@@ -62,8 +62,15 @@ def counted_flops(sub_layer: SubLayer, model: onnx.ModelProto, dims: dict) -> Co
     return found
 
 
+def kv_traffic_factor(dims: dict) -> float:
+    """Bytes moved per byte of KV cache and context token by the exported attention: the past is
+    read and written again by the Concat that appends the new tokens (2x), then broadcast from the
+    KV heads to every query head by an Expand (written, then read by Attention: 2 x heads/kv_heads)."""
+    return 2.0 + 2.0 * dims["num_attention_heads"] / dims["num_key_value_heads"]
+
+
 def bytes_moved(sub_layer: SubLayer, kind: str, dims: dict, dtype: str, weight_bytes: int) -> Coefficients:
-    """Memory traffic per step: weights once, activations per token, KV read per context token."""
+    """Memory traffic per step: weights once, activations per token, KV traffic per context token."""
     element = DTYPE_BYTES[dtype]
     hidden = dims["hidden_size"]
     kv_per_token = kv_bytes_per_token(dims, dtype) if kind == "attn" else 0
@@ -74,7 +81,7 @@ def bytes_moved(sub_layer: SubLayer, kind: str, dims: dict, dtype: str, weight_b
     activations = 2 * hidden * element + (dims["vocab_size"] * element if kind == "final" else 0)
     cost = {"const": float(weight_bytes), "T": float(activations + kv_per_token)}
     if kv_per_token:
-        cost["C"] = float(kv_per_token)
+        cost["C"] = float(kv_per_token * kv_traffic_factor(dims))
     return cost
 
 

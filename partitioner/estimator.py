@@ -3,7 +3,7 @@
 A sub-layer's time is the sum, over its matrix products, of
     max(2·T·K·N / achieved FLOP/s(T, K, N),  K·N·element / achieved read bandwidth)
 plus its attention, max(4·heads·head_dim·T·C / achieved attention FLOP/s(T, C), KV bytes / bandwidth),
-plus one hop. Achieved rates come from the profile's tables: the measured shape nearest in
+plus one hop and a measured per-node cost for each of its graph nodes. Achieved rates come from the profile's tables: the measured shape nearest in
 log(K·N) (and aspect) is taken, and between measured token counts M the rate is interpolated
 as a power law (linear in log-log; clamped at the ends). CPU sub-layers that overlap a copy use the rates measured
 under copy load (or the stored slowdown factor). A copy takes bytes / link bandwidth at that size.
@@ -82,6 +82,7 @@ class DeviceRates:
     read_gbps: float
     read_gbps_loaded: float
     hop_s: float
+    op_s: float = 0.0
 
 
 class Estimator:
@@ -106,6 +107,7 @@ class Estimator:
             read_gbps=cpu["memory_read_gbps"],
             read_gbps_loaded=cpu["under_copy_load"]["memory_read_gbps"],
             hop_s=cpu["hop_us"] * 1e-6,
+            op_s=cpu.get("op_us", 0.0) * 1e-6,
         )
         device = profile["device"]
         if device["kind"] == "sim" or not device.get("matmul"):
@@ -148,14 +150,14 @@ class Estimator:
             return rates.hop_s + tokens * self.model["hidden_size"] * self.element / (rates.read_gbps * 1e9)
         table = rates.matmul_loaded if under_copy and rates.matmul_loaded else rates.matmul
         read_gbps = rates.read_gbps_loaded if under_copy else rates.read_gbps
-        seconds = rates.hop_s
+        seconds = rates.hop_s + entry.get("nodes", 0) * rates.op_s
         for k, n in self._matmuls(entry):
             compute = 2.0 * tokens * k * n / (table.gflops(tokens, k, n) * 1e9)
             memory = k * n * self.element / (read_gbps * 1e9)
             seconds += max(compute, memory)
         if entry["kind"] == "attn":
             flops = 4.0 * self.model["num_attention_heads"] * self.model["head_dim"] * tokens * context
-            kv_bytes = entry["kv"]["bytes_per_token"] * context
+            kv_bytes = entry["cost"]["bytes"].get("C", entry["kv"]["bytes_per_token"]) * context
             seconds += max(flops / (rates.attention.gflops(tokens, context) * 1e9), kv_bytes / (read_gbps * 1e9))
         return seconds
 

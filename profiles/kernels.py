@@ -45,6 +45,15 @@ def hop_model(width: int) -> onnx.ModelProto:
     return helper.make_model(graph, opset_imports=[helper.make_operatorsetid("", 21)])
 
 
+def op_chain_model(width: int, count: int) -> onnx.ModelProto:
+    """`count` small element-wise ops in a row: the per-node cost a sub-layer pays beyond its math."""
+    nodes = [helper.make_node("Add" if i % 2 else "Mul", [f"t{i}", f"t{i}"], [f"t{i + 1}"]) for i in range(count)]
+    graph = helper.make_graph(
+        nodes, "ops", [helper.make_tensor_value_info("t0", TensorProto.FLOAT, [1, 1, width])],
+        [helper.make_tensor_value_info(f"t{count}", TensorProto.FLOAT, [1, 1, width])])
+    return helper.make_model(graph, opset_imports=[helper.make_operatorsetid("", 21)])
+
+
 def median_seconds(run: Callable[[], None], min_seconds: float, min_runs: int = 3, max_runs: int = 2000) -> float:
     """Median wall time of `run` after one warm-up call, repeated for at least `min_seconds`."""
     run()

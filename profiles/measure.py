@@ -21,6 +21,7 @@ from pipeshard.profiles.kernels import (
     attention_model,
     hop_model,
     matmul_model,
+    op_chain_model,
     median_seconds,
 )
 from pipeshard.runtime.ort import cpu_session_options, import_onnxruntime
@@ -172,6 +173,15 @@ def hop_microseconds(ort, threads: int, width: int = 4096) -> float:
     return median_seconds(session, 0.2, min_runs=200) * 1e6
 
 
+def op_microseconds(ort, threads: int, width: int = 1024, count: int = 32) -> float:
+    """Cost of one more small node in a session (graph-level overhead beyond the hop)."""
+    x = np.ones((1, 1, width), np.float32)
+    options = cpu_session_options(threads, optimize=False)  # keep the chain: no fusion
+    session = BoundSession(ort, op_chain_model(width, count), options, ["CPUExecutionProvider"], {"t0": x},
+                           {f"t{count}": (x.shape, np.float32)})
+    return max(0.0, median_seconds(session, 0.2, min_runs=50) * 1e6 - hop_microseconds(ort, threads)) / count
+
+
 def measure_machine(plan: Plan, thread_counts: list[int] | None = None, progress=lambda: None,
                     use_cuda: bool | None = None) -> dict:
     """Run every measurement of `plan`; returns a schema-1 profile document. The CUDA part runs when
@@ -195,6 +205,7 @@ def measure_machine(plan: Plan, thread_counts: list[int] | None = None, progress
             "memory_copy_gbps": copy_idle,
             "attention": _attention_rows(ort, plan, threads, progress),
             "hop_us": hop_microseconds(ort, threads),
+            "op_us": op_microseconds(ort, threads),
             "under_copy_load": {"matmul": loaded_matmul, "memory_read_gbps": read_loaded},
         }
         progress()

@@ -94,6 +94,7 @@ def reference_profile(name: str) -> dict:
             "memory_copy_gbps": gbps * BANDWIDTH_EFFICIENCY / 2,
             "attention": _attention_rows(peak, gbps),
             "hop_us": 5.0,
+            "op_us": 2.0,
             "under_copy_load": {"matmul": loaded, "memory_read_gbps": gbps * BANDWIDTH_EFFICIENCY / CPU_CONTENTION},
         }
     sizes = FULL.copy_sizes
