@@ -3,10 +3,11 @@
 A sub-layer's time is the sum, over its matrix products, of
     max(2·T·K·N / achieved FLOP/s(T, K, N),  K·N·element / achieved read bandwidth)
 plus its attention, max(4·heads·head_dim·T·C / achieved attention FLOP/s(T, C), KV bytes / bandwidth),
-plus one hop and a measured per-node cost for each of its graph nodes. Achieved rates come from the profile's tables: the measured shape nearest in
-log(K·N) (and aspect) is taken, and between measured token counts M the rate is interpolated
-as a power law (linear in log-log; clamped at the ends). CPU sub-layers that overlap a copy use the rates measured
-under copy load (or the stored slowdown factor). A copy takes bytes / link bandwidth at that size.
+plus one hop and a measured per-node cost for each of its graph nodes. The KV bytes are the
+manifest's cost-model traffic per context token. Achieved rates come from the profile's tables: the
+measured shape nearest in log(K·N) (and aspect) is taken, and between measured token counts M the
+rate is interpolated as a power law (linear in log-log; clamped at the ends). CPU sub-layers that
+overlap a copy use the rates measured under copy load. A copy takes bytes / link bandwidth at that size.
 """
 
 from __future__ import annotations

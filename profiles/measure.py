@@ -21,8 +21,8 @@ from pipeshard.profiles.kernels import (
     attention_model,
     hop_model,
     matmul_model,
-    op_chain_model,
     median_seconds,
+    op_chain_model,
 )
 from pipeshard.runtime.ort import cpu_session_options, import_onnxruntime
 

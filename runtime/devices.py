@@ -95,6 +95,14 @@ class SimDevice:
     def upload_now(self, target: np.ndarray, source: np.ndarray) -> None:
         self.upload(target, source).result()
 
+    @property
+    def ort_device(self):
+        """Where device sessions keep their KV outputs (host memory, on sim)."""
+        return cpu_ort_device()
+
+    def released_after_compute(self, buffer: np.ndarray) -> None:
+        """Compute here is synchronous: a slot is free as soon as its sub-layer returned."""
+
     def bind_weight(self, binding, name: str, buffer: np.ndarray, offset: int, dtype, shape) -> None:
         """Bind a weight that lives at `offset` in a device buffer as a session input."""
         binding.bind_input(name, cpu_ort_device(), np.dtype(dtype), list(shape), buffer.ctypes.data + offset)

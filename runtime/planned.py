@@ -295,8 +295,10 @@ class PlanStep:
                 self._slot_future[slot].result()
                 self.stats.copy_wait_s += time.perf_counter() - waited
                 self._bind_weights(binding, entry, self._ring[slot])
+            kv_device = self.device.ort_device if placement != CPU and entry["kv"] else cpu
+            presents = entry["kv"]["present"] if entry["kv"] else ()
             for output in session.outputs:
-                binding.bind_output(output, cpu)
+                binding.bind_output(output, kv_device if output in presents else cpu)
             session.run(binding, self.run_options)
             for output, value in zip(session.outputs, binding.get_outputs(), strict=True):
                 values[output] = value
@@ -305,6 +307,7 @@ class PlanStep:
                     self._kv[past] = values.pop(present)
                     self._kv_owners.pop(past, None)  # ORT owns the new value
             if placement == STREAMED:
+                self.device.released_after_compute(self._ring[slot])
                 if plan.prefetch:
                     following = (self._ring_position + len(self._ring)) % len(self._streamed)
                     self._start_copy(slot, self._streamed[following])

@@ -1,0 +1,146 @@
+"""The `cuda` device: ONNX Runtime's CUDA EP fed by our own copy stream (cuda-python).
+
+Weights of streamed sub-layers are kept in pinned host memory; uploads are cudaMemcpyAsync on a
+copy stream we own, each followed by an event. ORT runs on a compute stream we also own (the EP's
+`user_compute_stream`), and before a sub-layer runs the compute stream waits on its upload's event;
+before a staging slot is refilled the copy stream waits on the event recorded after the slot's last
+user ran. So copies overlap compute and nothing is read before it arrived. Device buffers are
+cudaMalloc'd, charged to the same Ledger as the sim device, and bound by pointer.
+
+Unverified: no GPU was available when this was written (README). The GPU check exercises it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from pipeshard.runtime.devices import Ledger
+
+
+def _check(result):
+    err, *values = result
+    if int(err) != 0:
+        raise RuntimeError(f"CUDA error {err!r}")
+    return values[0] if len(values) == 1 else (values or None)
+
+
+class DeviceBuffer:
+    """A cudaMalloc'd block: its address and size (what binding by pointer needs)."""
+
+    def __init__(self, pointer: int, nbytes: int) -> None:
+        self.pointer = pointer
+        self.nbytes = nbytes
+
+
+class CopyTicket:
+    """An upload in flight: `result()` makes the compute stream wait for it (the host does not block)."""
+
+    def __init__(self, device: CudaDevice, event) -> None:
+        self.device = device
+        self.event = event
+
+    def result(self) -> None:
+        _check(self.device.rt.cudaStreamWaitEvent(self.device.compute_stream, self.event, 0))
+
+
+class CudaDevice:
+    kind = "cuda"
+
+    def __init__(self, budget_bytes: int, runtime=None) -> None:
+        if runtime is None:
+            from cuda.bindings import runtime
+        self.rt = runtime
+        _check(self.rt.cudaSetDevice(0))
+        self.ledger = Ledger(budget_bytes)
+        self.copy_stream = _check(self.rt.cudaStreamCreate())
+        self.compute_stream = _check(self.rt.cudaStreamCreate())
+        cuda_options = {"device_id": 0, "user_compute_stream": str(int(self.compute_stream)),
+                        "do_copy_in_default_stream": "0"}
+        self.providers = [("CUDAExecutionProvider", cuda_options), "CPUExecutionProvider"]
+        self._pinned_host: dict[int, tuple[int, int]] = {}  # id(source) -> (pointer, bytes)
+        self._slot_released: dict[int, object] = {}
+        self.copied_bytes = 0
+        self.copy_seconds = 0.0
+
+    def set_budget(self, budget_bytes: int) -> None:
+        if self.ledger.used > budget_bytes:
+            raise RuntimeError(f"{self.ledger.used} bytes still in use, more than the new budget {budget_bytes}")
+        self.ledger.budget_bytes = budget_bytes
+
+    def alloc(self, nbytes: int, purpose: str) -> DeviceBuffer:
+        self.ledger.charge(nbytes, purpose)
+        try:
+            return DeviceBuffer(int(_check(self.rt.cudaMalloc(nbytes))), nbytes)
+        except RuntimeError:
+            self.ledger.release(nbytes, purpose)
+            raise
+
+    def free(self, buffer: DeviceBuffer, purpose: str) -> None:
+        _check(self.rt.cudaStreamSynchronize(self.compute_stream))
+        _check(self.rt.cudaFree(buffer.pointer))
+        self.ledger.release(buffer.nbytes, purpose)
+        self._slot_released.pop(buffer.pointer, None)
+
+    def reserve(self, nbytes: int, purpose: str) -> None:
+        self.ledger.charge(nbytes, purpose)
+
+    def unreserve(self, nbytes: int, purpose: str) -> None:
+        self.ledger.release(nbytes, purpose)
+
+    def _pinned(self, source: np.ndarray) -> int:
+        """A pinned host copy of a weight blob (made once): async copies need page-locked memory."""
+        key = id(source.base if source.base is not None else source)
+        if key not in self._pinned_host:
+            pointer = int(_check(self.rt.cudaMallocHost(source.nbytes)))
+            np.ctypeslib.as_array((np.ctypeslib.ctypes.c_uint8 * source.nbytes).from_address(pointer))[:] = source
+            self._pinned_host[key] = (pointer, source.nbytes)
+        return self._pinned_host[key][0]
+
+    def upload(self, target: DeviceBuffer, source: np.ndarray) -> CopyTicket:
+        """Copy a blob into a device buffer on the copy stream, after the buffer's last reader finished."""
+        released = self._slot_released.get(target.pointer)
+        if released is not None:
+            _check(self.rt.cudaStreamWaitEvent(self.copy_stream, released, 0))
+        _check(self.rt.cudaMemcpyAsync(target.pointer, self._pinned(source), source.nbytes,
+                                       self.rt.cudaMemcpyKind.cudaMemcpyHostToDevice, self.copy_stream))
+        event = _check(self.rt.cudaEventCreateWithFlags(self.rt.cudaEventDisableTiming))
+        _check(self.rt.cudaEventRecord(event, self.copy_stream))
+        self.copied_bytes += source.nbytes
+        return CopyTicket(self, event)
+
+    def upload_now(self, target: DeviceBuffer, source: np.ndarray) -> None:
+        self.upload(target, source)
+        _check(self.rt.cudaStreamSynchronize(self.copy_stream))
+
+    def released_after_compute(self, buffer: DeviceBuffer) -> None:
+        """Record that the compute stream's work so far is the last reader of `buffer` (a staging slot)."""
+        event = _check(self.rt.cudaEventCreateWithFlags(self.rt.cudaEventDisableTiming))
+        _check(self.rt.cudaEventRecord(event, self.compute_stream))
+        self._slot_released[buffer.pointer] = event
+
+    @property
+    def ort_device(self):
+        """ORT's handle for this GPU: device sessions keep their KV outputs there."""
+        import onnxruntime
+
+        return onnxruntime.OrtDevice.make("cuda", 0)._get_c_device()
+
+    def bind_weight(self, binding, name: str, buffer: DeviceBuffer, offset: int, dtype, shape) -> None:
+        binding.bind_input(name, self.ort_device, np.dtype(dtype), list(shape), buffer.pointer + offset)
+
+    def to_device(self, value):
+        from onnxruntime import OrtValue
+
+        return OrtValue.ortvalue_from_numpy(np.asarray(value.numpy()), "cuda", 0)
+
+    def to_host(self, value):
+        from onnxruntime import OrtValue
+
+        return OrtValue.ortvalue_from_numpy(np.array(value.numpy(), copy=True))
+
+    def close(self) -> None:
+        _check(self.rt.cudaStreamSynchronize(self.copy_stream))
+        _check(self.rt.cudaStreamSynchronize(self.compute_stream))
+        for pointer, _ in self._pinned_host.values():
+            _check(self.rt.cudaFreeHost(pointer))
+        self._pinned_host.clear()

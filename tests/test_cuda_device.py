@@ -1,0 +1,79 @@
+"""The cuda device's bookkeeping with a fake CUDA runtime (the real one needs a GPU: README, unverified)."""
+
+import numpy as np
+import pytest
+
+from pipeshard.runtime.cuda_device import CudaDevice
+from pipeshard.runtime.devices import BudgetExceeded
+
+
+class FakeRuntime:
+    """Records calls; pointers are counters; every call succeeds (error code 0)."""
+
+    class cudaMemcpyKind:  # noqa: N801 - mirrors cuda.bindings.runtime
+        cudaMemcpyHostToDevice = 1
+
+    cudaEventDisableTiming = 2
+
+    def __init__(self):
+        self.calls = []
+        self.next_pointer = 0x1000
+
+    def _pointer(self):
+        self.next_pointer += 0x1000
+        return self.next_pointer
+
+    def __getattr__(self, name):
+        def call(*args):
+            self.calls.append((name, args))
+            if name in ("cudaMalloc", "cudaMallocHost", "cudaStreamCreate", "cudaEventCreateWithFlags"):
+                return 0, self._pointer()
+            return (0,)
+
+        return call
+
+
+@pytest.fixture()
+def device(monkeypatch):
+    runtime = FakeRuntime()
+    # Writing into "pinned" memory at a fake address would crash: keep the pinned copy in numpy instead.
+    monkeypatch.setattr(CudaDevice, "_pinned", lambda self, source: id(source))
+    return CudaDevice(1 << 20, runtime=runtime), runtime
+
+
+def test_allocations_are_charged_and_released(device):
+    cuda, _ = device
+    buffer = cuda.alloc(4096, "pinned")
+    assert cuda.ledger.used == 4096
+    cuda.free(buffer, "pinned")
+    assert cuda.ledger.used == 0 and cuda.ledger.peak == 4096
+
+
+def test_the_budget_is_enforced_before_cuda_malloc(device):
+    cuda, runtime = device
+    with pytest.raises(BudgetExceeded):
+        cuda.alloc(2 << 20, "staging")
+    assert not any(name == "cudaMalloc" for name, _ in runtime.calls)
+
+
+def test_a_slot_refill_waits_for_its_last_reader_and_compute_waits_for_the_copy(device):
+    cuda, runtime = device
+    slot = cuda.alloc(1024, "staging")
+    blob = np.zeros(1024, np.uint8)
+    ticket = cuda.upload(slot, blob)
+    ticket.result()
+    assert ("cudaStreamWaitEvent", (cuda.compute_stream, ticket.event, 0)) in runtime.calls
+    cuda.released_after_compute(slot)
+    released = cuda._slot_released[slot.pointer]
+    runtime.calls.clear()
+    cuda.upload(slot, blob)
+    names = [name for name, _ in runtime.calls]
+    assert names.index("cudaStreamWaitEvent") < names.index("cudaMemcpyAsync")
+    assert ("cudaStreamWaitEvent", (cuda.copy_stream, released, 0)) in runtime.calls
+
+
+def test_the_ep_runs_on_our_compute_stream(device):
+    cuda, _ = device
+    options = cuda.providers[0][1]
+    assert cuda.providers[0][0] == "CUDAExecutionProvider"
+    assert options["user_compute_stream"] == str(cuda.compute_stream) and options["do_copy_in_default_stream"] == "0"
