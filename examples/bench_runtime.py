@@ -2,7 +2,8 @@
 on the simulated device at 25 % of the model's bytes, how much of the gpu-only plan's copy time at
 tier 64 is hidden behind compute.
 
-    python examples/bench_runtime.py EXPORT_DIR PACK [--profile laptop-8gb] [--threads 2] [--steps 6]
+    python examples/bench_runtime.py EXPORT_DIR PACK --profile build/profile-smollm2.json [--threads 2]
+        [--steps 6] [--context 512]
 
 `sim` copies are real memcpys on the prefetch thread; the figures say nothing about GPU speed.
 """
@@ -10,9 +11,9 @@ tier 64 is hidden behind compute.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -26,11 +27,12 @@ from pipeshard.profiles.db import load_profile
 TIER = 64
 
 
-def copy_overlap_at_tier(pack: str, profile: str, threads: int, steps: int) -> dict:
+def copy_overlap_at_tier(pack: str, profile: str, threads: int, steps: int, context: int, fraction: float) -> dict:
     manifest = json.loads((Path(pack) / "manifest.json").read_text())
     planner = Planner(manifest, load_profile(profile), 1 << 40)
-    budget = planner.minimum_budget() + planner.model_bytes // 4
-    engine = pipeshard.load(pack, vram=budget, device="sim", profile=profile, plan="gpu-only", threads=threads)
+    budget = planner.minimum_budget() + int(planner.model_bytes * fraction)
+    engine = pipeshard.load(pack, vram=budget, device="sim", profile=profile, plan="gpu-only", threads=threads,
+                            context=context)
     step, device = engine.step, engine.step.device
     step.tiers = [TIER]
     ids = np.random.default_rng(0).integers(100, 20000, size=(1, TIER * (steps + 1))).astype(np.int64)
@@ -58,19 +60,22 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("export_dir")
     parser.add_argument("pack")
-    parser.add_argument("--profile", default="laptop-8gb")
+    parser.add_argument("--profile", required=True, help="this machine's profile (its device is sim)")
+    parser.add_argument("--context", type=int, default=512, help="KV context the plan reserves")
+    parser.add_argument("--fraction", type=float, default=0.25, help="budget = minimum + this share of the model")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--repeat", type=int, default=5)
     args = parser.parse_args()
-    spec = importlib.util.spec_from_file_location("bench_chain", Path(__file__).with_name("bench_chain.py"))
-    bench_chain = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench_chain)
-    sys.argv = [sys.argv[0], args.export_dir, args.pack, "--threads", str(args.threads), "--repeat", str(args.repeat)]
-    print("== cpu chain vs monolithic ==")
-    bench_chain.main()
-    print(f"== sim device, gpu-only plan at tier {TIER}, budget = minimum + 25 % of the model ==")
-    result = copy_overlap_at_tier(args.pack, args.profile, args.threads, args.steps)
+    print("== cpu chain vs monolithic ==", flush=True)
+    subprocess.run([sys.executable, str(Path(__file__).with_name("bench_chain.py")), args.export_dir, args.pack,
+                    "--threads", str(args.threads), "--repeat", str(args.repeat)], check=True)
+    print(f"== sim device, gpu-only plan at tier {TIER}, budget = minimum + {args.fraction:.0%} of the model ==")
+    result = copy_overlap_at_tier(args.pack, args.profile, args.threads, args.steps, args.context, args.fraction)
+    if not result["rows"] or not sum(r["copy_s"] for r in result["rows"]):
+        print(f"  the planner's plan at tier {TIER} streams nothing within this budget: {result['plan']} "
+              f"{result['counts']}")
+        return
     copy = sum(r["copy_s"] for r in result["rows"])
     wait = sum(r["wait_s"] for r in result["rows"])
     compute = statistics.median(r["compute_s"] for r in result["rows"])
