@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import onnx
@@ -98,3 +100,24 @@ class BoundSession:
 
     def __call__(self) -> None:
         self._run(self._raw, self.run_options)
+
+
+@contextlib.contextmanager
+def cpu_matmul_load(ort, options, k: int, n: int) -> Iterator[None]:
+    """Keep the CPU busy with [64, k] x [k, n] MatMuls on a background thread while the block runs."""
+    session = BoundSession(ort, matmul_model(k, n, "fp32"), options, ["CPUExecutionProvider"],
+                           {"X": np.ones((64, k), np.float32)}, {"Y": ((64, n), np.float32)})
+    stop = threading.Event()
+
+    def compute() -> None:
+        while not stop.is_set():
+            session()
+
+    worker = threading.Thread(target=compute, daemon=True)
+    worker.start()
+    try:
+        time.sleep(0.02)
+        yield
+    finally:
+        stop.set()
+        worker.join()

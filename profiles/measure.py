@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -19,6 +18,7 @@ from pipeshard.profiles.kernels import (
     NUMPY_FLOAT,
     BoundSession,
     attention_model,
+    cpu_matmul_load,
     hop_model,
     matmul_model,
     median_seconds,
@@ -239,24 +239,9 @@ def measure_machine(plan: Plan, thread_counts: list[int] | None = None, progress
 
 def _copy_under_cpu_load(ort, plan: Plan, threads: int) -> list[dict]:
     """The copy's bandwidth while CPU matrix products run on `threads` threads."""
-    k, n = plan.shapes[-1]
-    session = BoundSession(ort, matmul_model(k, n, "fp32"), cpu_session_options(threads), ["CPUExecutionProvider"],
-                           {"X": np.ones((64, k), np.float32)}, {"Y": ((64, n), np.float32)})
-    stop = threading.Event()
-
-    def compute() -> None:
-        while not stop.is_set():
-            session()
-
-    worker = threading.Thread(target=compute, daemon=True)
-    worker.start()
-    try:
-        time.sleep(0.02)
+    with cpu_matmul_load(ort, cpu_session_options(threads), *plan.shapes[-1]):
         return [{"bytes": size, "gbps": sim_copy_gbps(size, plan.seconds_per_point), "pinned": False}
                 for size in plan.copy_sizes]
-    finally:
-        stop.set()
-        worker.join()
 
 
 def contention_factors(cpu_threads: dict, link_idle: list[dict], link_loaded: list[dict]) -> dict:

@@ -16,6 +16,7 @@ from pipeshard.profiles.kernels import (
     NUMPY_FLOAT,
     BoundSession,
     attention_model,
+    cpu_matmul_load,
     hop_model,
     matmul_model,
     median_seconds,
@@ -158,24 +159,10 @@ def measure_cuda(plan, cpu_threads: int) -> tuple[dict, dict, dict]:
                 gbps = cuda.copy_gbps(size, pinned, to_device, plan.seconds_per_point)
                 link[direction].append({"bytes": size, "pinned": pinned, "gbps": gbps})
     # The copy while the CPU computes matrix products on every thread.
-    k, n = plan.shapes[-1]
-    busy = BoundSession(ort, matmul_model(k, n, "fp32"), cpu_session_options(cpu_threads), ["CPUExecutionProvider"],
-                        {"X": np.ones((64, k), np.float32)}, {"Y": ((64, n), np.float32)})
-    stop = threading.Event()
-
-    def compute() -> None:
-        while not stop.is_set():
-            busy()
-
-    worker = threading.Thread(target=compute, daemon=True)
-    worker.start()
-    try:
+    with cpu_matmul_load(ort, cpu_session_options(cpu_threads), *plan.shapes[-1]):
         link["under_cpu_load"] = {"h2d": [{"bytes": s, "pinned": True,
                                            "gbps": cuda.copy_gbps(s, True, True, plan.seconds_per_point)}
                                           for s in plan.copy_sizes]}
-    finally:
-        stop.set()
-        worker.join()
     properties = cuda.properties()
     device = {"kind": "cuda", "name": properties["name"], "driver": properties["driver"],
               "memory_bytes": properties["memory_bytes"], "ep_overhead_bytes": int(overhead),
