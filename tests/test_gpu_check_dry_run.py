@@ -1,0 +1,24 @@
+"""The GPU check script runs end to end on the simulated device, so it does not rot between GPU runs."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+from pipeshard.partitioner.pack import partition
+
+SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "gpu_check.py"
+
+
+def test_gpu_check_dry_run_on_sim(tiny_llama_export, tmp_path, capsys):
+    pack = tmp_path / "pack"
+    partition(tiny_llama_export, pack)
+    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+    report = gpu_check.main(["--pack", str(pack), "--device", "sim", "--profile", "laptop-8gb", "--fraction", "0.5",
+                             "--new-tokens", "8", "--out", str(tmp_path / "check.json")])
+    assert report["ok"]
+    assert [row["plan"] for row in report["rows"]] == ["auto", "layers", "offload"]
+    saved = json.loads((tmp_path / "check.json").read_text())
+    assert saved["environment"]["device"] == "sim" and all(r["tokens_equal_cpu"] for r in saved["rows"])
+    assert "wrote" in capsys.readouterr().out
