@@ -144,8 +144,10 @@ class Planner:
         """Estimator results for a tier, computed once: (compute seconds per device, copy seconds, activation copy)."""
         if tier not in self._cost_cache:
             estimator = self.estimator
-            compute = {e["name"]: {"cpu": estimator.compute_seconds(e, tier, self.context, False),
-                                   "gpu": estimator.compute_seconds(e, tier, self.context, True)}
+            # The output layer computes only each sequence's last position (what generation reads).
+            tokens = {e["name"]: min(tier, self.batch) if e["kind"] == "final" else tier for e in self.sub_layers}
+            compute = {e["name"]: {"cpu": estimator.compute_seconds(e, tokens[e["name"]], self.context, False),
+                                   "gpu": estimator.compute_seconds(e, tokens[e["name"]], self.context, True)}
                        for e in self.sub_layers}
             copies = {e["name"]: estimator.copy_seconds(self.weight_bytes[e["name"]], under_cpu_load=True)
                       for e in self.sub_layers}

@@ -45,13 +45,14 @@ class _Stage:
         # IO binding returns outputs in the order they were first bound: pointers first (see ChainStep).
         self.bound_output_order = self.pointer_outputs + self.allocated_outputs
         self.bound_shape: tuple[int, int] | None = None
+        self.takes_last_hidden = LOGITS in self.pointer_outputs and len(self.residual_inputs) == 1
 
 
 class ChainStep:
     """A ForwardStep over a model pack, all on the CPU EP."""
 
     def __init__(self, folder: Path, threads: int | None = None, optimize: bool = True, prepack: bool = True,
-                 verify: bool = False) -> None:
+                 verify: bool = False, all_logits: bool = False) -> None:
         ort = import_onnxruntime()
         self._ort = ort
         self.pack = load_pack(folder, verify=verify)
@@ -71,12 +72,25 @@ class ChainStep:
         # writes the same one.
         self._buffer_of = {name: index % 2 for index, name in enumerate(residual_names)}
         self.stages = [_Stage(ort, self.pack, entry, options, set(residual_names)) for entry in self.pack.sub_layers]
+        # Generation reads only the last token's logits: unless asked for all, the output layer gets the
+        # last position only (a 256-token prefill then skips 255 lm_head rows and their logits memory).
+        self._all_logits = all_logits
+        self._last_hidden = np.empty(0, self.dtype)
         self.run_options = ort.RunOptions()
         self._cpu = ort.OrtDevice.make("cpu", 0)._get_c_device()
         self._kv: dict[str, object] = {}
         self._shape: tuple[int, int] | None = None
         self._residual: list[np.ndarray] = []
         self._logits = np.empty(0, self.dtype)
+
+    @property
+    def all_logits(self) -> bool:
+        return self._all_logits
+
+    @all_logits.setter
+    def all_logits(self, value: bool) -> None:
+        self._all_logits = value
+        self._shape = None  # buffers and pointer bindings are remade at the next step
 
     def start(self, batch_size: int) -> None:
         empty = np.zeros((batch_size, self.kv_heads, 0, self.head_dim), dtype=self.dtype)
@@ -86,8 +100,9 @@ class ChainStep:
 
     def _bind_pointers(self, stage: _Stage) -> None:
         """(Re)bind the residual buffers and logits of a stage for the current batch shape."""
+        last_only = LOGITS in stage.pointer_outputs and not self.all_logits
         for name in stage.residual_inputs:
-            array = self._residual[self._buffer_of[name]]
+            array = self._last_hidden if last_only else self._residual[self._buffer_of[name]]
             stage.binding.bind_input(name, self._cpu, array.dtype, list(array.shape), array.ctypes.data)
         for name in stage.pointer_outputs:
             array = self._logits if name == LOGITS else self._residual[self._buffer_of[name]]
@@ -99,7 +114,9 @@ class ChainStep:
         if shape != self._shape:
             self._shape = shape
             self._residual = [np.empty((*shape, self.hidden_size), self.dtype) for _ in range(2)]
-            self._logits = np.empty((*shape, self.vocab_size), self.dtype)
+            logit_rows = shape[1] if self.all_logits else 1
+            self._logits = np.empty((shape[0], logit_rows, self.vocab_size), self.dtype)
+            self._last_hidden = np.empty((shape[0], 1, self.hidden_size), self.dtype)
         step_inputs = {"input_ids": np.ascontiguousarray(input_ids, dtype=np.int64),
                        "attention_mask": np.ascontiguousarray(attention_mask, dtype=np.int64),
                        "position_ids": np.ascontiguousarray(position_ids, dtype=np.int64)}
@@ -110,6 +127,8 @@ class ChainStep:
             binding = stage.binding
             if stage.bound_shape != shape:
                 self._bind_pointers(stage)
+            if stage.takes_last_hidden and not self.all_logits:
+                np.copyto(self._last_hidden, self._residual[self._buffer_of[stage.residual_inputs[0]]][:, -1:, :])
             for name in stage.step_inputs:
                 binding.bind_input(name, step_inputs[name])
             for name in stage.shared_inputs:

@@ -26,7 +26,8 @@ class ForwardStep(Protocol):
         """Forget every cached token and prepare for `batch_size` sequences."""
 
     def forward(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray) -> np.ndarray:
-        """Logits [batch, new tokens, vocab] for int64 ids [batch, T], mask [batch, past + T], positions [batch, T]."""
+        """Logits for int64 ids [batch, T], mask [batch, past + T], positions [batch, T]: [batch, T, vocab], or
+        [batch, 1, vocab] (the last new token only) for steps that skip the rest — generation needs no more."""
 
 
 @dataclass

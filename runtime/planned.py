@@ -86,6 +86,7 @@ class PlanStep:
         self._reserved: dict[str, int] = {}
         self._batch = 1
         self._ring_position = 0
+        self.all_logits = False  # see ChainStep: the output layer gets the last position only
 
     # -- plans ------------------------------------------------------------------------------------------------------
     def tier_for(self, tokens: int) -> int:
@@ -274,8 +275,13 @@ class PlanStep:
             # No clear_binding_*: values kept from the last step (the KV cache) are references into
             # this binding's outputs, so every input is bound (which takes its own reference) before
             # the outputs are bound anew.
+            last_only = entry["kind"] == "final" and not self.all_logits
             for tensor in self._inputs[name]:
-                if tensor in step_inputs:
+                if last_only and tensor in values:
+                    last = np.ascontiguousarray(values[tensor].numpy()[:, -1:, :])
+                    values["_last_hidden"] = last
+                    binding.bind_input(tensor, cpu, last.dtype, list(last.shape), last.ctypes.data)
+                elif tensor in step_inputs:
                     array = step_inputs[tensor]
                     binding.bind_input(tensor, cpu, array.dtype, list(array.shape), array.ctypes.data)
                 elif tensor in self._kv:

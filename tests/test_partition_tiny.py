@@ -96,6 +96,7 @@ def test_chain_greedy_tokens_and_logits_equal_the_monolithic_session(tiny_pack, 
         assert solo == whole.generate(prompt, max_new_tokens=24)[0].tokens
     ids = np.array([[5, 17, 99, 3, 42, 7]], dtype=np.int64)
     whole.step.start(1)
+    chain.step.all_logits = True
     chain.step.start(1)
     for start, stop in ((0, 4), (4, 5), (5, 6)):
         mask = np.ones((1, stop), np.int64)
@@ -146,3 +147,14 @@ def test_inspect_lists_every_sub_layer_with_totals(tiny_pack, capsys):
     assert main(["inspect", str(tiny_pack), "--json"]) == 0
     summary = json.loads(capsys.readouterr().out)
     assert len(summary["sub_layers"]) == 11 and summary["totals"]["flops_T64"] > summary["totals"]["flops_T1"] > 0
+
+
+def test_generation_steps_compute_only_the_last_positions_logits(tiny_pack, tiny_llama_export):
+    whole, chain = pipeshard.load(tiny_llama_export), pipeshard.load(tiny_pack)
+    ids = np.array([[5, 17, 99, 3], [1, 2, 3, 4]], dtype=np.int64)
+    args = (ids, np.ones_like(ids), np.tile(np.arange(4), (2, 1)))
+    whole.step.start(2)
+    chain.step.start(2)
+    full, last = whole.step.forward(*args), chain.step.forward(*args)
+    assert last.shape == (2, 1, full.shape[-1])
+    assert np.abs(full[:, -1:, :] - last).max() < 1e-4

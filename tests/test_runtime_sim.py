@@ -137,6 +137,7 @@ def test_logits_of_a_streamed_plan_match_the_chain(pack, minimum):
     engine = sim(pack, minimum + 600_000, "gpu-only")
     ids = np.array([[5, 17, 99, 3]], dtype=np.int64)
     args = (ids, np.ones_like(ids), np.arange(4)[None])
+    chain.step.all_logits = engine.step.all_logits = True
     chain.step.start(1)
     engine.step.start(1)
     assert np.abs(chain.step.forward(*args) - engine.step.forward(*args)).max() < 1e-5

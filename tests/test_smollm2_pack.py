@@ -47,6 +47,7 @@ def test_chain_64_greedy_tokens_equal_the_monolithic_session(smollm2_pack, smoll
         assert chain_tokens == whole.generator.generate([ids], settings)[0].tokens
     ids = np.array([whole.generator.prompt_ids(PROMPTS[1])], dtype=np.int64)
     whole.step.start(1)
+    chain.step.all_logits = True
     chain.step.start(1)
     args = (ids, np.ones_like(ids), np.arange(ids.shape[1])[None])
     assert np.abs(whole.step.forward(*args) - chain.step.forward(*args)).max() < 1e-4
