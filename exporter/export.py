@@ -52,6 +52,21 @@ def _stages(total: int, quiet: bool):
                 bar_format="{desc}: {n_fmt}/{total_fmt} stages |{bar:20}| {elapsed}")
 
 
+def _quiet_third_party_output() -> None:
+    """Our progress bar is the one the user sees: mute transformers' bars and torch's exporter chatter
+    unless -v (INFO) was asked for."""
+    if logging.getLogger().getEffectiveLevel() <= logging.INFO:
+        return
+    import torch.onnx  # noqa: F401 - torch configures its loggers on import; override after it
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    for name in ("torch.onnx", "torch.onnx._internal.exporter._registration", "torch._dynamo", "torch.export",
+                 "onnxscript"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
 def export_model(model: str, out: Path, dtype: str = "fp32", force: bool = False, opset: int | None = None,
                  quiet: bool = False) -> ExportResult:
     """Export MODEL to OUT (atomically): ONNX decoder, weights, config, tokenizer files, export.json."""
@@ -68,6 +83,7 @@ def export_model(model: str, out: Path, dtype: str = "fp32", force: bool = False
 
     opset = opset or DEFAULT_OPSET
     spec = resolve_source(model)
+    _quiet_third_party_output()
     import torch
 
     started = time.perf_counter()

@@ -84,7 +84,6 @@ class PlanStep:
         self._kv_owners: dict[str, object] = {}
         self._kv_on_device: set[str] = set()
         self._reserved: dict[str, int] = {}
-        self._batch = 1
         self._ring_position = 0
         self.all_logits = False  # see ChainStep: the output layer gets the last position only
 
@@ -109,10 +108,16 @@ class PlanStep:
         return self._plans[tier]
 
     def set_budget(self, budget_bytes: int) -> None:
-        """Replan for a new VRAM budget; the sequences in flight keep their KV (moved as needed)."""
-        self._deactivate()
+        """Replan for a new VRAM budget; the sequences in flight keep their KV (moved as needed).
+        A budget below the minimum is refused before anything changes."""
+        previous = self.planner.budget_bytes
         self.planner.budget_bytes = budget_bytes
-        self.planner.check_budget()
+        try:
+            self.planner.check_budget()
+        except Exception:
+            self.planner.budget_bytes = previous
+            raise
+        self._deactivate()
         self._plans.clear()
         self.device.set_budget(budget_bytes)
 
@@ -228,7 +233,6 @@ class PlanStep:
 
     def start(self, batch_size: int) -> None:
         empty = np.zeros((batch_size, self.kv_heads, 0, self.head_dim), dtype=self.dtype)
-        self._batch = batch_size
         for entry in self.entries:
             for past in (entry["kv"] or {}).get("past", []):
                 value = self._ort.OrtValue.ortvalue_from_numpy(empty)

@@ -79,10 +79,13 @@ def test_a_budget_change_mid_generation_keeps_the_output(pack, minimum, referenc
     assert engine.step.stats.plan_switches >= 3
 
 
-def test_shrinking_below_the_minimum_is_an_error_naming_it(pack, minimum):
+def test_shrinking_below_the_minimum_is_an_error_naming_it_and_changes_nothing(pack, minimum, reference):
     engine = sim(pack, minimum + 600_000)
+    engine.generate(PROMPTS[0], max_new_tokens=4)
     with pytest.raises(UserError, match="minimum"):
         engine.set_vram_budget(minimum - 1)
+    assert engine.step.planner.budget_bytes == minimum + 600_000
+    assert engine.generate(PROMPTS[1], max_new_tokens=16)[0].tokens == reference["solo"][1]
 
 
 def test_an_interrupted_step_leaves_the_engine_usable(pack, minimum, reference):
