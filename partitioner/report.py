@@ -34,7 +34,8 @@ def plan_table(planner, planned: dict, device_kind: str) -> str:
         lines.append(f"{entry['tier']:>5} {chosen.strategy:<9} {chosen.step_s * 1e3:>9.2f} {chosen.tokens_per_s:>9.1f} "
                      f"{chosen.vram.total / MiB:>6.0f} of {planner.budget_bytes / MiB:<6.0f} "
                      f"{_counts(chosen, placeable):>12}  {others:<28} {ratios[0]:>9} {ratios[1]:>10}")
-    lines.append("predicted times (roofline estimator + 3-resource simulation); 'vs' = baseline step / chosen step")
+    lines.append(f"predicted times (roofline estimator + 3-resource simulation) with every attention reading the full "
+                 f"context of {planner.context} tokens; 'vs' = baseline step / chosen step")
     return "\n".join(lines)
 
 
