@@ -144,3 +144,14 @@ def test_logits_of_a_streamed_plan_match_the_chain(pack, minimum):
     chain.step.start(1)
     engine.step.start(1)
     assert np.abs(chain.step.forward(*args) - engine.step.forward(*args)).max() < 1e-5
+
+
+def test_chat_streams_answers_and_changes_the_budget_live(pack, minimum, monkeypatch, capsys):
+    lines = iter(["/plan", "hello there", f"/budget {minimum}", "/budget 1MiB", "/plan", "again", "/quit"])
+    monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
+    assert main(["chat", str(pack), "--device", "sim", "--vram", str(minimum + 600_000), "--profile", "laptop-8gb",
+                 "--max-new-tokens", "6"]) == 0
+    out = capsys.readouterr().out
+    assert f"budget now {minimum}" in out
+    assert "error:" in out and "minimum" in out  # the 1 MiB budget is refused, the chat goes on
+    assert out.count("device sim (simulated: not GPU speed)") == 2
