@@ -140,6 +140,10 @@ class Planner:
                     simulation.copy_hidden_s / simulation.copy_busy_s if simulation.copy_busy_s else 1.0,
                     slots, prefetch, simulation.timeline)
 
+    def clear_costs(self) -> None:
+        """Forget cached estimates (after context or batch changed)."""
+        self._cost_cache.clear()
+
     def _costs(self, tier: int) -> tuple[dict, dict, float]:
         """Estimator results for a tier, computed once: (compute seconds per device, copy seconds, activation copy)."""
         if tier not in self._cost_cache:

@@ -92,7 +92,7 @@ class ChainStep:
         self._all_logits = value
         self._shape = None  # buffers and pointer bindings are remade at the next step
 
-    def start(self, batch_size: int) -> None:
+    def start(self, batch_size: int, context: int | None = None) -> None:
         empty = np.zeros((batch_size, self.kv_heads, 0, self.head_dim), dtype=self.dtype)
         # The Python OrtValue owns `empty`'s memory; keep it next to the raw value used for binding.
         self._empty_kv = self._ort.OrtValue.ortvalue_from_numpy(empty)

@@ -22,8 +22,8 @@ class ForwardStep(Protocol):
 
     max_context: int
 
-    def start(self, batch_size: int) -> None:
-        """Forget every cached token and prepare for `batch_size` sequences."""
+    def start(self, batch_size: int, context: int | None = None) -> None:
+        """Forget every cached token and prepare for `batch_size` sequences of up to `context` tokens."""
 
     def forward(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray) -> np.ndarray:
         """Logits for int64 ids [batch, T], mask [batch, past + T], positions [batch, T]: [batch, T, vocab], or
@@ -156,7 +156,7 @@ class Generator:
         eos = set(self.codec.eos_token_ids)
         step_counts: list[int] = []
 
-        self.step.start(batch)
+        self.step.start(batch, longest + settings.max_new_tokens)
         started = time.perf_counter()
         first_token_at = started
         for step_index in range(settings.max_new_tokens):

@@ -35,7 +35,7 @@ class MonolithicStep:
         self._ort = ort
         self._past = []
 
-    def start(self, batch_size: int) -> None:
+    def start(self, batch_size: int, context: int | None = None) -> None:
         empty = np.zeros((batch_size, self.kv_heads, 0, self.head_dim), dtype=self.kv_dtype)
         self._past = [self._ort.OrtValue.ortvalue_from_numpy(empty) for _ in self.past_names]
 

@@ -231,7 +231,15 @@ class PlanStep:
         self._kv_owners[past] = owner
         self._kv[past] = owner._ortvalue
 
-    def start(self, batch_size: int) -> None:
+    def start(self, batch_size: int, context: int | None = None) -> None:
+        """New sequences. Device KV is reserved for the planner's context x batch: a larger batch or
+        a longer generation is replanned first, so the budget also holds for what is really stored."""
+        if batch_size > self.planner.batch or (context or 0) > self.planner.context:
+            self._deactivate()
+            self.planner.batch = max(batch_size, self.planner.batch)
+            self.planner.context = max(context or 0, self.planner.context)
+            self.planner.clear_costs()
+            self._plans.clear()
         empty = np.zeros((batch_size, self.kv_heads, 0, self.head_dim), dtype=self.dtype)
         for entry in self.entries:
             for past in (entry["kv"] or {}).get("past", []):

@@ -155,3 +155,14 @@ def test_chat_streams_answers_and_changes_the_budget_live(pack, minimum, monkeyp
     assert f"budget now {minimum}" in out
     assert "error:" in out and "minimum" in out  # the 1 MiB budget is refused, the chat goes on
     assert out.count("device sim (simulated: not GPU speed)") == 2
+
+
+def test_a_batch_larger_than_planned_is_replanned_so_its_kv_is_reserved(pack, minimum, reference):
+    engine = sim(pack, minimum + 600_000)
+    assert engine.step.planner.batch == 1
+    assert [g.tokens for g in engine.generate(PROMPTS, max_new_tokens=16)] == reference["batch"]
+    assert engine.step.planner.batch == len(PROMPTS)
+    attention_on_device = [n for n, p in engine.step.active.placements.items() if n.endswith("attn") and p != "cpu"]
+    kv_per_attn = 2 * 2 * 16 * 4 * engine.step.planner.context * len(PROMPTS)
+    assert engine.step.device.ledger.by_purpose.get("kv", 0) == kv_per_attn * len(attention_on_device)
+    assert engine.step.device.ledger.peak <= minimum + 600_000
