@@ -13,38 +13,13 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import numpy as np
 
 from pipeshard.partitioner.estimator import Estimator
 from pipeshard.profiles.db import load_profile
+from pipeshard.profiles.pack_timing import timed_step
 from pipeshard.runtime.chain import ChainStep
-
-
-def timed_step(step: ChainStep, past: int, tokens: int, rng) -> tuple[float, dict[str, float]]:
-    """Prefill `past` tokens (untimed), then time one step of `tokens` tokens, per stage."""
-    batch_ids = rng.integers(100, 20000, size=(1, past + tokens)).astype(np.int64)
-    step.start(1)
-    mask = np.ones((1, past), np.int64)
-    step.forward(batch_ids[:, :past], mask, np.arange(past)[None])
-    stage_seconds: dict[str, float] = {}
-    originals = {}
-    for stage in step.stages:
-        originals[stage.name] = stage.run
-
-        def timed(binding, options, run=stage.run, name=stage.name):
-            begin = time.perf_counter()
-            run(binding, options)
-            stage_seconds[name] = time.perf_counter() - begin
-
-        stage.run = timed
-    begin = time.perf_counter()
-    step.forward(batch_ids[:, past:], np.ones((1, past + tokens), np.int64), np.arange(past, past + tokens)[None])
-    total = time.perf_counter() - begin
-    for stage in step.stages:
-        stage.run = originals[stage.name]
-    return total, stage_seconds
 
 
 def main() -> None:
@@ -58,7 +33,8 @@ def main() -> None:
     parser.add_argument("--verbose", action="store_true", help="absolute times per kind")
     args = parser.parse_args()
     step = ChainStep(args.pack, threads=args.threads)
-    estimator = Estimator(load_profile(args.profile), step.pack.model, args.threads)
+    estimator = Estimator(load_profile(args.profile), step.pack.model, args.threads,
+                          step.pack.manifest["source"]["model_sha256"])
     entries = {e["name"]: e for e in step.pack.sub_layers}
     rng = np.random.default_rng(0)
     print(f"{args.pack}, profile {args.profile}, {estimator.threads} threads, past {args.past} tokens")
@@ -70,7 +46,9 @@ def main() -> None:
         measured = {name: statistics.median(r[1][name] for r in runs) for name in entries}
         measured_total = statistics.median(r[0] for r in runs)
         context = args.past + tier
-        predicted = {name: estimator.compute_seconds(entry, tier, context, on_device=False)
+        # A generation step computes the output layer for the last position only (batch 1 here).
+        predicted = {name: estimator.compute_seconds(entry, 1 if entry["kind"] == "final" else tier, context,
+                                                     on_device=False)
                      for name, entry in entries.items()}
         errors = {name: abs(predicted[name] - measured[name]) / measured[name] for name in entries}
         if args.verbose:

@@ -89,7 +89,7 @@ class DeviceRates:
 class Estimator:
     """Seconds per sub-layer (CPU or device) and per copy, for one pack, profile and thread count."""
 
-    def __init__(self, profile: dict, model: dict, threads: int | None = None) -> None:
+    def __init__(self, profile: dict, model: dict, threads: int | None = None, model_sha256: str | None = None) -> None:
         self.profile = profile
         self.dtype = model["dtype"]
         self.element = ELEMENT_BYTES[self.dtype]
@@ -121,10 +121,37 @@ class Estimator:
                 read_gbps=device.get("memory_read_gbps") or 500.0,
                 read_gbps_loaded=device.get("memory_read_gbps") or 500.0,
                 hop_s=device.get("launch_us", 10.0) * 1e-6)
+        self.pack_timings = self._pack_timings(profile, model_sha256)
         link = profile["link"]
         self.link_rows = sorted((r["bytes"], r["gbps"]) for r in link["h2d"] if r.get("pinned", True) or
                                 not any(x.get("pinned") for x in link["h2d"]))
         self.copy_slowdown = profile["contention"].get("copy_slowdown_under_cpu_matmul", 1.0)
+        factors = profile["contention"].get("cpu_matmul_slowdown_under_copy", {}).get(str(self.threads), {})
+        self._cpu_slowdown = max(1.0, factors.get("memory_read", 1.0))
+
+    def _pack_timings(self, profile: dict, model_sha256: str | None) -> dict[str, dict[int, list[tuple[float, float]]]]:
+        """Measured seconds of this very pack's sub-layer kinds (profile --pack), by kind, context and T."""
+        timings = profile.get("pack_timings") or {}
+        rows = timings.get("threads", {}).get(str(self.threads), [])
+        if not rows or model_sha256 is None or timings.get("model_sha256") != model_sha256:
+            return {}
+        table: dict[str, dict[int, list[tuple[float, float]]]] = {}
+        for row in rows:
+            table.setdefault(row["kind"], {}).setdefault(row["C"] - row["T"], []).append((float(row["T"]),
+                                                                                         row["seconds"]))
+        for by_past in table.values():
+            for points in by_past.values():
+                points.sort()
+        return table
+
+    def _measured_seconds(self, kind: str, tokens: int, context: int) -> float | None:
+        """Interpolated from the pack's own timings (log-log in T, then in the past length)."""
+        by_past = self.pack_timings.get(kind)
+        if not by_past:
+            return None
+        past = max(context - tokens, 1)
+        per_past = [(float(max(p, 1)), _interpolate_log(points, tokens)) for p, points in sorted(by_past.items())]
+        return _interpolate_log(per_past, past)
 
     def _table_dtype(self, table: dict) -> str:
         return self.dtype if self.dtype in table else "fp32"
@@ -149,6 +176,10 @@ class Estimator:
             return rates.hop_s
         if entry["kind"] == "embed":
             return rates.hop_s + tokens * self.model["hidden_size"] * self.element / (rates.read_gbps * 1e9)
+        if not on_device or self.profile["device"]["kind"] == "sim":
+            measured = self._measured_seconds(entry["kind"], tokens, context)
+            if measured is not None:
+                return measured * (self._cpu_slowdown if under_copy else 1.0)
         table = rates.matmul_loaded if under_copy and rates.matmul_loaded else rates.matmul
         read_gbps = rates.read_gbps_loaded if under_copy else rates.read_gbps
         seconds = rates.hop_s + entry.get("nodes", 0) * rates.op_s

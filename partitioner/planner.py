@@ -77,7 +77,7 @@ class Planner:
         self.model = manifest["model"]
         self.sub_layers = manifest["sub_layers"]
         self.profile = profile
-        self.estimator = Estimator(profile, self.model, threads)
+        self.estimator = Estimator(profile, self.model, threads, manifest.get("source", {}).get("model_sha256"))
         self.context = context
         self.batch = batch
         self.budget_bytes = budget_bytes

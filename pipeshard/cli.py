@@ -148,9 +148,11 @@ def _command_profile(args: argparse.Namespace) -> int:
     threads = _positive_list(args.threads, "--threads")
     counts = threads or list(range(1, _physical_cores() + 1))
     per_thread = 2 * len(plan.dtypes) * len(plan.shapes) * len(plan.tiers) + \
-        len(plan.attention_tokens) * len(plan.attention_contexts) + 1
+        len(plan.attention_tokens) * len(plan.attention_contexts) + 1 + \
+        (len(plan.pack_pasts) * len(plan.tiers) if args.pack else 0)
     with tqdm(total=per_thread * len(counts), desc="profile", unit="point", disable=None, leave=False) as bar:
-        document = measure_machine(plan, counts, progress=bar.update, use_cuda=False if args.no_cuda else None)
+        document = measure_machine(plan, counts, progress=bar.update, use_cuda=False if args.no_cuda else None,
+                                   pack=args.pack)
     out = args.out or default_profile_path(machine_fingerprint())
     save_profile(document, out)
     print(summarize(document, str(out)))

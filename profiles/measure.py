@@ -44,11 +44,12 @@ class Plan:
     seconds_per_point: float
     heads: int = 16
     head_dim: int = 64
+    pack_pasts: tuple[int, ...] = (64, 1024)  # contexts at which `--pack` times the pack's own sub-layers
 
 
 QUICK = Plan(tiers=(1, 16, 256), shapes=((576, 1536), (2048, 2048), (4096, 4096)), dtypes=("fp32", "fp16"),
              attention_tokens=(1, 64), attention_contexts=(512, 4096), copy_sizes=(1 * MiB, 16 * MiB, 128 * MiB),
-             bandwidth_bytes=256 * MiB, seconds_per_point=0.05)
+             bandwidth_bytes=256 * MiB, seconds_per_point=0.05, pack_pasts=(32, 512))
 FULL = Plan(tiers=(1, 4, 16, 64, 256, 1024),
             shapes=((576, 576), (576, 1536), (1536, 576), (2048, 2048), (2048, 8192), (8192, 2048), (4096, 4096),
                     (4096, 14336), (14336, 4096)),
@@ -183,7 +184,7 @@ def op_microseconds(ort, threads: int, width: int = 1024, count: int = 32) -> fl
 
 
 def measure_machine(plan: Plan, thread_counts: list[int] | None = None, progress=lambda: None,
-                    use_cuda: bool | None = None) -> dict:
+                    use_cuda: bool | None = None, pack: str | None = None) -> dict:
     """Run every measurement of `plan`; returns a schema-1 profile document. The CUDA part runs when
     the CUDA EP is really usable (or is forced off with use_cuda=False)."""
     from pipeshard.profiles import measure_cuda
@@ -223,6 +224,18 @@ def measure_machine(plan: Plan, thread_counts: list[int] | None = None, progress
                   "launch_us": cpu_threads[str(max(thread_counts))]["hop_us"]}
         link = {"kind": "sim-memcpy", "h2d": link_rows, "d2h": link_rows, "under_cpu_load": {"h2d": loaded_link}}
     fingerprint = machine_fingerprint(gpu)
+    extra = {}
+    if pack is not None:
+        from pipeshard.profiles.pack_timing import time_pack
+        from pipeshard.runtime.pack import load_pack
+
+        manifest = load_pack(pack).manifest
+        extra["pack_timings"] = {
+            "model_sha256": manifest["source"]["model_sha256"],
+            "pasts": list(plan.pack_pasts),
+            "threads": {str(t): time_pack(pack, t, plan.tiers, plan.pack_pasts, repeat=2, progress=progress)
+                        for t in thread_counts},
+        }
     return {
         "schema_version": 1,
         "source": "measured",
@@ -234,6 +247,7 @@ def measure_machine(plan: Plan, thread_counts: list[int] | None = None, progress
         "device": device,
         "link": link,
         "contention": contention_factors(cpu_threads, link_rows, loaded_link),
+        **extra,
     }
 
 

@@ -115,3 +115,26 @@ def test_quick_profile_finishes_within_two_minutes(tmp_path, capsys):
     assert main(["profile", "--quick", "--out", str(tmp_path / "quick.json"), "--no-cuda"]) == 0
     assert time.perf_counter() - started < 120
     load_profile(tmp_path / "quick.json")
+
+
+def test_profile_with_a_pack_times_its_own_sub_layers_and_the_estimator_uses_them(tiny_llama_export, tmp_path):
+    from pipeshard.partitioner.estimator import Estimator
+    from pipeshard.partitioner.pack import partition
+    from pipeshard.runtime.pack import load_pack
+
+    pack = tmp_path / "pack"
+    partition(tiny_llama_export, pack)
+    manifest = load_pack(pack).manifest
+    plan = replace(TINY_PLAN, pack_pasts=(8, 32))
+    document = measure_machine(plan, [1], use_cuda=False, pack=str(pack))
+    save_profile(document, tmp_path / "db.json")
+    timings = load_profile(tmp_path / "db.json")["pack_timings"]
+    assert timings["model_sha256"] == manifest["source"]["model_sha256"]
+    rows = timings["threads"]["1"]
+    assert {(r["kind"], r["T"], r["C"]) for r in rows} >= {("attn", 16, 48), ("ffn", 1, 9), ("final", 16, 24)}
+    attn = next(e for e in manifest["sub_layers"] if e["kind"] == "attn")
+    row = next(r for r in rows if (r["kind"], r["T"], r["C"]) == ("attn", 16, 48))
+    exact = Estimator(document, manifest["model"], 1, manifest["source"]["model_sha256"])
+    assert exact.compute_seconds(attn, 16, 48, on_device=False) == pytest.approx(row["seconds"])
+    roofline = Estimator(document, manifest["model"], 1, "another model")
+    assert roofline.compute_seconds(attn, 16, 48, on_device=False) != pytest.approx(row["seconds"])
