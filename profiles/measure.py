@@ -30,6 +30,9 @@ log = logging.getLogger(__name__)
 MiB = 1024**2
 
 
+PACK_TIERS = (1, 4, 16, 64, 256)  # the pack's own sub-layers are timed at every tier the planner uses most
+
+
 @dataclass(frozen=True)
 class Plan:
     """What a profile run measures."""
@@ -233,7 +236,7 @@ def measure_machine(plan: Plan, thread_counts: list[int] | None = None, progress
         extra["pack_timings"] = {
             "model_sha256": manifest["source"]["model_sha256"],
             "pasts": list(plan.pack_pasts),
-            "threads": {str(t): time_pack(pack, t, plan.tiers, plan.pack_pasts, repeat=2, progress=progress)
+            "threads": {str(t): time_pack(pack, t, PACK_TIERS, plan.pack_pasts, repeat=3, progress=progress)
                         for t in thread_counts},
         }
     return {
