@@ -163,10 +163,11 @@ class Planner:
         return plan.vram.total <= self.budget_bytes
 
     # -- policies ---------------------------------------------------------------------------------------------------
-    def _pin_prefix(self, tier: int, base: dict[str, str], slots: int) -> dict[str, str]:
+    def _pin_prefix(self, tier: int, base: dict[str, str], slots: int, priority: list[dict] | None = None
+                    ) -> dict[str, str]:
         """Pin in priority order while the plan still fits (placements not pinned keep `base`)."""
         placements = dict(base)
-        for entry in self.priority:
+        for entry in priority or self.priority:
             trial = dict(placements)
             trial[entry["name"]] = PINNED
             if self.vram(trial, tier, slots).total <= self.budget_bytes:
@@ -176,12 +177,20 @@ class Planner:
         return placements
 
     def gpu_only(self, tier: int) -> Plan | None:
-        """Everything on the GPU: pin by priority, stream the rest through 2 slots (1 if 2 do not fit)."""
+        """Everything on the GPU: pin by priority, stream the rest through 2 slots (1 if 2 do not fit).
+        Every staging slot is as large as the largest streamed sub-layer, so pinning that one first (a
+        big output layer) can free more memory than it takes: both orders are tried."""
         streamed_all = {e["name"]: STREAMED for e in self.placeable}
-        for slots in (STAGING_SLOTS, 1):
-            if self.vram(streamed_all, tier, slots).total <= self.budget_bytes:
-                return self.evaluate("gpu-only", tier, self._pin_prefix(tier, streamed_all, slots), slots=slots)
-        return None
+        largest = max(self.placeable, key=lambda e: self.weight_bytes[e["name"]])
+        largest_first = [largest, *(e for e in self.priority if e is not largest)]
+        candidates = []
+        for priority in (self.priority, largest_first):
+            for slots in (STAGING_SLOTS, 1):
+                placements = self._pin_prefix(tier, streamed_all, slots, priority)
+                if self.vram(placements, tier, slots).total <= self.budget_bytes:
+                    candidates.append(self.evaluate("gpu-only", tier, placements, slots=slots))
+                    break
+        return min(candidates, key=lambda p: p.step_s) if candidates else None
 
     def static(self, tier: int) -> Plan:
         placements = self._pin_prefix(tier, {e["name"]: CPU for e in self.placeable}, 0)
