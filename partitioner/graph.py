@@ -8,6 +8,7 @@ the residual stream plus each layer's KV.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 
@@ -19,6 +20,7 @@ from pipeshard.errors import UserError
 from pipeshard.partitioner.rules import GLUE, classify, module_path
 
 PROLOGUE = "prologue"
+SMALL_CONSTANT_ELEMENTS = 65536  # inline constants up to this size may follow a value into the prologue
 GRAPH_INPUT = "<input>"
 PAST_PREFIX = "past_key_values."
 PRESENT_PREFIX = "present."
@@ -124,28 +126,34 @@ def _int_constant(name: str, values: list[int]) -> onnx.NodeProto:
     return helper.make_node("Constant", [], [name], value=tensor)
 
 
-INDEX_TYPES = {onnx.TensorProto.INT64, onnx.TensorProto.INT32, onnx.TensorProto.BOOL}
-
-
 def hoist_shared_index_math(model: onnx.ModelProto, graph: nx.DiGraph, assignment: dict[int, str]) -> None:
-    """Move shape/index arithmetic that one sub-layer computes and others reuse into the prologue.
+    """Move values that one sub-layer computes and others reuse, and that depend only on the step's
+    inputs, into the prologue.
 
-    The exporter deduplicates identical shape computations across layers (a reshape target built in
-    layer 0 is read by every later layer); cut as-is, that would tie every attention to layer 0.
-    Such values depend only on graph inputs, so they belong to the prologue.
+    The exporter deduplicates identical computations across layers (a reshape target built in layer 0,
+    or in fp16 the rotary cos/sin cast once) and every later layer reads them; cut as-is, that would
+    tie every attention to layer 0. A value qualifies when the nodes computing it read nothing but
+    `input_ids`, `attention_mask`, `position_ids`, prologue values and inline constants — no weights,
+    no KV, nothing of the residual stream.
     """
-    element_type = {v.name: v.type.tensor_type.elem_type
-                    for v in [*model.graph.value_info, *model.graph.input, *model.graph.output]}
-    for producer, consumer, data in list(graph.edges(data=True)):
+    step_inputs = {"input_ids", "attention_mask", "position_ids"}
+    inline = {i.name for i in model.graph.initializer
+              if i.data_location != onnx.TensorProto.EXTERNAL and math.prod(i.dims) <= SMALL_CONSTANT_ELEMENTS}
+    producer_of = graph.graph["producer"]
+    for producer, consumer, _ in list(graph.edges(data=True)):
         if assignment[producer] in (PROLOGUE, assignment[consumer]):
-            continue
-        if not all(element_type.get(t) in INDEX_TYPES for t in data["tensors"]):
             continue
         subgraph = nx.ancestors(graph, producer) | {producer}
         movable = {n for n in subgraph if assignment[n] != PROLOGUE}
-        if all(all(element_type.get(out) in INDEX_TYPES for out in model.graph.node[n].output) for n in movable):
+
+        if all(_reads_only(model.graph.node[n], step_inputs | inline, producer_of, subgraph) for n in movable):
             for node in movable:
                 assignment[node] = PROLOGUE
+
+
+def _reads_only(node: onnx.NodeProto, allowed: set[str], producer_of: dict[str, int], subgraph: set[int]) -> bool:
+    """True when every input of `node` is allowed or computed inside `subgraph`."""
+    return all(not tensor or tensor in allowed or producer_of.get(tensor) in subgraph for tensor in node.input)
 
 
 def detach_prologue_from_kv(model: onnx.ModelProto, assignment: dict[int, str], kv_heads: int, head_dim: int) -> None:

@@ -158,3 +158,14 @@ def test_generation_steps_compute_only_the_last_positions_logits(tiny_pack, tiny
     full, last = whole.step.forward(*args), chain.step.forward(*args)
     assert last.shape == (2, 1, full.shape[-1])
     assert np.abs(full[:, -1:, :] - last).max() < 1e-4
+
+
+def test_an_fp16_export_partitions_and_runs_losslessly(tmp_path):
+    from pipeshard.exporter import export_model
+
+    export_model("tiny:llama", tmp_path / "fp16", dtype="fp16", quiet=True)
+    partition(tmp_path / "fp16", tmp_path / "pack16")  # fp16 shares the rotary cos/sin across layers
+    whole, chain = pipeshard.load(tmp_path / "fp16"), pipeshard.load(tmp_path / "pack16")
+    assert [g.tokens for g in chain.generate(PROMPTS, max_new_tokens=12)] == \
+        [g.tokens for g in whole.generate(PROMPTS, max_new_tokens=12)]
+    assert load_pack(tmp_path / "pack16").model["dtype"] == "fp16"
