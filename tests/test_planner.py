@@ -148,3 +148,10 @@ def test_a_profile_from_another_machine_warns_and_plans(tiny_pack_dir, tmp_path,
     path.write_text(json.dumps(document))
     assert main(["plan", str(tiny_pack_dir), "--vram", "1GiB", "--profile", str(path), "--tiers", "1"]) == 0
     assert "another machine" in caplog.text
+
+
+def test_plan_plot_draws_the_timelines(tiny_pack_dir, tmp_path, capsys):
+    picture = tmp_path / "timeline.png"
+    assert main(["plan", str(tiny_pack_dir), "--vram", "1GiB", "--profile", "laptop-8gb", "--tiers", "1,64",
+                 "--plot", str(picture)]) == 0
+    assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and picture.stat().st_size > 10_000
