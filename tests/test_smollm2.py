@@ -3,16 +3,13 @@
 import numpy as np
 import pytest
 import torch
+from prompts import SMOLLM2_PROMPTS
 
 import pipeshard
 from pipeshard.exporter.sources import load_source, resolve_source
 
 pytestmark = pytest.mark.slow
-PROMPTS = [
-    "What is the capital of France?",
-    "Write a short poem about autumn leaves.",
-    "Explain what a neural network is to a ten-year-old.",
-]
+PROMPTS = SMOLLM2_PROMPTS
 
 
 @pytest.fixture(scope="module")

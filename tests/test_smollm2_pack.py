@@ -4,17 +4,14 @@ import time
 
 import numpy as np
 import pytest
+from prompts import SMOLLM2_PROMPTS
 
 import pipeshard
 from pipeshard.partitioner.pack import partition
 from pipeshard.runtime.pack import WEIGHT_ALIGNMENT, load_pack
 
 pytestmark = pytest.mark.slow
-PROMPTS = [
-    "What is the capital of France?",
-    "Write a short poem about autumn leaves.",
-    "Explain what a neural network is to a ten-year-old.",
-]
+PROMPTS = SMOLLM2_PROMPTS
 
 
 @pytest.fixture(scope="module")

@@ -3,6 +3,7 @@
 import json
 
 import pytest
+from prompts import SMOLLM2_PROMPTS
 
 import pipeshard
 from pipeshard.partitioner.pack import partition
@@ -10,8 +11,7 @@ from pipeshard.partitioner.planner import Planner
 from pipeshard.profiles.db import load_profile
 
 pytestmark = pytest.mark.slow
-PROMPTS = ["What is the capital of France?", "Write a short poem about autumn leaves.",
-           "Explain what a neural network is to a ten-year-old."]
+PROMPTS = SMOLLM2_PROMPTS
 BATCH = ["Hi!", "Name three colors.", "What is 2 + 2? Explain briefly.", "Write one sentence about the sea."]
 
 
