@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from pipeshard.runtime.devices import Ledger
+from pipeshard.runtime.devices import LedgeredDevice
 
 
 def _check(result):
@@ -43,15 +43,15 @@ class CopyTicket:
         _check(self.device.rt.cudaStreamWaitEvent(self.device.compute_stream, self.event, 0))
 
 
-class CudaDevice:
+class CudaDevice(LedgeredDevice):
     kind = "cuda"
 
     def __init__(self, budget_bytes: int, runtime=None) -> None:
         if runtime is None:
             from cuda.bindings import runtime
+        super().__init__(budget_bytes)
         self.rt = runtime
         _check(self.rt.cudaSetDevice(0))
-        self.ledger = Ledger(budget_bytes)
         self.copy_stream = _check(self.rt.cudaStreamCreate())
         self.compute_stream = _check(self.rt.cudaStreamCreate())
         cuda_options = {"device_id": 0, "user_compute_stream": str(int(self.compute_stream)),
@@ -59,13 +59,6 @@ class CudaDevice:
         self.providers = [("CUDAExecutionProvider", cuda_options), "CPUExecutionProvider"]
         self._pinned_host: dict[int, tuple[int, int]] = {}  # id(source) -> (pointer, bytes)
         self._slot_released: dict[int, object] = {}
-        self.copied_bytes = 0
-        self.copy_seconds = 0.0
-
-    def set_budget(self, budget_bytes: int) -> None:
-        if self.ledger.used > budget_bytes:
-            raise RuntimeError(f"{self.ledger.used} bytes still in use, more than the new budget {budget_bytes}")
-        self.ledger.budget_bytes = budget_bytes
 
     def alloc(self, nbytes: int, purpose: str) -> DeviceBuffer:
         self.ledger.charge(nbytes, purpose)
@@ -80,12 +73,6 @@ class CudaDevice:
         _check(self.rt.cudaFree(buffer.pointer))
         self.ledger.release(buffer.nbytes, purpose)
         self._slot_released.pop(buffer.pointer, None)
-
-    def reserve(self, nbytes: int, purpose: str) -> None:
-        self.ledger.charge(nbytes, purpose)
-
-    def unreserve(self, nbytes: int, purpose: str) -> None:
-        self.ledger.release(nbytes, purpose)
 
     def _pinned(self, source: np.ndarray) -> int:
         """A pinned host copy of a weight blob (made once): async copies need page-locked memory."""

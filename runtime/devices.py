@@ -47,15 +47,11 @@ class Ledger:
             self.by_purpose[purpose] = self.by_purpose.get(purpose, 0) - nbytes
 
 
-class SimDevice:
-    """Host memory posing as device memory, with a budget and an asynchronous copy engine."""
-
-    kind = "sim"
-    providers = ["CPUExecutionProvider"]
+class LedgeredDevice:
+    """What every device shares: a ledger that every byte of device memory is charged to."""
 
     def __init__(self, budget_bytes: int) -> None:
         self.ledger = Ledger(budget_bytes)
-        self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pipeshard-prefetch")
         self.copied_bytes = 0
         self.copy_seconds = 0.0
 
@@ -64,19 +60,30 @@ class SimDevice:
             raise BudgetExceeded(f"{self.ledger.used} bytes still in use, more than the new budget {budget_bytes}")
         self.ledger.budget_bytes = budget_bytes
 
-    def alloc(self, nbytes: int, purpose: str) -> np.ndarray:
-        self.ledger.charge(nbytes, purpose)
-        return np.empty(nbytes, dtype=np.uint8)
-
-    def free(self, buffer: np.ndarray, purpose: str) -> None:
-        self.ledger.release(buffer.nbytes, purpose)
-
     def reserve(self, nbytes: int, purpose: str) -> None:
         """Charge memory the device uses without pipeshard allocating it (workspace, EP context)."""
         self.ledger.charge(nbytes, purpose)
 
     def unreserve(self, nbytes: int, purpose: str) -> None:
         self.ledger.release(nbytes, purpose)
+
+
+class SimDevice(LedgeredDevice):
+    """Host memory posing as device memory, with a budget and an asynchronous copy engine."""
+
+    kind = "sim"
+    providers = ["CPUExecutionProvider"]
+
+    def __init__(self, budget_bytes: int) -> None:
+        super().__init__(budget_bytes)
+        self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pipeshard-prefetch")
+
+    def alloc(self, nbytes: int, purpose: str) -> np.ndarray:
+        self.ledger.charge(nbytes, purpose)
+        return np.empty(nbytes, dtype=np.uint8)
+
+    def free(self, buffer: np.ndarray, purpose: str) -> None:
+        self.ledger.release(buffer.nbytes, purpose)
 
     def upload(self, target: np.ndarray, source: np.ndarray) -> Future:
         """Copy host bytes into a device buffer on the copy thread; returns a waitable."""
