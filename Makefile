@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-stamp
 DEMO_DIR := build/demo
 DEMO_PROMPT := "What is the capital of France? Answer in one sentence."
 
-.PHONY: demo test install lint clean
+.PHONY: demo test install lint clean peers bench
 
 $(BIN)/python:
 	$(shell command -v $(PYTHON) >/dev/null 2>&1 && echo $(PYTHON) || echo python3) -m venv $(VENV)
@@ -21,6 +21,19 @@ $(STAMP): $(BIN)/python pyproject.toml
 	touch $(STAMP)
 
 install: $(STAMP)
+
+# The peers of `pipeshard bench` (not needed by the tests). llama-cpp-python builds from source (about
+# 10 minutes on 2 cores); without -mno-amx-* ggml uses AMX instructions that VMs like this one lack.
+LLAMA_CPP_FLAGS := -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
+peers: $(STAMP)
+	$(BIN)/pip install --quiet -e '.[cpu,export,dev,bench]'
+	$(BIN)/python -c "import llama_cpp" 2>/dev/null || CMAKE_ARGS='-DCMAKE_C_FLAGS="$(LLAMA_CPP_FLAGS)" \
+		-DCMAKE_CXX_FLAGS="$(LLAMA_CPP_FLAGS)"' $(BIN)/pip install --quiet --no-cache-dir llama-cpp-python==0.3.36
+
+# Every plan beside the peers on SmolLM2 (sim device at minimum + 25 % of the model), 2 threads.
+bench: peers $(DEMO_DIR)/pack/manifest.json $(DEMO_DIR)/profile.json
+	$(BIN)/pipeshard bench $(DEMO_DIR)/pack --device sim --vram 25% --profile $(DEMO_DIR)/profile.json \
+		--threads 2 --new-tokens 128 --json $(DEMO_DIR)/bench.json --plot $(DEMO_DIR)/bench.png
 
 $(DEMO_DIR)/export/export.json: $(STAMP)
 	$(BIN)/pipeshard export smollm2-135m $(DEMO_DIR)/export --force
@@ -37,10 +50,8 @@ $(DEMO_DIR)/profile.json: $(STAMP)
 demo: $(DEMO_DIR)/pack/manifest.json $(DEMO_DIR)/profile.json
 	$(BIN)/pipeshard run $(DEMO_DIR)/export $(DEMO_PROMPT) --max-new-tokens 48
 	$(BIN)/pipeshard run $(DEMO_DIR)/pack $(DEMO_PROMPT) --max-new-tokens 48
-	$(BIN)/pipeshard plan $(DEMO_DIR)/pack --vram $$($(BIN)/python -m pipeshard.partitioner.budget $(DEMO_DIR)/pack \
-		$(DEMO_DIR)/profile.json 0.25) --profile $(DEMO_DIR)/profile.json --tiers 1,4,16,64,256
-	$(BIN)/pipeshard run $(DEMO_DIR)/pack $(DEMO_PROMPT) --max-new-tokens 48 --device sim \
-		--vram $$($(BIN)/python -m pipeshard.partitioner.budget $(DEMO_DIR)/pack $(DEMO_DIR)/profile.json 0.25) \
+	$(BIN)/pipeshard plan $(DEMO_DIR)/pack --vram 25% --profile $(DEMO_DIR)/profile.json --tiers 1,4,16,64,256
+	$(BIN)/pipeshard run $(DEMO_DIR)/pack $(DEMO_PROMPT) --max-new-tokens 48 --device sim --vram 25% \
 		--profile $(DEMO_DIR)/profile.json
 
 test: $(STAMP)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
-import resource
 import statistics
 import time
 
@@ -38,7 +37,9 @@ def _worker(path: str, threads: int, new_tokens: int, commands, replies) -> None
             started = time.perf_counter()
             engine.step.forward(prefill_ids, np.ones_like(prefill_ids), np.arange(PREFILL_TOKENS)[None])
             replies.put(PREFILL_TOKENS / (time.perf_counter() - started))
-    replies.put(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+    from pipeshard.bench import peak_rss_bytes
+
+    replies.put(peak_rss_bytes())
 
 
 def _summary(values: list[float]) -> str:

@@ -4,10 +4,10 @@
 
 1. Versions, the GPU, and the providers a test session really got (fails loudly if CUDA did not load).
 2. A quick profile of this machine (with the CUDA part when the device is cuda), saved beside the JSON.
-3. At a budget of minimum + FRACTION of the model's bytes: the planner's plan and the `layers` and
-   `offload` baselines on the device — TTFT, decode tok/s, peak device memory (ledger, and
-   cudaMemGetInfo on CUDA), bytes streamed, copy time hidden, predicted vs measured step time —
-   and their greedy tokens against the all-CPU chain's.
+3. `pipeshard bench` at a budget of minimum + FRACTION of the model's bytes: the planner's plan and
+   the `layers` and `offload` baselines on the device beside the all-CPU chain — TTFT, decode
+   tok/s, peak device memory (ledger, and cudaMemGetInfo on CUDA), bytes streamed, copy time
+   hidden, predicted vs measured step time — and their greedy tokens against the chain's.
 4. Everything in one JSON file and a short table. `--device sim` is the dry run the test suite uses.
 """
 
@@ -47,48 +47,18 @@ def environment(device: str) -> dict:
     return found
 
 
-def run_plan(pack: str, device: str, budget: int, profile: str, plan: str, new_tokens: int) -> tuple[dict, list[int]]:
-    import pipeshard
-
-    engine = pipeshard.load(pack, vram=budget, device=device, profile=profile, plan=plan, context=1024)
-    engine.codec.eos_token_ids = []
-    started = time.perf_counter()
-    (result,) = engine.generate(PROMPT, max_new_tokens=new_tokens)
-    wall = time.perf_counter() - started
-    step = engine.step
-    stats = step.stats
-    row = {
-        "plan": plan, "ttft_s": result.ttft_s, "decode_tok_s": result.decode_tok_s, "wall_s": wall,
-        "peak_device_bytes": step.device.ledger.peak, "budget_bytes": budget,
-        "streamed_bytes": stats.streamed_bytes, "copy_wait_s": stats.copy_wait_s,
-        "copy_s": getattr(step.device, "copy_seconds", 0.0),
-        "plans": {str(t): {"strategy": p.strategy, "counts": p.counts(), "predicted_step_s": p.step_s}
-                  for t, p in sorted(step._plans.items())},
-        "measured_decode_step_s": 1 / result.decode_tok_s if result.decode_tok_s else None,
-    }
-    if device == "cuda":
-        from pipeshard.profiles.measure_cuda import CudaRuntime
-
-        properties = CudaRuntime().properties()
-        row["device_used_bytes_now"] = properties["memory_bytes"] - properties["free_bytes"]
-    close = getattr(step, "close", None)
-    if close:
-        close()
-    return row, result.tokens
-
-
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pack", required=True)
     parser.add_argument("--device", default="cuda", choices=("cuda", "sim"))
     parser.add_argument("--fraction", type=float, default=0.25)
     parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--repeat", type=int, default=2)
     parser.add_argument("--profile", default=None, help="use this DB instead of profiling (the dry run does)")
     parser.add_argument("--out", default="gpu_check.json")
     args = parser.parse_args(argv)
 
-    import pipeshard
-    from pipeshard.partitioner.budget import budget_for_fraction
+    from pipeshard.bench import BenchSettings, bench_table, run_bench
     from pipeshard.profiles.db import save_profile
     from pipeshard.profiles.measure import QUICK, measure_machine
 
@@ -102,23 +72,16 @@ def main(argv: list[str] | None = None) -> dict:
         save_profile(document, Path(profile))
         report["profile"] = {"path": profile, "seconds": time.perf_counter() - started,
                              "device": document["device"], "link_h2d": document["link"]["h2d"]}
-    budget = budget_for_fraction(args.pack, profile, args.fraction)
-    reference = pipeshard.load(args.pack)
-    reference.codec.eos_token_ids = []
-    cpu_tokens = reference.generate(PROMPT, max_new_tokens=args.new_tokens)[0].tokens
-    report["rows"] = []
-    for plan in PLANS:
-        row, tokens = run_plan(args.pack, args.device, budget, profile, plan, args.new_tokens)
-        row["tokens_equal_cpu"] = tokens == cpu_tokens
-        report["rows"].append(row)
-    report["ok"] = all(r["tokens_equal_cpu"] and r["peak_device_bytes"] <= budget for r in report["rows"])
+    settings = BenchSettings(pack=args.pack, device=args.device, vram=f"{args.fraction * 100:g}%", profile=profile,
+                             plans=["cpu", *PLANS], reference="cpu", new_tokens=args.new_tokens, prompt=PROMPT,
+                             repeat=args.repeat, threads=2)
+    bench = run_bench(settings, log=lambda line: print(line, file=sys.stderr))
+    report["bench"] = bench
+    planned = [r for r in bench["rows"] if r["name"] in PLANS]
+    report["ok"] = len(planned) == len(PLANS) and all(
+        r["same_tokens_as_reference"] and r["peak_device_bytes"] <= r["facts"]["budget_bytes"] for r in planned)
     out.write_text(json.dumps(report, indent=1, default=str))
-    print(f"device {args.device}, budget {budget / 2**20:.0f} MiB ({args.fraction:.0%} of the model + minimum)")
-    print(f"{'plan':<8} {'TTFT ms':>8} {'tok/s':>7} {'peak MiB':>9} {'streamed MiB':>13} {'same tokens':>12}")
-    for row in report["rows"]:
-        print(f"{row['plan']:<8} {row['ttft_s'] * 1e3:>8.0f} {row['decode_tok_s']:>7.1f} "
-              f"{row['peak_device_bytes'] / 2**20:>9.0f} {row['streamed_bytes'] / 2**20:>13.1f} "
-              f"{str(row['tokens_equal_cpu']):>12}")
+    print(bench_table(bench))
     print(f"wrote {out}; ok: {report['ok']}")
     return report
 

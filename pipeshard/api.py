@@ -30,11 +30,12 @@ class Engine:
 
     def set_vram_budget(self, size: str | int) -> None:
         """Replan for a new VRAM budget between steps (a game took memory back, or gave it)."""
-        from pipeshard.units import parse_size
+        from pipeshard.units import resolve_budget
 
         if not hasattr(self.step, "set_budget"):
             raise UserError("this engine runs without a device; load the pack with device= and vram=")
-        self.step.set_budget(size if isinstance(size, int) else parse_size(size))
+        planner = self.step.planner
+        self.step.set_budget(resolve_budget(size, planner.minimum_budget(), planner.model_bytes))
 
     def stream(self, prompts: str | list[str], chat_template: bool = True, system: str | None = None,
                results: list[Generation] | None = None, **sampling) -> Iterator[StreamEvent]:
@@ -91,18 +92,18 @@ def planned_step(folder: Path, device: str, vram, profile: str | None, plan: str
     from pipeshard.runtime.devices import make_device
     from pipeshard.runtime.pack import load_pack
     from pipeshard.runtime.planned import PlanStep
-    from pipeshard.units import parse_size
+    from pipeshard.units import resolve_budget
 
     if plan not in ("auto", *STRATEGIES, "layers", "offload"):
         raise UserError(f"unknown plan {plan!r}; choose auto, gpu-only, static, dynamic, cpu, monolithic, layers "
                         "or offload")
-    budget = vram if isinstance(vram, int) else parse_size(vram)
     manifest = load_pack(folder, verify=verify).manifest
     profile_ref = profile or default_profile_path(machine_fingerprint())
     if profile is None and not profile_ref.exists():
         raise UserError("no profile of this machine yet: run `pipeshard profile` or pass --profile "
                         "(a DB file, or laptop-8gb / desktop-24gb / laptop-4gb)")
-    planner = Planner(manifest, load_profile(profile_ref), budget,
+    planner = Planner(manifest, load_profile(profile_ref), 0,
                       context=context or min(4096, manifest["model"]["max_context"]), batch=batch, threads=threads)
+    planner.budget_bytes = resolve_budget(vram, planner.minimum_budget(), planner.model_bytes)
     planner.check_budget()
-    return PlanStep(folder, make_device(device, budget), planner, threads=threads, strategy=plan)
+    return PlanStep(folder, make_device(device, planner.budget_bytes), planner, threads=threads, strategy=plan)

@@ -1,4 +1,4 @@
-"""The `pipeshard` command: export, run (later: partition, inspect, profile, plan, bench)."""
+"""The `pipeshard` command: export, partition, inspect, profile, plan, run, chat, bench."""
 
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ from pathlib import Path
 from pipeshard import __version__
 from pipeshard.errors import UserError
 from pipeshard.units import format_bytes
+
+VRAM_HELP = "VRAM budget: a size (2GiB, 512MiB) or a share of the model's weights on top of the minimum (25%%)"
 
 
 class _Parser(argparse.ArgumentParser):
@@ -166,9 +168,8 @@ def _command_plan(args: argparse.Namespace) -> int:
     from pipeshard.partitioner.report import plan_table, plot_timelines
     from pipeshard.profiles.db import default_profile_path, load_profile, machine_fingerprint
     from pipeshard.runtime.pack import load_pack
-    from pipeshard.units import parse_size
+    from pipeshard.units import resolve_budget
 
-    budget = parse_size(args.vram)
     tiers = _positive_list(args.tiers, "--tiers") or [1, 4, 16, 64, 256, 1024]
     if args.context < 1 or args.batch < 1:
         raise UserError("--context and --batch must be positive integers")
@@ -178,7 +179,8 @@ def _command_plan(args: argparse.Namespace) -> int:
         raise UserError("no profile of this machine yet: run `pipeshard profile` or pass --profile "
                         "(a DB file, or laptop-8gb / desktop-24gb / laptop-4gb)")
     profile = load_profile(profile_ref)
-    planner = Planner(pack.manifest, profile, budget, context=args.context, batch=args.batch, threads=args.threads)
+    planner = Planner(pack.manifest, profile, 0, context=args.context, batch=args.batch, threads=args.threads)
+    planner.budget_bytes = budget = resolve_budget(args.vram, planner.minimum_budget(), planner.model_bytes)
     planned = planner.plan(tuple(tiers))
     document = plans_document(planner, planned, str(pack.folder), str(profile_ref))
     if args.out:
@@ -196,6 +198,33 @@ def _command_plan(args: argparse.Namespace) -> int:
                        f"budget {budget / 1024**2:.0f} MiB")
         if not args.json:
             print(f"wrote {args.plot}")
+    return 0
+
+
+def _command_bench(args: argparse.Namespace) -> int:
+    from pipeshard.bench import DEVICE_PLANS, PLANS, BenchSettings, bench_table, plot_bench, progress_bar, run_bench
+    from pipeshard.fsutil import write_json_atomic
+    from pipeshard.peers import PEERS
+    from pipeshard.runtime.ort import default_threads
+
+    if args.plans:
+        plans = [p.strip() for p in args.plans.split(",") if p.strip()]
+    else:
+        plans = ["monolithic", "cpu"] + ([] if args.device == "cpu" else [p for p in PLANS if p in DEVICE_PLANS])
+    peers = [] if args.peers == "none" else list(PEERS) if args.peers == "all" else \
+        [p.strip() for p in args.peers.split(",") if p.strip()]
+    settings = BenchSettings(pack=args.pack, device=args.device, vram=args.vram, profile=args.profile, plans=plans,
+                             peers=peers, prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens,
+                             threads=args.threads or default_threads(), repeat=args.repeat, reference=args.reference,
+                             peer_dir=args.peer_dir, **({"prompt": args.prompt} if args.prompt else {}))
+    document = run_bench(settings, progress=progress_bar(), log=lambda line: print(line, file=sys.stderr))
+    print(bench_table(document))
+    if args.json:
+        write_json_atomic(Path(args.json), document)
+        print(f"wrote {args.json}")
+    if args.plot:
+        plot_bench(document, Path(args.plot))
+        print(f"wrote {args.plot}")
     return 0
 
 
@@ -257,7 +286,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     plan = commands.add_parser("plan", help="plans per token tier under a VRAM budget (plans.json)")
     plan.add_argument("pack")
-    plan.add_argument("--vram", required=True, help="VRAM budget, e.g. 2GiB, 512MiB")
+    plan.add_argument("--vram", required=True, help=VRAM_HELP)
     plan.add_argument("--profile", default=None, help="profile DB file or reference name (default: this machine's)")
     plan.add_argument("--context", type=int, default=4096, help="context length the KV cache is sized for")
     plan.add_argument("--batch", type=int, default=1, help="sequences per batch")
@@ -292,11 +321,31 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--threads", type=int, default=None)
     _add_device_options(chat)
     chat.set_defaults(handler=_command_chat)
+
+    bench = commands.add_parser("bench", help="our plans beside the peers and the bandwidth limit, interleaved")
+    bench.add_argument("pack")
+    bench.add_argument("--vram", default=None, help=VRAM_HELP)
+    bench.add_argument("--device", default="sim", help="sim (default; a simulated accelerator), cuda or cpu")
+    bench.add_argument("--profile", default=None, help="profile DB file or reference name (for planned rows)")
+    bench.add_argument("--plans", default=None,
+                       help="comma-separated plans (default: all with a device, monolithic,cpu with --device cpu)")
+    bench.add_argument("--peers", default="all", help="comma-separated peers, all or none "
+                       "(ort-genai, llama.cpp, llama.cpp-f32, transformers)")
+    bench.add_argument("--prompt", default=None, help="user message (chat-templated); default: a fixed question")
+    bench.add_argument("--prompt-tokens", type=int, default=None, help="lengthen the prompt to exactly N tokens")
+    bench.add_argument("--new-tokens", type=int, default=128)
+    bench.add_argument("--threads", type=int, default=None, help="CPU threads for every row (default: all cores)")
+    bench.add_argument("--repeat", type=int, default=3, help="interleaved rounds after one warm-up round")
+    bench.add_argument("--reference", default=None, help="the row ratios are taken against (default: monolithic)")
+    bench.add_argument("--peer-dir", default=None, help="where peer model files are made (default: PACK.peers)")
+    bench.add_argument("--json", default=None, metavar="FILE", help="write the bench document (docs/bench.md)")
+    bench.add_argument("--plot", default=None, metavar="FILE.png", help="bar chart of decode tok/s with spread")
+    bench.set_defaults(handler=_command_bench)
     return parser
 
 
 def _add_device_options(command: argparse.ArgumentParser) -> None:
-    command.add_argument("--vram", default=None, help="VRAM budget for the device, e.g. 2GiB")
+    command.add_argument("--vram", default=None, help=VRAM_HELP)
     command.add_argument("--device", default="auto", help="auto (cuda if usable, else cpu), cuda, sim or cpu")
     command.add_argument("--plan", default="auto",
                          help="auto, gpu-only, static, dynamic, cpu, monolithic, layers or offload")

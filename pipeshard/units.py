@@ -31,3 +31,26 @@ def format_bytes(count: float) -> str:
             return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
         count /= 1024
     raise AssertionError("unreachable")
+
+
+def parse_share(text: str) -> float | None:
+    """`25%` -> 0.25; None when the text is not a percentage (then it is a size)."""
+    text = str(text).strip()
+    if not text.endswith("%"):
+        return None
+    try:
+        share = float(text[:-1]) / 100
+    except ValueError:
+        raise UserError(f"cannot read {text!r}: a share is a number followed by %, e.g. 25%") from None
+    if not 0 <= share <= 10:
+        raise UserError(f"{text} is not a sensible share of the model (0% to 1000%)")
+    return share
+
+
+def resolve_budget(vram: str | int, minimum_bytes: int, model_bytes: int) -> int:
+    """A VRAM budget in bytes: a size (`2GiB`), or a share of the model's weight bytes on top of the
+    smallest viable budget (`25%` = minimum + a quarter of the model)."""
+    if isinstance(vram, int):
+        return vram
+    share = parse_share(vram)
+    return parse_size(vram) if share is None else minimum_bytes + int(share * model_bytes)

@@ -33,6 +33,8 @@ def cuda_usable() -> bool:
     if "CUDAExecutionProvider" not in ort.get_available_providers():
         return False
     try:
+        if hasattr(ort, "preload_dlls"):  # the CUDA / cuDNN libraries of the nvidia-* pip packages
+            ort.preload_dlls()
         session = ort.InferenceSession(hop_model(8).SerializeToString(), providers=CUDA_PROVIDERS)
     except Exception:  # noqa: BLE001 - any failure to create means "not usable"
         return False

@@ -18,7 +18,8 @@ def test_gpu_check_dry_run_on_sim(tiny_llama_export, tmp_path, capsys):
     report = gpu_check.main(["--pack", str(pack), "--device", "sim", "--profile", "laptop-8gb", "--fraction", "0.5",
                              "--new-tokens", "8", "--out", str(tmp_path / "check.json")])
     assert report["ok"]
-    assert [row["plan"] for row in report["rows"]] == ["auto", "layers", "offload"]
+    assert [row["name"] for row in report["bench"]["rows"]] == ["cpu", "auto", "layers", "offload"]
     saved = json.loads((tmp_path / "check.json").read_text())
-    assert saved["environment"]["device"] == "sim" and all(r["tokens_equal_cpu"] for r in saved["rows"])
+    assert saved["environment"]["device"] == "sim"
+    assert all(r["same_tokens_as_reference"] for r in saved["bench"]["rows"])
     assert "wrote" in capsys.readouterr().out

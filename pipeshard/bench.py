@@ -1,0 +1,514 @@
+"""`pipeshard bench`: our plans beside the peers on the same weights and prompt, and beside the machine's
+memory-bandwidth limit, measured in one run.
+
+Every row (a plan run by our runtime, or a peer engine) lives in its own worker process, so each has
+its own peak RSS and nothing is shared between engines. The workers are driven one at a time,
+round-robin (A B C A B C ...), the first round a dropped warm-up; medians and the min-max spread are
+reported, with each row's ratio to a reference row. The JSON written by `--json` is documented in
+docs/bench.md and checked by `validate_bench`.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import resource
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from pipeshard.errors import UserError
+from pipeshard.peers import PEERS, make_peer_runner, missing_peer, prepare_peer_files
+
+BENCH_SCHEMA_VERSION = 1
+PLANS = ("auto", "monolithic", "cpu", "layers", "offload", "gpu-only", "static", "dynamic")
+DEVICE_PLANS = ("auto", "layers", "offload", "gpu-only", "static", "dynamic")
+DEFAULT_PROMPT = ("Explain how a steam engine works, from the boiler to the wheels, and why it changed the way "
+                  "people travelled and worked in the nineteenth century.")
+_PADDING = (" Add the history of the railway, the factories it powered, the coal it burned and the cities that grew "
+            "around the stations.")
+
+
+@dataclass
+class BenchSettings:
+    pack: str
+    device: str = "sim"
+    vram: str | None = None
+    profile: str | None = None
+    plans: list[str] = field(default_factory=lambda: ["monolithic", "cpu"])
+    peers: list[str] = field(default_factory=list)
+    prompt: str = DEFAULT_PROMPT
+    prompt_tokens: int | None = None
+    new_tokens: int = 128
+    threads: int = 2
+    repeat: int = 3
+    reference: str | None = None  # default: monolithic if run, else the first row
+    peer_dir: str | None = None
+
+    def check(self) -> None:
+        unknown = [p for p in self.plans if p not in PLANS]
+        if unknown:
+            raise UserError(f"unknown plan {unknown[0]!r}; known: {', '.join(PLANS)}")
+        for peer in self.peers:
+            if peer not in PEERS:
+                raise UserError(f"unknown peer {peer!r}; known: {', '.join(PEERS)}")
+        if self.new_tokens < 2 or self.threads < 1 or self.repeat < 1:
+            raise UserError("--new-tokens must be at least 2, --threads and --repeat at least 1")
+        if self.prompt_tokens is not None and self.prompt_tokens < 8:
+            raise UserError("--prompt-tokens must be at least 8 (the chat template alone takes some)")
+        if self.device not in ("cpu", "sim", "cuda"):
+            raise UserError(f"unknown device {self.device!r}; choose cpu, sim or cuda")
+        if self.device != "cpu" and self.vram is None and any(p in DEVICE_PLANS for p in self.plans):
+            raise UserError(f"--device {self.device} needs a VRAM budget (--vram SIZE or a share such as 25%)")
+        if self.reference is not None and self.reference not in (*self.plans, *self.peers):
+            raise UserError(f"the reference row {self.reference!r} is not among the rows "
+                            f"({', '.join([*self.plans, *self.peers])})")
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    """The first index where two token lists differ (one ending early counts), or None if equal."""
+    if a == b:
+        return None
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+
+
+# -- the prompt -----------------------------------------------------------------------------------------------------
+def bench_prompt(codec, text: str, tokens: int | None) -> tuple[str, list[int]]:
+    """The chat-templated prompt and its ids; with `tokens`, the user turn is lengthened (repeated
+    padding, then cut) so the templated prompt has exactly that many ids."""
+    rendered = codec.render_chat(text)
+    ids = codec.encode(rendered)
+    if tokens is None:
+        return rendered, ids
+    while len(ids) < tokens:
+        text += _PADDING
+        rendered = codec.render_chat(text)
+        ids = codec.encode(rendered)
+    empty = codec.encode(codec.render_chat(""))
+    shared = first_difference(ids, empty)
+    suffix = empty[len(empty) if shared is None else shared:]
+    if len(empty) >= tokens or ids[len(ids) - len(suffix):] != suffix:
+        raise UserError(f"cannot make a chat prompt of {tokens} tokens with this template")
+    ids = ids[:tokens - len(suffix)] + suffix
+    return codec.decode(ids, skip_special_tokens=False), ids
+
+
+# -- runners of our own plans ---------------------------------------------------------------------------------------
+class PlanRunner:
+    """One of our plans (named as in `pipeshard run --plan`) through the generation layer."""
+
+    def __init__(self, settings: BenchSettings, plan: str, context: int) -> None:
+        import pipeshard
+
+        device = "cpu" if plan in ("cpu", "monolithic") else settings.device
+        self.engine = pipeshard.load(settings.pack, threads=settings.threads, vram=settings.vram, device=device,
+                                     profile=settings.profile, plan=plan, context=context)
+        self.engine.codec.eos_token_ids = []  # every row decodes exactly the asked number of tokens
+        self.plan = plan
+        self.settings = settings
+        step = self.engine.step
+        self.device = getattr(step, "device", None)
+        self.facts = {"engine": "pipeshard", "plan": plan, "device": self.device.kind if self.device else "cpu",
+                      "dtype": _pack_dtype(settings.pack)}
+
+    def prompt_ids(self, text: str) -> list[int]:
+        return self.engine.codec.encode(text)
+
+    def run(self, prompt: list[int], new_tokens: int) -> dict:
+        from pipeshard.runtime.generate import SamplingSettings
+
+        step, device = self.engine.step, self.device
+        stats = getattr(step, "stats", None)
+        before = (stats.streamed_bytes, device.copy_seconds, stats.copy_wait_s) if device else None
+        (result,) = self.engine.generator.generate([prompt], SamplingSettings(max_new_tokens=new_tokens))
+        row = {"tokens": result.tokens, "ttft_s": result.ttft_s, "prefill_tok_s": result.prefill_tok_s,
+               "decode_tok_s": result.decode_tok_s}
+        if device:
+            streamed, copy_s, wait_s = (stats.streamed_bytes - before[0], device.copy_seconds - before[1],
+                                        stats.copy_wait_s - before[2])
+            row.update(streamed_bytes=streamed, copy_s=copy_s, copy_wait_s=wait_s,
+                       copy_hidden=(1 - wait_s / copy_s) if copy_s > 0 else None,
+                       peak_device_bytes=device.ledger.peak)
+        return row
+
+    def final_facts(self) -> dict:
+        """Which plan each tier ran and what the planner predicted for a decode step."""
+        step = self.engine.step
+        facts = dict(self.facts)
+        if hasattr(step, "_plans"):
+            facts["budget_bytes"] = step.planner.budget_bytes
+            facts["tiers"] = {str(tier): {"strategy": plan.strategy, "counts": plan.counts(),
+                                          "predicted_step_s": plan.step_s}
+                              for tier, plan in sorted(step._plans.items())}
+            if 1 in step._plans:
+                facts["predicted_decode_step_s"] = step._plans[1].step_s
+            if self.device.kind == "cuda":
+                from pipeshard.profiles.measure_cuda import CudaRuntime
+
+                properties = CudaRuntime().properties()
+                facts["cuda_used_bytes_now"] = properties["memory_bytes"] - properties["free_bytes"]
+        elif self.settings.profile:
+            facts["predicted_decode_step_s"] = _baseline_prediction(self.settings, self.plan)
+        return facts
+
+
+def _pack_dtype(pack: str) -> str:
+    from pipeshard.runtime.pack import load_pack
+
+    return load_pack(Path(pack)).model["dtype"]
+
+
+def _baseline_prediction(settings: BenchSettings, plan: str) -> float | None:
+    """The planner's decode-step estimate for the all-CPU rows (from the profile)."""
+    from pipeshard.partitioner.planner import Planner
+    from pipeshard.profiles.db import load_profile
+    from pipeshard.runtime.pack import load_pack
+
+    planner = Planner(load_pack(Path(settings.pack)).manifest, load_profile(settings.profile), 1 << 40,
+                      threads=settings.threads)
+    return planner.baseline(plan, 1).step_s
+
+
+# -- worker processes -----------------------------------------------------------------------------------------------
+def _quiet_worker() -> None:
+    """Workers print nothing of their own (progress bars, deprecation warnings); offline always."""
+    import logging
+    import os
+    import warnings
+
+    logging.disable(logging.WARNING)
+    warnings.filterwarnings("ignore")
+    os.environ.update(TRANSFORMERS_VERBOSITY="error", HF_HUB_DISABLE_PROGRESS_BARS="1", HF_HUB_OFFLINE="1",
+                      TRANSFORMERS_OFFLINE="1", TQDM_DISABLE="1")
+
+
+_LOAD_ERRORS = (UserError, ImportError, OSError, ValueError, RuntimeError)
+
+
+def _prepare_worker(name: str, settings: dict, replies) -> None:
+    """Make a peer's model files in a process of its own, so no row's peak RSS includes it."""
+    _quiet_worker()
+    settings = BenchSettings(**settings)
+    try:
+        path = prepare_peer_files(name, _export_dir(settings.pack), _peer_dir(settings),
+                                  log=lambda message: replies.put({"log": message}))
+        replies.put({"path": str(path)})
+    except _LOAD_ERRORS as exc:
+        replies.put({"skipped": _reason(exc)})
+
+
+def _reason(exc: Exception) -> str:
+    return str(exc) if isinstance(exc, UserError) else f"{type(exc).__name__}: {exc}"
+
+
+def _worker(kind: str, name: str, settings: dict, context: int, prompt_text: str, commands, replies) -> None:
+    """Load one row's engine, then answer run / stop commands from the driver."""
+    _quiet_worker()
+    settings = BenchSettings(**settings)
+    try:
+        started = time.perf_counter()
+        if kind == "plan":
+            runner = PlanRunner(settings, name, context)
+        else:
+            runner = make_peer_runner(name, Path(kind.split(":", 1)[1]), settings.threads, context)
+        replies.put({"ready": True, "load_s": time.perf_counter() - started, "own_prompt_ids":
+                     runner.prompt_ids(prompt_text)})
+    except _LOAD_ERRORS as exc:
+        replies.put({"skipped": _reason(exc)})
+        return
+    while (command := commands.get())[0] != "stop":
+        _, prompt, new_tokens = command
+        replies.put(runner.run(prompt, new_tokens))
+    facts = runner.final_facts() if hasattr(runner, "final_facts") else runner.facts
+    replies.put({"peak_rss_bytes": peak_rss_bytes(), "facts": facts})
+
+
+def peak_rss_bytes() -> int:
+    """This process's own peak RSS. ru_maxrss would not do: Linux carries the parent's high-water mark
+    over fork and exec, so every spawned worker would report at least its parent's size."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+
+
+def _export_dir(pack: str) -> Path:
+    from pipeshard.runtime.pack import load_pack
+
+    return Path(load_pack(Path(pack)).manifest["source"]["export"])
+
+
+def _peer_dir(settings: BenchSettings) -> Path:
+    pack = Path(settings.pack).absolute()
+    return Path(settings.peer_dir) if settings.peer_dir else pack.with_name(pack.name + ".peers")
+
+
+class _Worker:
+    """A child process and its two queues; `kind` is `plan`, or `peer:MODEL_PATH` for a peer."""
+
+    def __init__(self, context, kind: str, name: str, settings: BenchSettings, kv_context: int, prompt_text: str,
+                 log: Callable[[str], None], target=_worker) -> None:
+        self.kind, self.name = kind.split(":", 1)[0], name
+        self.commands, self.replies = context.Queue(), context.Queue()
+        arguments = (name, asdict(settings), self.replies) if target is _prepare_worker else (
+            kind, name, asdict(settings), kv_context, prompt_text, self.commands, self.replies)
+        self.process = context.Process(target=target, daemon=True, args=arguments)
+        self.process.start()
+        self.log = log
+        self.runs: list[dict] = []
+
+    def reply(self) -> dict:
+        while True:
+            try:
+                message = self.replies.get(timeout=5)
+            except Exception:  # queue.Empty: is the worker still alive?
+                if not self.process.is_alive():
+                    raise UserError(f"the {self.name} worker died (exit {self.process.exitcode})") from None
+                continue
+            if "log" in message:
+                self.log(f"{self.name}: {message['log']}")
+                continue
+            return message
+
+    def stop(self) -> dict:
+        self.commands.put(("stop",))
+        final = self.reply()
+        self.process.join(timeout=30)
+        return final
+
+
+# -- the driver -----------------------------------------------------------------------------------------------------
+def run_bench(settings: BenchSettings, progress: Callable[[int, int, str], None] = lambda done, total, label: None,
+              log: Callable[[str], None] = print) -> dict:
+    """Measure every row, interleaved; return the bench document (docs/bench.md)."""
+    from pipeshard.profiles.bandwidth import read_bandwidth
+    from pipeshard.profiles.db import machine_fingerprint
+    from pipeshard.runtime.pack import load_pack
+    from pipeshard.runtime.text import TextCodec
+
+    settings.check()
+    pack = load_pack(Path(settings.pack))
+    codec = TextCodec(pack.folder)
+    prompt_text, prompt = bench_prompt(codec, settings.prompt, settings.prompt_tokens)
+    kv_context = len(prompt) + settings.new_tokens + 8
+    if kv_context > int(pack.model["max_context"]):
+        raise UserError(f"{len(prompt)} prompt + {settings.new_tokens} new tokens exceed the model's context "
+                        f"of {pack.model['max_context']}")
+    rows_wanted = [("plan", p) for p in settings.plans] + [("peer", p) for p in settings.peers]
+    skipped = []
+    for kind, name in list(rows_wanted):
+        reason = None
+        if kind == "plan" and name in DEVICE_PLANS and settings.device == "cpu":
+            reason = "needs a device: --device sim or cuda with --vram"
+        elif kind == "peer":
+            reason = missing_peer(name)
+        if reason:
+            skipped.append({"name": name, "reason": reason})
+            log(f"skipped {name}: {reason}")
+            rows_wanted.remove((kind, name))
+    context = mp.get_context("spawn")
+    workers: list[_Worker] = []
+    total = len(rows_wanted) * (settings.repeat + 2)
+    done = 0
+    for kind, name in rows_wanted:  # one at a time: loading (and making a peer's files) is heavy
+        progress(done, total, f"loading {name}")
+        if kind == "peer":
+            preparer = _Worker(context, kind, name, settings, kv_context, prompt_text, log, _prepare_worker)
+            prepared = preparer.reply()
+            preparer.process.join()
+            if "skipped" in prepared:
+                skipped.append({"name": name, "reason": prepared["skipped"]})
+                log(f"skipped {name}: {prepared['skipped']}")
+                continue
+            kind = f"peer:{prepared['path']}"
+        worker = _Worker(context, kind, name, settings, kv_context, prompt_text, log)
+        ready = worker.reply()
+        done += 1
+        if "skipped" in ready:
+            skipped.append({"name": name, "reason": ready["skipped"]})
+            log(f"skipped {name}: {ready['skipped']}")
+            worker.process.join(timeout=30)
+            continue
+        worker.load_s, worker.own_prompt_ids = ready["load_s"], ready["own_prompt_ids"]
+        workers.append(worker)
+    if not workers:
+        raise UserError("no row could run: " + "; ".join(f"{s['name']}: {s['reason']}" for s in skipped))
+    total = done + len(workers) * (settings.repeat + 1)
+    bandwidth = read_bandwidth(settings.threads)
+    for round_index in range(settings.repeat + 1):  # round 0 warms up and is dropped
+        shift = round_index % len(workers)
+        for worker in workers[shift:] + workers[:shift]:
+            progress(done, total, f"round {round_index}/{settings.repeat} {worker.name}")
+            worker.commands.put(("run", prompt, settings.new_tokens))
+            result = worker.reply()
+            if round_index:
+                worker.runs.append(result)
+            done += 1
+    progress(total, total, "done")
+    finals = {worker.name: worker.stop() for worker in workers}
+    rows = [_row(worker, finals[worker.name], prompt) for worker in workers]
+    _compare(rows, settings.reference, pack, kv_context, bandwidth)
+    return {
+        "schema_version": BENCH_SCHEMA_VERSION,
+        "machine": {**machine_fingerprint(), "read_bandwidth": bandwidth},
+        "settings": {**asdict(settings), "prompt_text": prompt_text, "prompt_token_count": len(prompt),
+                     "prompt_ids": prompt, "interleaved_rounds": settings.repeat, "warmup_rounds": 1},
+        "rows": rows, "skipped": skipped,
+    }
+
+
+def _median(runs: list[dict], key: str) -> float | None:
+    values = [r[key] for r in runs if r.get(key) is not None]
+    return statistics.median(values) if values else None
+
+
+def _row(worker: _Worker, final: dict, prompt: list[int]) -> dict:
+    runs = worker.runs
+    decode = [r["decode_tok_s"] for r in runs]
+    tokens = runs[0]["tokens"]
+    row = {
+        "name": worker.name, "kind": worker.kind, "facts": final["facts"], "load_s": worker.load_s,
+        "runs": len(runs), "decode_tok_s": statistics.median(decode), "decode_tok_s_min": min(decode),
+        "decode_tok_s_max": max(decode), "ttft_s": _median(runs, "ttft_s"),
+        "prefill_tok_s": _median(runs, "prefill_tok_s"), "peak_rss_bytes": final["peak_rss_bytes"],
+        "tokens": tokens, "deterministic": all(r["tokens"] == tokens for r in runs),
+        "prompt_ids_match": worker.own_prompt_ids == prompt,
+        "peak_device_bytes": max((r["peak_device_bytes"] for r in runs if "peak_device_bytes" in r), default=None),
+        "streamed_bytes_per_run": _median(runs, "streamed_bytes"), "copy_hidden": _median(runs, "copy_hidden"),
+        "predicted_decode_step_s": final["facts"].get("predicted_decode_step_s"),
+    }
+    row["measured_decode_step_s"] = 1 / row["decode_tok_s"] if row["decode_tok_s"] else None
+    return row
+
+
+def _compare(rows: list[dict], reference: str, pack, kv_context: int, bandwidth: dict) -> None:
+    """Ratios to the reference row, greedy-token agreement with it, and the bandwidth roofline."""
+    from pipeshard.runtime.pack import evaluate_cost
+
+    base = next((r for r in rows if r["name"] == (reference or "monolithic")), rows[0])
+    average_context = kv_context - 8 - len(base["tokens"]) / 2
+    read_per_token = sum(evaluate_cost(e["cost"]["bytes"], 1, average_context) for e in pack.sub_layers)
+    for row in rows:
+        row["reference"] = base["name"]
+        for key in ("decode_tok_s", "prefill_tok_s", "ttft_s"):
+            row[f"{key}_ratio"] = row[key] / base[key] if row[key] and base[key] else None
+        row["same_tokens_as_reference"] = row["tokens"] == base["tokens"]
+        row["first_difference"] = first_difference(row["tokens"], base["tokens"])
+        same_weights = row["facts"].get("dtype") == pack.model["dtype"]
+        row["bytes_read_per_token"] = read_per_token if same_weights else None
+        row["roofline_tok_s"] = bandwidth["best_bytes_per_s"] / read_per_token if same_weights else None
+        row["roofline_fraction"] = row["decode_tok_s"] / row["roofline_tok_s"] if same_weights else None
+
+
+# -- output ---------------------------------------------------------------------------------------------------------
+def bench_table(document: dict) -> str:
+    settings = document["settings"]
+    bandwidth = document["machine"]["read_bandwidth"]
+    sim = any(r["facts"].get("device") == "sim" for r in document["rows"])
+    lines = [
+        f"{settings['pack']}: {settings['prompt_token_count']} prompt tokens, {settings['new_tokens']} new tokens, "
+        f"greedy, {settings['threads']} threads, {settings['interleaved_rounds']} interleaved rounds (+1 warm-up); "
+        f"medians, decode spread min-max",
+        f"read bandwidth {bandwidth['best_bytes_per_s'] / 1e9:.1f} GB/s (best; median "
+        f"{bandwidth['median_bytes_per_s'] / 1e9:.1f}) with {bandwidth['threads']} threads"
+        + ("; device sim = a simulated accelerator on the CPU, never GPU speed" if sim else ""),
+        f"{'row':14s} {'dtype':6s} {'decode tok/s':>20s} {'x ref':>6s} {'prefill':>8s} {'x ref':>6s} "
+        f"{'TTFT ms':>8s} {'RSS MiB':>8s} {'dev MiB':>8s} {'stream MiB':>10s} {'hidden':>6s} "
+        f"{'pred/meas ms':>13s} {'roofline':>8s}  tokens",
+    ]
+    for row in document["rows"]:
+        spread = f"{row['decode_tok_s']:6.1f} ({row['decode_tok_s_min']:.1f}-{row['decode_tok_s_max']:.1f})"
+        predicted = row["predicted_decode_step_s"]
+        pred = f"{predicted * 1e3:5.1f}/{row['measured_decode_step_s'] * 1e3:5.1f}" if predicted else "-"
+        device = row["facts"].get("device", "")
+        name = row["name"] + (f" [{device}]" if device in ("sim", "cuda") else "")
+        agree = "= ref" if row["same_tokens_as_reference"] else f"differ at {row['first_difference']}"
+        lines.append(
+            f"{name:14s} {row['facts'].get('dtype', '?'):6s} {spread:>20s} {_fmt(row['decode_tok_s_ratio'], '.2f')} "
+            f"{row['prefill_tok_s']:8.1f} {_fmt(row['prefill_tok_s_ratio'], '.2f')} {row['ttft_s'] * 1e3:8.0f} "
+            f"{row['peak_rss_bytes'] / 2**20:8.0f} {_fmt(row['peak_device_bytes'], '.0f', 2**20, 8)} "
+            f"{_fmt(row['streamed_bytes_per_run'], '.1f', 2**20, 10)} {_fmt(row['copy_hidden'], '.0%', 1, 6)} "
+            f"{pred:>13s} {_fmt(row['roofline_fraction'], '.0%', 1, 8)}  {agree}"
+            + ("" if row["prompt_ids_match"] else " (own tokenizer: other prompt ids)"))
+    reference = document["rows"][0]["reference"] if document["rows"] else "-"
+    lines.append(f"x ref: ratio to {reference}; roofline: decode tok/s / (bandwidth / bytes read per token); "
+                 f"every row was fed the same {settings['prompt_token_count']} prompt ids")
+    for skipped in document["skipped"]:
+        lines.append(f"skipped {skipped['name']}: {skipped['reason']}")
+    return "\n".join(lines)
+
+
+def _fmt(value, spec: str, scale: float = 1, width: int = 6) -> str:
+    return f"{'-':>{width}s}" if value is None else f"{value / scale:>{width}{spec}}"
+
+
+def plot_bench(document: dict, path: Path) -> None:
+    """Bars of decode tok/s (median) with the min-max spread, and the roofline as a line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = document["rows"]
+    names = [r["name"] for r in rows]
+    medians = [r["decode_tok_s"] for r in rows]
+    errors = [[r["decode_tok_s"] - r["decode_tok_s_min"] for r in rows],
+              [r["decode_tok_s_max"] - r["decode_tok_s"] for r in rows]]
+    colors = ["tab:blue" if r["kind"] == "plan" else "tab:gray" for r in rows]
+    figure, axes = plt.subplots(figsize=(max(6, len(rows) * 0.9), 4))
+    axes.bar(names, medians, yerr=errors, color=colors, capsize=4)
+    roofline = next((r["roofline_tok_s"] for r in rows if r["roofline_tok_s"]), None)
+    if roofline:
+        axes.axhline(roofline, color="tab:red", linestyle="--", label=f"bandwidth roofline {roofline:.0f} tok/s")
+        axes.legend()
+    settings = document["settings"]
+    axes.set_ylabel("decode tok/s (median, min-max)")
+    axes.set_title(f"{Path(settings['pack']).name}: {settings['new_tokens']} new tokens, {settings['threads']} threads"
+                   + (" (sim rows: simulated device)" if any(r["facts"].get("device") == "sim" for r in rows) else ""))
+    axes.tick_params(axis="x", rotation=30)
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+_ROW_FIELDS = {"name": str, "kind": str, "decode_tok_s": float, "decode_tok_s_min": float, "decode_tok_s_max": float,
+               "ttft_s": float, "prefill_tok_s": float, "peak_rss_bytes": int, "tokens": list, "runs": int,
+               "same_tokens_as_reference": bool, "prompt_ids_match": bool, "facts": dict}
+
+
+def validate_bench(document: object) -> dict:
+    """Check a bench document against docs/bench.md; raise UserError naming the first problem."""
+    if not isinstance(document, dict) or document.get("schema_version") != BENCH_SCHEMA_VERSION:
+        raise UserError(f"not a bench document of schema_version {BENCH_SCHEMA_VERSION}")
+    for key, kind in (("machine", dict), ("settings", dict), ("rows", list), ("skipped", list)):
+        if not isinstance(document.get(key), kind):
+            raise UserError(f"bench document: {key!r} missing or not a {kind.__name__}")
+    if not isinstance(document["machine"].get("read_bandwidth", {}).get("best_bytes_per_s"), float):
+        raise UserError("bench document: machine.read_bandwidth.best_bytes_per_s missing")
+    for index, row in enumerate(document["rows"]):
+        for key, kind in _ROW_FIELDS.items():
+            value = row.get(key)
+            if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+                raise UserError(f"bench document: rows[{index}].{key} missing or not {kind.__name__}")
+        if row["kind"] not in ("plan", "peer"):
+            raise UserError(f"bench document: rows[{index}].kind is {row['kind']!r}, not plan or peer")
+    return document
+
+
+def progress_bar(stream=sys.stderr) -> Callable[[int, int, str], None]:
+    """A one-line progress bar on a terminal (nothing when the stream is not one)."""
+    def update(done: int, total: int, label: str) -> None:
+        if not stream.isatty():
+            return
+        filled = int(30 * done / max(total, 1))
+        stream.write(f"\r[{'#' * filled}{'.' * (30 - filled)}] {done}/{total} {label[:40]:40s}")
+        if done >= total:
+            stream.write("\n")
+        stream.flush()
+    return update

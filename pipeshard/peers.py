@@ -1,0 +1,251 @@
+"""Other engines on the same weights, for `pipeshard bench`: onnxruntime-genai, llama.cpp
+(llama-cpp-python) and transformers. Each is optional (`pip install 'pipeshard[bench]'`); a peer
+that is missing is skipped with the line that installs it.
+
+Their model files are made once from the export's source into a peer folder beside the pack:
+`hf/` (the same fp32 weights as the export, as a transformers folder), `ort-genai/` (its model
+builder run on `hf/`), and for GGUF sources the GGUF as shipped plus `model-f32.gguf` (the same
+tensors dequantized to F32, the like-for-like llama.cpp run).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from pipeshard.errors import UserError
+from pipeshard.fsutil import atomic_output_dir
+
+PEERS = ("ort-genai", "llama.cpp", "llama.cpp-f32", "transformers")
+PEER_MODULES = {"ort-genai": "onnxruntime_genai", "llama.cpp": "llama_cpp", "llama.cpp-f32": "llama_cpp",
+                "transformers": "transformers"}
+INSTALL_HINT = {
+    "ort-genai": "pip install onnxruntime-genai onnx-ir",
+    "llama.cpp": "CMAKE_ARGS='-DCMAKE_C_FLAGS=\"-mno-amx-tile -mno-amx-int8 -mno-amx-bf16\" "
+                 "-DCMAKE_CXX_FLAGS=\"-mno-amx-tile -mno-amx-int8 -mno-amx-bf16\"' "
+                 "pip install --no-cache-dir llama-cpp-python",
+    "transformers": "pip install 'pipeshard[export]'",
+}
+INSTALL_HINT["llama.cpp-f32"] = INSTALL_HINT["llama.cpp"]
+
+
+def missing_peer(name: str) -> str | None:
+    """Why the peer cannot run here (with the install line), or None."""
+    if name not in PEERS:
+        raise UserError(f"unknown peer {name!r}; known: {', '.join(PEERS)}")
+    if importlib.util.find_spec(PEER_MODULES[name]) is None:
+        return f"{name} is not installed: {INSTALL_HINT[name]}"
+    return None
+
+
+def _source_argument(export_dir: Path) -> tuple[str, dict]:
+    source = json.loads((export_dir / "export.json").read_text())["source"]
+    return (source["name"] if source["kind"] in ("builtin", "tiny") else source["path"]), source
+
+
+def source_gguf(export_dir: Path) -> Path | None:
+    """The GGUF the export was made from, if it was made from one."""
+    _, source = _source_argument(export_dir)
+    return Path(source["path"]) if source["kind"] in ("builtin", "gguf") else None
+
+
+def prepare_hf_folder(export_dir: Path, peer_dir: Path) -> Path:
+    """The export's source as a transformers folder in fp32 (what the export holds), made once."""
+    out = peer_dir / "hf"
+    if (out / "config.json").is_file():
+        return out
+    import torch
+
+    from pipeshard.exporter.sources import load_source, resolve_source
+
+    argument, _ = _source_argument(export_dir)
+    loaded = load_source(resolve_source(argument), torch.float32)
+    with atomic_output_dir(out, force=False) as staging:
+        loaded.model.save_pretrained(staging)
+        loaded.tokenizer.save_pretrained(staging)
+    return out
+
+
+def prepare_ort_genai(export_dir: Path, peer_dir: Path, log) -> Path:
+    """onnxruntime-genai's own fp32 CPU model, built by its model builder from the hf folder."""
+    out = peer_dir / "ort-genai"
+    if (out / "genai_config.json").is_file():
+        return out
+    hf = prepare_hf_folder(export_dir, peer_dir)
+    log(f"building the onnxruntime-genai model from {hf} (once)")
+    with atomic_output_dir(out, force=False) as staging:
+        command = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf), "-o", str(staging),
+                   "-p", "fp32", "-e", "cpu", "-c", str(peer_dir / "ort-genai-cache")]
+        done = subprocess.run(command, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise UserError(f"onnxruntime-genai's model builder failed: {done.stderr.strip().splitlines()[-1:]}")
+    return out
+
+
+def prepare_f32_gguf(gguf_path: Path, peer_dir: Path, log) -> Path:
+    """The GGUF's tensors dequantized to F32 with the same metadata: llama.cpp on exactly the weights
+    the fp32 export holds (which were dequantized from the same file)."""
+    import numpy as np
+    from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
+    from gguf.quants import dequantize
+
+    out = peer_dir / "model-f32.gguf"
+    if out.is_file():
+        return out
+    log(f"writing an F32 copy of {gguf_path.name} (once)")
+    reader = GGUFReader(gguf_path)
+    architecture = reader.fields["general.architecture"].contents()
+    peer_dir.mkdir(parents=True, exist_ok=True)
+    staging = out.with_name(out.name + ".partial")
+    writer = GGUFWriter(staging, architecture)
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF.") or field.name in ("general.architecture", "general.file_type"):
+            continue
+        sub_type = field.types[-1] if field.types[0] == GGUFValueType.ARRAY else None
+        writer.add_key_value(field.name, field.contents(), field.types[0], sub_type=sub_type)
+    writer.add_file_type(0)  # all F32
+    for tensor in reader.tensors:
+        data = dequantize(tensor.data, tensor.tensor_type) if tensor.tensor_type != GGMLQuantizationType.F32 \
+            else np.asarray(tensor.data)
+        writer.add_tensor(tensor.name, np.ascontiguousarray(data, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    staging.replace(out)
+    return out
+
+
+# -- runners: each lives in its own bench worker process ------------------------------------------------------------
+class TransformersRunner:
+    """PyTorch eager, the same greedy loop as ours: prefill, then one token per step with the KV cache."""
+
+    def __init__(self, hf_folder: Path, threads: int) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        torch.set_num_threads(threads)
+        self.torch = torch
+        self.model = AutoModelForCausalLM.from_pretrained(hf_folder, dtype=torch.float32).eval()
+        self.tokenizer = AutoTokenizer.from_pretrained(hf_folder)
+        self.facts = {"engine": "transformers", "version": sys.modules["transformers"].__version__,
+                      "model": str(hf_folder), "dtype": "fp32"}
+
+    def prompt_ids(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def run(self, prompt: list[int], new_tokens: int) -> dict:
+        torch = self.torch
+        with torch.inference_mode():
+            started = time.perf_counter()
+            output = self.model(torch.tensor([prompt]), use_cache=True)
+            token = int(output.logits[0, -1].argmax())
+            first = time.perf_counter()
+            tokens, cache = [token], output.past_key_values
+            while len(tokens) < new_tokens:
+                output = self.model(torch.tensor([[token]]), past_key_values=cache, use_cache=True)
+                token, cache = int(output.logits[0, -1].argmax()), output.past_key_values
+                tokens.append(token)
+            done = time.perf_counter()
+        return _timings(prompt, tokens, started, first, done)
+
+
+class OrtGenaiRunner:
+    """onnxruntime-genai on its own builder's fp32 model, greedy, EOS held off until `new_tokens`."""
+
+    def __init__(self, model_dir: Path, threads: int) -> None:
+        import onnxruntime_genai as og
+
+        self.og = og
+        config = og.Config(str(model_dir))
+        config.overlay(json.dumps({"model": {"decoder": {"session_options": {
+            "intra_op_num_threads": threads, "inter_op_num_threads": 1}}}}))
+        self.model = og.Model(config)
+        self.tokenizer = og.Tokenizer(self.model)
+        self.facts = {"engine": "onnxruntime-genai", "version": og.__version__, "model": str(model_dir),
+                      "dtype": "fp32"}
+
+    def prompt_ids(self, text: str) -> list[int]:
+        return [int(t) for t in self.tokenizer.encode(text)]
+
+    def run(self, prompt: list[int], new_tokens: int) -> dict:
+        params = self.og.GeneratorParams(self.model)
+        length = len(prompt) + new_tokens
+        params.set_search_options(do_sample=False, max_length=length, min_length=length)
+        generator = self.og.Generator(self.model, params)
+        started = time.perf_counter()
+        generator.append_tokens(prompt)
+        generator.generate_next_token()
+        first = time.perf_counter()
+        while generator.token_count() < length:
+            generator.generate_next_token()
+        done = time.perf_counter()
+        tokens = [int(t) for t in generator.get_sequence(0)[len(prompt):]]
+        return _timings(prompt, tokens, started, first, done)
+
+
+class LlamaCppRunner:
+    """llama.cpp through llama-cpp-python, greedy, the prompt evaluated afresh each run."""
+
+    def __init__(self, gguf_path: Path, threads: int, context: int) -> None:
+        import llama_cpp
+
+        self.llm = llama_cpp.Llama(model_path=str(gguf_path), n_ctx=context, n_threads=threads,
+                                   n_threads_batch=threads, n_batch=512, verbose=False)
+        self.facts = {"engine": "llama.cpp (llama-cpp-python)", "version": llama_cpp.__version__,
+                      "model": str(gguf_path), "dtype": _gguf_file_type(gguf_path)}
+
+    def prompt_ids(self, text: str) -> list[int]:
+        return list(self.llm.tokenize(text.encode(), add_bos=False, special=True))
+
+    def run(self, prompt: list[int], new_tokens: int) -> dict:
+        llm = self.llm
+        llm.reset()  # or a repeated prompt would skip its evaluation
+        started = time.perf_counter()
+        llm.eval(prompt)
+        token = int(llm.sample(temp=0.0))
+        first = time.perf_counter()
+        tokens = [token]
+        while len(tokens) < new_tokens:
+            llm.eval([token])
+            token = int(llm.sample(temp=0.0))
+            tokens.append(token)
+        done = time.perf_counter()
+        return _timings(prompt, tokens, started, first, done)
+
+
+def _gguf_file_type(path: Path) -> str:
+    from gguf import GGUFReader, LlamaFileType
+
+    field = GGUFReader(path).fields.get("general.file_type")
+    return LlamaFileType(field.contents()).name.removeprefix("MOSTLY_").removeprefix("ALL_") if field else "?"
+
+
+def _timings(prompt: list[int], tokens: list[int], started: float, first: float, done: float) -> dict:
+    return {"tokens": tokens, "ttft_s": first - started, "prefill_tok_s": len(prompt) / (first - started),
+            "decode_tok_s": (len(tokens) - 1) / (done - first) if len(tokens) > 1 else 0.0}
+
+
+def prepare_peer_files(name: str, export_dir: Path, peer_dir: Path, log) -> Path:
+    """Make the peer's model files once (heavy: run it in a process of its own); return their path."""
+    if name == "transformers":
+        return prepare_hf_folder(export_dir, peer_dir)
+    if name == "ort-genai":
+        return prepare_ort_genai(export_dir, peer_dir, log)
+    gguf_path = source_gguf(export_dir)
+    if gguf_path is None:
+        raise UserError("the export was not made from a GGUF file, so there is no GGUF for llama.cpp to run")
+    return prepare_f32_gguf(gguf_path, peer_dir, log) if name == "llama.cpp-f32" else gguf_path
+
+
+def make_peer_runner(name: str, model_path: Path, threads: int, context: int):
+    """The peer's runner on files made by `prepare_peer_files`."""
+    if name == "transformers":
+        return TransformersRunner(model_path, threads)
+    if name == "ort-genai":
+        return OrtGenaiRunner(model_path, threads)
+    return LlamaCppRunner(model_path, threads, context)

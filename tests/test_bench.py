@@ -1,0 +1,80 @@
+"""`pipeshard bench` on tiny:llama: every plan side by side, the JSON document, the prompt, bad input."""
+
+import json
+
+import pytest
+
+from pipeshard.bench import PLANS, bench_prompt, first_difference, validate_bench
+from pipeshard.cli import main
+from pipeshard.errors import UserError
+from pipeshard.partitioner.pack import partition
+from pipeshard.runtime.text import TextCodec
+
+
+@pytest.fixture(scope="module")
+def pack(tiny_llama_export, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("bench") / "pack"
+    partition(tiny_llama_export, folder)
+    return folder
+
+
+def test_bench_runs_every_plan_and_writes_a_valid_document(pack, tmp_path, capsys):
+    out, plot = tmp_path / "bench.json", tmp_path / "bench.png"
+    assert main(["bench", str(pack), "--device", "sim", "--vram", "40%", "--profile", "laptop-8gb", "--peers", "none",
+                 "--new-tokens", "8", "--repeat", "1", "--threads", "1", "--json", str(out), "--plot", str(plot)]) == 0
+    document = validate_bench(json.loads(out.read_text()))
+    assert sorted(row["name"] for row in document["rows"]) == sorted(PLANS)
+    for row in document["rows"]:
+        assert row["same_tokens_as_reference"] and row["deterministic"] and len(row["tokens"]) == 8, row["name"]
+        assert row["decode_tok_s_min"] <= row["decode_tok_s"] <= row["decode_tok_s_max"]
+        if row["facts"]["device"] == "sim":
+            assert row["peak_device_bytes"] <= row["facts"]["budget_bytes"]
+            assert row["predicted_decode_step_s"] > 0
+    assert document["machine"]["read_bandwidth"]["best_bytes_per_s"] > 1e8
+    assert document["rows"][0]["name"] == "monolithic"  # the default reference comes first
+    assert document["rows"][1]["decode_tok_s_ratio"] == pytest.approx(
+        document["rows"][1]["decode_tok_s"] / document["rows"][0]["decode_tok_s"])
+    assert plot.stat().st_size > 1000
+    assert all(row["peak_rss_bytes"] < 400 * 2**20 for row in document["rows"])  # each worker's own peak
+    table = capsys.readouterr().out
+    assert "never GPU speed" in table and "gpu-only [sim]" in table
+
+
+def test_a_missing_or_unusable_peer_is_skipped_not_fatal(pack, tmp_path, capsys):
+    # tiny:llama was not made from a GGUF, so llama.cpp cannot run it whether or not it is installed.
+    out = tmp_path / "bench.json"
+    assert main(["bench", str(pack), "--device", "cpu", "--peers", "llama.cpp", "--plans", "cpu", "--reference",
+                 "cpu", "--new-tokens", "4", "--repeat", "1", "--threads", "1", "--json", str(out)]) == 0
+    document = json.loads(out.read_text())
+    assert [row["name"] for row in document["rows"]] == ["cpu"]
+    assert document["skipped"][0]["name"] == "llama.cpp"
+    assert "skipped llama.cpp" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("arguments, message", [
+    (["--peers", "vllm"], "unknown peer"),
+    (["--plans", "fastest"], "unknown plan"),
+    (["--device", "sim", "--plans", "auto"], "--vram"),
+    (["--new-tokens", "1"], "--new-tokens"),
+    (["--device", "cpu", "--reference", "transformers", "--peers", "none"], "reference row"),
+])
+def test_bad_bench_arguments_are_one_line_errors(pack, arguments, message, capsys):
+    assert main(["bench", str(pack), *arguments]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and message in err and len(err.strip().splitlines()) == 1
+
+
+def test_the_prompt_is_lengthened_to_exactly_the_asked_tokens(tiny_llama_export):
+    codec = TextCodec(tiny_llama_export)
+    _, short = bench_prompt(codec, "hi", None)
+    text, ids = bench_prompt(codec, "hi", 300)
+    assert len(ids) == 300 and ids[-4:] == short[-4:]  # still ends with the assistant turn's header
+    assert codec.encode(text) == ids
+
+
+def test_first_difference_and_document_validation():
+    assert first_difference([1, 2, 3], [1, 2, 3]) is None
+    assert first_difference([1, 2, 3], [1, 5, 3]) == 1
+    assert first_difference([1, 2], [1, 2, 3]) == 2
+    with pytest.raises(UserError, match="schema_version"):
+        validate_bench({"rows": []})
