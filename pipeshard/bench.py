@@ -129,7 +129,7 @@ class PlanRunner:
             streamed, copy_s, wait_s = (stats.streamed_bytes - before[0], device.copy_seconds - before[1],
                                         stats.copy_wait_s - before[2])
             row.update(streamed_bytes=streamed, copy_s=copy_s, copy_wait_s=wait_s,
-                       copy_hidden=(1 - wait_s / copy_s) if copy_s > 0 else None,
+                       copy_hidden=max(0.0, 1 - wait_s / copy_s) if copy_s > 0 else None,
                        peak_device_bytes=device.ledger.peak)
         return row
 
@@ -386,13 +386,21 @@ def _row(worker: _Worker, final: dict, prompt: list[int]) -> dict:
     return row
 
 
-def _compare(rows: list[dict], reference: str, pack, kv_context: int, bandwidth: dict) -> None:
-    """Ratios to the reference row, greedy-token agreement with it, and the bandwidth roofline."""
+def minimum_bytes_per_token(pack, context: float) -> float:
+    """What a decode step must read at the least: every weight once (one embedding row) and the KV
+    cache of `context` tokens once. An engine's own extra traffic (KV copies) is not the limit."""
     from pipeshard.runtime.pack import evaluate_cost
 
+    weights = sum(evaluate_cost({k: v for k, v in e["cost"]["bytes"].items() if k in ("const", "T")}, 1, 0)
+                  for e in pack.sub_layers)
+    return weights + pack.manifest["kv_bytes_per_token"] * context
+
+
+def _compare(rows: list[dict], reference: str, pack, kv_context: int, bandwidth: dict) -> None:
+    """Ratios to the reference row, greedy-token agreement with it, and the bandwidth roofline."""
     base = next((r for r in rows if r["name"] == (reference or "monolithic")), rows[0])
     average_context = kv_context - 8 - len(base["tokens"]) / 2
-    read_per_token = sum(evaluate_cost(e["cost"]["bytes"], 1, average_context) for e in pack.sub_layers)
+    read_per_token = minimum_bytes_per_token(pack, average_context)
     for row in rows:
         row["reference"] = base["name"]
         for key in ("decode_tok_s", "prefill_tok_s", "ttft_s"):
