@@ -13,10 +13,10 @@ from pathlib import Path
 from pipeshard.errors import UserError
 from pipeshard.exporter.offline import force_offline
 from pipeshard.fsutil import atomic_output_dir, sha256_file, write_json_atomic
+from pipeshard.runtime.exportdir import EXPORT_SCHEMA_VERSION, KV_CACHE
 
 log = logging.getLogger(__name__)
 
-EXPORT_SCHEMA_VERSION = 1
 DTYPES = {"fp32": "float32", "fp16": "float16"}
 LOGIT_TOLERANCE = {"fp32": 1e-3, "fp16": 5e-2}
 MODEL_FILE = "model.onnx"
@@ -77,6 +77,7 @@ def export_model(model: str, out: Path, dtype: str = "fp32", force: bool = False
         raise UserError(f"{out} already exists (use --force to replace it)")
     force_offline()
     from pipeshard.exporter.configs import export_config_for
+    from pipeshard.exporter.fuse import fuse_exported_model
     from pipeshard.exporter.onnx_export import DEFAULT_OPSET, export_decoder, max_logit_difference
     from pipeshard.exporter.sources import load_source, resolve_source
     from pipeshard.exporter.tokenizer_onnx import build_tokenizer_models, check_tokenizer_models
@@ -95,6 +96,9 @@ def export_model(model: str, out: Path, dtype: str = "fp32", force: bool = False
 
         progress.set_description("trace + write ONNX")
         export_decoder(source.model, export_config, staging / MODEL_FILE, opset)
+        dims = export_config.dims
+        fuse_exported_model(staging / MODEL_FILE, dims.num_attention_heads, dims.num_key_value_heads,
+                            dims.head_dim, dtype)
         progress.update()
 
         progress.set_description("validate against PyTorch")
@@ -127,6 +131,7 @@ def export_model(model: str, out: Path, dtype: str = "fp32", force: bool = False
             "tie_word_embeddings": bool(getattr(source.model.config, "tie_word_embeddings", False)),
             "dtype": dtype,
             "opset": opset,
+            "kv_cache": KV_CACHE,
             "model_file": MODEL_FILE,
             "inputs": list(export_config.inputs),
             "outputs": list(export_config.outputs),

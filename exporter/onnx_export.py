@@ -97,16 +97,35 @@ def export_decoder(model, export_config: DecoderWithPastExportConfig, onnx_path:
 
 
 def max_logit_difference(model, export_config: DecoderWithPastExportConfig, onnx_path: Path) -> float:
-    """Largest |logit| difference between ONNX Runtime and PyTorch on the dummy inputs."""
+    """Largest |logit| difference between ONNX Runtime and PyTorch on the dummy inputs, with the KV
+    cache given both ways: a past of its own (present allocated by ORT), and the runtimes' way, one
+    buffer of larger capacity bound as both past and present."""
     import onnxruntime
     import torch
 
-    args = dummy_inputs(export_config, model.dtype, batch=1, sequence=4, past=3)
+    past_length, capacity = 3, 16
+    args = dummy_inputs(export_config, model.dtype, batch=1, sequence=4, past=past_length)
     options = onnxruntime.SessionOptions()
     options.log_severity_level = 3
     session = onnxruntime.InferenceSession(str(onnx_path), options, providers=["CPUExecutionProvider"])
     feeds = {name: tensor.numpy() for name, tensor in zip(export_config.inputs, args, strict=True)}
-    (onnx_logits,) = session.run(["logits"], feeds)
+    (own_past_logits,) = session.run(["logits"], feeds)
+    binding = session.io_binding()
+    binding.bind_output("logits")  # first bound, first returned
+    buffers = []
+    for name, array in feeds.items():
+        if not name.startswith("past_key_values."):
+            binding.bind_cpu_input(name, array)
+            continue
+        buffer = np.zeros((*array.shape[:2], capacity, array.shape[3]), array.dtype)
+        buffer[:, :, :past_length] = array
+        value = onnxruntime.OrtValue.ortvalue_from_numpy(buffer)
+        buffers.append(value)
+        binding.bind_ortvalue_input(name, value)
+        binding.bind_ortvalue_output(name.replace("past_key_values.", "present.", 1), value)
+    session.run_with_iobinding(binding)
+    shared_logits = binding.get_outputs()[0].numpy()
     with torch.no_grad():
         torch_logits = _decoder_with_past(model, export_config.dims.num_layers)(*args)[0].float().numpy()
-    return float(np.abs(onnx_logits.astype(np.float32) - torch_logits).max())
+    return max(float(np.abs(logits.astype(np.float32) - torch_logits).max())
+               for logits in (own_past_logits, shared_logits))

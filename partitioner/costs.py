@@ -62,13 +62,6 @@ def counted_flops(sub_layer: SubLayer, model: onnx.ModelProto, dims: dict) -> Co
     return found
 
 
-def kv_traffic_factor(dims: dict) -> float:
-    """Bytes moved per byte of KV cache and context token by the exported attention: the past is
-    read and written again by the Concat that appends the new tokens (2x), then broadcast from the
-    KV heads to every query head by an Expand (written, then read by Attention: 2 x heads/kv_heads)."""
-    return 2.0 + 2.0 * dims["num_attention_heads"] / dims["num_key_value_heads"]
-
-
 def bytes_moved(sub_layer: SubLayer, kind: str, dims: dict, dtype: str, weight_bytes: int) -> Coefficients:
     """Memory traffic per step: weights once, activations per token, KV traffic per context token."""
     element = DTYPE_BYTES[dtype]
@@ -81,7 +74,9 @@ def bytes_moved(sub_layer: SubLayer, kind: str, dims: dict, dtype: str, weight_b
     activations = 2 * hidden * element + (dims["vocab_size"] * element if kind == "final" else 0)
     cost = {"const": float(weight_bytes), "T": float(activations + kv_per_token)}
     if kv_per_token:
-        cost["C"] = float(kv_per_token * kv_traffic_factor(dims))
+        # The fused GroupQueryAttention reads each KV head's past once (a group's query heads share
+        # it) and appends the new tokens in place: one read per context token, nothing copied.
+        cost["C"] = float(kv_per_token)
     return cost
 
 

@@ -156,40 +156,6 @@ def _reads_only(node: onnx.NodeProto, allowed: set[str], producer_of: dict[str, 
     return all(not tensor or tensor in allowed or producer_of.get(tensor) in subgraph for tensor in node.input)
 
 
-def detach_prologue_from_kv(model: onnx.ModelProto, assignment: dict[int, str], kv_heads: int, head_dim: int) -> None:
-    """The exporter reads the past length off a layer's past KV (`Shape(past_key_values.N.key)`);
-    a prologue that did so would need that layer's KV on its device. Compute the same shape from
-    `input_ids` and `attention_mask` instead (past = total - new)."""
-    nodes = model.graph.node
-    for index, node in enumerate(list(nodes)):
-        if node.op_type != "Shape" or assignment.get(index) != PROLOGUE or not node.input[0].startswith(PAST_PREFIX):
-            continue
-        attributes = {a.name: a.i for a in node.attribute}
-        prefix = f"_kvshape_{index}_"
-
-        replacement = [
-            helper.make_node("Shape", ["attention_mask"], [prefix + "mask"], start=1, end=2),
-            helper.make_node("Shape", ["input_ids"], [prefix + "batch"], start=0, end=1),
-            helper.make_node("Shape", ["input_ids"], [prefix + "new"], start=1, end=2),
-            helper.make_node("Sub", [prefix + "mask", prefix + "new"], [prefix + "past"]),
-            _int_constant(prefix + "heads", [kv_heads]),
-            _int_constant(prefix + "head_dim", [head_dim]),
-            helper.make_node("Concat", [prefix + "batch", prefix + "heads", prefix + "past", prefix + "head_dim"],
-                             [prefix + "full"], axis=0),
-            _int_constant(prefix + "start", [attributes.get("start", 0)]),
-            _int_constant(prefix + "end", [attributes.get("end", 4)]),
-            helper.make_node("Slice", [prefix + "full", prefix + "start", prefix + "end"], [node.output[0]]),
-        ]
-        for new_node in replacement:
-            new_node.name = new_node.output[0]
-        nodes[index].CopyFrom(replacement[-1])
-        # The helpers go at the end (node indices of the rest stay valid); `topologically_sorted`
-        # puts them in place afterwards.
-        for extra in replacement[:-1]:
-            nodes.append(extra)
-            assignment[len(nodes) - 1] = PROLOGUE
-
-
 def untranspose_tied_weights(model: onnx.ModelProto, assignment: dict[int, str]) -> None:
     """`MatMul(x, Transpose(W))` over a weight W: ONNX Runtime folds the Transpose into a second,
     transposed copy of W at load (108 MiB for SmolLM2's tied lm_head). Rewrite it as

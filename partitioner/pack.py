@@ -29,7 +29,6 @@ from pipeshard.partitioner.graph import (
     assign_sub_layers,
     build_graph,
     cut,
-    detach_prologue_from_kv,
     hoist_shared_index_math,
     topologically_sorted,
     untranspose_tied_weights,
@@ -161,7 +160,6 @@ def partition(export_dir: Path, pack: Path, force: bool = False) -> PartitionRes
     graph = build_graph(model)
     assignment = assign_sub_layers(model, graph, rules)
     hoist_shared_index_math(model, graph, assignment)
-    detach_prologue_from_kv(model, assignment, dims["num_key_value_heads"], dims["head_dim"])
     untranspose_tied_weights(model, assignment)
     model, assignment = topologically_sorted(model, assignment)
     sub_layers = cut(model, assignment)

@@ -27,15 +27,39 @@ def matmul_model(k: int, n: int, dtype: str) -> onnx.ModelProto:
 
 
 def attention_model(heads: int, head_dim: int, dtype: str) -> onnx.ModelProto:
-    """The opset-23 Attention op as the exporter emits it (K/V already expanded to every head):
-    Q [1, heads, T, d], K/V [1, heads, C, d]."""
-    q = helper.make_tensor_value_info("Q", ONNX_FLOAT[dtype], [1, heads, "T", head_dim])
-    k = helper.make_tensor_value_info("K", ONNX_FLOAT[dtype], [1, heads, "C", head_dim])
-    v = helper.make_tensor_value_info("V", ONNX_FLOAT[dtype], [1, heads, "C", head_dim])
-    y = helper.make_tensor_value_info("Y", ONNX_FLOAT[dtype], [1, heads, "T", head_dim])
-    node = helper.make_node("Attention", ["Q", "K", "V"], ["Y"])
-    graph = helper.make_graph([node], "attention", [q, k, v], [y])
-    return helper.make_model(graph, opset_imports=[helper.make_operatorsetid("", 23)])
+    """GroupQueryAttention as the exporter emits it (here with as many KV heads as query heads):
+    q/k/v [1, T, heads * head_dim], the past and present one buffer [1, heads, C, head_dim] holding
+    the C - T cached tokens and receiving the T new ones in place, an additive bias [1, 1, T, C]."""
+    width = heads * head_dim
+    float_type = ONNX_FLOAT[dtype]
+    inputs = [helper.make_tensor_value_info(name, float_type, [1, "T", width]) for name in ("Q", "K", "V")]
+    inputs += [helper.make_tensor_value_info(name, float_type, [1, heads, "C", head_dim]) for name in ("PK", "PV")]
+    inputs += [helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, [1]),
+               helper.make_tensor_value_info("total", TensorProto.INT32, []),
+               helper.make_tensor_value_info("bias", float_type, [1, 1, "T", "C"])]
+    outputs = [helper.make_tensor_value_info("Y", float_type, [1, "T", width])]
+    outputs += [helper.make_tensor_value_info(name, float_type, [1, heads, "C", head_dim]) for name in ("K2", "V2")]
+    node = helper.make_node("GroupQueryAttention", ["Q", "K", "V", "PK", "PV", "seqlens_k", "total", "", "", "",
+                                                    "bias"], ["Y", "K2", "V2"], domain="com.microsoft",
+                            num_heads=heads, kv_num_heads=heads, scale=float(head_dim) ** -0.5)
+    graph = helper.make_graph([node], "attention", inputs, outputs)
+    return helper.make_model(graph, opset_imports=[helper.make_operatorsetid("", 21),
+                                                   helper.make_operatorsetid("com.microsoft", 1)])
+
+
+def attention_feeds(heads: int, head_dim: int, tokens: int, context: int, dtype: str):
+    """Inputs, output shapes and in-place aliases (present -> past) for `attention_model` at T, C."""
+    rng = np.random.default_rng(2)
+    float_type = NUMPY_FLOAT[dtype]
+    context = max(context, tokens)
+    new = {name: rng.standard_normal((1, tokens, heads * head_dim), dtype=np.float32).astype(float_type)
+           for name in ("Q", "K", "V")}
+    past = {name: rng.standard_normal((1, heads, context, head_dim), dtype=np.float32).astype(float_type)
+            for name in ("PK", "PV")}
+    lengths = {"seqlens_k": np.array([context - 1], np.int32), "total": np.array(context, np.int32),
+               "bias": np.zeros((1, 1, tokens, context), float_type)}
+    outputs = {"Y": ((1, tokens, heads * head_dim), float_type)}
+    return {**new, **past, **lengths}, outputs, {"K2": "PK", "V2": "PV"}
 
 
 def hop_model(width: int) -> onnx.ModelProto:
@@ -72,27 +96,32 @@ class BoundSession:
     """A session with its inputs and outputs bound once to numpy buffers (raw IO binding)."""
 
     def __init__(self, ort, model: onnx.ModelProto, options, providers, inputs: dict[str, np.ndarray],
-                 output_shapes: dict[str, tuple[tuple[int, ...], np.dtype]], device: str = "cpu") -> None:
+                 output_shapes: dict[str, tuple[tuple[int, ...], np.dtype]], device: str = "cpu",
+                 aliases: dict[str, str] | None = None) -> None:
         self.session = ort.InferenceSession(model.SerializeToString(), options, providers=providers)
         self.binding = self.session.io_binding()
         self._ort = ort
         self.device = device
-        self.bind(inputs, output_shapes)
+        self.bind(inputs, output_shapes, aliases or {})
         self.run_options = ort.RunOptions()
         self._raw = self.binding._iobinding
         self._run = self.session._sess.run_with_iobinding
 
-    def bind(self, inputs: dict[str, np.ndarray], output_shapes: dict[str, tuple[tuple[int, ...], np.dtype]]) -> None:
-        """(Re)bind inputs and preallocated outputs, e.g. for another token count M."""
+    def bind(self, inputs: dict[str, np.ndarray], output_shapes: dict[str, tuple[tuple[int, ...], np.dtype]],
+             aliases: dict[str, str] | None = None) -> None:
+        """(Re)bind inputs and preallocated outputs, e.g. for another token count M. An output named in
+        `aliases` is written in place into the memory of the input it maps to (a KV cache)."""
         ort, device = self._ort, self.device
         self.keep_alive = []
+        bound = {}
         for name, array in inputs.items():
-            if device == "cpu":
-                self.binding.bind_cpu_input(name, array)
-            else:
-                value = ort.OrtValue.ortvalue_from_numpy(array, device, 0)
-                self.keep_alive.append(value)
-                self.binding.bind_ortvalue_input(name, value)
+            value = ort.OrtValue.ortvalue_from_numpy(array, device, 0)
+            self.keep_alive.append(value)
+            self.binding.bind_ortvalue_input(name, value)
+            bound[name] = value
+        for output, source in (aliases or {}).items():
+            value = bound[source]
+            self.binding.bind_output(output, device, 0, value.element_type(), value.shape(), value.data_ptr())
         for name, (shape, dtype) in output_shapes.items():
             value = ort.OrtValue.ortvalue_from_shape_and_type(list(shape), dtype, device, 0)
             self.keep_alive.append(value)

@@ -17,6 +17,7 @@ from pipeshard.profiles.db import fingerprint_id, machine_fingerprint, now_iso, 
 from pipeshard.profiles.kernels import (
     NUMPY_FLOAT,
     BoundSession,
+    attention_feeds,
     attention_model,
     cpu_matmul_load,
     hop_model,
@@ -156,11 +157,8 @@ def _attention_rows(ort, plan: Plan, threads: int, progress) -> list[dict]:
     model = attention_model(plan.heads, plan.head_dim, "fp32")
     for tokens in plan.attention_tokens:
         for context in plan.attention_contexts:
-            rng = np.random.default_rng(2)
-            q = rng.standard_normal((1, plan.heads, tokens, plan.head_dim), dtype=np.float32)
-            kv = rng.standard_normal((1, plan.heads, context, plan.head_dim), dtype=np.float32)
-            session = BoundSession(ort, model, options, ["CPUExecutionProvider"], {"Q": q, "K": kv, "V": kv.copy()},
-                                   {"Y": (q.shape, np.float32)})
+            inputs, outputs, aliases = attention_feeds(plan.heads, plan.head_dim, tokens, context, "fp32")
+            session = BoundSession(ort, model, options, ["CPUExecutionProvider"], inputs, outputs, aliases=aliases)
             seconds = median_seconds(session, plan.seconds_per_point)
             flops = 4 * plan.heads * plan.head_dim * tokens * context
             rows.append({"T": tokens, "C": context, "heads": plan.heads, "head_dim": plan.head_dim,

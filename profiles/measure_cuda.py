@@ -15,6 +15,7 @@ import numpy as np
 from pipeshard.profiles.kernels import (
     NUMPY_FLOAT,
     BoundSession,
+    attention_feeds,
     attention_model,
     cpu_matmul_load,
     hop_model,
@@ -146,10 +147,9 @@ def measure_cuda(plan, cpu_threads: int) -> tuple[dict, dict, dict]:
     model = attention_model(plan.heads, plan.head_dim, "fp16")
     for tokens in plan.attention_tokens:
         for context in plan.attention_contexts:
-            q = np.ones((1, plan.heads, tokens, plan.head_dim), np.float16)
-            kv = np.ones((1, plan.heads, context, plan.head_dim), np.float16)
-            session = BoundSession(ort, model, options, CUDA_PROVIDERS, {"Q": q, "K": kv, "V": kv},
-                                   {"Y": (q.shape, np.float16)}, device="cuda")
+            inputs, outputs, aliases = attention_feeds(plan.heads, plan.head_dim, tokens, context, "fp16")
+            session = BoundSession(ort, model, options, CUDA_PROVIDERS, inputs, outputs, device="cuda",
+                                   aliases=aliases)
             seconds = median_seconds(session, plan.seconds_per_point)
             flops = 4 * plan.heads * plan.head_dim * tokens * context
             attention.append({"T": tokens, "C": context, "heads": plan.heads, "head_dim": plan.head_dim,

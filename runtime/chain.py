@@ -1,10 +1,11 @@
 """The all-CPU chain: every sub-layer of a pack in manifest order, one CPU-EP session each.
 
-Boundary tensors move as ORT values through IO binding. The residual stream lives in two
-preallocated buffers per batch shape (each residual tensor always in the same one, so a stage's
-pointer bindings stay valid from step to step and are only redone when the batch shape changes);
-the prologue's shared values and each attention's KV cache are ORT-allocated values handed on
-without touching numpy.
+Boundary tensors move through IO binding. The residual stream lives in two preallocated buffers per
+batch shape (each residual tensor always in the same one, so a stage's pointer bindings stay valid
+from step to step and are only redone when the batch shape changes); each attention's KV cache is
+one host buffer bound as its past and present (appended in place), bound once per generation; the
+prologue's shared values (mask, rotary angles, lengths) are ORT-allocated values handed on without
+touching numpy.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
+from pipeshard.runtime.kv import HostKvCache, check_step_shape
 from pipeshard.runtime.ort import cpu_session_options, import_onnxruntime
 from pipeshard.runtime.pack import Pack, load_pack
 
@@ -41,9 +43,9 @@ class _Stage:
         self.residual_inputs = [n for n in inputs if n in residual]
         self.shared_inputs = [n for n in inputs if n not in STEP_INPUTS and n not in residual and n not in self.past]
         self.pointer_outputs = [n for n in outputs if n in residual or n == LOGITS]
-        self.allocated_outputs = [n for n in outputs if n not in self.pointer_outputs]
-        # IO binding returns outputs in the order they were first bound: pointers first (see ChainStep).
-        self.bound_output_order = self.pointer_outputs + self.allocated_outputs
+        self.allocated_outputs = [n for n in outputs if n not in self.pointer_outputs and n not in self.present]
+        # IO binding returns outputs in the order they were first bound: KV (at start), pointers, the rest.
+        self.bound_output_order = self.present + self.pointer_outputs + self.allocated_outputs
         self.bound_shape: tuple[int, int] | None = None
         self.takes_last_hidden = LOGITS in self.pointer_outputs and len(self.residual_inputs) == 1
 
@@ -78,7 +80,8 @@ class ChainStep:
         self._last_hidden = np.empty(0, self.dtype)
         self.run_options = ort.RunOptions()
         self._cpu = ort.OrtDevice.make("cpu", 0)._get_c_device()
-        self._kv: dict[str, object] = {}
+        self.kv = HostKvCache([name for stage in self.stages for name in stage.past], self.kv_heads, self.head_dim,
+                              self.dtype)
         self._shape: tuple[int, int] | None = None
         self._residual: list[np.ndarray] = []
         self._logits = np.empty(0, self.dtype)
@@ -93,10 +96,15 @@ class ChainStep:
         self._shape = None  # buffers and pointer bindings are remade at the next step
 
     def start(self, batch_size: int, context: int | None = None) -> None:
-        empty = np.zeros((batch_size, self.kv_heads, 0, self.head_dim), dtype=self.dtype)
-        # The Python OrtValue owns `empty`'s memory; keep it next to the raw value used for binding.
-        self._empty_kv = self._ort.OrtValue.ortvalue_from_numpy(empty)
-        self._kv = {name: self._empty_kv._ortvalue for stage in self.stages for name in stage.past}
+        self.kv.reset(batch_size, context)
+        self._bind_kv()
+
+    def _bind_kv(self) -> None:
+        for stage in self.stages:
+            for past, present in zip(stage.past, stage.present, strict=True):
+                buffer = self.kv.buffers[past]
+                for bind, name in ((stage.binding.bind_input, past), (stage.binding.bind_output, present)):
+                    bind(name, self._cpu, buffer.dtype, list(buffer.shape), buffer.ctypes.data)
 
     def _bind_pointers(self, stage: _Stage) -> None:
         """(Re)bind the residual buffers and logits of a stage for the current batch shape."""
@@ -111,6 +119,9 @@ class ChainStep:
 
     def forward(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray) -> np.ndarray:
         shape = input_ids.shape
+        check_step_shape(shape[0], shape[1], attention_mask.shape[1])
+        if self.kv.ensure(attention_mask.shape[1]):
+            self._bind_kv()
         if shape != self._shape:
             self._shape = shape
             self._residual = [np.empty((*shape, self.hidden_size), self.dtype) for _ in range(2)]
@@ -121,7 +132,6 @@ class ChainStep:
                        "attention_mask": np.ascontiguousarray(attention_mask, dtype=np.int64),
                        "position_ids": np.ascontiguousarray(position_ids, dtype=np.int64)}
         shared: dict[str, object] = {}
-        kv = self._kv
         run_options, cpu = self.run_options, self._cpu
         for stage in self.stages:
             binding = stage.binding
@@ -133,8 +143,6 @@ class ChainStep:
                 binding.bind_input(name, step_inputs[name])
             for name in stage.shared_inputs:
                 binding.bind_ortvalue_input(name, shared[name])
-            for name in stage.past:
-                binding.bind_ortvalue_input(name, kv[name])
             for name in stage.allocated_outputs:
                 binding.bind_output(name, cpu)
             stage.run(binding, run_options)
@@ -142,6 +150,4 @@ class ChainStep:
                 produced = binding.get_outputs()
                 for index, name in enumerate(stage.bound_output_order):
                     shared[name] = produced[index]
-                for past, present in zip(stage.past, stage.present, strict=True):
-                    kv[past] = shared.pop(present)
         return self._logits

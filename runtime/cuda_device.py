@@ -107,23 +107,27 @@ class CudaDevice(LedgeredDevice):
 
     @property
     def ort_device(self):
-        """ORT's handle for this GPU: device sessions keep their KV outputs there."""
+        """ORT's handle for this GPU, for binding by pointer."""
         import onnxruntime
 
         return onnxruntime.OrtDevice.make("cuda", 0)._get_c_device()
 
-    def bind_weight(self, binding, name: str, buffer: DeviceBuffer, offset: int, dtype, shape) -> None:
+    def bind_input(self, binding, name: str, buffer: DeviceBuffer, offset: int, dtype, shape) -> None:
         binding.bind_input(name, self.ort_device, np.dtype(dtype), list(shape), buffer.pointer + offset)
 
-    def to_device(self, value):
-        from onnxruntime import OrtValue
+    def bind_output(self, binding, name: str, buffer: DeviceBuffer, offset: int, dtype, shape) -> None:
+        binding.bind_output(name, self.ort_device, np.dtype(dtype), list(shape), buffer.pointer + offset)
 
-        return OrtValue.ortvalue_from_numpy(np.asarray(value.numpy()), "cuda", 0)
+    def copy_in(self, target: DeviceBuffer, source: np.ndarray) -> None:
+        """A KV cache to the device, synchronously (pageable memory: it changes, so it is never pinned)."""
+        _check(self.rt.cudaStreamSynchronize(self.compute_stream))
+        _check(self.rt.cudaMemcpy(target.pointer, source.ctypes.data, source.nbytes,
+                                  self.rt.cudaMemcpyKind.cudaMemcpyHostToDevice))
 
-    def to_host(self, value):
-        from onnxruntime import OrtValue
-
-        return OrtValue.ortvalue_from_numpy(np.array(value.numpy(), copy=True))
+    def copy_out(self, target: np.ndarray, source: DeviceBuffer) -> None:
+        _check(self.rt.cudaStreamSynchronize(self.compute_stream))
+        _check(self.rt.cudaMemcpy(target.ctypes.data, source.pointer, target.nbytes,
+                                  self.rt.cudaMemcpyKind.cudaMemcpyDeviceToHost))
 
     def close(self) -> None:
         _check(self.rt.cudaStreamSynchronize(self.copy_stream))

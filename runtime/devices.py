@@ -110,18 +110,21 @@ class SimDevice(LedgeredDevice):
     def released_after_compute(self, buffer: np.ndarray) -> None:
         """Compute here is synchronous: a slot is free as soon as its sub-layer returned."""
 
-    def bind_weight(self, binding, name: str, buffer: np.ndarray, offset: int, dtype, shape) -> None:
-        """Bind a weight that lives at `offset` in a device buffer as a session input."""
+    def bind_input(self, binding, name: str, buffer: np.ndarray, offset: int, dtype, shape) -> None:
+        """Bind the tensor at `offset` in a device buffer (a weight, a KV cache) as a session input."""
         binding.bind_input(name, cpu_ort_device(), np.dtype(dtype), list(shape), buffer.ctypes.data + offset)
 
-    def to_device(self, value):
-        """Move an ORT value (a KV cache) into device memory: on sim, a real copy into a new host array.
-        Returns the Python OrtValue, which owns the memory the raw value points to."""
-        from onnxruntime import OrtValue
+    def bind_output(self, binding, name: str, buffer: np.ndarray, offset: int, dtype, shape) -> None:
+        """Bind a device buffer as a session output (a KV cache written in place)."""
+        binding.bind_output(name, cpu_ort_device(), np.dtype(dtype), list(shape), buffer.ctypes.data + offset)
 
-        return OrtValue.ortvalue_from_numpy(np.array(value.numpy(), copy=True))
+    def copy_in(self, target: np.ndarray, source: np.ndarray) -> None:
+        """Synchronous host -> device copy of a host array that changes (a KV cache; never cached)."""
+        np.copyto(target[: source.nbytes], source.reshape(-1).view(np.uint8))
 
-    to_host = to_device
+    def copy_out(self, target: np.ndarray, source: np.ndarray) -> None:
+        """Synchronous device -> host copy into a host array."""
+        np.copyto(target.reshape(-1).view(np.uint8), source[: target.nbytes])
 
     def close(self) -> None:
         self._copier.shutdown(wait=True)

@@ -7,7 +7,9 @@ from pathlib import Path
 
 from pipeshard.errors import UserError
 
-EXPORT_SCHEMA_VERSION = 1
+EXPORT_SCHEMA_VERSION = 2  # 2: attention is GroupQueryAttention over one in-place KV buffer
+KV_CACHE = {"layout": "shared-buffer", "attention": "com.microsoft.GroupQueryAttention",
+            "shape": ["batch", "kv_heads", "capacity", "head_dim"]}
 REQUIRED_FIELDS = ("architecture", "dims", "dtype", "model_file", "inputs", "outputs")
 
 
@@ -30,7 +32,7 @@ def read_export_info(folder: Path) -> dict:
     info = read_json(path, "pipeshard export folder")
     if info.get("schema_version") != EXPORT_SCHEMA_VERSION:
         raise UserError(f"{path}: unsupported schema_version {info.get('schema_version')!r} "
-                        f"(this pipeshard reads {EXPORT_SCHEMA_VERSION})")
+                        f"(this pipeshard reads {EXPORT_SCHEMA_VERSION}; export the model again)")
     for field in REQUIRED_FIELDS:
         if field not in info:
             raise UserError(f"{path}: missing field {field!r}")

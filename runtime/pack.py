@@ -10,7 +10,7 @@ from pipeshard.fsutil import sha256_file
 from pipeshard.runtime.exportdir import read_json
 
 MANIFEST_NAME = "manifest.json"
-PACK_SCHEMA_VERSION = 1
+PACK_SCHEMA_VERSION = 2  # 2: KV caches are in-place buffers (GroupQueryAttention), see docs/model-pack.md
 WEIGHT_ALIGNMENT = 4096
 SUB_LAYER_FIELDS = ("name", "kind", "layer", "files", "blob", "weights", "inputs", "outputs", "kv", "cost")
 
@@ -53,7 +53,7 @@ def load_pack(folder: Path, verify: bool = False) -> Pack:
     manifest = read_json(path, "model pack")
     if manifest.get("schema_version") != PACK_SCHEMA_VERSION:
         raise UserError(f"{path}: unsupported schema_version {manifest.get('schema_version')!r} "
-                        f"(this pipeshard reads {PACK_SCHEMA_VERSION})")
+                        f"(this pipeshard reads {PACK_SCHEMA_VERSION}; export and partition the model again)")
     for field in ("model", "sub_layers"):
         if field not in manifest:
             raise UserError(f"{path}: missing field {field!r}")

@@ -20,6 +20,7 @@ import numpy as np
 
 from pipeshard.partitioner.planner import CPU, PINNED, STREAMED, Plan, Planner
 from pipeshard.runtime.devices import cpu_ort_device
+from pipeshard.runtime.kv import HostKvCache, check_step_shape
 from pipeshard.runtime.ort import cpu_session_options, import_onnxruntime
 from pipeshard.runtime.pack import load_pack
 
@@ -80,8 +81,12 @@ class PlanStep:
         self._slot_name: list[str | None] = []
         self._slot_future: list[Future | None] = []
         self._streamed: list[str] = []
-        self._kv: dict[str, object] = {}
-        self._kv_owners: dict[str, object] = {}
+        # The KV cache: host buffers for every attention (see runtime/kv.py); the attentions that run on
+        # the device keep theirs in device buffers of the same size, bound by pointer as past and present.
+        self._kv_host = HostKvCache([past for e in self.entries if e["kv"] for past in e["kv"]["past"]],
+                                    self.kv_heads, self.head_dim, self.dtype)
+        self._past_names = set(self._kv_host.past_names)
+        self._kv_device: dict[str, object] = {}
         self._kv_on_device: set[str] = set()
         self._reserved: dict[str, int] = {}
         self._ring_position = 0
@@ -150,21 +155,26 @@ class PlanStep:
             self._reserve(purpose, 0)
         self.active = None
 
-    def _kv_reservation(self, entry: dict) -> int:
-        return entry["kv"]["bytes_per_token"] * self.planner.context * self.planner.batch
-
     def _move_kv(self, attn: str, to_device: bool) -> None:
-        entry = self.by_name[attn]
-        for past in entry["kv"]["past"]:
-            if past in self._kv:
-                self._set_kv(past, self.device.to_device(self._kv[past]) if to_device else
-                             self.device.to_host(self._kv[past]))
-        if to_device:
-            self.device.reserve(self._kv_reservation(entry), "kv")
-            self._kv_on_device.add(attn)
-        else:
-            self.device.unreserve(self._kv_reservation(entry), "kv")
-            self._kv_on_device.discard(attn)
+        """Move an attention's KV buffers between host and device (a plan change moved the attention)."""
+        for past in self.by_name[attn]["kv"]["past"]:
+            host = self._kv_host.buffers.get(past)
+            if to_device:
+                self._kv_device[past] = self._device_kv_buffer(host)
+            else:
+                buffer = self._kv_device.pop(past)
+                if host is not None:
+                    self.device.copy_out(host, buffer)
+                self.device.free(buffer, "kv")
+        (self._kv_on_device.add if to_device else self._kv_on_device.discard)(attn)
+
+    def _device_kv_buffer(self, host: np.ndarray | None):
+        """A device buffer holding a copy of a host KV buffer (charged to the ledger as `kv`)."""
+        nbytes = host.nbytes if host is not None else 0
+        buffer = self.device.alloc(nbytes, "kv")
+        if nbytes:
+            self.device.copy_in(buffer, host)
+        return buffer
 
     def _activate(self, plan: Plan) -> None:
         """Make device memory match `plan`: release first, then allocate and upload."""
@@ -226,11 +236,6 @@ class PlanStep:
         return cache[entry["name"]]
 
     # -- the step ---------------------------------------------------------------------------------------------------
-    def _set_kv(self, past: str, owner) -> None:
-        """Keep the Python OrtValue (it owns the memory) and use its raw value for binding."""
-        self._kv_owners[past] = owner
-        self._kv[past] = owner._ortvalue
-
     def start(self, batch_size: int, context: int | None = None) -> None:
         """New sequences. Device KV is reserved for the planner's context x batch: a larger batch or
         a longer generation is replanned first, so the budget also holds for what is really stored."""
@@ -240,18 +245,34 @@ class PlanStep:
             self.planner.context = max(context or 0, self.planner.context)
             self.planner.clear_costs()
             self._plans.clear()
-        empty = np.zeros((batch_size, self.kv_heads, 0, self.head_dim), dtype=self.dtype)
-        for entry in self.entries:
-            for past in (entry["kv"] or {}).get("past", []):
-                value = self._ort.OrtValue.ortvalue_from_numpy(empty)
-                self._set_kv(past, self.device.to_device(value) if entry["name"] in self._kv_on_device else value)
+        self._reset_kv(batch_size)
+
+    def _reset_kv(self, batch_size: int) -> None:
+        """Zeroed KV buffers of the planner's context for new sequences, where the active plan wants them."""
+        for buffer in self._kv_device.values():
+            self.device.free(buffer, "kv")
+        self._kv_device.clear()
+        self._kv_host.reset(batch_size, self.planner.context)
+        for attn in self._kv_on_device:
+            for past in self.by_name[attn]["kv"]["past"]:
+                self._kv_device[past] = self._device_kv_buffer(self._kv_host.buffers[past])
 
     def forward(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray) -> np.ndarray:
         batch, tokens = input_ids.shape
+        total = attention_mask.shape[1]
+        check_step_shape(batch, tokens, total)
+        if total > self._kv_host.capacity:
+            # Longer than start() was told: the KV comes home, grows, and the plans are made for the new context.
+            self._deactivate()
+            self._kv_host.ensure(total)
+            self.planner.context = self._kv_host.capacity
+            self.planner.clear_costs()
+            self._plans.clear()
         largest = self.tiers[-1]
-        if batch * tokens > largest and tokens > 1:
-            # Prefill longer than the largest tier: chunks of it (bounds activation memory too).
-            chunk = max(1, largest // batch)
+        if batch == 1 and tokens > largest:
+            # Prefill longer than the largest tier: chunks of it (bounds activation memory too). A batch's
+            # prompts go in one step: GQA on the CPU takes several new tokens after a past only for batch 1.
+            chunk = largest
             past = attention_mask.shape[1] - tokens
             pieces = []
             for begin in range(0, tokens, chunk):
@@ -284,9 +305,7 @@ class PlanStep:
             placement = plan.placements[name]
             session = self._session(entry, placement != CPU)
             binding = session.binding
-            # No clear_binding_*: values kept from the last step (the KV cache) are references into
-            # this binding's outputs, so every input is bound (which takes its own reference) before
-            # the outputs are bound anew.
+            presents = self._bind_kv(binding, entry, placement)
             last_only = entry["kind"] == "final" and not self.all_logits
             for tensor in self._inputs[name]:
                 if last_only and tensor in values:
@@ -296,9 +315,7 @@ class PlanStep:
                 elif tensor in step_inputs:
                     array = step_inputs[tensor]
                     binding.bind_input(tensor, cpu, array.dtype, list(array.shape), array.ctypes.data)
-                elif tensor in self._kv:
-                    binding.bind_ortvalue_input(tensor, self._kv[tensor])
-                else:
+                elif tensor not in self._past_names:
                     binding.bind_ortvalue_input(tensor, values[tensor])
             slot = None
             if placement == PINNED:
@@ -313,17 +330,14 @@ class PlanStep:
                 self._slot_future[slot].result()
                 self.stats.copy_wait_s += time.perf_counter() - waited
                 self._bind_weights(binding, entry, self._ring[slot])
-            kv_device = self.device.ort_device if placement != CPU and entry["kv"] else cpu
-            presents = entry["kv"]["present"] if entry["kv"] else ()
-            for output in session.outputs:
-                binding.bind_output(output, kv_device if output in presents else cpu)
+            produced = [output for output in session.outputs if output not in presents]
+            for output in produced:
+                binding.bind_output(output, cpu)
             session.run(binding, self.run_options)
-            for output, value in zip(session.outputs, binding.get_outputs(), strict=True):
-                values[output] = value
-            if entry["kv"]:
-                for past, present in zip(entry["kv"]["past"], entry["kv"]["present"], strict=True):
-                    self._kv[past] = values.pop(present)
-                    self._kv_owners.pop(past, None)  # ORT owns the new value
+            # Outputs come back in the order first bound: the KV (bound first, every step), then the rest.
+            returned = binding.get_outputs()
+            for index, output in enumerate(produced, start=len(presents)):
+                values[output] = returned[index]
             if placement == STREAMED:
                 self.device.released_after_compute(self._ring[slot])
                 if plan.prefetch:
@@ -334,8 +348,24 @@ class PlanStep:
 
     def _bind_weights(self, binding, entry: dict, buffer: np.ndarray) -> None:
         for weight in entry["weights"]:
-            self.device.bind_weight(binding, weight["name"], buffer, weight["offset"],
-                                    NUMPY_DTYPES[weight["dtype"]], weight["shape"])
+            self.device.bind_input(binding, weight["name"], buffer, weight["offset"],
+                                   NUMPY_DTYPES[weight["dtype"]], weight["shape"])
+
+    def _bind_kv(self, binding, entry: dict, placement: str) -> tuple[str, ...]:
+        """Bind an attention's KV buffers (host, or device when it runs there) as past and present."""
+        if not entry["kv"]:
+            return ()
+        shape, cpu = self._kv_host.shape, cpu_ort_device()
+        for past, present in zip(entry["kv"]["past"], entry["kv"]["present"], strict=True):
+            if placement != CPU:
+                buffer = self._kv_device[past]
+                self.device.bind_input(binding, past, buffer, 0, self.dtype, shape)
+                self.device.bind_output(binding, present, buffer, 0, self.dtype, shape)
+            else:
+                host = self._kv_host.buffers[past]
+                binding.bind_input(past, cpu, host.dtype, list(shape), host.ctypes.data)
+                binding.bind_output(present, cpu, host.dtype, list(shape), host.ctypes.data)
+        return tuple(entry["kv"]["present"])
 
     def close(self) -> None:
         self._deactivate()

@@ -44,7 +44,7 @@ def test_corrupt_weight_blob_is_caught_by_verify(pack_copy, capsys):
 
 def test_unknown_schema_version(pack_copy, capsys):
     manifest = pack_copy / "manifest.json"
-    manifest.write_text(manifest.read_text().replace('"schema_version": 1', '"schema_version": 99', 1))
+    manifest.write_text(manifest.read_text().replace('"schema_version": 2', '"schema_version": 99', 1))
     line = error_line(capsys, "run", str(pack_copy), "hi")
     assert "manifest.json" in line and "schema_version" in line
 

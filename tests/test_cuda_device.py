@@ -12,6 +12,7 @@ class FakeRuntime:
 
     class cudaMemcpyKind:  # noqa: N801 - mirrors cuda.bindings.runtime
         cudaMemcpyHostToDevice = 1
+        cudaMemcpyDeviceToHost = 2
 
     cudaEventDisableTiming = 2
 
@@ -77,3 +78,17 @@ def test_the_ep_runs_on_our_compute_stream(device):
     options = cuda.providers[0][1]
     assert cuda.providers[0][0] == "CUDAExecutionProvider"
     assert options["user_compute_stream"] == str(cuda.compute_stream) and options["do_copy_in_default_stream"] == "0"
+
+
+def test_kv_copies_wait_for_compute_and_are_never_served_from_the_pinned_cache(device):
+    cuda, runtime = device
+    buffer = cuda.alloc(256, "kv")
+    host = np.zeros((1, 2, 4, 8), np.float32)
+    runtime.calls.clear()
+    cuda.copy_in(buffer, host)
+    cuda.copy_out(host, buffer)
+    assert [name for name, _ in runtime.calls] == ["cudaStreamSynchronize", "cudaMemcpy"] * 2
+    (_, copy_in), (_, copy_out) = runtime.calls[1], runtime.calls[3]
+    assert copy_in == (buffer.pointer, host.ctypes.data, 256, 1)
+    assert copy_out == (host.ctypes.data, buffer.pointer, 256, 2)
+    assert cuda._pinned_host == {}

@@ -18,7 +18,7 @@ def test_export_writes_the_documented_files(tiny_llama_export):
     assert {"model.onnx", "model.onnx.data", "config.json", "tokenizer.json", "tokenizer_config.json",
             "tokenizer.onnx", "detokenizer.onnx", "export.json", "generation_config.json"} <= names
     info = json.loads((tiny_llama_export / "export.json").read_text())
-    assert info["schema_version"] == 1 and info["architecture"] == "llama" and info["dtype"] == "fp32"
+    assert info["schema_version"] == 2 and info["architecture"] == "llama" and info["dtype"] == "fp32"
     assert info["dims"]["num_layers"] == 4 and info["dims"]["num_key_value_heads"] == 2
     assert info["max_logit_difference_vs_pytorch"] < 1e-3
     for name, entry in info["files"].items():

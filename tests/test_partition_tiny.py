@@ -75,8 +75,8 @@ def test_cost_model_matches_the_dimension_formula(tiny_pack):
             "hidden_size": pack.model["hidden_size"]}), entry["name"]
     attn = next(e for e in pack.sub_layers if e["kind"] == "attn")
     assert attn["kv"]["bytes_per_token"] == 2 * 2 * 16 * 4
-    # concat re-writes the past (2x) and the GQA expand feeds 4 query heads from 2 KV heads (2 x 2)
-    assert attn["cost"]["bytes"]["C"] == attn["kv"]["bytes_per_token"] * (2 + 2 * 4 / 2)
+    # GroupQueryAttention reads each KV head's past once and appends in place
+    assert attn["cost"]["bytes"]["C"] == attn["kv"]["bytes_per_token"]
 
 
 def test_cost_check_rejects_a_graph_that_disagrees_with_the_dimensions(tiny_llama_export):

@@ -1,0 +1,321 @@
+"""Rewrite the exported attention into ONNX Runtime's fused GroupQueryAttention with an in-place KV cache.
+
+The torch exporter writes each attention as: q/k/v projections -> Reshape -> Transpose ->
+RotaryEmbedding -> Concat(past, new) -> Unsqueeze/Expand/Reshape (KV heads repeated to every query
+head) -> Attention -> Transpose -> Reshape. Per token that copies the whole past twice (the Concat,
+then the Expand to all heads) and runs a dozen small ops per layer. `com.microsoft.GroupQueryAttention`
+reads K/V once per KV head and appends the new tokens in place when the past and present are bound
+to one preallocated buffer of the context's length (what onnxruntime-genai does on the CPU).
+
+After the rewrite:
+- `past_key_values.N.*` inputs and `present.N.*` outputs are [batch, kv_heads, capacity, head_dim]
+  buffers; a runtime binds one buffer as both and the valid length comes from the attention mask.
+- Nothing reads the past length off a KV tensor's shape (it would be the capacity): it is computed
+  from `attention_mask` and `input_ids` (past = total - new).
+- Rotary stays the ONNX RotaryEmbedding op on our position-derived cos/sin (so left-padded batches
+  keep their positions), applied to the [batch, seq, heads * head_dim] projections; the additive
+  mask the exporter builds (causal + padding) becomes GQA's `attention_bias`.
+
+Limitation of the CPU kernel (checked at run time by the runtimes): more than one new token with a
+past is only supported for batch 1.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper
+
+from pipeshard.errors import UserError
+
+PAST_PREFIX = "past_key_values."
+PRESENT_PREFIX = "present."
+SEQLENS = "_gqa_seqlens_k"
+TOTAL = "_gqa_total_sequence_length"
+_REPEAT_KV_OPS = ("Reshape", "Expand", "Unsqueeze")
+
+
+class _Graph:
+    """Producer and consumer lookups over a graph that is being edited."""
+
+    def __init__(self, model: onnx.ModelProto) -> None:
+        self.model = model
+        self.nodes = model.graph.node
+        self.widths: dict[str, int] = {}  # the 3-D tensors the rewrite made, by last dimension
+        self.refresh()
+
+    def refresh(self) -> None:
+        self.producer = {out: node for node in self.nodes for out in node.output}
+        self.consumers: dict[str, list[onnx.NodeProto]] = {}
+        for node in self.nodes:
+            for tensor in node.input:
+                self.consumers.setdefault(tensor, []).append(node)
+
+    def made_by(self, tensor: str, op_type: str) -> onnx.NodeProto:
+        node = self.producer.get(tensor)
+        if node is None or node.op_type != op_type:
+            found = node.op_type if node is not None else "a graph input"
+            raise UserError(f"attention rewrite: expected {tensor} to come from {op_type}, found {found}")
+        return node
+
+
+def _declare(model: onnx.ModelProto, name: str, elem_type: int, dims: list) -> None:
+    """Value info for a tensor the rewrite made (the partitioner reads boundary shapes from it)."""
+    model.graph.value_info.append(helper.make_tensor_value_info(name, elem_type, dims))
+
+
+def _dims_of(model: onnx.ModelProto, name: str) -> list:
+    for value in [*model.graph.value_info, *model.graph.input, *model.graph.output]:
+        if value.name == name:
+            return [d.dim_param or d.dim_value for d in value.type.tensor_type.shape.dim]
+    raise UserError(f"attention rewrite: no shape recorded for {name}")
+
+
+def _metadata_from(target: onnx.NodeProto, source: onnx.NodeProto) -> onnx.NodeProto:
+    """New nodes keep the module scope of the node they replace (the partitioner's rules read it)."""
+    for prop in source.metadata_props:
+        target.metadata_props.add(key=prop.key, value=prop.value)
+    return target
+
+
+def _int64(name: str, values: list[int]) -> onnx.NodeProto:
+    return helper.make_node("Constant", [], [name], name=name,
+                            value=helper.make_tensor(name + "_value", TensorProto.INT64, [len(values)], values))
+
+
+def derive_past_length(model: onnx.ModelProto, kv_heads: int, head_dim: int) -> int:
+    """Replace every `Shape(past_key_values.N.*)` by the same shape computed from the step inputs.
+    Returns how many were replaced."""
+    graph = _Graph(model)
+    replaced = 0
+    for index, node in enumerate(list(graph.nodes)):
+        if node.op_type != "Shape" or not node.input[0].startswith(PAST_PREFIX):
+            continue
+        attributes = {a.name: a.i for a in node.attribute}
+        prefix = f"_past_shape_{index}_"
+        replacement = [
+            helper.make_node("Shape", ["attention_mask"], [prefix + "total"], start=1, end=2),
+            helper.make_node("Shape", ["input_ids"], [prefix + "batch"], start=0, end=1),
+            helper.make_node("Shape", ["input_ids"], [prefix + "new"], start=1, end=2),
+            helper.make_node("Sub", [prefix + "total", prefix + "new"], [prefix + "past"]),
+            _int64(prefix + "heads", [kv_heads]),
+            _int64(prefix + "head_dim", [head_dim]),
+            helper.make_node("Concat", [prefix + "batch", prefix + "heads", prefix + "past", prefix + "head_dim"],
+                             [prefix + "full"], axis=0),
+            _int64(prefix + "start", [attributes.get("start", 0)]),
+            _int64(prefix + "end", [attributes.get("end", 4)]),
+            helper.make_node("Slice", [prefix + "full", prefix + "start", prefix + "end"], [node.output[0]]),
+        ]
+        for new_node in replacement:
+            new_node.name = new_node.name or new_node.output[0]
+            _metadata_from(new_node, node)
+        position = list(graph.nodes).index(node)
+        del graph.nodes[position]
+        for offset, new_node in enumerate(replacement):
+            graph.nodes.insert(position + offset, new_node)
+        replaced += 1
+    return replaced
+
+
+def _step_lengths(like: onnx.NodeProto) -> list[onnx.NodeProto]:
+    """seqlens_k (total - 1 for every row: left padding keeps rows the same length) and the total
+    sequence length, as GQA wants them (int32), from `attention_mask`."""
+    nodes = [
+        helper.make_node("Shape", ["attention_mask"], ["_gqa_mask_shape"]),
+        helper.make_node("Cast", ["_gqa_mask_shape"], ["_gqa_mask_shape32"], to=TensorProto.INT32),
+        helper.make_node("Gather", ["_gqa_mask_shape32", "_gqa_one"], [TOTAL], axis=0),
+        helper.make_node("Sub", [TOTAL, "_gqa_one32"], ["_gqa_last"]),
+        helper.make_node("Slice", ["_gqa_mask_shape", "_gqa_zero_1d", "_gqa_one_1d"], ["_gqa_batch"]),
+        helper.make_node("Expand", ["_gqa_last", "_gqa_batch"], [SEQLENS]),
+        helper.make_node("Constant", [], ["_gqa_one"], value=helper.make_tensor("v", TensorProto.INT64, [], [1])),
+        helper.make_node("Constant", [], ["_gqa_one32"], value=helper.make_tensor("v", TensorProto.INT32, [], [1])),
+        _int64("_gqa_zero_1d", [0]),
+        _int64("_gqa_one_1d", [1]),
+    ]
+    for node in nodes:
+        node.name = node.name or node.output[0]
+        _metadata_from(node, like)
+    return nodes
+
+
+def _to_3d(graph: _Graph, transposed_input: str, added: list[onnx.NodeProto], like: onnx.NodeProto,
+           width: int) -> str:
+    """The [batch, seq, heads * head_dim] form of a tensor that the exporter reshaped to
+    [batch, seq, heads, head_dim] (and maybe normalised per head) before transposing."""
+    producer = graph.producer.get(transposed_input)
+    if producer is not None and producer.op_type == "Reshape":
+        source = graph.producer.get(producer.input[0])
+        if source is not None and source.op_type in ("MatMul", "Gemm", "Add"):
+            return producer.input[0]  # the projection itself is already 3-D
+    name = f"{transposed_input}_3d"
+    if name not in graph.producer:
+        shape = _int64(f"{name}_shape", [0, 0, -1])
+        reshape = helper.make_node("Reshape", [transposed_input, shape.output[0]], [name], name=name)
+        added += [_metadata_from(shape, like), _metadata_from(reshape, like)]
+        graph.producer[name] = reshape
+        graph.widths[name] = width
+    return name
+
+
+def _rotated_3d(graph: _Graph, rotary: onnx.NodeProto, heads: int, head_dim: int,
+                added: list[onnx.NodeProto]) -> str:
+    transpose = graph.made_by(rotary.input[0], "Transpose")
+    flat = _to_3d(graph, transpose.input[0], added, rotary, heads * head_dim)
+    name = f"{rotary.output[0]}_3d"
+    attributes = {a.name: helper.get_attribute_value(a) for a in rotary.attribute}
+    node = helper.make_node("RotaryEmbedding", [flat, *rotary.input[1:]], [name], name=name,
+                            interleaved=attributes.get("interleaved", 0), num_heads=heads,
+                            **({"rotary_embedding_dim": attributes["rotary_embedding_dim"]}
+                               if attributes.get("rotary_embedding_dim") else {}))
+    added.append(_metadata_from(node, rotary))
+    graph.widths[name] = heads * head_dim
+    return name
+
+
+def _gqa_input(graph: _Graph, tensor: str, heads: int, head_dim: int, added: list[onnx.NodeProto],
+               like: onnx.NodeProto) -> str:
+    """The [batch, seq, heads * head_dim] form of a [batch, heads, seq, head_dim] attention input:
+    rotary re-applied on the 3-D projection when it is the RotaryEmbedding op, the transpose undone
+    when there is one, else an explicit Transpose + Reshape (fp16 exports decompose the rotary)."""
+    producer = graph.producer.get(tensor)
+    if producer is not None and producer.op_type == "RotaryEmbedding":
+        source = graph.producer.get(producer.input[0])
+        if source is not None and source.op_type == "Transpose":
+            return _rotated_3d(graph, producer, heads, head_dim, added)
+    if producer is not None and producer.op_type == "Transpose":
+        perm = next((list(a.ints) for a in producer.attribute if a.name == "perm"), None)
+        if perm == [0, 2, 1, 3]:
+            return _to_3d(graph, producer.input[0], added, like, heads * head_dim)
+    name = f"{tensor}_bshd"
+    transpose = helper.make_node("Transpose", [tensor], [name], name=name, perm=[0, 2, 1, 3])
+    added.append(_metadata_from(transpose, like))
+    graph.producer[name] = transpose
+    return _to_3d(graph, name, added, like, heads * head_dim)
+
+
+def _concat_of(graph: _Graph, tensor: str) -> onnx.NodeProto:
+    """Walk back from Attention's K or V input over the repeat-KV ops to the Concat(past, new)."""
+    node = graph.producer.get(tensor)
+    while node is not None and node.op_type in _REPEAT_KV_OPS:
+        node = graph.producer.get(node.input[0])
+    if node is None or node.op_type != "Concat" or not node.input[0].startswith(PAST_PREFIX):
+        raise UserError(f"attention rewrite: {tensor} does not come from Concat(past, new)")
+    return node
+
+
+def _additive_bias(graph: _Graph, mask: str, float_type: int) -> tuple[str, list[onnx.NodeProto]]:
+    """GQA takes an additive float bias; the exporter's mask is boolean (True = attend). Masked
+    positions get the type's lowest value, not -inf, so a fully masked row (a pad) stays finite."""
+    lowest = float(np.finfo(helper.tensor_dtype_to_np_dtype(float_type)).min)
+    bias = f"{mask}_bias"
+    nodes = [
+        helper.make_node("Constant", [], [bias + "_zero"], value=helper.make_tensor("v", float_type, [], [0.0])),
+        helper.make_node("Constant", [], [bias + "_lowest"], value=helper.make_tensor("v", float_type, [], [lowest])),
+        helper.make_node("Where", [mask, bias + "_zero", bias + "_lowest"], [bias]),
+    ]
+    like = graph.producer.get(mask)
+    for node in nodes:
+        node.name = node.output[0]
+        if like is not None:
+            _metadata_from(node, like)
+    return bias, nodes
+
+
+def fuse_attention(model: onnx.ModelProto, heads: int, kv_heads: int, head_dim: int,
+                   float_type: int = TensorProto.FLOAT) -> int:
+    """Rewrite every exported attention into GroupQueryAttention; returns how many were rewritten."""
+    derive_past_length(model, kv_heads, head_dim)
+    graph = _Graph(model)
+    attentions = [n for n in graph.nodes if n.op_type == "Attention" and n.domain in ("", "ai.onnx")]
+    if not attentions:
+        return 0
+    added: list[onnx.NodeProto] = []
+    removed: list[onnx.NodeProto] = []
+    biases: dict[str, str] = {}
+    prologue: list[onnx.NodeProto] = []
+    for attention in attentions:
+        q, k, v, mask = (list(attention.input) + ["", "", "", ""])[:4]
+        if not mask:
+            raise UserError(f"attention rewrite: {attention.name} has no mask input")
+        if mask not in biases:
+            biases[mask], nodes = _additive_bias(graph, mask, float_type)
+            prologue += nodes
+        k_concat, v_concat = _concat_of(graph, k), _concat_of(graph, v)
+        (out_transpose,) = graph.consumers[attention.output[0]]
+        if out_transpose.op_type != "Transpose":
+            raise UserError(f"attention rewrite: {attention.name} output goes to {out_transpose.op_type}")
+        (out_reshape,) = graph.consumers[out_transpose.output[0]]
+        attributes = {a.name: helper.get_attribute_value(a) for a in attention.attribute}
+        if attributes.get("is_causal") or attributes.get("qk_matmul_output_mode"):
+            raise UserError(f"attention rewrite: {attention.name} has attributes GQA does not take")
+        gqa = helper.make_node(
+            "GroupQueryAttention",
+            [_gqa_input(graph, q, heads, head_dim, added, attention),
+             _gqa_input(graph, k_concat.input[1], kv_heads, head_dim, added, attention),
+             _gqa_input(graph, v_concat.input[1], kv_heads, head_dim, added, attention),
+             k_concat.input[0], v_concat.input[0],
+             SEQLENS, TOTAL, "", "", "", biases[mask]],
+            [out_reshape.output[0], k_concat.output[0], v_concat.output[0]],
+            name=f"{attention.name or attention.output[0]}_gqa", domain="com.microsoft",
+            num_heads=heads, kv_num_heads=kv_heads,
+            **({"scale": float(attributes["scale"])} if "scale" in attributes else {}),
+            **({"softcap": float(attributes["softcap"])} if attributes.get("softcap") else {}))
+        added.append(_metadata_from(gqa, attention))
+        removed += [attention, out_transpose, out_reshape, k_concat, v_concat]
+    batch, sequence = _dims_of(model, "input_ids")
+    _declare(model, SEQLENS, TensorProto.INT32, [batch])
+    _declare(model, TOTAL, TensorProto.INT32, [])
+    for mask, bias in biases.items():
+        _declare(model, bias, float_type, _dims_of(model, mask))
+    for name, width in graph.widths.items():
+        _declare(model, name, float_type, [batch, sequence, width])
+    first_user = min(list(graph.nodes).index(n) for n in attentions)
+    step_lengths = _step_lengths(graph.producer.get(attentions[0].input[3]) or attentions[0])
+    kept = [n for n in graph.nodes if not any(n is r for r in removed)]
+    ordered = kept[:first_user] + step_lengths + prologue + kept[first_user:] + added
+    del graph.nodes[:]
+    graph.nodes.extend(ordered)
+    _remove_dead_nodes(model)
+    _declare_kv_buffers(model)
+    if not any(o.domain == "com.microsoft" for o in model.opset_import):
+        model.opset_import.append(helper.make_operatorsetid("com.microsoft", 1))
+    return len(attentions)
+
+
+def _remove_dead_nodes(model: onnx.ModelProto) -> None:
+    graph_outputs = {o.name for o in model.graph.output}
+    nodes = model.graph.node
+    while True:
+        used = {t for node in nodes for t in node.input} | graph_outputs
+        alive = [n for n in nodes if any(out in used for out in n.output)]
+        if len(alive) == len(nodes):
+            break
+        del nodes[:]
+        nodes.extend(alive)
+    used = {t for node in nodes for t in node.input}
+    kept = [i for i in model.graph.initializer if i.name in used]
+    del model.graph.initializer[:]
+    model.graph.initializer.extend(kept)
+
+
+def _declare_kv_buffers(model: onnx.ModelProto) -> None:
+    """Past and present KV are one buffer of the cache's capacity."""
+    for value in model.graph.input:
+        if value.name.startswith(PAST_PREFIX):
+            value.type.tensor_type.shape.dim[2].dim_param = "kv_capacity"
+    for value in model.graph.output:  # the capacity when shared; past + new when given a past of its own
+        if value.name.startswith(PRESENT_PREFIX):
+            value.type.tensor_type.shape.dim[2].dim_param = "present_length"
+
+
+def fuse_exported_model(onnx_path: Path, heads: int, kv_heads: int, head_dim: int, dtype: str) -> int:
+    """Apply the rewrite to an exported model file in place (its external data file rewritten)."""
+    model = onnx.load(str(onnx_path))
+    float_type = {"fp32": TensorProto.FLOAT, "fp16": TensorProto.FLOAT16}[dtype]
+    fused = fuse_attention(model, heads, kv_heads, head_dim, float_type)
+    data = onnx_path.with_name(onnx_path.name + ".data")
+    data.unlink(missing_ok=True)  # onnx appends to an existing data file
+    onnx.save(model, str(onnx_path), save_as_external_data=True, location=data.name, size_threshold=1024)
+    return fused

@@ -1,0 +1,57 @@
+"""The KV cache as the exported attention wants it: per layer, one preallocated host buffer
+[batch, kv_heads, capacity, head_dim] bound as both the past input and the present output, so
+GroupQueryAttention appends the new tokens in place (nothing is copied per step)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from pipeshard.errors import UserError
+
+DEFAULT_CAPACITY = 2048
+PAST_PREFIX = "past_key_values."
+PRESENT_PREFIX = "present."
+
+
+def present_name(past: str) -> str:
+    return PRESENT_PREFIX + past[len(PAST_PREFIX):]
+
+
+def check_step_shape(batch: int, tokens: int, total: int) -> None:
+    """ONNX Runtime's CPU GroupQueryAttention runs several new tokens on top of a past only for one
+    sequence; the runtimes never ask for that (a batch's prompt is one step), a caller might."""
+    if batch > 1 and tokens > 1 and total > tokens:
+        raise UserError(f"a step of {tokens} new tokens on top of a cached past is only supported for batch 1 "
+                        f"(got batch {batch}): prefill a batch's prompts in one step")
+
+
+class HostKvCache:
+    """Host KV buffers for a set of past names; grows (copying) when a step needs more room."""
+
+    def __init__(self, past_names: list[str], kv_heads: int, head_dim: int, dtype) -> None:
+        self.past_names = list(past_names)
+        self.kv_heads, self.head_dim, self.dtype = kv_heads, head_dim, np.dtype(dtype)
+        self.buffers: dict[str, np.ndarray] = {}
+        self.batch = 0
+        self.capacity = 0
+
+    def reset(self, batch: int, capacity: int | None) -> None:
+        """Fresh, zeroed buffers for new sequences."""
+        self.batch, self.capacity = batch, max(1, capacity or DEFAULT_CAPACITY)
+        self.buffers = {name: np.zeros(self.shape, self.dtype) for name in self.past_names}
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        return self.batch, self.kv_heads, self.capacity, self.head_dim
+
+    def ensure(self, total: int) -> bool:
+        """Room for `total` tokens; True when the buffers were reallocated (bindings must be redone)."""
+        if total <= self.capacity:
+            return False
+        capacity = max(total, 2 * self.capacity)
+        for name, old in self.buffers.items():
+            grown = np.zeros((self.batch, self.kv_heads, capacity, self.head_dim), self.dtype)
+            grown[:, :, : self.capacity] = old
+            self.buffers[name] = grown
+        self.capacity = capacity
+        return True
