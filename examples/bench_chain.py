@@ -21,6 +21,7 @@ PREFILL_TOKENS = 256
 def _worker(path: str, threads: int, new_tokens: int, commands, replies) -> None:
     import pipeshard
 
+    pipeshard.use_process_thread_pool(threads)  # as the console script does for run / chat
     engine = pipeshard.load(path, threads=threads)
     engine.codec.eos_token_ids = []  # decode a fixed number of tokens
     rng = np.random.default_rng(0)

@@ -8,3 +8,11 @@ def load(path, **options):
     from pipeshard.api import load as _load
 
     return _load(path, **options)
+
+
+def use_process_thread_pool(threads=None):
+    """One spinning thread pool for every ONNX Runtime session of this process (faster; see
+    `pipeshard.runtime.ort.use_process_thread_pool` for what it asks of other sessions)."""
+    from pipeshard.runtime.ort import use_process_thread_pool as _use
+
+    return _use(threads)

@@ -1,5 +1,3 @@
-import sys
+from pipeshard.cli import entry
 
-from pipeshard.cli import main
-
-sys.exit(main())
+entry()

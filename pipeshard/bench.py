@@ -102,6 +102,7 @@ class PlanRunner:
     def __init__(self, settings: BenchSettings, plan: str, context: int) -> None:
         import pipeshard
 
+        pipeshard.use_process_thread_pool(settings.threads)  # as `pipeshard run` does: the worker runs only this
         device = "cpu" if plan in ("cpu", "monolithic") else settings.device
         self.engine = pipeshard.load(settings.pack, threads=settings.threads, vram=settings.vram, device=device,
                                      profile=settings.profile, plan=plan, context=context)

@@ -353,10 +353,16 @@ def _add_device_options(command: argparse.ArgumentParser) -> None:
     command.add_argument("--context", type=int, default=None, help="KV cache context to plan for (default 4096)")
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, own_process: bool = False) -> int:
+    """Run one command. `own_process`: this process runs nothing but this command (the console
+    script), so `run` and `chat` may give all its ONNX Runtime sessions one spinning thread pool."""
     try:
         args = build_parser().parse_args(argv)
         logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
+        if own_process and args.command in ("run", "chat"):
+            from pipeshard.runtime.ort import use_process_thread_pool
+
+            use_process_thread_pool(args.threads)
         return args.handler(args)
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -368,5 +374,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
 
 
+def entry() -> None:
+    """The `pipeshard` console script."""
+    sys.exit(main(own_process=True))
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

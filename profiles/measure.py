@@ -170,8 +170,8 @@ def _attention_rows(ort, plan: Plan, threads: int, progress) -> list[dict]:
 def hop_microseconds(ort, threads: int, width: int = 4096) -> float:
     """Fixed cost of one session run with IO binding (raw call, reused RunOptions)."""
     x = np.ones((1, 1, width), np.float32)
-    session = BoundSession(ort, hop_model(width), cpu_session_options(threads), ["CPUExecutionProvider"], {"X": x},
-                           {"Y": (x.shape, np.float32)})
+    session = BoundSession(ort, hop_model(width), cpu_session_options(threads),
+                           ["CPUExecutionProvider"], {"X": x}, {"Y": (x.shape, np.float32)})
     return median_seconds(session, 0.2, min_runs=200) * 1e6
 
 

@@ -18,7 +18,7 @@ def test_wheel_contains_every_subpackage(tmp_path):
         assert f"{package}/__init__.py" in names, package
     assert "pipeshard/exporter/export.py" in names and "pipeshard/runtime/generate.py" in names
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
-    assert "pipeshard = pipeshard.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
+    assert "pipeshard = pipeshard.cli:entry" in zipfile.ZipFile(wheel).read(entry_points).decode()
 
 
 def test_console_command_runs():
