@@ -93,7 +93,9 @@ class ChainStep:
     @all_logits.setter
     def all_logits(self, value: bool) -> None:
         self._all_logits = value
-        self._shape = None  # buffers and pointer bindings are remade at the next step
+        self._shape = None  # buffers are remade at the next step, and every stage's pointer bindings with them
+        for stage in self.stages:
+            stage.bound_shape = None
 
     def start(self, batch_size: int, context: int | None = None) -> None:
         self.kv.reset(batch_size, context)

@@ -56,3 +56,15 @@ def test_several_new_tokens_after_a_past_in_a_batch_is_a_clear_error(tiny_llama_
     step.start(2, 32)
     with pytest.raises(UserError, match="batch 1"):
         step.forward(np.ones((2, 3), np.int64), np.ones((2, 8), np.int64), np.tile(np.arange(5, 8), (2, 1)))
+
+
+def test_switching_all_logits_rebinds_every_stage_to_the_new_buffers(tiny_pack):
+    step = ChainStep(tiny_pack)
+    ids = np.arange(5, 17, dtype=np.int64)[None]
+    results = []
+    for all_logits in (False, True, False, True):
+        step.all_logits = all_logits
+        step.start(1, 32)
+        results.append(np.array(step.forward(ids, np.ones_like(ids), np.arange(12)[None])[:, -1]))
+    for result in results[1:]:
+        np.testing.assert_allclose(result, results[0], atol=1e-6)
