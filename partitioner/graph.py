@@ -177,7 +177,7 @@ def untranspose_tied_weights(model: onnx.ModelProto, assignment: dict[int, str])
         prefix = f"_gemm_{index}_"
         replacement = [
             helper.make_node("Shape", [node.input[0]], [prefix + "lead"], start=0, end=-1),
-            _int_constant(prefix + "out_features", [rows]),
+            _int_constant(prefix + "out_features", [-1]),  # any number of rows of W (row chunks)
             helper.make_node("Concat", [prefix + "lead", prefix + "out_features"], [prefix + "out_shape"], axis=0),
             _int_constant(prefix + "flat", [-1, columns]),
             helper.make_node("Reshape", [node.input[0], prefix + "flat"], [prefix + "x2d"]),

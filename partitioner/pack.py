@@ -63,6 +63,11 @@ def _dims(info: onnx.ValueInfoProto) -> list:
     return [d.dim_value if d.HasField("dim_value") else d.dim_param or "?" for d in info.type.tensor_type.shape.dim]
 
 
+def _with_last_dim(info: onnx.ValueInfoProto, name: str) -> onnx.ValueInfoProto:
+    dims = _dims(info)
+    return helper.make_tensor_value_info(info.name, info.type.tensor_type.elem_type, [*dims[:-1], name])
+
+
 def _describe(info: onnx.ValueInfoProto) -> dict:
     return {"name": info.name, "shape": _dims(info),
             "dtype": ONNX_DTYPE_NAMES.get(info.type.tensor_type.elem_type, str(info.type.tensor_type.elem_type))}
@@ -117,17 +122,37 @@ def _write_blobs(sub_layers, owners, initializers, source_data: Path, staging: P
     return placements, blobs
 
 
-def _sub_model(model, sub_layer, infos, initializers, placements, weights_as_inputs: bool) -> onnx.ModelProto:
+def row_chunkable_weight(model: onnx.ModelProto, sub_layer, initializers) -> str | None:
+    """The output layer's weight W [vocab, hidden] when every use of it is `Gemm(x, W, transB=1)`:
+    then any range of W's rows gives that range of the logits, so a device can stream and compute
+    the layer in row chunks (SmolLM2's tied lm_head is 108 MiB, ten times any other sub-layer)."""
+    if sub_layer.kind != "final":
+        return None
+    nodes = [model.graph.node[i] for i in sub_layer.nodes]
+    for name in sub_layer.initializers:
+        users = [n for n in nodes if name in n.input]
+        if len(initializers[name].dims) == 2 and users and all(
+                n.op_type == "Gemm" and list(n.input).index(name) == 1 and
+                any(a.name == "transB" and a.i == 1 for a in n.attribute) for n in users):
+            return name
+    return None
+
+
+def _sub_model(model, sub_layer, infos, initializers, placements, weights_as_inputs: bool,
+               row_chunks: str | None = None) -> onnx.ModelProto:
     nodes = [model.graph.node[i] for i in sub_layer.nodes]
     inputs = [infos[name] for name in sub_layer.inputs]
     outputs = [infos[name] for name in sub_layer.outputs]
+    if weights_as_inputs and row_chunks:  # the logits of a row chunk are as wide as the chunk
+        outputs = [_with_last_dim(info, "rows") for info in outputs]
     stored = []
     for name in sub_layer.initializers:
         original = initializers[name]
         if name not in placements:
             stored.append(original)  # small constant, inline
         elif weights_as_inputs:
-            inputs.append(helper.make_tensor_value_info(name, original.data_type, list(original.dims)))
+            dims = ["rows", *original.dims[1:]] if name == row_chunks else list(original.dims)
+            inputs.append(helper.make_tensor_value_info(name, original.data_type, dims))
         else:
             stub = onnx.TensorProto()
             stub.CopyFrom(original)
@@ -177,8 +202,9 @@ def partition(export_dir: Path, pack: Path, force: bool = False) -> PartitionRes
         entries = []
         for sub_layer in sub_layers:
             files = {"onnx": f"{sub_layer.name}.onnx", "weights_as_inputs": f"{sub_layer.name}.inputs.onnx"}
+            chunkable = row_chunkable_weight(model, sub_layer, initializers)
             for variant, as_inputs in (("onnx", False), ("weights_as_inputs", True)):
-                onnx.save(_sub_model(model, sub_layer, infos, initializers, placements, as_inputs),
+                onnx.save(_sub_model(model, sub_layer, infos, initializers, placements, as_inputs, chunkable),
                           staging / files[variant])
             weights = [{"name": name, "shape": list(initializers[name].dims),
                         "dtype": ONNX_DTYPE_NAMES[initializers[name].data_type], **placements[name]}
@@ -195,6 +221,9 @@ def partition(export_dir: Path, pack: Path, force: bool = False) -> PartitionRes
                 "inputs": [_describe(infos[t]) for t in sub_layer.inputs],
                 "outputs": [_describe(infos[t]) for t in sub_layer.outputs],
                 "kv": kv,
+                "row_chunks": {"weight": chunkable, "rows": int(initializers[chunkable].dims[0]),
+                               "row_bytes": placements[chunkable]["bytes"] // int(initializers[chunkable].dims[0])}
+                if chunkable and chunkable in placements else None,
                 "cost": {"flops": checked_flops(sub_layer, model, dims),
                          "bytes": bytes_moved(sub_layer, sub_layer.kind, dims, dtype, weight_bytes)},
                 "nodes": len(sub_layer.nodes),

@@ -9,6 +9,7 @@ live in their own modules.
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -24,6 +25,30 @@ STAGING_SLOTS = 2
 HOST_ONLY_KINDS = ("prologue", "embed")  # cheap, and embed reads only T rows of a large table
 STRATEGIES = ("gpu-only", "static", "dynamic")
 BASELINES = ("monolithic", "cpu", "layers", "offload")
+
+
+def planning_units(sub_layers: list[dict], output_chunks: int | None = None) -> list[dict]:
+    """What plans place: the pack's sub-layers, except that an output layer whose rows can be computed
+    apart (manifest `row_chunks`) becomes units `final#j` of consecutive rows, each no larger than the
+    largest other sub-layer (or `output_chunks` of them). A chunk can be pinned, streamed through a
+    staging slot no larger than the other sub-layers need, or computed on the CPU, like any sub-layer."""
+    largest_other = max((e["weight_bytes"] for e in sub_layers
+                         if not e.get("row_chunks") and e["kind"] not in HOST_ONLY_KINDS), default=0)
+    units = []
+    for entry in sub_layers:
+        chunks = entry.get("row_chunks")
+        count = output_chunks or (math.ceil(chunks["rows"] * chunks["row_bytes"] / max(largest_other, 1))
+                                  if chunks else 1)
+        if not chunks or count <= 1:
+            units.append(entry)
+            continue
+        per_chunk = math.ceil(chunks["rows"] / count)
+        for start in range(0, chunks["rows"], per_chunk):
+            stop = min(start + per_chunk, chunks["rows"])
+            units.append({**entry, "name": f"{entry['name']}#{start // per_chunk}", "chunk_of": entry["name"],
+                          "rows": [start, stop], "weight_bytes": (stop - start) * chunks["row_bytes"],
+                          "share": (stop - start) / chunks["rows"]})
+    return units
 
 
 @dataclass
@@ -72,10 +97,10 @@ class Planner:
     """Makes plans for one pack, profile, budget, context and batch; replanning is cheap (no I/O)."""
 
     def __init__(self, manifest: dict, profile: dict, budget_bytes: int, context: int = 4096, batch: int = 1,
-                 threads: int | None = None) -> None:
+                 threads: int | None = None, output_chunks: int | None = None) -> None:
         self.manifest = manifest
         self.model = manifest["model"]
-        self.sub_layers = manifest["sub_layers"]
+        self.sub_layers = planning_units(manifest["sub_layers"], output_chunks)
         self.profile = profile
         self.estimator = Estimator(profile, self.model, threads, manifest.get("source", {}).get("model_sha256"))
         self.context = context
@@ -87,7 +112,8 @@ class Planner:
         for entry in self.sub_layers:
             for weight in entry["weights"]:
                 owned[(weight["file"], weight["offset"])] = weight["bytes"]
-        self.weight_bytes = {e["name"]: sum(w["bytes"] for w in e["weights"]) for e in self.sub_layers}
+        self.weight_bytes = {e["name"]: e["weight_bytes"] if "chunk_of" in e else sum(w["bytes"] for w in e["weights"])
+                             for e in self.sub_layers}
         self.model_bytes = sum(owned.values())
         self.placeable = [e for e in self.sub_layers if e["kind"] not in HOST_ONLY_KINDS]
         # Canonical pin priority: attention (with its KV) first, then FFN in layer order, then the output layer.
@@ -150,9 +176,9 @@ class Planner:
             estimator = self.estimator
             # The output layer computes only each sequence's last position (what generation reads).
             tokens = {e["name"]: min(tier, self.batch) if e["kind"] == "final" else tier for e in self.sub_layers}
-            compute = {e["name"]: {"cpu": estimator.compute_seconds(e, tokens[e["name"]], self.context, False),
-                                   "gpu": estimator.compute_seconds(e, tokens[e["name"]], self.context, True)}
-                       for e in self.sub_layers}
+            compute = {e["name"]: {device: e.get("share", 1.0) * estimator.compute_seconds(
+                e, tokens[e["name"]], self.context, device == "gpu") for device in ("cpu", "gpu")}
+                for e in self.sub_layers}
             copies = {e["name"]: estimator.copy_seconds(self.weight_bytes[e["name"]], under_cpu_load=True)
                       for e in self.sub_layers}
             activation = estimator.copy_seconds(tier * self.model["hidden_size"] * estimator.element)

@@ -66,9 +66,14 @@ class PlanStep:
         self.dtype = NUMPY_DTYPES[model["dtype"]]
         self.entries = self.pack.sub_layers
         self.by_name = {e["name"]: e for e in self.entries}
+        # What plans place: the sub-layers, with a large output layer as row chunks (planner.planning_units).
+        self.units = {u["name"]: u for u in planner.sub_layers}
+        self._chunks = {e["name"]: [u for u in planner.sub_layers if u.get("chunk_of") == e["name"]]
+                        for e in self.entries}
         self._inputs = {e["name"]: [i["name"] for i in e["inputs"]] for e in self.entries}
         self.options = cpu_session_options(threads)
         self._cpu_sessions: dict[str, _Session] = {}
+        self._cpu_input_sessions: dict[str, _Session] = {}  # weights-as-inputs variants on the CPU (row chunks)
         self._device_sessions: dict[str, _Session] = {}
         self._blobs = {e["blob"]["file"]: np.memmap(self.pack.path(e["blob"]["file"]), np.uint8, mode="r")
                        for e in self.entries if e["blob"]}
@@ -182,8 +187,8 @@ class PlanStep:
         placements = plan.placements
         for name in [n for n in self._pinned if placements.get(n) != PINNED]:
             self.device.free(self._pinned.pop(name), "pinned")
-        streamed = [e["name"] for e in self.entries if placements[e["name"]] == STREAMED]
-        slot_bytes = max((self.by_name[n]["blob"]["bytes"] for n in streamed), default=0)
+        streamed = [name for name in self.units if placements[name] == STREAMED]
+        slot_bytes = max((self._unit_source(n).nbytes for n in streamed), default=0)
         slots = min(plan.slots, len(streamed)) if streamed else 0
         if len(self._ring) != slots or (self._ring and self._ring[0].nbytes != slot_bytes):
             for buffer in self._ring:
@@ -196,11 +201,11 @@ class PlanStep:
         self._reserve("ep_overhead+reserve", plan.vram.ep_overhead + plan.vram.reserve)
         for attn in wanted_attn - self._kv_on_device:
             self._move_kv(attn, to_device=True)
-        for entry in self.entries:
-            name = entry["name"]
+        for name in self.units:
             if placements[name] == PINNED and name not in self._pinned:
-                buffer = self.device.alloc(entry["blob"]["bytes"], "pinned")
-                self.device.upload_now(buffer, self._blob_bytes(entry))
+                source = self._unit_source(name)
+                buffer = self.device.alloc(source.nbytes, "pinned")
+                self.device.upload_now(buffer, source)
                 self._pinned[name] = buffer
         if not self._ring and slots:
             self._ring = [self.device.alloc(slot_bytes, "staging") for _ in range(slots)]
@@ -214,19 +219,32 @@ class PlanStep:
         self.active = plan
         self.stats.plan_switches += 1
 
-    def _blob_bytes(self, entry: dict) -> np.ndarray:
-        blob = entry["blob"]
-        return self._blobs[blob["file"]][: blob["bytes"]]
+    def _unit_source(self, name: str) -> np.ndarray:
+        """The host bytes a unit puts on the device: a sub-layer's blob, or a row chunk's rows of W."""
+        unit = self.units[name]
+        if "chunk_of" not in unit:
+            return self._blobs[unit["blob"]["file"]][: unit["blob"]["bytes"]]
+        chunks = unit["row_chunks"]
+        weight = next(w for w in unit["weights"] if w["name"] == chunks["weight"])
+        start, stop = (weight["offset"] + row * chunks["row_bytes"] for row in unit["rows"])
+        return self._blobs[weight["file"]][start:stop]
 
     def _start_copy(self, slot: int, name: str) -> None:
         if self._slot_name[slot] == name:
             return  # already there (as many slots as streamed sub-layers)
         self._slot_name[slot] = name
-        entry = self.by_name[name]
-        self._slot_future[slot] = self.device.upload(self._ring[slot], self._blob_bytes(entry))
-        self.stats.streamed_bytes += entry["blob"]["bytes"]
+        source = self._unit_source(name)
+        self._slot_future[slot] = self.device.upload(self._ring[slot], source)
+        self.stats.streamed_bytes += source.nbytes
 
     # -- sessions ---------------------------------------------------------------------------------------------------
+    def _cpu_input_session(self, entry: dict) -> _Session:
+        """The weights-as-inputs variant on the CPU EP: a row chunk of the output layer computed on the host."""
+        if entry["name"] not in self._cpu_input_sessions:
+            self._cpu_input_sessions[entry["name"]] = _Session(
+                self._ort, self.pack.path(entry["files"]["weights_as_inputs"]), self.options, ["CPUExecutionProvider"])
+        return self._cpu_input_sessions[entry["name"]]
+
     def _session(self, entry: dict, on_device: bool) -> _Session:
         cache = self._device_sessions if on_device else self._cpu_sessions
         if entry["name"] not in cache:
@@ -294,6 +312,13 @@ class PlanStep:
             self._deactivate()
             raise
 
+    def _runs(self, plan: Plan, entry: dict) -> list[tuple[str, str]]:
+        """(unit, placement) to run for a sub-layer: itself, or its row chunks when any is on the device."""
+        chunks = self._chunks[entry["name"]]
+        if chunks and any(plan.placements[u["name"]] != CPU for u in chunks):
+            return [(u["name"], plan.placements[u["name"]]) for u in chunks]
+        return [(entry["name"], CPU if chunks else plan.placements[entry["name"]])]
+
     def _run_plan(self, plan: Plan, input_ids, attention_mask, position_ids) -> np.ndarray:
         step_inputs = {"input_ids": np.ascontiguousarray(input_ids, dtype=np.int64),
                        "attention_mask": np.ascontiguousarray(attention_mask, dtype=np.int64),
@@ -302,49 +327,94 @@ class PlanStep:
         values: dict[str, object] = {}
         for entry in self.entries:
             name = entry["name"]
-            placement = plan.placements[name]
-            session = self._session(entry, placement != CPU)
-            binding = session.binding
-            presents = self._bind_kv(binding, entry, placement)
-            last_only = entry["kind"] == "final" and not self.all_logits
-            for tensor in self._inputs[name]:
-                if last_only and tensor in values:
-                    last = np.ascontiguousarray(values[tensor].numpy()[:, -1:, :])
-                    values["_last_hidden"] = last
-                    binding.bind_input(tensor, cpu, last.dtype, list(last.shape), last.ctypes.data)
-                elif tensor in step_inputs:
-                    array = step_inputs[tensor]
-                    binding.bind_input(tensor, cpu, array.dtype, list(array.shape), array.ctypes.data)
-                elif tensor not in self._past_names:
-                    binding.bind_ortvalue_input(tensor, values[tensor])
-            slot = None
-            if placement == PINNED:
-                self._bind_weights(binding, entry, self._pinned[name])
-            elif placement == STREAMED:
-                # The ring runs on across steps: the g-th streamed use overall takes slot g mod slots.
-                slot = self._ring_position % len(self._ring)
-                if not plan.prefetch:
-                    self._start_copy(slot, name)
-                assert self._slot_name[slot] == name, (slot, self._slot_name[slot], name)
-                waited = time.perf_counter()
-                self._slot_future[slot].result()
-                self.stats.copy_wait_s += time.perf_counter() - waited
-                self._bind_weights(binding, entry, self._ring[slot])
-            produced = [output for output in session.outputs if output not in presents]
-            for output in produced:
-                binding.bind_output(output, cpu)
-            session.run(binding, self.run_options)
-            # Outputs come back in the order first bound: the KV (bound first, every step), then the rest.
-            returned = binding.get_outputs()
-            for index, output in enumerate(produced, start=len(presents)):
-                values[output] = returned[index]
-            if placement == STREAMED:
-                self.device.released_after_compute(self._ring[slot])
-                if plan.prefetch:
-                    following = (self._ring_position + len(self._ring)) % len(self._streamed)
-                    self._start_copy(slot, self._streamed[following])
-                self._ring_position += 1
-        return values["logits"].numpy()
+            pieces = []
+            for unit, placement in self._runs(plan, entry):
+                chunk = self.units[unit] if "chunk_of" in self.units.get(unit, {}) else None
+                if chunk and placement == CPU:
+                    session = self._cpu_input_session(entry)
+                else:
+                    session = self._session(entry, placement != CPU)
+                binding = session.binding
+                presents = self._bind_kv(binding, entry, placement)
+                self._bind_inputs(binding, entry, values, step_inputs, cpu)
+                slot = None
+                if placement == STREAMED:
+                    slot = self._wait_for_slot(plan, unit)
+                if chunk:
+                    buffer = self._pinned.get(unit) if placement == PINNED else \
+                        self._ring[slot] if placement == STREAMED else None
+                    self._bind_chunk_weights(binding, chunk, buffer)
+                elif placement != CPU:
+                    self._bind_weights(binding, entry, self._pinned[name] if placement == PINNED else self._ring[slot])
+                produced = [output for output in session.outputs if output not in presents]
+                for output in produced:
+                    binding.bind_output(output, cpu)
+                session.run(binding, self.run_options)
+                # Outputs come back in the order first bound: the KV (bound first, every step), then the rest.
+                returned = binding.get_outputs()
+                for index, output in enumerate(produced, start=len(presents)):
+                    values[output] = returned[index]
+                if chunk:
+                    pieces.append(np.array(values.pop("logits").numpy(), copy=True))
+                if placement == STREAMED:
+                    self._release_slot(plan, slot)
+            if pieces:
+                values["logits"] = np.concatenate(pieces, axis=-1)
+        logits = values["logits"]
+        return logits if isinstance(logits, np.ndarray) else logits.numpy()
+
+    def _bind_inputs(self, binding, entry: dict, values: dict, step_inputs: dict, cpu) -> None:
+        """A sub-layer's activations: step inputs, values of earlier sub-layers (the output layer reads
+        each sequence's last position only, unless all logits were asked for); the KV is bound apart."""
+        last_only = entry["kind"] == "final" and not self.all_logits
+        for tensor in self._inputs[entry["name"]]:
+            if last_only and tensor in values:
+                if "_last_hidden" not in values:
+                    values["_last_hidden"] = np.ascontiguousarray(values[tensor].numpy()[:, -1:, :])
+                last = values["_last_hidden"]
+                binding.bind_input(tensor, cpu, last.dtype, list(last.shape), last.ctypes.data)
+            elif tensor in step_inputs:
+                array = step_inputs[tensor]
+                binding.bind_input(tensor, cpu, array.dtype, list(array.shape), array.ctypes.data)
+            elif tensor not in self._past_names:
+                binding.bind_ortvalue_input(tensor, values[tensor])
+
+    def _wait_for_slot(self, plan: Plan, unit: str) -> int:
+        """The staging slot holding `unit`'s weights, once its copy has landed. The ring runs on across
+        steps: the g-th streamed use overall takes slot g mod slots."""
+        slot = self._ring_position % len(self._ring)
+        if not plan.prefetch:
+            self._start_copy(slot, unit)
+        assert self._slot_name[slot] == unit, (slot, self._slot_name[slot], unit)
+        waited = time.perf_counter()
+        self._slot_future[slot].result()
+        self.stats.copy_wait_s += time.perf_counter() - waited
+        return slot
+
+    def _release_slot(self, plan: Plan, slot: int) -> None:
+        """The slot's user has run: refill it with the streamed unit `slots` places ahead."""
+        self.device.released_after_compute(self._ring[slot])
+        if plan.prefetch:
+            following = (self._ring_position + len(self._ring)) % len(self._streamed)
+            self._start_copy(slot, self._streamed[following])
+        self._ring_position += 1
+
+    def _bind_chunk_weights(self, binding, chunk: dict, buffer) -> None:
+        """A row chunk of the output layer: its rows of W from the device buffer holding them (or from
+        the host blob on the CPU), the layer's other (small) weights from the host blob."""
+        chunks, cpu = chunk["row_chunks"], cpu_ort_device()
+        for weight in chunk["weights"]:
+            dtype = NUMPY_DTYPES[weight["dtype"]]
+            if weight["name"] != chunks["weight"]:
+                host = self._blobs[weight["file"]][weight["offset"]: weight["offset"] + weight["bytes"]]
+                binding.bind_input(weight["name"], cpu, dtype, weight["shape"], host.ctypes.data)
+                continue
+            shape = [chunk["rows"][1] - chunk["rows"][0], *weight["shape"][1:]]
+            if buffer is None:
+                host = self._unit_source(chunk["name"])
+                binding.bind_input(weight["name"], cpu, dtype, shape, host.ctypes.data)
+            else:
+                self.device.bind_input(binding, weight["name"], buffer, 0, dtype, shape)
 
     def _bind_weights(self, binding, entry: dict, buffer: np.ndarray) -> None:
         for weight in entry["weights"]:
