@@ -31,7 +31,7 @@ def setup(smollm2_export, tmp_path_factory):
 @pytest.mark.parametrize("plan", ["auto", "gpu-only", "static", "dynamic", "layers", "offload", "cpu"])
 def test_plan_is_lossless_at_a_quarter_of_the_model(setup, plan):
     pack, budget, reference = setup
-    engine = pipeshard.load(pack, vram=budget, device="sim", profile="laptop-8gb", plan=plan, threads=2)
+    engine = pipeshard.load(pack, vram=budget, device="sim", profile="laptop-8gb", plan=plan, threads=2, context=256)
     assert [engine.generate(p, max_new_tokens=64)[0].tokens for p in PROMPTS] == reference["solo"]
     assert [g.tokens for g in engine.generate(BATCH, max_new_tokens=64)] == reference["batch"]
     if plan != "cpu":
