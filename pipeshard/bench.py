@@ -375,7 +375,8 @@ def _row(worker: _Worker, final: dict, prompt: list[int]) -> dict:
     row = {
         "name": worker.name, "kind": worker.kind, "facts": final["facts"], "load_s": worker.load_s,
         "runs": len(runs), "decode_tok_s": statistics.median(decode), "decode_tok_s_min": min(decode),
-        "decode_tok_s_max": max(decode), "ttft_s": _median(runs, "ttft_s"),
+        "decode_tok_s_max": max(decode), "decode_tok_s_runs": decode,
+        "prefill_tok_s_runs": [r["prefill_tok_s"] for r in runs], "ttft_s": _median(runs, "ttft_s"),
         "prefill_tok_s": _median(runs, "prefill_tok_s"), "peak_rss_bytes": final["peak_rss_bytes"],
         "tokens": tokens, "deterministic": all(r["tokens"] == tokens for r in runs),
         "prompt_ids_match": worker.own_prompt_ids == prompt,
@@ -406,6 +407,9 @@ def _compare(rows: list[dict], reference: str, pack, kv_context: int, bandwidth:
         row["reference"] = base["name"]
         for key in ("decode_tok_s", "prefill_tok_s", "ttft_s"):
             row[f"{key}_ratio"] = row[key] / base[key] if row[key] and base[key] else None
+        for key in ("decode_tok_s", "prefill_tok_s"):  # each round's pair ran back to back: less drift
+            row[f"{key}_paired_ratio"] = statistics.median(
+                a / b for a, b in zip(row[f"{key}_runs"], base[f"{key}_runs"], strict=True))
         row["same_tokens_as_reference"] = row["tokens"] == base["tokens"]
         row["first_difference"] = first_difference(row["tokens"], base["tokens"])
         same_weights = row["facts"].get("dtype") == pack.model["dtype"]
@@ -426,7 +430,7 @@ def bench_table(document: dict) -> str:
         f"read bandwidth {bandwidth['best_bytes_per_s'] / 1e9:.1f} GB/s (best; median "
         f"{bandwidth['median_bytes_per_s'] / 1e9:.1f}) with {bandwidth['threads']} threads"
         + ("; device sim = a simulated accelerator on the CPU, never GPU speed" if sim else ""),
-        f"{'row':14s} {'dtype':6s} {'decode tok/s':>20s} {'x ref':>6s} {'prefill':>8s} {'x ref':>6s} "
+        f"{'row':14s} {'dtype':6s} {'decode tok/s':>20s} {'x ref':>6s} {'paired':>6s} {'prefill':>8s} {'x ref':>6s} "
         f"{'TTFT ms':>8s} {'RSS MiB':>8s} {'dev MiB':>8s} {'stream MiB':>10s} {'hidden':>6s} "
         f"{'pred/meas ms':>13s} {'roofline':>8s}  tokens",
     ]
@@ -439,13 +443,15 @@ def bench_table(document: dict) -> str:
         agree = "= ref" if row["same_tokens_as_reference"] else f"differ at {row['first_difference']}"
         lines.append(
             f"{name:14s} {row['facts'].get('dtype', '?'):6s} {spread:>20s} {_fmt(row['decode_tok_s_ratio'], '.2f')} "
+            f"{_fmt(row['decode_tok_s_paired_ratio'], '.2f')} "
             f"{row['prefill_tok_s']:8.1f} {_fmt(row['prefill_tok_s_ratio'], '.2f')} {row['ttft_s'] * 1e3:8.0f} "
             f"{row['peak_rss_bytes'] / 2**20:8.0f} {_fmt(row['peak_device_bytes'], '.0f', 2**20, 8)} "
             f"{_fmt(row['streamed_bytes_per_run'], '.1f', 2**20, 10)} {_fmt(row['copy_hidden'], '.0%', 1, 6)} "
             f"{pred:>13s} {_fmt(row['roofline_fraction'], '.0%', 1, 8)}  {agree}"
             + ("" if row["prompt_ids_match"] else " (own tokenizer: other prompt ids)"))
     reference = document["rows"][0]["reference"] if document["rows"] else "-"
-    lines.append(f"x ref: ratio to {reference}; roofline: decode tok/s / (bandwidth / bytes read per token); "
+    lines.append(f"x ref: ratio of medians to {reference}; paired: median of the per-round ratios; "
+                 f"roofline: decode tok/s / (bandwidth / bytes read per token); "
                  f"every row was fed the same {settings['prompt_token_count']} prompt ids")
     for skipped in document["skipped"]:
         lines.append(f"skipped {skipped['name']}: {skipped['reason']}")

@@ -32,6 +32,8 @@ def test_bench_runs_every_plan_and_writes_a_valid_document(pack, tmp_path, capsy
             assert row["predicted_decode_step_s"] > 0
     assert document["machine"]["read_bandwidth"]["best_bytes_per_s"] > 1e8
     assert document["rows"][0]["name"] == "monolithic"  # the default reference comes first
+    assert document["rows"][0]["decode_tok_s_paired_ratio"] == 1.0
+    assert all(len(row["decode_tok_s_runs"]) == row["runs"] == 1 for row in document["rows"])
     assert document["rows"][1]["decode_tok_s_ratio"] == pytest.approx(
         document["rows"][1]["decode_tok_s"] / document["rows"][0]["decode_tok_s"])
     assert plot.stat().st_size > 1000
