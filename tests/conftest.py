@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -16,9 +17,12 @@ CACHE = Path(os.environ.get("PIPESHARD_TEST_CACHE", REPO / "build" / "test-cache
 
 
 def _export_once(model: str, folder: Path) -> Path:
+    """Export unless a current export (same schema) is already there."""
     from pipeshard.exporter import export_model
+    from pipeshard.runtime.exportdir import EXPORT_SCHEMA_VERSION
 
-    if not (folder / "export.json").is_file():
+    info = folder / "export.json"
+    if not info.is_file() or json.loads(info.read_text()).get("schema_version") != EXPORT_SCHEMA_VERSION:
         export_model(model, folder, force=True, quiet=True)
     return folder
 
@@ -31,3 +35,13 @@ def tiny_llama_export(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def smollm2_export() -> Path:
     return _export_once("smollm2-135m", CACHE / "smollm2-fp32")
+
+
+@pytest.fixture(scope="session")
+def tiny_pack(tiny_llama_export, tmp_path_factory) -> Path:
+    """tiny:llama partitioned once; tests only read it (copy it to change it)."""
+    from pipeshard.partitioner.pack import partition
+
+    folder = tmp_path_factory.mktemp("tiny-pack") / "pack"
+    partition(tiny_llama_export, folder)
+    return folder

@@ -7,21 +7,14 @@ import pytest
 from pipeshard.bench import PLANS, bench_prompt, first_difference, validate_bench
 from pipeshard.cli import main
 from pipeshard.errors import UserError
-from pipeshard.partitioner.pack import partition
 from pipeshard.runtime.text import TextCodec
 
 
-@pytest.fixture(scope="module")
-def pack(tiny_llama_export, tmp_path_factory):
-    folder = tmp_path_factory.mktemp("bench") / "pack"
-    partition(tiny_llama_export, folder)
-    return folder
-
-
-def test_bench_runs_every_plan_and_writes_a_valid_document(pack, tmp_path, capsys):
+def test_bench_runs_every_plan_and_writes_a_valid_document(tiny_pack, tmp_path, capsys):
     out, plot = tmp_path / "bench.json", tmp_path / "bench.png"
-    assert main(["bench", str(pack), "--device", "sim", "--vram", "40%", "--profile", "laptop-8gb", "--peers", "none",
-                 "--new-tokens", "8", "--repeat", "1", "--threads", "1", "--json", str(out), "--plot", str(plot)]) == 0
+    assert main(["bench", str(tiny_pack), "--device", "sim", "--vram", "40%", "--profile", "laptop-8gb",
+                 "--peers", "none", "--new-tokens", "8", "--repeat", "1", "--threads", "1", "--json", str(out),
+                 "--plot", str(plot)]) == 0
     document = validate_bench(json.loads(out.read_text()))
     assert sorted(row["name"] for row in document["rows"]) == sorted(PLANS)
     for row in document["rows"]:
@@ -42,10 +35,10 @@ def test_bench_runs_every_plan_and_writes_a_valid_document(pack, tmp_path, capsy
     assert "never GPU speed" in table and "gpu-only [sim]" in table
 
 
-def test_a_missing_or_unusable_peer_is_skipped_not_fatal(pack, tmp_path, capsys):
+def test_a_missing_or_unusable_peer_is_skipped_not_fatal(tiny_pack, tmp_path, capsys):
     # tiny:llama was not made from a GGUF, so llama.cpp cannot run it whether or not it is installed.
     out = tmp_path / "bench.json"
-    assert main(["bench", str(pack), "--device", "cpu", "--peers", "llama.cpp", "--plans", "cpu", "--reference",
+    assert main(["bench", str(tiny_pack), "--device", "cpu", "--peers", "llama.cpp", "--plans", "cpu", "--reference",
                  "cpu", "--new-tokens", "4", "--repeat", "1", "--threads", "1", "--json", str(out)]) == 0
     document = json.loads(out.read_text())
     assert [row["name"] for row in document["rows"]] == ["cpu"]
@@ -60,8 +53,8 @@ def test_a_missing_or_unusable_peer_is_skipped_not_fatal(pack, tmp_path, capsys)
     (["--new-tokens", "1"], "--new-tokens"),
     (["--device", "cpu", "--reference", "transformers", "--peers", "none"], "reference row"),
 ])
-def test_bad_bench_arguments_are_one_line_errors(pack, arguments, message, capsys):
-    assert main(["bench", str(pack), *arguments]) == 2
+def test_bad_bench_arguments_are_one_line_errors(tiny_pack, arguments, message, capsys):
+    assert main(["bench", str(tiny_pack), *arguments]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error:") and message in err and len(err.strip().splitlines()) == 1
 

@@ -5,16 +5,8 @@ import onnx
 import pytest
 
 from pipeshard.errors import UserError
-from pipeshard.partitioner.pack import partition
 from pipeshard.runtime.chain import ChainStep
 from pipeshard.runtime.monolithic import MonolithicStep
-
-
-@pytest.fixture(scope="module")
-def tiny_pack(tiny_llama_export, tmp_path_factory):
-    folder = tmp_path_factory.mktemp("kv") / "pack"
-    partition(tiny_llama_export, folder)
-    return folder
 
 
 def test_the_export_attends_with_group_query_attention_over_in_place_buffers(tiny_llama_export):

@@ -16,13 +16,6 @@ from pipeshard.runtime.pack import WEIGHT_ALIGNMENT, load_pack
 PROMPTS = ["Hi", "What is the capital of France, and why is it famous?", "Count: 1 2 3"]
 
 
-@pytest.fixture(scope="module")
-def tiny_pack(tiny_llama_export, tmp_path_factory):
-    pack = tmp_path_factory.mktemp("packs") / "tiny-llama"
-    partition(tiny_llama_export, pack)
-    return pack
-
-
 def test_sub_layers_in_execution_order(tiny_pack):
     names = [s["name"] for s in load_pack(tiny_pack).sub_layers]
     layers = [f"L{i}.{part}" for i in range(4) for part in ("attn", "ffn")]

@@ -112,13 +112,6 @@ def test_plans_json_carries_placements_times_and_vram(tiny_manifest, tmp_path):
     json.dumps(document)
 
 
-@pytest.fixture(scope="module")
-def tiny_pack_dir(tiny_llama_export, tmp_path_factory):
-    pack = tmp_path_factory.mktemp("plancli") / "pack"
-    partition(tiny_llama_export, pack)
-    return pack
-
-
 @pytest.mark.parametrize("argv, fragment", [
     (["--vram", "2XB", "--profile", "laptop-8gb"], "cannot read size '2XB'"),
     (["--vram", "1GiB", "--profile", "gamer-pc"], "laptop-8gb"),
@@ -126,32 +119,32 @@ def tiny_pack_dir(tiny_llama_export, tmp_path_factory):
     (["--vram", "1GiB", "--profile", "laptop-8gb", "--tiers", "one"], "--tiers"),
     (["--vram", "1MiB", "--profile", "laptop-8gb"], "minimum"),
 ])
-def test_plan_bad_input_is_one_error_line(tiny_pack_dir, capsys, argv, fragment):
-    assert main(["plan", str(tiny_pack_dir), *argv]) == 2
+def test_plan_bad_input_is_one_error_line(tiny_pack, capsys, argv, fragment):
+    assert main(["plan", str(tiny_pack), *argv]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error:") and fragment in err[0]
 
 
-def test_plan_cli_table_json_and_out(tiny_pack_dir, tmp_path, capsys):
+def test_plan_cli_table_json_and_out(tiny_pack, tmp_path, capsys):
     out = tmp_path / "plans.json"
-    assert main(["plan", str(tiny_pack_dir), "--vram", "1GiB", "--profile", "laptop-8gb", "--tiers", "1,64",
+    assert main(["plan", str(tiny_pack), "--vram", "1GiB", "--profile", "laptop-8gb", "--tiers", "1,64",
                  "--out", str(out)]) == 0
     table = capsys.readouterr().out
     assert "vs layers" in table and "static" in table or "gpu-only" in table
     assert json.loads(out.read_text())["tiers"][1]["tier"] == 64
 
 
-def test_a_profile_from_another_machine_warns_and_plans(tiny_pack_dir, tmp_path, capsys, caplog):
+def test_a_profile_from_another_machine_warns_and_plans(tiny_pack, tmp_path, capsys, caplog):
     document = load_profile("laptop-8gb")
     document["source"] = "measured"
     path = tmp_path / "foreign.json"
     path.write_text(json.dumps(document))
-    assert main(["plan", str(tiny_pack_dir), "--vram", "1GiB", "--profile", str(path), "--tiers", "1"]) == 0
+    assert main(["plan", str(tiny_pack), "--vram", "1GiB", "--profile", str(path), "--tiers", "1"]) == 0
     assert "another machine" in caplog.text
 
 
-def test_plan_plot_draws_the_timelines(tiny_pack_dir, tmp_path, capsys):
+def test_plan_plot_draws_the_timelines(tiny_pack, tmp_path, capsys):
     picture = tmp_path / "timeline.png"
-    assert main(["plan", str(tiny_pack_dir), "--vram", "1GiB", "--profile", "laptop-8gb", "--tiers", "1,64",
+    assert main(["plan", str(tiny_pack), "--vram", "1GiB", "--profile", "laptop-8gb", "--tiers", "1,64",
                  "--plot", str(picture)]) == 0
     assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and picture.stat().st_size > 10_000

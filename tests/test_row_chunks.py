@@ -9,7 +9,6 @@ import pytest
 
 import pipeshard
 from pipeshard.api import Engine
-from pipeshard.partitioner.pack import partition
 from pipeshard.partitioner.planner import CPU, PINNED, STREAMED, Planner, planning_units
 from pipeshard.profiles.db import load_profile
 from pipeshard.runtime.devices import make_device
@@ -19,23 +18,16 @@ from pipeshard.runtime.text import TextCodec
 PROMPTS = ["hi", "a much longer prompt than the first one"]
 
 
-@pytest.fixture(scope="module")
-def pack(tiny_llama_export, tmp_path_factory):
-    folder = tmp_path_factory.mktemp("chunks") / "pack"
-    partition(tiny_llama_export, folder)
-    return folder
-
-
-def test_the_pack_marks_the_tied_output_layer_as_row_chunkable(pack):
-    final = json.loads((pack / "manifest.json").read_text())["sub_layers"][-1]
+def test_the_pack_marks_the_tied_output_layer_as_row_chunkable(tiny_pack):
+    final = json.loads((tiny_pack / "manifest.json").read_text())["sub_layers"][-1]
     assert final["row_chunks"] == {"weight": "lm_head.weight", "rows": 259, "row_bytes": 64 * 4}
-    graph = onnx.load(pack / final["files"]["weights_as_inputs"], load_external_data=False).graph
+    graph = onnx.load(tiny_pack / final["files"]["weights_as_inputs"], load_external_data=False).graph
     weight = next(i for i in graph.input if i.name == "lm_head.weight")
     assert weight.type.tensor_type.shape.dim[0].dim_param == "rows"
 
 
-def test_plans_split_the_output_layer_into_consecutive_row_ranges(pack):
-    sub_layers = json.loads((pack / "manifest.json").read_text())["sub_layers"]
+def test_plans_split_the_output_layer_into_consecutive_row_ranges(tiny_pack):
+    sub_layers = json.loads((tiny_pack / "manifest.json").read_text())["sub_layers"]
     units = planning_units(sub_layers, output_chunks=4)
     chunks = [u for u in units if u.get("chunk_of") == "final"]
     assert [u["rows"] for u in chunks] == [[0, 65], [65, 130], [130, 195], [195, 259]]
@@ -48,20 +40,20 @@ def test_plans_split_the_output_layer_into_consecutive_row_ranges(pack):
     (STREAMED, STREAMED, STREAMED, STREAMED),
     (CPU, PINNED, PINNED, CPU),
 ])
-def test_chunks_placed_anywhere_give_the_monolithic_tokens(pack, tiny_llama_export, chunk_placements):
+def test_chunks_placed_anywhere_give_the_monolithic_tokens(tiny_pack, tiny_llama_export, chunk_placements):
     reference = pipeshard.load(tiny_llama_export)
     reference.codec.eos_token_ids = []
     expected = [g.tokens for g in reference.generate(PROMPTS, max_new_tokens=12)]
-    manifest = json.loads((pack / "manifest.json").read_text())
+    manifest = json.loads((tiny_pack / "manifest.json").read_text())
     profile = load_profile("laptop-8gb")
     budget = Planner(manifest, profile, 1 << 40).minimum_budget() + 2_000_000
     planner = Planner(manifest, profile, budget, context=128, output_chunks=4)
     placements = {u["name"]: STREAMED if u["kind"] == "attn" else CPU for u in planner.placeable}
     placements.update({f"final#{j}": p for j, p in enumerate(chunk_placements)})
-    step = PlanStep(Path(pack), make_device("sim", budget), planner, strategy="gpu-only")
+    step = PlanStep(Path(tiny_pack), make_device("sim", budget), planner, strategy="gpu-only")
     for tier in step.tiers:
         step._plans[tier] = planner.evaluate("gpu-only", tier, placements)
-    engine = Engine(step, TextCodec(Path(pack)), Path(pack))
+    engine = Engine(step, TextCodec(Path(tiny_pack)), Path(tiny_pack))
     engine.codec.eos_token_ids = []
     assert [g.tokens for g in engine.generate(PROMPTS, max_new_tokens=12)] == expected
     chunk_bytes = [65 * 256, 65 * 256, 65 * 256, 64 * 256]

@@ -8,7 +8,6 @@ import pytest
 import pipeshard
 from pipeshard.cli import main
 from pipeshard.errors import UserError
-from pipeshard.partitioner.pack import partition
 from pipeshard.partitioner.planner import Planner
 from pipeshard.profiles.db import load_profile
 
@@ -17,15 +16,8 @@ PLANS = ["auto", "gpu-only", "static", "dynamic", "layers", "offload", "cpu", "m
 
 
 @pytest.fixture(scope="module")
-def pack(tiny_llama_export, tmp_path_factory):
-    folder = tmp_path_factory.mktemp("runtime") / "pack"
-    partition(tiny_llama_export, folder)
-    return folder
-
-
-@pytest.fixture(scope="module")
-def minimum(pack):
-    manifest = json.loads((pack / "manifest.json").read_text())
+def minimum(tiny_pack):
+    manifest = json.loads((tiny_pack / "manifest.json").read_text())
     return Planner(manifest, load_profile("laptop-8gb"), 1 << 40).minimum_budget()
 
 
@@ -36,38 +28,38 @@ def reference(tiny_llama_export):
             "batch": [g.tokens for g in engine.generate(PROMPTS, max_new_tokens=16)]}
 
 
-def sim(pack, budget, plan="auto"):
-    return pipeshard.load(pack, vram=budget, device="sim", profile="laptop-8gb", plan=plan, context=256)
+def sim(tiny_pack, budget, plan="auto"):
+    return pipeshard.load(tiny_pack, vram=budget, device="sim", profile="laptop-8gb", plan=plan, context=256)
 
 
 @pytest.mark.parametrize("plan", PLANS)
-def test_every_plan_gives_the_monolithic_greedy_tokens(pack, minimum, reference, plan):
+def test_every_plan_gives_the_monolithic_greedy_tokens(tiny_pack, minimum, reference, plan):
     # A budget where the tiny model does not fit whole: gpu-only and offload must stream.
-    engine = sim(pack, minimum + 600_000, plan)
+    engine = sim(tiny_pack, minimum + 600_000, plan)
     assert [engine.generate(p, max_new_tokens=16)[0].tokens for p in PROMPTS[:3]] == reference["solo"]
     assert [g.tokens for g in engine.generate(PROMPTS, max_new_tokens=16)] == reference["batch"]
 
 
 @pytest.mark.parametrize("plan", ["gpu-only", "offload"])
-def test_streaming_plans_really_stream(pack, minimum, plan):
-    engine = sim(pack, minimum + 600_000, plan)
+def test_streaming_plans_really_stream(tiny_pack, minimum, plan):
+    engine = sim(tiny_pack, minimum + 600_000, plan)
     engine.generate(PROMPTS[1], max_new_tokens=8)
     assert engine.step.stats.streamed_bytes > 0
     assert any(p.strategy == plan and p.counts()["streamed"] > 0 for p in engine.step._plans.values())
 
 
-def test_ledger_peak_never_exceeds_the_budget_across_budgets(pack, minimum, reference):
+def test_ledger_peak_never_exceeds_the_budget_across_budgets(tiny_pack, minimum, reference):
     for extra in (0, 50_000, 150_000, 300_000, 450_000, 600_000, 900_000, 2_000_000):
         for plan in ("auto", "gpu-only", "offload"):
-            engine = sim(pack, minimum + extra, plan)
+            engine = sim(tiny_pack, minimum + extra, plan)
             tokens = [g.tokens for g in engine.generate(PROMPTS, max_new_tokens=6)]
             ledger = engine.step.device.ledger
             assert ledger.peak <= minimum + extra, (extra, plan, ledger.peak)
             assert tokens == [t[:6] for t in reference["batch"]]
 
 
-def test_a_budget_change_mid_generation_keeps_the_output(pack, minimum, reference):
-    engine = sim(pack, minimum + 2_000_000)
+def test_a_budget_change_mid_generation_keeps_the_output(tiny_pack, minimum, reference):
+    engine = sim(tiny_pack, minimum + 2_000_000)
     results = []
     for index, _ in enumerate(engine.stream(PROMPTS[1], results=results, max_new_tokens=16)):
         if index == 3:
@@ -79,8 +71,8 @@ def test_a_budget_change_mid_generation_keeps_the_output(pack, minimum, referenc
     assert engine.step.stats.plan_switches >= 3
 
 
-def test_shrinking_below_the_minimum_is_an_error_naming_it_and_changes_nothing(pack, minimum, reference):
-    engine = sim(pack, minimum + 600_000)
+def test_shrinking_below_the_minimum_is_an_error_naming_it_and_changes_nothing(tiny_pack, minimum, reference):
+    engine = sim(tiny_pack, minimum + 600_000)
     engine.generate(PROMPTS[0], max_new_tokens=4)
     with pytest.raises(UserError, match="minimum"):
         engine.set_vram_budget(minimum - 1)
@@ -88,8 +80,8 @@ def test_shrinking_below_the_minimum_is_an_error_naming_it_and_changes_nothing(p
     assert engine.generate(PROMPTS[1], max_new_tokens=16)[0].tokens == reference["solo"][1]
 
 
-def test_an_interrupted_step_leaves_the_engine_usable(pack, minimum, reference):
-    engine = sim(pack, minimum + 600_000, "gpu-only")
+def test_an_interrupted_step_leaves_the_engine_usable(tiny_pack, minimum, reference):
+    engine = sim(tiny_pack, minimum + 600_000, "gpu-only")
     step = engine.step
     original = step._run_plan
     calls = {"n": 0}
@@ -107,8 +99,8 @@ def test_an_interrupted_step_leaves_the_engine_usable(pack, minimum, reference):
     assert engine.generate(PROMPTS[1], max_new_tokens=16)[0].tokens == reference["solo"][1]
 
 
-def test_long_prompts_are_prefilled_in_chunks_of_the_largest_tier(pack, minimum, tiny_llama_export):
-    engine = pipeshard.load(pack, vram=minimum + 600_000, device="sim", profile="laptop-8gb", context=512)
+def test_long_prompts_are_prefilled_in_chunks_of_the_largest_tier(tiny_pack, minimum, tiny_llama_export):
+    engine = pipeshard.load(tiny_pack, vram=minimum + 600_000, device="sim", profile="laptop-8gb", context=512)
     engine.step.tiers = [1, 4, 16]
     prompt = "one two three four five six seven eight nine ten " * 3
     whole = pipeshard.load(tiny_llama_export)
@@ -123,21 +115,21 @@ def test_long_prompts_are_prefilled_in_chunks_of_the_largest_tier(pack, minimum,
     (["--device", "tpu", "--vram", "1GiB"], "unknown device"),
     (["--device", "sim", "--vram", "1GiB", "--profile", "laptop-8gb", "--plan", "fastest"], "unknown plan"),
 ])
-def test_run_device_errors_are_one_line(pack, capsys, argv, fragment):
-    assert main(["run", str(pack), "hello", *argv]) == 2
+def test_run_device_errors_are_one_line(tiny_pack, capsys, argv, fragment):
+    assert main(["run", str(tiny_pack), "hello", *argv]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error:") and fragment in err[0]
 
 
-def test_run_on_sim_says_sim_wherever_figures_are_printed(pack, capsys):
-    assert main(["run", str(pack), "hello", "--device", "sim", "--vram", "1GiB", "--profile", "laptop-8gb",
+def test_run_on_sim_says_sim_wherever_figures_are_printed(tiny_pack, capsys):
+    assert main(["run", str(tiny_pack), "hello", "--device", "sim", "--vram", "1GiB", "--profile", "laptop-8gb",
                  "--max-new-tokens", "4"]) == 0
     assert "device sim (simulated: not GPU speed)" in capsys.readouterr().err
 
 
-def test_logits_of_a_streamed_plan_match_the_chain(pack, minimum):
-    chain = pipeshard.load(pack)
-    engine = sim(pack, minimum + 600_000, "gpu-only")
+def test_logits_of_a_streamed_plan_match_the_chain(tiny_pack, minimum):
+    chain = pipeshard.load(tiny_pack)
+    engine = sim(tiny_pack, minimum + 600_000, "gpu-only")
     ids = np.array([[5, 17, 99, 3]], dtype=np.int64)
     args = (ids, np.ones_like(ids), np.arange(4)[None])
     chain.step.all_logits = engine.step.all_logits = True
@@ -146,10 +138,10 @@ def test_logits_of_a_streamed_plan_match_the_chain(pack, minimum):
     assert np.abs(chain.step.forward(*args) - engine.step.forward(*args)).max() < 1e-5
 
 
-def test_chat_streams_answers_and_changes_the_budget_live(pack, minimum, monkeypatch, capsys):
+def test_chat_streams_answers_and_changes_the_budget_live(tiny_pack, minimum, monkeypatch, capsys):
     lines = iter(["/plan", "hello there", f"/budget {minimum}", "/budget 1MiB", "/plan", "again", "/quit"])
     monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
-    assert main(["chat", str(pack), "--device", "sim", "--vram", str(minimum + 600_000), "--profile", "laptop-8gb",
+    assert main(["chat", str(tiny_pack), "--device", "sim", "--vram", str(minimum + 600_000), "--profile", "laptop-8gb",
                  "--max-new-tokens", "6"]) == 0
     out = capsys.readouterr().out
     assert f"budget now {minimum}" in out
@@ -157,8 +149,8 @@ def test_chat_streams_answers_and_changes_the_budget_live(pack, minimum, monkeyp
     assert out.count("device sim (simulated: not GPU speed)") == 2
 
 
-def test_a_batch_larger_than_planned_is_replanned_so_its_kv_is_reserved(pack, minimum, reference):
-    engine = sim(pack, minimum + 600_000)
+def test_a_batch_larger_than_planned_is_replanned_so_its_kv_is_reserved(tiny_pack, minimum, reference):
+    engine = sim(tiny_pack, minimum + 600_000)
     assert engine.step.planner.batch == 1
     assert [g.tokens for g in engine.generate(PROMPTS, max_new_tokens=16)] == reference["batch"]
     assert engine.step.planner.batch == len(PROMPTS)
