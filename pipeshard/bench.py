@@ -185,7 +185,7 @@ def _quiet_worker() -> None:
                       TRANSFORMERS_OFFLINE="1", TQDM_DISABLE="1")
 
 
-_LOAD_ERRORS = (UserError, ImportError, OSError, ValueError, RuntimeError)
+_LOAD_ERRORS = (UserError, ImportError, OSError, ValueError, RuntimeError)  # a peer that cannot run here
 
 
 def _prepare_worker(name: str, settings: dict, replies) -> None:
@@ -208,6 +208,7 @@ def _worker(kind: str, name: str, settings: dict, context: int, prompt_text: str
     """Load one row's engine, then answer run / stop commands from the driver."""
     _quiet_worker()
     settings = BenchSettings(**settings)
+    skippable = (UserError,) if kind == "plan" else _LOAD_ERRORS  # anything else in our own plans is a bug
     try:
         started = time.perf_counter()
         if kind == "plan":
@@ -216,7 +217,7 @@ def _worker(kind: str, name: str, settings: dict, context: int, prompt_text: str
             runner = make_peer_runner(name, Path(kind.split(":", 1)[1]), settings.threads, context)
         replies.put({"ready": True, "load_s": time.perf_counter() - started, "own_prompt_ids":
                      runner.prompt_ids(prompt_text)})
-    except _LOAD_ERRORS as exc:
+    except skippable as exc:
         replies.put({"skipped": _reason(exc)})
         return
     while (command := commands.get())[0] != "stop":
