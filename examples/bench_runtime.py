@@ -1,8 +1,8 @@
-"""Runtime figures in one run: the chain vs monolithic (interleaved workers, see bench_chain.py), then
+"""Runtime figures in one run: the chain vs monolithic (bench_chain.py: `pipeshard bench`), then
 on the simulated device at 25 % of the model's bytes, how much of the gpu-only plan's copy time at
 tier 64 is hidden behind compute.
 
-    python examples/bench_runtime.py EXPORT_DIR PACK --profile build/profile-smollm2.json [--threads 2]
+    python examples/bench_runtime.py PACK --profile build/profile-smollm2.json [--threads 2]
         [--steps 6] [--context 512]
 
 `sim` copies are real memcpys on the prefetch thread; the figures say nothing about GPU speed.
@@ -58,7 +58,6 @@ def copy_overlap_at_tier(pack: str, profile: str, threads: int, steps: int, cont
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("export_dir")
     parser.add_argument("pack")
     parser.add_argument("--profile", required=True, help="this machine's profile (its device is sim)")
     parser.add_argument("--context", type=int, default=512, help="KV context the plan reserves")
@@ -68,7 +67,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=5)
     args = parser.parse_args()
     print("== cpu chain vs monolithic ==", flush=True)
-    subprocess.run([sys.executable, str(Path(__file__).with_name("bench_chain.py")), args.export_dir, args.pack,
+    subprocess.run([sys.executable, str(Path(__file__).with_name("bench_chain.py")), args.pack,
                     "--threads", str(args.threads), "--repeat", str(args.repeat)], check=True)
     print(f"== sim device, gpu-only plan at tier {TIER}, budget = minimum + {args.fraction:.0%} of the model ==")
     result = copy_overlap_at_tier(args.pack, args.profile, args.threads, args.steps, args.context, args.fraction)

@@ -29,9 +29,8 @@ import onnx
 from onnx import TensorProto, helper
 
 from pipeshard.errors import UserError
+from pipeshard.runtime.kv import PAST_PREFIX, PRESENT_PREFIX
 
-PAST_PREFIX = "past_key_values."
-PRESENT_PREFIX = "present."
 SEQLENS = "_gqa_seqlens_k"
 TOTAL = "_gqa_total_sequence_length"
 _REPEAT_KV_OPS = ("Reshape", "Expand", "Unsqueeze")
@@ -88,9 +87,9 @@ def _int64(name: str, values: list[int]) -> onnx.NodeProto:
 def derive_past_length(model: onnx.ModelProto, kv_heads: int, head_dim: int) -> int:
     """Replace every `Shape(past_key_values.N.*)` by the same shape computed from the step inputs.
     Returns how many were replaced."""
-    graph = _Graph(model)
+    nodes = model.graph.node
     replaced = 0
-    for index, node in enumerate(list(graph.nodes)):
+    for index, node in enumerate(list(nodes)):
         if node.op_type != "Shape" or not node.input[0].startswith(PAST_PREFIX):
             continue
         attributes = {a.name: a.i for a in node.attribute}
@@ -111,10 +110,10 @@ def derive_past_length(model: onnx.ModelProto, kv_heads: int, head_dim: int) -> 
         for new_node in replacement:
             new_node.name = new_node.name or new_node.output[0]
             _metadata_from(new_node, node)
-        position = list(graph.nodes).index(node)
-        del graph.nodes[position]
+        position = list(nodes).index(node)
+        del nodes[position]
         for offset, new_node in enumerate(replacement):
-            graph.nodes.insert(position + offset, new_node)
+            nodes.insert(position + offset, new_node)
         replaced += 1
     return replaced
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from pipeshard.exporter.configs import DecoderWithPastExportConfig
+from pipeshard.runtime.kv import PAST_PREFIX, present_name
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +116,7 @@ def max_logit_difference(model, export_config: DecoderWithPastExportConfig, onnx
     binding.bind_output("logits")  # first bound, first returned
     buffers = []
     for name, array in feeds.items():
-        if not name.startswith("past_key_values."):
+        if not name.startswith(PAST_PREFIX):
             binding.bind_cpu_input(name, array)
             continue
         buffer = np.zeros((*array.shape[:2], capacity, array.shape[3]), array.dtype)
@@ -123,7 +124,7 @@ def max_logit_difference(model, export_config: DecoderWithPastExportConfig, onnx
         value = onnxruntime.OrtValue.ortvalue_from_numpy(buffer)
         buffers.append(value)
         binding.bind_ortvalue_input(name, value)
-        binding.bind_ortvalue_output(name.replace("past_key_values.", "present.", 1), value)
+        binding.bind_ortvalue_output(present_name(name), value)
     session.run_with_iobinding(binding)
     shared_logits = binding.get_outputs()[0].numpy()
     # The reference is PyTorch in fp32: its CPU fp16 kernels are themselves further from fp32 (0.37 on

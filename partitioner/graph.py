@@ -18,12 +18,11 @@ from onnx import helper
 
 from pipeshard.errors import UserError
 from pipeshard.partitioner.rules import GLUE, classify, module_path
+from pipeshard.runtime.kv import PAST_PREFIX, PRESENT_PREFIX
 
 PROLOGUE = "prologue"
 SMALL_CONSTANT_ELEMENTS = 65536  # inline constants up to this size may follow a value into the prologue
 GRAPH_INPUT = "<input>"
-PAST_PREFIX = "past_key_values."
-PRESENT_PREFIX = "present."
 
 
 class CutError(UserError):

@@ -23,8 +23,6 @@ from pipeshard.errors import UserError
 from pipeshard.fsutil import atomic_output_dir, sha256_file, write_json_atomic
 from pipeshard.partitioner.costs import bytes_moved, checked_flops, kv_bytes_per_token
 from pipeshard.partitioner.graph import (
-    PAST_PREFIX,
-    PRESENT_PREFIX,
     SubLayer,
     assign_sub_layers,
     build_graph,
@@ -36,6 +34,7 @@ from pipeshard.partitioner.graph import (
 )
 from pipeshard.partitioner.rules import RULES_BY_ARCHITECTURE
 from pipeshard.runtime.exportdir import read_export_info
+from pipeshard.runtime.kv import PAST_PREFIX, PRESENT_PREFIX
 from pipeshard.runtime.pack import MANIFEST_NAME, PACK_SCHEMA_VERSION, WEIGHT_ALIGNMENT
 
 log = logging.getLogger(__name__)

@@ -188,7 +188,7 @@ def _quiet_worker() -> None:
 _LOAD_ERRORS = (UserError, ImportError, OSError, ValueError, RuntimeError)  # a peer that cannot run here
 
 
-def _prepare_worker(name: str, settings: dict, replies) -> None:
+def _prepare_worker(name: str, settings: dict, _commands, replies) -> None:
     """Make a peer's model files in a process of its own, so no row's peak RSS includes it."""
     _quiet_worker()
     settings = BenchSettings(**settings)
@@ -251,15 +251,12 @@ def _peer_dir(settings: BenchSettings) -> Path:
 
 
 class _Worker:
-    """A child process and its two queues; `kind` is `plan`, or `peer:MODEL_PATH` for a peer."""
+    """A child process running `target(*arguments, commands, replies)`; `kind` is plan or peer."""
 
-    def __init__(self, context, kind: str, name: str, settings: BenchSettings, kv_context: int, prompt_text: str,
-                 log: Callable[[str], None], target=_worker) -> None:
-        self.kind, self.name = kind.split(":", 1)[0], name
+    def __init__(self, context, kind: str, name: str, log: Callable[[str], None], target, arguments: tuple) -> None:
+        self.kind, self.name = kind, name
         self.commands, self.replies = context.Queue(), context.Queue()
-        arguments = (name, asdict(settings), self.replies) if target is _prepare_worker else (
-            kind, name, asdict(settings), kv_context, prompt_text, self.commands, self.replies)
-        self.process = context.Process(target=target, daemon=True, args=arguments)
+        self.process = context.Process(target=target, daemon=True, args=(*arguments, self.commands, self.replies))
         self.process.start()
         self.log = log
         self.runs: list[dict] = []
@@ -320,7 +317,7 @@ def run_bench(settings: BenchSettings, progress: Callable[[int, int, str], None]
     for kind, name in rows_wanted:  # one at a time: loading (and making a peer's files) is heavy
         progress(done, total, f"loading {name}")
         if kind == "peer":
-            preparer = _Worker(context, kind, name, settings, kv_context, prompt_text, log, _prepare_worker)
+            preparer = _Worker(context, kind, name, log, _prepare_worker, (name, asdict(settings)))
             prepared = preparer.reply()
             preparer.process.join()
             if "skipped" in prepared:
@@ -328,7 +325,8 @@ def run_bench(settings: BenchSettings, progress: Callable[[int, int, str], None]
                 log(f"skipped {name}: {prepared['skipped']}")
                 continue
             kind = f"peer:{prepared['path']}"
-        worker = _Worker(context, kind, name, settings, kv_context, prompt_text, log)
+        worker = _Worker(context, kind.split(":", 1)[0], name, log, _worker,
+                         (kind, name, asdict(settings), kv_context, prompt_text))
         ready = worker.reply()
         done += 1
         if "skipped" in ready:

@@ -14,11 +14,11 @@ from pathlib import Path
 
 import numpy as np
 
+from pipeshard.runtime.exportdir import NUMPY_DTYPES
 from pipeshard.runtime.kv import HostKvCache, check_step_shape
 from pipeshard.runtime.ort import cpu_session_options, import_onnxruntime
 from pipeshard.runtime.pack import Pack, load_pack
 
-NUMPY_DTYPES = {"fp32": np.float32, "fp16": np.float16}
 STEP_INPUTS = ("input_ids", "attention_mask", "position_ids")
 LOGITS = "logits"
 

@@ -5,11 +5,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
+
 from pipeshard.errors import UserError
 
 EXPORT_SCHEMA_VERSION = 2  # 2: attention is GroupQueryAttention over one in-place KV buffer
 KV_CACHE = {"layout": "shared-buffer", "attention": "com.microsoft.GroupQueryAttention",
             "shape": ["batch", "kv_heads", "capacity", "head_dim"]}
+# numpy types of the dtype names exports and packs use (model dtype; ONNX names of weights)
+NUMPY_DTYPES = {"fp32": np.float32, "fp16": np.float16, "float32": np.float32, "float16": np.float16}
 REQUIRED_FIELDS = ("architecture", "dims", "dtype", "model_file", "inputs", "outputs")
 
 

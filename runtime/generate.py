@@ -27,7 +27,8 @@ class ForwardStep(Protocol):
 
     def forward(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray) -> np.ndarray:
         """Logits for int64 ids [batch, T], mask [batch, past + T], positions [batch, T]: [batch, T, vocab], or
-        [batch, 1, vocab] (the last new token only) for steps that skip the rest — generation needs no more."""
+        [batch, 1, vocab] (the last new token only) for steps that skip the rest — generation needs no more.
+        The array may be the step's own buffer, overwritten by the next forward: copy what you keep."""
 
 
 @dataclass

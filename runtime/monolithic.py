@@ -6,11 +6,9 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeshard.runtime.exportdir import read_export_info
+from pipeshard.runtime.exportdir import NUMPY_DTYPES, read_export_info
 from pipeshard.runtime.kv import PAST_PREFIX, HostKvCache, check_step_shape, present_name
 from pipeshard.runtime.ort import cpu_session_options, import_onnxruntime
-
-NUMPY_DTYPES = {"fp32": np.float32, "fp16": np.float16}
 
 
 class MonolithicStep:
@@ -29,8 +27,10 @@ class MonolithicStep:
         past_names = [name for name in self.info["inputs"] if name.startswith(PAST_PREFIX)]
         self.kv = HostKvCache(past_names, int(dims["num_key_value_heads"]), int(dims["head_dim"]),
                               NUMPY_DTYPES[self.info["dtype"]])
+        self.vocab_size = int(dims["vocab_size"])
         self.binding = self.session.io_binding()
         self.run_options = ort.RunOptions()
+        self._logits = np.empty(0, self.kv.dtype)
 
     def start(self, batch_size: int, context: int | None = None) -> None:
         self.kv.reset(batch_size, context)
@@ -51,6 +51,9 @@ class MonolithicStep:
         binding.bind_cpu_input("input_ids", np.ascontiguousarray(input_ids, dtype=np.int64))
         binding.bind_cpu_input("attention_mask", np.ascontiguousarray(attention_mask, dtype=np.int64))
         binding.bind_cpu_input("position_ids", np.ascontiguousarray(position_ids, dtype=np.int64))
-        binding.bind_output("logits")
+        if self._logits.shape[:2] != (batch, tokens):  # logits land in our buffer: no output is fetched back
+            self._logits = np.empty((batch, tokens, self.vocab_size), self.kv.dtype)
+            binding.bind_output("logits", "cpu", 0, self._logits.dtype, list(self._logits.shape),
+                                self._logits.ctypes.data)
         self.session._sess.run_with_iobinding(binding._iobinding, self.run_options)
-        return binding.get_outputs()[-1].numpy()
+        return self._logits

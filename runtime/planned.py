@@ -20,12 +20,12 @@ import numpy as np
 
 from pipeshard.partitioner.planner import CPU, PINNED, STREAMED, Plan, Planner
 from pipeshard.runtime.devices import cpu_ort_device
+from pipeshard.runtime.exportdir import NUMPY_DTYPES
 from pipeshard.runtime.kv import HostKvCache, check_step_shape
 from pipeshard.runtime.ort import cpu_session_options, import_onnxruntime
 from pipeshard.runtime.pack import load_pack
 
 log = logging.getLogger(__name__)
-NUMPY_DTYPES = {"fp32": np.float32, "fp16": np.float16, "float32": np.float32, "float16": np.float16}
 STEP_INPUTS = ("input_ids", "attention_mask", "position_ids")
 
 
@@ -37,16 +37,18 @@ class StepStats:
     plan_switches: int = 0
     streamed_bytes: int = 0
     copy_wait_s: float = 0.0
-    copy_s: float = 0.0
     tiers_used: dict[int, int] = field(default_factory=dict)
 
 
 class _Session:
-    def __init__(self, ort, path: Path, options, providers) -> None:
+    """A sub-layer's session; `produced` are the outputs it allocates (the KV is written in place)."""
+
+    def __init__(self, ort, path: Path, options, providers, entry: dict) -> None:
         self.session = ort.InferenceSession(str(path), options, providers=providers)
         self.binding = self.session.io_binding()._iobinding
         self.run = self.session._sess.run_with_iobinding
-        self.outputs = [o.name for o in self.session.get_outputs()]
+        in_place = set(entry["kv"]["present"]) if entry["kv"] else set()
+        self.produced = [o.name for o in self.session.get_outputs() if o.name not in in_place]
 
 
 class PlanStep:
@@ -81,6 +83,7 @@ class PlanStep:
         self.stats = StepStats()
         self._plans: dict[int, Plan] = {}
         self.active: Plan | None = None
+        self._schedule: list = []  # the active plan's runs per sub-layer (_schedule_for)
         self._pinned: dict[str, np.ndarray] = {}
         self._ring: list[np.ndarray] = []
         self._slot_name: list[str | None] = []
@@ -217,6 +220,7 @@ class PlanStep:
             for slot in range(len(self._ring)):
                 self._start_copy(slot, streamed[slot])
         self.active = plan
+        self._schedule = self._schedule_for(plan)
         self.stats.plan_switches += 1
 
     def _unit_source(self, name: str) -> np.ndarray:
@@ -242,7 +246,8 @@ class PlanStep:
         """The weights-as-inputs variant on the CPU EP: a row chunk of the output layer computed on the host."""
         if entry["name"] not in self._cpu_input_sessions:
             self._cpu_input_sessions[entry["name"]] = _Session(
-                self._ort, self.pack.path(entry["files"]["weights_as_inputs"]), self.options, ["CPUExecutionProvider"])
+                self._ort, self.pack.path(entry["files"]["weights_as_inputs"]), self.options, ["CPUExecutionProvider"],
+                entry)
         return self._cpu_input_sessions[entry["name"]]
 
     def _session(self, entry: dict, on_device: bool) -> _Session:
@@ -250,7 +255,7 @@ class PlanStep:
         if entry["name"] not in cache:
             variant = "weights_as_inputs" if on_device else "onnx"
             cache[entry["name"]] = _Session(self._ort, self.pack.path(entry["files"][variant]), self.options,
-                                            self.device.providers if on_device else ["CPUExecutionProvider"])
+                                            self.device.providers if on_device else ["CPUExecutionProvider"], entry)
         return cache[entry["name"]]
 
     # -- the step ---------------------------------------------------------------------------------------------------
@@ -312,12 +317,18 @@ class PlanStep:
             self._deactivate()
             raise
 
-    def _runs(self, plan: Plan, entry: dict) -> list[tuple[str, str]]:
-        """(unit, placement) to run for a sub-layer: itself, or its row chunks when any is on the device."""
-        chunks = self._chunks[entry["name"]]
-        if chunks and any(plan.placements[u["name"]] != CPU for u in chunks):
-            return [(u["name"], plan.placements[u["name"]]) for u in chunks]
-        return [(entry["name"], CPU if chunks else plan.placements[entry["name"]])]
+    def _schedule_for(self, plan: Plan) -> list[tuple[dict, list[tuple[str, str, dict | None]]]]:
+        """Per sub-layer, the runs a plan makes of it, as (unit, placement, row chunk or None): the
+        sub-layer itself, or its row chunks when any of them is on the device. Made once per activation."""
+        schedule = []
+        for entry in self.entries:
+            chunks = self._chunks[entry["name"]]
+            if chunks and any(plan.placements[u["name"]] != CPU for u in chunks):
+                runs = [(u["name"], plan.placements[u["name"]], u) for u in chunks]
+            else:
+                runs = [(entry["name"], CPU if chunks else plan.placements[entry["name"]], None)]
+            schedule.append((entry, runs))
+        return schedule
 
     def _run_plan(self, plan: Plan, input_ids, attention_mask, position_ids) -> np.ndarray:
         step_inputs = {"input_ids": np.ascontiguousarray(input_ids, dtype=np.int64),
@@ -325,11 +336,10 @@ class PlanStep:
                        "position_ids": np.ascontiguousarray(position_ids, dtype=np.int64)}
         cpu = cpu_ort_device()
         values: dict[str, object] = {}
-        for entry in self.entries:
+        for entry, runs in self._schedule:
             name = entry["name"]
             pieces = []
-            for unit, placement in self._runs(plan, entry):
-                chunk = self.units[unit] if "chunk_of" in self.units.get(unit, {}) else None
+            for unit, placement, chunk in runs:
                 if chunk and placement == CPU:
                     session = self._cpu_input_session(entry)
                 else:
@@ -346,7 +356,7 @@ class PlanStep:
                     self._bind_chunk_weights(binding, chunk, buffer)
                 elif placement != CPU:
                     self._bind_weights(binding, entry, self._pinned[name] if placement == PINNED else self._ring[slot])
-                produced = [output for output in session.outputs if output not in presents]
+                produced = session.produced
                 for output in produced:
                     binding.bind_output(output, cpu)
                 session.run(binding, self.run_options)
