@@ -131,6 +131,23 @@ class BoundSession:
         self._run(self._raw, self.run_options)
 
 
+def attention_rows(ort, options, providers, heads: int, head_dim: int, tokens: tuple[int, ...],
+                   contexts: tuple[int, ...], dtype: str, seconds_per_point: float, device: str = "cpu",
+                   progress=lambda: None) -> list[dict]:
+    """The attention kernel timed at every (T, C): the profile's `attention` table rows."""
+    model = attention_model(heads, head_dim, dtype)
+    rows = []
+    for t in tokens:
+        for c in contexts:
+            inputs, outputs, aliases = attention_feeds(heads, head_dim, t, c, dtype)
+            session = BoundSession(ort, model, options, providers, inputs, outputs, device=device, aliases=aliases)
+            seconds = median_seconds(session, seconds_per_point)
+            rows.append({"T": t, "C": c, "heads": heads, "head_dim": head_dim, "seconds": seconds,
+                         "gflops": 4 * heads * head_dim * t * c / seconds / 1e9})
+            progress()
+    return rows
+
+
 @contextlib.contextmanager
 def cpu_matmul_load(ort, options, k: int, n: int) -> Iterator[None]:
     """Keep the CPU busy with [64, k] x [k, n] MatMuls on a background thread while the block runs."""

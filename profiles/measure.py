@@ -17,8 +17,7 @@ from pipeshard.profiles.db import fingerprint_id, machine_fingerprint, now_iso, 
 from pipeshard.profiles.kernels import (
     NUMPY_FLOAT,
     BoundSession,
-    attention_feeds,
-    attention_model,
+    attention_rows,
     cpu_matmul_load,
     hop_model,
     matmul_model,
@@ -151,21 +150,6 @@ def matmul_read_gbps(ort, threads: int, size_bytes: int, seconds: float, copy_lo
     return idle, loaded
 
 
-def _attention_rows(ort, plan: Plan, threads: int, progress) -> list[dict]:
-    options = cpu_session_options(threads)
-    rows = []
-    model = attention_model(plan.heads, plan.head_dim, "fp32")
-    for tokens in plan.attention_tokens:
-        for context in plan.attention_contexts:
-            inputs, outputs, aliases = attention_feeds(plan.heads, plan.head_dim, tokens, context, "fp32")
-            session = BoundSession(ort, model, options, ["CPUExecutionProvider"], inputs, outputs, aliases=aliases)
-            seconds = median_seconds(session, plan.seconds_per_point)
-            flops = 4 * plan.heads * plan.head_dim * tokens * context
-            rows.append({"T": tokens, "C": context, "heads": plan.heads, "head_dim": plan.head_dim,
-                         "seconds": seconds, "gflops": flops / seconds / 1e9})
-            progress()
-    return rows
-
 
 def hop_microseconds(ort, threads: int, width: int = 4096) -> float:
     """Fixed cost of one session run with IO binding (raw call, reused RunOptions)."""
@@ -205,7 +189,9 @@ def measure_machine(plan: Plan, thread_counts: list[int] | None = None, progress
             "matmul": idle_matmul,
             "memory_read_gbps": read_idle,
             "memory_copy_gbps": copy_idle,
-            "attention": _attention_rows(ort, plan, threads, progress),
+            "attention": attention_rows(ort, cpu_session_options(threads), ["CPUExecutionProvider"], plan.heads,
+                                        plan.head_dim, plan.attention_tokens, plan.attention_contexts, "fp32",
+                                        plan.seconds_per_point, progress=progress),
             "hop_us": hop_microseconds(ort, threads),
             "op_us": op_microseconds(ort, threads),
             "under_copy_load": {"matmul": loaded_matmul, "memory_read_gbps": read_loaded},

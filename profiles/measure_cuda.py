@@ -15,8 +15,7 @@ import numpy as np
 from pipeshard.profiles.kernels import (
     NUMPY_FLOAT,
     BoundSession,
-    attention_feeds,
-    attention_model,
+    attention_rows,
     cpu_matmul_load,
     hop_model,
     matmul_model,
@@ -143,17 +142,8 @@ def measure_cuda(plan, cpu_threads: int) -> tuple[dict, dict, dict]:
                 seconds = median_seconds(session, plan.seconds_per_point)
                 rows.append({"M": m, "K": k, "N": n, "seconds": seconds, "gflops": 2 * m * k * n / seconds / 1e9})
         matmul[dtype] = rows
-    attention = []
-    model = attention_model(plan.heads, plan.head_dim, "fp16")
-    for tokens in plan.attention_tokens:
-        for context in plan.attention_contexts:
-            inputs, outputs, aliases = attention_feeds(plan.heads, plan.head_dim, tokens, context, "fp16")
-            session = BoundSession(ort, model, options, CUDA_PROVIDERS, inputs, outputs, device="cuda",
-                                   aliases=aliases)
-            seconds = median_seconds(session, plan.seconds_per_point)
-            flops = 4 * plan.heads * plan.head_dim * tokens * context
-            attention.append({"T": tokens, "C": context, "heads": plan.heads, "head_dim": plan.head_dim,
-                              "seconds": seconds, "gflops": flops / seconds / 1e9})
+    attention = attention_rows(ort, options, CUDA_PROVIDERS, plan.heads, plan.head_dim, plan.attention_tokens,
+                               plan.attention_contexts, "fp16", plan.seconds_per_point, device="cuda")
     link = {"kind": "pcie", "h2d": [], "d2h": []}
     for pinned in (True, False):
         for size in plan.copy_sizes:
