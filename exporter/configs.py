@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from optimum.exporters.base import ExporterConfig
 from optimum.utils.normalized_config import NormalizedTextConfigWithGQA
 
+from pipeshard.exporter.moe import moe_dims
+
 
 @dataclass(frozen=True)
 class DecoderDims:
@@ -24,6 +26,9 @@ class DecoderDims:
     head_dim: int
     vocab_size: int
     max_context: int
+    num_experts: int = 0  # MoE only: experts per layer, routed per token, and each expert's FFN width
+    experts_per_token: int = 0
+    expert_intermediate_size: int = 0
 
 
 class DecoderWithPastExportConfig(ExporterConfig):
@@ -36,6 +41,7 @@ class DecoderWithPastExportConfig(ExporterConfig):
         normalized = self._normalized_config
         heads = normalized.num_attention_heads
         config = self._config
+        moe = moe_dims(config)
         return DecoderDims(
             num_layers=normalized.num_layers,
             hidden_size=normalized.hidden_size,
@@ -45,6 +51,9 @@ class DecoderWithPastExportConfig(ExporterConfig):
             head_dim=getattr(config, "head_dim", None) or normalized.hidden_size // heads,
             vocab_size=normalized.vocab_size,
             max_context=config.max_position_embeddings,
+            num_experts=moe.num_experts if moe else 0,
+            experts_per_token=moe.experts_per_token if moe else 0,
+            expert_intermediate_size=moe.expert_intermediate_size if moe else 0,
         )
 
     @property
@@ -88,11 +97,21 @@ class Qwen3ExportConfig(DecoderWithPastExportConfig):
     """Qwen3: Llama layout with per-head q/k RMS norms."""
 
 
+class Qwen3MoeExportConfig(DecoderWithPastExportConfig):
+    """Qwen3-MoE: Qwen3 attention, a routed expert block per layer (exported per expert, exporter/moe.py)."""
+
+
+class MixtralExportConfig(DecoderWithPastExportConfig):
+    """Mixtral: Mistral attention, a routed expert block per layer (exported per expert, exporter/moe.py)."""
+
+
 SUPPORTED_ARCHITECTURES: dict[str, type[DecoderWithPastExportConfig]] = {
     "llama": LlamaExportConfig,
     "mistral": MistralExportConfig,
     "qwen2": Qwen2ExportConfig,
     "qwen3": Qwen3ExportConfig,
+    "qwen3_moe": Qwen3MoeExportConfig,
+    "mixtral": MixtralExportConfig,
 }
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from pipeshard.exporter.configs import DecoderWithPastExportConfig
+from pipeshard.exporter.moe import moe_export_form
 from pipeshard.runtime.kv import PAST_PREFIX, present_name
 
 log = logging.getLogger(__name__)
@@ -78,7 +79,7 @@ def export_decoder(model, export_config: DecoderWithPastExportConfig, onnx_path:
         "position_ids": {0: batch, 1: sequence},
         "past": tuple({0: batch, 2: past} for _ in export_config.past_names),
     }
-    with warnings.catch_warnings(), torch.no_grad():
+    with warnings.catch_warnings(), torch.no_grad(), moe_export_form(model):
         warnings.simplefilter("ignore")
         program = torch.onnx.export(
             wrapper,

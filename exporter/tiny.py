@@ -35,6 +35,36 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
         "max_position_embeddings": 512,
         "tie_word_embeddings": False,
     },
+    # Qwen3-MoE-like (the paper's MoE family): every layer routed, 8 experts, top-2.
+    "moe": {
+        "model_type": "qwen3_moe",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "moe_intermediate_size": 48,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "max_position_embeddings": 512,
+        "tie_word_embeddings": False,
+    },
+    "mixtral": {
+        "model_type": "mixtral",
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "num_local_experts": 8,
+        "num_experts_per_tok": 2,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 512,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+    },
 }
 TINY_SEED = 1234
 
@@ -86,6 +116,6 @@ def build_tiny_model(architecture: str):
     # greedy tokens are decided by clear margins (tests compare them exactly).
     with torch.no_grad():
         for name, parameter in model.named_parameters():
-            if parameter.dim() == 2:
+            if parameter.dim() >= 2:  # matrices, and MoE experts stored as [experts, out, in]
                 parameter.normal_(0.0, 0.5 if "embed" in name else 0.15)
     return model.eval(), tokenizer

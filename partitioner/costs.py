@@ -28,6 +28,10 @@ def analytic_flops(kind: str, dims: dict) -> Coefficients:
         return {"T": float(projections), "TC": float(4 * heads * head_dim)}
     if kind == "ffn":
         return {"T": float(2 * 3 * hidden * dims["intermediate_size"])}
+    if kind == "router":
+        return {"T": float(2 * hidden * dims["num_experts"])}
+    if kind == "expert":  # T = the tokens routed to this expert
+        return {"T": float(2 * 3 * hidden * dims["expert_intermediate_size"])}
     if kind == "final":
         return {"T": float(2 * hidden * dims["vocab_size"])}
     return {}
@@ -71,7 +75,8 @@ def bytes_moved(sub_layer: SubLayer, kind: str, dims: dict, dtype: str, weight_b
         return {"T": float(2 * hidden * element)}  # a Gather reads only the rows it needs
     if kind == "prologue":
         return {}
-    activations = 2 * hidden * element + (dims["vocab_size"] * element if kind == "final" else 0)
+    activations = 2 * hidden * element + (dims["vocab_size"] * element if kind == "final" else 0) + \
+        (dims.get("num_experts", 0) * element if kind in ("router", "expert") else 0)  # routing weights
     cost = {"const": float(weight_bytes), "T": float(activations + kv_per_token)}
     if kv_per_token:
         # The fused GroupQueryAttention reads each KV head's past once (a group's query heads share

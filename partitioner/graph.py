@@ -43,24 +43,30 @@ class SubLayer:
 
 
 def sub_layer_kind(name: str) -> tuple[str, int | None]:
-    """('attn', 3) for 'L3.attn', ('embed', None) for 'embed'."""
-    match = re.fullmatch(r"L(\d+)\.(\w+)", name)
+    """('attn', 3) for 'L3.attn', ('expert', 3) for 'L3.expert5', ('embed', None) for 'embed'."""
+    match = re.fullmatch(r"L(\d+)\.([a-z_]+)\d*", name)
     return (match.group(2), int(match.group(1))) if match else (name, None)
 
 
+def expert_index(name: str) -> int | None:
+    """5 for 'L3.expert5', None for anything else."""
+    match = re.fullmatch(r"L\d+\.expert(\d+)", name)
+    return int(match.group(1)) if match else None
+
+
 def execution_order(names: set[str]) -> list[str]:
-    """prologue, embed, L0.attn, L0.ffn, L1.attn, ..., final."""
-    part_rank = {"attn": 0, "router": 1, "ffn": 2}
+    """prologue, embed, L0.attn, L0.ffn (or L0.router, L0.expert0..., L0.combine), L1.attn, ..., final."""
+    part_rank = {"attn": 0, "router": 1, "ffn": 2, "expert": 2, "combine": 3}
 
     def key(name: str):
         kind, layer = sub_layer_kind(name)
         if name == PROLOGUE:
-            return (0, 0, 0)
+            return (0, 0, 0, 0)
         if name == "embed":
-            return (1, 0, 0)
+            return (1, 0, 0, 0)
         if layer is not None:
-            return (2, layer, part_rank.get(kind, 3))
-        return (3, 0, 0)
+            return (2, layer, part_rank.get(kind, 4), expert_index(name) or 0)
+        return (3, 0, 0, 0)
 
     return sorted(names, key=key)
 
@@ -93,11 +99,14 @@ def assign_sub_layers(model: onnx.ModelProto, graph: nx.DiGraph, rules) -> dict[
         path = graph.nodes[index]["path"]
         sub_layer = classify(path, rules) if path is not None else None
         if sub_layer is None:
-            # Exporter-made shape arithmetic with no module: prologue if it reads only graph inputs
-            # and prologue values, otherwise it has no home.
+            # Exporter-made nodes with no module: shape arithmetic over graph inputs and prologue
+            # values goes to the prologue; a node the optimizer split off one sub-layer's op (a
+            # Split of a chunked projection) stays with that sub-layer; anything else has no home.
             sources = {assignment.get(p) for p in graph.predecessors(index)}
             if sources <= {PROLOGUE}:
                 sub_layer = PROLOGUE
+            elif path is None and len(sources - {PROLOGUE}) == 1 and None not in sources:
+                sub_layer = (sources - {PROLOGUE}).pop()
             else:
                 unmatched.append(index)
                 continue
@@ -246,13 +255,66 @@ def cut(model: onnx.ModelProto, assignment: dict[int, str]) -> list[SubLayer]:
     return [sub_layers[name] for name in execution_order(set(sub_layers))]
 
 
-def verify_cut(sub_layers: list[SubLayer], shapes: dict[str, list], hidden_size: int) -> None:
+def moe_blocks(sub_layers: list[SubLayer], model: onnx.ModelProto, shapes: dict[str, list],
+               hidden_size: int) -> list[dict]:
+    """Each MoE layer's router, experts and combine, checked to be what the runtime does itself: the
+    combine adds every expert's (already routing-weighted) output to the residual the router read.
+    The router gives two tensors to every expert: the normed hidden states and the routing weights."""
+    by_name = {s.name: s for s in sub_layers}
+    blocks = []
+    for combine in (s for s in sub_layers if s.kind == "combine"):
+        layer = combine.layer
+        router = by_name.get(f"L{layer}.router")
+        experts = sorted((s for s in sub_layers if s.kind == "expert" and s.layer == layer),
+                         key=lambda s: expert_index(s.name))
+        problems = []
+        if router is None or not experts:
+            problems.append("no router or no experts")
+        ops = {model.graph.node[i].op_type for i in combine.nodes}
+        if ops != {"Add"}:
+            problems.append(f"combine ops {sorted(ops)} (expected only Add)")
+        expert_outputs = [s.outputs for s in experts]
+        if any(len(outputs) != 1 for outputs in expert_outputs):
+            problems.append("an expert with other than one output")
+        residual = [t for t in combine.inputs if t not in {o for outputs in expert_outputs for o in outputs}]
+        if router is not None and (len(residual) != 1 or router.inputs != residual):
+            problems.append(f"combine reads {residual} besides the experts; the router reads {router.inputs}")
+        if router is not None and any(sorted(s.inputs) != sorted(router.outputs) for s in experts):
+            problems.append("experts do not read exactly the router's outputs")
+        if len(combine.outputs) != 1:
+            problems.append(f"combine writes {combine.outputs}")
+        if problems:
+            raise CutError(f"MoE layer {layer} is not in the per-expert form: " + "; ".join(problems))
+        hidden = [t for t in router.outputs if (shapes.get(t) or [None])[-1] == hidden_size]
+        routing = [t for t in router.outputs if t not in hidden]
+        if len(hidden) != 1 or len(routing) != 1:
+            raise CutError(f"MoE layer {layer}: the router's outputs {router.outputs} are not hidden states + routing")
+        blocks.append({"layer": layer, "router": router.name, "experts": [s.name for s in experts],
+                       "hidden": hidden[0], "routing": routing[0], "residual": residual[0], "expert_outputs": [o[0] for o in expert_outputs],
+                       "output": combine.outputs[0]})
+    return blocks
+
+
+def moe_internal_tensors(blocks: list[dict], sub_layers: list[SubLayer]) -> set[str]:
+    """Tensors that cross sub-layers inside MoE blocks (router -> experts -> combine, residual -> combine)."""
+    by_name = {s.name: s for s in sub_layers}
+    internal = set()
+    for block in blocks:
+        internal |= set(by_name[block["router"]].outputs) | set(block["expert_outputs"]) | {block["residual"]}
+    return internal
+
+
+def verify_cut(sub_layers: list[SubLayer], shapes: dict[str, list], hidden_size: int,
+               moe_internal: frozenset[str] = frozenset()) -> None:
     """Between compute sub-layers only the residual stream [batch, tokens, hidden] may cross, plus
-    each attention's own KV and the prologue's shared values; anything else is an error."""
+    each attention's own KV, the prologue's shared values, and inside a MoE block the router's
+    outputs and the experts' outputs; anything else is an error."""
     produced_by = {tensor: s.name for s in sub_layers for tensor in s.outputs}
     wide: list[str] = []
     for sub_layer in sub_layers:
         for tensor in sub_layer.inputs:
+            if tensor in moe_internal:
+                continue
             source = produced_by.get(tensor, GRAPH_INPUT)
             if source in (GRAPH_INPUT, PROLOGUE):
                 if source == GRAPH_INPUT and tensor.startswith(PAST_PREFIX):
@@ -270,7 +332,7 @@ def verify_cut(sub_layers: list[SubLayer], shapes: dict[str, list], hidden_size:
     residual_readers: dict[str, list[str]] = {}
     for sub_layer in sub_layers:
         for tensor in sub_layer.inputs:
-            if produced_by.get(tensor, PROLOGUE) != PROLOGUE:
+            if produced_by.get(tensor, PROLOGUE) != PROLOGUE and tensor not in moe_internal:
                 residual_readers.setdefault(tensor, []).append(sub_layer.name)
     for tensor, readers in residual_readers.items():
         if len(readers) > 1:

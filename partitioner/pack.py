@@ -27,7 +27,10 @@ from pipeshard.partitioner.graph import (
     assign_sub_layers,
     build_graph,
     cut,
+    expert_index,
     hoist_shared_index_math,
+    moe_blocks,
+    moe_internal_tensors,
     topologically_sorted,
     untranspose_tied_weights,
     verify_cut,
@@ -188,7 +191,11 @@ def partition(export_dir: Path, pack: Path, force: bool = False) -> PartitionRes
     model, assignment = topologically_sorted(model, assignment)
     sub_layers = cut(model, assignment)
     infos = _value_infos(model)
-    verify_cut(sub_layers, {name: _dims(v) for name, v in infos.items()}, dims["hidden_size"])
+    shapes = {name: _dims(v) for name, v in infos.items()}
+    blocks = moe_blocks(sub_layers, model, shapes, dims["hidden_size"])
+    verify_cut(sub_layers, shapes, dims["hidden_size"],
+               frozenset(moe_internal_tensors(blocks, sub_layers)))
+    sub_layers = [s for s in sub_layers if s.kind != "combine"]  # the runtime combines the routed experts
     initializers = {i.name: i for i in model.graph.initializer}
     external = {_external(i)["location"] for i in initializers.values() if _external(i)}
     if len(external) > 1:
@@ -220,6 +227,7 @@ def partition(export_dir: Path, pack: Path, force: bool = False) -> PartitionRes
                 "inputs": [_describe(infos[t]) for t in sub_layer.inputs],
                 "outputs": [_describe(infos[t]) for t in sub_layer.outputs],
                 "kv": kv,
+                **({"expert": expert_index(sub_layer.name)} if sub_layer.kind == "expert" else {}),
                 "row_chunks": {"weight": chunkable, "rows": int(initializers[chunkable].dims[0]),
                                "row_bytes": placements[chunkable]["bytes"] // int(initializers[chunkable].dims[0])}
                 if chunkable and chunkable in placements else None,
@@ -242,6 +250,8 @@ def partition(export_dir: Path, pack: Path, force: bool = False) -> PartitionRes
                 "num_key_value_heads": dims["num_key_value_heads"], "head_dim": dims["head_dim"],
                 "vocab_size": dims["vocab_size"], "max_context": dims["max_context"],
                 "tie_word_embeddings": info.get("tie_word_embeddings", False),
+                "num_experts": dims.get("num_experts", 0), "experts_per_token": dims.get("experts_per_token", 0),
+                "expert_intermediate_size": dims.get("expert_intermediate_size", 0),
             },
             "source": {"export": str(export_dir.absolute()),
                        "model_sha256": sha256_file(export_dir / info["model_file"])},
@@ -250,8 +260,10 @@ def partition(export_dir: Path, pack: Path, force: bool = False) -> PartitionRes
             "graph_outputs": [_describe(v) for v in model.graph.output],
             "kv_bytes_per_token": sum(e["kv"]["bytes_per_token"] for e in entries if e["kv"]),
             "total_weight_bytes": sum(b["bytes"] for b in blobs.values()),
-            "cost_model": "flops and bytes per step = const + T*new_tokens + C*context + TC*new_tokens*context",
+            "cost_model": "flops and bytes per step = const + T*new_tokens + C*context + TC*new_tokens*context; "
+                          "for an expert, T = the tokens routed to it",
             "sub_layers": entries,
+            "moe_blocks": blocks,
         }
         write_json_atomic(staging / MANIFEST_NAME, manifest)
     total = sum(b["bytes"] for b in blobs.values())

@@ -18,12 +18,21 @@ GLUE = "glue"
 
 # (pattern on the module path, sub-layer); applied in order, first match wins.
 DECODER_RULES: list[tuple[str, str]] = [
-    (r"\.layers\.(\d+)\.(input_layernorm|self_attn)(\..*)?$", "L{0}.attn"),
-    (r"\.layers\.(\d+)\.(post_attention_layernorm|mlp)(\..*)?$", "L{0}.ffn"),
-    (r"\.layers\.(\d+)$", "L{0}." + GLUE),
-    (r"\.embed_tokens$", "embed"),
-    (r"\.model\.norm$|\.lm_head$", "final"),
-    (r"\.rotary_emb$|\.model$|^lm$|^$", "prologue"),
+    (r"(?:^|\.)layers\.(\d+)\.(input_layernorm|self_attn)(\..*)?$", "L{0}.attn"),
+    (r"(?:^|\.)layers\.(\d+)\.(post_attention_layernorm|mlp)(\..*)?$", "L{0}.ffn"),
+    (r"(?:^|\.)layers\.(\d+)$", "L{0}." + GLUE),
+    (r"(?:^|\.)embed_tokens$", "embed"),
+    (r"(?:^|\.)model\.norm$|(?:^|\.)lm_head$", "final"),
+    (r"(?:^|\.)rotary_emb$|(?:^|\.)model$|^lm$|^$", "prologue"),
+]
+
+# MoE layers as exporter/moe.py writes them; dense layers of the same model (Qwen3-MoE's
+# `mlp_only_layers`) fall through to the decoder rules.
+MOE_RULES: list[tuple[str, str]] = [
+    (r"(?:^|\.)layers\.(\d+)\.mlp\.router(\..*)?$", "L{0}.router"),
+    (r"(?:^|\.)layers\.(\d+)\.mlp\.experts\.(\d+)(\..*)?$", "L{0}.expert{1}"),
+    (r"(?:^|\.)layers\.(\d+)\.mlp\.combine$", "L{0}.combine"),
+    *DECODER_RULES,
 ]
 
 RULES_BY_ARCHITECTURE: dict[str, list[tuple[str, str]]] = {
@@ -31,6 +40,8 @@ RULES_BY_ARCHITECTURE: dict[str, list[tuple[str, str]]] = {
     "mistral": DECODER_RULES,
     "qwen2": DECODER_RULES,
     "qwen3": DECODER_RULES,
+    "qwen3_moe": MOE_RULES,
+    "mixtral": MOE_RULES,
 }
 
 
@@ -39,8 +50,9 @@ def module_path(node: onnx.NodeProto) -> str | None:
     for prop in node.metadata_props:
         if prop.key == SCOPES_KEY:
             scopes = ast.literal_eval(prop.value)
-            # The last entry is the op's own name; the one before it is its module.
-            return scopes[-2] if len(scopes) >= 2 else ""
+            # The last entry is the op's own name; the one before it is its module. A sliced ModuleList
+            # (`self.layers[:n]`) is sometimes recorded as `layers.slice(None, n, None).i`.
+            return re.sub(r"\.slice\([^)]*\)", "", scopes[-2]) if len(scopes) >= 2 else ""
     return None
 
 
