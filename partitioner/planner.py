@@ -22,6 +22,7 @@ PLANS_SCHEMA_VERSION = 1
 DEFAULT_TIERS = (1, 4, 16, 64, 256, 1024)
 RESERVE_BYTES = 64 * 1024**2  # kept free for the driver and fragmentation
 STAGING_SLOTS = 2
+EXPERT_SLOTS = 2  # streamed experts: copied after their router ran, two in flight per layer
 HOST_ONLY_KINDS = ("prologue", "embed")  # cheap, and embed reads only T rows of a large table
 STRATEGIES = ("gpu-only", "static", "dynamic")
 BASELINES = ("monolithic", "cpu", "layers", "offload")
@@ -56,14 +57,15 @@ class VramBreakdown:
     pinned_weights: int = 0
     kv_cache: int = 0
     staging_slots: int = 0
+    expert_slots: int = 0
     workspace: int = 0
     ep_overhead: int = 0
     reserve: int = RESERVE_BYTES
 
     @property
     def total(self) -> int:
-        return (self.pinned_weights + self.kv_cache + self.staging_slots + self.workspace + self.ep_overhead
-                + self.reserve)
+        return (self.pinned_weights + self.kv_cache + self.staging_slots + self.expert_slots + self.workspace
+                + self.ep_overhead + self.reserve)
 
 
 @dataclass
@@ -97,7 +99,8 @@ class Planner:
     """Makes plans for one pack, profile, budget, context and batch; replanning is cheap (no I/O)."""
 
     def __init__(self, manifest: dict, profile: dict, budget_bytes: int, context: int = 4096, batch: int = 1,
-                 threads: int | None = None, output_chunks: int | None = None) -> None:
+                 threads: int | None = None, output_chunks: int | None = None,
+                 expert_stats: dict | None = None) -> None:
         self.manifest = manifest
         self.model = manifest["model"]
         self.sub_layers = planning_units(manifest["sub_layers"], output_chunks)
@@ -116,9 +119,14 @@ class Planner:
                              for e in self.sub_layers}
         self.model_bytes = sum(owned.values())
         self.placeable = [e for e in self.sub_layers if e["kind"] not in HOST_ONLY_KINDS]
-        # Canonical pin priority: attention (with its KV) first, then FFN in layer order, then the output layer.
+        self.routing_share = expert_routing_shares(manifest, expert_stats)
+        # Canonical pin priority: attention (with its KV) first, then FFN in layer order, then the output
+        # layer; in a MoE model the routers, the output layer, then the experts, most popular first.
         order = {"attn": 0, "router": 1, "ffn": 2, "final": 3}
-        self.priority = sorted(self.placeable, key=lambda e: (order.get(e["kind"], 2), e["layer"] or 0))
+        if self.routing_share:
+            order.update(final=2, expert=3)
+        self.priority = sorted(self.placeable, key=lambda e: (order.get(e["kind"], 2), -self.routing_share.get(
+            e["name"], 0.0), e["layer"] or 0, e.get("expert", 0)))
         self._cost_cache: dict[int, tuple[dict, dict, float]] = {}
 
     # -- accounting -------------------------------------------------------------------------------------------------
@@ -135,11 +143,13 @@ class Planner:
 
     def vram(self, placements: dict[str, str], tier: int, slots: int) -> VramBreakdown:
         on_device = [e for e in self.placeable if placements[e["name"]] != CPU]
-        streamed = [e for e in on_device if placements[e["name"]] == STREAMED]
+        streamed = [e for e in on_device if placements[e["name"]] == STREAMED and e["kind"] != "expert"]
+        streamed_experts = [e for e in on_device if placements[e["name"]] == STREAMED and e["kind"] == "expert"]
         return VramBreakdown(
             pinned_weights=sum(self.weight_bytes[e["name"]] for e in on_device if placements[e["name"]] == PINNED),
             kv_cache=sum(self.kv_bytes(e) for e in on_device),
             staging_slots=slots * max((self.weight_bytes[e["name"]] for e in streamed), default=0) if streamed else 0,
+            expert_slots=EXPERT_SLOTS * max((self.weight_bytes[e["name"]] for e in streamed_experts), default=0),
             workspace=self.workspace_bytes(tier) if on_device else 0,
             ep_overhead=self.ep_overhead,
         )
@@ -158,13 +168,27 @@ class Planner:
             factors = self.profile["contention"]["cpu_matmul_slowdown_under_copy"].get(str(self.estimator.threads), {})
             slowdown = _nearest_tier_factor(factors, tier)
         simulation: Simulation = simulate(self.sub_layers, full, compute, copies, activation, slots, prefetch,
-                                          slowdown, detail)
+                                          slowdown, detail, self.copy_gates)
         vram = self.vram(full, tier, slots)
         streamed_bytes = sum(self.weight_bytes[n] for n, p in full.items() if p == STREAMED)
         return Plan(strategy, tier, full, simulation.per_sub_layer_s, simulation.step_s,
                     tier / simulation.step_s, vram, self.budget_bytes, streamed_bytes,
                     simulation.copy_hidden_s / simulation.copy_busy_s if simulation.copy_busy_s else 1.0,
                     slots, prefetch, simulation.timeline)
+
+    @property
+    def copy_gates(self) -> dict[str, str]:
+        """Streamed experts can be copied only once their router has run."""
+        return {expert: block["router"] for block in self.manifest.get("moe_blocks", []) for expert in block["experts"]}
+
+    def expected_distinct_experts(self, tokens: int) -> dict[int, float]:
+        """Per MoE layer, the expected number of distinct experts `tokens` tokens activate:
+        sum over experts of 1-(1-p)^T (E(1-(1-k/E)^T) under uniform routing)."""
+        expected: dict[int, float] = {}
+        for e in self.sub_layers:
+            if e["name"] in self.routing_share:
+                expected[e["layer"]] = expected.get(e["layer"], 0.0) + 1.0 - (1.0 - self.routing_share[e["name"]]) ** tokens
+        return expected
 
     def clear_costs(self) -> None:
         """Forget cached estimates (after context or batch changed)."""
@@ -176,10 +200,20 @@ class Planner:
             estimator = self.estimator
             # The output layer computes only each sequence's last position (what generation reads).
             tokens = {e["name"]: min(tier, self.batch) if e["kind"] == "final" else tier for e in self.sub_layers}
-            compute = {e["name"]: {device: e.get("share", 1.0) * estimator.compute_seconds(
+            # An expert runs only in steps where some token chose it, over the tokens that did: its
+            # expected time is P(chosen by any of T tokens) x its time over the tokens routed to it then.
+            share, active = {}, {}
+            for e in self.sub_layers:
+                share[e["name"]], active[e["name"]] = e.get("share", 1.0), 1.0
+                if e["name"] in self.routing_share:
+                    p = self.routing_share[e["name"]]
+                    share[e["name"]] = 1.0 - (1.0 - p) ** tier
+                    tokens[e["name"]] = tier * p / share[e["name"]] if share[e["name"]] > 0 else 0.0
+            compute = {e["name"]: {device: share[e["name"]] * estimator.compute_seconds(
                 e, tokens[e["name"]], self.context, device == "gpu") for device in ("cpu", "gpu")}
                 for e in self.sub_layers}
-            copies = {e["name"]: estimator.copy_seconds(self.weight_bytes[e["name"]], under_cpu_load=True)
+            copies = {e["name"]: share[e["name"]] * estimator.copy_seconds(self.weight_bytes[e["name"]],
+                                                                           under_cpu_load=True)
                       for e in self.sub_layers}
             activation = estimator.copy_seconds(tier * self.model["hidden_size"] * estimator.element)
             self._cost_cache[tier] = (compute, copies, activation)
@@ -313,6 +347,21 @@ class Planner:
         started = time.perf_counter()
         per_tier = [self.plan_tier(t) for t in tiers]
         return {"tiers": per_tier, "planning_s": time.perf_counter() - started}
+
+
+def expert_routing_shares(manifest: dict, stats: dict | None) -> dict[str, float]:
+    """Per expert sub-layer, the share of a layer's tokens routed to it: k/E (uniform), or from a stats
+    file of measured activations (runtime ExpertStats.to_json) when given."""
+    model = manifest["model"]
+    num_experts, top_k = int(model.get("num_experts") or 0), int(model.get("experts_per_token") or 0)
+    shares: dict[str, float] = {}
+    for block in manifest.get("moe_blocks", []):
+        measured = (stats or {}).get("layers", {}).get(str(block["layer"]))
+        routed = sum(measured["tokens"]) if measured else 0
+        for index, name in enumerate(block["experts"]):
+            # Each token goes to top_k experts: measured token counts sum to top_k x tokens.
+            shares[name] = top_k * measured["tokens"][index] / routed if routed else top_k / num_experts
+    return shares
 
 
 def _nearest_tier_factor(factors: dict[str, float], tier: int) -> float:

@@ -36,7 +36,27 @@ def plan_table(planner, planned: dict, device_kind: str) -> str:
                      f"{_counts(chosen, placeable):>12}  {others:<28} {ratios[0]:>9} {ratios[1]:>10}")
     lines.append(f"predicted times (roofline estimator + 3-resource simulation) with every attention reading the full "
                  f"context of {planner.context} tokens; 'vs' = baseline step / chosen step")
+    if planner.routing_share:
+        lines += expert_placement_lines(planner, planned)
     return "\n".join(lines)
+
+
+def expert_placement_lines(planner, planned: dict) -> list[str]:
+    """Per tier, each MoE layer's experts as pinned/streamed/cpu, and the distinct experts T tokens are
+    expected to activate per layer."""
+    experts = [e for e in planner.sub_layers if e["name"] in planner.routing_share]
+    layers = sorted({e["layer"] for e in experts})
+    lines = ["experts per MoE layer, pinned/streamed/cpu (expected distinct experts per step):"]
+    for entry in planned["tiers"]:
+        placements = entry["chosen"].placements
+        expected = planner.expected_distinct_experts(entry["tier"])
+        per_layer = []
+        for layer in layers:
+            mine = [placements[e["name"]] for e in experts if e["layer"] == layer]
+            per_layer.append(f"L{layer} {mine.count('pinned')}/{mine.count('streamed')}/{mine.count('cpu')}")
+        mean_expected = sum(expected.values()) / len(expected)
+        lines.append(f"{entry['tier']:>5}  {'  '.join(per_layer)}  ({mean_expected:.2f})")
+    return lines
 
 
 def plot_timelines(planned: dict, tiers: list[int], path: Path, title: str) -> None:

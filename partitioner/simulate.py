@@ -16,6 +16,23 @@ from dataclasses import dataclass, field
 
 PINNED, STREAMED, CPU = "pinned", "streamed", "cpu"
 STEPS = 3
+EXPERT_SLOTS = 2
+
+
+def _experts_by_placement(sub_layers: list[dict], placements: dict[str, str], gates: dict[str, str]) -> list[dict]:
+    """Within each run of gated units (a MoE layer's experts), pinned first, then CPU, then streamed:
+    the runtime's order, so the streamed experts' copies overlap the others' compute."""
+    rank = {PINNED: 0, CPU: 1, STREAMED: 2}
+    ordered: list[dict] = []
+    group: list[dict] = []
+    for entry in sub_layers:
+        gate = gates.get(entry["name"])
+        if group and gate != gates[group[0]["name"]]:
+            ordered += sorted(group, key=lambda e: rank[placements[e["name"]]])
+            group = []
+        (group if gate is not None else ordered).append(entry)
+    ordered += sorted(group, key=lambda e: rank[placements[e["name"]]])
+    return ordered
 
 
 @dataclass
@@ -39,14 +56,25 @@ class Simulation:
 
 def simulate(sub_layers: list[dict], placements: dict[str, str], compute_s: dict[str, dict[str, float]],
              copy_s: dict[str, float], activation_copy_s: float, slots: int = 2, prefetch: bool = True,
-             cpu_slowdown_under_copy: float = 1.0, detail: bool = True) -> Simulation:
+             cpu_slowdown_under_copy: float = 1.0, detail: bool = True,
+             copy_gates: dict[str, str] | None = None) -> Simulation:
     """Steady-state step time of one plan (with `detail`, also its timeline and hidden copy time).
 
     compute_s[name] = {"cpu": seconds, "gpu": seconds}; copy_s[name] = seconds to stream its weights.
+    copy_gates[name] = the sub-layer that must finish before `name`'s weights can be copied (a MoE
+    expert's router): such units do not use the ring but their own EXPERT_SLOTS slots, their copies
+    issued once the gate ran; a MoE layer runs its pinned experts, then CPU ones, then streamed ones.
     """
+    gates = copy_gates or {}
+    sub_layers = _experts_by_placement(sub_layers, placements, gates)
     free = {"cpu": 0.0, "gpu": 0.0, "copy": 0.0}
     timeline: list[Interval] = []
-    streamed = [e["name"] for e in sub_layers if placements[e["name"]] == STREAMED]
+    streamed = [e["name"] for e in sub_layers if placements[e["name"]] == STREAMED and e["name"] not in gates]
+    gated_streamed = {gate: [e["name"] for e in sub_layers if placements[e["name"]] == STREAMED and
+                             gates.get(e["name"]) == gate] for gate in set(gates.values())}
+    gated_copy_end: dict[str, float] = {}
+    gated_compute_end: dict[str, float] = {}
+    ended: dict[str, float] = {}
     slots = max(slots, 1)
     copy_end: list[float] = []  # per global streamed index (over all steps)
     compute_end: list[float] = []  # per global streamed index
@@ -86,7 +114,16 @@ def simulate(sub_layers: list[dict], placements: dict[str, str], compute_s: dict
             if prefetch:
                 issue_ready_copies(None)
             start = max(free[device], ready)
-            if place == STREAMED:
+            if place == STREAMED and name in gates:
+                group = gated_streamed[gates[name]]
+                position = group.index(name)
+                for ahead in group[position:position + EXPERT_SLOTS]:
+                    if ahead not in gated_copy_end:
+                        behind = group.index(ahead) - EXPERT_SLOTS
+                        slot_free = gated_compute_end[group[behind]] if behind >= 0 else 0.0
+                        gated_copy_end[ahead] = copy(ahead, max(ended[gates[name]], slot_free), copy_s[ahead])
+                start = max(start, gated_copy_end[name])
+            elif place == STREAMED:
                 index = len(compute_end)
                 if index >= len(copy_end):
                     issue_ready_copies(start)
@@ -96,13 +133,17 @@ def simulate(sub_layers: list[dict], placements: dict[str, str], compute_s: dict
                                        for i in timeline[-8:]):
                 duration *= cpu_slowdown_under_copy
             end = start + duration
-            if place == STREAMED:
+            ended[name] = end
+            if place == STREAMED and name in gates:
+                gated_compute_end[name] = end
+            elif place == STREAMED:
                 compute_end.append(end)
             free[device] = end
             ready = end
             previous_device = device
             per_sub_layer[name] = duration
             timeline.append(Interval(device, name, start, end))
+        gated_copy_end.clear()
         if previous_device != "cpu":  # logits come back to the host
             ready = copy("logits", ready, activation_copy_s)
             previous_device = "cpu"

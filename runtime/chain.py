@@ -16,6 +16,7 @@ import numpy as np
 
 from pipeshard.runtime.exportdir import NUMPY_DTYPES
 from pipeshard.runtime.kv import HostKvCache, check_step_shape
+from pipeshard.runtime.moe import ExpertStats, MoeBlock, chosen_experts, combine, moe_blocks_of, run_on_arrays
 from pipeshard.runtime.ort import cpu_session_options, import_onnxruntime
 from pipeshard.runtime.pack import Pack, load_pack
 
@@ -68,12 +69,25 @@ class ChainStep:
         options = cpu_session_options(threads, optimize)
         if not prepack:
             options.add_session_config_entry("session.disable_prepacking", "1")
-        residual_names = [o["name"] for e in self.pack.sub_layers for o in e["outputs"]
-                          if len(o["shape"]) == 3 and o["shape"][-1] == self.hidden_size and o["name"] != LOGITS]
+        # A MoE layer is its router stage, then the routed experts and the combine (runtime/moe.py).
+        self.moe = moe_blocks_of(self.pack.manifest)
+        expert_names = {name for block in self.moe.values() for name in block.experts}
+        in_line = [e for e in self.pack.sub_layers if e["name"] not in expert_names]
+        residual_names = []
+        for entry in in_line:
+            if entry["name"] in self.moe:
+                residual_names.append(self.moe[entry["name"]].output)
+            else:
+                residual_names += [o["name"] for o in entry["outputs"] if len(o["shape"]) == 3 and
+                                   o["shape"][-1] == self.hidden_size and o["name"] != LOGITS]
         # Consecutive residual tensors alternate between two buffers: a stage never reads and
         # writes the same one.
         self._buffer_of = {name: index % 2 for index, name in enumerate(residual_names)}
-        self.stages = [_Stage(ort, self.pack, entry, options, set(residual_names)) for entry in self.pack.sub_layers]
+        self.stages = [_Stage(ort, self.pack, entry, options, set(residual_names)) for entry in in_line]
+        self.experts = {entry["name"]: _Stage(ort, self.pack, entry, options, set())
+                        for entry in self.pack.sub_layers if entry["name"] in expert_names}
+        self.num_experts = int(model.get("num_experts") or 0)
+        self.expert_stats = ExpertStats()
         # Generation reads only the last token's logits: unless asked for all, the output layer gets the
         # last position only (a 256-token prefill then skips 255 lm_head rows and their logits memory).
         self._all_logits = all_logits
@@ -152,4 +166,27 @@ class ChainStep:
                 produced = binding.get_outputs()
                 for index, name in enumerate(stage.bound_output_order):
                     shared[name] = produced[index]
+            if stage.name in self.moe:
+                self._run_experts(self.moe[stage.name], shared, shape[0] * shape[1])
+        if self.moe:
+            self.expert_stats.steps += 1
+            self.expert_stats.routed_tokens += shape[0] * shape[1]
         return self._logits
+
+    def _run_experts(self, block: MoeBlock, shared: dict, step_tokens: int) -> None:
+        """The experts the router chose, each over its tokens, summed into the next residual buffer."""
+        hidden, routing = shared[block.hidden].numpy(), shared[block.routing].numpy()
+        chosen = chosen_experts(routing)
+        self.expert_stats.record(block.layer, self.num_experts, chosen, step_tokens)
+
+        def run_expert(expert: int, rows_hidden: np.ndarray, rows_routing: np.ndarray) -> np.ndarray:
+            stage = self.experts[block.experts[expert]]
+            out = np.empty_like(rows_hidden)
+            run_on_arrays(stage.binding, stage.run, self.run_options, self._cpu,
+                          dict(zip(stage.shared_inputs, (rows_hidden, rows_routing)
+                                   if stage.shared_inputs[0] == block.hidden else (rows_routing, rows_hidden),
+                                   strict=True)), stage.allocated_outputs[0], out)
+            return out
+
+        combine(self._residual[self._buffer_of[block.residual]], hidden, routing, chosen, run_expert,
+                self._residual[self._buffer_of[block.output]])

@@ -18,10 +18,11 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeshard.partitioner.planner import CPU, PINNED, STREAMED, Plan, Planner
+from pipeshard.partitioner.planner import CPU, EXPERT_SLOTS, PINNED, STREAMED, Plan, Planner
 from pipeshard.runtime.devices import cpu_ort_device
 from pipeshard.runtime.exportdir import NUMPY_DTYPES
 from pipeshard.runtime.kv import HostKvCache, check_step_shape
+from pipeshard.runtime.moe import ExpertStats, MoeBlock, chosen_experts, combine, moe_blocks_of, run_on_arrays
 from pipeshard.runtime.ort import cpu_session_options, import_onnxruntime
 from pipeshard.runtime.pack import load_pack
 
@@ -99,6 +100,13 @@ class PlanStep:
         self._reserved: dict[str, int] = {}
         self._ring_position = 0
         self.all_logits = False  # see ChainStep: the output layer gets the last position only
+        # MoE layers: after a router runs, its chosen experts run (runtime/moe.py); streamed experts go
+        # through slots of their own, copied once the router has chosen them.
+        self.moe = moe_blocks_of(self.pack.manifest)
+        self._expert_names = {name for block in self.moe.values() for name in block.experts}
+        self.num_experts = int(model.get("num_experts") or 0)
+        self.expert_stats = ExpertStats()
+        self._expert_slots: list[np.ndarray] = []
 
     # -- plans ------------------------------------------------------------------------------------------------------
     def tier_for(self, tokens: int) -> int:
@@ -157,11 +165,17 @@ class PlanStep:
         for buffer in self._ring:
             self.device.free(buffer, "staging")
         self._ring, self._slot_name, self._slot_future = [], [], []
+        self._free_expert_slots()
         for attn in list(self._kv_on_device):
             self._move_kv(attn, to_device=False)
         for purpose in list(self._reserved):
             self._reserve(purpose, 0)
         self.active = None
+
+    def _free_expert_slots(self) -> None:
+        for buffer in self._expert_slots:
+            self.device.free(buffer, "expert staging")
+        self._expert_slots = []
 
     def _move_kv(self, attn: str, to_device: bool) -> None:
         """Move an attention's KV buffers between host and device (a plan change moved the attention)."""
@@ -190,7 +204,11 @@ class PlanStep:
         placements = plan.placements
         for name in [n for n in self._pinned if placements.get(n) != PINNED]:
             self.device.free(self._pinned.pop(name), "pinned")
-        streamed = [name for name in self.units if placements[name] == STREAMED]
+        streamed = [name for name in self.units if placements[name] == STREAMED and name not in self._expert_names]
+        streamed_experts = [name for name in self.units if placements[name] == STREAMED and name in self._expert_names]
+        expert_slot_bytes = max((self._unit_source(n).nbytes for n in streamed_experts), default=0)
+        if not streamed_experts or (self._expert_slots and self._expert_slots[0].nbytes != expert_slot_bytes):
+            self._free_expert_slots()
         slot_bytes = max((self._unit_source(n).nbytes for n in streamed), default=0)
         slots = min(plan.slots, len(streamed)) if streamed else 0
         if len(self._ring) != slots or (self._ring and self._ring[0].nbytes != slot_bytes):
@@ -212,6 +230,8 @@ class PlanStep:
                 self._pinned[name] = buffer
         if not self._ring and slots:
             self._ring = [self.device.alloc(slot_bytes, "staging") for _ in range(slots)]
+        if streamed_experts and not self._expert_slots:
+            self._expert_slots = [self.device.alloc(expert_slot_bytes, "expert staging") for _ in range(EXPERT_SLOTS)]
         self._streamed = streamed
         self._slot_name = [None] * len(self._ring)
         self._slot_future = [None] * len(self._ring)
@@ -322,6 +342,8 @@ class PlanStep:
         sub-layer itself, or its row chunks when any of them is on the device. Made once per activation."""
         schedule = []
         for entry in self.entries:
+            if entry["name"] in self._expert_names:
+                continue  # run by their router's block
             chunks = self._chunks[entry["name"]]
             if chunks and any(plan.placements[u["name"]] != CPU for u in chunks):
                 runs = [(u["name"], plan.placements[u["name"]], u) for u in chunks]
@@ -370,8 +392,63 @@ class PlanStep:
                     self._release_slot(plan, slot)
             if pieces:
                 values["logits"] = np.concatenate(pieces, axis=-1)
+            if name in self.moe:
+                self._run_experts(plan, self.moe[name], values, input_ids.size)
+        if self.moe:
+            self.expert_stats.steps += 1
+            self.expert_stats.routed_tokens += input_ids.size
         logits = values["logits"]
         return logits if isinstance(logits, np.ndarray) else logits.numpy()
+
+    def _run_experts(self, plan: Plan, block: MoeBlock, values: dict, step_tokens: int) -> None:
+        """The router's chosen experts over their tokens, pinned ones first, then CPU ones while the
+        streamed ones' weights are copied (two slots in flight), then the streamed ones; summed with
+        the residual into the block's output."""
+        hidden, routing = values[block.hidden].numpy(), values[block.routing].numpy()
+        chosen = chosen_experts(routing)
+        self.expert_stats.record(block.layer, self.num_experts, chosen, step_tokens)
+        rank = {PINNED: 0, CPU: 1, STREAMED: 2}
+        chosen.sort(key=lambda pair: rank[plan.placements[block.experts[pair[0]]]])
+        streamed = [block.experts[e] for e, _ in chosen if plan.placements[block.experts[e]] == STREAMED]
+        copies: dict[str, tuple[int, Future]] = {}
+
+        def start_copy(position: int) -> None:
+            if position < len(streamed):
+                name, slot = streamed[position], position % len(self._expert_slots)
+                source = self._unit_source(name)
+                copies[name] = (slot, self.device.upload(self._expert_slots[slot], source))
+                self.stats.streamed_bytes += source.nbytes
+
+        for position in range(min(EXPERT_SLOTS, len(streamed))):
+            start_copy(position)
+        cpu = cpu_ort_device()
+
+        def run_expert(expert: int, rows_hidden: np.ndarray, rows_routing: np.ndarray) -> np.ndarray:
+            name = block.experts[expert]
+            entry, placement = self.by_name[name], plan.placements[name]
+            session = self._session(entry, placement != CPU)
+            if placement == PINNED:
+                self._bind_weights(session.binding, entry, self._pinned[name])
+            elif placement == STREAMED:
+                slot, copied = copies.pop(name)
+                waited = time.perf_counter()
+                copied.result()
+                self.stats.copy_wait_s += time.perf_counter() - waited
+                self._bind_weights(session.binding, entry, self._expert_slots[slot])
+            out = np.empty_like(rows_hidden)
+            inputs = {block.hidden: rows_hidden, block.routing: rows_routing}
+            run_on_arrays(session.binding, session.run, self.run_options, cpu,
+                          {n: inputs[n] for n in self._inputs[name]}, session.produced[0], out)
+            if placement == STREAMED:
+                self.device.released_after_compute(self._expert_slots[slot])
+                start_copy(streamed.index(name) + EXPERT_SLOTS)
+            return out
+
+        out = np.empty_like(hidden)
+        combine(values[block.residual].numpy(), hidden, routing, chosen, run_expert, out)
+        wrapped = self._ort.OrtValue.ortvalue_from_numpy(out)  # holds `out` alive while values holds it
+        values[block.output + "#keep"] = wrapped
+        values[block.output] = wrapped._ortvalue
 
     def _bind_inputs(self, binding, entry: dict, values: dict, step_inputs: dict, cpu) -> None:
         """A sub-layer's activations: step inputs, values of earlier sub-layers (the output layer reads
