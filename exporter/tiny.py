@@ -95,11 +95,16 @@ def build_byte_tokenizer():
 
 def build_tiny_model(architecture: str):
     """A seeded random-weight causal LM of a tiny config, and its tokenizer."""
+    return build_random_model(dict(TINY_CONFIGS[architecture]))
+
+
+def build_random_model(settings: dict[str, Any]):
+    """A seeded random-weight causal LM of any config (`model_type` plus its fields) with the byte tokenizer."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     tokenizer = build_byte_tokenizer()
-    settings = dict(TINY_CONFIGS[architecture])
+    settings = dict(settings)
     model_type = settings.pop("model_type")
     vocab_size = len(tokenizer)
     config = AutoConfig.for_model(

@@ -290,7 +290,8 @@ def moe_blocks(sub_layers: list[SubLayer], model: onnx.ModelProto, shapes: dict[
         if len(hidden) != 1 or len(routing) != 1:
             raise CutError(f"MoE layer {layer}: the router's outputs {router.outputs} are not hidden states + routing")
         blocks.append({"layer": layer, "router": router.name, "experts": [s.name for s in experts],
-                       "hidden": hidden[0], "routing": routing[0], "residual": residual[0], "expert_outputs": [o[0] for o in expert_outputs],
+                       "hidden": hidden[0], "routing": routing[0], "residual": residual[0],
+                       "expert_outputs": [o[0] for o in expert_outputs],
                        "output": combine.outputs[0]})
     return blocks
 

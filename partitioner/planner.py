@@ -187,7 +187,8 @@ class Planner:
         expected: dict[int, float] = {}
         for e in self.sub_layers:
             if e["name"] in self.routing_share:
-                expected[e["layer"]] = expected.get(e["layer"], 0.0) + 1.0 - (1.0 - self.routing_share[e["name"]]) ** tokens
+                chosen = 1.0 - (1.0 - self.routing_share[e["name"]]) ** tokens
+                expected[e["layer"]] = expected.get(e["layer"], 0.0) + chosen
         return expected
 
     def clear_costs(self) -> None:
@@ -351,7 +352,8 @@ class Planner:
 
 def expert_routing_shares(manifest: dict, stats: dict | None) -> dict[str, float]:
     """Per expert sub-layer, the share of a layer's tokens routed to it: k/E (uniform), or from a stats
-    file of measured activations (runtime ExpertStats.to_json) when given."""
+    file of measured activations (runtime ExpertStats.to_json) when given, with one pseudo-token per
+    expert so an expert the stats never saw chosen is still expected now and then."""
     model = manifest["model"]
     num_experts, top_k = int(model.get("num_experts") or 0), int(model.get("experts_per_token") or 0)
     shares: dict[str, float] = {}
@@ -360,7 +362,8 @@ def expert_routing_shares(manifest: dict, stats: dict | None) -> dict[str, float
         routed = sum(measured["tokens"]) if measured else 0
         for index, name in enumerate(block["experts"]):
             # Each token goes to top_k experts: measured token counts sum to top_k x tokens.
-            shares[name] = top_k * measured["tokens"][index] / routed if routed else top_k / num_experts
+            shares[name] = top_k * (measured["tokens"][index] + 1) / (routed + num_experts) if routed \
+                else top_k / num_experts
     return shares
 
 

@@ -37,6 +37,13 @@ class Engine:
         planner = self.step.planner
         self.step.set_budget(resolve_budget(size, planner.minimum_budget(), planner.model_bytes))
 
+    def expert_stats(self) -> dict | None:
+        """A MoE model's routing so far (per layer and expert: steps it ran, tokens routed to it; mean distinct
+        experts per step size), in the form `pipeshard plan --expert-stats` reads; None for a dense model
+        or a monolithic session (which computes every expert)."""
+        stats = getattr(self.step, "expert_stats", None)
+        return stats.to_json() if stats is not None and stats.steps else None
+
     def stream(self, prompts: str | list[str], chat_template: bool = True, system: str | None = None,
                results: list[Generation] | None = None, **sampling) -> Iterator[StreamEvent]:
         """Like generate, yielding text pieces as they are produced."""
@@ -46,12 +53,13 @@ class Engine:
 
 def load(path: str | Path, threads: int | None = None, verify: bool = False, vram: str | int | None = None,
          device: str = "auto", profile: str | None = None, plan: str = "auto", context: int | None = None,
-         batch: int = 1) -> Engine:
+         batch: int = 1, expert_stats: str | Path | None = None) -> Engine:
     """Load an export folder (one session over the whole graph) or a model pack.
 
     A pack runs as the all-CPU chain unless a device with a VRAM budget is given: then the planner
     makes one plan per token tier from the profile (a DB file or a reference name) and every step
-    runs its tier's plan. `device`: auto (cuda if usable, else cpu), cuda, sim or cpu.
+    runs its tier's plan. `device`: auto (cuda if usable, else cpu), cuda, sim or cpu. `expert_stats`: a
+    MoE routing stats file (Engine.expert_stats) the planner uses instead of uniform routing.
     """
     from pipeshard.runtime.chain import ChainStep
     from pipeshard.runtime.monolithic import MonolithicStep
@@ -80,12 +88,24 @@ def load(path: str | Path, threads: int | None = None, verify: bool = False, vra
         return Engine(ChainStep(folder, threads=threads, verify=verify), TextCodec(folder), folder)
     if vram is None:
         raise UserError(f"--device {device} needs a VRAM budget (--vram SIZE)")
-    return Engine(planned_step(folder, device, vram, profile, plan, threads, context, batch, verify),
+    return Engine(planned_step(folder, device, vram, profile, plan, threads, context, batch, verify, expert_stats),
                   TextCodec(folder), folder)
 
 
+def read_expert_stats(path: str | Path | None) -> dict | None:
+    """A routing stats file (schema 1, docs/model-pack.md), or None."""
+    from pipeshard.runtime.exportdir import read_json
+
+    if path is None:
+        return None
+    stats = read_json(Path(path), "expert stats")
+    if stats.get("schema_version") != 1 or not isinstance(stats.get("layers"), dict):
+        raise UserError(f"{path}: not an expert stats file (schema_version 1 with per-layer token counts)")
+    return stats
+
+
 def planned_step(folder: Path, device: str, vram, profile: str | None, plan: str, threads: int | None,
-                 context: int | None, batch: int, verify: bool):
+                 context: int | None, batch: int, verify: bool, expert_stats: str | Path | None = None):
     """A PlanStep on a device, planned from the profile for the budget."""
     from pipeshard.partitioner.planner import STRATEGIES, Planner
     from pipeshard.profiles.db import default_profile_path, load_profile, machine_fingerprint
@@ -103,7 +123,8 @@ def planned_step(folder: Path, device: str, vram, profile: str | None, plan: str
         raise UserError("no profile of this machine yet: run `pipeshard profile` or pass --profile "
                         "(a DB file, or laptop-8gb / desktop-24gb / laptop-4gb)")
     planner = Planner(manifest, load_profile(profile_ref), 0,
-                      context=context or min(4096, manifest["model"]["max_context"]), batch=batch, threads=threads)
+                      context=context or min(4096, manifest["model"]["max_context"]), batch=batch, threads=threads,
+                      expert_stats=read_expert_stats(expert_stats))
     planner.budget_bytes = resolve_budget(vram, planner.minimum_budget(), planner.model_bytes)
     planner.check_budget()
     return PlanStep(folder, make_device(device, planner.budget_bytes), planner, threads=threads, strategy=plan)

@@ -38,7 +38,7 @@ def _command_run(args: argparse.Namespace) -> int:
     import pipeshard
 
     engine = pipeshard.load(args.path, threads=args.threads, verify=args.verify, vram=args.vram, device=args.device,
-                            profile=args.profile, plan=args.plan, context=args.context)
+                            profile=args.profile, plan=args.plan, context=args.context, expert_stats=args.expert_stats)
     sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                     top_p=args.top_p, repetition_penalty=args.repetition_penalty, seed=args.seed,
                     stop_strings=tuple(args.stop))
@@ -49,6 +49,13 @@ def _command_run(args: argparse.Namespace) -> int:
         if not args.json:
             print(event.text, end="", flush=True)
     (result,) = results
+    if args.save_expert_stats:
+        from pipeshard.fsutil import write_json_atomic
+
+        stats = engine.expert_stats()
+        if stats is None:
+            raise UserError("--save-expert-stats needs a MoE model run from its pack (not --plan monolithic)")
+        write_json_atomic(Path(args.save_expert_stats), stats)
     if args.json:
         print(json.dumps({
             "text": result.text, "tokens": result.tokens, "prompt_tokens": len(result.prompt_tokens),
@@ -79,7 +86,7 @@ def _command_chat(args: argparse.Namespace) -> int:
     import pipeshard
 
     engine = pipeshard.load(args.path, threads=args.threads, vram=args.vram, device=args.device,
-                            profile=args.profile, plan=args.plan, context=args.context)
+                            profile=args.profile, plan=args.plan, context=args.context, expert_stats=args.expert_stats)
     history = []
     print("pipeshard chat: /budget SIZE changes the VRAM budget, /plan shows the active plan, /quit ends")
     while True:
@@ -163,6 +170,7 @@ def _command_profile(args: argparse.Namespace) -> int:
 
 
 def _command_plan(args: argparse.Namespace) -> int:
+    from pipeshard.api import read_expert_stats
     from pipeshard.fsutil import write_json_atomic
     from pipeshard.partitioner.planner import Planner, plans_document
     from pipeshard.partitioner.report import plan_table, plot_timelines
@@ -179,7 +187,8 @@ def _command_plan(args: argparse.Namespace) -> int:
         raise UserError("no profile of this machine yet: run `pipeshard profile` or pass --profile "
                         "(a DB file, or laptop-8gb / desktop-24gb / laptop-4gb)")
     profile = load_profile(profile_ref)
-    planner = Planner(pack.manifest, profile, 0, context=args.context, batch=args.batch, threads=args.threads)
+    planner = Planner(pack.manifest, profile, 0, context=args.context, batch=args.batch, threads=args.threads,
+                      expert_stats=read_expert_stats(args.expert_stats))
     planner.budget_bytes = budget = resolve_budget(args.vram, planner.minimum_budget(), planner.model_bytes)
     planned = planner.plan(tuple(tiers))
     document = plans_document(planner, planned, str(pack.folder), str(profile_ref))
@@ -295,6 +304,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--out", default=None, help="write plans.json here")
     plan.add_argument("--json", action="store_true", help="print plans.json instead of the table")
     plan.add_argument("--plot", default=None, metavar="FILE.png", help="timeline of tiers 1 and 64")
+    plan.add_argument("--expert-stats", default=None, metavar="FILE",
+                      help="MoE routing stats (run --save-expert-stats) instead of uniform routing")
     plan.set_defaults(handler=_command_plan)
 
     run = commands.add_parser("run", help="generate text from an export folder or a model pack")
@@ -313,6 +324,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--no-chat-template", action="store_true", help="feed the prompt as raw text")
     run.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
     run.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    run.add_argument("--save-expert-stats", default=None, metavar="FILE",
+                     help="MoE: write the measured routing (for plan/run --expert-stats)")
     run.set_defaults(handler=_command_run)
 
     chat = commands.add_parser("chat", help="interactive chat on a pack (/budget SIZE, /plan)")
@@ -351,6 +364,8 @@ def _add_device_options(command: argparse.ArgumentParser) -> None:
                          help="auto, gpu-only, static, dynamic, cpu, monolithic, layers or offload")
     command.add_argument("--profile", default=None, help="profile DB file or reference name")
     command.add_argument("--context", type=int, default=None, help="KV cache context to plan for (default 4096)")
+    command.add_argument("--expert-stats", default=None, metavar="FILE",
+                         help="MoE routing stats to plan with instead of uniform routing")
 
 
 def main(argv: Sequence[str] | None = None, own_process: bool = False) -> int:

@@ -78,12 +78,8 @@ class ExpertStats:
 def chosen_experts(routing: np.ndarray) -> list[tuple[int, np.ndarray]]:
     """(expert, token rows) for every expert with a nonzero routing weight, in expert order; rows index
     the flattened [batch * tokens] positions."""
-    rows, experts = np.nonzero(routing.reshape(-1, routing.shape[-1]))
-    order = np.argsort(experts, kind="stable")
-    rows, experts = rows[order], experts[order]
-    bounds = np.flatnonzero(np.diff(experts)) + 1
-    return [(int(group[0]), token_rows) for group, token_rows in
-            zip(np.split(experts, bounds), np.split(rows, bounds), strict=True) if len(group)]
+    chosen = routing.reshape(-1, routing.shape[-1]) != 0
+    return [(int(expert), np.flatnonzero(chosen[:, expert])) for expert in np.flatnonzero(chosen.any(axis=0))]
 
 
 def combine(residual: np.ndarray, hidden: np.ndarray, routing: np.ndarray,
