@@ -388,12 +388,15 @@ def _row(worker: _Worker, final: dict, prompt: list[int]) -> dict:
 
 
 def minimum_bytes_per_token(pack, context: float) -> float:
-    """What a decode step must read at the least: every weight once (one embedding row) and the KV
-    cache of `context` tokens once. An engine's own extra traffic (KV copies) is not the limit."""
+    """What a decode step must read at the least: every weight once (one embedding row; of a MoE
+    layer's experts the k a token chooses) and the KV cache of `context` tokens once. An engine's own
+    extra traffic (KV copies) is not the limit."""
     from pipeshard.runtime.pack import evaluate_cost
 
+    model = pack.model
+    chosen_share = model["experts_per_token"] / model["num_experts"] if model.get("num_experts") else 1.0
     weights = sum(evaluate_cost({k: v for k, v in e["cost"]["bytes"].items() if k in ("const", "T")}, 1, 0)
-                  for e in pack.sub_layers)
+                  * (chosen_share if e["kind"] == "expert" else 1.0) for e in pack.sub_layers)
     return weights + pack.manifest["kv_bytes_per_token"] * context
 
 
