@@ -2,7 +2,7 @@
 matter (8 experts, top-2; ~450 MB of experts): the split form (routed experts only, the CPU chain) vs
 the dense monolithic export (every expert for every token, routing weight 0 for the unchosen), decode
 tok/s interleaved; then the distinct experts a layer runs per step at tiers 1, 4, 16 and 64, measured
-vs the planner's expectation E(1-(1-k/E)^T).
+vs the planner's expectation: E(1-(1-k/E)^T) for uniform routing, and from measured routing stats.
 
     python examples/bench_moe.py [--work build/bench-moe] [--threads 2] [--repeat 5] [--new-tokens 64]
 
@@ -75,18 +75,24 @@ def distinct_experts(pack: Path, threads: int) -> dict:
     step = engine.step
     ids = np.array([engine.codec.tokenizer.encode(TEXT).ids[:1024]], np.int64)
     measured = {}
+    all_tiers = step.expert_stats
     for tier in TIERS:
-        step.expert_stats = type(step.expert_stats)()
+        step.expert_stats = type(all_tiers)()
         step.start(1, ids.shape[1])
         steps = min(ids.shape[1] // tier, 48)
         for index in range(steps):
             begin, end = index * tier, (index + 1) * tier
             step.forward(ids[:, begin:end], np.ones((1, end), np.int64), np.arange(begin, end)[None])
         measured[tier] = step.expert_stats.mean_distinct_experts()[str(tier)]
+        if tier == TIERS[-1]:
+            stats = step.expert_stats.to_json()  # the text's routing at T=64, as a stats file would hold it
     manifest = json.loads((pack / "manifest.json").read_text())
-    planner = Planner(manifest, load_profile("laptop-8gb"), 1 << 40)
-    expected = {t: statistics.mean(planner.expected_distinct_experts(t).values()) for t in TIERS}
-    return {"measured": measured, "expected_uniform": expected}
+    uniform = Planner(manifest, load_profile("laptop-8gb"), 1 << 40)
+    measured_routing = Planner(manifest, load_profile("laptop-8gb"), 1 << 40, expert_stats=stats)
+    return {"measured": measured,
+            "expected_uniform": {t: statistics.mean(uniform.expected_distinct_experts(t).values()) for t in TIERS},
+            "expected_from_stats": {t: statistics.mean(measured_routing.expected_distinct_experts(t).values())
+                                    for t in TIERS}}
 
 
 def main() -> None:
@@ -113,9 +119,12 @@ def main() -> None:
           f"{decode['ratio_of_medians']:.2f}x (ratio of medians); same greedy tokens: {decode['same_tokens']}")
     routing = distinct_experts(pack, args.threads)
     print("\ndistinct experts per layer and step (of 8), real text:")
-    print(f"  {'tier T':>6} {'measured':>9} {'expected E(1-(1-k/E)^T)':>25}")
+    print(f"  {'tier T':>6} {'measured':>9} {'expected, uniform E(1-(1-k/E)^T)':>34} {'expected, from stats':>21}")
     for tier in TIERS:
-        print(f"  {tier:>6} {routing['measured'][tier]:>9.2f} {routing['expected_uniform'][tier]:>25.2f}")
+        print(f"  {tier:>6} {routing['measured'][tier]:>9.2f} {routing['expected_uniform'][tier]:>34.2f} "
+              f"{routing['expected_from_stats'][tier]:>21.2f}")
+    print("  (stats: the per-expert token counts of the T=64 pass, what run --save-expert-stats writes; both"
+          " expectations assume the tokens of a step choose their experts independently)")
     if args.json:
         Path(args.json).write_text(json.dumps({"decode": decode, "routing": routing}, indent=1))
 
