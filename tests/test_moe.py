@@ -193,3 +193,23 @@ def test_planner_expects_uniform_distinct_experts_and_reads_measured_stats(moe_m
         [b["experts"][0] for b in manifest["moe_blocks"]] + [b["experts"][1] for b in manifest["moe_blocks"]],
         key=experts.index)
     assert {n.split(".")[1] for n in experts[: 2 * len(manifest["moe_blocks"])]} == {"expert0", "expert1"}
+
+
+def test_gpu_check_dry_run_covers_a_moe_pack(moe_model, tiny_pack, tmp_path):
+    """The GPU check's MoE part, on the simulated device."""
+    import importlib.util
+    from pathlib import Path
+
+    architecture, _, pack, _, _ = moe_model
+    if architecture != "moe":
+        pytest.skip("one MoE pack is enough")
+    script = Path(__file__).resolve().parents[1] / "examples" / "gpu_check.py"
+    spec = importlib.util.spec_from_file_location("gpu_check", script)
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+    report = gpu_check.main(["--pack", str(tiny_pack), "--moe-pack", str(pack), "--device", "sim", "--profile",
+                             "laptop-8gb", "--fraction", "0.7", "--new-tokens", "8", "--repeat", "1",
+                             "--out", str(tmp_path / "check.json")])
+    assert report["ok"]
+    assert [row["name"] for row in report["moe_bench"]["rows"]] == ["cpu", "auto", "layers", "offload"]
+    assert any(row["streamed_bytes_per_run"] for row in report["moe_bench"]["rows"])
