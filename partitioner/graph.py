@@ -159,6 +159,57 @@ def hoist_shared_index_math(model: onnx.ModelProto, graph: nx.DiGraph, assignmen
                 assignment[node] = PROLOGUE
 
 
+def hoist_step_invariants(model: onnx.ModelProto, graph: nx.DiGraph, assignment: dict[int, str]) -> None:
+    """Move into the prologue every node of a compute sub-layer that reads nothing but the step's
+    inputs, prologue values and inline constants: such a value is the same in every layer (the rotary
+    cos/sin each attention computes from the prologue's angles — twice, once for q and once for k).
+    `merge_duplicate_prologue_nodes` then computes each of them once per step instead of 60 times."""
+    step_inputs = {"input_ids", "attention_mask", "position_ids"}
+    inline = {i.name for i in model.graph.initializer
+              if i.data_location != onnx.TensorProto.EXTERNAL and math.prod(i.dims) <= SMALL_CONSTANT_ELEMENTS}
+    producer_of = graph.graph["producer"]
+    for index in nx.topological_sort(graph):
+        node = model.graph.node[index]
+        if assignment[index] == PROLOGUE or not node.input:
+            continue
+        if all(not t or t in step_inputs or t in inline or assignment.get(producer_of.get(t)) == PROLOGUE
+               for t in node.input):
+            assignment[index] = PROLOGUE
+
+
+def merge_duplicate_prologue_nodes(model: onnx.ModelProto, assignment: dict[int, str]) -> None:
+    """Prologue nodes with the same op, attributes and inputs compute the same value: keep the first and
+    point the others' readers at it (common subexpression elimination, in topological order)."""
+    nodes = model.graph.node
+    renamed: dict[str, str] = {}
+    first: dict[tuple, onnx.NodeProto] = {}
+    dropped: set[int] = set()
+    for index in range(len(nodes)):
+        node = nodes[index]
+        for position, tensor in enumerate(node.input):
+            if tensor in renamed:
+                node.input[position] = renamed[tensor]
+        if assignment[index] != PROLOGUE:
+            continue
+        key = (node.domain, node.op_type, tuple(node.input),
+               tuple(a.SerializeToString(deterministic=True) for a in node.attribute))
+        if key in first:
+            renamed.update(zip(node.output, first[key].output, strict=True))
+            dropped.add(index)
+        else:
+            first[key] = node
+    graph_outputs = {o.name for o in model.graph.output}
+    dropped = {i for i in dropped if not graph_outputs & set(nodes[i].output)}
+    if dropped:
+        kept = [i for i in range(len(nodes)) if i not in dropped]
+        remaining = [nodes[i] for i in kept]
+        moved = {new: assignment[old] for new, old in enumerate(kept)}
+        del nodes[:]
+        nodes.extend(remaining)
+        assignment.clear()
+        assignment.update(moved)
+
+
 def _reads_only(node: onnx.NodeProto, allowed: set[str], producer_of: dict[str, int], subgraph: set[int]) -> bool:
     """True when every input of `node` is allowed or computed inside `subgraph`."""
     return all(not tensor or tensor in allowed or producer_of.get(tensor) in subgraph for tensor in node.input)

@@ -29,6 +29,8 @@ from pipeshard.partitioner.graph import (
     cut,
     expert_index,
     hoist_shared_index_math,
+    hoist_step_invariants,
+    merge_duplicate_prologue_nodes,
     moe_blocks,
     moe_internal_tensors,
     topologically_sorted,
@@ -55,7 +57,11 @@ class PartitionResult:
 
 
 def _value_infos(model: onnx.ModelProto) -> dict[str, onnx.ValueInfoProto]:
-    infos = {v.name: v for v in model.graph.value_info}
+    """Type and shape of every tensor: the exporter's, and ONNX shape inference for the tensors the
+    export's rewrites added without one (only metadata is read: the weights stay unloaded)."""
+    inferred = onnx.shape_inference.infer_shapes(model)
+    infos = {v.name: v for v in inferred.graph.value_info}
+    infos.update({v.name: v for v in model.graph.value_info})
     infos.update({v.name: v for v in model.graph.input})
     infos.update({v.name: v for v in model.graph.output})
     return infos
@@ -187,6 +193,8 @@ def partition(export_dir: Path, pack: Path, force: bool = False) -> PartitionRes
     graph = build_graph(model)
     assignment = assign_sub_layers(model, graph, rules)
     hoist_shared_index_math(model, graph, assignment)
+    hoist_step_invariants(model, graph, assignment)
+    merge_duplicate_prologue_nodes(model, assignment)
     untranspose_tied_weights(model, assignment)
     model, assignment = topologically_sorted(model, assignment)
     sub_layers = cut(model, assignment)

@@ -27,7 +27,7 @@ LOGITS = "logits"
 class _Stage:
     """One sub-layer's session and binding, with its boundary names sorted by how they are bound."""
 
-    def __init__(self, ort, pack: Pack, entry: dict, options, residual: set[str]) -> None:
+    def __init__(self, ort, pack: Pack, entry: dict, options, residual: set[str], fixed: set[str]) -> None:
         self.name = entry["name"]
         self.session = ort.InferenceSession(str(pack.path(entry["files"]["onnx"])), options,
                                             providers=["CPUExecutionProvider"])
@@ -42,12 +42,13 @@ class _Stage:
         outputs = [o["name"] for o in entry["outputs"]]
         self.step_inputs = [n for n in inputs if n in STEP_INPUTS]
         self.residual_inputs = [n for n in inputs if n in residual]
-        self.shared_inputs = [n for n in inputs if n not in STEP_INPUTS and n not in residual and n not in self.past]
-        self.pointer_outputs = [n for n in outputs if n in residual or n == LOGITS]
+        self.fixed_inputs = [n for n in inputs if n in fixed]
+        self.shared_inputs = [n for n in inputs if n not in STEP_INPUTS and n not in residual and n not in self.past
+                              and n not in fixed]
+        self.pointer_outputs = [n for n in outputs if n in residual or n == LOGITS or n in fixed]
         self.allocated_outputs = [n for n in outputs if n not in self.pointer_outputs and n not in self.present]
         # IO binding returns outputs in the order they were first bound: KV (at start), pointers, the rest.
         self.bound_output_order = self.present + self.pointer_outputs + self.allocated_outputs
-        self.bound_shape: tuple[int, int] | None = None
         self.takes_last_hidden = LOGITS in self.pointer_outputs and len(self.residual_inputs) == 1
 
 
@@ -83,8 +84,18 @@ class ChainStep:
         # Consecutive residual tensors alternate between two buffers: a stage never reads and
         # writes the same one.
         self._buffer_of = {name: index % 2 for index, name in enumerate(residual_names)}
-        self.stages = [_Stage(ort, self.pack, entry, options, set(residual_names)) for entry in in_line]
-        self.experts = {entry["name"]: _Stage(ort, self.pack, entry, options, set())
+        # Prologue values whose shape depends on the batch shape only (rotary angles, sequence lengths) live
+        # in buffers of their own, bound by pointer when the batch shape changes; the others (the mask bias
+        # grows with the context) are allocated by ONNX Runtime and handed on every step.
+        self._fixed = {o["name"]: o for e in in_line if e["kind"] == "prologue" for o in e["outputs"]
+                       if all(isinstance(d, int) or d in ("batch", "sequence") for d in o["shape"])}
+        self._fixed_buffers: dict[str, np.ndarray] = {}
+        # Sessions are made largest weights first: while one is made, its blob is mapped beside the packed
+        # copies of those made before, so the 108 MiB output layer made last would raise the load peak.
+        made = {entry["name"]: _Stage(ort, self.pack, entry, options, set(residual_names), set(self._fixed))
+                for entry in sorted(in_line, key=lambda e: -e["weight_bytes"])}
+        self.stages = [made[entry["name"]] for entry in in_line]
+        self.experts = {entry["name"]: _Stage(ort, self.pack, entry, options, set(), set())
                         for entry in self.pack.sub_layers if entry["name"] in expert_names}
         self.num_experts = int(model.get("num_experts") or 0)
         self.expert_stats = ExpertStats()
@@ -99,6 +110,7 @@ class ChainStep:
         self._shape: tuple[int, int] | None = None
         self._residual: list[np.ndarray] = []
         self._logits = np.empty(0, self.dtype)
+        self._program: list[tuple] = []
 
     @property
     def all_logits(self) -> bool:
@@ -108,8 +120,6 @@ class ChainStep:
     def all_logits(self, value: bool) -> None:
         self._all_logits = value
         self._shape = None  # buffers are remade at the next step, and every stage's pointer bindings with them
-        for stage in self.stages:
-            stage.bound_shape = None
 
     def start(self, batch_size: int, context: int | None = None) -> None:
         self.kv.reset(batch_size, context)
@@ -122,16 +132,44 @@ class ChainStep:
                 for bind, name in ((stage.binding.bind_input, past), (stage.binding.bind_output, present)):
                     bind(name, self._cpu, buffer.dtype, list(buffer.shape), buffer.ctypes.data)
 
+    def _buffer(self, name: str) -> np.ndarray:
+        if name == LOGITS:
+            return self._logits
+        return self._fixed_buffers[name] if name in self._fixed_buffers else self._residual[self._buffer_of[name]]
+
     def _bind_pointers(self, stage: _Stage) -> None:
-        """(Re)bind the residual buffers and logits of a stage for the current batch shape."""
+        """(Re)bind the residual buffers, fixed prologue values and logits of a stage for the current batch shape."""
         last_only = LOGITS in stage.pointer_outputs and not self.all_logits
-        for name in stage.residual_inputs:
-            array = self._last_hidden if last_only else self._residual[self._buffer_of[name]]
+        for name in stage.residual_inputs + stage.fixed_inputs:
+            array = self._last_hidden if last_only and name in stage.residual_inputs else self._buffer(name)
             stage.binding.bind_input(name, self._cpu, array.dtype, list(array.shape), array.ctypes.data)
         for name in stage.pointer_outputs:
-            array = self._logits if name == LOGITS else self._residual[self._buffer_of[name]]
+            array = self._buffer(name)
             stage.binding.bind_output(name, self._cpu, array.dtype, list(array.shape), array.ctypes.data)
-        stage.bound_shape = self._shape
+
+    def _make_program(self, shape: tuple[int, int]) -> None:
+        """Buffers for a batch shape, every stage's pointer bindings, and per stage what a step still does:
+        (run, binding, per-step inputs, ORT-allocated outputs, their places in the returned outputs,
+        the last-position copy for the output layer, the MoE block after it)."""
+        self._shape = shape
+        sizes = {"batch": shape[0], "sequence": shape[1]}
+        self._residual = [np.empty((*shape, self.hidden_size), self.dtype) for _ in range(2)]
+        self._fixed_buffers = {name: np.empty([sizes.get(d, d) for d in o["shape"]], np.dtype(o["dtype"]))
+                               for name, o in self._fixed.items()}
+        logit_rows = shape[1] if self.all_logits else 1
+        self._logits = np.empty((shape[0], logit_rows, self.vocab_size), self.dtype)
+        self._last_hidden = np.empty((shape[0], 1, self.hidden_size), self.dtype)
+        self._program = []
+        for stage in self.stages:
+            self._bind_pointers(stage)
+            binding = stage.binding
+            per_step = tuple((binding.bind_input, name) for name in stage.step_inputs) + \
+                tuple((binding.bind_ortvalue_input, name) for name in stage.shared_inputs)
+            allocated = tuple(stage.allocated_outputs)
+            places = tuple(stage.bound_output_order.index(name) for name in allocated)
+            last_copy = (self._last_hidden, self._residual[self._buffer_of[stage.residual_inputs[0]]][:, -1:, :]) \
+                if stage.takes_last_hidden and not self.all_logits else None
+            self._program.append((stage.run, binding, per_step, allocated, places, last_copy, self.moe.get(stage.name)))
 
     def forward(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray) -> np.ndarray:
         shape = input_ids.shape
@@ -139,35 +177,28 @@ class ChainStep:
         if self.kv.ensure(attention_mask.shape[1]):
             self._bind_kv()
         if shape != self._shape:
-            self._shape = shape
-            self._residual = [np.empty((*shape, self.hidden_size), self.dtype) for _ in range(2)]
-            logit_rows = shape[1] if self.all_logits else 1
-            self._logits = np.empty((shape[0], logit_rows, self.vocab_size), self.dtype)
-            self._last_hidden = np.empty((shape[0], 1, self.hidden_size), self.dtype)
+            self._make_program(shape)
         step_inputs = {"input_ids": np.ascontiguousarray(input_ids, dtype=np.int64),
                        "attention_mask": np.ascontiguousarray(attention_mask, dtype=np.int64),
                        "position_ids": np.ascontiguousarray(position_ids, dtype=np.int64)}
         shared: dict[str, object] = {}
         run_options, cpu = self.run_options, self._cpu
-        for stage in self.stages:
-            binding = stage.binding
-            if stage.bound_shape != shape:
-                self._bind_pointers(stage)
-            if stage.takes_last_hidden and not self.all_logits:
-                np.copyto(self._last_hidden, self._residual[self._buffer_of[stage.residual_inputs[0]]][:, -1:, :])
-            for name in stage.step_inputs:
-                binding.bind_input(name, step_inputs[name])
-            for name in stage.shared_inputs:
-                binding.bind_ortvalue_input(name, shared[name])
-            for name in stage.allocated_outputs:
+        # The step loop touches as little as it can: after each sub-layer's weights have streamed through
+        # the caches, every object it reads is a cache miss.
+        for run, binding, per_step, allocated, places, last_copy, block in self._program:
+            if last_copy is not None:
+                np.copyto(*last_copy)
+            for bind, name in per_step:
+                bind(name, step_inputs[name] if name in step_inputs else shared[name])
+            for name in allocated:
                 binding.bind_output(name, cpu)
-            stage.run(binding, run_options)
-            if stage.allocated_outputs:
+            run(binding, run_options)
+            if allocated:
                 produced = binding.get_outputs()
-                for index, name in enumerate(stage.bound_output_order):
-                    shared[name] = produced[index]
-            if stage.name in self.moe:
-                self._run_experts(self.moe[stage.name], shared, shape[0] * shape[1])
+                for name, place in zip(allocated, places, strict=True):
+                    shared[name] = produced[place]
+            if block is not None:
+                self._run_experts(block, shared, shape[0] * shape[1])
         if self.moe:
             self.expert_stats.steps += 1
             self.expert_stats.routed_tokens += shape[0] * shape[1]
