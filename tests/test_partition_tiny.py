@@ -35,6 +35,17 @@ def test_only_the_residual_stream_and_own_kv_cross_between_compute_sub_layers(ti
     assert prologue_inputs <= {"input_ids", "attention_mask", "position_ids"}
 
 
+def test_values_every_layer_computes_alike_are_computed_once_in_the_prologue(tiny_pack):
+    """The rotary cos/sin read only the prologue's angles: one Cos and one Sin per step, not two per attention."""
+    pack = load_pack(tiny_pack)
+    ops = {e["name"]: [n.op_type for n in onnx.load(pack.path(e["files"]["onnx"])).graph.node]
+           for e in pack.sub_layers}
+    assert (ops["prologue"].count("Cos"), ops["prologue"].count("Sin")) == (1, 1)
+    assert not any({"Cos", "Sin"} & set(found) for name, found in ops.items() if name != "prologue")
+    attention_inputs = {i["name"] for i in pack.sub_layers[2]["inputs"]}
+    assert {o["name"] for o in pack.sub_layers[0]["outputs"]} & attention_inputs
+
+
 def test_weights_are_aligned_stored_once_and_byte_identical(tiny_pack, tiny_llama_export):
     pack = load_pack(tiny_pack, verify=True)
     source = onnx.load(tiny_llama_export / "model.onnx", load_external_data=False)
