@@ -199,15 +199,21 @@ def merge_duplicate_prologue_nodes(model: onnx.ModelProto, assignment: dict[int,
         else:
             first[key] = node
     graph_outputs = {o.name for o in model.graph.output}
-    dropped = {i for i in dropped if not graph_outputs & set(nodes[i].output)}
-    if dropped:
-        kept = [i for i in range(len(nodes)) if i not in dropped]
-        remaining = [nodes[i] for i in kept]
-        moved = {new: assignment[old] for new, old in enumerate(kept)}
-        del nodes[:]
-        nodes.extend(remaining)
-        assignment.clear()
-        assignment.update(moved)
+    _drop_nodes(model, assignment, {i for i in dropped if not graph_outputs & set(nodes[i].output)})
+
+
+def _drop_nodes(model: onnx.ModelProto, assignment: dict[int, str], dropped: set[int]) -> None:
+    """Remove nodes by index, renumbering the assignment of the others."""
+    if not dropped:
+        return
+    nodes = model.graph.node
+    kept = [i for i in range(len(nodes)) if i not in dropped]
+    remaining = [nodes[i] for i in kept]
+    moved = {new: assignment[old] for new, old in enumerate(kept)}
+    del nodes[:]
+    nodes.extend(remaining)
+    assignment.clear()
+    assignment.update(moved)
 
 
 def _reads_only(node: onnx.NodeProto, allowed: set[str], producer_of: dict[str, int], subgraph: set[int]) -> bool:
@@ -252,14 +258,7 @@ def untranspose_tied_weights(model: onnx.ModelProto, assignment: dict[int, str])
             assignment[len(nodes) - 1] = assignment[index]
         if not any(transpose.output[0] in n.input for n in nodes):
             unused.add(producer[transpose.output[0]])
-    if unused:
-        kept = [i for i in range(len(nodes)) if i not in unused]
-        remaining = [nodes[i] for i in kept]
-        moved = {new: assignment[old] for new, old in enumerate(kept)}
-        del nodes[:]
-        nodes.extend(remaining)
-        assignment.clear()
-        assignment.update(moved)
+    _drop_nodes(model, assignment, unused)
 
 
 def topologically_sorted(model: onnx.ModelProto, assignment: dict[int, str]) -> tuple[onnx.ModelProto, dict[int, str]]:
