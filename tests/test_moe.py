@@ -213,3 +213,27 @@ def test_gpu_check_dry_run_covers_a_moe_pack(moe_model, tiny_pack, tmp_path):
     assert report["ok"]
     assert [row["name"] for row in report["moe_bench"]["rows"]] == ["cpu", "auto", "layers", "offload"]
     assert any(row["streamed_bytes_per_run"] for row in report["moe_bench"]["rows"])
+
+
+def test_routing_stats_round_trip_through_the_cli(moe_model, tmp_path, capsys):
+    """run --save-expert-stats writes what plan --expert-stats reads; a file that is not one is an error line."""
+    from pipeshard.cli import main
+
+    architecture, _, pack, _, _ = moe_model
+    if architecture != "moe":
+        pytest.skip("one MoE pack is enough")
+    stats = tmp_path / "stats.json"
+    assert main(["run", str(pack), PROMPTS[2], "--plan", "cpu", "--max-new-tokens", "16",
+                 "--save-expert-stats", str(stats)]) == 0
+    saved = json.loads(stats.read_text())
+    assert saved["schema_version"] == 1 and saved["steps"] >= 1
+    assert all(sum(layer["tokens"]) == 2 * saved["routed_tokens"] for layer in saved["layers"].values())
+    capsys.readouterr()
+    assert main(["plan", str(pack), "--vram", "70%", "--profile", "laptop-8gb", "--context", "256",
+                 "--expert-stats", str(stats)]) == 0
+    table = capsys.readouterr().out
+    assert "experts per MoE layer, pinned/streamed/cpu" in table and "L3 " in table
+    assert main(["plan", str(pack), "--vram", "70%", "--profile", "laptop-8gb",
+                 "--expert-stats", str(pack / "manifest.json")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error:") and "expert stats" in err[0]
