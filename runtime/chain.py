@@ -214,9 +214,7 @@ class ChainStep:
             stage = self.experts[block.experts[expert]]
             out = np.empty_like(rows_hidden)
             run_on_arrays(stage.binding, stage.run, self.run_options, self._cpu,
-                          dict(zip(stage.shared_inputs, (rows_hidden, rows_routing)
-                                   if stage.shared_inputs[0] == block.hidden else (rows_routing, rows_hidden),
-                                   strict=True)), stage.allocated_outputs[0], out)
+                          {block.hidden: rows_hidden, block.routing: rows_routing}, stage.allocated_outputs[0], out)
             return out
 
         combine(self._residual[self._buffer_of[block.residual]], hidden, routing, chosen, run_expert,
