@@ -198,17 +198,18 @@ class ChainStep:
                 for name, place in zip(allocated, places, strict=True):
                     shared[name] = produced[place]
             if block is not None:
-                self._run_experts(block, shared, shape[0] * shape[1])
+                self._run_experts(block, shared, step_inputs["attention_mask"][:, -shape[1]:])
         if self.moe:
             self.expert_stats.steps += 1
             self.expert_stats.routed_tokens += shape[0] * shape[1]
         return self._logits
 
-    def _run_experts(self, block: MoeBlock, shared: dict, step_tokens: int) -> None:
-        """The experts the router chose, each over its tokens, summed into the next residual buffer."""
+    def _run_experts(self, block: MoeBlock, shared: dict, live: np.ndarray) -> None:
+        """The experts the router chose for the step's real tokens (`live`: their attention mask), each over
+        its tokens, summed into the next residual buffer."""
         hidden, routing = shared[block.hidden].numpy(), shared[block.routing].numpy()
-        chosen = chosen_experts(routing)
-        self.expert_stats.record(block.layer, self.num_experts, chosen, step_tokens)
+        chosen = chosen_experts(routing, live)
+        self.expert_stats.record(block.layer, self.num_experts, chosen, live.size)
 
         def run_expert(expert: int, rows_hidden: np.ndarray, rows_routing: np.ndarray) -> np.ndarray:
             stage = self.experts[block.experts[expert]]

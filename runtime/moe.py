@@ -75,10 +75,13 @@ class ExpertStats:
         return {str(t): total / samples for t, (samples, total) in sorted(self.distinct_by_step_tokens.items())}
 
 
-def chosen_experts(routing: np.ndarray) -> list[tuple[int, np.ndarray]]:
+def chosen_experts(routing: np.ndarray, live: np.ndarray | None = None) -> list[tuple[int, np.ndarray]]:
     """(expert, token rows) for every expert with a nonzero routing weight, in expert order; rows index
-    the flattened [batch * tokens] positions."""
+    the flattened [batch * tokens] positions. Rows where `live` (the step's attention mask) is 0 are
+    padding of a shorter prompt in a batch: no real token attends to them, so no expert runs for them."""
     chosen = routing.reshape(-1, routing.shape[-1]) != 0
+    if live is not None:
+        chosen &= live.reshape(-1, 1) != 0
     return [(int(expert), np.flatnonzero(chosen[:, expert])) for expert in np.flatnonzero(chosen.any(axis=0))]
 
 

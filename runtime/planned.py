@@ -393,20 +393,20 @@ class PlanStep:
             if pieces:
                 values["logits"] = np.concatenate(pieces, axis=-1)
             if name in self.moe:
-                self._run_experts(plan, self.moe[name], values, input_ids.size)
+                self._run_experts(plan, self.moe[name], values, step_inputs["attention_mask"][:, -input_ids.shape[1]:])
         if self.moe:
             self.expert_stats.steps += 1
             self.expert_stats.routed_tokens += input_ids.size
         logits = values["logits"]
         return logits if isinstance(logits, np.ndarray) else logits.numpy()
 
-    def _run_experts(self, plan: Plan, block: MoeBlock, values: dict, step_tokens: int) -> None:
-        """The router's chosen experts over their tokens, pinned ones first, then CPU ones while the
-        streamed ones' weights are copied (two slots in flight), then the streamed ones; summed with
-        the residual into the block's output."""
+    def _run_experts(self, plan: Plan, block: MoeBlock, values: dict, live: np.ndarray) -> None:
+        """The experts the router chose for the step's real tokens (`live`: their attention mask), over
+        those tokens: pinned ones first, then CPU ones while the streamed ones' weights are copied (two
+        slots in flight), then the streamed ones; summed with the residual into the block's output."""
         hidden, routing = values[block.hidden].numpy(), values[block.routing].numpy()
-        chosen = chosen_experts(routing)
-        self.expert_stats.record(block.layer, self.num_experts, chosen, step_tokens)
+        chosen = chosen_experts(routing, live)
+        self.expert_stats.record(block.layer, self.num_experts, chosen, live.size)
         rank = {PINNED: 0, CPU: 1, STREAMED: 2}
         chosen.sort(key=lambda pair: rank[plan.placements[block.experts[pair[0]]]])
         streamed = [block.experts[e] for e, _ in chosen if plan.placements[block.experts[e]] == STREAMED]

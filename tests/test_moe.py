@@ -175,6 +175,8 @@ def test_chosen_experts_groups_token_rows_by_expert():
     routing[0, 2, [3, 0]] = 0.5
     chosen = chosen_experts(routing)
     assert [(e, rows.tolist()) for e, rows in chosen] == [(0, [2]), (1, [0, 1]), (2, [1]), (3, [0, 2])]
+    padded = chosen_experts(routing, live=np.array([[0, 1, 1]]))  # row 0 is a shorter prompt's padding
+    assert [(e, rows.tolist()) for e, rows in padded] == [(0, [2]), (1, [1]), (2, [1]), (3, [2])]
 
 
 def test_planner_expects_uniform_distinct_experts_and_reads_measured_stats(moe_model):
