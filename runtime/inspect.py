@@ -8,9 +8,21 @@ TIERS_SHOWN = (1, 64)
 MiB = 1024**2
 
 
+def expected_step_cost(entry: dict, coefficients: dict, tokens: int, context: int, model: dict) -> float:
+    """A sub-layer's cost in a step of `tokens` new tokens. An expert's manifest cost is per tokens routed
+    to it; in a step it runs with probability 1-(1-k/E)^T (uniform routing), then over T·(k/E)/that tokens."""
+    if entry["kind"] != "expert":
+        return evaluate_cost(coefficients, tokens, context)
+    share = model["experts_per_token"] / model["num_experts"]
+    chosen = 1.0 - (1.0 - share) ** tokens
+    return chosen * evaluate_cost(coefficients, tokens * share / chosen, context)
+
+
 def pack_summary(pack: Pack, context: int) -> dict:
-    """Per sub-layer: kind, weight bytes, FLOPs and bytes at T=1 and T=64, KV bytes/token, boundaries."""
+    """Per sub-layer: kind, weight bytes, FLOPs and bytes at T=1 and T=64 (for an expert: T tokens routed
+    to it), KV bytes/token, boundaries; totals per step of T tokens (experts by their expected use)."""
     rows = []
+    step = {f"{kind}_T{t}": 0.0 for kind in ("flops", "bytes") for t in TIERS_SHOWN}
     for entry in pack.sub_layers:
         cost = entry["cost"]
         own_blob = entry["blob"]["file"] if entry["blob"] else None
@@ -24,8 +36,11 @@ def pack_summary(pack: Pack, context: int) -> dict:
             "inputs": [i["name"] for i in entry["inputs"]],
             "outputs": [o["name"] for o in entry["outputs"]],
         })
-    totals = {key: sum(row[key] for row in rows) for key in rows[0]
-              if key.startswith(("weight", "shared", "flops", "bytes", "kv"))}
+        for kind in ("flops", "bytes"):
+            for t in TIERS_SHOWN:
+                step[f"{kind}_T{t}"] += expected_step_cost(entry, cost[kind], t, context, pack.model)
+    totals = {key: sum(row[key] for row in rows) for key in rows[0] if key.startswith(("weight", "shared", "kv"))}
+    totals.update(step)
     return {"model": pack.model, "context": context, "sub_layers": rows, "totals": totals}
 
 
@@ -49,4 +64,9 @@ def pack_table(pack: Pack, context: int) -> str:
         lines.append(row_text(row["name"], row["kind"], row) + "  " + boundary)
     lines.append("-" * len(header))
     lines.append(row_text("total", "", summary["totals"]))
+    model = pack.model
+    if model.get("num_experts"):
+        lines.append(f"MoE: {model['num_experts']} experts per layer, {model['experts_per_token']} per token; an "
+                     "expert's row is at T tokens routed to it, the total counts each expert by its expected use "
+                     "in a step of T tokens (uniform routing)")
     return "\n".join(lines)

@@ -239,3 +239,15 @@ def test_routing_stats_round_trip_through_the_cli(moe_model, tmp_path, capsys):
                  "--expert-stats", str(pack / "manifest.json")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error:") and "expert stats" in err[0]
+
+
+def test_inspect_totals_count_k_experts_per_token(moe_model):
+    from pipeshard.runtime.inspect import pack_summary
+    from pipeshard.runtime.pack import load_pack
+
+    _, _, pack, manifest, _ = moe_model
+    summary = pack_summary(load_pack(pack), context=64)
+    dense = sum(r["flops_T1"] for r in summary["sub_layers"] if r["kind"] != "expert")
+    per_expert_token = next(r["flops_T1"] for r in summary["sub_layers"] if r["kind"] == "expert")
+    expected = dense + len(manifest["moe_blocks"]) * 2 * per_expert_token  # k = 2 experts per layer and token
+    assert abs(summary["totals"]["flops_T1"] - expected) < 1e-6 * expected
