@@ -85,6 +85,7 @@ class PlanStep:
         self._plans: dict[int, Plan] = {}
         self.active: Plan | None = None
         self._schedule: list = []  # the active plan's runs per sub-layer (_schedule_for)
+        self._device_outputs: set[str] = set()  # activations the active plan keeps in device memory
         self._pinned: dict[str, np.ndarray] = {}
         self._ring: list[np.ndarray] = []
         self._slot_name: list[str | None] = []
@@ -241,6 +242,7 @@ class PlanStep:
                 self._start_copy(slot, streamed[slot])
         self.active = plan
         self._schedule = self._schedule_for(plan)
+        self._device_outputs = self.device_resident_activations(plan)
         self.stats.plan_switches += 1
 
     def _unit_source(self, name: str) -> np.ndarray:
@@ -352,11 +354,26 @@ class PlanStep:
             schedule.append((entry, runs))
         return schedule
 
+    def device_resident_activations(self, plan: Plan) -> set[str]:
+        """Outputs of sub-layers on the device that only sub-layers on the device read: they stay in device
+        memory, so activations cross devices only where the placement changes. Whatever the host reads
+        stays on the host: the logits, a MoE layer's routing and residual (the runtime combines the experts
+        on the host), and the hidden state the output layer reads its last positions from."""
+        on_device = {entry["name"] for entry, runs in self._schedule if all(p != CPU for _, p, _ in runs)}
+        read_by_host = {"logits"} | {t for b in self.moe.values() for t in (b.hidden, b.routing, b.residual, b.output)}
+        readers: dict[str, list[dict]] = {}
+        for entry in self.entries:
+            for tensor in self._inputs[entry["name"]]:
+                readers.setdefault(tensor, []).append(entry)
+        return {output["name"] for entry in self.entries if entry["name"] in on_device for output in entry["outputs"]
+                if output["name"] not in read_by_host and readers.get(output["name"])
+                and all(r["name"] in on_device and r["kind"] != "final" for r in readers[output["name"]])}
+
     def _run_plan(self, plan: Plan, input_ids, attention_mask, position_ids) -> np.ndarray:
         step_inputs = {"input_ids": np.ascontiguousarray(input_ids, dtype=np.int64),
                        "attention_mask": np.ascontiguousarray(attention_mask, dtype=np.int64),
                        "position_ids": np.ascontiguousarray(position_ids, dtype=np.int64)}
-        cpu = cpu_ort_device()
+        cpu, device = cpu_ort_device(), self.device.ort_device
         values: dict[str, object] = {}
         for entry, runs in self._schedule:
             name = entry["name"]
@@ -380,7 +397,7 @@ class PlanStep:
                     self._bind_weights(binding, entry, self._pinned[name] if placement == PINNED else self._ring[slot])
                 produced = session.produced
                 for output in produced:
-                    binding.bind_output(output, cpu)
+                    binding.bind_output(output, device if output in self._device_outputs else cpu)
                 session.run(binding, self.run_options)
                 # Outputs come back in the order first bound: the KV (bound first, every step), then the rest.
                 returned = binding.get_outputs()

@@ -158,3 +158,22 @@ def test_a_batch_larger_than_planned_is_replanned_so_its_kv_is_reserved(tiny_pac
     kv_per_attn = 2 * 2 * 16 * 4 * engine.step.planner.context * len(PROMPTS)
     assert engine.step.device.ledger.by_purpose.get("kv", 0) == kv_per_attn * len(attention_on_device)
     assert engine.step.device.ledger.peak <= minimum + 600_000
+
+
+def test_activations_cross_devices_only_where_the_placement_changes(tiny_pack, minimum):
+    engine = sim(tiny_pack, minimum + 2_000_000, "gpu-only")
+    engine.generate(PROMPTS[0], max_new_tokens=2)
+    step = engine.step
+    placements = step.active.placements
+    assert all(placements[f"L{i}.{part}"] != "cpu" for i in range(4) for part in ("attn", "ffn"))
+    output_of = {e["name"]: [o["name"] for o in e["outputs"] if not o["name"].startswith("present.")]
+                 for e in step.entries}
+    resident = step.device_resident_activations(step.active)
+    assert {output_of["L0.attn"][0], output_of["L0.ffn"][0], output_of["L2.attn"][0]} <= resident
+    assert output_of["L3.ffn"][0] not in resident  # the output layer reads its last positions on the host
+    assert "logits" not in resident and not resident & set(output_of["prologue"])
+    static = sim(tiny_pack, minimum + 2_000_000, "static")
+    static.generate(PROMPTS[0], max_new_tokens=2)
+    cpu_readers = {t for e in static.step.entries if static.step.active.placements.get(e["name"]) == "cpu"
+                   for t in static.step._inputs[e["name"]]}
+    assert not static.step.device_resident_activations(static.step.active) & cpu_readers
