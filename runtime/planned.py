@@ -243,7 +243,15 @@ class PlanStep:
         self.active = plan
         self._schedule = self._schedule_for(plan)
         self._device_outputs = self.device_resident_activations(plan)
+        self._make_cpu_sessions()
         self.stats.plan_switches += 1
+
+    def _make_cpu_sessions(self) -> None:
+        """The active plan's CPU sessions, made now and largest weights first (as the chain does): a
+        session's memory-mapped blob is then never on top of the packed copies of all the others."""
+        needed = [entry for entry, runs in self._schedule if any(p == CPU and not chunk for _, p, chunk in runs)]
+        for entry in sorted(needed, key=lambda e: -e["weight_bytes"]):
+            self._session(entry, on_device=False)
 
     def _unit_source(self, name: str) -> np.ndarray:
         """The host bytes a unit puts on the device: a sub-layer's blob, or a row chunk's rows of W."""
