@@ -24,6 +24,7 @@ from pipeshard.exporter.tiny import build_random_model
 from pipeshard.partitioner.pack import partition
 from pipeshard.partitioner.planner import Planner
 from pipeshard.profiles.db import load_profile
+from pipeshard.runtime.moe import ExpertStats
 
 CONFIG = {
     "model_type": "qwen3_moe", "hidden_size": 512, "intermediate_size": 1024, "moe_intermediate_size": 768,
@@ -75,9 +76,8 @@ def distinct_experts(pack: Path, threads: int) -> dict:
     step = engine.step
     ids = np.array([engine.codec.tokenizer.encode(TEXT).ids[:1024]], np.int64)
     measured = {}
-    all_tiers = step.expert_stats
     for tier in TIERS:
-        step.expert_stats = type(all_tiers)()
+        step.expert_stats = ExpertStats(step.expert_stats.num_experts)
         step.start(1, ids.shape[1])
         steps = min(ids.shape[1] // tier, 48)
         for index in range(steps):

@@ -134,36 +134,14 @@ def _int_constant(name: str, values: list[int]) -> onnx.NodeProto:
     return helper.make_node("Constant", [], [name], value=tensor)
 
 
-def hoist_shared_index_math(model: onnx.ModelProto, graph: nx.DiGraph, assignment: dict[int, str]) -> None:
-    """Move values that one sub-layer computes and others reuse, and that depend only on the step's
-    inputs, into the prologue.
-
-    The exporter deduplicates identical computations across layers (a reshape target built in layer 0,
-    or in fp16 the rotary cos/sin cast once) and every later layer reads them; cut as-is, that would
-    tie every attention to layer 0. A value qualifies when the nodes computing it read nothing but
-    `input_ids`, `attention_mask`, `position_ids`, prologue values and inline constants — no weights,
-    no KV, nothing of the residual stream.
-    """
-    step_inputs = {"input_ids", "attention_mask", "position_ids"}
-    inline = {i.name for i in model.graph.initializer
-              if i.data_location != onnx.TensorProto.EXTERNAL and math.prod(i.dims) <= SMALL_CONSTANT_ELEMENTS}
-    producer_of = graph.graph["producer"]
-    for producer, consumer, _ in list(graph.edges(data=True)):
-        if assignment[producer] in (PROLOGUE, assignment[consumer]):
-            continue
-        subgraph = nx.ancestors(graph, producer) | {producer}
-        movable = {n for n in subgraph if assignment[n] != PROLOGUE}
-
-        if all(_reads_only(model.graph.node[n], step_inputs | inline, producer_of, subgraph) for n in movable):
-            for node in movable:
-                assignment[node] = PROLOGUE
-
-
 def hoist_step_invariants(model: onnx.ModelProto, graph: nx.DiGraph, assignment: dict[int, str]) -> None:
     """Move into the prologue every node of a compute sub-layer that reads nothing but the step's
-    inputs, prologue values and inline constants: such a value is the same in every layer (the rotary
-    cos/sin each attention computes from the prologue's angles — twice, once for q and once for k).
-    `merge_duplicate_prologue_nodes` then computes each of them once per step instead of 60 times."""
+    inputs, prologue values and inline constants (in topological order, so whole chains move): no
+    weights, no KV, nothing of the residual stream. Such a value is the same in every layer. The
+    exporter computes some once and lets later layers read them (a reshape target built in layer 0,
+    in fp16 the rotary cos/sin cast once): cut as-is, that would tie every attention to layer 0. Others
+    each layer computes again (the rotary cos/sin of every attention, twice: once for q, once for k):
+    `merge_duplicate_prologue_nodes` then computes them once per step instead of 60 times."""
     step_inputs = {"input_ids", "attention_mask", "position_ids"}
     inline = {i.name for i in model.graph.initializer
               if i.data_location != onnx.TensorProto.EXTERNAL and math.prod(i.dims) <= SMALL_CONSTANT_ELEMENTS}
@@ -214,11 +192,6 @@ def _drop_nodes(model: onnx.ModelProto, assignment: dict[int, str], dropped: set
     nodes.extend(remaining)
     assignment.clear()
     assignment.update(moved)
-
-
-def _reads_only(node: onnx.NodeProto, allowed: set[str], producer_of: dict[str, int], subgraph: set[int]) -> bool:
-    """True when every input of `node` is allowed or computed inside `subgraph`."""
-    return all(not tensor or tensor in allowed or producer_of.get(tensor) in subgraph for tensor in node.input)
 
 
 def untranspose_tied_weights(model: onnx.ModelProto, assignment: dict[int, str]) -> None:

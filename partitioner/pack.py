@@ -28,7 +28,6 @@ from pipeshard.partitioner.graph import (
     build_graph,
     cut,
     expert_index,
-    hoist_shared_index_math,
     hoist_step_invariants,
     merge_duplicate_prologue_nodes,
     moe_blocks,
@@ -192,7 +191,6 @@ def partition(export_dir: Path, pack: Path, force: bool = False) -> PartitionRes
     model = onnx.load(export_dir / info["model_file"], load_external_data=False)
     graph = build_graph(model)
     assignment = assign_sub_layers(model, graph, rules)
-    hoist_shared_index_math(model, graph, assignment)
     hoist_step_invariants(model, graph, assignment)
     merge_duplicate_prologue_nodes(model, assignment)
     untranspose_tied_weights(model, assignment)

@@ -16,13 +16,12 @@ from dataclasses import asdict, dataclass, field
 from pipeshard import __version__
 from pipeshard.errors import UserError
 from pipeshard.partitioner.estimator import Estimator
-from pipeshard.partitioner.simulate import CPU, PINNED, STREAMED, Simulation, simulate
+from pipeshard.partitioner.simulate import CPU, EXPERT_SLOTS, PINNED, STREAMED, Simulation, simulate
 
 PLANS_SCHEMA_VERSION = 1
 DEFAULT_TIERS = (1, 4, 16, 64, 256, 1024)
 RESERVE_BYTES = 64 * 1024**2  # kept free for the driver and fragmentation
 STAGING_SLOTS = 2
-EXPERT_SLOTS = 2  # streamed experts: copied after their router ran, two in flight per layer
 HOST_ONLY_KINDS = ("prologue", "embed")  # cheap, and embed reads only T rows of a large table
 STRATEGIES = ("gpu-only", "static", "dynamic")
 BASELINES = ("monolithic", "cpu", "layers", "offload")
@@ -120,6 +119,9 @@ class Planner:
         self.model_bytes = sum(owned.values())
         self.placeable = [e for e in self.sub_layers if e["kind"] not in HOST_ONLY_KINDS]
         self.routing_share = expert_routing_shares(manifest, expert_stats)
+        # Streamed experts can be copied only once their router has run.
+        self.copy_gates = {expert: block["router"] for block in manifest.get("moe_blocks", [])
+                           for expert in block["experts"]}
         # Canonical pin priority: attention (with its KV) first, then FFN in layer order, then the output
         # layer; in a MoE model the routers, the output layer, then the experts, most popular first.
         order = {"attn": 0, "router": 1, "ffn": 2, "final": 3}
@@ -176,11 +178,6 @@ class Planner:
                     simulation.copy_hidden_s / simulation.copy_busy_s if simulation.copy_busy_s else 1.0,
                     slots, prefetch, simulation.timeline)
 
-    @property
-    def copy_gates(self) -> dict[str, str]:
-        """Streamed experts can be copied only once their router has run."""
-        return {expert: block["router"] for block in self.manifest.get("moe_blocks", []) for expert in block["experts"]}
-
     def expected_distinct_experts(self, tokens: int) -> dict[int, float]:
         """Per MoE layer, the expected number of distinct experts `tokens` tokens activate:
         sum over experts of 1-(1-p)^T (E(1-(1-k/E)^T) under uniform routing)."""
@@ -203,9 +200,9 @@ class Planner:
             tokens = {e["name"]: min(tier, self.batch) if e["kind"] == "final" else tier for e in self.sub_layers}
             # An expert runs only in steps where some token chose it, over the tokens that did: its
             # expected time is P(chosen by any of T tokens) x its time over the tokens routed to it then.
-            share, active = {}, {}
+            share = {}
             for e in self.sub_layers:
-                share[e["name"]], active[e["name"]] = e.get("share", 1.0), 1.0
+                share[e["name"]] = e.get("share", 1.0)
                 if e["name"] in self.routing_share:
                     p = self.routing_share[e["name"]]
                     share[e["name"]] = 1.0 - (1.0 - p) ** tier

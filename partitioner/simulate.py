@@ -16,22 +16,22 @@ from dataclasses import dataclass, field
 
 PINNED, STREAMED, CPU = "pinned", "streamed", "cpu"
 STEPS = 3
-EXPERT_SLOTS = 2
+EXPERT_SLOTS = 2  # streamed experts: copied after their router ran, two in flight per layer
+EXPERT_RUN_ORDER = {PINNED: 0, CPU: 1, STREAMED: 2}  # streamed experts last: their copies overlap the others
 
 
 def _experts_by_placement(sub_layers: list[dict], placements: dict[str, str], gates: dict[str, str]) -> list[dict]:
     """Within each run of gated units (a MoE layer's experts), pinned first, then CPU, then streamed:
     the runtime's order, so the streamed experts' copies overlap the others' compute."""
-    rank = {PINNED: 0, CPU: 1, STREAMED: 2}
     ordered: list[dict] = []
     group: list[dict] = []
     for entry in sub_layers:
         gate = gates.get(entry["name"])
         if group and gate != gates[group[0]["name"]]:
-            ordered += sorted(group, key=lambda e: rank[placements[e["name"]]])
+            ordered += sorted(group, key=lambda e: EXPERT_RUN_ORDER[placements[e["name"]]])
             group = []
         (group if gate is not None else ordered).append(entry)
-    ordered += sorted(group, key=lambda e: rank[placements[e["name"]]])
+    ordered += sorted(group, key=lambda e: EXPERT_RUN_ORDER[placements[e["name"]]])
     return ordered
 
 

@@ -97,8 +97,7 @@ class ChainStep:
         self.stages = [made[entry["name"]] for entry in in_line]
         self.experts = {entry["name"]: _Stage(ort, self.pack, entry, options, set(), set())
                         for entry in self.pack.sub_layers if entry["name"] in expert_names}
-        self.num_experts = int(model.get("num_experts") or 0)
-        self.expert_stats = ExpertStats()
+        self.expert_stats = ExpertStats(int(model.get("num_experts") or 0))
         # Generation reads only the last token's logits: unless asked for all, the output layer gets the
         # last position only (a 256-token prefill then skips 255 lm_head rows and their logits memory).
         self._all_logits = all_logits
@@ -178,10 +177,11 @@ class ChainStep:
             self._bind_kv()
         if shape != self._shape:
             self._make_program(shape)
-        step_inputs = {"input_ids": np.ascontiguousarray(input_ids, dtype=np.int64),
-                       "attention_mask": np.ascontiguousarray(attention_mask, dtype=np.int64),
-                       "position_ids": np.ascontiguousarray(position_ids, dtype=np.int64)}
-        shared: dict[str, object] = {}
+        # What a step hands from stage to stage besides the pointer-bound buffers: its inputs, then the
+        # values ONNX Runtime allocates (the mask bias, a router's outputs).
+        shared: dict[str, object] = {"input_ids": np.ascontiguousarray(input_ids, dtype=np.int64),
+                                     "attention_mask": np.ascontiguousarray(attention_mask, dtype=np.int64),
+                                     "position_ids": np.ascontiguousarray(position_ids, dtype=np.int64)}
         run_options, cpu = self.run_options, self._cpu
         # The step loop touches as little as it can: after each sub-layer's weights have streamed through
         # the caches, every object it reads is a cache miss.
@@ -189,7 +189,7 @@ class ChainStep:
             if last_copy is not None:
                 np.copyto(*last_copy)
             for bind, name in per_step:
-                bind(name, step_inputs[name] if name in step_inputs else shared[name])
+                bind(name, shared[name])
             for name in allocated:
                 binding.bind_output(name, cpu)
             run(binding, run_options)
@@ -198,10 +198,9 @@ class ChainStep:
                 for name, place in zip(allocated, places, strict=True):
                     shared[name] = produced[place]
             if block is not None:
-                self._run_experts(block, shared, step_inputs["attention_mask"][:, -shape[1]:])
+                self._run_experts(block, shared, shared["attention_mask"][:, -shape[1]:])
         if self.moe:
-            self.expert_stats.steps += 1
-            self.expert_stats.routed_tokens += shape[0] * shape[1]
+            self.expert_stats.end_step(shape[0] * shape[1])
         return self._logits
 
     def _run_experts(self, block: MoeBlock, shared: dict, live: np.ndarray) -> None:
@@ -209,7 +208,7 @@ class ChainStep:
         its tokens, summed into the next residual buffer."""
         hidden, routing = shared[block.hidden].numpy(), shared[block.routing].numpy()
         chosen = chosen_experts(routing, live)
-        self.expert_stats.record(block.layer, self.num_experts, chosen, live.size)
+        self.expert_stats.record(block.layer, chosen, live.size)
 
         def run_expert(expert: int, rows_hidden: np.ndarray, rows_routing: np.ndarray) -> np.ndarray:
             stage = self.experts[block.experts[expert]]

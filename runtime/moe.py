@@ -43,6 +43,7 @@ class ExpertStats:
     """Per MoE layer and expert: steps in which it ran and tokens routed to it; per step size (new tokens
     of the step), the number of distinct experts each layer ran."""
 
+    num_experts: int = 0
     activations: dict[int, np.ndarray] = field(default_factory=dict)
     tokens: dict[int, np.ndarray] = field(default_factory=dict)
     distinct_by_step_tokens: dict[int, list[int]] = field(default_factory=dict)  # T -> [samples, sum of distinct]
@@ -50,18 +51,23 @@ class ExpertStats:
     routed_tokens: int = 0
     trace: list[tuple[int, list[int]]] | None = None  # (layer, experts run) per MoE layer and step, when kept
 
-    def record(self, layer: int, num_experts: int, chosen: list[tuple[int, np.ndarray]], step_tokens: int) -> None:
+    def record(self, layer: int, chosen: list[tuple[int, np.ndarray]], step_tokens: int) -> None:
+        """One MoE layer of a step ran `chosen` (expert, token rows)."""
         if self.trace is not None:
             self.trace.append((layer, [expert for expert, _ in chosen]))
         if layer not in self.activations:
-            self.activations[layer] = np.zeros(num_experts, np.int64)
-            self.tokens[layer] = np.zeros(num_experts, np.int64)
+            self.activations[layer] = np.zeros(self.num_experts, np.int64)
+            self.tokens[layer] = np.zeros(self.num_experts, np.int64)
         for expert, rows in chosen:
             self.activations[layer][expert] += 1
             self.tokens[layer][expert] += len(rows)
         running = self.distinct_by_step_tokens.setdefault(step_tokens, [0, 0])
         running[0] += 1
         running[1] += len(chosen)
+
+    def end_step(self, step_tokens: int) -> None:
+        self.steps += 1
+        self.routed_tokens += step_tokens
 
     def to_json(self) -> dict:
         """The stats file `pipeshard plan --expert-stats` reads (docs/model-pack.md)."""

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeshard.partitioner.planner import CPU, EXPERT_SLOTS, PINNED, STREAMED, Plan, Planner
+from pipeshard.partitioner.planner import CPU, PINNED, STREAMED, Plan, Planner
+from pipeshard.partitioner.simulate import EXPERT_RUN_ORDER, EXPERT_SLOTS
 from pipeshard.runtime.devices import cpu_ort_device
 from pipeshard.runtime.exportdir import NUMPY_DTYPES
 from pipeshard.runtime.kv import HostKvCache, check_step_shape
@@ -28,6 +29,11 @@ from pipeshard.runtime.pack import load_pack
 
 log = logging.getLogger(__name__)
 STEP_INPUTS = ("input_ids", "attention_mask", "position_ids")
+
+
+def _host(value) -> np.ndarray:
+    """A step value as a host array: ours already are; ONNX Runtime's are viewed (or copied) out."""
+    return value if isinstance(value, np.ndarray) else value.numpy()
 
 
 @dataclass
@@ -81,6 +87,7 @@ class PlanStep:
         self._blobs = {e["blob"]["file"]: np.memmap(self.pack.path(e["blob"]["file"]), np.uint8, mode="r")
                        for e in self.entries if e["blob"]}
         self.run_options = self._ort.RunOptions()
+        self._cpu = cpu_ort_device()
         self.stats = StepStats()
         self._plans: dict[int, Plan] = {}
         self.active: Plan | None = None
@@ -105,8 +112,7 @@ class PlanStep:
         # through slots of their own, copied once the router has chosen them.
         self.moe = moe_blocks_of(self.pack.manifest)
         self._expert_names = {name for block in self.moe.values() for name in block.experts}
-        self.num_experts = int(model.get("num_experts") or 0)
-        self.expert_stats = ExpertStats()
+        self.expert_stats = ExpertStats(int(model.get("num_experts") or 0))
         self._expert_slots: list[np.ndarray] = []
 
     # -- plans ------------------------------------------------------------------------------------------------------
@@ -381,7 +387,7 @@ class PlanStep:
         step_inputs = {"input_ids": np.ascontiguousarray(input_ids, dtype=np.int64),
                        "attention_mask": np.ascontiguousarray(attention_mask, dtype=np.int64),
                        "position_ids": np.ascontiguousarray(position_ids, dtype=np.int64)}
-        cpu, device = cpu_ort_device(), self.device.ort_device
+        cpu, device = self._cpu, self.device.ort_device
         values: dict[str, object] = {}
         for entry, runs in self._schedule:
             name = entry["name"]
@@ -420,10 +426,8 @@ class PlanStep:
             if name in self.moe:
                 self._run_experts(plan, self.moe[name], values, step_inputs["attention_mask"][:, -input_ids.shape[1]:])
         if self.moe:
-            self.expert_stats.steps += 1
-            self.expert_stats.routed_tokens += input_ids.size
-        logits = values["logits"]
-        return logits if isinstance(logits, np.ndarray) else logits.numpy()
+            self.expert_stats.end_step(input_ids.size)
+        return _host(values["logits"])
 
     def _run_experts(self, plan: Plan, block: MoeBlock, values: dict, live: np.ndarray) -> None:
         """The experts the router chose for the step's real tokens (`live`: their attention mask), over
@@ -431,9 +435,8 @@ class PlanStep:
         slots in flight), then the streamed ones; summed with the residual into the block's output."""
         hidden, routing = values[block.hidden].numpy(), values[block.routing].numpy()
         chosen = chosen_experts(routing, live)
-        self.expert_stats.record(block.layer, self.num_experts, chosen, live.size)
-        rank = {PINNED: 0, CPU: 1, STREAMED: 2}
-        chosen.sort(key=lambda pair: rank[plan.placements[block.experts[pair[0]]]])
+        self.expert_stats.record(block.layer, chosen, live.size)
+        chosen.sort(key=lambda pair: EXPERT_RUN_ORDER[plan.placements[block.experts[pair[0]]]])
         streamed = [block.experts[e] for e, _ in chosen if plan.placements[block.experts[e]] == STREAMED]
         copies: dict[str, tuple[int, Future]] = {}
 
@@ -446,7 +449,6 @@ class PlanStep:
 
         for position in range(min(EXPERT_SLOTS, len(streamed))):
             start_copy(position)
-        cpu = cpu_ort_device()
 
         def run_expert(expert: int, rows_hidden: np.ndarray, rows_routing: np.ndarray) -> np.ndarray:
             name = block.experts[expert]
@@ -462,7 +464,7 @@ class PlanStep:
                 self._bind_weights(session.binding, entry, self._expert_slots[slot])
             out = np.empty_like(rows_hidden)
             inputs = {block.hidden: rows_hidden, block.routing: rows_routing}
-            run_on_arrays(session.binding, session.run, self.run_options, cpu,
+            run_on_arrays(session.binding, session.run, self.run_options, self._cpu,
                           {n: inputs[n] for n in self._inputs[name]}, session.produced[0], out)
             if placement == STREAMED:
                 self.device.released_after_compute(self._expert_slots[slot])
@@ -470,10 +472,8 @@ class PlanStep:
             return out
 
         out = np.empty_like(hidden)
-        combine(values[block.residual].numpy(), hidden, routing, chosen, run_expert, out)
-        wrapped = self._ort.OrtValue.ortvalue_from_numpy(out)  # holds `out` alive while values holds it
-        values[block.output + "#keep"] = wrapped
-        values[block.output] = wrapped._ortvalue
+        combine(_host(values[block.residual]), hidden, routing, chosen, run_expert, out)
+        values[block.output] = out
 
     def _bind_inputs(self, binding, entry: dict, values: dict, step_inputs: dict, cpu) -> None:
         """A sub-layer's activations: step inputs, values of earlier sub-layers (the output layer reads
@@ -482,13 +482,15 @@ class PlanStep:
         for tensor in self._inputs[entry["name"]]:
             if last_only and tensor in values:
                 if "_last_hidden" not in values:
-                    values["_last_hidden"] = np.ascontiguousarray(values[tensor].numpy()[:, -1:, :])
+                    values["_last_hidden"] = np.ascontiguousarray(_host(values[tensor])[:, -1:, :])
                 last = values["_last_hidden"]
                 binding.bind_input(tensor, cpu, last.dtype, list(last.shape), last.ctypes.data)
-            elif tensor in step_inputs:
-                array = step_inputs[tensor]
+            elif tensor in self._past_names:
+                continue
+            elif tensor in step_inputs or isinstance(values[tensor], np.ndarray):  # a host array: by pointer
+                array = step_inputs[tensor] if tensor in step_inputs else values[tensor]
                 binding.bind_input(tensor, cpu, array.dtype, list(array.shape), array.ctypes.data)
-            elif tensor not in self._past_names:
+            else:
                 binding.bind_ortvalue_input(tensor, values[tensor])
 
     def _wait_for_slot(self, plan: Plan, unit: str) -> int:
@@ -514,7 +516,7 @@ class PlanStep:
     def _bind_chunk_weights(self, binding, chunk: dict, buffer) -> None:
         """A row chunk of the output layer: its rows of W from the device buffer holding them (or from
         the host blob on the CPU), the layer's other (small) weights from the host blob."""
-        chunks, cpu = chunk["row_chunks"], cpu_ort_device()
+        chunks, cpu = chunk["row_chunks"], self._cpu
         for weight in chunk["weights"]:
             dtype = NUMPY_DTYPES[weight["dtype"]]
             if weight["name"] != chunks["weight"]:
@@ -537,7 +539,7 @@ class PlanStep:
         """Bind an attention's KV buffers (host, or device when it runs there) as past and present."""
         if not entry["kv"]:
             return ()
-        shape, cpu = self._kv_host.shape, cpu_ort_device()
+        shape, cpu = self._kv_host.shape, self._cpu
         for past, present in zip(entry["kv"]["past"], entry["kv"]["present"], strict=True):
             if placement != CPU:
                 buffer = self._kv_device[past]
