@@ -72,12 +72,12 @@ def load(path: str | Path, threads: int | None = None, verify: bool = False, vra
         if not (folder / "export.json").is_file():
             raise UserError(f"{folder} is neither a pipeshard export folder (export.json) nor a model pack "
                             "(manifest.json)")
-        return Engine(MonolithicStep(folder, threads=threads), TextCodec(folder), folder)
+        return _engine(lambda: MonolithicStep(folder, threads=threads), folder)
     if plan == "monolithic":
         export = Path(load_pack(folder).manifest["source"]["export"])
         if not (export / "export.json").is_file():
             raise UserError(f"--plan monolithic needs the export the pack was made from ({export}), which is gone")
-        return Engine(MonolithicStep(export, threads=threads), TextCodec(folder), folder)
+        return _engine(lambda: MonolithicStep(export, threads=threads), folder)
     if device not in ("auto", "cuda", "sim", "cpu"):
         raise UserError(f"unknown device {device!r}; choose auto, cuda, sim or cpu")
     if device == "auto":
@@ -85,11 +85,18 @@ def load(path: str | Path, threads: int | None = None, verify: bool = False, vra
 
         device = "cuda" if vram is not None and cuda_usable() else "cpu"
     if device == "cpu" or plan == "cpu":
-        return Engine(ChainStep(folder, threads=threads, verify=verify), TextCodec(folder), folder)
+        return _engine(lambda: ChainStep(folder, threads=threads, verify=verify), folder)
     if vram is None:
         raise UserError(f"--device {device} needs a VRAM budget (--vram SIZE)")
-    return Engine(planned_step(folder, device, vram, profile, plan, threads, context, batch, verify, expert_stats),
-                  TextCodec(folder), folder)
+    return _engine(lambda: planned_step(folder, device, vram, profile, plan, threads, context, batch, verify,
+                                        expert_stats), folder)
+
+
+def _engine(make_step, folder: Path) -> Engine:
+    """The text codec first, then the step: what the tokenizer's parse leaves behind is then freed below the
+    weights rather than on top of them, so it never adds to the peak."""
+    codec = TextCodec(folder)
+    return Engine(make_step(), codec, folder)
 
 
 def read_expert_stats(path: str | Path | None) -> dict | None:

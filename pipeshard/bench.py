@@ -210,12 +210,18 @@ def _worker(kind: str, name: str, settings: dict, context: int, prompt_text: str
     settings = BenchSettings(**settings)
     skippable = (UserError,) if kind == "plan" else _LOAD_ERRORS  # anything else in our own plans is a bug
     try:
+        import numpy  # noqa: F401 - the floor under every row; ours also stand on ONNX Runtime's libraries
+
+        if kind == "plan":
+            import onnxruntime  # noqa: F401
+        baseline_rss = current_rss_bytes()
         started = time.perf_counter()
         if kind == "plan":
             runner = PlanRunner(settings, name, context)
         else:
             runner = make_peer_runner(name, Path(kind.split(":", 1)[1]), settings.threads, context)
-        replies.put({"ready": True, "load_s": time.perf_counter() - started, "own_prompt_ids":
+        replies.put({"ready": True, "load_s": time.perf_counter() - started, "baseline_rss_bytes": baseline_rss,
+                     "own_prompt_ids":
                      runner.prompt_ids(prompt_text)})
     except skippable as exc:
         replies.put({"skipped": _reason(exc)})
@@ -225,6 +231,17 @@ def _worker(kind: str, name: str, settings: dict, context: int, prompt_text: str
         replies.put(runner.run(prompt, new_tokens))
     facts = runner.final_facts() if hasattr(runner, "final_facts") else runner.facts
     replies.put({"peak_rss_bytes": peak_rss_bytes(), "facts": facts})
+
+
+def current_rss_bytes() -> int:
+    """This process's resident memory now (VmRSS; 0 where /proc is not there)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
 
 
 def peak_rss_bytes() -> int:
@@ -335,6 +352,7 @@ def run_bench(settings: BenchSettings, progress: Callable[[int, int, str], None]
             worker.process.join(timeout=30)
             continue
         worker.load_s, worker.own_prompt_ids = ready["load_s"], ready["own_prompt_ids"]
+        worker.baseline_rss = ready["baseline_rss_bytes"]
         workers.append(worker)
     if not workers:
         raise UserError("no row could run: " + "; ".join(f"{s['name']}: {s['reason']}" for s in skipped))
@@ -377,6 +395,7 @@ def _row(worker: _Worker, final: dict, prompt: list[int]) -> dict:
         "decode_tok_s_max": max(decode), "decode_tok_s_runs": decode,
         "prefill_tok_s_runs": [r["prefill_tok_s"] for r in runs], "ttft_s": _median(runs, "ttft_s"),
         "prefill_tok_s": _median(runs, "prefill_tok_s"), "peak_rss_bytes": final["peak_rss_bytes"],
+        "baseline_rss_bytes": worker.baseline_rss,
         "tokens": tokens, "deterministic": all(r["tokens"] == tokens for r in runs),
         "prompt_ids_match": worker.own_prompt_ids == prompt,
         "peak_device_bytes": max((r["peak_device_bytes"] for r in runs if "peak_device_bytes" in r), default=None),
@@ -403,8 +422,12 @@ def minimum_bytes_per_token(pack, context: float) -> float:
 def _compare(rows: list[dict], reference: str, pack, kv_context: int, bandwidth: dict) -> None:
     """Ratios to the reference row, greedy-token agreement with it, and the bandwidth roofline."""
     base = next((r for r in rows if r["name"] == (reference or "monolithic")), rows[0])
-    average_context = kv_context - 8 - len(base["tokens"]) / 2
+    generation_tokens = kv_context - 8  # prompt + new tokens
+    average_context = generation_tokens - len(base["tokens"]) / 2
     read_per_token = minimum_bytes_per_token(pack, average_context)
+    # What a CPU run must hold at the least: every weight once and the KV cache of the whole generation.
+    weights_and_kv = (sum(e["weight_bytes"] for e in pack.sub_layers)
+                      + pack.manifest["kv_bytes_per_token"] * generation_tokens)
     for row in rows:
         row["reference"] = base["name"]
         for key in ("decode_tok_s", "prefill_tok_s", "ttft_s"):
@@ -415,6 +438,9 @@ def _compare(rows: list[dict], reference: str, pack, kv_context: int, bandwidth:
         row["same_tokens_as_reference"] = row["tokens"] == base["tokens"]
         row["first_difference"] = first_difference(row["tokens"], base["tokens"])
         same_weights = row["facts"].get("dtype") == pack.model["dtype"]
+        row["weights_and_kv_bytes"] = weights_and_kv if row["kind"] == "plan" else None
+        row["rss_over_weights_and_kv"] = ((row["peak_rss_bytes"] - row["baseline_rss_bytes"]) / weights_and_kv
+                                          if row["kind"] == "plan" else None)
         row["bytes_read_per_token"] = read_per_token if same_weights else None
         row["roofline_tok_s"] = bandwidth["best_bytes_per_s"] / read_per_token if same_weights else None
         row["roofline_fraction"] = row["decode_tok_s"] / row["roofline_tok_s"] if same_weights else None
@@ -433,7 +459,7 @@ def bench_table(document: dict) -> str:
         f"{bandwidth['median_bytes_per_s'] / 1e9:.1f}) with {bandwidth['threads']} threads"
         + ("; device sim = a simulated accelerator on the CPU, never GPU speed" if sim else ""),
         f"{'row':14s} {'dtype':6s} {'decode tok/s':>20s} {'x ref':>6s} {'paired':>6s} {'prefill':>8s} {'x ref':>6s} "
-        f"{'TTFT ms':>8s} {'RSS MiB':>8s} {'dev MiB':>8s} {'stream MiB':>10s} {'hidden':>6s} "
+        f"{'TTFT ms':>8s} {'RSS MiB':>8s} {'/(W+KV)':>7s} {'dev MiB':>8s} {'stream MiB':>10s} {'hidden':>6s} "
         f"{'pred/meas ms':>13s} {'roofline':>8s}  tokens",
     ]
     for row in document["rows"]:
@@ -447,13 +473,15 @@ def bench_table(document: dict) -> str:
             f"{name:14s} {row['facts'].get('dtype', '?'):6s} {spread:>20s} {_fmt(row['decode_tok_s_ratio'], '.2f')} "
             f"{_fmt(row['decode_tok_s_paired_ratio'], '.2f')} "
             f"{row['prefill_tok_s']:8.1f} {_fmt(row['prefill_tok_s_ratio'], '.2f')} {row['ttft_s'] * 1e3:8.0f} "
-            f"{row['peak_rss_bytes'] / 2**20:8.0f} {_fmt(row['peak_device_bytes'], '.0f', 2**20, 8)} "
+            f"{row['peak_rss_bytes'] / 2**20:8.0f} {_fmt(row.get('rss_over_weights_and_kv'), '.2f', 1, 7)} "
+            f"{_fmt(row['peak_device_bytes'], '.0f', 2**20, 8)} "
             f"{_fmt(row['streamed_bytes_per_run'], '.1f', 2**20, 10)} {_fmt(row['copy_hidden'], '.0%', 1, 6)} "
             f"{pred:>13s} {_fmt(row['roofline_fraction'], '.0%', 1, 8)}  {agree}"
             + ("" if row["prompt_ids_match"] else " (own tokenizer: other prompt ids)"))
     reference = document["rows"][0]["reference"] if document["rows"] else "-"
     lines.append(f"x ref: ratio of medians to {reference}; paired: median of the per-round ratios; "
-                 f"roofline: decode tok/s / (bandwidth / bytes read per token); "
+                 f"roofline: decode tok/s / (bandwidth / bytes read per token); /(W+KV): peak RSS above the "
+                 f"worker's before loading (Python, numpy, ONNX Runtime) over weight bytes + KV cache; "
                  f"every row was fed the same {settings['prompt_token_count']} prompt ids")
     for skipped in document["skipped"]:
         lines.append(f"skipped {skipped['name']}: {skipped['reason']}")

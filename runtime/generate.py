@@ -83,6 +83,8 @@ class Generation:
 def choose_next_tokens(logits: np.ndarray, history: list[list[int]], settings: SamplingSettings,
                        rng: np.random.Generator) -> np.ndarray:
     """Pick one token per row of `logits` [batch, vocab] by the sampling settings."""
+    if settings.temperature == 0 and settings.repetition_penalty == 1.0:
+        return logits.argmax(axis=-1)  # greedy: the model's own dtype has the same argmax, and no copy
     logits = logits.astype(np.float64, copy=True)
     if settings.repetition_penalty != 1.0:
         for row, seen in enumerate(history):
@@ -145,27 +147,31 @@ class Generator:
             )
         batch = len(prompts)
         rng = np.random.default_rng(settings.seed)
+        total = longest + settings.max_new_tokens
         input_ids = np.full((batch, longest), self.codec.pad_token_id, dtype=np.int64)
-        attention_mask = np.zeros((batch, longest), dtype=np.int64)
+        # One mask for the whole generation; each step sees its first `longest + step` columns.
+        full_mask = np.zeros((batch, total), dtype=np.int64)
         for row, ids in enumerate(prompts):
             input_ids[row, longest - len(ids):] = ids
-            attention_mask[row, longest - len(ids):] = 1
+            full_mask[row, longest - len(ids):] = 1
+        full_mask[:, longest:] = 1
+        attention_mask = full_mask[:, :longest]
         position_ids = np.maximum(np.cumsum(attention_mask, axis=1) - 1, 0)
         generated: list[list[int]] = [[] for _ in prompts]
-        emitted_text = [""] * batch
+        texts = [_TextStream(self.codec, settings.stop_strings) for _ in prompts]
         stop_reason: list[str | None] = [None] * batch
         eos = set(self.codec.eos_token_ids)
         step_counts: list[int] = []
+        penalized = settings.repetition_penalty != 1.0
 
-        self.step.start(batch, longest + settings.max_new_tokens)
+        self.step.start(batch, total)
         started = time.perf_counter()
         first_token_at = started
         for step_index in range(settings.max_new_tokens):
             logits = self.step.forward(input_ids, attention_mask, position_ids)[:, -1, :]
             step_counts.append(int(input_ids.size))
-            history = [list(p) + g for p, g in zip(prompts, generated, strict=True)]
-            next_tokens = choose_next_tokens(logits, history if settings.repetition_penalty != 1.0 else [],
-                                             settings, rng)
+            history = [list(p) + g for p, g in zip(prompts, generated, strict=True)] if penalized else []
+            next_tokens = choose_next_tokens(logits, history, settings, rng)
             if step_index == 0:
                 first_token_at = time.perf_counter()
             for row, token in enumerate(next_tokens.tolist()):
@@ -175,21 +181,21 @@ class Generator:
                     stop_reason[row] = "eos"
                     continue
                 generated[row].append(token)
-                text = self.codec.decode(generated[row])
-                stop_at = _first_stop(text, settings.stop_strings)
-                if stop_at is not None:
-                    text = text[:stop_at]
+                piece, stopped = texts[row].add(token)
+                if stopped:
                     stop_reason[row] = "stop_string"
-                if not text.endswith("\ufffd") and len(text) > len(emitted_text[row]):
-                    yield StreamEvent(row, token, text[len(emitted_text[row]):])
-                    emitted_text[row] = text
+                if piece:
+                    yield StreamEvent(row, token, piece)
             if all(stop_reason):
                 break
             input_ids = np.where([r is None for r in stop_reason], next_tokens, self.codec.pad_token_id)
             input_ids = input_ids.astype(np.int64).reshape(batch, 1)
-            attention_mask = np.concatenate([attention_mask, np.ones((batch, 1), np.int64)], axis=1)
+            attention_mask = full_mask[:, :attention_mask.shape[1] + 1]
             position_ids = position_ids[:, -1:] + 1
         finished = time.perf_counter()
+        for row, stream in enumerate(texts):
+            if rest := stream.flush():
+                yield StreamEvent(row, generated[row][-1], rest)
         decode_steps = max(len(step_counts) - 1, 0)
         for row, ids in enumerate(prompts):
             text = self.codec.decode(generated[row])
@@ -206,6 +212,53 @@ class Generator:
                     steps=len(step_counts),
                     step_token_counts=step_counts,
                 ))
+
+
+class _TextStream:
+    """One sequence's text as its tokens come, decoding only a short window per token: the tokens since
+    the last decoded piece, after those of the piece before (so a decoder's word-start rules see the same
+    context as in a full decode). Holds back text that ends in an incomplete character, and text that may
+    be the start of a stop string, until the next tokens settle it (`flush` gives what is held at the end)."""
+
+    def __init__(self, codec, stop_strings: tuple[str, ...]) -> None:
+        self.codec = codec
+        self.stop_strings = tuple(stop for stop in stop_strings if stop)
+        self.longest_stop = max((len(stop) for stop in self.stop_strings), default=0)
+        self.tokens: list[int] = []
+        self.prefix = 0  # window start
+        self.read = 0  # tokens up to here are in `text`
+        self.text = ""
+        self.emitted = 0  # characters of `text` handed out
+
+    def add(self, token: int) -> tuple[str, bool]:
+        """The text this token releases (maybe ''), and whether a stop string has now appeared."""
+        self.tokens.append(token)
+        before = self.codec.decode(self.tokens[self.prefix:self.read])
+        window = self.codec.decode(self.tokens[self.prefix:])
+        if len(window) <= len(before) or window.endswith("\ufffd"):
+            return "", False
+        self.prefix, self.read = self.read, len(self.tokens)
+        self.text += window[len(before):]
+        searched_from = max(0, self.emitted - self.longest_stop)
+        stop_at = _first_stop(self.text[searched_from:], self.stop_strings)
+        if stop_at is not None:
+            self.text = self.text[:searched_from + stop_at]
+            return self.flush(), True
+        held = _stop_prefix_length(self.text, self.stop_strings)
+        released = self.text[self.emitted:len(self.text) - held]
+        self.emitted += len(released)
+        return released, False
+
+    def flush(self) -> str:
+        released = self.text[self.emitted:]
+        self.emitted = len(self.text)
+        return released
+
+
+def _stop_prefix_length(text: str, stop_strings: tuple[str, ...]) -> int:
+    """How many characters at the end of `text` are the beginning of a stop string."""
+    return max((size for stop in stop_strings for size in range(min(len(stop) - 1, len(text)), 0, -1)
+                if text.endswith(stop[:size])), default=0)
 
 
 def _first_stop(text: str, stop_strings: tuple[str, ...]) -> int | None:

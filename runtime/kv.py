@@ -36,7 +36,8 @@ class HostKvCache:
         self.capacity = 0
 
     def reset(self, batch: int, capacity: int | None) -> None:
-        """Fresh, zeroed buffers for new sequences."""
+        """Fresh, zeroed buffers for new sequences (the old ones are let go first, not held beside them)."""
+        self.buffers = {}
         self.batch, self.capacity = batch, max(1, capacity or DEFAULT_CAPACITY)
         self.buffers = {name: np.zeros(self.shape, self.dtype) for name in self.past_names}
 

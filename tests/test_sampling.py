@@ -43,3 +43,50 @@ def test_repetition_penalty_moves_greedy_off_a_seen_token():
 def test_invalid_settings_are_user_errors(field, value):
     with pytest.raises(UserError):
         SamplingSettings(**{field: value}).validate()
+
+
+TEXT = "Grüße, 世界! A tab\there — and an emoji 🙂 at the end."
+
+
+def _stream(codec, ids, stop_strings=()):
+    from pipeshard.runtime.generate import _TextStream
+
+    stream, pieces = _TextStream(codec, stop_strings), []
+    for token in ids:
+        piece, stopped = stream.add(token)
+        pieces.append(piece)
+        if stopped:
+            return pieces, True
+    return pieces, False
+
+
+def test_streamed_pieces_add_up_to_the_full_decode(tiny_llama_export):
+    from pipeshard.runtime.text import TextCodec
+
+    codec = TextCodec(tiny_llama_export)
+    ids = codec.encode(TEXT)
+    pieces, stopped = _stream(codec, ids)
+    assert not stopped and "".join(pieces) == codec.decode(ids) == TEXT
+    assert not any("\ufffd" in piece for piece in pieces)  # a character split across tokens comes out whole
+
+
+def test_a_stop_string_across_pieces_cuts_the_stream_before_it(tiny_llama_export):
+    from pipeshard.runtime.text import TextCodec
+
+    codec = TextCodec(tiny_llama_export)
+    pieces, stopped = _stream(codec, codec.encode(TEXT), stop_strings=("here —",))
+    assert stopped and "".join(pieces) == TEXT[:TEXT.index("here —")]
+
+
+def test_text_that_may_start_a_stop_string_is_held_then_released(tiny_llama_export):
+    from pipeshard.runtime.generate import _TextStream
+    from pipeshard.runtime.text import TextCodec
+
+    codec = TextCodec(tiny_llama_export)
+    stream = _TextStream(codec, ("here — x",))  # "here — " appears, the stop string never does
+    released, held_once = "", False
+    for token in codec.encode(TEXT):
+        released += stream.add(token)[0]
+        assert not any(released.endswith(start) for start in ("h", "here", "here —", "here — "))
+        held_once |= len(released) < len(stream.text)
+    assert held_once and released + stream.flush() == TEXT
