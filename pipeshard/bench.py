@@ -426,7 +426,7 @@ def _compare(rows: list[dict], reference: str, pack, kv_context: int, bandwidth:
     average_context = generation_tokens - len(base["tokens"]) / 2
     read_per_token = minimum_bytes_per_token(pack, average_context)
     # What a CPU run must hold at the least: every weight once and the KV cache of the whole generation.
-    weights_and_kv = (sum(e["weight_bytes"] for e in pack.sub_layers)
+    weights_and_kv = (pack.manifest["total_weight_bytes"]
                       + pack.manifest["kv_bytes_per_token"] * generation_tokens)
     for row in rows:
         row["reference"] = base["name"]
