@@ -12,9 +12,16 @@ After the rewrite:
   buffers; a runtime binds one buffer as both and the valid length comes from the attention mask.
 - Nothing reads the past length off a KV tensor's shape (it would be the capacity): it is computed
   from `attention_mask` and `input_ids` (past = total - new).
-- Rotary stays the ONNX RotaryEmbedding op on our position-derived cos/sin (so left-padded batches
-  keep their positions), applied to the [batch, seq, heads * head_dim] projections; the additive
-  mask the exporter builds (causal + padding) becomes GQA's `attention_bias`.
+- Where q, k and v are plain projections of one input and rotary is the plain ONNX RotaryEmbedding
+  (every dense decoder here but Qwen3, whose q/k norms sit between), they become one MatMul over the
+  concatenated weights, and GQA rotates q and k itself (`do_rotary`) from cos/sin tables of every
+  position up to the context, computed at export by the exporter's own rotary subgraph: 4 ops per
+  layer fewer than projecting and rotating apart (what onnxruntime-genai's builder emits). GQA takes a
+  token's position from its place in the cache; in a left-padded batch that is the HF position plus
+  the row's padding, the same shift for every token of the row, so attention (which sees position
+  differences only) is unchanged. Elsewhere rotary stays the RotaryEmbedding op on the
+  position-derived cos/sin, applied to the [batch, seq, heads * head_dim] projections.
+- The additive mask the exporter builds (causal + padding) becomes GQA's `attention_bias`.
 
 Limitation of the CPU kernel (checked at run time by the runtimes): more than one new token with a
 past is only supported for batch 1.
@@ -26,13 +33,14 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-from onnx import TensorProto, helper
+from onnx import TensorProto, helper, numpy_helper
 
 from pipeshard.errors import UserError
 from pipeshard.runtime.kv import PAST_PREFIX, PRESENT_PREFIX
 
 SEQLENS = "_gqa_seqlens_k"
 TOTAL = "_gqa_total_sequence_length"
+ROTARY_CACHES = ("_gqa_cos_cache", "_gqa_sin_cache")  # the tables' rows 0 .. total - 1, per step
 _REPEAT_KV_OPS = ("Reshape", "Expand", "Unsqueeze")
 
 
@@ -43,6 +51,7 @@ class _Graph:
         self.model = model
         self.nodes = model.graph.node
         self.widths: dict[str, int] = {}  # the 3-D tensors the rewrite made, by last dimension
+        self.initializers = {i.name: i for i in model.graph.initializer}
         self.refresh()
 
     def refresh(self) -> None:
@@ -222,9 +231,117 @@ def _additive_bias(graph: _Graph, mask: str, float_type: int) -> tuple[str, list
     return bias, nodes
 
 
+def _projection(graph: _Graph, tensor: str) -> onnx.NodeProto | None:
+    """The MatMul (by an initializer weight) that became `tensor` through Reshape and Transpose(0, 2, 1, 3)."""
+    transpose = graph.producer.get(tensor)
+    if transpose is None or transpose.op_type != "Transpose" or \
+            next((list(a.ints) for a in transpose.attribute if a.name == "perm"), None) != [0, 2, 1, 3]:
+        return None
+    reshape = graph.producer.get(transpose.input[0])
+    if reshape is None or reshape.op_type != "Reshape":
+        return None
+    matmul = graph.producer.get(reshape.input[0])
+    if matmul is None or matmul.op_type != "MatMul" or matmul.input[1] not in graph.initializers:
+        return None
+    return matmul
+
+
+def _plain_rotary(node: onnx.NodeProto | None, head_dim: int) -> bool:
+    if node is None or node.op_type != "RotaryEmbedding" or (len(node.input) > 3 and node.input[3]):
+        return False
+    attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    return not attributes.get("interleaved") and attributes.get("rotary_embedding_dim", 0) in (0, head_dim)
+
+
+def _packed_qkv(graph: _Graph, q: str, k: str, v: str, heads: int, kv_heads: int, head_dim: int,
+                added: list[onnx.NodeProto]) -> tuple[str, list[tuple[str, str]]] | None:
+    """One MatMul over [Wq | Wk | Wv] when q and k are plainly rotated projections of the same input as v;
+    returns the packed qkv and the (cos, sin) pairs q and k were rotated with, or None where the pattern
+    does not hold."""
+    rotate_q, rotate_k = graph.producer.get(q), graph.producer.get(k)
+    if not (_plain_rotary(rotate_q, head_dim) and _plain_rotary(rotate_k, head_dim)):
+        return None
+    projections = [_projection(graph, t) for t in (rotate_q.input[0], rotate_k.input[0], v)]
+    if any(p is None for p in projections) or len({p.input[0] for p in projections}) != 1:
+        return None
+    weights = [numpy_helper.to_array(graph.initializers[p.input[1]]) for p in projections]
+    widths = [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
+    if [w.shape[-1] for w in weights] != widths or any(w.ndim != 2 for w in weights):
+        return None
+    name = f"{projections[0].output[0]}_qkv"
+    packed = numpy_helper.from_array(np.concatenate(weights, axis=1), f"{name}_weight")
+    graph.model.graph.initializer.append(packed)
+    graph.initializers[packed.name] = packed
+    matmul = helper.make_node("MatMul", [projections[0].input[0], packed.name], [name], name=name)
+    added.append(_metadata_from(matmul, projections[0]))
+    graph.widths[name] = sum(widths)
+    return name, [tuple(rotate_q.input[1:3]), tuple(rotate_k.input[1:3])]
+
+
+def _evaluate(model: onnx.ModelProto, outputs: list[str], feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+    """Run the part of the graph that computes `outputs` from the graph inputs in `feeds`."""
+    import onnxruntime
+
+    producer = {out: node for node in model.graph.node for out in node.output}
+    initializers = {i.name: i for i in model.graph.initializer}
+    needed, pending, inputs = set(), list(outputs), set()
+    while pending:
+        tensor = pending.pop()
+        node = producer.get(tensor)
+        if node is None:
+            if tensor in feeds:
+                inputs.add(tensor)
+            continue
+        if id(node) not in needed:
+            needed.add(id(node))
+            pending += [t for t in node.input if t]
+    nodes = [n for n in model.graph.node if id(n) in needed]
+    used = {t for n in nodes for t in n.input}
+    graph = helper.make_graph(
+        nodes, "evaluate", [v for v in model.graph.input if v.name in inputs],
+        [helper.make_empty_tensor_value_info(name) for name in outputs],
+        [initializers[name] for name in used if name in initializers])
+    sub_model = helper.make_model(graph, opset_imports=model.opset_import, ir_version=model.ir_version)
+    options = onnxruntime.SessionOptions()
+    options.log_severity_level = 3
+    session = onnxruntime.InferenceSession(sub_model.SerializeToString(), options,
+                                           providers=["CPUExecutionProvider"])
+    return session.run(outputs, {name: feeds[name] for name in inputs})
+
+
+def _rotary_caches(graph: _Graph, sources: list[tuple[str, str]], max_context: int, float_type: int,
+                   like: onnx.NodeProto) -> list[onnx.NodeProto]:
+    """Tables of the exporter's rotary cos/sin for positions 0 .. max_context - 1 (its own subgraphs run on
+    those positions, so any rope scaling it applies is in them; the exporter computes them once per use,
+    and every use must agree), and per step their first `total` rows, in the scope of `like` (the mask's)."""
+    positions = np.arange(max_context, dtype=np.int64)[None]
+    feeds = {"position_ids": positions, "input_ids": np.zeros_like(positions),
+             "attention_mask": np.ones_like(positions)}
+    values = _evaluate(graph.model, [name for pair in sources for name in pair], feeds)
+    tables = values[:2]
+    for index, value in enumerate(values):
+        if not np.array_equal(value, tables[index % 2]):
+            raise UserError(f"attention rewrite: the rotary tables of {sources[index // 2]} differ from those of "
+                            f"{sources[0]}")
+    nodes = [_int64("_gqa_two_1d", [2]),
+             helper.make_node("Slice", ["_gqa_mask_shape", "_gqa_one_1d", "_gqa_two_1d"], ["_gqa_total_1d"])]
+    numpy_type = helper.tensor_dtype_to_np_dtype(float_type)
+    for table, step_name in zip(tables, ROTARY_CACHES, strict=True):
+        table_name = f"{step_name}_table"
+        graph.model.graph.initializer.append(
+            numpy_helper.from_array(table.reshape(max_context, -1).astype(numpy_type), table_name))
+        nodes.append(helper.make_node("Slice", [table_name, "_gqa_zero_1d", "_gqa_total_1d", "_gqa_zero_1d"],
+                                      [step_name]))
+    for node in nodes:
+        node.name = node.name or node.output[0]
+        _metadata_from(node, like)
+    return nodes
+
+
 def fuse_attention(model: onnx.ModelProto, heads: int, kv_heads: int, head_dim: int,
-                   float_type: int = TensorProto.FLOAT) -> int:
-    """Rewrite every exported attention into GroupQueryAttention; returns how many were rewritten."""
+                   float_type: int = TensorProto.FLOAT, max_context: int | None = None) -> int:
+    """Rewrite every exported attention into GroupQueryAttention; returns how many were rewritten.
+    With `max_context`, plainly rotated attentions get packed q/k/v and GQA's own rotary."""
     derive_past_length(model, kv_heads, head_dim)
     graph = _Graph(model)
     attentions = [n for n in graph.nodes if n.op_type == "Attention" and n.domain in ("", "ai.onnx")]
@@ -234,6 +351,7 @@ def fuse_attention(model: onnx.ModelProto, heads: int, kv_heads: int, head_dim: 
     removed: list[onnx.NodeProto] = []
     biases: dict[str, str] = {}
     prologue: list[onnx.NodeProto] = []
+    rotary_sources: list[tuple[str, str]] = []
     for attention in attentions:
         q, k, v, mask = (list(attention.input) + ["", "", "", ""])[:4]
         if not mask:
@@ -249,16 +367,22 @@ def fuse_attention(model: onnx.ModelProto, heads: int, kv_heads: int, head_dim: 
         attributes = {a.name: helper.get_attribute_value(a) for a in attention.attribute}
         if attributes.get("is_causal") or attributes.get("qk_matmul_output_mode"):
             raise UserError(f"attention rewrite: {attention.name} has attributes GQA does not take")
+        packed = _packed_qkv(graph, q, k_concat.input[1], v_concat.input[1], heads, kv_heads, head_dim, added) \
+            if max_context else None
+        if packed:
+            qkv, pairs = packed
+            rotary_sources += [pair for pair in pairs if pair not in rotary_sources]
+            new_inputs, rotary = [qkv, "", ""], ROTARY_CACHES
+        else:
+            new_inputs, rotary = [_gqa_input(graph, q, heads, head_dim, added, attention),
+                                  _gqa_input(graph, k_concat.input[1], kv_heads, head_dim, added, attention),
+                                  _gqa_input(graph, v_concat.input[1], kv_heads, head_dim, added, attention)], ("", "")
         gqa = helper.make_node(
             "GroupQueryAttention",
-            [_gqa_input(graph, q, heads, head_dim, added, attention),
-             _gqa_input(graph, k_concat.input[1], kv_heads, head_dim, added, attention),
-             _gqa_input(graph, v_concat.input[1], kv_heads, head_dim, added, attention),
-             k_concat.input[0], v_concat.input[0],
-             SEQLENS, TOTAL, "", "", "", biases[mask]],
+            [*new_inputs, k_concat.input[0], v_concat.input[0], SEQLENS, TOTAL, *rotary, "", biases[mask]],
             [out_reshape.output[0], k_concat.output[0], v_concat.output[0]],
             name=f"{attention.name or attention.output[0]}_gqa", domain="com.microsoft",
-            num_heads=heads, kv_num_heads=kv_heads,
+            num_heads=heads, kv_num_heads=kv_heads, **({"do_rotary": 1} if packed else {}),
             **({"scale": float(attributes["scale"])} if "scale" in attributes else {}),
             **({"softcap": float(attributes["softcap"])} if attributes.get("softcap") else {}))
         added.append(_metadata_from(gqa, attention))
@@ -268,10 +392,15 @@ def fuse_attention(model: onnx.ModelProto, heads: int, kv_heads: int, head_dim: 
     _declare(model, TOTAL, TensorProto.INT32, [])
     for mask, bias in biases.items():
         _declare(model, bias, float_type, _dims_of(model, mask))
+    mask_maker = graph.producer.get(attentions[0].input[3]) or attentions[0]
+    if rotary_sources:
+        prologue += _rotary_caches(graph, rotary_sources, max_context, float_type, mask_maker)
+        for name in ROTARY_CACHES:
+            _declare(model, name, float_type, [_dims_of(model, "attention_mask")[1], head_dim // 2])
     for name, width in graph.widths.items():
         _declare(model, name, float_type, [batch, sequence, width])
     first_user = min(list(graph.nodes).index(n) for n in attentions)
-    step_lengths = _step_lengths(graph.producer.get(attentions[0].input[3]) or attentions[0])
+    step_lengths = _step_lengths(mask_maker)
     kept = [n for n in graph.nodes if not any(n is r for r in removed)]
     ordered = kept[:first_user] + step_lengths + prologue + kept[first_user:] + added
     del graph.nodes[:]
@@ -309,11 +438,12 @@ def _declare_kv_buffers(model: onnx.ModelProto) -> None:
             value.type.tensor_type.shape.dim[2].dim_param = "present_length"
 
 
-def fuse_exported_model(onnx_path: Path, heads: int, kv_heads: int, head_dim: int, dtype: str) -> int:
+def fuse_exported_model(onnx_path: Path, heads: int, kv_heads: int, head_dim: int, dtype: str,
+                        max_context: int) -> int:
     """Apply the rewrite to an exported model file in place (its external data file rewritten)."""
     model = onnx.load(str(onnx_path))
     float_type = {"fp32": TensorProto.FLOAT, "fp16": TensorProto.FLOAT16}[dtype]
-    fused = fuse_attention(model, heads, kv_heads, head_dim, float_type)
+    fused = fuse_attention(model, heads, kv_heads, head_dim, float_type, max_context)
     data = onnx_path.with_name(onnx_path.name + ".data")
     data.unlink(missing_ok=True)  # onnx appends to an existing data file
     onnx.save(model, str(onnx_path), save_as_external_data=True, location=data.name, size_threshold=1024)

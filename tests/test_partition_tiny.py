@@ -1,6 +1,7 @@
 """The partitioner on tiny:llama: a verified cut, aligned blobs with no duplication, a lossless chain."""
 
 import json
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -35,11 +36,37 @@ def test_only_the_residual_stream_and_own_kv_cross_between_compute_sub_layers(ti
     assert prologue_inputs <= {"input_ids", "attention_mask", "position_ids"}
 
 
-def test_values_every_layer_computes_alike_are_computed_once_in_the_prologue(tiny_pack):
-    """The rotary cos/sin read only the prologue's angles: one Cos and one Sin per step, not two per attention."""
+@pytest.fixture(scope="module")
+def tiny_qwen3_pack(tmp_path_factory) -> Path:
+    """Qwen3 normalizes q and k per head before rotary: its attention keeps the RotaryEmbedding ops."""
+    from pipeshard.exporter import export_model
+
+    folder = tmp_path_factory.mktemp("qwen3")
+    export_model("tiny:qwen3", folder / "export", quiet=True)
+    partition(folder / "export", folder / "pack")
+    return folder / "pack"
+
+
+def _ops(pack) -> dict[str, list[onnx.NodeProto]]:
+    return {e["name"]: list(onnx.load(pack.path(e["files"]["onnx"])).graph.node) for e in pack.sub_layers}
+
+
+def test_plain_rotary_attention_is_one_qkv_matmul_and_gqa_rotating_from_the_prologue_tables(tiny_pack):
     pack = load_pack(tiny_pack)
-    ops = {e["name"]: [n.op_type for n in onnx.load(pack.path(e["files"]["onnx"])).graph.node]
-           for e in pack.sub_layers}
+    nodes = _ops(pack)
+    assert not any(n.op_type in ("Cos", "Sin", "RotaryEmbedding") for found in nodes.values() for n in found)
+    prologue_outputs = {o["name"] for o in pack.sub_layers[0]["outputs"]}
+    for entry in (e for e in pack.sub_layers if e["kind"] == "attn"):
+        (gqa,) = [n for n in nodes[entry["name"]] if n.op_type == "GroupQueryAttention"]
+        assert onnx.helper.get_attribute_value(next(a for a in gqa.attribute if a.name == "do_rotary")) == 1
+        assert set(gqa.input[7:9]) <= prologue_outputs  # the cos/sin caches
+        assert [n.op_type for n in nodes[entry["name"]]].count("MatMul") == 2  # packed q/k/v, then o
+
+
+def test_values_every_layer_computes_alike_are_computed_once_in_the_prologue(tiny_qwen3_pack):
+    """The rotary cos/sin read only the prologue's angles: one Cos and one Sin per step, not two per attention."""
+    pack = load_pack(tiny_qwen3_pack)
+    ops = {name: [n.op_type for n in found] for name, found in _ops(pack).items()}
     assert (ops["prologue"].count("Cos"), ops["prologue"].count("Sin")) == (1, 1)
     assert not any({"Cos", "Sin"} & set(found) for name, found in ops.items() if name != "prologue")
     attention_inputs = {i["name"] for i in pack.sub_layers[2]["inputs"]}
