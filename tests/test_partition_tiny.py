@@ -200,3 +200,25 @@ def test_an_fp16_export_partitions_and_runs_losslessly(tmp_path):
     assert [g.tokens for g in chain.generate(PROMPTS, max_new_tokens=12)] == \
         [g.tokens for g in whole.generate(PROMPTS, max_new_tokens=12)]
     assert load_pack(tmp_path / "pack16").model["dtype"] == "fp16"
+
+
+def test_the_prologue_is_the_padding_bias_lengths_and_rotary_rows_only(tiny_pack):
+    """GQA masks the future itself: the exporter's ~40-op causal mask is gone from the step."""
+    ops = [n.op_type for n in _ops(load_pack(tiny_pack))["prologue"]]
+    assert not {"Range", "GatherND", "LessOrEqual"} & set(ops) and len(ops) <= 30, ops
+
+
+def test_a_mask_that_is_not_causal_and_padding_keeps_the_exporters_bias():
+    from onnx import TensorProto, helper
+
+    from pipeshard.exporter.fuse import _is_causal_and_padding
+
+    graph = helper.make_graph(  # padding only, no causal part
+        [helper.make_node("Cast", ["attention_mask"], ["attend"], to=TensorProto.BOOL),
+         helper.make_node("Constant", [], ["axes"], value=helper.make_tensor("v", TensorProto.INT64, [2], [1, 2])),
+         helper.make_node("Unsqueeze", ["attend", "axes"], ["mask"])], "g",
+        [helper.make_tensor_value_info(name, TensorProto.INT64, ["batch", size])
+         for name, size in (("input_ids", "sequence"), ("attention_mask", "total"), ("position_ids", "sequence"))],
+        [helper.make_tensor_value_info("mask", TensorProto.BOOL, None)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    assert not _is_causal_and_padding(model, "mask")
