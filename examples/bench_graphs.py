@@ -21,8 +21,9 @@ import numpy as np
 import onnxruntime as ort
 
 
-def decode_step(path: str, context: int, threads: int):
-    """A callable running one decode step of the graph at `path`, everything bound once."""
+def decode_step(path: str, context: int) -> tuple:
+    """A callable running one decode step of the graph at `path`, everything bound once, and the buffers
+    bound by pointer (to keep alive while the callable is used)."""
     options = ort.SessionOptions()
     options.use_per_session_threads = False
     options.log_severity_level = 3
@@ -47,12 +48,7 @@ def decode_step(path: str, context: int, threads: int):
     logits = np.empty((1, 1, vocab), np.float32)
     binding.bind_output("logits", "cpu", 0, np.float32, list(logits.shape), logits.ctypes.data)
     kept += [logits, *feeds.values()]
-
-    def step() -> None:
-        session.run_with_iobinding(binding)
-
-    step.kept = kept  # the bound buffers live as long as the step
-    return step
+    return lambda: session.run_with_iobinding(binding), kept
 
 
 def main() -> None:
@@ -65,7 +61,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     ort.capi._pybind_state.set_global_thread_pool_sizes(args.threads, 1)
-    steps = {"A": decode_step(args.a, args.context, args.threads), "B": decode_step(args.b, args.context, args.threads)}
+    made = {"A": decode_step(args.a, args.context), "B": decode_step(args.b, args.context)}
+    steps = {name: step for name, (step, _buffers) in made.items()}
     for step in steps.values():
         for _ in range(5):
             step()

@@ -43,6 +43,7 @@ from pipeshard.runtime.kv import PAST_PREFIX, PRESENT_PREFIX
 SEQLENS = "_gqa_seqlens_k"
 TOTAL = "_gqa_total_sequence_length"
 ROTARY_CACHES = ("_gqa_cos_cache", "_gqa_sin_cache")  # the tables' rows 0 .. total - 1, per step
+PADDING_BIAS = "_gqa_padding_bias"
 _REPEAT_KV_OPS = ("Reshape", "Expand", "Unsqueeze")
 
 
@@ -242,7 +243,7 @@ def _padding_bias(float_type: int, like: onnx.NodeProto) -> tuple[str, list[onnx
     """The additive bias of the padding alone, [batch, 1, new, total], from `attention_mask`: 9 small ops
     where the exporter's causal mask took some 40 (GQA masks the future itself)."""
     lowest = float(np.finfo(helper.tensor_dtype_to_np_dtype(float_type)).min)
-    bias = "_gqa_padding_bias"
+    bias = PADDING_BIAS
     nodes = [
         helper.make_node("Constant", [], [bias + "_zero"], value=helper.make_tensor("v", float_type, [], [0.0])),
         helper.make_node("Constant", [], [bias + "_lowest"], value=helper.make_tensor("v", float_type, [], [lowest])),
@@ -404,13 +405,14 @@ def fuse_attention(model: onnx.ModelProto, heads: int, kv_heads: int, head_dim: 
         if not mask:
             raise UserError(f"attention rewrite: {attention.name} has no mask input")
         if mask not in biases:
-            if _is_causal_and_padding(model, mask):
-                made = "_gqa_padding_bias" in biases.values()
-                biases[mask], nodes = _padding_bias(float_type, graph.producer.get(mask) or attention)
-                nodes = [] if made else nodes
-            else:
+            if not _is_causal_and_padding(model, mask):
                 biases[mask], nodes = _additive_bias(graph, mask, float_type)
-            prologue += nodes
+                prologue += nodes
+            elif PADDING_BIAS in biases.values():  # another mask of the same kind: one padding bias serves all
+                biases[mask] = PADDING_BIAS
+            else:
+                biases[mask], nodes = _padding_bias(float_type, graph.producer.get(mask) or attention)
+                prologue += nodes
         k_concat, v_concat = _concat_of(graph, k), _concat_of(graph, v)
         (out_transpose,) = graph.consumers[attention.output[0]]
         if out_transpose.op_type != "Transpose":

@@ -233,26 +233,28 @@ def _worker(kind: str, name: str, settings: dict, context: int, prompt_text: str
     replies.put({"peak_rss_bytes": peak_rss_bytes(), "facts": facts})
 
 
-def current_rss_bytes() -> int:
-    """This process's resident memory now (VmRSS; 0 where /proc is not there)."""
+def _status_bytes(field: str) -> int | None:
+    """A size field of /proc/self/status (VmRSS, VmHWM) in bytes; None where there is no /proc."""
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
+            if line.startswith(f"{field}:"):
                 return int(line.split()[1]) * 1024
     except OSError:
         pass
-    return 0
+    return None
+
+
+def current_rss_bytes() -> int:
+    """This process's resident memory now (0 where /proc is not there)."""
+    return _status_bytes("VmRSS") or 0
 
 
 def peak_rss_bytes() -> int:
     """This process's own peak RSS. ru_maxrss would not do: Linux carries the parent's high-water mark
     over fork and exec, so every spawned worker would report at least its parent's size."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
+    peak = _status_bytes("VmHWM")
+    if peak is not None:
+        return peak
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
 
 

@@ -33,6 +33,7 @@ def test_bench_runs_every_plan_and_writes_a_valid_document(tiny_pack, tmp_path, 
     assert all(row["peak_rss_bytes"] < 400 * 2**20 for row in document["rows"])  # each worker's own peak
     for row in document["rows"]:  # the engine's own memory: above the bare interpreter and libraries
         assert 0 < row["baseline_rss_bytes"] < row["peak_rss_bytes"]
+        assert row["rss_over_weights_and_kv"] > 1  # the baseline was taken before any weight was loaded
         assert row["rss_over_weights_and_kv"] == pytest.approx(
             (row["peak_rss_bytes"] - row["baseline_rss_bytes"]) / row["weights_and_kv_bytes"])
     table = capsys.readouterr().out
