@@ -81,6 +81,11 @@ def cpu_session_options(threads: int | None = None, optimize: bool = True):
         options.inter_op_num_threads = 1
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    # A memory pattern is traced and cached per distinct set of input shapes; decoding grows the context
+    # every step, so every run would trace a new one (and the cache would grow with the context). Off, the
+    # shared arena serves the same allocations: decode steps were 4-5 % faster here, for the monolithic
+    # session and the chain alike (interleaved, one process, 24 rounds).
+    options.enable_mem_pattern = False
     options.graph_optimization_level = (
         ort.GraphOptimizationLevel.ORT_ENABLE_ALL if optimize else ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     )
