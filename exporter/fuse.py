@@ -38,6 +38,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from pipeshard.errors import UserError
+from pipeshard.partitioner.rules import module_path
 from pipeshard.runtime.kv import PAST_PREFIX, PRESENT_PREFIX
 
 SEQLENS = "_gqa_seqlens_k"
@@ -492,12 +493,52 @@ def _declare_kv_buffers(model: onnx.ModelProto) -> None:
             value.type.tensor_type.shape.dim[2].dim_param = "present_length"
 
 
+def pack_sibling_projections(model: onnx.ModelProto) -> int:
+    """Projections of one input by constant weights in named sibling modules (an MLP's gate_proj and
+    up_proj; a Qwen3 attention's q, k and v, whose per-head norms keep them from the GQA packing) become
+    one MatMul over the concatenated weights and a Split back into the tensors they made: one weight
+    stream and one op instead of several, bitwise the same values (each output column is the same dot
+    product). Entries of a module list (MoE experts) are never packed together: each is a sub-layer of its
+    own. Returns how many groups were packed."""
+    graph = _Graph(model)
+    groups: dict[tuple[str, str], list[onnx.NodeProto]] = {}
+    for node in graph.nodes:
+        weight = graph.initializers.get(node.input[1]) if node.op_type == "MatMul" else None
+        parent, _, own = (module_path(node) or "").rpartition(".")
+        if weight is not None and len(weight.dims) == 2 and parent and not own.isdigit():
+            groups.setdefault((node.input[0], parent), []).append(node)
+    packed = 0
+    for (activation, _parent), members in groups.items():
+        if len(members) < 2:
+            continue
+        weights = [numpy_helper.to_array(graph.initializers[n.input[1]]) for n in members]
+        widths = [w.shape[1] for w in weights]
+        name = f"{members[0].output[0]}_packed"
+        weight = numpy_helper.from_array(np.concatenate(weights, axis=1), f"{name}_weight")
+        graph.model.graph.initializer.extend([weight, numpy_helper.from_array(np.array(widths, np.int64),
+                                                                              f"{name}_widths")])
+        matmul = _metadata_from(helper.make_node("MatMul", [activation, weight.name], [name], name=name), members[0])
+        split = _metadata_from(helper.make_node("Split", [name, f"{name}_widths"], [n.output[0] for n in members],
+                                                name=f"{name}_split", axis=-1), members[0])
+        *leading, _ = _dims_of(model, members[0].output[0])
+        _declare(model, name, weight.data_type, [*leading, sum(widths)])
+        at = min(list(graph.nodes).index(n) for n in members)
+        for node in members:
+            graph.nodes.remove(node)
+        graph.nodes.insert(at, split)
+        graph.nodes.insert(at, matmul)
+        packed += 1
+    _remove_dead_nodes(model)
+    return packed
+
+
 def fuse_exported_model(onnx_path: Path, heads: int, kv_heads: int, head_dim: int, dtype: str,
                         max_context: int) -> int:
-    """Apply the rewrite to an exported model file in place (its external data file rewritten)."""
+    """Apply the rewrites to an exported model file in place (its external data file rewritten)."""
     model = onnx.load(str(onnx_path))
     float_type = {"fp32": TensorProto.FLOAT, "fp16": TensorProto.FLOAT16}[dtype]
     fused = fuse_attention(model, heads, kv_heads, head_dim, float_type, max_context)
+    pack_sibling_projections(model)
     data = onnx_path.with_name(onnx_path.name + ".data")
     data.unlink(missing_ok=True)  # onnx appends to an existing data file
     onnx.save(model, str(onnx_path), save_as_external_data=True, location=data.name, size_threshold=1024)

@@ -63,6 +63,17 @@ def test_plain_rotary_attention_is_one_qkv_matmul_and_gqa_rotating_from_the_prol
         assert [n.op_type for n in nodes[entry["name"]]].count("MatMul") == 2  # packed q/k/v, then o
 
 
+def test_sibling_projections_are_one_matmul_split_back_in_their_own_sub_layer(tiny_pack, tiny_qwen3_pack):
+    """Gate and up are one MatMul (then Split) in every FFN; Qwen3's q/k/v, which the GQA packing leaves
+    apart for their per-head norms, likewise in every attention."""
+    for pack, kinds in ((load_pack(tiny_pack), ("ffn",)), (load_pack(tiny_qwen3_pack), ("attn", "ffn"))):
+        nodes = _ops(pack)
+        for entry in (e for e in pack.sub_layers if e["kind"] in kinds):
+            ops = [n.op_type for n in nodes[entry["name"]]]
+            assert ops.count("Split") == 1, entry["name"]
+            assert ops.count("MatMul") == 2, entry["name"]  # the packed projections, then down / o
+
+
 def test_values_every_layer_computes_alike_are_computed_once_in_the_prologue(tiny_qwen3_pack):
     """The rotary cos/sin read only the prologue's angles: one Cos and one Sin per step, not two per attention."""
     pack = load_pack(tiny_qwen3_pack)
