@@ -129,13 +129,16 @@ class Generator:
     def generate(self, prompts: list[list[int]], settings: SamplingSettings) -> list[Generation]:
         """Generate for a batch of tokenized prompts; returns one Generation per prompt."""
         results: list[Generation] = []
-        for _ in self.stream(prompts, settings, results):
+        # Nobody reads the pieces here: the text is decoded once at the end, unless stop strings must be
+        # watched for as it grows.
+        for _ in self.stream(prompts, settings, results, pieces=bool(settings.stop_strings)):
             pass
         return results
 
     def stream(self, prompts: list[list[int]], settings: SamplingSettings,
-               results: list[Generation] | None = None) -> Iterator[StreamEvent]:
-        """Yield text pieces as tokens are chosen; fill `results` (if given) when done."""
+               results: list[Generation] | None = None, pieces: bool = True) -> Iterator[StreamEvent]:
+        """Yield text pieces as tokens are chosen (none with `pieces=False`: then stop strings are only cut
+        from the final text); fill `results` (if given) when done."""
         settings.validate()
         if not prompts or any(not ids for ids in prompts):
             raise UserError("every prompt needs at least one token")
@@ -181,6 +184,8 @@ class Generator:
                     stop_reason[row] = "eos"
                     continue
                 generated[row].append(token)
+                if not pieces:
+                    continue
                 piece, stopped = texts[row].add(token)
                 if stopped:
                     stop_reason[row] = "stop_string"
@@ -193,7 +198,7 @@ class Generator:
             attention_mask = full_mask[:, :attention_mask.shape[1] + 1]
             position_ids = position_ids[:, -1:] + 1
         finished = time.perf_counter()
-        for row, stream in enumerate(texts):
+        for row, stream in enumerate(texts if pieces else []):
             if rest := stream.flush():
                 yield StreamEvent(row, generated[row][-1], rest)
         decode_steps = max(len(step_counts) - 1, 0)

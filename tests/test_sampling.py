@@ -90,3 +90,39 @@ def test_text_that_may_start_a_stop_string_is_held_then_released(tiny_llama_expo
         assert not any(released.endswith(start) for start in ("h", "here", "here —", "here — "))
         held_once |= len(released) < len(stream.text)
     assert held_once and released + stream.flush() == TEXT
+
+
+class _ScriptedStep:
+    """A ForwardStep whose greedy choice at step i is `script[i]` whatever the input."""
+
+    max_context = 512
+
+    def __init__(self, script: list[int], vocab: int) -> None:
+        self.script, self.vocab, self.calls = script, vocab, 0
+
+    def start(self, batch: int, context: int | None = None) -> None:
+        self.calls = 0
+
+    def forward(self, input_ids, attention_mask, position_ids):
+        logits = np.zeros((*input_ids.shape, self.vocab), np.float32)
+        logits[:, -1, self.script[self.calls]] = 1.0
+        self.calls += 1
+        return logits
+
+
+def test_generate_decodes_once_yet_gives_the_streamed_text_and_still_stops_on_a_stop_string(tiny_llama_export):
+    from pipeshard.runtime.generate import Generator
+    from pipeshard.runtime.text import TextCodec
+
+    codec = TextCodec(tiny_llama_export)
+    script = codec.encode(TEXT)
+    generator = Generator(_ScriptedStep(script, codec.tokenizer.get_vocab_size()), codec)
+    codec.eos_token_ids = []
+    settings = SamplingSettings(max_new_tokens=len(script))
+    streamed: list = []
+    pieces = "".join(event.text for event in generator.stream([[1]], settings, streamed))
+    (generated,) = generator.generate([[1]], settings)
+    assert generated.text == streamed[0].text == pieces == TEXT and generated.tokens == script
+    (stopped,) = generator.generate([[1]], SamplingSettings(max_new_tokens=len(script), stop_strings=("here —",)))
+    assert stopped.stop_reason == "stop_string" and stopped.text == TEXT[:TEXT.index("here —")]
+    assert len(stopped.tokens) < len(script)
