@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-from onnx import helper
+from onnx import helper, numpy_helper
 
 from pipeshard import __version__
 from pipeshard.errors import UserError
@@ -145,6 +145,26 @@ def row_chunkable_weight(model: onnx.ModelProto, sub_layer, initializers) -> str
     return None
 
 
+def row_prefix_outputs(model: onnx.ModelProto, sub_layer, initializers) -> dict[str, str]:
+    """Outputs that every step are the first rows of one of the sub-layer's stored weights,
+    `Slice(W, starts=[0], ends, axes=[0])` (the rotary cos/sin tables up to the step's length), by the
+    weight: a consumer that takes longer tables (GroupQueryAttention's caches) can be given W itself,
+    once, instead of the per-step slice."""
+    nodes = [model.graph.node[i] for i in sub_layer.nodes]
+    constants = {n.output[0]: numpy_helper.to_array(n.attribute[0].t).tolist() for n in nodes
+                 if n.op_type == "Constant" and n.attribute and n.attribute[0].name == "value"}
+    constants.update({name: numpy_helper.to_array(i).tolist() for name, i in initializers.items()
+                      if i.data_type == onnx.TensorProto.INT64 and not _external(i) and len(i.dims) == 1})
+
+    def value(node: onnx.NodeProto, index: int):
+        return constants.get(node.input[index]) if len(node.input) > index and node.input[index] else None
+
+    return {node.output[0]: node.input[0] for node in nodes
+            if node.op_type == "Slice" and node.output[0] in sub_layer.outputs
+            and node.input[0] in sub_layer.initializers and _external(initializers[node.input[0]])
+            and value(node, 1) == [0] and value(node, 3) == [0] and value(node, 4) in (None, [1])}
+
+
 def _sub_model(model, sub_layer, infos, initializers, placements, weights_as_inputs: bool,
                row_chunks: str | None = None) -> onnx.ModelProto:
     nodes = [model.graph.node[i] for i in sub_layer.nodes]
@@ -222,6 +242,7 @@ def partition(export_dir: Path, pack: Path, force: bool = False) -> PartitionRes
                         "dtype": ONNX_DTYPE_NAMES[initializers[name].data_type], **placements[name]}
                        for name in sub_layer.initializers if name in placements]
             weight_bytes = sum(w["bytes"] for w in weights)
+            tables = row_prefix_outputs(model, sub_layer, initializers)
             kv = None
             if sub_layer.kind == "attn":
                 kv = {"past": [t for t in sub_layer.inputs if t.startswith(PAST_PREFIX)],
@@ -231,7 +252,8 @@ def partition(export_dir: Path, pack: Path, force: bool = False) -> PartitionRes
                 "name": sub_layer.name, "kind": sub_layer.kind, "layer": sub_layer.layer,
                 "files": files, "blob": blobs.get(sub_layer.name), "weights": weights, "weight_bytes": weight_bytes,
                 "inputs": [_describe(infos[t]) for t in sub_layer.inputs],
-                "outputs": [_describe(infos[t]) for t in sub_layer.outputs],
+                "outputs": [{**_describe(infos[t]), **({"rows_of": tables[t]} if t in tables else {})}
+                            for t in sub_layer.outputs],
                 "kv": kv,
                 **({"expert": expert_index(sub_layer.name)} if sub_layer.kind == "expert" else {}),
                 "row_chunks": {"weight": chunkable, "rows": int(initializers[chunkable].dims[0]),

@@ -4,8 +4,9 @@ Boundary tensors move through IO binding. The residual stream lives in two preal
 batch shape (each residual tensor always in the same one, so a stage's pointer bindings stay valid
 from step to step and are only redone when the batch shape changes); each attention's KV cache is
 one host buffer bound as its past and present (appended in place), bound once per generation; the
-prologue's shared values (mask, rotary angles, lengths) are ORT-allocated values handed on without
-touching numpy.
+rotary cos/sin tables the manifest marks as row prefixes of a stored weight are that whole weight,
+bound once; the prologue's other per-step values (the mask bias) are ORT-allocated values handed on
+without touching numpy.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ LOGITS = "logits"
 class _Stage:
     """One sub-layer's session and binding, with its boundary names sorted by how they are bound."""
 
-    def __init__(self, ort, pack: Pack, entry: dict, options, residual: set[str], fixed: set[str]) -> None:
+    def __init__(self, ort, pack: Pack, entry: dict, options, residual: set[str], fixed: set[str],
+                 tables: frozenset[str] = frozenset()) -> None:
         self.name = entry["name"]
         self.session = ort.InferenceSession(str(pack.path(entry["files"]["onnx"])), options,
                                             providers=["CPUExecutionProvider"])
@@ -39,12 +41,12 @@ class _Stage:
         self.past = kv.get("past", [])
         self.present = kv.get("present", [])
         inputs = [i["name"] for i in entry["inputs"]]
-        outputs = [o["name"] for o in entry["outputs"]]
+        outputs = [o["name"] for o in entry["outputs"] if o["name"] not in tables]  # consumers get whole tables
         self.step_inputs = [n for n in inputs if n in STEP_INPUTS]
         self.residual_inputs = [n for n in inputs if n in residual]
-        self.fixed_inputs = [n for n in inputs if n in fixed]
+        self.fixed_inputs = [n for n in inputs if n in fixed or n in tables]
         self.shared_inputs = [n for n in inputs if n not in STEP_INPUTS and n not in residual and n not in self.past
-                              and n not in fixed]
+                              and n not in self.fixed_inputs]
         self.pointer_outputs = [n for n in outputs if n in residual or n == LOGITS or n in fixed]
         self.allocated_outputs = [n for n in outputs if n not in self.pointer_outputs and n not in self.present]
         # IO binding returns outputs in the order they were first bound: KV (at start), pointers, the rest.
@@ -90,9 +92,14 @@ class ChainStep:
         self._fixed = {o["name"]: o for e in in_line if e["kind"] == "prologue" for o in e["outputs"]
                        if all(isinstance(d, int) or d in ("batch", "sequence") for d in o["shape"])}
         self._fixed_buffers: dict[str, np.ndarray] = {}
+        # Prologue outputs that are each step's first rows of a stored table (the rotary cos/sin): every
+        # consumer is bound to the whole table once, and the prologue no longer slices it per step.
+        self._tables = {o["name"]: _stored_weight(self.pack, entry, o["rows_of"]) for entry in in_line
+                        if entry["kind"] == "prologue" for o in entry["outputs"] if "rows_of" in o}
         # Sessions are made largest weights first: while one is made, its blob is mapped beside the packed
         # copies of those made before, so the 108 MiB output layer made last would raise the load peak.
-        made = {entry["name"]: _Stage(ort, self.pack, entry, options, set(residual_names), set(self._fixed))
+        made = {entry["name"]: _Stage(ort, self.pack, entry, options, set(residual_names), set(self._fixed),
+                                      frozenset(self._tables))
                 for entry in sorted(in_line, key=lambda e: -e["weight_bytes"])}
         self.stages = [made[entry["name"]] for entry in in_line]
         self.experts = {entry["name"]: _Stage(ort, self.pack, entry, options, set(), set())
@@ -103,6 +110,7 @@ class ChainStep:
         self._all_logits = all_logits
         self._last_hidden = np.empty(0, self.dtype)
         self.run_options = ort.RunOptions()
+        self.run_options.only_execute_path_to_fetches = True  # what no bound output needs is not computed
         self._cpu = ort.OrtDevice.make("cpu", 0)._get_c_device()
         self.kv = HostKvCache([name for stage in self.stages for name in stage.past], self.kv_heads, self.head_dim,
                               self.dtype)
@@ -134,6 +142,8 @@ class ChainStep:
     def _buffer(self, name: str) -> np.ndarray:
         if name == LOGITS:
             return self._logits
+        if name in self._tables:
+            return self._tables[name]
         return self._fixed_buffers[name] if name in self._fixed_buffers else self._residual[self._buffer_of[name]]
 
     def _bind_pointers(self, stage: _Stage) -> None:
@@ -219,3 +229,11 @@ class ChainStep:
 
         combine(self._residual[self._buffer_of[block.residual]], hidden, routing, chosen, run_expert,
                 self._residual[self._buffer_of[block.output]])
+
+
+def _stored_weight(pack: Pack, entry: dict, name: str) -> np.ndarray:
+    """A sub-layer's weight as stored in its blob."""
+    weight = next(w for w in entry["weights"] if w["name"] == name)
+    dtype = np.dtype(weight["dtype"])
+    return np.fromfile(pack.path(weight["file"]), dtype, weight["bytes"] // dtype.itemsize,
+                       offset=weight["offset"]).reshape(weight["shape"])

@@ -233,3 +233,43 @@ def test_a_mask_that_is_not_causal_and_padding_keeps_the_exporters_bias():
         [helper.make_tensor_value_info("mask", TensorProto.BOOL, None)])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     assert not _is_causal_and_padding(model, "mask")
+
+
+def test_rotary_tables_are_bound_whole_once_instead_of_sliced_every_step(tiny_pack):
+    from pipeshard.runtime.chain import ChainStep
+
+    pack = load_pack(tiny_pack)
+    prologue = pack.sub_layers[0]
+    tables = {o["name"]: o["rows_of"] for o in prologue["outputs"] if "rows_of" in o}
+    assert tables == {"_gqa_cos_cache": "_gqa_cos_cache_table", "_gqa_sin_cache": "_gqa_sin_cache_table"}
+    assert set(tables.values()) <= {w["name"] for w in prologue["weights"]}
+    step = ChainStep(tiny_pack, threads=1)
+    assert not set(tables) & {n for s in step.stages for n in s.shared_inputs + s.allocated_outputs}
+    for stage in (s for s in step.stages if s.past):
+        assert set(tables) <= set(stage.fixed_inputs)
+    rows = step.max_context
+    assert [step._tables[name].shape[0] for name in tables] == [rows, rows]
+
+
+def test_only_a_slice_of_a_stored_weight_from_row_zero_is_a_row_prefix():
+    from onnx import TensorProto, helper
+
+    from pipeshard.partitioner.pack import row_prefix_outputs
+
+    def sliced(start: int, axis: int) -> dict[str, str]:
+        table = helper.make_tensor("table", TensorProto.FLOAT, [8, 2], [0.0] * 16)
+        table.data_location = TensorProto.EXTERNAL
+        table.ClearField("float_data")
+        table.external_data.add(key="location", value="w.bin")
+        nodes = [helper.make_node("Constant", [], [name], value=helper.make_tensor(name, TensorProto.INT64, [1], [v]))
+                 for name, v in (("start", start), ("axis", axis))]
+        nodes.append(helper.make_node("Slice", ["table", "start", "total", "axis"], ["rows"]))
+        graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("total", TensorProto.INT64, [1])],
+                                  [helper.make_tensor_value_info("rows", TensorProto.FLOAT, None)], [table])
+        model = helper.make_model(graph)
+        sub_layer = SubLayer("prologue", "prologue", None, nodes=[0, 1, 2], inputs=["total"], outputs=["rows"],
+                             initializers=["table"])
+        return row_prefix_outputs(model, sub_layer, {"table": table})
+
+    assert sliced(0, 0) == {"rows": "table"}
+    assert sliced(1, 0) == {} and sliced(0, 1) == {}
