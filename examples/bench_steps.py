@@ -1,0 +1,72 @@
+"""Decode steps of two of our engines in one process, interleaved step by step: where the time of a step goes.
+
+    python examples/bench_steps.py A B [--steps 600] [--prompt-tokens 256] [--threads 2]
+
+A and B are each an export folder (run by the monolithic session) or a pack (run by the all-CPU chain),
+e.g. `build/demo/export build/demo/pack` for what the split into sub-layers costs per decode step, with
+no generation loop, tokenizer or process boundary in between. Each engine is made twice, in the order
+A, B, B, A (a session made later ran a few percent faster here), prefilled with the same prompt, then
+every round runs one decode step on each of the four at the same context (growing by one per round,
+wrapping after 64); the ratio is B's step time / A's, the median over rounds of each pairing, the two
+pairings combined (geometric mean).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+
+from pipeshard.runtime.ort import use_process_thread_pool
+from pipeshard.runtime.pack import is_pack
+
+WRAP = 64
+
+
+def make_engine(folder: str, threads: int):
+    from pipeshard.runtime.chain import ChainStep
+    from pipeshard.runtime.monolithic import MonolithicStep
+
+    return ChainStep(Path(folder), threads=threads) if is_pack(Path(folder)) else MonolithicStep(Path(folder), threads)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("a")
+    parser.add_argument("b")
+    parser.add_argument("--steps", type=int, default=600)
+    parser.add_argument("--prompt-tokens", type=int, default=256)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    use_process_thread_pool(args.threads)
+    prompt = args.prompt_tokens
+    folders = {"A": args.a, "B": args.b}
+    engines = {name: make_engine(folders[name[0]], args.threads) for name in ("A1", "B1", "B2", "A2")}
+    for engine in engines.values():
+        engine.start(1, prompt + WRAP + 1)
+        engine.forward(np.full((1, prompt), 7, np.int64), np.ones((1, prompt), np.int64), np.arange(prompt)[None])
+    masks = [np.ones((1, prompt + 1 + i), np.int64) for i in range(WRAP)]
+    token = np.array([[5]], np.int64)
+    times: dict[str, list[float]] = {name: [] for name in engines}
+    order = list(engines)
+    for step in range(args.steps):
+        mask = masks[step % WRAP]
+        position = np.array([[mask.shape[1] - 1]], np.int64)
+        for name in order if step % 2 == 0 else order[::-1]:
+            started = time.perf_counter()
+            engines[name].forward(token, mask, position)
+            times[name].append(time.perf_counter() - started)
+    for name, folder in folders.items():
+        values = times[name + "1"] + times[name + "2"]
+        print(f"{name} {folder}: {statistics.median(values) * 1e3:.2f} ms/step (min {min(values) * 1e3:.2f})")
+    pairings = [statistics.median(b / a for a, b in zip(times["A" + k], times["B" + k], strict=True)) for k in "12"]
+    print(f"B / A decode step time, {args.steps} rounds: {math.sqrt(pairings[0] * pairings[1]):.3f} "
+          f"(B made second: {pairings[0]:.3f}, B made first: {pairings[1]:.3f})")
+
+
+if __name__ == "__main__":
+    main()
