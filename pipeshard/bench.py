@@ -25,6 +25,7 @@ from pipeshard.peers import PEERS, make_peer_runner, missing_peer, prepare_peer_
 BENCH_SCHEMA_VERSION = 1
 PLANS = ("auto", "monolithic", "cpu", "layers", "offload", "gpu-only", "static", "dynamic")
 DEVICE_PLANS = ("auto", "layers", "offload", "gpu-only", "static", "dynamic")
+BANDWIDTH_SAMPLES_BEFORE, BANDWIDTH_SAMPLES_PER_ROUND = 6, 2  # each sample reads 256 MiB
 DEFAULT_PROMPT = ("Explain how a steam engine works, from the boiler to the wheels, and why it changed the way "
                   "people travelled and worked in the nineteenth century.")
 _PADDING = (" Add the history of the railway, the factories it powered, the coal it burned and the cities that grew "
@@ -304,7 +305,7 @@ class _Worker:
 def run_bench(settings: BenchSettings, progress: Callable[[int, int, str], None] = lambda done, total, label: None,
               log: Callable[[str], None] = print) -> dict:
     """Measure every row, interleaved; return the bench document (docs/bench.md)."""
-    from pipeshard.profiles.bandwidth import read_bandwidth
+    from pipeshard.profiles.bandwidth import BandwidthProbe
     from pipeshard.profiles.db import machine_fingerprint
     from pipeshard.runtime.pack import load_pack
     from pipeshard.runtime.text import TextCodec
@@ -359,7 +360,8 @@ def run_bench(settings: BenchSettings, progress: Callable[[int, int, str], None]
     if not workers:
         raise UserError("no row could run: " + "; ".join(f"{s['name']}: {s['reason']}" for s in skipped))
     total = done + len(workers) * (settings.repeat + 1)
-    bandwidth = read_bandwidth(settings.threads)
+    probe = BandwidthProbe(settings.threads)
+    probe.sample(BANDWIDTH_SAMPLES_BEFORE)
     for round_index in range(settings.repeat + 1):  # round 0 warms up and is dropped
         shift = round_index % len(workers)
         for worker in workers[shift:] + workers[:shift]:
@@ -369,6 +371,8 @@ def run_bench(settings: BenchSettings, progress: Callable[[int, int, str], None]
             if round_index:
                 worker.runs.append(result)
             done += 1
+        probe.sample(BANDWIDTH_SAMPLES_PER_ROUND)  # the machine's load moves: sample it all run long
+    bandwidth = probe.result()
     progress(total, total, "done")
     finals = {worker.name: worker.stop() for worker in workers}
     rows = [_row(worker, finals[worker.name], prompt) for worker in workers]
@@ -457,7 +461,8 @@ def bench_table(document: dict) -> str:
         f"{settings['pack']}: {settings['prompt_token_count']} prompt tokens, {settings['new_tokens']} new tokens, "
         f"greedy, {settings['threads']} threads, {settings['interleaved_rounds']} interleaved rounds (+1 warm-up); "
         f"medians, decode spread min-max",
-        f"read bandwidth {bandwidth['best_bytes_per_s'] / 1e9:.1f} GB/s (best; median "
+        f"read bandwidth {bandwidth['best_bytes_per_s'] / 1e9:.1f} GB/s (best of {bandwidth.get('samples', 12)} "
+        f"samples over the run; median "
         f"{bandwidth['median_bytes_per_s'] / 1e9:.1f}) with {bandwidth['threads']} threads"
         + ("; device sim = a simulated accelerator on the CPU, never GPU speed" if sim else ""),
         f"{'row':14s} {'dtype':6s} {'decode tok/s':>20s} {'x ref':>6s} {'paired':>6s} {'prefill':>8s} {'x ref':>6s} "

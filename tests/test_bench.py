@@ -23,7 +23,9 @@ def test_bench_runs_every_plan_and_writes_a_valid_document(tiny_pack, tmp_path, 
         if row["facts"]["device"] == "sim":
             assert row["peak_device_bytes"] <= row["facts"]["budget_bytes"]
             assert row["predicted_decode_step_s"] > 0
-    assert document["machine"]["read_bandwidth"]["best_bytes_per_s"] > 1e8
+    bandwidth = document["machine"]["read_bandwidth"]
+    assert bandwidth["best_bytes_per_s"] > 1e8
+    assert bandwidth["samples"] == 6 + 2 * 2  # before the rounds, then after the warm-up and the one round
     assert document["rows"][0]["name"] == "monolithic"  # the default reference comes first
     assert document["rows"][0]["decode_tok_s_paired_ratio"] == 1.0
     assert all(len(row["decode_tok_s_runs"]) == row["runs"] == 1 for row in document["rows"])
