@@ -41,9 +41,3 @@ class BandwidthProbe:
                 "best_bytes_per_s": weight_bytes / min(self.times),
                 "median_bytes_per_s": weight_bytes / float(np.median(self.times))}
 
-
-def read_bandwidth(threads: int, repeats: int = 12, k: int = READ_K, n: int = READ_N) -> dict:
-    """The probe's result after `repeats` samples in a row."""
-    probe = BandwidthProbe(threads, k, n)
-    probe.sample(repeats)
-    return probe.result()
