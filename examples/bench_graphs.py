@@ -1,30 +1,29 @@
 """Two exported decoder graphs side by side in one process: decode-step time through plain ONNX Runtime.
 
-    python examples/bench_graphs.py A.onnx B.onnx [--rounds 400] [--steps 1] [--context 300] [--threads 2]
+    python examples/bench_graphs.py A.onnx B.onnx [--rounds 400] [--context 300] [--threads 2]
 
 Each graph gets two sessions (the process's spinning thread pool), made in the order A, B, B, A: in one
 process the session made second ran 3-4 % faster than the first over the *same* file here, so each graph
 is timed once made first and once made second, and the two pairings' ratios are combined (geometric
 mean), which cancels that bias. Every session has its KV caches as in-place buffers bound as past and
-present and a fixed decode step (one new token after `context - 1` cached ones); a round runs `steps`
-steps of each session, alternating the order, and a pairing's ratio is the median over rounds of B's step
-time / A's. One step per round (the default) pairs steps a few milliseconds apart, which cancels this
-machine's load swings best. No generation loop: what differs is the graph alone, e.g. our export against
-onnxruntime-genai's model of the same weights. The graphs take `input_ids`, `attention_mask`, optionally
-`position_ids`, `past_key_values.{i}.key/value` [batch, kv_heads, capacity, head_dim] and give `logits`,
-`present.{i}.*`; a KV dimension one graph leaves symbolic is taken from the other.
+present and a fixed decode step (one new token after `context - 1` cached ones); a round runs one step of
+each session, alternating the order (pairs a few milliseconds apart cancel this machine's load swings
+best), and a pairing's ratio is the median over rounds of B's step time / A's. No generation loop:
+what differs is the graph alone, e.g. our export against onnxruntime-genai's model of the same weights.
+The graphs take `input_ids`, `attention_mask`, optionally `position_ids`, `past_key_values.{i}.key/value`
+[batch, kv_heads, capacity, head_dim] and give `logits`, `present.{i}.*`; a KV dimension one graph leaves
+symbolic is taken from the other.
 """
 
 from __future__ import annotations
 
 import argparse
-import math
-import statistics
-import time
 
 import numpy as np
 import onnx
 import onnxruntime as ort
+
+from pipeshard.bench import balanced_ab
 
 
 def kv_dims(paths: list[str]) -> tuple[int, int]:
@@ -71,33 +70,22 @@ def main() -> None:
     parser.add_argument("a")
     parser.add_argument("b")
     parser.add_argument("--rounds", type=int, default=400)
-    parser.add_argument("--steps", type=int, default=1)
     parser.add_argument("--context", type=int, default=300)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     ort.capi._pybind_state.set_global_thread_pool_sizes(args.threads, 1)
     kv_heads, head_dim = kv_dims([args.a, args.b])
     paths = {"A": args.a, "B": args.b}
-    made = {name: decode_step(paths[name[0]], args.context, kv_heads, head_dim) for name in ("A1", "B1", "B2", "A2")}
-    steps = {name: step for name, (step, _buffers) in made.items()}
-    for step in steps.values():
+    held = []  # the buffers every session has bound by pointer
+
+    def make(side: str):
+        step, buffers = decode_step(paths[side], args.context, kv_heads, head_dim)
+        held.append(buffers)
         for _ in range(5):
             step()
-    times: dict[str, list[float]] = {name: [] for name in steps}
-    order = list(steps)
-    for round_index in range(args.rounds):
-        for name in order if round_index % 2 == 0 else order[::-1]:
-            started = time.perf_counter()
-            for _ in range(args.steps):
-                steps[name]()
-            times[name].append((time.perf_counter() - started) / args.steps)
-    for name in ("A", "B"):
-        values = times[name + "1"] + times[name + "2"]
-        print(f"{name} {paths[name]}: {statistics.median(values) * 1e3:.2f} ms/step (min {min(values) * 1e3:.2f}, "
-              f"max {max(values) * 1e3:.2f})")
-    pairings = [statistics.median(b / a for a, b in zip(times["A" + k], times["B" + k], strict=True)) for k in "12"]
-    print(f"B / A step time, {args.rounds} rounds: {math.sqrt(pairings[0] * pairings[1]):.3f} "
-          f"(B made second: {pairings[0]:.3f}, B made first: {pairings[1]:.3f})")
+        return lambda _round: step()
+
+    print(balanced_ab(make, args.rounds).report(args.a, args.b, args.rounds, "step"))
 
 
 if __name__ == "__main__":

@@ -14,13 +14,11 @@ pairings combined (geometric mean).
 from __future__ import annotations
 
 import argparse
-import math
-import statistics
-import time
 from pathlib import Path
 
 import numpy as np
 
+from pipeshard.bench import balanced_ab
 from pipeshard.runtime.ort import use_process_thread_pool
 from pipeshard.runtime.pack import is_pack
 
@@ -45,27 +43,17 @@ def main() -> None:
     use_process_thread_pool(args.threads)
     prompt = args.prompt_tokens
     folders = {"A": args.a, "B": args.b}
-    engines = {name: make_engine(folders[name[0]], args.threads) for name in ("A1", "B1", "B2", "A2")}
-    for engine in engines.values():
+    masks = [np.ones((1, prompt + 1 + i), np.int64) for i in range(WRAP)]
+    positions = [np.array([[mask.shape[1] - 1]], np.int64) for mask in masks]
+    token = np.array([[5]], np.int64)
+
+    def make(side: str):
+        engine = make_engine(folders[side], args.threads)
         engine.start(1, prompt + WRAP + 1)
         engine.forward(np.full((1, prompt), 7, np.int64), np.ones((1, prompt), np.int64), np.arange(prompt)[None])
-    masks = [np.ones((1, prompt + 1 + i), np.int64) for i in range(WRAP)]
-    token = np.array([[5]], np.int64)
-    times: dict[str, list[float]] = {name: [] for name in engines}
-    order = list(engines)
-    for step in range(args.steps):
-        mask = masks[step % WRAP]
-        position = np.array([[mask.shape[1] - 1]], np.int64)
-        for name in order if step % 2 == 0 else order[::-1]:
-            started = time.perf_counter()
-            engines[name].forward(token, mask, position)
-            times[name].append(time.perf_counter() - started)
-    for name, folder in folders.items():
-        values = times[name + "1"] + times[name + "2"]
-        print(f"{name} {folder}: {statistics.median(values) * 1e3:.2f} ms/step (min {min(values) * 1e3:.2f})")
-    pairings = [statistics.median(b / a for a, b in zip(times["A" + k], times["B" + k], strict=True)) for k in "12"]
-    print(f"B / A decode step time, {args.steps} rounds: {math.sqrt(pairings[0] * pairings[1]):.3f} "
-          f"(B made second: {pairings[0]:.3f}, B made first: {pairings[1]:.3f})")
+        return lambda step: engine.forward(token, masks[step % WRAP], positions[step % WRAP])
+
+    print(balanced_ab(make, args.steps).report(args.a, args.b, args.steps, "decode step"))
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ docs/bench.md and checked by `validate_bench`.
 
 from __future__ import annotations
 
+import math
 import multiprocessing as mp
 import resource
 import statistics
@@ -154,6 +155,44 @@ class PlanRunner:
         elif self.settings.profile:
             facts["predicted_decode_step_s"] = _baseline_prediction(self.settings, self.plan)
         return facts
+
+
+@dataclass
+class BalancedAB:
+    """B's time against A's, each measured once made first and once made second (see `balanced_ab`)."""
+
+    a_times: list[float]
+    b_times: list[float]
+    pairings: tuple[float, float]  # median per-round B/A of (A1, B1) and of (A2, B2)
+
+    @property
+    def ratio(self) -> float:
+        return math.sqrt(self.pairings[0] * self.pairings[1])
+
+    def report(self, a: str, b: str, rounds: int, unit: str) -> str:
+        lines = [f"{name} {label}: {statistics.median(t) * 1e3:.2f} ms/{unit} (min {min(t) * 1e3:.2f})"
+                 for name, label, t in (("A", a, self.a_times), ("B", b, self.b_times))]
+        lines.append(f"B / A {unit} time, {rounds} rounds: {self.ratio:.3f} (B made second: {self.pairings[0]:.3f}, "
+                     f"B made first: {self.pairings[1]:.3f})")
+        return "\n".join(lines)
+
+
+def balanced_ab(make: Callable[[str], Callable[[int], object]], rounds: int) -> BalancedAB:
+    """Time B against A in one process without the creation-order bias (an ONNX Runtime session made later
+    ran 3-4 % faster here over the same file): `make("A")` / `make("B")` return a callable running one timed
+    unit for a round index; two of each are made in the order A, B, B, A, every round runs all four once
+    (the order alternating), and the two pairings' median per-round ratios are combined."""
+    runners = {name: make(name[0]) for name in ("A1", "B1", "B2", "A2")}
+    times: dict[str, list[float]] = {name: [] for name in runners}
+    order = list(runners)
+    for round_index in range(rounds):
+        for name in order if round_index % 2 == 0 else order[::-1]:
+            started = time.perf_counter()
+            runners[name](round_index)
+            times[name].append(time.perf_counter() - started)
+    first, second = (statistics.median(b / a for a, b in zip(times["A" + k], times["B" + k], strict=True))
+                     for k in "12")
+    return BalancedAB(times["A1"] + times["A2"], times["B1"] + times["B2"], (first, second))
 
 
 def _pack_dtype(pack: str) -> str:

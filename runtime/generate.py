@@ -161,7 +161,7 @@ class Generator:
         attention_mask = full_mask[:, :longest]
         position_ids = np.maximum(np.cumsum(attention_mask, axis=1) - 1, 0)
         generated: list[list[int]] = [[] for _ in prompts]
-        texts = [_TextStream(self.codec, settings.stop_strings) for _ in prompts]
+        texts = [_TextStream(self.codec, settings.stop_strings) for _ in prompts] if pieces else []
         stop_reason: list[str | None] = [None] * batch
         eos = set(self.codec.eos_token_ids)
         step_counts: list[int] = []
@@ -198,7 +198,7 @@ class Generator:
             attention_mask = full_mask[:, :attention_mask.shape[1] + 1]
             position_ids = position_ids[:, -1:] + 1
         finished = time.perf_counter()
-        for row, stream in enumerate(texts if pieces else []):
+        for row, stream in enumerate(texts):
             if rest := stream.flush():
                 yield StreamEvent(row, generated[row][-1], rest)
         decode_steps = max(len(step_counts) - 1, 0)

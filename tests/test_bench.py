@@ -80,3 +80,27 @@ def test_first_difference_and_document_validation():
     assert first_difference([1, 2], [1, 2, 3]) == 2
     with pytest.raises(UserError, match="schema_version"):
         validate_bench({"rows": []})
+
+
+def test_balanced_ab_cancels_a_creation_order_bias(monkeypatch):
+    """Whatever is made later runs 10 % faster here; B truly costs 1.5x A: both pairings are biased, the
+    combined ratio is not."""
+    import pipeshard.bench as bench
+
+    clock = [0.0]
+    monkeypatch.setattr(bench.time, "perf_counter", lambda: clock[0])
+    made: list[str] = []
+
+    def make(side: str):
+        cost = (1.0 if side == "A" else 1.5) * 0.9 ** len(made)
+        made.append(side)
+
+        def run(_round: int) -> None:
+            clock[0] += cost
+        return run
+
+    result = bench.balanced_ab(make, rounds=4)
+    assert made == ["A", "B", "B", "A"]
+    assert result.pairings[0] == pytest.approx(1.5 * 0.9) and result.pairings[1] == pytest.approx(1.5 / 0.9 ** 1)
+    assert result.ratio == pytest.approx(1.5)
+    assert len(result.a_times) == len(result.b_times) == 8
