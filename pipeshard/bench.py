@@ -26,7 +26,7 @@ from pipeshard.peers import PEERS, make_peer_runner, missing_peer, prepare_peer_
 BENCH_SCHEMA_VERSION = 1
 PLANS = ("auto", "monolithic", "cpu", "layers", "offload", "gpu-only", "static", "dynamic")
 DEVICE_PLANS = ("auto", "layers", "offload", "gpu-only", "static", "dynamic")
-BANDWIDTH_SAMPLES_BEFORE, BANDWIDTH_SAMPLES_PER_ROUND = 6, 2  # each sample reads 256 MiB
+BANDWIDTH_SAMPLES_BEFORE, BANDWIDTH_SAMPLES_PER_ROUND = 6, 2  # each sample reads what a decode step reads
 DEFAULT_PROMPT = ("Explain how a steam engine works, from the boiler to the wheels, and why it changed the way "
                   "people travelled and worked in the nineteenth century.")
 _PADDING = (" Add the history of the railway, the factories it powered, the coal it burned and the cities that grew "
@@ -399,7 +399,7 @@ def run_bench(settings: BenchSettings, progress: Callable[[int, int, str], None]
     if not workers:
         raise UserError("no row could run: " + "; ".join(f"{s['name']}: {s['reason']}" for s in skipped))
     total = done + len(workers) * (settings.repeat + 1)
-    probe = BandwidthProbe(settings.threads)
+    probe = BandwidthProbe(settings.threads, minimum_bytes_per_token(pack, len(prompt) + settings.new_tokens / 2))
     probe.sample(BANDWIDTH_SAMPLES_BEFORE)
     for round_index in range(settings.repeat + 1):  # round 0 warms up and is dropped
         shift = round_index % len(workers)

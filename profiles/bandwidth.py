@@ -1,5 +1,8 @@
-"""Memory read bandwidth as a decode step sees it: one ORT MatMul streaming a weight far larger than
-the caches, with a one-row input (STREAM-like: every weight byte is read once per run)."""
+"""Memory read bandwidth as a decode step sees it: one ORT MatMul with a one-row input streaming as many
+weight bytes as the model reads per token (STREAM-like: every byte read once per run). Sized like the
+model, the probe gets as much help from the caches as a decode step does: on this machine's 300 MiB
+last-level cache a fixed 256 MiB probe was partly cache-resident (its best samples read 35 GB/s against
+25-27 GB/s) and put a 538 MB model's roofline out of reach."""
 
 from __future__ import annotations
 
@@ -10,21 +13,23 @@ import numpy as np
 from pipeshard.profiles.kernels import BoundSession, matmul_model
 from pipeshard.runtime.ort import cpu_session_options, import_onnxruntime
 
-READ_K, READ_N = 4096, 16384  # a 256 MiB fp32 weight
+READ_K = 4096  # rows of the probe's weight; its columns follow from the bytes to read
+DEFAULT_READ_BYTES = 1 << 28
 
 
 class BandwidthProbe:
-    """Bytes per second read by a [1, k] x [k, n] fp32 MatMul on the CPU EP with `threads` threads, sampled
-    as often as asked (a benchmark samples between its rounds, so one busy moment cannot set the figure).
-    The best sample is the machine's limit (a shared machine only ever makes runs slower); the median is
-    reported beside it."""
+    """Bytes per second read by a [1, k] x [k, n] fp32 MatMul on the CPU EP with `threads` threads, the weight
+    about `read_bytes` large, sampled as often as asked (a benchmark samples between its rounds, so one busy
+    moment cannot set the figure). The best sample is the machine's limit (a shared machine only ever makes
+    runs slower); the median is reported beside it."""
 
-    def __init__(self, threads: int, k: int = READ_K, n: int = READ_N) -> None:
+    def __init__(self, threads: int, read_bytes: float = DEFAULT_READ_BYTES) -> None:
         ort = import_onnxruntime()
-        self.threads, self.k, self.n = threads, k, n
-        self.session = BoundSession(ort, matmul_model(k, n, "fp32"), cpu_session_options(threads),
-                                    ["CPUExecutionProvider"], {"X": np.ones((1, k), np.float32)},
-                                    {"Y": ((1, n), np.float32)})
+        self.threads, self.k = threads, READ_K
+        self.n = max(16, round(read_bytes / (4 * READ_K) / 16) * 16)
+        self.session = BoundSession(ort, matmul_model(self.k, self.n, "fp32"), cpu_session_options(threads),
+                                    ["CPUExecutionProvider"], {"X": np.ones((1, self.k), np.float32)},
+                                    {"Y": ((1, self.n), np.float32)})
         self.session()  # first run: prepacking and page faults
         self.times: list[float] = []
 

@@ -26,6 +26,8 @@ def test_bench_runs_every_plan_and_writes_a_valid_document(tiny_pack, tmp_path, 
     bandwidth = document["machine"]["read_bandwidth"]
     assert bandwidth["best_bytes_per_s"] > 1e8
     assert bandwidth["samples"] == 6 + 2 * 2  # before the rounds, then after the warm-up and the one round
+    # the probe reads what a decode step reads (its weight's columns rounded to 16), so caches help both alike
+    assert bandwidth["bytes"] == pytest.approx(document["rows"][0]["bytes_read_per_token"], abs=8 * 4096 * 4)
     assert document["rows"][0]["name"] == "monolithic"  # the default reference comes first
     assert document["rows"][0]["decode_tok_s_paired_ratio"] == 1.0
     assert all(len(row["decode_tok_s_runs"]) == row["runs"] == 1 for row in document["rows"])
