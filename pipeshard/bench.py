@@ -48,6 +48,7 @@ class BenchSettings:
     repeat: int = 3
     reference: str | None = None  # default: monolithic if run, else the first row
     peer_dir: str | None = None
+    processes: int = 1  # worker processes per row
 
     def check(self) -> None:
         unknown = [p for p in self.plans if p not in PLANS]
@@ -56,8 +57,8 @@ class BenchSettings:
         for peer in self.peers:
             if peer not in PEERS:
                 raise UserError(f"unknown peer {peer!r}; known: {', '.join(PEERS)}")
-        if self.new_tokens < 2 or self.threads < 1 or self.repeat < 1:
-            raise UserError("--new-tokens must be at least 2, --threads and --repeat at least 1")
+        if self.new_tokens < 2 or self.threads < 1 or self.repeat < 1 or self.processes < 1:
+            raise UserError("--new-tokens must be at least 2, --threads, --repeat and --processes at least 1")
         if self.prompt_tokens is not None and self.prompt_tokens < 8:
             raise UserError("--prompt-tokens must be at least 8 (the chat template alone takes some)")
         if self.device not in ("cpu", "sim", "cuda"):
@@ -371,31 +372,40 @@ def run_bench(settings: BenchSettings, progress: Callable[[int, int, str], None]
             rows_wanted.remove((kind, name))
     context = mp.get_context("spawn")
     workers: list[_Worker] = []
-    total = len(rows_wanted) * (settings.repeat + 2)
+    total = len(rows_wanted) * (settings.processes * (settings.repeat + 1) + 1)
     done = 0
-    for kind, name in rows_wanted:  # one at a time: loading (and making a peer's files) is heavy
-        progress(done, total, f"loading {name}")
-        if kind == "peer":
-            preparer = _Worker(context, kind, name, log, _prepare_worker, (name, asdict(settings)))
-            prepared = preparer.reply()
-            preparer.process.join()
-            if "skipped" in prepared:
-                skipped.append({"name": name, "reason": prepared["skipped"]})
-                log(f"skipped {name}: {prepared['skipped']}")
+    prepared_paths: dict[str, str] = {}
+    # One at a time (loading, and making a peer's files, is heavy), the rows' processes interleaved: a process
+    # made later can run a few percent faster or slower for its whole life (where its memory landed), and a
+    # row's several processes average that out.
+    for _ in range(settings.processes):
+        for kind, name in list(rows_wanted):
+            progress(done, total, f"loading {name}")
+            if kind == "peer":
+                if name not in prepared_paths:
+                    preparer = _Worker(context, kind, name, log, _prepare_worker, (name, asdict(settings)))
+                    prepared = preparer.reply()
+                    preparer.process.join()
+                    if "skipped" in prepared:
+                        skipped.append({"name": name, "reason": prepared["skipped"]})
+                        log(f"skipped {name}: {prepared['skipped']}")
+                        rows_wanted.remove((kind, name))
+                        continue
+                    prepared_paths[name] = prepared["path"]
+                kind = f"peer:{prepared_paths[name]}"
+            worker = _Worker(context, kind.split(":", 1)[0], name, log, _worker,
+                             (kind, name, asdict(settings), kv_context, prompt_text))
+            ready = worker.reply()
+            done += 1
+            if "skipped" in ready:
+                skipped.append({"name": name, "reason": ready["skipped"]})
+                log(f"skipped {name}: {ready['skipped']}")
+                worker.process.join(timeout=30)
+                rows_wanted.remove(next(row for row in rows_wanted if row[1] == name))
                 continue
-            kind = f"peer:{prepared['path']}"
-        worker = _Worker(context, kind.split(":", 1)[0], name, log, _worker,
-                         (kind, name, asdict(settings), kv_context, prompt_text))
-        ready = worker.reply()
-        done += 1
-        if "skipped" in ready:
-            skipped.append({"name": name, "reason": ready["skipped"]})
-            log(f"skipped {name}: {ready['skipped']}")
-            worker.process.join(timeout=30)
-            continue
-        worker.load_s, worker.own_prompt_ids = ready["load_s"], ready["own_prompt_ids"]
-        worker.baseline_rss = ready["baseline_rss_bytes"]
-        workers.append(worker)
+            worker.load_s, worker.own_prompt_ids = ready["load_s"], ready["own_prompt_ids"]
+            worker.baseline_rss = ready["baseline_rss_bytes"]
+            workers.append(worker)
     if not workers:
         raise UserError("no row could run: " + "; ".join(f"{s['name']}: {s['reason']}" for s in skipped))
     total = done + len(workers) * (settings.repeat + 1)
@@ -413,8 +423,9 @@ def run_bench(settings: BenchSettings, progress: Callable[[int, int, str], None]
         probe.sample(BANDWIDTH_SAMPLES_PER_ROUND)  # the machine's load moves: sample it all run long
     bandwidth = probe.result()
     progress(total, total, "done")
-    finals = {worker.name: worker.stop() for worker in workers}
-    rows = [_row(worker, finals[worker.name], prompt) for worker in workers]
+    finals = [worker.stop() for worker in workers]
+    names = list(dict.fromkeys(worker.name for worker in workers))
+    rows = [_row([(w, f) for w, f in zip(workers, finals, strict=True) if w.name == name], prompt) for name in names]
     _compare(rows, settings.reference, pack, kv_context, bandwidth)
     return {
         "schema_version": BENCH_SCHEMA_VERSION,
@@ -430,25 +441,37 @@ def _median(runs: list[dict], key: str) -> float | None:
     return statistics.median(values) if values else None
 
 
-def _row(worker: _Worker, final: dict, prompt: list[int]) -> dict:
-    runs = worker.runs
-    decode = [r["decode_tok_s"] for r in runs]
+def _row(processes: list[tuple[_Worker, dict]], prompt: list[int]) -> dict:
+    """One row from its worker processes: per round, the geometric mean of the processes' rates (their
+    runs of a round ran within one pass over all workers); memory from the process that held the most."""
+    workers = [worker for worker, _ in processes]
+    runs = [run for worker in workers for run in worker.runs]
+    rounds = [_combine_round([worker.runs[index] for worker in workers]) for index in range(len(workers[0].runs))]
+    decode = [r["decode_tok_s"] for r in rounds]
     tokens = runs[0]["tokens"]
+    worker, final = max(processes, key=lambda pair: pair[1]["peak_rss_bytes"] - pair[0].baseline_rss)
     row = {
-        "name": worker.name, "kind": worker.kind, "facts": final["facts"], "load_s": worker.load_s,
-        "runs": len(runs), "decode_tok_s": statistics.median(decode), "decode_tok_s_min": min(decode),
+        "name": worker.name, "kind": worker.kind, "facts": final["facts"],
+        "load_s": statistics.median(w.load_s for w in workers), "processes": len(workers),
+        "runs": len(rounds), "decode_tok_s": statistics.median(decode), "decode_tok_s_min": min(decode),
         "decode_tok_s_max": max(decode), "decode_tok_s_runs": decode,
-        "prefill_tok_s_runs": [r["prefill_tok_s"] for r in runs], "ttft_s": _median(runs, "ttft_s"),
-        "prefill_tok_s": _median(runs, "prefill_tok_s"), "peak_rss_bytes": final["peak_rss_bytes"],
+        "decode_tok_s_by_process": [[r["decode_tok_s"] for r in w.runs] for w in workers],
+        "prefill_tok_s_runs": [r["prefill_tok_s"] for r in rounds], "ttft_s": _median(rounds, "ttft_s"),
+        "prefill_tok_s": _median(rounds, "prefill_tok_s"), "peak_rss_bytes": final["peak_rss_bytes"],
         "baseline_rss_bytes": worker.baseline_rss,
         "tokens": tokens, "deterministic": all(r["tokens"] == tokens for r in runs),
-        "prompt_ids_match": worker.own_prompt_ids == prompt,
+        "prompt_ids_match": all(w.own_prompt_ids == prompt for w in workers),
         "peak_device_bytes": max((r["peak_device_bytes"] for r in runs if "peak_device_bytes" in r), default=None),
         "streamed_bytes_per_run": _median(runs, "streamed_bytes"), "copy_hidden": _median(runs, "copy_hidden"),
         "predicted_decode_step_s": final["facts"].get("predicted_decode_step_s"),
     }
     row["measured_decode_step_s"] = 1 / row["decode_tok_s"] if row["decode_tok_s"] else None
     return row
+
+
+def _combine_round(runs: list[dict]) -> dict:
+    """A row's processes' runs of one round as one: geometric means of the rates and times."""
+    return {key: statistics.geometric_mean(r[key] for r in runs) for key in ("decode_tok_s", "prefill_tok_s", "ttft_s")}
 
 
 def minimum_bytes_per_token(pack, context: float) -> float:

@@ -225,7 +225,8 @@ def _command_bench(args: argparse.Namespace) -> int:
     settings = BenchSettings(pack=args.pack, device=args.device, vram=args.vram, profile=args.profile, plans=plans,
                              peers=peers, prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens,
                              threads=args.threads or default_threads(), repeat=args.repeat, reference=args.reference,
-                             peer_dir=args.peer_dir, **({"prompt": args.prompt} if args.prompt else {}))
+                             peer_dir=args.peer_dir, processes=args.processes,
+                             **({"prompt": args.prompt} if args.prompt else {}))
     document = run_bench(settings, progress=progress_bar(), log=lambda line: print(line, file=sys.stderr))
     print(bench_table(document))
     if args.json:
@@ -350,6 +351,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--new-tokens", type=int, default=128)
     bench.add_argument("--threads", type=int, default=None, help="CPU threads for every row (default: all cores)")
     bench.add_argument("--repeat", type=int, default=3, help="interleaved rounds after one warm-up round")
+    bench.add_argument("--processes", type=int, default=1,
+                       help="worker processes per row, each running every round (averages where each landed)")
     bench.add_argument("--reference", default=None, help="the row ratios are taken against (default: monolithic)")
     bench.add_argument("--peer-dir", default=None, help="where peer model files are made (default: PACK.peers)")
     bench.add_argument("--json", default=None, metavar="FILE", help="write the bench document (docs/bench.md)")

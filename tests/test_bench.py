@@ -10,6 +10,25 @@ from pipeshard.errors import UserError
 from pipeshard.runtime.text import TextCodec
 
 
+def test_bench_rows_may_run_in_several_processes_whose_rounds_are_combined(tiny_pack, tmp_path):
+    out = tmp_path / "bench.json"
+    assert main(["bench", str(tiny_pack), "--device", "cpu", "--plans", "monolithic,cpu", "--peers", "none",
+                 "--new-tokens", "4", "--repeat", "2", "--processes", "2", "--threads", "1", "--json", str(out)]) == 0
+    document = validate_bench(json.loads(out.read_text()))
+    assert [row["name"] for row in document["rows"]] == ["monolithic", "cpu"]
+    for row in document["rows"]:
+        assert row["processes"] == 2 and row["runs"] == 2 and row["same_tokens_as_reference"]
+        by_process = row["decode_tok_s_by_process"]
+        assert [len(runs) for runs in by_process] == [2, 2]
+        assert row["decode_tok_s_runs"] == pytest.approx([(a * b) ** 0.5 for a, b in zip(*by_process, strict=True)])
+
+
+def test_bench_refuses_zero_processes(tiny_pack, capsys):
+    assert main(["bench", str(tiny_pack), "--device", "cpu", "--plans", "cpu", "--peers", "none",
+                 "--processes", "0"]) == 2
+    assert capsys.readouterr().err.startswith("error: ")
+
+
 def test_bench_runs_every_plan_and_writes_a_valid_document(tiny_pack, tmp_path, capsys):
     out, plot = tmp_path / "bench.json", tmp_path / "bench.png"
     assert main(["bench", str(tiny_pack), "--device", "sim", "--vram", "40%", "--profile", "laptop-8gb",
