@@ -402,6 +402,9 @@ def run_bench(settings: BenchSettings, progress: Callable[[int, int, str], None]
                 log(f"skipped {name}: {ready['skipped']}")
                 worker.process.join(timeout=30)
                 rows_wanted.remove(next(row for row in rows_wanted if row[1] == name))
+                for loaded in [w for w in workers if w.name == name]:  # the row goes whole: no fewer processes
+                    loaded.stop()
+                    workers.remove(loaded)
                 continue
             worker.load_s, worker.own_prompt_ids = ready["load_s"], ready["own_prompt_ids"]
             worker.baseline_rss = ready["baseline_rss_bytes"]
