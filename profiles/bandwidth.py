@@ -13,7 +13,6 @@ from pipeshard.profiles.kernels import BoundSession, matmul_model
 from pipeshard.runtime.ort import cpu_session_options, import_onnxruntime
 
 READ_K = 4096  # rows of the probe's weight; its columns follow from the bytes to read
-DEFAULT_READ_BYTES = 1 << 28
 
 
 class BandwidthProbe:
@@ -22,7 +21,7 @@ class BandwidthProbe:
     moment cannot set the figure). The best sample is the machine's limit (a shared machine only ever makes
     runs slower); the median is reported beside it."""
 
-    def __init__(self, threads: int, read_bytes: float = DEFAULT_READ_BYTES) -> None:
+    def __init__(self, threads: int, read_bytes: float) -> None:
         ort = import_onnxruntime()
         self.threads, self.k = threads, READ_K
         self.n = max(16, round(read_bytes / (4 * READ_K) / 16) * 16)

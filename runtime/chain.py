@@ -197,7 +197,7 @@ class ChainStep:
                 bindings = tuple(bind for name in names for bind in consumers.get(name, ()))
                 follow[index].append(partial(self._hand_on, stage.binding, names, places, bindings))
             if stage.name in self.moe:
-                follow[index].append(partial(self._route, self.moe[stage.name]))
+                follow[index].append(partial(self._run_experts, self.moe[stage.name]))
             if index and stage.takes_last_hidden and not self.all_logits and shape[1] > 1:
                 residual = self._residual[self._buffer_of[stage.residual_inputs[0]]]
                 follow[index - 1].append(partial(np.copyto, self._last_hidden, residual[:, -1:, :]))
@@ -242,13 +242,12 @@ class ChainStep:
         for bind, name in consumers:
             bind(name, shared[name])
 
-    def _route(self, block: MoeBlock) -> None:
-        self._run_experts(block, self._shared, self._shared["attention_mask"][:, -self._shape[1]:])
-
-    def _run_experts(self, block: MoeBlock, shared: dict, live: np.ndarray) -> None:
+    def _run_experts(self, block: MoeBlock) -> None:
         """The experts the router chose for the step's real tokens (`live`: their attention mask), each over
         its tokens, summed into the next residual buffer."""
+        shared = self._shared
         hidden, routing = shared[block.hidden].numpy(), shared[block.routing].numpy()
+        live = shared["attention_mask"][:, -self._shape[1]:]
         chosen = chosen_experts(routing, live)
         self.expert_stats.record(block.layer, chosen, live.size)
 
