@@ -39,12 +39,9 @@ from onnx import TensorProto, helper, numpy_helper
 
 from pipeshard.errors import UserError
 from pipeshard.partitioner.rules import module_path
-from pipeshard.runtime.kv import PAST_PREFIX, PRESENT_PREFIX
+from pipeshard.runtime.kv import PADDING_BIAS, PAST_PREFIX, PRESENT_PREFIX, SEQLENS, TOTAL
 
-SEQLENS = "_gqa_seqlens_k"
-TOTAL = "_gqa_total_sequence_length"
 ROTARY_CACHES = ("_gqa_cos_cache", "_gqa_sin_cache")  # the tables' rows 0 .. total - 1, per step
-PADDING_BIAS = "_gqa_padding_bias"
 _REPEAT_KV_OPS = ("Reshape", "Expand", "Unsqueeze")
 
 

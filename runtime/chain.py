@@ -5,8 +5,13 @@ batch shape (each residual tensor always in the same one, so a stage's pointer b
 from step to step and are only redone when the batch shape changes); each attention's KV cache is
 one host buffer bound as its past and present (appended in place), bound once per generation; the
 rotary cos/sin tables the manifest marks as row prefixes of a stored weight are that whole weight,
-bound once; the prologue's other per-step values (the mask bias) are ORT-allocated values handed on
-without touching numpy.
+bound once; the step's token inputs (ids, positions) are buffers bound once per batch shape; the prologue's
+other per-step values (the mask bias) are ORT-allocated values handed on without touching numpy.
+
+At one new token the prologue does not run: its values are kept in place by the runtime (each row's
+length, the KV capacity as the total length, the padding bias over the capacity's columns; see
+`runtime/kv.py`), in buffers every attention is bound to once, so a decode step is one run per sub-layer
+that does work and binds nothing.
 
 Every binding a step must redo is made in a burst, not one before each run: the step's inputs before
 the first run, a produced value into all of its consumers right after its producer ran. Between two
@@ -22,12 +27,13 @@ from pathlib import Path
 import numpy as np
 
 from pipeshard.runtime.exportdir import NUMPY_DTYPES
-from pipeshard.runtime.kv import HostKvCache, check_step_shape
+from pipeshard.runtime.kv import PADDING_BIAS, SEQLENS, TOTAL, HostKvCache, check_step_shape
 from pipeshard.runtime.moe import ExpertStats, MoeBlock, chosen_experts, combine, moe_blocks_of, run_on_arrays
 from pipeshard.runtime.ort import cpu_session_options, import_onnxruntime
 from pipeshard.runtime.pack import Pack, load_pack
 
 STEP_INPUTS = ("input_ids", "attention_mask", "position_ids")
+TOKEN_INPUTS = ("input_ids", "position_ids")  # [batch, new tokens]: buffers of the runtime, bound by pointer
 LOGITS = "logits"
 
 
@@ -48,7 +54,8 @@ class _Stage:
         self.present = kv.get("present", [])
         inputs = [i["name"] for i in entry["inputs"]]
         outputs = [o["name"] for o in entry["outputs"] if o["name"] not in tables]  # consumers get whole tables
-        self.step_inputs = [n for n in inputs if n in STEP_INPUTS]
+        self.token_inputs = [n for n in inputs if n in TOKEN_INPUTS]
+        self.mask_inputs = [n for n in inputs if n in STEP_INPUTS and n not in TOKEN_INPUTS]
         self.residual_inputs = [n for n in inputs if n in residual]
         self.fixed_inputs = [n for n in inputs if n in fixed or n in tables]
         self.shared_inputs = [n for n in inputs if n not in STEP_INPUTS and n not in residual and n not in self.past
@@ -59,6 +66,10 @@ class _Stage:
         self.bound_output_order = self.present + self.pointer_outputs + self.allocated_outputs
         self.takes_last_hidden = LOGITS in self.pointer_outputs and len(self.residual_inputs) == 1
         self.skips_outputs = len(outputs) < len(entry["outputs"])
+        # A prologue making exactly GroupQueryAttention's step values (runtime/kv.py) from the step's inputs.
+        made = set(self.pointer_outputs + self.allocated_outputs)
+        self.makes_attention_step_values = (entry["kind"] == "prologue" and made == {SEQLENS, TOTAL, PADDING_BIAS}
+                                            and set(inputs) <= set(STEP_INPUTS))
 
 
 class ChainStep:
@@ -126,9 +137,18 @@ class ChainStep:
         self._residual: list[np.ndarray] = []
         self._logits = np.empty(0, self.dtype)
         self._shared: dict[str, object] = {}
-        self._step_inputs: list[tuple] = []  # (bind, name) of every stage's step inputs
+        self._tokens: dict[str, np.ndarray] = {}  # the token inputs' buffers
+        self._mask_inputs: list[tuple] = []  # (bind, name) of every run stage's attention mask input
         self._allocated_outputs: list[tuple] = []  # (bind, name) of every output ONNX Runtime allocates anew
         self._program: list[tuple] = []
+        # The prologue a decode step does without (its values kept by the runtime), and those values' buffers.
+        prologue = self.stages[0] if self.stages else None
+        self._skippable_prologue = prologue if prologue and prologue.makes_attention_step_values else None
+        self._decoding = False
+        bias = next((o for e in in_line if e["kind"] == "prologue" for o in e["outputs"] if o["name"] == PADDING_BIAS),
+                    None)
+        self._decode_bias = np.empty(0, np.dtype(bias["dtype"]) if bias else self.dtype)
+        self._bias_lowest = np.finfo(self._decode_bias.dtype).min
 
     @property
     def all_logits(self) -> bool:
@@ -142,6 +162,7 @@ class ChainStep:
     def start(self, batch_size: int, context: int | None = None) -> None:
         self.kv.reset(batch_size, context)
         self._bind_kv()
+        self._shape = None  # a decode step's values span the KV capacity: remade with the buffers
 
     def _bind_kv(self) -> None:
         for stage in self.stages:
@@ -155,12 +176,14 @@ class ChainStep:
             return self._logits
         if name in self._tables:
             return self._tables[name]
+        if name in self._tokens:
+            return self._tokens[name]
         return self._fixed_buffers[name] if name in self._fixed_buffers else self._residual[self._buffer_of[name]]
 
     def _bind_pointers(self, stage: _Stage) -> None:
         """(Re)bind the residual buffers, fixed prologue values and logits of a stage for the current batch shape."""
         last_only = LOGITS in stage.pointer_outputs and not self.all_logits and self._shape[1] > 1
-        for name in stage.residual_inputs + stage.fixed_inputs:
+        for name in stage.residual_inputs + stage.fixed_inputs + stage.token_inputs:
             array = self._last_hidden if last_only and name in stage.residual_inputs else self._buffer(name)
             stage.binding.bind_input(name, self._cpu, array.dtype, list(array.shape), array.ctypes.data)
         for name in stage.pointer_outputs:
@@ -169,12 +192,15 @@ class ChainStep:
 
     def _make_program(self, shape: tuple[int, int]) -> None:
         """Buffers for a batch shape, every stage's pointer bindings, the bindings each step redoes before its
-        first run (step inputs, outputs ONNX Runtime allocates), and per stage what a step does: (run, binding,
-        run options, what follows the run: hand produced values to their consumers, route a MoE layer, copy
-        the last position for the output layer — or None)."""
+        first run (attention masks, outputs ONNX Runtime allocates), and per stage run what a step does: (run,
+        binding, run options, what follows the run: hand produced values to their consumers, route a MoE
+        layer, copy the last position for the output layer — or None). At one new token a prologue making
+        only attention step values is left out, its values bound from the runtime's buffers."""
         self._shape = shape
+        self._decoding = shape[1] == 1 and self._skippable_prologue is not None
         sizes = {"batch": shape[0], "sequence": shape[1]}
         self._residual = [np.empty((*shape, self.hidden_size), self.dtype) for _ in range(2)]
+        self._tokens = {name: np.empty(shape, np.int64) for name in TOKEN_INPUTS}
         self._fixed_buffers = {name: np.empty([sizes.get(d, d) for d in o["shape"]], np.dtype(o["dtype"]))
                                for name, o in self._fixed.items()}
         logit_rows = shape[1] if self.all_logits else 1
@@ -182,15 +208,19 @@ class ChainStep:
         self._last_hidden = np.empty((shape[0], 1, self.hidden_size), self.dtype)
         for stage in self.stages:
             self._bind_pointers(stage)
-        self._step_inputs = [(stage.binding.bind_input, name) for stage in self.stages for name in stage.step_inputs]
-        self._allocated_outputs = [(stage.binding.bind_output, name) for stage in self.stages
+        stages = [stage for stage in self.stages if not (self._decoding and stage is self._skippable_prologue)]
+        if self._decoding:
+            self._bind_decode_values(stages)
+        self._mask_inputs = [(stage.binding.bind_input, name) for stage in stages for name in stage.mask_inputs]
+        self._allocated_outputs = [(stage.binding.bind_output, name) for stage in stages
                                    for name in stage.allocated_outputs]
         consumers: dict[str, list[tuple]] = {}
-        for stage in self.stages:
+        for stage in stages:
             for name in stage.shared_inputs:
-                consumers.setdefault(name, []).append((stage.binding.bind_ortvalue_input, name))
-        follow: list[list] = [[] for _ in self.stages]
-        for index, stage in enumerate(self.stages):
+                if not (self._decoding and name == PADDING_BIAS):
+                    consumers.setdefault(name, []).append((stage.binding.bind_ortvalue_input, name))
+        follow: list[list] = [[] for _ in stages]
+        for index, stage in enumerate(stages):
             if stage.allocated_outputs:
                 names = tuple(stage.allocated_outputs)
                 places = tuple(stage.bound_output_order.index(name) for name in names)
@@ -204,22 +234,39 @@ class ChainStep:
         self._program = [(stage.run, stage.binding,
                           self._pruned_run_options if stage.skips_outputs else self.run_options,
                           None if not actions else actions[0] if len(actions) == 1 else partial(_each, tuple(actions)))
-                         for stage, actions in zip(self.stages, follow, strict=True)]
+                         for stage, actions in zip(stages, follow, strict=True)]
+
+    def _bind_decode_values(self, stages: list[_Stage]) -> None:
+        """The prologue's values for one new token, over the KV capacity: the total length is the capacity
+        (or the rotary tables' length, if shorter: GQA wants a row for every position up to it), the padding
+        bias has its columns (those past a row's length are never read); both bound once."""
+        columns = min([self.kv.capacity] + [len(table) for table in self._tables.values()])
+        self._fixed_buffers[TOTAL][...] = columns
+        self._decode_bias = np.zeros((self._shape[0], 1, 1, columns), self._decode_bias.dtype)
+        for stage in stages:
+            if PADDING_BIAS in stage.shared_inputs:
+                stage.binding.bind_input(PADDING_BIAS, self._cpu, self._decode_bias.dtype,
+                                         list(self._decode_bias.shape), self._decode_bias.ctypes.data)
 
     def forward(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray) -> np.ndarray:
         shape = input_ids.shape
         check_step_shape(shape[0], shape[1], attention_mask.shape[1])
         if self.kv.ensure(attention_mask.shape[1]):
             self._bind_kv()
+            self._shape = None
         if shape != self._shape:
             self._make_program(shape)
-        # What a step hands from stage to stage besides the pointer-bound buffers: its inputs, then the
-        # values ONNX Runtime allocates (the mask bias, a router's outputs).
+        np.copyto(self._tokens["input_ids"], input_ids)
+        np.copyto(self._tokens["position_ids"], position_ids)
+        # What a step hands from stage to stage besides the pointer-bound buffers: the attention mask, then
+        # the values ONNX Runtime allocates (the mask bias, a router's outputs).
         shared = self._shared
-        shared["input_ids"] = np.ascontiguousarray(input_ids, dtype=np.int64)
-        shared["attention_mask"] = np.ascontiguousarray(attention_mask, dtype=np.int64)
-        shared["position_ids"] = np.ascontiguousarray(position_ids, dtype=np.int64)
-        for bind, name in self._step_inputs:
+        shared["attention_mask"] = mask = np.ascontiguousarray(attention_mask, dtype=np.int64)
+        if self._decoding:
+            total = mask.shape[1]
+            self._fixed_buffers[SEQLENS].fill(total - 1)
+            np.copyto(self._decode_bias[:, 0, 0, :total], np.where(mask != 0, 0, self._bias_lowest))
+        for bind, name in self._mask_inputs:
             bind(name, shared[name])
         for bind, name in self._allocated_outputs:
             bind(name, self._cpu)

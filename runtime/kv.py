@@ -11,6 +11,15 @@ from pipeshard.errors import UserError
 DEFAULT_CAPACITY = 2048
 PAST_PREFIX = "past_key_values."
 PRESENT_PREFIX = "present."
+# GroupQueryAttention's per-step inputs besides the KV buffers, made by the exported graph (a pack's prologue)
+# from `attention_mask`: each row's length - 1 (int32 [batch]), the total length (int32 scalar), and the
+# additive bias of the padding alone ([batch, 1, new, total]: 0 where the mask is set, the dtype's lowest
+# value elsewhere). GQA reads each row's length from seqlens_k alone; the total length only has to match the
+# bias's last dimension, so at one new token both may be the KV capacity (checked bitwise against the
+# exact lengths on ONNX Runtime 1.32).
+SEQLENS = "_gqa_seqlens_k"
+TOTAL = "_gqa_total_sequence_length"
+PADDING_BIAS = "_gqa_padding_bias"
 
 
 def present_name(past: str) -> str:

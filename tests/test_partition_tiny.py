@@ -273,3 +273,26 @@ def test_only_a_slice_of_a_stored_weight_from_row_zero_is_a_row_prefix():
 
     assert sliced(0, 0) == {"rows": "table"}
     assert sliced(1, 0) == {} and sliced(0, 1) == {}
+
+
+def test_decode_steps_skip_the_prologue_and_keep_its_values_in_place(tiny_pack, tiny_llama_export):
+    """At one new token the chain fills the prologue's values itself (over the KV capacity) instead of
+    running it; a left-padded batch then still gives the monolithic session's logits."""
+    whole, chain = pipeshard.load(tiny_llama_export).step, pipeshard.load(tiny_pack).step
+    prologue = chain.stages[0]
+    runs = []
+    run = prologue.run
+    prologue.run = lambda *args: (runs.append(1), run(*args))[1]
+    ids = np.array([[0, 0, 5, 17, 99], [3, 42, 7, 8, 9]], np.int64)
+    mask = np.array([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]], np.int64)
+    positions = np.clip(np.cumsum(mask, axis=1) - 1, 0, None)
+    for step in (whole, chain):
+        step.start(2, 16)
+    for tokens in (5, 1, 1, 1):
+        if tokens == 1:
+            ids = np.array([[11], [12]], np.int64)
+            mask = np.concatenate([mask, np.ones((2, 1), np.int64)], axis=1)
+            positions = positions[:, -1:] + 1
+        expected = whole.forward(ids, mask, positions)[:, -1]
+        assert np.abs(chain.forward(ids, mask, positions)[:, -1] - expected).max() < 1e-4
+    assert len(runs) == 1  # the prefill's
