@@ -10,8 +10,8 @@ other per-step values (the mask bias) are ORT-allocated values handed on without
 
 At one new token the prologue does not run: its values are kept in place by the runtime (each row's
 length, the KV capacity as the total length, the padding bias over the capacity's columns; see
-`runtime/kv.py`), in buffers every attention is bound to once, so a decode step is one run per sub-layer
-that does work and binds nothing.
+`runtime/kv.py`), in buffers every attention is bound to once, so a dense model's decode step is one
+run per sub-layer that does work and binds nothing (a MoE layer still hands its routing on).
 
 Every binding a step must redo is made in a burst, not one before each run: the step's inputs before
 the first run, a produced value into all of its consumers right after its producer ran. Between two
