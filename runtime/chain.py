@@ -145,10 +145,10 @@ class ChainStep:
         prologue = self.stages[0] if self.stages else None
         self._skippable_prologue = prologue if prologue and prologue.makes_attention_step_values else None
         self._decoding = False
-        bias = next((o for e in in_line if e["kind"] == "prologue" for o in e["outputs"] if o["name"] == PADDING_BIAS),
-                    None)
-        self._decode_bias = np.empty(0, np.dtype(bias["dtype"]) if bias else self.dtype)
-        self._bias_lowest = np.finfo(self._decode_bias.dtype).min
+        self._bias_dtype = next((np.dtype(o["dtype"]) for e in in_line if e["kind"] == "prologue"
+                                 for o in e["outputs"] if o["name"] == PADDING_BIAS), self.dtype)
+        self._bias_lowest = np.finfo(self._bias_dtype).min  # the bias where the mask is not set
+        self._decode_bias = np.empty(0, self._bias_dtype)
 
     @property
     def all_logits(self) -> bool:
@@ -217,8 +217,7 @@ class ChainStep:
         consumers: dict[str, list[tuple]] = {}
         for stage in stages:
             for name in stage.shared_inputs:
-                if not (self._decoding and name == PADDING_BIAS):
-                    consumers.setdefault(name, []).append((stage.binding.bind_ortvalue_input, name))
+                consumers.setdefault(name, []).append((stage.binding.bind_ortvalue_input, name))
         follow: list[list] = [[] for _ in stages]
         for index, stage in enumerate(stages):
             if stage.allocated_outputs:
@@ -242,7 +241,7 @@ class ChainStep:
         bias has its columns (those past a row's length are never read); both bound once."""
         columns = min([self.kv.capacity] + [len(table) for table in self._tables.values()])
         self._fixed_buffers[TOTAL][...] = columns
-        self._decode_bias = np.zeros((self._shape[0], 1, 1, columns), self._decode_bias.dtype)
+        self._decode_bias = np.zeros((self._shape[0], 1, 1, columns), self._bias_dtype)
         for stage in stages:
             if PADDING_BIAS in stage.shared_inputs:
                 stage.binding.bind_input(PADDING_BIAS, self._cpu, self._decode_bias.dtype,
