@@ -13,7 +13,7 @@ $(BIN)/python:
 
 # torch first, pinned: the CPU build of torch==2.13.0 is on this kind of machine's disk; a bare
 # torch requirement resolved from scratch would pull a multi-GB CUDA build.
-$(STAMP): $(BIN)/python pyproject.toml
+$(STAMP): $(BIN)/python pyproject.toml runtime/_runloop.c
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet torch==2.13.0
 	$(BIN)/pip install --quiet -e '.[cpu,export,dev]'
@@ -61,4 +61,4 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 
 clean:
-	rm -rf build dist *.egg-info
+	rm -rf build dist *.egg-info runtime/_runloop.*.so

@@ -16,7 +16,9 @@ run per sub-layer that does work and binds nothing (a MoE layer still hands its 
 Every binding a step must redo is made in a burst, not one before each run: the step's inputs before
 the first run, a produced value into all of its consumers right after its producer ran. Between two
 runs the caches hold the last sub-layer's weights, so each call into ONNX Runtime's binding code made
-there started cold (~6-12 us here against ~1 us in a burst).
+there started cold (~6-12 us here against ~1 us in a burst). For the same reason the sessions are made
+through ONNX Runtime's C API (`runtime/capi.py`) and the runs between two such bursts are one call into
+C: a dense model's decode step is a single call.
 """
 
 from __future__ import annotations
@@ -26,10 +28,10 @@ from pathlib import Path
 
 import numpy as np
 
+from pipeshard.runtime import capi
 from pipeshard.runtime.exportdir import NUMPY_DTYPES
 from pipeshard.runtime.kv import PADDING_BIAS, SEQLENS, TOTAL, HostKvCache, check_step_shape
-from pipeshard.runtime.moe import ExpertStats, MoeBlock, chosen_experts, combine, moe_blocks_of, run_on_arrays
-from pipeshard.runtime.ort import cpu_session_options, import_onnxruntime
+from pipeshard.runtime.moe import ExpertStats, MoeBlock, chosen_experts, combine, moe_blocks_of
 from pipeshard.runtime.pack import Pack, load_pack
 
 STEP_INPUTS = ("input_ids", "attention_mask", "position_ids")
@@ -40,15 +42,11 @@ LOGITS = "logits"
 class _Stage:
     """One sub-layer's session and binding, with its boundary names sorted by how they are bound."""
 
-    def __init__(self, ort, pack: Pack, entry: dict, options, residual: set[str], fixed: set[str],
-                 tables: frozenset[str] = frozenset()) -> None:
+    def __init__(self, rt: capi.Runtime, pack: Pack, entry: dict, threads: int | None, optimize: bool, prepack: bool,
+                 residual: set[str], fixed: set[str], tables: frozenset[str] = frozenset()) -> None:
         self.name = entry["name"]
-        self.session = ort.InferenceSession(str(pack.path(entry["files"]["onnx"])), options,
-                                            providers=["CPUExecutionProvider"])
-        # The raw pybind objects: the Python wrappers validate and wrap on every call, which over
-        # dozens of sub-layers per token costs more than the binding itself.
-        self.binding = self.session.io_binding()._iobinding
-        self.run = self.session._sess.run_with_iobinding
+        self.session = rt.session(pack.path(entry["files"]["onnx"]), threads, optimize, prepack)
+        self.binding = self.session.binding()
         kv = entry["kv"] or {}
         self.past = kv.get("past", [])
         self.present = kv.get("present", [])
@@ -65,11 +63,17 @@ class _Stage:
         # IO binding returns outputs in the order they were first bound: KV (at start), pointers, the rest.
         self.bound_output_order = self.present + self.pointer_outputs + self.allocated_outputs
         self.takes_last_hidden = LOGITS in self.pointer_outputs and len(self.residual_inputs) == 1
-        self.skips_outputs = len(outputs) < len(entry["outputs"])
         # A prologue making exactly GroupQueryAttention's step values (runtime/kv.py) from the step's inputs.
         made = set(self.pointer_outputs + self.allocated_outputs)
         self.makes_attention_step_values = (entry["kind"] == "prologue" and made == {SEQLENS, TOTAL, PADDING_BIAS}
                                             and set(inputs) <= set(STEP_INPUTS))
+
+    def run_on_arrays(self, inputs: dict[str, np.ndarray], output: str, out: np.ndarray, run_options) -> None:
+        """One run with host arrays bound by pointer, writing into `out`."""
+        for name, array in inputs.items():
+            self.binding.bind_input(name, array)
+        self.binding.bind_output(output, out)
+        capi.run(self.session, self.binding, run_options)
 
 
 class ChainStep:
@@ -77,8 +81,6 @@ class ChainStep:
 
     def __init__(self, folder: Path, threads: int | None = None, optimize: bool = True, prepack: bool = True,
                  verify: bool = False, all_logits: bool = False) -> None:
-        ort = import_onnxruntime()
-        self._ort = ort
         self.pack = load_pack(folder, verify=verify)
         model = self.pack.model
         self.max_context = int(model["max_context"])
@@ -87,9 +89,7 @@ class ChainStep:
         self.kv_heads = int(model["num_key_value_heads"])
         self.head_dim = int(model["head_dim"])
         self.dtype = NUMPY_DTYPES[model["dtype"]]
-        options = cpu_session_options(threads, optimize)
-        if not prepack:
-            options.add_session_config_entry("session.disable_prepacking", "1")
+        self._runtime = rt = capi.runtime(threads)
         # A MoE layer is its router stage, then the routed experts and the combine (runtime/moe.py).
         self.moe = moe_blocks_of(self.pack.manifest)
         expert_names = {name for block in self.moe.values() for name in block.experts}
@@ -116,21 +116,19 @@ class ChainStep:
                         if entry["kind"] == "prologue" for o in entry["outputs"] if "rows_of" in o}
         # Sessions are made largest weights first: while one is made, its blob is mapped beside the packed
         # copies of those made before, so the 108 MiB output layer made last would raise the load peak.
-        made = {entry["name"]: _Stage(ort, self.pack, entry, options, set(residual_names), set(self._fixed),
-                                      frozenset(self._tables))
+        made = {entry["name"]: _Stage(rt, self.pack, entry, threads, optimize, prepack, set(residual_names),
+                                      set(self._fixed), frozenset(self._tables))
                 for entry in sorted(in_line, key=lambda e: -e["weight_bytes"])}
         self.stages = [made[entry["name"]] for entry in in_line]
-        self.experts = {entry["name"]: _Stage(ort, self.pack, entry, options, set(), set())
+        self.experts = {entry["name"]: _Stage(rt, self.pack, entry, threads, optimize, prepack, set(), set())
                         for entry in self.pack.sub_layers if entry["name"] in expert_names}
         self.expert_stats = ExpertStats(int(model.get("num_experts") or 0))
         # Generation reads only the last token's logits: unless asked for all, the output layer gets the
         # last position only (a 256-token prefill then skips 255 lm_head rows and their logits memory).
         self._all_logits = all_logits
         self._last_hidden = np.empty(0, self.dtype)
-        self.run_options = ort.RunOptions()
-        self._pruned_run_options = ort.RunOptions()  # for stages with unbound outputs: only what bound ones need
-        self._pruned_run_options.only_execute_path_to_fetches = True
-        self._cpu = ort.OrtDevice.make("cpu", 0)._get_c_device()
+        self.run_options = rt.run_options()
+        self._stage_timer = None
         self.kv = HostKvCache([name for stage in self.stages for name in stage.past], self.kv_heads, self.head_dim,
                               self.dtype)
         self._shape: tuple[int, int] | None = None
@@ -151,6 +149,16 @@ class ChainStep:
         self._decode_bias = np.empty(0, self._bias_dtype)
 
     @property
+    def stage_timer(self):
+        """None, or a callable(sub-layer name, seconds) called after every run (each run then made from Python)."""
+        return self._stage_timer
+
+    @stage_timer.setter
+    def stage_timer(self, timer) -> None:
+        self._stage_timer = timer
+        self._shape = None  # the program is remade at the next step
+
+    @property
     def all_logits(self) -> bool:
         return self._all_logits
 
@@ -167,9 +175,8 @@ class ChainStep:
     def _bind_kv(self) -> None:
         for stage in self.stages:
             for past, present in zip(stage.past, stage.present, strict=True):
-                buffer = self.kv.buffers[past]
-                for bind, name in ((stage.binding.bind_input, past), (stage.binding.bind_output, present)):
-                    bind(name, self._cpu, buffer.dtype, list(buffer.shape), buffer.ctypes.data)
+                stage.binding.bind_input(past, self.kv.buffers[past])
+                stage.binding.bind_output(present, self.kv.buffers[past])
 
     def _buffer(self, name: str) -> np.ndarray:
         if name == LOGITS:
@@ -185,17 +192,16 @@ class ChainStep:
         last_only = LOGITS in stage.pointer_outputs and not self.all_logits and self._shape[1] > 1
         for name in stage.residual_inputs + stage.fixed_inputs + stage.token_inputs:
             array = self._last_hidden if last_only and name in stage.residual_inputs else self._buffer(name)
-            stage.binding.bind_input(name, self._cpu, array.dtype, list(array.shape), array.ctypes.data)
+            stage.binding.bind_input(name, array)
         for name in stage.pointer_outputs:
-            array = self._buffer(name)
-            stage.binding.bind_output(name, self._cpu, array.dtype, list(array.shape), array.ctypes.data)
+            stage.binding.bind_output(name, self._buffer(name))
 
     def _make_program(self, shape: tuple[int, int]) -> None:
         """Buffers for a batch shape, every stage's pointer bindings, the bindings each step redoes before its
-        first run (attention masks, outputs ONNX Runtime allocates), and per stage run what a step does: (run,
-        binding, run options, what follows the run: hand produced values to their consumers, route a MoE
-        layer, copy the last position for the output layer — or None). At one new token a prologue making
-        only attention step values is left out, its values bound from the runtime's buffers."""
+        first run (attention masks, outputs ONNX Runtime allocates), and what a step does: blocks of runs, each
+        ended by what follows its last run (hand produced values to their consumers, route a MoE layer, copy the
+        last position for the output layer — or None). At one new token a prologue making only attention step
+        values is left out, its values bound from the runtime's buffers."""
         self._shape = shape
         self._decoding = shape[1] == 1 and self._skippable_prologue is not None
         sizes = {"batch": shape[0], "sequence": shape[1]}
@@ -212,12 +218,12 @@ class ChainStep:
         if self._decoding:
             self._bind_decode_values(stages)
         self._mask_inputs = [(stage.binding.bind_input, name) for stage in stages for name in stage.mask_inputs]
-        self._allocated_outputs = [(stage.binding.bind_output, name) for stage in stages
+        self._allocated_outputs = [(stage.binding.bind_output_to_cpu, name) for stage in stages
                                    for name in stage.allocated_outputs]
         consumers: dict[str, list[tuple]] = {}
         for stage in stages:
             for name in stage.shared_inputs:
-                consumers.setdefault(name, []).append((stage.binding.bind_ortvalue_input, name))
+                consumers.setdefault(name, []).append((stage.binding.bind_value_input, name))
         follow: list[list] = [[] for _ in stages]
         for index, stage in enumerate(stages):
             if stage.allocated_outputs:
@@ -230,10 +236,15 @@ class ChainStep:
             if index and stage.takes_last_hidden and not self.all_logits and shape[1] > 1:
                 residual = self._residual[self._buffer_of[stage.residual_inputs[0]]]
                 follow[index - 1].append(partial(np.copyto, self._last_hidden, residual[:, -1:, :]))
-        self._program = [(stage.run, stage.binding,
-                          self._pruned_run_options if stage.skips_outputs else self.run_options,
-                          None if not actions else actions[0] if len(actions) == 1 else partial(_each, tuple(actions)))
-                         for stage, actions in zip(stages, follow, strict=True)]
+        self._program = []
+        block: list[tuple] = []
+        for stage, actions in zip(stages, follow, strict=True):
+            block.append((stage.name, stage.session, stage.binding))
+            if actions or stage is stages[-1] or self._stage_timer:
+                runs = capi.Block(self._runtime, block, self.run_options, timer=self._stage_timer)
+                self._program.append((runs, None if not actions else actions[0] if len(actions) == 1
+                                      else partial(_each, tuple(actions))))
+                block = []
 
     def _bind_decode_values(self, stages: list[_Stage]) -> None:
         """The prologue's values for one new token, over the KV capacity: the total length is the capacity
@@ -244,8 +255,7 @@ class ChainStep:
         self._decode_bias = np.zeros((self._shape[0], 1, 1, columns), self._bias_dtype)
         for stage in stages:
             if PADDING_BIAS in stage.shared_inputs:
-                stage.binding.bind_input(PADDING_BIAS, self._cpu, self._decode_bias.dtype,
-                                         list(self._decode_bias.shape), self._decode_bias.ctypes.data)
+                stage.binding.bind_input(PADDING_BIAS, self._decode_bias)
 
     def forward(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray) -> np.ndarray:
         shape = input_ids.shape
@@ -268,11 +278,11 @@ class ChainStep:
         for bind, name in self._mask_inputs:
             bind(name, shared[name])
         for bind, name in self._allocated_outputs:
-            bind(name, self._cpu)
+            bind(name)
         # The step loop touches as little as it can: after each sub-layer's weights have streamed through
         # the caches, every object it reads is a cache miss.
-        for run, binding, run_options, follow in self._program:
-            run(binding, run_options)
+        for runs, follow in self._program:
+            runs()
             if follow is not None:
                 follow()
         if self.moe:
@@ -281,7 +291,7 @@ class ChainStep:
 
     def _hand_on(self, binding, names: tuple[str, ...], places: tuple[int, ...], consumers: tuple) -> None:
         """A stage's ORT-allocated outputs, bound into every stage that takes them, one call after another."""
-        produced = binding.get_outputs()
+        produced = binding.outputs()
         shared = self._shared
         for name, place in zip(names, places, strict=True):
             shared[name] = produced[place]
@@ -300,8 +310,8 @@ class ChainStep:
         def run_expert(expert: int, rows_hidden: np.ndarray, rows_routing: np.ndarray) -> np.ndarray:
             stage = self.experts[block.experts[expert]]
             out = np.empty_like(rows_hidden)
-            run_on_arrays(stage.binding, stage.run, self.run_options, self._cpu,
-                          {block.hidden: rows_hidden, block.routing: rows_routing}, stage.allocated_outputs[0], out)
+            stage.run_on_arrays({block.hidden: rows_hidden, block.routing: rows_routing}, stage.allocated_outputs[0],
+                                out, self.run_options)
             return out
 
         combine(self._residual[self._buffer_of[block.residual]], hidden, routing, chosen, run_expert,

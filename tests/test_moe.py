@@ -115,10 +115,10 @@ def test_only_the_routers_choices_run(moe_model):
     for name, stage in step.experts.items():
         entry = next(e for e in manifest["sub_layers"] if e["name"] == name)
 
-        def counted(binding, options, original=stage.run, entry=entry):
+        def counted(*args, original=stage.run_on_arrays, entry=entry):
             runs.append((entry["layer"], entry["expert"], len(step.expert_stats.trace)))
-            return original(binding, options)
-        stage.run = counted
+            return original(*args)
+        stage.run_on_arrays = counted
     step.expert_stats.trace = []
     ids = engine.generator.prompt_ids(PROMPTS[1])
     (ours,) = engine.generator.generate([ids], pipeshard.api.SamplingSettings(max_new_tokens=24))

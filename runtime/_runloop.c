@@ -1,0 +1,48 @@
+/* The all-CPU chain's run loop: one call runs a block of ONNX Runtime sessions, each with its IoBinding,
+ * through the C API's RunWithBinding, without returning to the interpreter between runs (every return costs
+ * microseconds of cache-cold interpreter and binding code per session run). Used by runtime/capi.py, which
+ * passes the function and the arrays as addresses. */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+typedef void *(*RunWithBinding)(void *session, const void *run_options, const void *binding);
+
+/* run_block(run_with_binding, sessions, bindings, count, run_options) -> None, or (index, status) of the
+ * first run that failed (the OrtStatus* for the caller to read and release). */
+static PyObject *run_block(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    (void)module;
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "run_block(run_with_binding, sessions, bindings, count, run_options)");
+        return NULL;
+    }
+    RunWithBinding run = (RunWithBinding)PyLong_AsVoidPtr(args[0]);
+    void **sessions = (void **)PyLong_AsVoidPtr(args[1]);
+    void **bindings = (void **)PyLong_AsVoidPtr(args[2]);
+    Py_ssize_t count = PyLong_AsSsize_t(args[3]);
+    const void *run_options = PyLong_AsVoidPtr(args[4]);
+    if (PyErr_Occurred()) return NULL;
+    if (run == NULL || sessions == NULL || bindings == NULL) {
+        PyErr_SetString(PyExc_ValueError, "run_block: null function or arrays");
+        return NULL;
+    }
+    void *status = NULL;
+    Py_ssize_t index;
+    Py_BEGIN_ALLOW_THREADS
+    for (index = 0; index < count; index++) {
+        status = run(sessions[index], run_options, bindings[index]);
+        if (status != NULL) break;
+    }
+    Py_END_ALLOW_THREADS
+    if (status == NULL) Py_RETURN_NONE;
+    return Py_BuildValue("(nN)", index, PyLong_FromVoidPtr(status));
+}
+
+static PyMethodDef methods[] = {
+    {"run_block", (PyCFunction)(void (*)(void))run_block, METH_FASTCALL,
+     "Run a block of ONNX Runtime sessions with their bindings; None, or (index, status) of a failed run."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_runloop", NULL, 0, methods};
+
+PyMODINIT_FUNC PyInit__runloop(void) { return PyModule_Create(&module); }

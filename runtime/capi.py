@@ -1,0 +1,356 @@
+"""ONNX Runtime's C API through ctypes: the sessions of the all-CPU chain.
+
+Why not the Python binding: a decode step of the chain is ~60 session runs, and each call into the Python
+binding starts cache-cold (the previous sub-layer's weights have just streamed through the caches), which
+costs a few microseconds of interpreter and pybind dispatch per run on top of ONNX Runtime's own work.
+Through the C API a block of runs is one call into `_runloop` (a small C extension) that calls
+`RunWithBinding` for each session without coming back to Python.
+
+The library is the `libonnxruntime` the onnxruntime wheel ships beside its Python binding (a second ONNX
+Runtime in the process, with its own environment): the chain's sessions get a thread pool of their own,
+shared by all of them and spinning between runs, whatever the host process chose for its other sessions.
+`OrtApi` is append-only, so the table indices below hold for every release since the version asked for.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import sys
+import time
+import weakref
+from pathlib import Path
+
+import numpy as np
+
+from pipeshard.errors import UserError
+
+try:
+    from pipeshard.runtime import _runloop
+except ImportError:  # not built (no C compiler at install): the same runs, one Python call each
+    _runloop = None
+from pipeshard.runtime.ort import default_threads, import_onnxruntime
+
+_API_VERSION = 13  # the OrtApi layout the indices below were checked against (ORT 1.13; every later one extends it)
+_P = ctypes.c_void_p
+_PP = ctypes.POINTER(ctypes.c_void_p)
+_PATH = ctypes.c_wchar_p if sys.platform == "win32" else ctypes.c_char_p  # ORTCHAR_T
+_SIGNATURES = {  # name: (OrtApi index, argument types, result type); OrtStatus* unless stated
+    "GetErrorMessage": (2, (_P,), ctypes.c_char_p),
+    "CreateSession": (7, (_P, _PATH, _P, _PP), _P),
+    "CreateSessionOptions": (10, (_PP,), _P),
+    "DisableMemPattern": (17, (_P,), _P),
+    "SetSessionLogSeverityLevel": (22, (_P, ctypes.c_int), _P),
+    "SetSessionGraphOptimizationLevel": (23, (_P, ctypes.c_int), _P),
+    "SetIntraOpNumThreads": (24, (_P, ctypes.c_int), _P),
+    "SetInterOpNumThreads": (25, (_P, ctypes.c_int), _P),
+    "CreateRunOptions": (39, (_PP,), _P),
+    "CreateTensorWithDataAsOrtValue": (49, (_P, _P, ctypes.c_size_t, ctypes.POINTER(ctypes.c_int64),
+                                            ctypes.c_size_t, ctypes.c_int, _PP), _P),
+    "GetTensorMutableData": (51, (_P, _PP), _P),
+    "GetTensorElementType": (60, (_P, ctypes.POINTER(ctypes.c_int)), _P),
+    "GetDimensionsCount": (61, (_P, ctypes.POINTER(ctypes.c_size_t)), _P),
+    "GetDimensions": (62, (_P, ctypes.POINTER(ctypes.c_int64), ctypes.c_size_t), _P),
+    "GetTensorTypeAndShape": (65, (_P, _PP), _P),
+    "CreateCpuMemoryInfo": (69, (ctypes.c_int, ctypes.c_int, _PP), _P),
+    "AllocatorFree": (76, (_P, _P), _P),
+    "GetAllocatorWithDefaultOptions": (78, (_PP,), _P),
+    "ReleaseStatus": (93, (_P,), None),
+    "ReleaseSession": (95, (_P,), None),
+    "ReleaseValue": (96, (_P,), None),
+    "ReleaseRunOptions": (97, (_P,), None),
+    "ReleaseTensorTypeAndShapeInfo": (99, (_P,), None),
+    "ReleaseSessionOptions": (100, (_P,), None),
+    "CreateEnvWithGlobalThreadPools": (119, (ctypes.c_int, ctypes.c_char_p, _P, _PP), _P),
+    "DisablePerSessionThreads": (120, (_P,), _P),
+    "CreateThreadingOptions": (121, (_PP,), _P),
+    "ReleaseThreadingOptions": (122, (_P,), None),
+    "AddSessionConfigEntry": (130, (_P, ctypes.c_char_p, ctypes.c_char_p), _P),
+    "RunWithBinding": (133, (_P, _P, _P), _P),
+    "CreateIoBinding": (134, (_P, _PP), _P),
+    "ReleaseIoBinding": (135, (_P,), None),
+    "BindInput": (136, (_P, ctypes.c_char_p, _P), _P),
+    "BindOutput": (137, (_P, ctypes.c_char_p, _P), _P),
+    "BindOutputToDevice": (138, (_P, ctypes.c_char_p, _P), _P),
+    "GetBoundOutputValues": (140, (_P, _P, ctypes.POINTER(_PP), ctypes.POINTER(ctypes.c_size_t)), _P),
+    "CreateAndRegisterAllocator": (144, (_P, _P, _P), _P),
+    "SetGlobalIntraOpNumThreads": (147, (_P, ctypes.c_int), _P),
+    "SetGlobalInterOpNumThreads": (148, (_P, ctypes.c_int), _P),
+    "SetGlobalSpinControl": (149, (_P, ctypes.c_int), _P),
+    "CreateArenaCfg": (156, (ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, _PP), _P),
+    "ReleaseArenaCfg": (157, (_P,), None),
+}
+_ELEMENT_TYPES = {1: np.float32, 2: np.uint8, 3: np.int8, 4: np.uint16, 5: np.int16, 6: np.int32, 7: np.int64,
+                  9: np.bool_, 10: np.float16, 11: np.float64, 12: np.uint32, 13: np.uint64}
+_ELEMENT_TYPE_OF = {np.dtype(t): code for code, t in _ELEMENT_TYPES.items()}
+_ARENA_ALLOCATOR, _MEM_TYPE_DEFAULT = 1, 0
+_ENABLE_ALL, _DISABLE_ALL = 99, 0
+_LOG_ERROR = 3
+
+
+class OrtError(RuntimeError):
+    """An ONNX Runtime call through the C API failed; the message is ONNX Runtime's."""
+
+
+class _Library:
+    """The loaded library and its OrtApi functions."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        library = ctypes.CDLL(str(path))
+        library.OrtGetApiBase.restype = ctypes.POINTER(_ApiBase)
+        table = library.OrtGetApiBase().contents.GetApi(_API_VERSION)
+        if not table:
+            raise UserError(f"{path} does not provide ONNX Runtime C API version {_API_VERSION}")
+        self.table = ctypes.cast(table, ctypes.POINTER(ctypes.c_void_p))
+        for name, (index, arguments, result) in _SIGNATURES.items():
+            setattr(self, name, ctypes.CFUNCTYPE(result, *arguments)(self.table[index]))
+        self.run_with_binding_address = self.table[_SIGNATURES["RunWithBinding"][0]]
+
+    def check(self, status) -> None:
+        """Raise OrtError with ONNX Runtime's message if `status` is an error (non-null)."""
+        if status:
+            message = self.GetErrorMessage(status).decode(errors="replace")
+            self.ReleaseStatus(status)
+            raise OrtError(message)
+
+    def make(self, function, *arguments) -> ctypes.c_void_p:
+        """Call a Create* function whose last argument receives the object; return the object."""
+        made = ctypes.c_void_p()
+        self.check(function(*arguments, ctypes.byref(made)))
+        return made
+
+
+class _ApiBase(ctypes.Structure):
+    _fields_ = [("GetApi", ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_uint32)),
+                ("GetVersionString", ctypes.CFUNCTYPE(ctypes.c_char_p))]
+
+
+def library_path() -> Path:
+    """The ONNX Runtime shared library inside the installed onnxruntime package."""
+    folder = Path(import_onnxruntime().__file__).parent / "capi"
+    for pattern in ("libonnxruntime.so*", "libonnxruntime*.dylib", "onnxruntime.dll"):
+        found = sorted(folder.glob(pattern))
+        if found:
+            return found[0]
+    raise UserError(f"ONNX Runtime's shared library (libonnxruntime) is not in {folder}: the all-CPU chain "
+                    "runs through its C API; reinstall onnxruntime from its wheel")
+
+
+class Runtime:
+    """The process's C-API ONNX Runtime: library, environment (one intra-op pool shared by every session,
+    spinning between runs; one CPU arena shared by every session), CPU memory info, default allocator."""
+
+    def __init__(self, threads: int) -> None:
+        self.lib = lib = _Library(library_path())
+        self.threads = threads
+        options = lib.make(lib.CreateThreadingOptions)
+        try:
+            lib.check(lib.SetGlobalIntraOpNumThreads(options, threads))
+            lib.check(lib.SetGlobalInterOpNumThreads(options, 1))
+            lib.check(lib.SetGlobalSpinControl(options, 1))
+            self.env = lib.make(lib.CreateEnvWithGlobalThreadPools, _LOG_ERROR, b"pipeshard", options)
+        finally:
+            lib.ReleaseThreadingOptions(options)
+        self.cpu = lib.make(lib.CreateCpuMemoryInfo, _ARENA_ALLOCATOR, _MEM_TYPE_DEFAULT)
+        arena = lib.make(lib.CreateArenaCfg, 0, -1, -1, -1)
+        try:
+            lib.check(lib.CreateAndRegisterAllocator(self.env, self.cpu, arena))
+        finally:
+            lib.ReleaseArenaCfg(arena)
+        self.allocator = lib.make(lib.GetAllocatorWithDefaultOptions)
+
+    def session(self, path: Path, threads: int | None = None, optimize: bool = True, prepack: bool = True) -> Session:
+        return Session(self, path, threads or self.threads, optimize, prepack)
+
+    def run_options(self) -> RunOptions:
+        return RunOptions(self)
+
+    def tensor(self, array: np.ndarray) -> ctypes.c_void_p:
+        """A new OrtValue over a C-contiguous array's memory (the array must outlive every use of it)."""
+        element = _ELEMENT_TYPE_OF.get(array.dtype)
+        if element is None or not array.flags.c_contiguous:
+            raise ValueError(f"cannot bind a {array.dtype} array (contiguous: {array.flags.c_contiguous})")
+        shape = (ctypes.c_int64 * array.ndim)(*array.shape)
+        return self.lib.make(self.lib.CreateTensorWithDataAsOrtValue, self.cpu, array.ctypes.data,
+                             array.nbytes, shape, array.ndim, element)
+
+
+_runtime: Runtime | None = None
+
+
+def runtime(threads: int | None = None) -> Runtime:
+    """The process's C-API runtime, made at first use with a pool of `threads` intra-op threads (the cores
+    this process may use by default). ONNX Runtime has one environment per process, so the pool keeps that
+    size: sessions asking for another thread count get pools of their own (`Session`)."""
+    global _runtime
+    if _runtime is None:
+        _runtime = Runtime(threads or default_threads())
+    return _runtime
+
+
+class Session:
+    """A CPU-EP session of the C-API runtime, options as the Python binding's sessions get from
+    `cpu_session_options` (no memory patterns, the shared arena, prepacking unless disabled). With the runtime's
+    thread count it runs on the shared pool; with another, on a pool of its own that does not spin (dozens of
+    spinning pools would fight over the cores: ORT-NOTES, "Thread pools")."""
+
+    def __init__(self, rt: Runtime, path: Path, threads: int, optimize: bool, prepack: bool) -> None:
+        lib = rt.lib
+        self.runtime = rt
+        options = lib.make(lib.CreateSessionOptions)
+        try:
+            if threads == rt.threads:
+                lib.check(lib.DisablePerSessionThreads(options))
+            else:
+                lib.check(lib.SetIntraOpNumThreads(options, threads))
+                lib.check(lib.SetInterOpNumThreads(options, 1))
+                lib.check(lib.AddSessionConfigEntry(options, b"session.intra_op.allow_spinning", b"0"))
+            lib.check(lib.DisableMemPattern(options))
+            lib.check(lib.SetSessionLogSeverityLevel(options, _LOG_ERROR))
+            lib.check(lib.SetSessionGraphOptimizationLevel(options, _ENABLE_ALL if optimize else _DISABLE_ALL))
+            lib.check(lib.AddSessionConfigEntry(options, b"session.use_env_allocators", b"1"))
+            if not prepack:
+                lib.check(lib.AddSessionConfigEntry(options, b"session.disable_prepacking", b"1"))
+            encoded = str(path) if sys.platform == "win32" else str(path).encode()
+            self.pointer = lib.make(lib.CreateSession, rt.env, encoded, options)
+        finally:
+            lib.ReleaseSessionOptions(options)
+        self._finalizer = weakref.finalize(self, lib.ReleaseSession, self.pointer)
+        self._finalizer.atexit = False  # the process's end frees it; ONNX Runtime's statics may be gone by then
+
+    def binding(self) -> Binding:
+        return Binding(self)
+
+
+class Binding:
+    """An IoBinding: host arrays bound by pointer (kept alive while bound), values ONNX Runtime allocates."""
+
+    def __init__(self, session: Session) -> None:
+        self.session = session
+        self.lib = lib = session.runtime.lib
+        self.pointer = lib.make(lib.CreateIoBinding, session.pointer)
+        self._arrays: dict[tuple[str, str], np.ndarray] = {}  # what bound memory belongs to
+        self._finalizer = weakref.finalize(self, lib.ReleaseIoBinding, self.pointer)
+        self._finalizer.atexit = False
+
+    def bind_input(self, name: str, array: np.ndarray) -> None:
+        self._bind(self.lib.BindInput, "in", name, array)
+
+    def bind_output(self, name: str, array: np.ndarray) -> None:
+        self._bind(self.lib.BindOutput, "out", name, array)
+
+    def _bind(self, function, side: str, name: str, array: np.ndarray) -> None:
+        value = self.session.runtime.tensor(array)
+        try:
+            self.lib.check(function(self.pointer, name.encode(), value))
+        finally:
+            self.lib.ReleaseValue(value)  # the binding holds its own reference
+        self._arrays[side, name] = array
+
+    def bind_value_input(self, name: str, value: Value) -> None:
+        """Bind a value another session's run produced (no copy)."""
+        self.lib.check(self.lib.BindInput(self.pointer, name.encode(), value.pointer))
+        self._arrays["in", name] = value  # type: ignore[assignment] - kept alive like an array
+
+    def bind_output_to_cpu(self, name: str) -> None:
+        """Let ONNX Runtime allocate the output at each run (read it with `outputs`)."""
+        self.lib.check(self.lib.BindOutputToDevice(self.pointer, name.encode(), self.session.runtime.cpu))
+        self._arrays.pop(("out", name), None)
+
+    def outputs(self) -> list[Value]:
+        """The bound outputs after a run, in the order they were first bound."""
+        lib = self.lib
+        values, count = ctypes.POINTER(ctypes.c_void_p)(), ctypes.c_size_t()
+        allocator = self.session.runtime.allocator
+        lib.check(lib.GetBoundOutputValues(self.pointer, allocator, ctypes.byref(values), ctypes.byref(count)))
+        try:
+            return [Value(lib, ctypes.c_void_p(values[i])) for i in range(count.value)]
+        finally:
+            if count.value:
+                lib.check(lib.AllocatorFree(allocator, ctypes.cast(values, ctypes.c_void_p)))
+
+
+class Value:
+    """An OrtValue ONNX Runtime allocated (a run's output), released when dropped."""
+
+    def __init__(self, lib: _Library, pointer: ctypes.c_void_p) -> None:
+        self.lib = lib
+        self.pointer = pointer
+        self._finalizer = weakref.finalize(self, lib.ReleaseValue, pointer)
+        self._finalizer.atexit = False
+
+    def numpy(self) -> np.ndarray:
+        """A view of the tensor's memory (valid while this value lives: the view keeps it)."""
+        lib = self.lib
+        info = lib.make(lib.GetTensorTypeAndShape, self.pointer)
+        try:
+            element, rank = ctypes.c_int(), ctypes.c_size_t()
+            lib.check(lib.GetTensorElementType(info, ctypes.byref(element)))
+            lib.check(lib.GetDimensionsCount(info, ctypes.byref(rank)))
+            dims = (ctypes.c_int64 * rank.value)()
+            lib.check(lib.GetDimensions(info, dims, rank.value))
+        finally:
+            lib.ReleaseTensorTypeAndShapeInfo(info)
+        dtype = np.dtype(_ELEMENT_TYPES[element.value])
+        shape = tuple(dims)
+        data = lib.make(lib.GetTensorMutableData, self.pointer)
+        count = int(np.prod(shape, dtype=np.int64))
+        if not count:
+            return np.empty(shape, dtype)
+        buffer = (ctypes.c_byte * (count * dtype.itemsize)).from_address(data.value)
+        buffer.owner = self  # the view's base: the value lives as long as any view of it
+        return np.frombuffer(buffer, dtype, count).reshape(shape)
+
+
+class RunOptions:
+    def __init__(self, rt: Runtime) -> None:
+        self.pointer = rt.lib.make(rt.lib.CreateRunOptions)
+        self._finalizer = weakref.finalize(self, rt.lib.ReleaseRunOptions, self.pointer)
+        self._finalizer.atexit = False
+
+
+class Block:
+    """Sessions run one after another, each with its binding and the same run options. With the `_runloop`
+    extension one call runs them all (the interpreter is not re-entered between runs); without it, or with a
+    `timer` (called with each run's sub-layer name and seconds), one ctypes call per run."""
+
+    def __init__(self, rt: Runtime, runs: list[tuple[str, Session, Binding]], run_options: RunOptions,
+                 timer=None) -> None:
+        self.lib = rt.lib
+        self.names = [name for name, _, _ in runs]
+        self._owners = (runs, run_options)
+        self._sessions = (ctypes.c_void_p * len(runs))(*[session.pointer.value for _, session, _ in runs])
+        self._bindings = (ctypes.c_void_p * len(runs))(*[binding.pointer.value for _, _, binding in runs])
+        self._options = run_options.pointer
+        self.timer = timer
+        self.native = timer is None and _runloop is not None
+        self._arguments = (rt.lib.run_with_binding_address, ctypes.addressof(self._sessions),
+                           ctypes.addressof(self._bindings), len(runs), run_options.pointer.value)
+
+    def __call__(self) -> None:
+        if self.native:
+            failed = _runloop.run_block(*self._arguments)
+            if failed is not None:
+                index, status = failed
+                self._raise(index, ctypes.c_void_p(status))
+            return
+        run = self.lib.RunWithBinding
+        for index, (session, binding) in enumerate(zip(self._sessions, self._bindings, strict=True)):
+            started = time.perf_counter()
+            status = run(session, self._options, binding)
+            if status:
+                self._raise(index, status)
+            if self.timer is not None:
+                self.timer(self.names[index], time.perf_counter() - started)
+
+    def _raise(self, index: int, status) -> None:
+        try:
+            self.lib.check(status)
+        except OrtError as error:
+            raise OrtError(f"sub-layer {self.names[index]}: {error}") from None
+
+
+def run(session: Session, binding: Binding, run_options: RunOptions) -> None:
+    """One run of a session with its binding."""
+    lib = session.runtime.lib
+    lib.check(lib.RunWithBinding(session.pointer, run_options.pointer, binding.pointer))

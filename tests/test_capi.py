@@ -1,0 +1,104 @@
+"""The chain's ONNX Runtime C-API layer: sessions, bindings, values, and the native run loop."""
+
+from types import SimpleNamespace
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper
+
+from pipeshard.errors import UserError
+from pipeshard.runtime import capi
+
+
+def _sum_model(path, rows: int = 2):
+    """y = a + b over [rows, 3] floats, saved to `path`."""
+    inputs = [helper.make_tensor_value_info(name, TensorProto.FLOAT, [rows, 3]) for name in "ab"]
+    graph = helper.make_graph([helper.make_node("Add", ["a", "b"], ["y"])], "sum", inputs,
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [rows, 3])])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)]), path)
+    return path
+
+
+@pytest.fixture
+def sum_session(tmp_path):
+    rt = capi.runtime(1)
+    return rt, rt.session(_sum_model(tmp_path / "sum.onnx"))
+
+
+def test_arrays_bound_by_pointer_and_values_onnx_runtime_allocates(sum_session):
+    rt, session = sum_session
+    a, b = np.arange(6, dtype=np.float32).reshape(2, 3), np.full((2, 3), 10, np.float32)
+    binding = session.binding()
+    binding.bind_input("a", a)
+    binding.bind_input("b", b)
+    out = np.zeros((2, 3), np.float32)
+    binding.bind_output("y", out)
+    capi.run(session, binding, rt.run_options())
+    assert np.array_equal(out, a + b)
+
+    binding.bind_output_to_cpu("y")
+    a += 1  # bound by pointer: the next run reads the new values
+    capi.run(session, binding, rt.run_options())
+    (value,) = binding.outputs()
+    view = value.numpy()
+    del value  # the view keeps the value alive
+    assert view.dtype == np.float32 and np.array_equal(view, a + b)
+
+
+
+def test_a_failed_run_names_its_sub_layer_on_both_loops(sum_session, monkeypatch):
+    rt, session = sum_session
+    good, bad = session.binding(), session.binding()
+    for binding, rows in ((good, 2), (bad, 5)):
+        binding.bind_input("a", np.ones((rows, 3), np.float32))
+        binding.bind_input("b", np.ones((rows, 3), np.float32))
+        binding.bind_output_to_cpu("y")
+    runs = [("L0.ffn", session, good), ("L1.ffn", session, bad)]
+    timed = []
+    for block in (capi.Block(rt, runs, rt.run_options()),
+                  capi.Block(rt, runs, rt.run_options(), timer=lambda name, s: timed.append(name))):
+        with pytest.raises(capi.OrtError, match=r"^sub-layer L1\.ffn: .*"):
+            block()
+    assert timed == ["L0.ffn"]
+
+
+def test_errors_of_onnx_runtime_come_back_with_its_message(tmp_path):
+    rt = capi.runtime(1)
+    (tmp_path / "broken.onnx").write_bytes(b"not a model")
+    with pytest.raises(capi.OrtError, match="(?i)protobuf|parse|load"):
+        rt.session(tmp_path / "broken.onnx")
+    with pytest.raises(ValueError, match="cannot bind"):
+        rt.tensor(np.ones((4, 4), np.float32)[:, ::2])
+
+
+def test_a_missing_shared_library_is_a_clear_error(tmp_path, monkeypatch):
+    (tmp_path / "capi").mkdir()
+    fake = SimpleNamespace(__file__=str(tmp_path / "__init__.py"))
+    monkeypatch.setattr(capi, "import_onnxruntime", lambda: fake)
+    with pytest.raises(UserError, match="libonnxruntime"):
+        capi.library_path()
+
+
+def test_the_native_loop_is_built_and_gives_the_python_loops_logits(tiny_pack, monkeypatch):
+    """The chain's decode step is one native call for a dense model, with the same logits, bit for bit, as
+    one run per ctypes call (what a machine without a C compiler gets)."""
+    from pipeshard.runtime.chain import ChainStep
+
+    assert capi._runloop is not None, "the _runloop extension was not built (pip install -e . with a C compiler)"
+    def decode(step) -> np.ndarray:
+        step.start(1, 16)
+        mask = np.ones((1, 5), np.int64)
+        logits = [step.forward(np.array([[3, 14, 15, 92, 65]], np.int64), mask, np.arange(5)[None]).copy()]
+        for token in (7, 8, 9):
+            mask = np.ones((1, mask.shape[1] + 1), np.int64)
+            logits.append(step.forward(np.array([[token]]), mask, np.array([[mask.shape[1] - 1]])).copy())
+        return np.stack(logits)
+
+    native = ChainStep(tiny_pack, threads=1)
+    native_logits = decode(native)
+    assert [runs.native for runs, _ in native._program] == [True]  # the whole decode step in one call
+    monkeypatch.setattr(capi, "_runloop", None)
+    python = ChainStep(tiny_pack, threads=1)
+    assert np.array_equal(decode(python), native_logits)
+    assert not any(runs.native for runs, _ in python._program)
