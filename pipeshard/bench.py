@@ -104,8 +104,9 @@ class PlanRunner:
 
     def __init__(self, settings: BenchSettings, plan: str, context: int) -> None:
         import pipeshard
+        from pipeshard.runtime.ort import request_process_thread_pool
 
-        pipeshard.use_process_thread_pool(settings.threads)  # as `pipeshard run` does: the worker runs only this
+        request_process_thread_pool(settings.threads)  # as `pipeshard run` does: the worker runs only this
         device = "cpu" if plan in ("cpu", "monolithic") else settings.device
         self.engine = pipeshard.load(settings.pack, threads=settings.threads, vram=settings.vram, device=device,
                                      profile=settings.profile, plan=plan, context=context)
@@ -241,6 +242,17 @@ def _prepare_worker(name: str, settings: dict, _commands, replies) -> None:
         replies.put({"skipped": _reason(exc)})
 
 
+def _load_onnx_runtime(plan: str, settings: BenchSettings) -> None:
+    """The ONNX Runtime a plan's row runs on, loaded before its baseline RSS is read: the C-API runtime for
+    the all-CPU rows (runtime/capi.py), the Python binding's for planned ones."""
+    if plan in ("cpu", "monolithic"):
+        from pipeshard.runtime.capi import runtime
+
+        runtime(settings.threads)
+    else:
+        import onnxruntime  # noqa: F401
+
+
 def _reason(exc: Exception) -> str:
     return str(exc) if isinstance(exc, UserError) else f"{type(exc).__name__}: {exc}"
 
@@ -254,7 +266,7 @@ def _worker(kind: str, name: str, settings: dict, context: int, prompt_text: str
         import numpy  # noqa: F401 - the floor under every row; ours also stand on ONNX Runtime's libraries
 
         if kind == "plan":
-            import onnxruntime  # noqa: F401
+            _load_onnx_runtime(name, settings)
         baseline_rss = current_rss_bytes()
         started = time.perf_counter()
         if kind == "plan":

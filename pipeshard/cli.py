@@ -379,9 +379,9 @@ def main(argv: Sequence[str] | None = None, own_process: bool = False) -> int:
         args = build_parser().parse_args(argv)
         logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
         if own_process and args.command in ("run", "chat"):
-            from pipeshard.runtime.ort import use_process_thread_pool
+            from pipeshard.runtime.ort import request_process_thread_pool
 
-            use_process_thread_pool(args.threads)
+            request_process_thread_pool(args.threads)
         return args.handler(args)
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -15,6 +15,7 @@ shared by all of them and spinning between runs, whatever the host process chose
 from __future__ import annotations
 
 import ctypes
+import importlib.util
 import sys
 import time
 import weakref
@@ -126,8 +127,12 @@ class _ApiBase(ctypes.Structure):
 
 
 def library_path() -> Path:
-    """The ONNX Runtime shared library inside the installed onnxruntime package."""
-    folder = Path(import_onnxruntime().__file__).parent / "capi"
+    """The ONNX Runtime shared library inside the installed onnxruntime package, found without importing the
+    package (its Python binding is a second ONNX Runtime: ~20 MiB resident that a CPU-only process never uses)."""
+    spec = importlib.util.find_spec("onnxruntime")
+    if spec is None or not spec.origin:
+        import_onnxruntime()  # raises the error that says which extra installs it
+    folder = Path(spec.origin).parent / "capi"
     for pattern in ("libonnxruntime.so*", "libonnxruntime*.dylib", "onnxruntime.dll"):
         found = sorted(folder.glob(pattern))
         if found:

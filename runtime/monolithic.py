@@ -6,30 +6,29 @@ from pathlib import Path
 
 import numpy as np
 
+from pipeshard.runtime import capi
 from pipeshard.runtime.exportdir import NUMPY_DTYPES, read_export_info
 from pipeshard.runtime.kv import PAST_PREFIX, HostKvCache, check_step_shape, present_name
-from pipeshard.runtime.ort import cpu_session_options, import_onnxruntime
 
 
 class MonolithicStep:
-    """Runs model.onnx with IO binding. The KV cache is one host buffer per layer bound as both past
-    and present (GroupQueryAttention appends in place), bound once per generation."""
+    """Runs model.onnx with IO binding, through the same C-API runtime as the chain (so the two differ only
+    by the split). The KV cache is one host buffer per layer bound as both past and present
+    (GroupQueryAttention appends in place), bound once per generation."""
 
     def __init__(self, folder: Path, threads: int | None = None, optimize: bool = True) -> None:
-        ort = import_onnxruntime()
         self.folder = Path(folder)
         self.info = read_export_info(self.folder)
         dims = self.info["dims"]
         self.max_context = int(dims["max_context"])
-        self.session = ort.InferenceSession(str(self.folder / self.info["model_file"]),
-                                            cpu_session_options(threads, optimize),
-                                            providers=["CPUExecutionProvider"])
+        rt = capi.runtime(threads)
+        self.session = rt.session(self.folder / self.info["model_file"], threads, optimize)
         past_names = [name for name in self.info["inputs"] if name.startswith(PAST_PREFIX)]
         self.kv = HostKvCache(past_names, int(dims["num_key_value_heads"]), int(dims["head_dim"]),
                               NUMPY_DTYPES[self.info["dtype"]])
         self.vocab_size = int(dims["vocab_size"])
-        self.binding = self.session.io_binding()
-        self.run_options = ort.RunOptions()
+        self.binding = self.session.binding()
+        self.run_options = rt.run_options()
         self._logits = np.empty(0, self.kv.dtype)
 
     def start(self, batch_size: int, context: int | None = None) -> None:
@@ -38,8 +37,8 @@ class MonolithicStep:
 
     def _bind_kv(self) -> None:
         for name, buffer in self.kv.buffers.items():
-            for bind, tensor in ((self.binding.bind_input, name), (self.binding.bind_output, present_name(name))):
-                bind(tensor, "cpu", 0, buffer.dtype, list(buffer.shape), buffer.ctypes.data)
+            self.binding.bind_input(name, buffer)
+            self.binding.bind_output(present_name(name), buffer)
 
     def forward(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray) -> np.ndarray:
         batch, tokens = input_ids.shape
@@ -48,12 +47,11 @@ class MonolithicStep:
         if self.kv.ensure(total):
             self._bind_kv()
         binding = self.binding
-        binding.bind_cpu_input("input_ids", np.ascontiguousarray(input_ids, dtype=np.int64))
-        binding.bind_cpu_input("attention_mask", np.ascontiguousarray(attention_mask, dtype=np.int64))
-        binding.bind_cpu_input("position_ids", np.ascontiguousarray(position_ids, dtype=np.int64))
+        binding.bind_input("input_ids", np.ascontiguousarray(input_ids, dtype=np.int64))
+        binding.bind_input("attention_mask", np.ascontiguousarray(attention_mask, dtype=np.int64))
+        binding.bind_input("position_ids", np.ascontiguousarray(position_ids, dtype=np.int64))
         if self._logits.shape[:2] != (batch, tokens):  # logits land in our buffer: no output is fetched back
             self._logits = np.empty((batch, tokens, self.vocab_size), self.kv.dtype)
-            binding.bind_output("logits", "cpu", 0, self._logits.dtype, list(self._logits.shape),
-                                self._logits.ctypes.data)
-        self.session._sess.run_with_iobinding(binding._iobinding, self.run_options)
+            binding.bind_output("logits", self._logits)
+        capi.run(self.session, binding, self.run_options)
         return self._logits

@@ -45,10 +45,12 @@ _process_pool_threads = 0
 
 
 def use_process_thread_pool(threads: int | None = None) -> bool:
-    """Give every ONNX Runtime session of this process one intra-op thread pool whose workers spin
-    between ops. Call it first thing in a process that runs only pipeshard (the CLI does): a chain of
-    63 sessions can afford spinning only when they share one pool (per-session spinning pools made it
-    40x slower), and against per-session pools without spinning it was 6-12 % faster on decode here.
+    """Give every ONNX Runtime session this process makes through the Python binding (the planned runtime's,
+    the tokenizer's) one intra-op thread pool whose workers spin between ops; the chain and the monolithic
+    session have such a pool in their C-API runtime anyway (runtime/capi.py). Call it first thing in a
+    process that runs only pipeshard (the CLI does): dozens of sub-layer sessions can afford spinning only
+    when they share one pool (per-session spinning pools made a chain 40x slower), and against per-session
+    pools without spinning it was 6-12 % faster on decode here.
     Afterwards every session in the process, pipeshard's or not, must be created with
     `use_per_session_threads = False` (ONNX Runtime refuses others). Returns False, changing nothing,
     when ORT refuses (its environment already exists)."""
@@ -68,11 +70,23 @@ def use_process_thread_pool(threads: int | None = None) -> bool:
     return True
 
 
+_requested_pool_threads: int | None = None
+
+
+def request_process_thread_pool(threads: int | None = None) -> None:
+    """`use_process_thread_pool` at the first session made through the Python binding, if one is made: a process
+    that runs only the C-API engines (runtime/capi.py) then never loads the binding's ONNX Runtime (~20 MiB)."""
+    global _requested_pool_threads
+    _requested_pool_threads = threads or default_threads()
+
+
 def cpu_session_options(threads: int | None = None, optimize: bool = True):
     """Options for a CPU-EP session: the process's shared thread pool if `use_process_thread_pool`
     was called, else a per-session pool with spinning off (many sessions each spinning their own
     pool made a chain several times slower: ORT-NOTES, "Thread pools")."""
     ort = import_onnxruntime()
+    if _requested_pool_threads and not _process_pool_threads:
+        use_process_thread_pool(_requested_pool_threads)
     options = ort.SessionOptions()
     if _process_pool_threads:
         options.use_per_session_threads = False

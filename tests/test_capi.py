@@ -74,8 +74,7 @@ def test_errors_of_onnx_runtime_come_back_with_its_message(tmp_path):
 
 def test_a_missing_shared_library_is_a_clear_error(tmp_path, monkeypatch):
     (tmp_path / "capi").mkdir()
-    fake = SimpleNamespace(__file__=str(tmp_path / "__init__.py"))
-    monkeypatch.setattr(capi, "import_onnxruntime", lambda: fake)
+    monkeypatch.setattr(capi.importlib.util, "find_spec", lambda name: SimpleNamespace(origin=str(tmp_path / "x.py")))
     with pytest.raises(UserError, match="libonnxruntime"):
         capi.library_path()
 

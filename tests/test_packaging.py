@@ -17,6 +17,8 @@ def test_wheel_contains_every_subpackage(tmp_path):
     for package in SUBPACKAGES:
         assert f"{package}/__init__.py" in names, package
     assert "pipeshard/exporter/export.py" in names and "pipeshard/runtime/generate.py" in names
+    assert any(n.startswith("pipeshard/runtime/_runloop.") and n.endswith((".so", ".pyd")) for n in names), \
+        "the chain's C run loop was not built into the wheel"
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
     assert "pipeshard = pipeshard.cli:entry" in zipfile.ZipFile(wheel).read(entry_points).decode()
 

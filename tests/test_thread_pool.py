@@ -1,5 +1,5 @@
-"""The process-wide thread pool (what the console script uses for run / chat): same tokens as
-per-session pools, and the console command really takes it."""
+"""Thread pools: the C-API engines' own pool, and the Python binding's process pool (what the console script
+asks for, for the planned runtime) taken only when a session is made through the binding."""
 
 import subprocess
 import sys
@@ -7,27 +7,43 @@ import sys
 import pipeshard
 from pipeshard.partitioner.pack import partition
 
-SCRIPT = """
+SIM_SCRIPT = """
 import sys, pipeshard
+from pipeshard.runtime import ort
 assert pipeshard.use_process_thread_pool(2)
-engine = pipeshard.load(sys.argv[1])
+engine = pipeshard.load(sys.argv[1], device="sim", vram="50%", plan="static", profile="laptop-8gb")
 engine.codec.eos_token_ids = []
 print(engine.generate("tell me a story", max_new_tokens=12)[0].tokens)
+assert ort._process_pool_threads == 2
+"""
+
+CONSOLE_SCRIPT = """
+import sys
+from pipeshard.cli import main
+from pipeshard.runtime import ort
+assert main(["run", sys.argv[1], "hi", "--max-new-tokens", "4", "--threads", "1"] + sys.argv[2:], own_process=True) == 0
+print("\\n" + ("binding loaded" if "onnxruntime" in sys.modules else "binding not loaded"), ort._process_pool_threads)
 """
 
 
-def test_chain_tokens_are_the_same_with_the_process_pool(tiny_llama_export, tmp_path):
+def test_planned_tokens_are_the_chains_with_the_process_pool(tiny_llama_export, tmp_path):
     pack = tmp_path / "pack"
     partition(tiny_llama_export, pack)
     engine = pipeshard.load(pack)
     engine.codec.eos_token_ids = []
     expected = engine.generate("tell me a story", max_new_tokens=12)[0].tokens
-    done = subprocess.run([sys.executable, "-c", SCRIPT, str(pack)], capture_output=True, text=True, check=True)
+    done = subprocess.run([sys.executable, "-c", SIM_SCRIPT, str(pack)], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == str(expected)
 
 
-def test_the_console_command_runs_with_the_process_pool(tiny_llama_export):
-    done = subprocess.run([sys.executable, "-m", "pipeshard", "run", str(tiny_llama_export), "hi",
-                           "--max-new-tokens", "4", "--threads", "1"], capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr
-    assert "decode" in done.stderr
+def test_the_console_command_takes_the_process_pool_only_for_planned_runs(tiny_llama_export, tmp_path):
+    def run(*extra) -> str:
+        done = subprocess.run([sys.executable, "-c", CONSOLE_SCRIPT, *map(str, extra)], capture_output=True,
+                              text=True)
+        assert done.returncode == 0, done.stderr
+        return done.stdout.split("\n")[-2]
+
+    assert run(tiny_llama_export) == "binding not loaded 0"  # the monolithic session: C API only
+    pack = tmp_path / "pack"
+    partition(tiny_llama_export, pack)
+    assert run(pack, "--device", "sim", "--vram", "50%", "--profile", "laptop-8gb") == "binding loaded 1"
