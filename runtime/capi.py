@@ -72,6 +72,8 @@ _SIGNATURES = {  # name: (OrtApi index, argument types, result type); OrtStatus*
     "BindInput": (136, (_P, ctypes.c_char_p, _P), _P),
     "BindOutput": (137, (_P, ctypes.c_char_p, _P), _P),
     "BindOutputToDevice": (138, (_P, ctypes.c_char_p, _P), _P),
+    "ClearBoundInputs": (141, (_P,), None),
+    "ClearBoundOutputs": (142, (_P,), None),
     "GetBoundOutputValues": (140, (_P, _P, ctypes.POINTER(_PP), ctypes.POINTER(ctypes.c_size_t)), _P),
     "CreateAndRegisterAllocator": (144, (_P, _P, _P), _P),
     "SetGlobalIntraOpNumThreads": (147, (_P, ctypes.c_int), _P),
@@ -261,6 +263,13 @@ class Binding:
         """Let ONNX Runtime allocate the output at each run (read it with `outputs`)."""
         self.lib.check(self.lib.BindOutputToDevice(self.pointer, name.encode(), self.session.runtime.cpu))
         self._arrays.pop(("out", name), None)
+
+    def clear(self) -> None:
+        """Unbind everything, letting go of the bound arrays (before buffers are remade, so the old ones are not
+        held beside the new)."""
+        self.lib.ClearBoundInputs(self.pointer)
+        self.lib.ClearBoundOutputs(self.pointer)
+        self._arrays.clear()
 
     def outputs(self) -> list[Value]:
         """The bound outputs after a run, in the order they were first bound."""

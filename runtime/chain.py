@@ -168,6 +168,9 @@ class ChainStep:
         self._shape = None  # buffers are remade at the next step, and every stage's pointer bindings with them
 
     def start(self, batch_size: int, context: int | None = None) -> None:
+        for stage in self.stages:
+            stage.binding.clear()  # every binding is redone below or at the next step
+        self._shared.clear()
         self.kv.reset(batch_size, context)
         self._bind_kv()
         self._shape = None  # a decode step's values span the KV capacity: remade with the buffers

@@ -32,6 +32,8 @@ class MonolithicStep:
         self._logits = np.empty(0, self.kv.dtype)
 
     def start(self, batch_size: int, context: int | None = None) -> None:
+        self.binding.clear()  # lets the old KV buffers go before the new ones are made
+        self._logits = np.empty(0, self.kv.dtype)  # rebound at the next step
         self.kv.reset(batch_size, context)
         self._bind_kv()
 

@@ -101,3 +101,29 @@ def test_the_native_loop_is_built_and_gives_the_python_loops_logits(tiny_pack, m
     python = ChainStep(tiny_pack, threads=1)
     assert np.array_equal(decode(python), native_logits)
     assert not any(runs.native for runs, _ in python._program)
+
+
+def test_a_new_generation_lets_the_old_kv_buffers_go(tiny_pack, tiny_llama_export):
+    """Bindings keep what they are bound to alive; start() unbinds first, so the old KV buffers are freed
+    before the new ones are made (not held beside them at the peak)."""
+    import weakref
+
+    from pipeshard.runtime.chain import ChainStep
+    from pipeshard.runtime.monolithic import MonolithicStep
+
+    for step in (ChainStep(tiny_pack, threads=1), MonolithicStep(tiny_llama_export, threads=1)):
+        step.start(1, 16)
+        step.forward(np.array([[5, 6]], np.int64), np.ones((1, 2), np.int64), np.arange(2)[None])
+        old = [weakref.ref(buffer) for buffer in step.kv.buffers.values()]
+        freed_before_new = []
+
+        def reset(*args, kv=step.kv, original=step.kv.reset, old=old, freed=freed_before_new):
+            kv.buffers = {}  # what reset does first; then nothing else may hold the old buffers
+            freed.append(all(ref() is None for ref in old))
+            original(*args)
+
+        step.kv.reset = reset
+        step.start(1, 16)
+        assert freed_before_new == [True]
+        logits = step.forward(np.array([[5, 6]], np.int64), np.ones((1, 2), np.int64), np.arange(2)[None])
+        assert np.isfinite(logits).all()
