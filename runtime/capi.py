@@ -1,4 +1,4 @@
-"""ONNX Runtime's C API through ctypes: the sessions of the all-CPU chain.
+"""ONNX Runtime's C API through ctypes: the sessions of the CPU engines (the chain, the monolithic session).
 
 Why not the Python binding: a decode step of the chain is ~60 session runs, and each call into the Python
 binding starts cache-cold (the previous sub-layer's weights have just streamed through the caches), which
@@ -6,7 +6,8 @@ costs a few microseconds of interpreter and pybind dispatch per run on top of ON
 Through the C API a block of runs is one call into `_runloop` (a small C extension) that calls
 `RunWithBinding` for each session without coming back to Python.
 
-The library is the `libonnxruntime` the onnxruntime wheel ships beside its Python binding (a second ONNX
+The library is the `libonnxruntime` the onnxruntime wheel ships beside its Python binding (the one
+onnxruntime-genai loads too; beside the binding, a second ONNX
 Runtime in the process, with its own environment): the chain's sessions get a thread pool of their own,
 shared by all of them and spinning between runs, whatever the host process chose for its other sessions.
 `OrtApi` is append-only, so the table indices below hold for every release since the version asked for.
@@ -139,8 +140,8 @@ def library_path() -> Path:
         found = sorted(folder.glob(pattern))
         if found:
             return found[0]
-    raise UserError(f"ONNX Runtime's shared library (libonnxruntime) is not in {folder}: the all-CPU chain "
-                    "runs through its C API; reinstall onnxruntime from its wheel")
+    raise UserError(f"ONNX Runtime's shared library (libonnxruntime) is not in {folder}: pipeshard's CPU engines "
+                    "run through its C API; reinstall onnxruntime from its wheel")
 
 
 class Runtime:
