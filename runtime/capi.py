@@ -7,9 +7,9 @@ Through the C API a block of runs is one call into `_runloop` (a small C extensi
 `RunWithBinding` for each session without coming back to Python.
 
 The library is the `libonnxruntime` the onnxruntime wheel ships beside its Python binding (the one
-onnxruntime-genai loads too; beside the binding, a second ONNX
-Runtime in the process, with its own environment): the chain's sessions get a thread pool of their own,
-shared by all of them and spinning between runs, whatever the host process chose for its other sessions.
+onnxruntime-genai loads too; where the binding is loaded as well, a second ONNX Runtime in the process,
+with its own environment): our sessions get a thread pool of their own, shared by all of them and
+spinning between runs, whatever the host process chose for its other sessions.
 `OrtApi` is append-only, so the table indices below hold for every release since the version asked for.
 """
 
