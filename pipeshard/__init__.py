@@ -11,8 +11,9 @@ def load(path, **options):
 
 
 def use_process_thread_pool(threads=None):
-    """One spinning thread pool for every ONNX Runtime session of this process (faster; see
-    `pipeshard.runtime.ort.use_process_thread_pool` for what it asks of other sessions)."""
+    """One spinning thread pool for every ONNX Runtime session this process makes through the Python binding
+    (the planned runtime's; the CPU engines have their own in runtime/capi.py). See
+    `pipeshard.runtime.ort.use_process_thread_pool` for what it asks of other sessions."""
     from pipeshard.runtime.ort import use_process_thread_pool as _use
 
     return _use(threads)
