@@ -238,7 +238,9 @@ class Binding:
         self.lib = lib = session.runtime.lib
         self.pointer = lib.make(lib.CreateIoBinding, session.pointer)
         self._arrays: dict[tuple[str, str], np.ndarray] = {}  # what bound memory belongs to
-        self._finalizer = weakref.finalize(self, lib.ReleaseIoBinding, self.pointer)
+        # The session is an argument of the finalizer, so it outlives the binding even when both are collected
+        # in one cycle (the order of finalizers in a cycle is not defined).
+        self._finalizer = weakref.finalize(self, _release_binding, lib, self.pointer, session)
         self._finalizer.atexit = False
 
     def bind_input(self, name: str, array: np.ndarray) -> None:
@@ -283,6 +285,11 @@ class Binding:
         finally:
             if count.value:
                 lib.check(lib.AllocatorFree(allocator, ctypes.cast(values, ctypes.c_void_p)))
+
+
+def _release_binding(lib: _Library, pointer: ctypes.c_void_p, session: Session) -> None:
+    """Release a binding; `session`, held by the finalizer until now, is let go after it."""
+    lib.ReleaseIoBinding(pointer)
 
 
 class Value:
