@@ -99,7 +99,6 @@ class _Library:
     """The loaded library and its OrtApi functions."""
 
     def __init__(self, path: Path) -> None:
-        self.path = path
         library = ctypes.CDLL(str(path))
         library.OrtGetApiBase.restype = ctypes.POINTER(_ApiBase)
         table = library.OrtGetApiBase().contents.GetApi(_API_VERSION)
@@ -237,7 +236,7 @@ class Binding:
         self.session = session
         self.lib = lib = session.runtime.lib
         self.pointer = lib.make(lib.CreateIoBinding, session.pointer)
-        self._arrays: dict[tuple[str, str], np.ndarray] = {}  # what bound memory belongs to
+        self._bound: dict[tuple[str, str], object] = {}  # (side, name): the array or value whose memory is bound
         # The session is an argument of the finalizer, so it outlives the binding even when both are collected
         # in one cycle (the order of finalizers in a cycle is not defined).
         self._finalizer = weakref.finalize(self, _release_binding, lib, self.pointer, session)
@@ -255,24 +254,24 @@ class Binding:
             self.lib.check(function(self.pointer, name.encode(), value))
         finally:
             self.lib.ReleaseValue(value)  # the binding holds its own reference
-        self._arrays[side, name] = array
+        self._bound[side, name] = array
 
     def bind_value_input(self, name: str, value: Value) -> None:
         """Bind a value another session's run produced (no copy)."""
         self.lib.check(self.lib.BindInput(self.pointer, name.encode(), value.pointer))
-        self._arrays["in", name] = value  # type: ignore[assignment] - kept alive like an array
+        self._bound["in", name] = value
 
     def bind_output_to_cpu(self, name: str) -> None:
         """Let ONNX Runtime allocate the output at each run (read it with `outputs`)."""
         self.lib.check(self.lib.BindOutputToDevice(self.pointer, name.encode(), self.session.runtime.cpu))
-        self._arrays.pop(("out", name), None)
+        self._bound.pop(("out", name), None)
 
     def clear(self) -> None:
         """Unbind everything, letting go of the bound arrays (before buffers are remade, so the old ones are not
         held beside the new)."""
         self.lib.ClearBoundInputs(self.pointer)
         self.lib.ClearBoundOutputs(self.pointer)
-        self._arrays.clear()
+        self._bound.clear()
 
     def outputs(self) -> list[Value]:
         """The bound outputs after a run, in the order they were first bound."""
