@@ -1,7 +1,13 @@
-"""The one compiled part: the C run loop of the CPU engines (runtime/_runloop.c, used by runtime/capi.py).
-Optional: without a C compiler the install succeeds and the same runs are made from Python. Everything
-else is in pyproject.toml (its extension table is still experimental in setuptools, hence this file)."""
+"""The one compiled part: the CPU engines' C code (runtime/capi.py uses it): the run loop (runtime/_runloop.c) and
+the decode attention op (runtime/_attention.c). Optional: without a C compiler the install succeeds, the same runs
+are made from Python and decode steps use ONNX Runtime's attention. Everything else is in pyproject.toml (its
+extension table is still experimental in setuptools, hence this file)."""
+
+import sys
 
 from setuptools import Extension, setup
 
-setup(ext_modules=[Extension("pipeshard.runtime._runloop", ["runtime/_runloop.c"], optional=True)])
+# -fopenmp-simd: the attention loops' `omp simd` reductions vectorize; no OpenMP runtime is linked.
+FLAGS = [] if sys.platform == "win32" else ["-O3", "-fopenmp-simd"]
+setup(ext_modules=[Extension("pipeshard.runtime._runloop", ["runtime/_runloop.c", "runtime/_attention.c"],
+                             extra_compile_args=FLAGS, optional=True)])

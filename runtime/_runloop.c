@@ -7,6 +7,8 @@
 
 typedef void *(*RunWithBinding)(void *session, const void *run_options, const void *binding);
 
+const void *pipeshard_decode_attention_op(void); /* runtime/_attention.c */
+
 /* run_block(run_with_binding, sessions, bindings, count, run_options) -> None, or (index, status) of the
  * first run that failed (the OrtStatus* for the caller to read and release). */
 static PyObject *run_block(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
@@ -37,9 +39,17 @@ static PyObject *run_block(PyObject *module, PyObject *const *args, Py_ssize_t n
     return Py_BuildValue("(nN)", index, PyLong_FromVoidPtr(status));
 }
 
+static PyObject *decode_attention_op(PyObject *module, PyObject *unused) {
+    (void)module;
+    (void)unused;
+    return PyLong_FromVoidPtr((void *)pipeshard_decode_attention_op());
+}
+
 static PyMethodDef methods[] = {
     {"run_block", (PyCFunction)(void (*)(void))run_block, METH_FASTCALL,
      "Run a block of ONNX Runtime sessions with their bindings; None, or (index, status) of a failed run."},
+    {"decode_attention_op", decode_attention_op, METH_NOARGS,
+     "The address of the DecodeAttention custom op (an OrtCustomOp), for OrtApi::CustomOpDomain_Add."},
     {NULL, NULL, 0, NULL},
 };
 

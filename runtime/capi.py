@@ -32,6 +32,7 @@ except ImportError:  # not built (no C compiler at install): the same runs, one 
     _runloop = None
 from pipeshard.runtime.ort import default_threads, import_onnxruntime
 
+CUSTOM_DOMAIN = "pipeshard"  # the op domain of runtime/_attention.c
 _API_VERSION = 13  # the OrtApi layout the indices below were checked against (ORT 1.13; every later one extends it)
 _P = ctypes.c_void_p
 _PP = ctypes.POINTER(ctypes.c_void_p)
@@ -39,12 +40,16 @@ _PATH = ctypes.c_wchar_p if sys.platform == "win32" else ctypes.c_char_p  # ORTC
 _SIGNATURES = {  # name: (OrtApi index, argument types, result type); OrtStatus* unless stated
     "GetErrorMessage": (2, (_P,), ctypes.c_char_p),
     "CreateSession": (7, (_P, _PATH, _P, _PP), _P),
+    "CreateSessionFromArray": (8, (_P, _P, ctypes.c_size_t, _P, _PP), _P),
     "CreateSessionOptions": (10, (_PP,), _P),
     "DisableMemPattern": (17, (_P,), _P),
     "SetSessionLogSeverityLevel": (22, (_P, ctypes.c_int), _P),
     "SetSessionGraphOptimizationLevel": (23, (_P, ctypes.c_int), _P),
     "SetIntraOpNumThreads": (24, (_P, ctypes.c_int), _P),
     "SetInterOpNumThreads": (25, (_P, ctypes.c_int), _P),
+    "CreateCustomOpDomain": (26, (ctypes.c_char_p, _PP), _P),
+    "CustomOpDomain_Add": (27, (_P, _P), _P),
+    "AddCustomOpDomain": (28, (_P, _P), _P),
     "CreateRunOptions": (39, (_PP,), _P),
     "CreateTensorWithDataAsOrtValue": (49, (_P, _P, ctypes.c_size_t, ctypes.POINTER(ctypes.c_int64),
                                             ctypes.c_size_t, ctypes.c_int, _PP), _P),
@@ -80,8 +85,13 @@ _SIGNATURES = {  # name: (OrtApi index, argument types, result type); OrtStatus*
     "SetGlobalIntraOpNumThreads": (147, (_P, ctypes.c_int), _P),
     "SetGlobalInterOpNumThreads": (148, (_P, ctypes.c_int), _P),
     "SetGlobalSpinControl": (149, (_P, ctypes.c_int), _P),
+    "AddInitializer": (150, (_P, ctypes.c_char_p, _P), _P),
     "CreateArenaCfg": (156, (ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, _PP), _P),
     "ReleaseArenaCfg": (157, (_P,), None),
+    "CreatePrepackedWeightsContainer": (166, (_PP,), _P),
+    "ReleasePrepackedWeightsContainer": (167, (_P,), None),
+    "CreateSessionWithPrepackedWeightsContainer": (168, (_P, _PATH, _P, _P, _PP), _P),
+    "CreateSessionFromArrayWithPrepackedWeightsContainer": (169, (_P, _P, ctypes.c_size_t, _P, _P, _PP), _P),
 }
 _ELEMENT_TYPES = {1: np.float32, 2: np.uint8, 3: np.int8, 4: np.uint16, 5: np.int16, 6: np.int32, 7: np.int64,
                   9: np.bool_, 10: np.float16, 11: np.float64, 12: np.uint32, 13: np.uint64}
@@ -89,6 +99,7 @@ _ELEMENT_TYPE_OF = {np.dtype(t): code for code, t in _ELEMENT_TYPES.items()}
 _ARENA_ALLOCATOR, _MEM_TYPE_DEFAULT = 1, 0
 _ENABLE_ALL, _DISABLE_ALL = 99, 0
 _LOG_ERROR = 3
+_EXTERNAL_DATA_FOLDER = b"session.model_external_initializers_file_folder_path"  # for models made from bytes
 
 
 class OrtError(RuntimeError):
@@ -165,9 +176,25 @@ class Runtime:
         finally:
             lib.ReleaseArenaCfg(arena)
         self.allocator = lib.make(lib.GetAllocatorWithDefaultOptions)
+        self._custom_ops: ctypes.c_void_p | None = None
 
-    def session(self, path: Path, threads: int | None = None, optimize: bool = True, prepack: bool = True) -> Session:
-        return Session(self, path, threads or self.threads, optimize, prepack)
+    def session(self, model: Path | bytes, threads: int | None = None, optimize: bool = True, prepack: bool = True,
+                shared: SharedWeights | None = None, weights_folder: Path | None = None,
+                initializers: dict[str, np.ndarray] | None = None) -> Session:
+        """A session over a model file, or over a serialized model whose external data lie in `weights_folder`.
+        `initializers`: arrays used in place of the model's initializers of those names (not copied; kept while
+        the session lives); sessions made with the same `shared` and the same arrays prepack them once."""
+        return Session(self, model, threads or self.threads, optimize, prepack, shared, weights_folder,
+                       initializers or {})
+
+    def custom_op_domain(self) -> ctypes.c_void_p | None:
+        """The `pipeshard` op domain (DecodeAttention, runtime/_attention.c), made at first use; None without the
+        C extension."""
+        if self._custom_ops is None and _runloop is not None:
+            domain = self.lib.make(self.lib.CreateCustomOpDomain, CUSTOM_DOMAIN.encode())
+            self.lib.check(self.lib.CustomOpDomain_Add(domain, ctypes.c_void_p(_runloop.decode_attention_op())))
+            self._custom_ops = domain  # lives as long as the process: sessions keep a pointer to it
+        return self._custom_ops
 
     def run_options(self) -> RunOptions:
         return RunOptions(self)
@@ -201,11 +228,17 @@ class Session:
     thread count it runs on the shared pool; with another, on a pool of its own that does not spin (dozens of
     spinning pools would fight over the cores: ORT-NOTES, "Thread pools")."""
 
-    def __init__(self, rt: Runtime, path: Path, threads: int, optimize: bool, prepack: bool) -> None:
+    def __init__(self, rt: Runtime, model: Path | bytes, threads: int, optimize: bool, prepack: bool,
+                 shared: SharedWeights | None, weights_folder: Path | None,
+                 initializers: dict[str, np.ndarray]) -> None:
         lib = rt.lib
         self.runtime = rt
         options = lib.make(lib.CreateSessionOptions)
+        values = []
         try:
+            for name, array in initializers.items():
+                values.append(rt.tensor(array))
+                lib.check(lib.AddInitializer(options, name.encode(), values[-1]))
             if threads == rt.threads:
                 lib.check(lib.DisablePerSessionThreads(options))
             else:
@@ -218,15 +251,48 @@ class Session:
             lib.check(lib.AddSessionConfigEntry(options, b"session.use_env_allocators", b"1"))
             if not prepack:
                 lib.check(lib.AddSessionConfigEntry(options, b"session.disable_prepacking", b"1"))
-            encoded = str(path) if sys.platform == "win32" else str(path).encode()
-            self.pointer = lib.make(lib.CreateSession, rt.env, encoded, options)
+            container = shared.pointer if shared is not None else None
+            if isinstance(model, bytes):
+                if weights_folder is not None:
+                    lib.check(lib.AddSessionConfigEntry(options, _EXTERNAL_DATA_FOLDER, str(weights_folder).encode()))
+                if (domain := rt.custom_op_domain()) is not None:
+                    lib.check(lib.AddCustomOpDomain(options, domain))
+                self.pointer = lib.make(lib.CreateSessionFromArrayWithPrepackedWeightsContainer, rt.env, model,
+                                        len(model), options, container)
+            else:
+                encoded = str(model) if sys.platform == "win32" else str(model).encode()
+                self.pointer = lib.make(lib.CreateSessionWithPrepackedWeightsContainer, rt.env, encoded, options,
+                                        container)
+        except BaseException:
+            for value in values:
+                lib.ReleaseValue(value)
+            raise
         finally:
             lib.ReleaseSessionOptions(options)
-        self._finalizer = weakref.finalize(self, lib.ReleaseSession, self.pointer)
+        # The finalizer's arguments outlive the session in any order of collection: the container, the values
+        # over the given initializers, and the arrays they point into.
+        self._finalizer = weakref.finalize(self, _release_session, lib, self.pointer, shared, values, initializers)
         self._finalizer.atexit = False  # the process's end frees it; ONNX Runtime's statics may be gone by then
 
     def binding(self) -> Binding:
         return Binding(self)
+
+
+def _release_session(lib: _Library, pointer: ctypes.c_void_p, shared: SharedWeights | None, values: list,
+                     initializers: dict) -> None:
+    lib.ReleaseSession(pointer)
+    for value in values:
+        lib.ReleaseValue(value)
+
+
+class SharedWeights:
+    """A prepacked-weights container: sessions made with it keep one copy of equal prepacked weights (a sub-layer's
+    prompt and decode sessions). Released when the last of them and this object are gone."""
+
+    def __init__(self, rt: Runtime) -> None:
+        self.pointer = rt.lib.make(rt.lib.CreatePrepackedWeightsContainer)
+        self._finalizer = weakref.finalize(self, rt.lib.ReleasePrepackedWeightsContainer, self.pointer)
+        self._finalizer.atexit = False
 
 
 class Binding:
@@ -369,6 +435,20 @@ class Block:
             self.lib.check(status)
         except OrtError as error:
             raise OrtError(f"sub-layer {self.names[index]}: {error}") from None
+
+
+def release_free_heap() -> None:
+    """Give the C heap's free memory back to the system, where the C library can (glibc's malloc_trim). Sessions
+    sharing prepacked weights pack each weight once more to find it in the container, then free that copy; glibc
+    keeps such freed blocks in its heap (its mmap threshold rises with them), ~40 % of the shared bytes."""
+    trim = getattr(ctypes.CDLL(None), "malloc_trim", None) if sys.platform.startswith("linux") else None
+    if trim is not None:
+        trim(0)
+
+
+def custom_ops_available() -> bool:
+    """Whether the C extension, and with it pipeshard's op domain, is built."""
+    return _runloop is not None
 
 
 def run(session: Session, binding: Binding, run_options: RunOptions) -> None:

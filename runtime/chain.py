@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from pipeshard.runtime import capi
+from pipeshard.runtime.decode_attention import decode_variant
 from pipeshard.runtime.exportdir import NUMPY_DTYPES
 from pipeshard.runtime.kv import PADDING_BIAS, SEQLENS, TOTAL, HostKvCache, check_step_shape
 from pipeshard.runtime.moe import ExpertStats, MoeBlock, chosen_experts, combine, moe_blocks_of
@@ -40,13 +41,24 @@ LOGITS = "logits"
 
 
 class _Stage:
-    """One sub-layer's session and binding, with its boundary names sorted by how they are bound."""
+    """One sub-layer's session and binding, with its boundary names sorted by how they are bound. An attention
+    sub-layer may have a second session and binding for steps of one new token (`decode_attention`): `use`
+    picks which pair a step's program runs."""
 
     def __init__(self, rt: capi.Runtime, pack: Pack, entry: dict, threads: int | None, optimize: bool, prepack: bool,
-                 residual: set[str], fixed: set[str], tables: frozenset[str] = frozenset()) -> None:
+                 residual: set[str], fixed: set[str], tables: frozenset[str] = frozenset(),
+                 shared: capi.SharedWeights | None = None, decode_attention: bool = False) -> None:
         self.name = entry["name"]
-        self.session = rt.session(pack.path(entry["files"]["onnx"]), threads, optimize, prepack)
-        self.binding = self.session.binding()
+        path = pack.path(entry["files"]["onnx"])
+        variant = decode_variant(path) if decode_attention and entry["kind"] == "attn" else None
+        weights = variant.weights if variant else None
+        self.session = self.prompt_session = rt.session(path, threads, optimize, prepack, shared, initializers=weights)
+        self.binding = self.prompt_binding = self.session.binding()
+        self.decode_session = self.decode_binding = None
+        if variant is not None:
+            self.decode_session = rt.session(variant.model, threads, optimize, prepack, shared, path.parent, weights)
+            self.decode_binding = self.decode_session.binding()
+            variant.release_pages()
         kv = entry["kv"] or {}
         self.past = kv.get("past", [])
         self.present = kv.get("present", [])
@@ -68,6 +80,16 @@ class _Stage:
         self.makes_attention_step_values = (entry["kind"] == "prologue" and made == {SEQLENS, TOTAL, PADDING_BIAS}
                                             and set(inputs) <= set(STEP_INPUTS))
 
+    @property
+    def bindings(self) -> list[capi.Binding]:
+        return [b for b in (self.prompt_binding, self.decode_binding) if b is not None]
+
+    def use(self, one_token: bool) -> None:
+        """Run the decode session (if there is one) at one new token, the prompt session otherwise."""
+        decode = one_token and self.decode_session is not None
+        self.session = self.decode_session if decode else self.prompt_session
+        self.binding = self.decode_binding if decode else self.prompt_binding
+
     def run_on_arrays(self, inputs: dict[str, np.ndarray], output: str, out: np.ndarray, run_options) -> None:
         """One run with host arrays bound by pointer, writing into `out`."""
         for name, array in inputs.items():
@@ -80,7 +102,7 @@ class ChainStep:
     """A ForwardStep over a model pack, all on the CPU EP."""
 
     def __init__(self, folder: Path, threads: int | None = None, optimize: bool = True, prepack: bool = True,
-                 verify: bool = False, all_logits: bool = False) -> None:
+                 verify: bool = False, all_logits: bool = False, decode_attention: bool = True) -> None:
         self.pack = load_pack(folder, verify=verify)
         model = self.pack.model
         self.max_context = int(model["max_context"])
@@ -116,10 +138,19 @@ class ChainStep:
                         if entry["kind"] == "prologue" for o in entry["outputs"] if "rows_of" in o}
         # Sessions are made largest weights first: while one is made, its blob is mapped beside the packed
         # copies of those made before, so the 108 MiB output layer made last would raise the load peak.
+        # Decode steps run attention through pipeshard's op (runtime/decode_attention.py) where it applies: float32
+        # caches, head sizes in multiples of 8, the C extension built. Its sessions share their weights with the
+        # prompt sessions through one prepacked-weights container.
+        self.decode_attention = (decode_attention and capi.custom_ops_available() and self.dtype == np.float32
+                                 and self.head_dim % 8 == 0)
+        self._shared_weights = capi.SharedWeights(rt)
         made = {entry["name"]: _Stage(rt, self.pack, entry, threads, optimize, prepack, set(residual_names),
-                                      set(self._fixed), frozenset(self._tables))
+                                      set(self._fixed), frozenset(self._tables), self._shared_weights,
+                                      self.decode_attention)
                 for entry in sorted(in_line, key=lambda e: -e["weight_bytes"])}
         self.stages = [made[entry["name"]] for entry in in_line]
+        if self.decode_attention:
+            capi.release_free_heap()
         self.experts = {entry["name"]: _Stage(rt, self.pack, entry, threads, optimize, prepack, set(), set())
                         for entry in self.pack.sub_layers if entry["name"] in expert_names}
         self.expert_stats = ExpertStats(int(model.get("num_experts") or 0))
@@ -169,7 +200,8 @@ class ChainStep:
 
     def start(self, batch_size: int, context: int | None = None) -> None:
         for stage in self.stages:
-            stage.binding.clear()  # every binding is redone below or at the next step
+            for binding in stage.bindings:
+                binding.clear()  # every binding is redone below or at the next step
         self._shared.clear()
         self.kv.reset(batch_size, context)
         self._bind_kv()
@@ -177,9 +209,10 @@ class ChainStep:
 
     def _bind_kv(self) -> None:
         for stage in self.stages:
-            for past, present in zip(stage.past, stage.present, strict=True):
-                stage.binding.bind_input(past, self.kv.buffers[past])
-                stage.binding.bind_output(present, self.kv.buffers[past])
+            for binding in stage.bindings:
+                for past, present in zip(stage.past, stage.present, strict=True):
+                    binding.bind_input(past, self.kv.buffers[past])
+                    binding.bind_output(present, self.kv.buffers[past])
 
     def _buffer(self, name: str) -> np.ndarray:
         if name == LOGITS:
@@ -216,6 +249,7 @@ class ChainStep:
         self._logits = np.empty((shape[0], logit_rows, self.vocab_size), self.dtype)
         self._last_hidden = np.empty((shape[0], 1, self.hidden_size), self.dtype)
         for stage in self.stages:
+            stage.use(one_token=shape[1] == 1)
             self._bind_pointers(stage)
         stages = [stage for stage in self.stages if not (self._decoding and stage is self._skippable_prologue)]
         if self._decoding:

@@ -1,0 +1,390 @@
+/* Decode attention for the CPU chain: an ONNX Runtime custom op, `pipeshard.DecodeAttention`, with the inputs,
+ * outputs and attributes of com.microsoft.GroupQueryAttention, for one new token per sequence (a decode step).
+ *
+ * Why: ONNX Runtime's CPU GroupQueryAttention spends ~0.33 us per cached token per layer at one new token on
+ * SmolLM2's 9 heads (two small SGEMMs per head, each packing its operand, single-threaded by the cost model):
+ * ~80 us a layer at 256 tokens, ~13 % of a decode step. The same arithmetic in one pass over the cache is a
+ * few microseconds. runtime/chain.py makes a second session of each attention sub-layer with this op in place
+ * of GroupQueryAttention, for the decode steps only; prompts keep ONNX Runtime's kernel.
+ *
+ * Semantics (those of GroupQueryAttention with past and present sharing one buffer): packed query [B, 1,
+ * (N + 2 Nkv) H]; past/present key and value [B, Nkv, C, H], the new key and value written at row seqlens_k[b];
+ * rotary (non-interleaved) from cos/sin caches [R, H/2] at that row's position; scores scaled, plus the optional
+ * additive bias [B or 1, N or 1, 1, T]; softmax over the row's seqlens_k[b] + 1 positions. */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef void OrtStatus;
+typedef OrtStatus *(*CreateStatusFn)(int code, const char *message);
+typedef OrtStatus *(*GetAttributeFloatFn)(const void *info, const char *name, float *out);
+typedef OrtStatus *(*GetAttributeInt64Fn)(const void *info, const char *name, int64_t *out);
+typedef OrtStatus *(*GetInputFn)(const void *context, size_t index, const void **out);
+typedef OrtStatus *(*GetOutputFn)(void *context, size_t index, const int64_t *dims, size_t count, void **out);
+typedef OrtStatus *(*GetTensorDataFn)(const void *value, void **out);
+typedef OrtStatus *(*GetTypeAndShapeFn)(const void *value, void **out);
+typedef OrtStatus *(*GetDimensionsCountFn)(const void *info, size_t *out);
+typedef OrtStatus *(*GetDimensionsFn)(const void *info, int64_t *out, size_t count);
+typedef void (*ReleaseFn)(void *object);
+typedef OrtStatus *(*ParallelForFn)(const void *context, void (*task)(void *data, size_t index), size_t total,
+                                    size_t batches, void *data);
+
+/* OrtApi function indices (the table is append-only; see runtime/capi.py). */
+enum {
+    CREATE_STATUS = 0, GET_TENSOR_MUTABLE_DATA = 51, GET_DIMENSIONS_COUNT = 61, GET_DIMENSIONS = 62,
+    GET_TENSOR_TYPE_AND_SHAPE = 65, KERNEL_INFO_GET_ATTRIBUTE_FLOAT = 85, KERNEL_INFO_GET_ATTRIBUTE_INT64 = 86,
+    KERNEL_CONTEXT_GET_INPUT = 90, KERNEL_CONTEXT_GET_OUTPUT = 91, RELEASE_STATUS = 93,
+    RELEASE_TENSOR_TYPE_AND_SHAPE_INFO = 99, KERNEL_CONTEXT_PARALLEL_FOR = 274,
+};
+enum { ORT_FAIL = 1, ORT_INVALID_ARGUMENT = 2 };
+enum { FLOAT = 1, INT32 = 6, INT64 = 7 };
+enum { REQUIRED = 0, OPTIONAL = 1 };
+/* GroupQueryAttention's inputs, by position. */
+enum { QUERY, KEY, VALUE, PAST_KEY, PAST_VALUE, SEQLENS_K, TOTAL_SEQUENCE_LENGTH, COS_CACHE, SIN_CACHE, POSITION_IDS,
+       ATTENTION_BIAS, INPUT_COUNT };
+enum { OUTPUT, PRESENT_KEY, PRESENT_VALUE, OUTPUT_COUNT };
+#define MAX_DIMS 8
+
+/* The fields of OrtCustomOp up to version 16 (KernelComputeV2), in their order. */
+typedef struct {
+    uint32_t version;
+    void *(*CreateKernel)(const void *op, const void *api, const void *info);
+    const char *(*GetName)(const void *op);
+    const char *(*GetExecutionProviderType)(const void *op);
+    int (*GetInputType)(const void *op, size_t index);
+    size_t (*GetInputTypeCount)(const void *op);
+    int (*GetOutputType)(const void *op, size_t index);
+    size_t (*GetOutputTypeCount)(const void *op);
+    void (*KernelCompute)(void *kernel, void *context);
+    void (*KernelDestroy)(void *kernel);
+    int (*GetInputCharacteristic)(const void *op, size_t index);
+    int (*GetOutputCharacteristic)(const void *op, size_t index);
+    int (*GetInputMemoryType)(const void *op, size_t index);
+    int (*GetVariadicInputMinArity)(const void *op);
+    int (*GetVariadicInputHomogeneity)(const void *op);
+    int (*GetVariadicOutputMinArity)(const void *op);
+    int (*GetVariadicOutputHomogeneity)(const void *op);
+    OrtStatus *(*CreateKernelV2)(const void *op, const void *api, const void *info, void **kernel);
+    OrtStatus *(*KernelComputeV2)(void *kernel, void *context);
+} CustomOp;
+
+typedef struct {
+    void *const *api;
+    int64_t num_heads, kv_num_heads;
+    float scale; /* 0: 1 / sqrt(head size) */
+} Kernel;
+
+typedef struct {
+    const void *value;
+    const float *data;
+    int64_t dims[MAX_DIMS];
+    size_t rank;
+} Tensor;
+
+static OrtStatus *fail(void *const *api, int code, const char *message) {
+    return ((CreateStatusFn)api[CREATE_STATUS])(code, message);
+}
+
+/* The tensor's data and shape; an absent optional input leaves `tensor->value` null. */
+static OrtStatus *read_tensor(void *const *api, const void *value, Tensor *tensor) {
+    OrtStatus *status;
+    void *info = NULL;
+    tensor->value = value;
+    tensor->data = NULL;
+    tensor->rank = 0;
+    if (value == NULL) return NULL;
+    if ((status = ((GetTensorDataFn)api[GET_TENSOR_MUTABLE_DATA])(value, (void **)&tensor->data))) return status;
+    if ((status = ((GetTypeAndShapeFn)api[GET_TENSOR_TYPE_AND_SHAPE])(value, &info))) return status;
+    status = ((GetDimensionsCountFn)api[GET_DIMENSIONS_COUNT])(info, &tensor->rank);
+    if (status == NULL && tensor->rank > MAX_DIMS) status = fail(api, ORT_INVALID_ARGUMENT, "DecodeAttention: rank > 8");
+    if (status == NULL) status = ((GetDimensionsFn)api[GET_DIMENSIONS])(info, tensor->dims, tensor->rank);
+    ((ReleaseFn)api[RELEASE_TENSOR_TYPE_AND_SHAPE_INFO])(info);
+    return status;
+}
+
+#if defined(__GNUC__) && defined(__x86_64__) && !defined(__clang__)
+#define VECTOR_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
+#else
+#define VECTOR_CLONES
+#endif
+
+/* Eight floats: GCC and Clang lower it to one AVX register, two SSE ones, or scalars. Head sizes are multiples. */
+typedef float Lanes __attribute__((vector_size(8 * sizeof(float))));
+typedef int32_t IntLanes __attribute__((vector_size(8 * sizeof(int32_t))));
+#define LANES 8
+#define ROWS 4  /* key rows scored together: independent sums keep the FMA units busy */
+#define TILE 8  /* value columns (in lanes) summed together, for the same reason */
+
+static inline Lanes load(const float *from) {
+    Lanes lanes;
+    memcpy(&lanes, from, sizeof lanes);
+    return lanes;
+}
+
+static inline void store(float *to, Lanes lanes) { memcpy(to, &lanes, sizeof lanes); }
+
+static inline float total(Lanes lanes) {
+    float sum = 0.0f;
+    for (int i = 0; i < LANES; i++) sum += lanes[i];
+    return sum;
+}
+
+/* e^x in every lane for x <= 0 (a softmax's shifted scores): 2^n e^r with |r| <= ln2 / 2 and Cephes' degree-6
+ * polynomial for e^r (within 2 ulp); 0 below -87.3, where e^x is no longer a normal float. */
+static inline Lanes exp_lanes(Lanes x) {
+    const IntLanes underflow = x < -87.33654f;
+    x = (Lanes)((IntLanes)x & ~underflow);
+    const Lanes scaled = x * 1.44269504088896341f + 0.5f;
+    IntLanes n = __builtin_convertvector(scaled, IntLanes);
+    n += (IntLanes)(__builtin_convertvector(n, Lanes) > scaled);  /* truncation -> floor: -1 where it rounded up */
+    const Lanes whole = __builtin_convertvector(n, Lanes);
+    const Lanes r = x - whole * 0.693359375f - whole * -2.12194440e-4f;
+    Lanes p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * (r * r) + r + 1.0f;
+    const Lanes power = (Lanes)((n + 127) << 23);
+    return (Lanes)((IntLanes)(p * power) & ~underflow);
+}
+
+/* Non-interleaved rotary embedding of one head at one position, in place. */
+static void rotate(float *x, const float *cos_row, const float *sin_row, int64_t half) {
+    for (int64_t i = 0; i < half; i++) {
+        float first = x[i], second = x[i + half];
+        x[i] = first * cos_row[i] - second * sin_row[i];
+        x[i + half] = second * cos_row[i] + first * sin_row[i];
+    }
+}
+
+/* One query head over `length` cached rows: softmax(q.k + bias) . v into `out`, with q already scaled. `scores`
+ * has room for `length` rounded up to 8 floats. */
+VECTOR_CLONES
+static void attend(const float *q, const float *keys, const float *values, const float *bias, int64_t length,
+                   int64_t head_size, float *scores, float *out) {
+    int64_t t = 0;
+    for (; t + ROWS <= length; t += ROWS) {
+        Lanes sums[ROWS] = {{0}};
+        for (int64_t d = 0; d < head_size; d += LANES) {
+            const Lanes query = load(q + d);
+            for (int r = 0; r < ROWS; r++) sums[r] += query * load(keys + (t + r) * head_size + d);
+        }
+        for (int r = 0; r < ROWS; r++) scores[t + r] = total(sums[r]);
+    }
+    for (; t < length; t++) {
+        Lanes sum = {0};
+        for (int64_t d = 0; d < head_size; d += LANES) sum += load(q + d) * load(keys + t * head_size + d);
+        scores[t] = total(sum);
+    }
+    float highest = -INFINITY;
+    for (t = 0; t < length; t++) {
+        scores[t] += bias ? bias[t] : 0.0f;
+        highest = scores[t] > highest ? scores[t] : highest;
+    }
+    const int64_t padded = (length + LANES - 1) / LANES * LANES;
+    for (t = length; t < padded; t++) scores[t] = -INFINITY;  /* e^-inf = 0: the last lanes add nothing */
+    Lanes sums = {0};
+    for (t = 0; t < padded; t += LANES) {
+        const Lanes weights = exp_lanes(load(scores + t) - highest);
+        store(scores + t, weights);
+        sums += weights;
+    }
+    const float inverse = 1.0f / total(sums);
+    int64_t d = 0;
+    for (; d + TILE * LANES <= head_size; d += TILE * LANES) {
+        Lanes acc[TILE] = {{0}};
+        for (t = 0; t < length; t++) {
+            const float weight = scores[t];
+            for (int c = 0; c < TILE; c++) acc[c] += weight * load(values + t * head_size + d + c * LANES);
+        }
+        for (int c = 0; c < TILE; c++) store(out + d + c * LANES, acc[c] * inverse);
+    }
+    for (; d < head_size; d += LANES) {
+        Lanes acc = {0};
+        for (t = 0; t < length; t++) acc += scores[t] * load(values + t * head_size + d);
+        store(out + d, acc * inverse);
+    }
+}
+
+/* What every head's task of one decode step reads. */
+typedef struct {
+    const float *query, *cos, *sin, *bias;
+    float *keys, *values, *out, *scratch;
+    const int32_t *lengths;
+    int64_t heads, group, head_size, capacity, query_width, bias_rows, bias_heads, bias_width, scratch_floats;
+    float scale;
+} Step;
+
+/* Task `index` of a step (sequence index / heads, head index % heads): rotate and scale the head's query, attend. */
+static void attend_head(void *data, size_t index) {
+    const Step *step = data;
+    const int64_t b = (int64_t)index / step->heads, h = (int64_t)index % step->heads, size = step->head_size;
+    const int64_t position = step->lengths[b], g = h / step->group;
+    float *q = step->scratch + (int64_t)index * step->scratch_floats, *scores = q + size;
+    memcpy(q, step->query + b * step->query_width + h * size, sizeof(float) * (size_t)size);
+    if (step->cos) rotate(q, step->cos + position * (size / 2), step->sin + position * (size / 2), size / 2);
+    for (int64_t d = 0; d < size; d++) q[d] *= step->scale;
+    const float *bias = NULL;
+    if (step->bias)
+        bias = step->bias + ((step->bias_rows == 1 ? 0 : b) * step->bias_heads + (step->bias_heads == 1 ? 0 : h)) *
+                                step->bias_width;
+    const int64_t cache = (b * (step->heads / step->group) + g) * step->capacity * size;
+    attend(q, step->keys + cache, step->values + cache, bias, position + 1, size, scores,
+           step->out + (b * step->heads + h) * size);
+}
+
+static OrtStatus *compute(void *kernel_state, void *context) {
+    const Kernel *kernel = kernel_state;
+    void *const *api = kernel->api;
+    OrtStatus *status;
+    Tensor in[INPUT_COUNT];
+    for (size_t index = 0; index < INPUT_COUNT; index++) {
+        const void *value = NULL;
+        if ((status = ((GetInputFn)api[KERNEL_CONTEXT_GET_INPUT])(context, index, &value))) return status;
+        if ((status = read_tensor(api, value, &in[index]))) return status;
+    }
+    const Tensor *query = &in[QUERY], *past_key = &in[PAST_KEY], *past_value = &in[PAST_VALUE];
+    const Tensor *seqlens = &in[SEQLENS_K], *cos_cache = &in[COS_CACHE], *sin_cache = &in[SIN_CACHE];
+    const Tensor *bias = &in[ATTENTION_BIAS];
+    if (in[KEY].value || in[VALUE].value || in[POSITION_IDS].value)
+        return fail(api, ORT_INVALID_ARGUMENT, "DecodeAttention: takes a packed query and no position_ids");
+    if (query->rank != 3 || query->dims[1] != 1)
+        return fail(api, ORT_INVALID_ARGUMENT, "DecodeAttention: takes one new token per sequence");
+    const int64_t batch = query->dims[0], heads = kernel->num_heads, kv_heads = kernel->kv_num_heads;
+    const int64_t head_size = query->dims[2] / (heads + 2 * kv_heads);
+    if (head_size * (heads + 2 * kv_heads) != query->dims[2] || heads % kv_heads || head_size % LANES)
+        return fail(api, ORT_INVALID_ARGUMENT,
+                    "DecodeAttention: query width is not (num_heads + 2 kv_num_heads) H with H a multiple of 8");
+    if (past_key->rank != 4 || past_value->rank != 4 || memcmp(past_key->dims, past_value->dims, 4 * sizeof(int64_t)) ||
+        past_key->dims[0] != batch || past_key->dims[1] != kv_heads || past_key->dims[3] != head_size)
+        return fail(api, ORT_INVALID_ARGUMENT, "DecodeAttention: past key/value are not [batch, kv_num_heads, C, H]");
+    const int64_t capacity = past_key->dims[2];
+    if (seqlens->rank != 1 || seqlens->dims[0] != batch)
+        return fail(api, ORT_INVALID_ARGUMENT, "DecodeAttention: seqlens_k is not [batch]");
+    const int64_t half = head_size / 2;
+    if (!cos_cache->value != !sin_cache->value || (cos_cache->value && (cos_cache->rank != 2 || cos_cache->dims[1] != half ||
+        sin_cache->rank != 2 || sin_cache->dims[0] != cos_cache->dims[0] || sin_cache->dims[1] != half)))
+        return fail(api, ORT_INVALID_ARGUMENT, "DecodeAttention: cos/sin caches are not both [R, H/2]");
+    if (bias->value && (bias->rank != 4 || (bias->dims[0] != 1 && bias->dims[0] != batch) ||
+        (bias->dims[1] != 1 && bias->dims[1] != heads) || bias->dims[2] != 1))
+        return fail(api, ORT_INVALID_ARGUMENT, "DecodeAttention: attention_bias is not [batch or 1, heads or 1, 1, T]");
+
+    void *outputs[OUTPUT_COUNT];
+    int64_t output_dims[3] = {batch, 1, heads * head_size};
+    if ((status = ((GetOutputFn)api[KERNEL_CONTEXT_GET_OUTPUT])(context, OUTPUT, output_dims, 3, &outputs[OUTPUT])))
+        return status;
+    for (int which = PRESENT_KEY; which <= PRESENT_VALUE; which++)
+        if ((status = ((GetOutputFn)api[KERNEL_CONTEXT_GET_OUTPUT])(context, which, past_key->dims, 4, &outputs[which])))
+            return status;
+    float *out, *present_key, *present_value;
+    if ((status = ((GetTensorDataFn)api[GET_TENSOR_MUTABLE_DATA])(outputs[OUTPUT], (void **)&out))) return status;
+    if ((status = ((GetTensorDataFn)api[GET_TENSOR_MUTABLE_DATA])(outputs[PRESENT_KEY], (void **)&present_key)))
+        return status;
+    if ((status = ((GetTensorDataFn)api[GET_TENSOR_MUTABLE_DATA])(outputs[PRESENT_VALUE], (void **)&present_value)))
+        return status;
+    const size_t cache_floats = (size_t)(batch * kv_heads * capacity * head_size);
+    if (present_key != past_key->data) memcpy(present_key, past_key->data, cache_floats * sizeof(float));
+    if (present_value != past_value->data) memcpy(present_value, past_value->data, cache_floats * sizeof(float));
+
+    const int32_t *lengths = (const int32_t *)seqlens->data;
+    for (int64_t b = 0; b < batch; b++) {
+        int64_t position = lengths[b], length = position + 1;
+        if (position < 0 || length > capacity || (bias->value && length > bias->dims[3]) ||
+            (cos_cache->value && position >= cos_cache->dims[0]))
+            return fail(api, ORT_INVALID_ARGUMENT,
+                        "DecodeAttention: seqlens_k[b] + 1 exceeds the KV capacity, the bias or the rotary caches");
+    }
+    const float *cos_data = cos_cache->value ? cos_cache->data : NULL, *sin_data = sin_cache->data;
+    for (int64_t b = 0; b < batch; b++) {
+        const int64_t position = lengths[b];
+        const float *packed = query->data + b * query->dims[2];
+        for (int64_t g = 0; g < kv_heads; g++) {
+            float *key_row = present_key + ((b * kv_heads + g) * capacity + position) * head_size;
+            float *value_row = present_value + ((b * kv_heads + g) * capacity + position) * head_size;
+            memcpy(key_row, packed + (heads + g) * head_size, sizeof(float) * (size_t)head_size);
+            memcpy(value_row, packed + (heads + kv_heads + g) * head_size, sizeof(float) * (size_t)head_size);
+            if (cos_data) rotate(key_row, cos_data + position * half, sin_data + position * half, half);
+        }
+    }
+    Step step = {
+        .query = query->data, .keys = present_key, .values = present_value, .lengths = lengths,
+        .cos = cos_data, .sin = sin_data, .bias = bias->value ? bias->data : NULL, .out = out,
+        .heads = heads, .group = heads / kv_heads, .head_size = head_size, .capacity = capacity,
+        .query_width = query->dims[2],
+        .bias_rows = bias->value ? bias->dims[0] : 0, .bias_heads = bias->value ? bias->dims[1] : 0,
+        .bias_width = bias->value ? bias->dims[3] : 0,
+        .scale = kernel->scale != 0.0f ? kernel->scale : 1.0f / sqrtf((float)head_size),
+        .scratch_floats = head_size + capacity + LANES,
+    };
+    const size_t tasks = (size_t)(batch * heads);
+    step.scratch = malloc(sizeof(float) * (size_t)step.scratch_floats * tasks);
+    if (step.scratch == NULL) return fail(api, ORT_FAIL, "DecodeAttention: out of memory");
+    status = ((ParallelForFn)api[KERNEL_CONTEXT_PARALLEL_FOR])(context, attend_head, tasks, tasks, &step);
+    free(step.scratch);
+    return status;
+}
+
+static OrtStatus *create_kernel(const void *op, const void *api_table, const void *info, void **kernel_out) {
+    (void)op;
+    void *const *api = (void *const *)api_table;
+    Kernel *kernel = calloc(1, sizeof(Kernel));
+    if (kernel == NULL) return fail(api, ORT_FAIL, "DecodeAttention: out of memory");
+    kernel->api = api;
+    OrtStatus *status = ((GetAttributeInt64Fn)api[KERNEL_INFO_GET_ATTRIBUTE_INT64])(info, "num_heads", &kernel->num_heads);
+    if (status == NULL)
+        status = ((GetAttributeInt64Fn)api[KERNEL_INFO_GET_ATTRIBUTE_INT64])(info, "kv_num_heads", &kernel->kv_num_heads);
+    if (status == NULL && (kernel->num_heads < 1 || kernel->kv_num_heads < 1))
+        status = fail(api, ORT_INVALID_ARGUMENT, "DecodeAttention: num_heads and kv_num_heads must be positive");
+    if (status != NULL) {
+        free(kernel);
+        return status;
+    }
+    OrtStatus *no_scale = ((GetAttributeFloatFn)api[KERNEL_INFO_GET_ATTRIBUTE_FLOAT])(info, "scale", &kernel->scale);
+    if (no_scale != NULL) { /* optional, as in GroupQueryAttention */
+        ((ReleaseFn)api[RELEASE_STATUS])(no_scale);
+        kernel->scale = 0.0f;
+    }
+    *kernel_out = kernel;
+    return NULL;
+}
+
+static void destroy_kernel(void *kernel) { free(kernel); }
+static const char *op_name(const void *op) { (void)op; return "DecodeAttention"; }
+static const char *cpu_provider(const void *op) { (void)op; return "CPUExecutionProvider"; }
+static size_t input_count(const void *op) { (void)op; return INPUT_COUNT; }
+static size_t output_count(const void *op) { (void)op; return OUTPUT_COUNT; }
+static int output_type(const void *op, size_t index) { (void)op; (void)index; return FLOAT; }
+static int default_memory(const void *op, size_t index) { (void)op; (void)index; return 0; }
+static int required(const void *op, size_t index) { (void)op; (void)index; return REQUIRED; }
+
+static int input_type(const void *op, size_t index) {
+    (void)op;
+    return index == SEQLENS_K || index == TOTAL_SEQUENCE_LENGTH ? INT32 : index == POSITION_IDS ? INT64 : FLOAT;
+}
+
+static int input_characteristic(const void *op, size_t index) {
+    (void)op;
+    return index == KEY || index == VALUE || index == COS_CACHE || index == SIN_CACHE || index == POSITION_IDS ||
+                   index == ATTENTION_BIAS ? OPTIONAL : REQUIRED;
+}
+
+static const CustomOp decode_attention = {
+    .version = 16,
+    .GetName = op_name,
+    .GetExecutionProviderType = cpu_provider,
+    .GetInputType = input_type,
+    .GetInputTypeCount = input_count,
+    .GetOutputType = output_type,
+    .GetOutputTypeCount = output_count,
+    .KernelDestroy = destroy_kernel,
+    .GetInputCharacteristic = input_characteristic,
+    .GetOutputCharacteristic = required,
+    .GetInputMemoryType = default_memory,
+    .CreateKernelV2 = create_kernel,
+    .KernelComputeV2 = compute,
+};
+
+/* The op's OrtCustomOp, for OrtApi::CustomOpDomain_Add. */
+const void *pipeshard_decode_attention_op(void) { return &decode_attention; }
