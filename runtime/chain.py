@@ -59,6 +59,7 @@ class _Stage:
             self.decode_session = rt.session(variant.model, threads, optimize, prepack, shared, path.parent, weights)
             self.decode_binding = self.decode_session.binding()
             variant.release_pages()
+            capi.release_free_heap()  # the copies packed to find the shared weights: not held to the end of loading
         kv = entry["kv"] or {}
         self.past = kv.get("past", [])
         self.present = kv.get("present", [])
@@ -149,8 +150,6 @@ class ChainStep:
                                       self.decode_attention)
                 for entry in sorted(in_line, key=lambda e: -e["weight_bytes"])}
         self.stages = [made[entry["name"]] for entry in in_line]
-        if self.decode_attention:
-            capi.release_free_heap()
         self.experts = {entry["name"]: _Stage(rt, self.pack, entry, threads, optimize, prepack, set(), set())
                         for entry in self.pack.sub_layers if entry["name"] in expert_names}
         self.expert_stats = ExpertStats(int(model.get("num_experts") or 0))

@@ -1,5 +1,7 @@
 """SmolLM2 as a pack: partitioned fast, no duplicated weights, the chain lossless against the whole graph."""
 
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -48,3 +50,31 @@ def test_chain_64_greedy_tokens_equal_the_monolithic_session(smollm2_pack, smoll
     chain.step.start(1)
     args = (ids, np.ones_like(ids), np.arange(ids.shape[1])[None])
     assert np.abs(whole.step.forward(*args) - chain.step.forward(*args)).max() < 1e-4
+
+
+def _resident_after_loading(pack, decode_attention: bool) -> float:
+    """MiB of anonymous memory a fresh process holds after loading the chain (beyond the runtime itself)."""
+    script = f"""
+from pathlib import Path
+from pipeshard.runtime import capi
+def anon(): return int(open("/proc/self/status").read().split("RssAnon:")[1].split()[0]) / 1024
+capi.runtime(2)
+before = anon()
+from pipeshard.runtime.chain import ChainStep
+step = ChainStep(Path({str(pack)!r}), threads=2, decode_attention={decode_attention})
+assert all(s.decode_session is not None for s in step.stages if s.name.endswith(".attn")) == {decode_attention}
+print(anon() - before)
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    return float(done.stdout.split()[-1])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_decode_attention_sessions_share_the_attention_weights(smollm2_pack):
+    """The decode sessions take the attention sub-layers' weights (~101 MiB packed) from the prompt sessions."""
+    from pipeshard.runtime import capi
+
+    if not capi.custom_ops_available():
+        pytest.skip("the C extension (and with it the decode attention op) was not built")
+    extra = _resident_after_loading(smollm2_pack[0], True) - _resident_after_loading(smollm2_pack[0], False)
+    assert extra < 20, f"decode sessions hold {extra:.0f} MiB more"
