@@ -115,6 +115,8 @@ typedef int32_t IntLanes __attribute__((vector_size(8 * sizeof(int32_t))));
 #define LANES 8
 #define ROWS 4  /* key rows scored together: independent sums keep the FMA units busy */
 #define TILE 8  /* value columns (in lanes) summed together, for the same reason */
+#define CHUNK 64  /* cached rows per task: a chunk's keys and values (32 KiB at head size 64) stay in L1 */
+#define MAX_GROUP 64  /* query heads per KV head */
 
 static inline Lanes load(const float *from) {
     Lanes lanes;
@@ -159,80 +161,127 @@ static void rotate(float *x, const float *cos_row, const float *sin_row, int64_t
     }
 }
 
-/* One query head over `length` cached rows: softmax(q.k + bias) . v into `out`, with q already scaled. `scores`
- * has room for `length` rounded up to 8 floats. */
+/* One chunk of the cached rows [begin, end) for the `group` query heads that read one KV head (queries already
+ * rotated and scaled): per head, the chunk's highest score, the sum of e^(score - highest) and the sum of those
+ * weights times the value rows, so that chunks done on different threads combine into the softmax over all rows
+ * (`combine`). The key and value rows are read from memory once, for all heads of the group. `scores` has room for
+ * `group` rows of CHUNK + LANES floats. */
 VECTOR_CLONES
-static void attend(const float *q, const float *keys, const float *values, const float *bias, int64_t length,
-                   int64_t head_size, float *scores, float *out) {
+static void attend_chunk(const float *queries, int64_t group, const float *keys, const float *values,
+                         const float *const *biases, int64_t begin, int64_t end, int64_t head_size, float *scores,
+                         float *partials) {
+    const int64_t stride = CHUNK + LANES, rows = end - begin;
     int64_t t = 0;
-    for (; t + ROWS <= length; t += ROWS) {
-        Lanes sums[ROWS] = {{0}};
-        for (int64_t d = 0; d < head_size; d += LANES) {
-            const Lanes query = load(q + d);
-            for (int r = 0; r < ROWS; r++) sums[r] += query * load(keys + (t + r) * head_size + d);
+    for (; t + ROWS <= rows; t += ROWS) {
+        const float *key = keys + (begin + t) * head_size;
+        for (int64_t j = 0; j < group; j++) {
+            const float *q = queries + j * head_size;
+            Lanes sums[ROWS] = {{0}};
+            for (int64_t d = 0; d < head_size; d += LANES) {
+                const Lanes query = load(q + d);
+                for (int r = 0; r < ROWS; r++) sums[r] += query * load(key + r * head_size + d);
+            }
+            for (int r = 0; r < ROWS; r++) scores[j * stride + t + r] = total(sums[r]);
         }
-        for (int r = 0; r < ROWS; r++) scores[t + r] = total(sums[r]);
     }
-    for (; t < length; t++) {
-        Lanes sum = {0};
-        for (int64_t d = 0; d < head_size; d += LANES) sum += load(q + d) * load(keys + t * head_size + d);
-        scores[t] = total(sum);
-    }
-    float highest = -INFINITY;
-    for (t = 0; t < length; t++) {
-        scores[t] += bias ? bias[t] : 0.0f;
-        highest = scores[t] > highest ? scores[t] : highest;
-    }
-    const int64_t padded = (length + LANES - 1) / LANES * LANES;
-    for (t = length; t < padded; t++) scores[t] = -INFINITY;  /* e^-inf = 0: the last lanes add nothing */
-    Lanes sums = {0};
-    for (t = 0; t < padded; t += LANES) {
-        const Lanes weights = exp_lanes(load(scores + t) - highest);
-        store(scores + t, weights);
-        sums += weights;
-    }
-    const float inverse = 1.0f / total(sums);
-    int64_t d = 0;
-    for (; d + TILE * LANES <= head_size; d += TILE * LANES) {
-        Lanes acc[TILE] = {{0}};
-        for (t = 0; t < length; t++) {
-            const float weight = scores[t];
-            for (int c = 0; c < TILE; c++) acc[c] += weight * load(values + t * head_size + d + c * LANES);
+    for (; t < rows; t++)
+        for (int64_t j = 0; j < group; j++) {
+            Lanes sum = {0};
+            for (int64_t d = 0; d < head_size; d += LANES)
+                sum += load(queries + j * head_size + d) * load(keys + (begin + t) * head_size + d);
+            scores[j * stride + t] = total(sum);
         }
-        for (int c = 0; c < TILE; c++) store(out + d + c * LANES, acc[c] * inverse);
-    }
-    for (; d < head_size; d += LANES) {
-        Lanes acc = {0};
-        for (t = 0; t < length; t++) acc += scores[t] * load(values + t * head_size + d);
-        store(out + d, acc * inverse);
+    const int64_t padded = (rows + LANES - 1) / LANES * LANES;
+    for (int64_t j = 0; j < group; j++) {
+        float *row = scores + j * stride, *partial = partials + j * (head_size + 2);
+        float highest = -INFINITY;
+        for (t = 0; t < rows; t++) {
+            row[t] += biases[j] ? biases[j][begin + t] : 0.0f;
+            highest = row[t] > highest ? row[t] : highest;
+        }
+        for (t = rows; t < padded; t++) row[t] = -INFINITY;  /* e^-inf = 0: the last lanes add nothing */
+        Lanes sums = {0};
+        for (t = 0; t < padded; t += LANES) {
+            const Lanes weights = exp_lanes(load(row + t) - highest);
+            store(row + t, weights);
+            sums += weights;
+        }
+        partial[0] = highest;
+        partial[1] = total(sums);
+        float *out = partial + 2;
+        int64_t d = 0;
+        for (; d + TILE * LANES <= head_size; d += TILE * LANES) {
+            Lanes acc[TILE] = {{0}};
+            for (t = 0; t < rows; t++) {
+                const float weight = row[t];
+                const float *value = values + (begin + t) * head_size + d;
+                for (int c = 0; c < TILE; c++) acc[c] += weight * load(value + c * LANES);
+            }
+            for (int c = 0; c < TILE; c++) store(out + d + c * LANES, acc[c]);
+        }
+        for (; d < head_size; d += LANES) {
+            Lanes acc = {0};
+            for (t = 0; t < rows; t++) acc += row[t] * load(values + (begin + t) * head_size + d);
+            store(out + d, acc);
+        }
     }
 }
 
-/* What every head's task of one decode step reads. */
+/* What every task of one decode step reads: the queries (rotated, scaled), the caches, the bias, and where the
+ * tasks put their chunks' partial results. */
 typedef struct {
-    const float *query, *cos, *sin, *bias;
-    float *keys, *values, *out, *scratch;
+    const float *queries, *bias, *keys, *values;
+    float *scratch, *partials;
     const int32_t *lengths;
-    int64_t heads, group, head_size, capacity, query_width, bias_rows, bias_heads, bias_width, scratch_floats;
-    float scale;
+    int64_t heads, kv_heads, group, head_size, capacity, chunks, bias_rows, bias_heads, bias_width;
 } Step;
 
-/* Task `index` of a step (sequence index / heads, head index % heads): rotate and scale the head's query, attend. */
-static void attend_head(void *data, size_t index) {
+/* Task `index`: chunk index % chunks of KV head (index / chunks) % kv_heads of sequence index / (chunks kv_heads). */
+static void attend_task(void *data, size_t index) {
     const Step *step = data;
-    const int64_t b = (int64_t)index / step->heads, h = (int64_t)index % step->heads, size = step->head_size;
-    const int64_t position = step->lengths[b], g = h / step->group;
-    float *q = step->scratch + (int64_t)index * step->scratch_floats, *scores = q + size;
-    memcpy(q, step->query + b * step->query_width + h * size, sizeof(float) * (size_t)size);
-    if (step->cos) rotate(q, step->cos + position * (size / 2), step->sin + position * (size / 2), size / 2);
-    for (int64_t d = 0; d < size; d++) q[d] *= step->scale;
-    const float *bias = NULL;
-    if (step->bias)
-        bias = step->bias + ((step->bias_rows == 1 ? 0 : b) * step->bias_heads + (step->bias_heads == 1 ? 0 : h)) *
-                                step->bias_width;
-    const int64_t cache = (b * (step->heads / step->group) + g) * step->capacity * size;
-    attend(q, step->keys + cache, step->values + cache, bias, position + 1, size, scores,
-           step->out + (b * step->heads + h) * size);
+    const int64_t chunk = (int64_t)index % step->chunks, g = (int64_t)index / step->chunks % step->kv_heads;
+    const int64_t b = (int64_t)index / (step->chunks * step->kv_heads), size = step->head_size;
+    const int64_t length = step->lengths[b] + 1, begin = chunk * CHUNK;
+    const int64_t end = begin + CHUNK < length ? begin + CHUNK : length;
+    float *partials = step->partials + (int64_t)index * step->group * (size + 2);
+    if (begin >= end) {  /* past this sequence's rows: a chunk that weighs nothing */
+        for (int64_t j = 0; j < step->group; j++) partials[j * (size + 2)] = -INFINITY;
+        return;
+    }
+    const float *biases[MAX_GROUP];
+    for (int64_t j = 0; j < step->group; j++) {
+        const int64_t h = g * step->group + j;
+        biases[j] = step->bias ? step->bias + ((step->bias_rows == 1 ? 0 : b) * step->bias_heads +
+                                               (step->bias_heads == 1 ? 0 : h)) * step->bias_width : NULL;
+    }
+    const int64_t cache = (b * step->kv_heads + g) * step->capacity * size;
+    attend_chunk(step->queries + (b * step->heads + g * step->group) * size, step->group, step->keys + cache,
+                 step->values + cache, biases, begin, end, size,
+                 step->scratch + (int64_t)index * step->group * (CHUNK + LANES), partials);
+}
+
+/* Each head's output from its chunks' partial results: sum_c e^(m_c - m) out_c / sum_c e^(m_c - m) l_c. */
+static void combine(const Step *step, int64_t batch, float *out) {
+    const int64_t size = step->head_size, group = step->group;
+    for (int64_t b = 0; b < batch; b++)
+        for (int64_t h = 0; h < step->heads; h++) {
+            const int64_t g = h / group, j = h % group;
+            const float *first = step->partials + ((b * step->kv_heads + g) * step->chunks * group + j) * (size + 2);
+            const int64_t hop = group * (size + 2);
+            float highest = -INFINITY, sum = 0.0f;
+            for (int64_t c = 0; c < step->chunks; c++) highest = first[c * hop] > highest ? first[c * hop] : highest;
+            float *o = out + (b * step->heads + h) * size;
+            for (int64_t d = 0; d < size; d++) o[d] = 0.0f;
+            for (int64_t c = 0; c < step->chunks; c++) {
+                const float *partial = first + c * hop;
+                if (partial[0] == -INFINITY) continue;
+                const float weight = expf(partial[0] - highest);
+                sum += weight * partial[1];
+                for (int64_t d = 0; d < size; d++) o[d] += weight * partial[2 + d];
+            }
+            const float inverse = 1.0f / sum;
+            for (int64_t d = 0; d < size; d++) o[d] *= inverse;
+        }
 }
 
 static OrtStatus *compute(void *kernel_state, void *context) {
@@ -308,21 +357,37 @@ static OrtStatus *compute(void *kernel_state, void *context) {
             if (cos_data) rotate(key_row, cos_data + position * half, sin_data + position * half, half);
         }
     }
+    const int64_t group = heads / kv_heads;
+    if (group > MAX_GROUP) return fail(api, ORT_INVALID_ARGUMENT, "DecodeAttention: more than 64 query heads per KV head");
+    int64_t longest = 0;
+    for (int64_t b = 0; b < batch; b++) longest = lengths[b] + 1 > longest ? lengths[b] + 1 : longest;
     Step step = {
-        .query = query->data, .keys = present_key, .values = present_value, .lengths = lengths,
-        .cos = cos_data, .sin = sin_data, .bias = bias->value ? bias->data : NULL, .out = out,
-        .heads = heads, .group = heads / kv_heads, .head_size = head_size, .capacity = capacity,
-        .query_width = query->dims[2],
+        .bias = bias->value ? bias->data : NULL, .keys = present_key, .values = present_value, .lengths = lengths,
+        .heads = heads, .kv_heads = kv_heads, .group = group, .head_size = head_size, .capacity = capacity,
+        .chunks = (longest + CHUNK - 1) / CHUNK,
         .bias_rows = bias->value ? bias->dims[0] : 0, .bias_heads = bias->value ? bias->dims[1] : 0,
         .bias_width = bias->value ? bias->dims[3] : 0,
-        .scale = kernel->scale != 0.0f ? kernel->scale : 1.0f / sqrtf((float)head_size),
-        .scratch_floats = head_size + capacity + LANES,
     };
-    const size_t tasks = (size_t)(batch * heads);
-    step.scratch = malloc(sizeof(float) * (size_t)step.scratch_floats * tasks);
-    if (step.scratch == NULL) return fail(api, ORT_FAIL, "DecodeAttention: out of memory");
-    status = ((ParallelForFn)api[KERNEL_CONTEXT_PARALLEL_FOR])(context, attend_head, tasks, tasks, &step);
-    free(step.scratch);
+    const size_t tasks = (size_t)(batch * kv_heads * step.chunks);
+    const size_t query_floats = (size_t)(batch * heads * head_size);
+    const size_t scratch_floats = tasks * (size_t)(group * (CHUNK + LANES));
+    const size_t partial_floats = tasks * (size_t)(group * (head_size + 2));
+    float *queries = malloc(sizeof(float) * (query_floats + scratch_floats + partial_floats));
+    if (queries == NULL) return fail(api, ORT_FAIL, "DecodeAttention: out of memory");
+    step.queries = queries;
+    step.scratch = queries + query_floats;
+    step.partials = step.scratch + scratch_floats;
+    const float scale = kernel->scale != 0.0f ? kernel->scale : 1.0f / sqrtf((float)head_size);
+    for (int64_t b = 0; b < batch; b++)
+        for (int64_t h = 0; h < heads; h++) {
+            float *q = queries + (b * heads + h) * head_size;
+            memcpy(q, query->data + b * query->dims[2] + h * head_size, sizeof(float) * (size_t)head_size);
+            if (cos_data) rotate(q, cos_data + lengths[b] * half, sin_data + lengths[b] * half, half);
+            for (int64_t d = 0; d < head_size; d++) q[d] *= scale;
+        }
+    status = ((ParallelForFn)api[KERNEL_CONTEXT_PARALLEL_FOR])(context, attend_task, tasks, tasks, &step);
+    if (status == NULL) combine(&step, batch, out);
+    free(queries);
     return status;
 }
 
