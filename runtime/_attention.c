@@ -11,6 +11,7 @@
  * (N + 2 Nkv) H]; past/present key and value [B, Nkv, C, H], the new key and value written at row seqlens_k[b];
  * rotary (non-interleaved) from cos/sin caches [R, H/2] at that row's position; scores scaled, plus the optional
  * additive bias [B or 1, N or 1, 1, T]; softmax over the row's seqlens_k[b] + 1 positions. */
+#if defined(__GNUC__) || defined(__clang__) /* the vector code below is GCC's vector extensions */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -115,7 +116,7 @@ typedef int32_t IntLanes __attribute__((vector_size(8 * sizeof(int32_t))));
 #define LANES 8
 #define ROWS 4  /* key rows scored together: independent sums keep the FMA units busy */
 #define TILE 8  /* value columns (in lanes) summed together, for the same reason */
-#define CHUNK 64  /* cached rows per task: a chunk's keys and values (32 KiB at head size 64) stay in L1 */
+#define CHUNK 256  /* cached rows per task: long enough runs of rows for the hardware prefetchers (measured best) */
 #define MAX_GROUP 64  /* query heads per KV head */
 
 static inline Lanes load(const float *from) {
@@ -174,6 +175,9 @@ static void attend_chunk(const float *queries, int64_t group, const float *keys,
     int64_t t = 0;
     for (; t + ROWS <= rows; t += ROWS) {
         const float *key = keys + (begin + t) * head_size;
+        /* the value rows these weights will multiply: fetched while the keys are scored, not after */
+        for (int64_t at = 0; at < ROWS * head_size; at += 64 / sizeof(float))
+            __builtin_prefetch(values + (begin + t) * head_size + at);
         for (int64_t j = 0; j < group; j++) {
             const float *q = queries + j * head_size;
             Lanes sums[ROWS] = {{0}};
@@ -453,3 +457,8 @@ static const CustomOp decode_attention = {
 
 /* The op's OrtCustomOp, for OrtApi::CustomOpDomain_Add. */
 const void *pipeshard_decode_attention_op(void) { return &decode_attention; }
+
+#else
+/* Without GCC's vector extensions (MSVC) there is no op: the chain keeps ONNX Runtime's attention. */
+const void *pipeshard_decode_attention_op(void) { return 0; }
+#endif

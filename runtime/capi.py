@@ -188,9 +188,9 @@ class Runtime:
                        initializers or {})
 
     def custom_op_domain(self) -> ctypes.c_void_p | None:
-        """The `pipeshard` op domain (DecodeAttention, runtime/_attention.c), made at first use; None without the
-        C extension."""
-        if self._custom_ops is None and _runloop is not None:
+        """The `pipeshard` op domain (DecodeAttention, runtime/_attention.c), made at first use; None where the
+        C extension was built without it, or not at all."""
+        if self._custom_ops is None and custom_ops_available():
             domain = self.lib.make(self.lib.CreateCustomOpDomain, CUSTOM_DOMAIN.encode())
             self.lib.check(self.lib.CustomOpDomain_Add(domain, ctypes.c_void_p(_runloop.decode_attention_op())))
             self._custom_ops = domain  # lives as long as the process: sessions keep a pointer to it
@@ -447,8 +447,8 @@ def release_free_heap() -> None:
 
 
 def custom_ops_available() -> bool:
-    """Whether the C extension, and with it pipeshard's op domain, is built."""
-    return _runloop is not None
+    """Whether the C extension is built with pipeshard's ops (compilers with GCC's vector extensions)."""
+    return _runloop is not None and bool(_runloop.decode_attention_op())
 
 
 def run(session: Session, binding: Binding, run_options: RunOptions) -> None:
