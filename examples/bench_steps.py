@@ -1,9 +1,11 @@
 """Decode steps of two of our engines in one process, interleaved step by step: where the time of a step goes.
 
-    python examples/bench_steps.py A B [--steps 600] [--prompt-tokens 256] [--threads 2]
+    python examples/bench_steps.py A B [--steps 600] [--prompt-tokens 256] [--threads 2] [--plain-attention a|b|both]
 
 A and B are each an export folder (run by the monolithic session) or a pack (run by the all-CPU chain),
-e.g. `build/demo/export build/demo/pack` for what the split into sub-layers costs per decode step, with
+e.g. `build/demo/export build/demo/pack --plain-attention b` for what the split into sub-layers costs per
+decode step (the chain attending with GroupQueryAttention, as the monolithic session does), or
+`build/demo/pack build/demo/pack --plain-attention a` for what the chain's decode attention op gains, with
 no generation loop, tokenizer or process boundary in between. Each engine is made twice, in the order
 A, B, B, A (a session made later ran a few percent faster here), prefilled with the same prompt, then
 every round runs one decode step on each of the four at the same context (growing by one per round,
@@ -25,11 +27,13 @@ from pipeshard.runtime.pack import is_pack
 WRAP = 64
 
 
-def make_engine(folder: str, threads: int):
+def make_engine(folder: str, threads: int, decode_attention: bool):
     from pipeshard.runtime.chain import ChainStep
     from pipeshard.runtime.monolithic import MonolithicStep
 
-    return ChainStep(Path(folder), threads=threads) if is_pack(Path(folder)) else MonolithicStep(Path(folder), threads)
+    if is_pack(Path(folder)):
+        return ChainStep(Path(folder), threads=threads, decode_attention=decode_attention)
+    return MonolithicStep(Path(folder), threads)
 
 
 def main() -> None:
@@ -39,6 +43,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=600)
     parser.add_argument("--prompt-tokens", type=int, default=256)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--plain-attention", choices=("a", "b", "both"),
+                        help="which chains attend with GroupQueryAttention at decode too (not pipeshard's op)")
     args = parser.parse_args()
     use_process_thread_pool(args.threads)
     prompt = args.prompt_tokens
@@ -48,12 +54,17 @@ def main() -> None:
     token = np.array([[5]], np.int64)
 
     def make(side: str):
-        engine = make_engine(folders[side], args.threads)
+        plain = args.plain_attention in (side.lower(), "both")
+        engine = make_engine(folders[side], args.threads, decode_attention=not plain)
         engine.start(1, prompt + WRAP + 1)
         engine.forward(np.full((1, prompt), 7, np.int64), np.ones((1, prompt), np.int64), np.arange(prompt)[None])
         return lambda step: engine.forward(token, masks[step % WRAP], positions[step % WRAP])
 
-    print(balanced_ab(make, args.steps).report(args.a, args.b, args.steps, "decode step"))
+    def label(side: str) -> str:
+        plain = args.plain_attention in (side.lower(), "both") and is_pack(Path(folders[side]))
+        return folders[side] + (" (GroupQueryAttention)" if plain else "")
+
+    print(balanced_ab(make, args.steps).report(label("A"), label("B"), args.steps, "decode step"))
 
 
 if __name__ == "__main__":
