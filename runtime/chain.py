@@ -50,7 +50,7 @@ class _Stage:
                  shared: capi.SharedWeights | None = None, decode_attention: bool = False) -> None:
         self.name = entry["name"]
         path = pack.path(entry["files"]["onnx"])
-        variant = decode_variant(path) if decode_attention and entry["kind"] == "attn" else None
+        variant = decode_variant(path, entry) if decode_attention and entry["kind"] == "attn" else None
         weights = variant.weights if variant else None
         self.session = self.prompt_session = rt.session(path, threads, optimize, prepack, shared, initializers=weights)
         self.binding = self.prompt_binding = self.session.binding()

@@ -96,14 +96,17 @@ def test_covers_only_what_it_computes():
                                 ["o", "pk", "pv"], domain="com.microsoft", num_heads=4, kv_num_heads=2,
                                 do_rotary=1, **attributes)
 
-    assert covered(node(), {"k"})
-    assert not covered(node(), set())  # a float16 cache
-    assert not covered(node(local_window_size=8), {"k"})
-    assert not covered(node(rotary_interleaved=1), {"k"})
-    assert not covered(node(softcap=30.0), {"k"})
+    def check(made, float_inputs=frozenset({"k"})) -> bool:
+        return covered(made.SerializeToString(), set(float_inputs))
+
+    assert check(node()) and check(node(local_window_size=-1, softcap=0.0))
+    assert not check(node(), set())  # a float16 cache
+    assert not check(node(local_window_size=8))
+    assert not check(node(rotary_interleaved=1))
+    assert not check(node(softcap=30.0))
     separate = helper.make_node("GroupQueryAttention", ["q", "key", "value", "k", "v", "s", "t"], ["o", "pk", "pv"],
                                 domain="com.microsoft", num_heads=4, kv_num_heads=2)
-    assert not covered(separate, {"k"})
+    assert not check(separate)
 
 
 def test_the_chain_decodes_through_it_with_the_same_tokens(tiny_pack):
@@ -132,3 +135,32 @@ def test_the_chain_decodes_through_it_with_the_same_tokens(tiny_pack):
     assert runs[0][0] == runs[1][0]
     np.testing.assert_allclose(runs[0][1], runs[1][1], atol=1e-4)
     assert not np.array_equal(runs[0][1][1:], runs[1][1][1:])  # decode steps did run another kernel
+
+
+def test_the_decode_graph_differs_from_the_pack_s_only_in_the_attention_node(tiny_pack):
+    """The rewrite is done on protobuf's wire format (runtime/protowire.py), checked here with the onnx package."""
+    import json
+
+    import onnx
+
+    from pipeshard.runtime import protowire
+    from pipeshard.runtime.decode_attention import decode_variant
+
+    manifest = json.loads((tiny_pack / "manifest.json").read_text())
+    for entry in manifest["sub_layers"]:
+        data = (tiny_pack / entry["files"]["onnx"]).read_bytes()
+        assert protowire.serialize(protowire.parse(data)) == data
+    entry = next(e for e in manifest["sub_layers"] if e["kind"] == "attn")
+    path = tiny_pack / entry["files"]["onnx"]
+    variant = decode_variant(path, entry)
+    original, rewritten = onnx.load(path, load_external_data=False), onnx.ModelProto.FromString(variant.model)
+    changed = [new for old, new in zip(original.graph.node, rewritten.graph.node, strict=True) if old != new]
+    assert [(n.domain, n.op_type) for n in changed] == [(capi.CUSTOM_DOMAIN, DECODE_OP)]
+    changed[0].domain, changed[0].op_type = "com.microsoft", "GroupQueryAttention"
+    assert rewritten.graph == original.graph
+    assert ([(o.domain, o.version) for o in rewritten.opset_import]
+            == [(o.domain, o.version) for o in original.opset_import] + [(capi.CUSTOM_DOMAIN, 1)])
+    for weight in entry["weights"]:
+        stored = np.fromfile(tiny_pack / weight["file"], weight["dtype"], offset=weight["offset"],
+                             count=int(np.prod(weight["shape"]))).reshape(weight["shape"])
+        assert np.array_equal(variant.weights[weight["name"]], stored)
