@@ -40,7 +40,6 @@ _PATH = ctypes.c_wchar_p if sys.platform == "win32" else ctypes.c_char_p  # ORTC
 _SIGNATURES = {  # name: (OrtApi index, argument types, result type); OrtStatus* unless stated
     "GetErrorMessage": (2, (_P,), ctypes.c_char_p),
     "CreateSession": (7, (_P, _PATH, _P, _PP), _P),
-    "CreateSessionFromArray": (8, (_P, _P, ctypes.c_size_t, _P, _PP), _P),
     "CreateSessionOptions": (10, (_PP,), _P),
     "DisableMemPattern": (17, (_P,), _P),
     "SetSessionLogSeverityLevel": (22, (_P, ctypes.c_int), _P),

@@ -19,6 +19,9 @@ runs the caches hold the last sub-layer's weights, so each call into ONNX Runtim
 there started cold (~6-12 us here against ~1 us in a burst). For the same reason the sessions are made
 through ONNX Runtime's C API (`runtime/capi.py`) and the runs between two such bursts are one call into
 C: a dense model's decode step is a single call.
+
+At one new token each attention sub-layer runs a second session whose GroupQueryAttention is pipeshard's own
+decode op (`runtime/decode_attention.py`), sharing the prompt session's weights.
 """
 
 from __future__ import annotations
