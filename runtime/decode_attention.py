@@ -1,15 +1,17 @@
 """The attention of decode steps on the CPU: GroupQueryAttention nodes swapped for `pipeshard.DecodeAttention`.
 
-ONNX Runtime's CPU GroupQueryAttention costs ~0.33 us per cached token per layer at one new token (SmolLM2,
-9 heads: ~80 us a layer at 256 tokens, ~13 % of a decode step); `runtime/_attention.c` does the same arithmetic
-in one pass over the cache. The pack is not changed: at load, each attention sub-layer whose GroupQueryAttention
-the op covers gets a second session over the same file with that node swapped (same inputs, outputs and
-attributes); the chain runs it for steps of one new token and the original for prompts. The two sessions share
-their weights: ONNX Runtime shares prepacked weights between sessions only for initializers the caller provides,
-so both get the sub-layer's stored weights as arrays mapped from its weight file, with one prepacked-weights
-container; once both are made, the mapped pages are let go (the sessions use their packed copies; a weight read
-unpacked, like a norm's, pages back in on first use). Results equal ONNX Runtime's kernel to
-float rounding (the sums run in another order), so greedy tokens are the same.
+ONNX Runtime's CPU GroupQueryAttention is slow at one new token (two small SGEMMs per head, each packing its
+operand: on SmolLM2, hot, 42 us a layer at 256 cached tokens, 176 us at 1024); `runtime/_attention.c` does the
+same arithmetic in one pass over the cache, split across the intra-op threads (24 and 84 us).
+
+The pack is not changed: at load, each attention sub-layer whose GroupQueryAttention the op covers gets a second
+session over the same file with that node swapped (same inputs, outputs and attributes; renamed on protobuf's
+wire format, `runtime/protowire.py`); the chain runs it for steps of one new token and the original for prompts.
+The two sessions share their weights: ONNX Runtime shares prepacked weights between sessions only for
+initializers the caller provides, so both get the sub-layer's stored weights as arrays mapped from its weight
+file, with one prepacked-weights container; once both are made, the mapped pages are let go (the sessions use
+their packed copies; a weight read unpacked, like a norm's, pages back in on first use). Results equal ONNX
+Runtime's kernel to float rounding (the sums run in another order), so greedy tokens are the same.
 """
 
 from __future__ import annotations
