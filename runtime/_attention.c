@@ -311,6 +311,8 @@ static OrtStatus *compute(void *kernel_state, void *context) {
     if (head_size * (heads + 2 * kv_heads) != query->dims[2] || heads % kv_heads || head_size % LANES)
         return fail(api, ORT_INVALID_ARGUMENT,
                     "DecodeAttention: query width is not (num_heads + 2 kv_num_heads) H with H a multiple of 8");
+    const int64_t group = heads / kv_heads;
+    if (group > MAX_GROUP) return fail(api, ORT_INVALID_ARGUMENT, "DecodeAttention: more than 64 query heads per KV head");
     if (past_key->rank != 4 || past_value->rank != 4 || memcmp(past_key->dims, past_value->dims, 4 * sizeof(int64_t)) ||
         past_key->dims[0] != batch || past_key->dims[1] != kv_heads || past_key->dims[3] != head_size)
         return fail(api, ORT_INVALID_ARGUMENT, "DecodeAttention: past key/value are not [batch, kv_num_heads, C, H]");
@@ -324,6 +326,17 @@ static OrtStatus *compute(void *kernel_state, void *context) {
     if (bias->value && (bias->rank != 4 || (bias->dims[0] != 1 && bias->dims[0] != batch) ||
         (bias->dims[1] != 1 && bias->dims[1] != heads) || bias->dims[2] != 1))
         return fail(api, ORT_INVALID_ARGUMENT, "DecodeAttention: attention_bias is not [batch or 1, heads or 1, 1, T]");
+
+    const int32_t *lengths = (const int32_t *)seqlens->data;
+    int64_t longest = 0;
+    for (int64_t b = 0; b < batch; b++) {
+        int64_t position = lengths[b], length = position + 1;
+        if (position < 0 || length > capacity || (bias->value && length > bias->dims[3]) ||
+            (cos_cache->value && position >= cos_cache->dims[0]))
+            return fail(api, ORT_INVALID_ARGUMENT,
+                        "DecodeAttention: seqlens_k[b] + 1 exceeds the KV capacity, the bias or the rotary caches");
+        longest = length > longest ? length : longest;
+    }
 
     void *outputs[OUTPUT_COUNT];
     int64_t output_dims[3] = {batch, 1, heads * head_size};
@@ -342,14 +355,6 @@ static OrtStatus *compute(void *kernel_state, void *context) {
     if (present_key != past_key->data) memcpy(present_key, past_key->data, cache_floats * sizeof(float));
     if (present_value != past_value->data) memcpy(present_value, past_value->data, cache_floats * sizeof(float));
 
-    const int32_t *lengths = (const int32_t *)seqlens->data;
-    for (int64_t b = 0; b < batch; b++) {
-        int64_t position = lengths[b], length = position + 1;
-        if (position < 0 || length > capacity || (bias->value && length > bias->dims[3]) ||
-            (cos_cache->value && position >= cos_cache->dims[0]))
-            return fail(api, ORT_INVALID_ARGUMENT,
-                        "DecodeAttention: seqlens_k[b] + 1 exceeds the KV capacity, the bias or the rotary caches");
-    }
     const float *cos_data = cos_cache->value ? cos_cache->data : NULL, *sin_data = sin_cache->data;
     for (int64_t b = 0; b < batch; b++) {
         const int64_t position = lengths[b];
@@ -362,10 +367,6 @@ static OrtStatus *compute(void *kernel_state, void *context) {
             if (cos_data) rotate(key_row, cos_data + position * half, sin_data + position * half, half);
         }
     }
-    const int64_t group = heads / kv_heads;
-    if (group > MAX_GROUP) return fail(api, ORT_INVALID_ARGUMENT, "DecodeAttention: more than 64 query heads per KV head");
-    int64_t longest = 0;
-    for (int64_t b = 0; b < batch; b++) longest = lengths[b] + 1 > longest ? lengths[b] + 1 : longest;
     Step step = {
         .bias = bias->value ? bias->data : NULL, .keys = present_key, .values = present_value, .lengths = lengths,
         .heads = heads, .kv_heads = kv_heads, .group = group, .head_size = head_size, .capacity = capacity,

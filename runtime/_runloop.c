@@ -1,7 +1,8 @@
 /* The all-CPU chain's run loop: one call runs a block of ONNX Runtime sessions, each with its IoBinding,
  * through the C API's RunWithBinding, without returning to the interpreter between runs (every return costs
  * microseconds of cache-cold interpreter and binding code per session run). Used by runtime/capi.py, which
- * passes the function and the arrays as addresses. */
+ * passes the function and the arrays as addresses. The module also hands out the decode attention op of
+ * runtime/_attention.c, linked into it. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 

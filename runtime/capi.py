@@ -98,7 +98,9 @@ _ELEMENT_TYPE_OF = {np.dtype(t): code for code, t in _ELEMENT_TYPES.items()}
 _ARENA_ALLOCATOR, _MEM_TYPE_DEFAULT = 1, 0
 _ENABLE_ALL, _DISABLE_ALL = 99, 0
 _LOG_ERROR = 3
-_EXTERNAL_DATA_FOLDER = b"session.model_external_initializers_file_folder_path"  # for models made from bytes
+# For models made from bytes: ONNX Runtime checks every external-data path against it, even for initializers given
+# with AddInitializer.
+_EXTERNAL_DATA_FOLDER = b"session.model_external_initializers_file_folder_path"
 
 
 class OrtError(RuntimeError):

@@ -17,7 +17,7 @@ Runtime's kernel to float rounding (the sums run in another order), so greedy to
 from __future__ import annotations
 
 import mmap
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -81,12 +81,12 @@ class DecodeVariant:
 
     model: bytes
     weights: dict[str, np.ndarray]
-    _maps: list[mmap.mmap] = field(default_factory=list)
+    maps: list[mmap.mmap]
 
     def release_pages(self) -> None:
         """Let the kernel drop the mapped weights' pages (they are read again from the file if used)."""
         if hasattr(mmap, "MADV_DONTNEED"):
-            for mapped in self._maps:
+            for mapped in self.maps:
                 mapped.madvise(mmap.MADV_DONTNEED)
 
 
