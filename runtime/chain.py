@@ -20,79 +20,70 @@ there started cold (~6-12 us here against ~1 us in a burst). For the same reason
 through ONNX Runtime's C API (`runtime/capi.py`) and the runs between two such bursts are one call into
 C: a dense model's decode step is a single call.
 
-At one new token each attention sub-layer runs a second session whose GroupQueryAttention is pipeshard's own
-decode op (`runtime/decode_attention.py`), sharing the prompt session's weights.
+At one new token the step runs fewer, larger sessions: each stretch of sub-layers with nothing between them in
+Python (a dense model's whole decoder) joined into one graph (`runtime/joined.py`), its GroupQueryAttention nodes
+swapped for pipeshard's decode op (`runtime/decode_attention.py`), its weights the sub-layer sessions' packed ones.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
 import numpy as np
 
 from pipeshard.runtime import capi
-from pipeshard.runtime.decode_attention import decode_variant
 from pipeshard.runtime.exportdir import NUMPY_DTYPES
+from pipeshard.runtime.joined import JoinedGraph, join
 from pipeshard.runtime.kv import PADDING_BIAS, SEQLENS, TOTAL, HostKvCache, check_step_shape
 from pipeshard.runtime.moe import ExpertStats, MoeBlock, chosen_experts, combine, moe_blocks_of
-from pipeshard.runtime.pack import Pack, load_pack
+from pipeshard.runtime.pack import MappedWeights, Pack, load_pack
 
 STEP_INPUTS = ("input_ids", "attention_mask", "position_ids")
 TOKEN_INPUTS = ("input_ids", "position_ids")  # [batch, new tokens]: buffers of the runtime, bound by pointer
 LOGITS = "logits"
+# The most weight bytes one joined decode session takes: making it pages all of them in from the blobs at once
+# (ONNX Runtime packs every weight before the pages can be let go), so this bounds what joining adds to the load
+# peak. SmolLM2: 10 sessions a decode step, ~2 % peak RSS over the split chain, as fast as one session (per-step
+# interleaved A/B); the whole decoder in one session raised the peak by ~540 MiB.
+JOINED_WEIGHT_BYTES = 64 * 2**20
+
+
+@dataclass(frozen=True)
+class _Roles:
+    """How the chain binds a boundary tensor, by name: residual-stream buffers, fixed prologue values, whole
+    rotary tables."""
+
+    residual: frozenset[str]
+    fixed: frozenset[str]
+    tables: frozenset[str]
 
 
 class _Stage:
-    """One sub-layer's session and binding, with its boundary names sorted by how they are bound. An attention
-    sub-layer may have a second session and binding for steps of one new token (`decode_attention`): `use`
-    picks which pair a step's program runs."""
+    """One session a step runs: a sub-layer's, or a stretch of sub-layers joined into one (`runtime/joined.py`),
+    with its boundary names sorted by how they are bound."""
 
-    def __init__(self, rt: capi.Runtime, pack: Pack, entry: dict, threads: int | None, optimize: bool, prepack: bool,
-                 residual: set[str], fixed: set[str], tables: frozenset[str] = frozenset(),
-                 shared: capi.SharedWeights | None = None, decode_attention: bool = False) -> None:
-        self.name = entry["name"]
-        path = pack.path(entry["files"]["onnx"])
-        variant = decode_variant(path, entry) if decode_attention and entry["kind"] == "attn" else None
-        weights = variant.weights if variant else None
-        self.session = self.prompt_session = rt.session(path, threads, optimize, prepack, shared, initializers=weights)
-        self.binding = self.prompt_binding = self.session.binding()
-        self.decode_session = self.decode_binding = None
-        if variant is not None:
-            self.decode_session = rt.session(variant.model, threads, optimize, prepack, shared, path.parent, weights)
-            self.decode_binding = self.decode_session.binding()
-            variant.release_pages()
-            capi.release_free_heap()  # the copies packed to find the shared weights: not held to the end of loading
-        kv = entry["kv"] or {}
-        self.past = kv.get("past", [])
-        self.present = kv.get("present", [])
-        inputs = [i["name"] for i in entry["inputs"]]
-        outputs = [o["name"] for o in entry["outputs"] if o["name"] not in tables]  # consumers get whole tables
+    def __init__(self, name: str, session: capi.Session, inputs: list[str], outputs: list[str], past: list[str],
+                 present: list[str], roles: _Roles, last_sub_layer: str | None = None) -> None:
+        self.name = name
+        self.last_sub_layer = last_sub_layer or name  # a MoE router's experts run after the stage that ends with it
+        self.session = session
+        self.binding = session.binding()
+        self.inputs = inputs
+        self.past, self.present = past, present
+        outputs = [n for n in outputs if n not in roles.tables]  # consumers get whole tables
         self.token_inputs = [n for n in inputs if n in TOKEN_INPUTS]
         self.mask_inputs = [n for n in inputs if n in STEP_INPUTS and n not in TOKEN_INPUTS]
-        self.residual_inputs = [n for n in inputs if n in residual]
-        self.fixed_inputs = [n for n in inputs if n in fixed or n in tables]
-        self.shared_inputs = [n for n in inputs if n not in STEP_INPUTS and n not in residual and n not in self.past
-                              and n not in self.fixed_inputs]
-        self.pointer_outputs = [n for n in outputs if n in residual or n == LOGITS or n in fixed]
-        self.allocated_outputs = [n for n in outputs if n not in self.pointer_outputs and n not in self.present]
+        self.residual_inputs = [n for n in inputs if n in roles.residual]
+        self.fixed_inputs = [n for n in inputs if n in roles.fixed or n in roles.tables]
+        self.shared_inputs = [n for n in inputs if n not in STEP_INPUTS and n not in roles.residual
+                              and n not in past and n not in self.fixed_inputs]
+        self.pointer_outputs = [n for n in outputs if n in roles.residual or n == LOGITS or n in roles.fixed]
+        self.allocated_outputs = [n for n in outputs if n not in self.pointer_outputs and n not in present]
         # IO binding returns outputs in the order they were first bound: KV (at start), pointers, the rest.
-        self.bound_output_order = self.present + self.pointer_outputs + self.allocated_outputs
+        self.bound_output_order = present + self.pointer_outputs + self.allocated_outputs
         self.takes_last_hidden = LOGITS in self.pointer_outputs and len(self.residual_inputs) == 1
-        # A prologue making exactly GroupQueryAttention's step values (runtime/kv.py) from the step's inputs.
-        made = set(self.pointer_outputs + self.allocated_outputs)
-        self.makes_attention_step_values = (entry["kind"] == "prologue" and made == {SEQLENS, TOTAL, PADDING_BIAS}
-                                            and set(inputs) <= set(STEP_INPUTS))
-
-    @property
-    def bindings(self) -> list[capi.Binding]:
-        return [b for b in (self.prompt_binding, self.decode_binding) if b is not None]
-
-    def use(self, one_token: bool) -> None:
-        """Run the decode session (if there is one) at one new token, the prompt session otherwise."""
-        decode = one_token and self.decode_session is not None
-        self.session = self.decode_session if decode else self.prompt_session
-        self.binding = self.decode_binding if decode else self.prompt_binding
 
     def run_on_arrays(self, inputs: dict[str, np.ndarray], output: str, out: np.ndarray, run_options) -> None:
         """One run with host arrays bound by pointer, writing into `out`."""
@@ -106,7 +97,8 @@ class ChainStep:
     """A ForwardStep over a model pack, all on the CPU EP."""
 
     def __init__(self, folder: Path, threads: int | None = None, optimize: bool = True, prepack: bool = True,
-                 verify: bool = False, all_logits: bool = False, decode_attention: bool = True) -> None:
+                 verify: bool = False, all_logits: bool = False, join_decode: bool = True,
+                 decode_attention: bool = True) -> None:
         self.pack = load_pack(folder, verify=verify)
         model = self.pack.model
         self.max_context = int(model["max_context"])
@@ -140,21 +132,32 @@ class ChainStep:
         # consumer is bound to the whole table once, and the prologue no longer slices it per step.
         self._tables = {o["name"]: _stored_weight(self.pack, entry, o["rows_of"]) for entry in in_line
                         if entry["kind"] == "prologue" for o in entry["outputs"] if "rows_of" in o}
+        # Every session takes its sub-layers' stored weights as arrays mapped from the blobs, with one
+        # prepacked-weights container: ONNX Runtime shares packed weights between sessions only for initializers
+        # the caller provides, so a joined decode session and the sub-layers' own sessions hold one packed copy.
         # Sessions are made largest weights first: while one is made, its blob is mapped beside the packed
         # copies of those made before, so the 108 MiB output layer made last would raise the load peak.
-        # Decode steps run attention through pipeshard's op (runtime/decode_attention.py) where it applies: float32
-        # caches, head sizes in multiples of 8, the C extension built. Its sessions share their weights with the
-        # prompt sessions through one prepacked-weights container.
-        self.decode_attention = (decode_attention and capi.custom_ops_available() and self.dtype == np.float32
-                                 and self.head_dim % 8 == 0)
+        self._weights = MappedWeights()
         self._shared_weights = capi.SharedWeights(rt)
-        made = {entry["name"]: _Stage(rt, self.pack, entry, threads, optimize, prepack, set(residual_names),
-                                      set(self._fixed), frozenset(self._tables), self._shared_weights,
-                                      self.decode_attention)
+        self._session = partial(rt.session, threads=threads, optimize=optimize, prepack=prepack,
+                                shared=self._shared_weights, weights_folder=self.pack.folder)
+        roles = _Roles(frozenset(residual_names), frozenset(self._fixed), frozenset(self._tables))
+        made = {entry["name"]: self._sub_layer_stage(entry, roles)
                 for entry in sorted(in_line, key=lambda e: -e["weight_bytes"])}
         self.stages = [made[entry["name"]] for entry in in_line]
-        self.experts = {entry["name"]: _Stage(rt, self.pack, entry, threads, optimize, prepack, set(), set())
+        self.experts = {entry["name"]: self._sub_layer_stage(entry, _Roles(frozenset(), frozenset(), frozenset()))
                         for entry in self.pack.sub_layers if entry["name"] in expert_names}
+        # The prologue a decode step does without (its values kept by the runtime), and those values' buffers.
+        skippable = in_line and in_line[0]["kind"] == "prologue" and _makes_attention_step_values(in_line[0], roles)
+        self._skippable_prologue = self.stages[0] if skippable else None
+        # Decode steps run each stretch of sub-layers with nothing between them in Python as one session
+        # (runtime/joined.py), attention through pipeshard's op (runtime/decode_attention.py) where it applies:
+        # float32 caches, head sizes in multiples of 8, the C extension built.
+        self.decode_attention = (decode_attention and capi.custom_ops_available() and self.dtype == np.float32
+                                 and self.head_dim % 8 == 0)
+        self.decode_stages = self._joined_decode_stages(in_line, roles) if join_decode else [
+            stage for stage in self.stages if stage is not self._skippable_prologue]
+        self._joined = [stage for stage in self.decode_stages if stage not in self.stages]
         self.expert_stats = ExpertStats(int(model.get("num_experts") or 0))
         # Generation reads only the last token's logits: unless asked for all, the output layer gets the
         # last position only (a 256-token prefill then skips 255 lm_head rows and their logits memory).
@@ -172,14 +175,75 @@ class ChainStep:
         self._mask_inputs: list[tuple] = []  # (bind, name) of every run stage's attention mask input
         self._allocated_outputs: list[tuple] = []  # (bind, name) of every output ONNX Runtime allocates anew
         self._program: list[tuple] = []
-        # The prologue a decode step does without (its values kept by the runtime), and those values' buffers.
-        prologue = self.stages[0] if self.stages else None
-        self._skippable_prologue = prologue if prologue and prologue.makes_attention_step_values else None
         self._decoding = False
         self._bias_dtype = next((np.dtype(o["dtype"]) for e in in_line if e["kind"] == "prologue"
                                  for o in e["outputs"] if o["name"] == PADDING_BIAS), self.dtype)
         self._bias_lowest = np.finfo(self._bias_dtype).min  # the bias where the mask is not set
         self._decode_bias = np.empty(0, self._bias_dtype)
+
+    def _sub_layer_stage(self, entry: dict, roles: _Roles) -> _Stage:
+        session = self._session(self.pack.path(entry["files"]["onnx"]),
+                                initializers=self._weights.add(self.pack.folder, entry["weights"]))
+        self._weights.release_pages()  # the session holds packed copies; weights read unpacked page back in
+        capi.release_free_heap()  # the copies packed to find shared weights: not held to the end of loading
+        kv = entry["kv"] or {}
+        return _Stage(entry["name"], session, [i["name"] for i in entry["inputs"]],
+                      [o["name"] for o in entry["outputs"]], kv.get("past", []), kv.get("present", []), roles)
+
+    def _joined_decode_stages(self, in_line: list[dict], roles: _Roles) -> list[_Stage]:
+        """The stages of a one-token step: each stretch of sub-layers that runs back to back (cut after a stage
+        whose outputs Python hands on or a MoE router) joined into one session, outputs kept where read outside
+        it; a lone sub-layer stays as it is unless its attention runs the decode op."""
+        entries = {entry["name"]: entry for entry in in_line}
+        stretches: list[list[_Stage]] = [[]]
+        size = 0
+        for stage in self.stages:
+            if stage is self._skippable_prologue:
+                continue
+            weight_bytes = entries[stage.name]["weight_bytes"]
+            if stretches[-1] and size + weight_bytes > JOINED_WEIGHT_BYTES:
+                stretches.append([])
+                size = 0
+            stretches[-1].append(stage)
+            size += weight_bytes
+            if stage.allocated_outputs or stage.name in self.moe:
+                stretches.append([])
+                size = 0
+        read_in_python = {name for block in self.moe.values() for name in (block.residual, block.hidden,
+                                                                          block.routing)}
+        float_inputs = {i["name"] for entry in in_line for i in entry["inputs"] if i["dtype"] == "float32"}
+        decode_stages = []
+        for stretch in filter(None, stretches):
+            inside = {name for stage in stretch for name in stage.bound_output_order}
+            read_outside = read_in_python | {name for stage in self.stages if stage not in stretch
+                                             for name in stage.inputs}
+            outputs = {name for name in inside if name in read_outside or name == LOGITS or
+                       any(name in stage.present for stage in stretch)}
+            joined = join([self.pack.path(entries[stage.name]["files"]["onnx"]) for stage in stretch], outputs,
+                          float_inputs if self.decode_attention else None)
+            if len(stretch) == 1 and not joined.decode_attention_nodes or not self._buffers_safe(joined, roles):
+                decode_stages += stretch
+                continue
+            weights: dict[str, np.ndarray] = {}
+            for stage in stretch:
+                weights.update(self._weights.add(self.pack.folder, entries[stage.name]["weights"]))
+            session = self._session(joined.model, initializers=weights)
+            self._weights.release_pages()
+            capi.release_free_heap()
+            decode_stages.append(_Stage(f"{stretch[0].name}..{stretch[-1].name}", session, joined.inputs,
+                                        joined.outputs, [n for s in stretch for n in s.past],
+                                        [n for s in stretch for n in s.present], roles, stretch[-1].name))
+        return decode_stages
+    def _buffers_safe(self, joined: JoinedGraph, roles: _Roles) -> bool:
+        """Whether the joined graph's residual inputs and outputs may live in the chain's two residual buffers:
+        ONNX Runtime cannot know two of its tensors share memory and may order the joined nodes otherwise than
+        the sub-layers ran, so an output may share an input's buffer only if it depends on every read of it."""
+        inputs = [name for name in joined.inputs if name in roles.residual]
+        outputs = [name for name in joined.outputs if name in roles.residual]
+        buffers = [self._buffer_of[name] for name in outputs]
+        return len(set(buffers)) == len(buffers) and all(
+            joined.read_before_written(read, written) for read in inputs for written in outputs
+            if self._buffer_of[read] == self._buffer_of[written])
 
     @property
     def stage_timer(self):
@@ -201,20 +265,18 @@ class ChainStep:
         self._shape = None  # buffers are remade at the next step, and every stage's pointer bindings with them
 
     def start(self, batch_size: int, context: int | None = None) -> None:
-        for stage in self.stages:
-            for binding in stage.bindings:
-                binding.clear()  # every binding is redone below or at the next step
+        for stage in self.stages + self._joined:
+            stage.binding.clear()  # every binding is redone below or at the next step
         self._shared.clear()
         self.kv.reset(batch_size, context)
         self._bind_kv()
         self._shape = None  # a decode step's values span the KV capacity: remade with the buffers
 
     def _bind_kv(self) -> None:
-        for stage in self.stages:
-            for binding in stage.bindings:
-                for past, present in zip(stage.past, stage.present, strict=True):
-                    binding.bind_input(past, self.kv.buffers[past])
-                    binding.bind_output(present, self.kv.buffers[past])
+        for stage in self.stages + self._joined:
+            for past, present in zip(stage.past, stage.present, strict=True):
+                stage.binding.bind_input(past, self.kv.buffers[past])
+                stage.binding.bind_output(present, self.kv.buffers[past])
 
     def _buffer(self, name: str) -> np.ndarray:
         if name == LOGITS:
@@ -241,7 +303,8 @@ class ChainStep:
         last position for the output layer — or None). At one new token a prologue making only attention step
         values is left out, its values bound from the runtime's buffers."""
         self._shape = shape
-        self._decoding = shape[1] == 1 and self._skippable_prologue is not None
+        one_token = shape[1] == 1
+        self._decoding = one_token and self._skippable_prologue is not None
         sizes = {"batch": shape[0], "sequence": shape[1]}
         self._residual = [np.empty((*shape, self.hidden_size), self.dtype) for _ in range(2)]
         self._tokens = {name: np.empty(shape, np.int64) for name in TOKEN_INPUTS}
@@ -250,10 +313,11 @@ class ChainStep:
         logit_rows = shape[1] if self.all_logits else 1
         self._logits = np.empty((shape[0], logit_rows, self.vocab_size), self.dtype)
         self._last_hidden = np.empty((shape[0], 1, self.hidden_size), self.dtype)
-        for stage in self.stages:
-            stage.use(one_token=shape[1] == 1)
+        # A timed step runs every sub-layer's own session, so that each is timed apart.
+        stages = self.decode_stages if one_token and self._stage_timer is None else self.stages
+        stages = [stage for stage in stages if not (self._decoding and stage is self._skippable_prologue)]
+        for stage in stages:
             self._bind_pointers(stage)
-        stages = [stage for stage in self.stages if not (self._decoding and stage is self._skippable_prologue)]
         if self._decoding:
             self._bind_decode_values(stages)
         self._mask_inputs = [(stage.binding.bind_input, name) for stage in stages for name in stage.mask_inputs]
@@ -270,8 +334,8 @@ class ChainStep:
                 places = tuple(stage.bound_output_order.index(name) for name in names)
                 bindings = tuple(bind for name in names for bind in consumers.get(name, ()))
                 follow[index].append(partial(self._hand_on, stage.binding, names, places, bindings))
-            if stage.name in self.moe:
-                follow[index].append(partial(self._run_experts, self.moe[stage.name]))
+            if stage.last_sub_layer in self.moe:
+                follow[index].append(partial(self._run_experts, self.moe[stage.last_sub_layer]))
             if index and stage.takes_last_hidden and not self.all_logits and shape[1] > 1:
                 residual = self._residual[self._buffer_of[stage.residual_inputs[0]]]
                 follow[index - 1].append(partial(np.copyto, self._last_hidden, residual[:, -1:, :]))
@@ -355,6 +419,13 @@ class ChainStep:
 
         combine(self._residual[self._buffer_of[block.residual]], hidden, routing, chosen, run_expert,
                 self._residual[self._buffer_of[block.output]])
+
+
+def _makes_attention_step_values(prologue: dict, roles: _Roles) -> bool:
+    """Whether a prologue makes exactly GroupQueryAttention's step values (runtime/kv.py) from the step's inputs,
+    besides the rotary tables bound whole."""
+    made = {o["name"] for o in prologue["outputs"]} - roles.tables
+    return made == {SEQLENS, TOTAL, PADDING_BIAS} and {i["name"] for i in prologue["inputs"]} <= set(STEP_INPUTS)
 
 
 def _stored_weight(pack: Pack, entry: dict, name: str) -> np.ndarray:

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import mmap
+from dataclasses import dataclass, field
 from pathlib import Path
+
+import numpy as np
 
 from pipeshard.errors import UserError
 from pipeshard.fsutil import sha256_file
@@ -34,6 +37,34 @@ class Pack:
         return self.folder / name
 
 
+@dataclass
+class MappedWeights:
+    """Stored weights as read-only arrays over their files (by initializer name), each file mapped once."""
+
+    arrays: dict[str, np.ndarray] = field(default_factory=dict)
+    maps: dict[Path, mmap.mmap] = field(default_factory=dict)
+
+    def add(self, folder: Path, stored: list[dict]) -> dict[str, np.ndarray]:
+        """Map a sub-layer's weights (its manifest entries); returns them by name."""
+        added = {}
+        for weight in stored:
+            path = folder / weight["file"]
+            if path not in self.maps:
+                with open(path, "rb") as file:
+                    self.maps[path] = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
+            dtype = np.dtype(weight["dtype"])
+            added[weight["name"]] = np.frombuffer(self.maps[path], dtype, weight["bytes"] // dtype.itemsize,
+                                                  weight["offset"]).reshape(weight["shape"])
+        self.arrays.update(added)
+        return added
+
+    def release_pages(self) -> None:
+        """Let the kernel drop the mapped pages (read again from the files if used)."""
+        if hasattr(mmap, "MADV_DONTNEED"):
+            for mapped in self.maps.values():
+                mapped.madvise(mmap.MADV_DONTNEED)
+
+
 def evaluate_cost(coefficients: dict[str, float], tokens: float, context: float) -> float:
     """A manifest cost at T new tokens and context C: const + T*t + C*c + T*C*tc."""
     return (coefficients.get("const", 0.0) + coefficients.get("T", 0.0) * tokens
@@ -54,13 +85,13 @@ def load_pack(folder: Path, verify: bool = False) -> Pack:
     if manifest.get("schema_version") != PACK_SCHEMA_VERSION:
         raise UserError(f"{path}: unsupported schema_version {manifest.get('schema_version')!r} "
                         f"(this pipeshard reads {PACK_SCHEMA_VERSION}; export and partition the model again)")
-    for field in ("model", "sub_layers"):
-        if field not in manifest:
-            raise UserError(f"{path}: missing field {field!r}")
+    for required in ("model", "sub_layers"):
+        if required not in manifest:
+            raise UserError(f"{path}: missing field {required!r}")
     for index, entry in enumerate(manifest["sub_layers"]):
-        for field in SUB_LAYER_FIELDS:
-            if field not in entry:
-                raise UserError(f"{path}: sub_layers[{index}] has no field {field!r}")
+        for required in SUB_LAYER_FIELDS:
+            if required not in entry:
+                raise UserError(f"{path}: sub_layers[{index}] has no field {required!r}")
         for file_name in entry["files"].values():
             if not (folder / file_name).is_file():
                 raise UserError(f"{folder / file_name} is missing (sub-layer {entry['name']})")

@@ -120,9 +120,7 @@ def test_the_chain_decodes_through_it_with_the_same_tokens(tiny_pack):
     from pipeshard.runtime.chain import ChainStep
 
     fast, reference = ChainStep(tiny_pack, threads=2), ChainStep(tiny_pack, threads=2, decode_attention=False)
-    attention = [stage for stage in fast.stages if stage.name.endswith(".attn")]
-    assert attention and all(stage.decode_session is not None for stage in attention)
-    assert all(stage.decode_session is None for stage in reference.stages)
+    assert fast.decode_attention and not reference.decode_attention
     rng = np.random.default_rng(3)
     prompts = rng.integers(3, 200, (2, 9)).astype(np.int64)
     mask = np.ones((2, 9), np.int64)
@@ -145,13 +143,13 @@ def test_the_chain_decodes_through_it_with_the_same_tokens(tiny_pack):
 
 
 def test_the_decode_graph_differs_from_the_pack_s_only_in_the_attention_node(tiny_pack):
-    """The rewrite is done on protobuf's wire format (runtime/protowire.py), checked here with the onnx package."""
+    """The swap is done on protobuf's wire format (runtime/protowire.py), checked here with the onnx package."""
     import json
 
     import onnx
 
     from pipeshard.runtime import protowire
-    from pipeshard.runtime.decode_attention import decode_variant
+    from pipeshard.runtime.joined import join
 
     manifest = json.loads((tiny_pack / "manifest.json").read_text())
     for entry in manifest["sub_layers"]:
@@ -159,15 +157,14 @@ def test_the_decode_graph_differs_from_the_pack_s_only_in_the_attention_node(tin
         assert protowire.serialize(protowire.parse(data)) == data
     entry = next(e for e in manifest["sub_layers"] if e["kind"] == "attn")
     path = tiny_pack / entry["files"]["onnx"]
-    variant = decode_variant(path, entry)
-    original, rewritten = onnx.load(path, load_external_data=False), onnx.ModelProto.FromString(variant.model)
+    float_inputs = {i["name"] for i in entry["inputs"] if i["dtype"] == "float32"}
+    joined = join([path], {o["name"] for o in entry["outputs"]}, float_inputs)
+    assert joined.decode_attention_nodes == 1
+    original, rewritten = onnx.load(path, load_external_data=False), onnx.ModelProto.FromString(joined.model)
     changed = [new for old, new in zip(original.graph.node, rewritten.graph.node, strict=True) if old != new]
     assert [(n.domain, n.op_type) for n in changed] == [(capi.CUSTOM_DOMAIN, DECODE_OP)]
     changed[0].domain, changed[0].op_type = "com.microsoft", "GroupQueryAttention"
     assert rewritten.graph == original.graph
     assert ([(o.domain, o.version) for o in rewritten.opset_import]
             == [(o.domain, o.version) for o in original.opset_import] + [(capi.CUSTOM_DOMAIN, 1)])
-    for weight in entry["weights"]:
-        stored = np.fromfile(tiny_pack / weight["file"], weight["dtype"], offset=weight["offset"],
-                             count=int(np.prod(weight["shape"]))).reshape(weight["shape"])
-        assert np.array_equal(variant.weights[weight["name"]], stored)
+    assert join([path], set(), float_inputs - {entry["kv"]["past"][0]}).decode_attention_nodes == 0  # not covered

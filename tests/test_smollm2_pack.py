@@ -52,29 +52,32 @@ def test_chain_64_greedy_tokens_equal_the_monolithic_session(smollm2_pack, smoll
     assert np.abs(whole.step.forward(*args) - chain.step.forward(*args)).max() < 1e-4
 
 
-def _resident_after_loading(pack, decode_attention: bool) -> float:
-    """MiB of anonymous memory a fresh process holds after loading the chain (beyond the runtime itself)."""
+def _memory_after_loading(pack, join_decode: bool) -> tuple[float, float]:
+    """MiB of anonymous memory a fresh process holds after loading the chain, and MiB its peak RSS rose while
+    loading (both beyond the runtime itself)."""
     script = f"""
 from pathlib import Path
 from pipeshard.runtime import capi
-def anon(): return int(open("/proc/self/status").read().split("RssAnon:")[1].split()[0]) / 1024
+def status(field): return int(open("/proc/self/status").read().split(field + ":")[1].split()[0]) / 1024
 capi.runtime(2)
-before = anon()
+anon, peak = status("RssAnon"), status("VmHWM")
 from pipeshard.runtime.chain import ChainStep
-step = ChainStep(Path({str(pack)!r}), threads=2, decode_attention={decode_attention})
-assert all(s.decode_session is not None for s in step.stages if s.name.endswith(".attn")) == {decode_attention}
-print(anon() - before)
+step = ChainStep(Path({str(pack)!r}), threads=2, join_decode={join_decode})
+assert (len(step.decode_stages) < 20) == {join_decode}
+print(status("RssAnon") - anon, status("VmHWM") - peak)
 """
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
-    return float(done.stdout.split()[-1])
+    anon, peak = done.stdout.split()[-2:]
+    return float(anon), float(peak)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
-def test_decode_attention_sessions_share_the_attention_weights(smollm2_pack):
-    """The decode sessions take the attention sub-layers' weights (~101 MiB packed) from the prompt sessions."""
-    from pipeshard.runtime import capi
+def test_joined_decode_sessions_share_the_sub_layers_weights(smollm2_pack):
+    """The joined decode sessions take their weights (~514 MiB packed) from the sub-layers' sessions; making one
+    maps all of its weights at once, so the load peak rises by up to one session's weights (JOINED_WEIGHT_BYTES,
+    measured +62 MiB) and one weight packed to be found in the container."""
+    from pipeshard.runtime.chain import JOINED_WEIGHT_BYTES
 
-    if not capi.custom_ops_available():
-        pytest.skip("the C extension (and with it the decode attention op) was not built")
-    extra = _resident_after_loading(smollm2_pack[0], True) - _resident_after_loading(smollm2_pack[0], False)
-    assert extra < 20, f"decode sessions hold {extra:.0f} MiB more"
+    joined, split = _memory_after_loading(smollm2_pack[0], True), _memory_after_loading(smollm2_pack[0], False)
+    assert joined[0] - split[0] < 20, f"joined sessions hold {joined[0] - split[0]:.0f} MiB more"
+    assert joined[1] - split[1] < JOINED_WEIGHT_BYTES / 2**20 + 16, f"load peak {joined[1] - split[1]:.0f} MiB higher"
