@@ -23,39 +23,18 @@ _ABSENT_INPUTS = (1, 2, 9)  # key, value, position_ids
 _COS_CACHE, _SIN_CACHE, _PAST_KEY = 7, 8, 3
 _DEFAULT_ATTRIBUTES = {"do_rotary": 0, "rotary_interleaved": 0, "softcap": 0.0, "local_window_size": -1,
                        "smooth_softmax": 0}
-# ONNX's field numbers (onnx.proto): NodeProto.input / output / op_type / attribute / domain, AttributeProto.name /
-# f / i.
-_NODE_INPUT, _NODE_OUTPUT, _NODE_OP_TYPE, _NODE_ATTRIBUTE, _NODE_DOMAIN = 1, 2, 4, 5, 7
-_ATTRIBUTE_NAME, _ATTRIBUTE_FLOAT, _ATTRIBUTE_INT = 1, 2, 3
-
-
-def _attributes(node: list[wire.Field]) -> dict[str, float | int]:
-    """A node's float and int attributes by name."""
-    found = {}
-    for number, _, value in node:
-        if number == _NODE_ATTRIBUTE:
-            attribute = wire.parse(value)
-            name = wire.strings(attribute, _ATTRIBUTE_NAME)[0]
-            for n, kind, v in attribute:
-                if n == _ATTRIBUTE_FLOAT and kind == wire.FIXED32:
-                    found[name] = wire.fixed_float(v)
-                elif n == _ATTRIBUTE_INT and kind == wire.VARINT:
-                    found[name] = wire.signed(v)
-    return found
-
-
 def _is_attention(node: list[wire.Field]) -> bool:
-    return (wire.strings(node, _NODE_DOMAIN), wire.strings(node, _NODE_OP_TYPE)) == ([GQA_DOMAIN], [GQA_OP])
+    return wire.node_op(node) == (GQA_DOMAIN, GQA_OP)
 
 
 def covered(node: bytes, float_inputs: set[str]) -> bool:
     """Whether DecodeAttention computes what this serialized GroupQueryAttention node does at one new token."""
     fields = wire.parse(node)
-    inputs = wire.strings(fields, _NODE_INPUT)
+    inputs = wire.strings(fields, wire.NODE_INPUT)
     inputs += [""] * (11 - len(inputs))
-    attributes = _attributes(fields)
+    attributes = wire.node_attributes(fields)
     rotary = attributes.get("do_rotary", 0) == 1
-    return (len(inputs) == 11 and len(wire.strings(fields, _NODE_OUTPUT)) == 3
+    return (len(inputs) == 11 and len(wire.strings(fields, wire.NODE_OUTPUT)) == 3
             and all(not inputs[i] for i in _ABSENT_INPUTS)
             and rotary == bool(inputs[_COS_CACHE]) == bool(inputs[_SIN_CACHE])
             and all(attributes.get(name, default) == default for name, default in _DEFAULT_ATTRIBUTES.items()
@@ -68,5 +47,5 @@ def decode_attention_node(node: bytes, float_inputs: set[str]) -> bytes | None:
     fields = wire.parse(node)
     if not _is_attention(fields) or not covered(node, float_inputs):
         return None
-    return wire.serialize([(n, k, (DECODE_OP if n == _NODE_OP_TYPE else CUSTOM_DOMAIN).encode()
-                            if n in (_NODE_OP_TYPE, _NODE_DOMAIN) else v) for n, k, v in fields])
+    return wire.serialize([(n, k, (DECODE_OP if n == wire.NODE_OP_TYPE else CUSTOM_DOMAIN).encode()
+                            if n in (wire.NODE_OP_TYPE, wire.NODE_DOMAIN) else v) for n, k, v in fields])

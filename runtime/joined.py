@@ -27,7 +27,7 @@ from pipeshard.runtime.decode_attention import decode_attention_node
 # output / value_info; NodeProto.output; TensorProto.name; ValueInfoProto.name; OperatorSetIdProto.domain / version.
 _MODEL_OPSET_IMPORT, _MODEL_GRAPH = 8, 7
 _GRAPH_NODE, _GRAPH_INITIALIZER, _GRAPH_INPUT, _GRAPH_OUTPUT, _GRAPH_VALUE_INFO = 1, 5, 11, 12, 13
-_NODE_INPUT, _NODE_OUTPUT, _TENSOR_NAME, _VALUE_INFO_NAME = 1, 2, 8, 1
+_NODE_INPUT, _NODE_OUTPUT, _TENSOR_NAME, _VALUE_INFO_NAME = wire.NODE_INPUT, wire.NODE_OUTPUT, 8, 1
 _OPSET_DOMAIN, _OPSET_VERSION = 1, 2
 
 
@@ -68,15 +68,13 @@ def join(paths: Iterable[Path], outputs: set[str], float_inputs: set[str] | None
                                 (_GRAPH_NODE, _GRAPH_INITIALIZER, _GRAPH_INPUT, _GRAPH_OUTPUT, _GRAPH_VALUE_INFO)]
     seen: dict[int, set[str]] = {_GRAPH_INITIALIZER: set(), _GRAPH_INPUT: set(), _GRAPH_OUTPUT: set(),
                                  _GRAPH_VALUE_INFO: set()}
-    swapped, nodes = 0, []
+    swapped = 0
     for graph in graphs:
         for number, kind, value in graph:
             if number == _GRAPH_NODE:
                 if float_inputs is not None and (decode := decode_attention_node(value, float_inputs)) is not None:
                     value, swapped = decode, swapped + 1
                 joined.append((number, kind, value))
-                fields = wire.parse(value)
-                nodes.append((wire.strings(fields, _NODE_INPUT), wire.strings(fields, _NODE_OUTPUT)))
                 continue
             if number not in seen:
                 continue
@@ -86,6 +84,7 @@ def join(paths: Iterable[Path], outputs: set[str], float_inputs: set[str] | None
             if wanted and name not in seen[number]:
                 seen[number].add(name)
                 joined.append((number, kind, value))
+    nodes = [(wire.strings(f, _NODE_INPUT), wire.strings(f, _NODE_OUTPUT)) for f in _nodes(joined)]
     inputs, kept_outputs = _names(joined, _GRAPH_INPUT), _names(joined, _GRAPH_OUTPUT)
     if missing := outputs - set(kept_outputs):
         raise ValueError(f"no joined sub-layer outputs {sorted(missing)}")
@@ -98,6 +97,10 @@ def join(paths: Iterable[Path], outputs: set[str], float_inputs: set[str] | None
         [(_OPSET_DOMAIN, wire.LENGTH, domain.encode()), (_OPSET_VERSION, wire.VARINT, version)]))
         for domain, version in opsets.items()]
     return JoinedGraph(wire.serialize(model), inputs, kept_outputs, swapped, nodes)
+
+
+def _nodes(graph: list[wire.Field]) -> list[list[wire.Field]]:
+    return [wire.parse(value) for number, _, value in graph if number == _GRAPH_NODE]
 
 
 def _names(graph: list[wire.Field], number: int) -> list[str]:

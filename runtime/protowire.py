@@ -84,3 +84,28 @@ def signed(value: int) -> int:
 
 def fixed_float(value: bytes) -> float:
     return struct.unpack("<f", value)[0]
+
+
+# ONNX's NodeProto and AttributeProto fields (onnx.proto).
+NODE_INPUT, NODE_OUTPUT, NODE_OP_TYPE, NODE_ATTRIBUTE, NODE_DOMAIN = 1, 2, 4, 5, 7
+_ATTRIBUTE_NAME, _ATTRIBUTE_FLOAT, _ATTRIBUTE_INT = 1, 2, 3
+
+
+def node_attributes(node: list[Field]) -> dict[str, float | int]:
+    """An ONNX node's float and int attributes by name."""
+    found = {}
+    for number, _, value in node:
+        if number == NODE_ATTRIBUTE:
+            attribute = parse(value)
+            name = strings(attribute, _ATTRIBUTE_NAME)[0]
+            for n, kind, v in attribute:
+                if n == _ATTRIBUTE_FLOAT and kind == FIXED32:
+                    found[name] = fixed_float(v)
+                elif n == _ATTRIBUTE_INT and kind == VARINT:
+                    found[name] = signed(v)
+    return found
+
+
+def node_op(node: list[Field]) -> tuple[str, str]:
+    """An ONNX node's (domain, op type); the default domain is ""."""
+    return (strings(node, NODE_DOMAIN) or [""])[0], strings(node, NODE_OP_TYPE)[0]
