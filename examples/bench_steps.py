@@ -1,12 +1,14 @@
 """Decode steps of two of our engines in one process, interleaved step by step: where the time of a step goes.
 
-    python examples/bench_steps.py A B [--steps 600] [--prompt-tokens 256] [--threads 2] [--plain-attention a|b|both]
+    python examples/bench_steps.py A B [--steps 600] [--prompt-tokens 256] [--threads 2]
+        [--plain-attention a|b|both] [--split-decode a|b|both]
 
 A and B are each an export folder (run by the monolithic session) or a pack (run by the all-CPU chain),
-e.g. `build/demo/export build/demo/pack --plain-attention b` for what the split into sub-layers costs per
-decode step (the chain attending with GroupQueryAttention, as the monolithic session does), or
-`build/demo/pack build/demo/pack --plain-attention a` for what the chain's decode attention op gains, with
-no generation loop, tokenizer or process boundary in between. Each engine is made twice, in the order
+e.g. `build/demo/export build/demo/pack` for the chain's decode step as it runs against the monolithic
+session's, `build/demo/export build/demo/pack --split-decode b` for what the split into sub-layers costs per
+decode step (one session per sub-layer, attending with GroupQueryAttention, as the monolithic session does), or
+`build/demo/pack build/demo/pack --plain-attention a` for what the decode attention op gains in the joined
+sessions, with no generation loop, tokenizer or process boundary in between. Each engine is made twice, in the order
 A, B, B, A (a session made later ran a few percent faster here), prefilled with the same prompt, then
 every round runs one decode step on each of the four at the same context (growing by one per round,
 wrapping after 64); the ratio is B's step time / A's, the median over rounds of each pairing, the two
@@ -27,12 +29,12 @@ from pipeshard.runtime.pack import is_pack
 WRAP = 64
 
 
-def make_engine(folder: str, threads: int, decode_attention: bool):
+def make_engine(folder: str, threads: int, decode_attention: bool, join_decode: bool):
     from pipeshard.runtime.chain import ChainStep
     from pipeshard.runtime.monolithic import MonolithicStep
 
     if is_pack(Path(folder)):
-        return ChainStep(Path(folder), threads=threads, decode_attention=decode_attention)
+        return ChainStep(Path(folder), threads=threads, decode_attention=decode_attention, join_decode=join_decode)
     return MonolithicStep(Path(folder), threads)
 
 
@@ -45,6 +47,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--plain-attention", choices=("a", "b", "both"),
                         help="which chains attend with GroupQueryAttention at decode too (not pipeshard's op)")
+    parser.add_argument("--split-decode", choices=("a", "b", "both"),
+                        help="which chains decode through one session per sub-layer (not joined ones)")
     args = parser.parse_args()
     use_process_thread_pool(args.threads)
     prompt = args.prompt_tokens
@@ -53,16 +57,20 @@ def main() -> None:
     positions = [np.array([[mask.shape[1] - 1]], np.int64) for mask in masks]
     token = np.array([[5]], np.int64)
 
+    def chosen(option: str | None, side: str) -> bool:
+        return option in (side.lower(), "both") and is_pack(Path(folders[side]))
+
     def make(side: str):
-        plain = args.plain_attention in (side.lower(), "both")
-        engine = make_engine(folders[side], args.threads, decode_attention=not plain)
+        engine = make_engine(folders[side], args.threads, decode_attention=not chosen(args.plain_attention, side),
+                             join_decode=not chosen(args.split_decode, side))
         engine.start(1, prompt + WRAP + 1)
         engine.forward(np.full((1, prompt), 7, np.int64), np.ones((1, prompt), np.int64), np.arange(prompt)[None])
         return lambda step: engine.forward(token, masks[step % WRAP], positions[step % WRAP])
 
     def label(side: str) -> str:
-        plain = args.plain_attention in (side.lower(), "both") and is_pack(Path(folders[side]))
-        return folders[side] + (" (GroupQueryAttention)" if plain else "")
+        notes = [note for option, note in ((args.plain_attention, "GroupQueryAttention"),
+                                           (args.split_decode, "a session per sub-layer")) if chosen(option, side)]
+        return folders[side] + (f" ({', '.join(notes)})" if notes else "")
 
     print(balanced_ab(make, args.steps).report(label("A"), label("B"), args.steps, "decode step"))
 

@@ -45,8 +45,8 @@ TOKEN_INPUTS = ("input_ids", "position_ids")  # [batch, new tokens]: buffers of 
 LOGITS = "logits"
 # The most weight bytes one joined decode session takes: making it pages all of them in from the blobs at once
 # (ONNX Runtime packs every weight before the pages can be let go), so this bounds what joining adds to the load
-# peak. SmolLM2: 10 sessions a decode step, ~2 % peak RSS over the split chain, as fast as one session (per-step
-# interleaved A/B); the whole decoder in one session raised the peak by ~540 MiB.
+# peak. SmolLM2: 10 sessions a decode step, load peak +62 MiB; the whole decoder as one session decoded within 1 %
+# of that (per-step interleaved A/B) and raised the load peak by ~540 MiB.
 JOINED_WEIGHT_BYTES = 64 * 2**20
 
 
@@ -234,6 +234,7 @@ class ChainStep:
                                         joined.outputs, [n for s in stretch for n in s.past],
                                         [n for s in stretch for n in s.present], roles, stretch[-1].name))
         return decode_stages
+
     def _buffers_safe(self, joined: JoinedGraph, roles: _Roles) -> bool:
         """Whether the joined graph's residual inputs and outputs may live in the chain's two residual buffers:
         ONNX Runtime cannot know two of its tensors share memory and may order the joined nodes otherwise than

@@ -39,9 +39,8 @@ class Pack:
 
 @dataclass
 class MappedWeights:
-    """Stored weights as read-only arrays over their files (by initializer name), each file mapped once."""
+    """Stored weights as read-only arrays over their files, each file mapped once."""
 
-    arrays: dict[str, np.ndarray] = field(default_factory=dict)
     maps: dict[Path, mmap.mmap] = field(default_factory=dict)
 
     def add(self, folder: Path, stored: list[dict]) -> dict[str, np.ndarray]:
@@ -55,7 +54,6 @@ class MappedWeights:
             dtype = np.dtype(weight["dtype"])
             added[weight["name"]] = np.frombuffer(self.maps[path], dtype, weight["bytes"] // dtype.itemsize,
                                                   weight["offset"]).reshape(weight["shape"])
-        self.arrays.update(added)
         return added
 
     def release_pages(self) -> None:
