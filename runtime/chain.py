@@ -21,8 +21,9 @@ through ONNX Runtime's C API (`runtime/capi.py`) and the runs between two such b
 C: a dense model's decode step is a single call.
 
 At one new token the step runs fewer, larger sessions: each stretch of sub-layers with nothing between them in
-Python (a dense model's whole decoder) joined into one graph (`runtime/joined.py`), its GroupQueryAttention nodes
-swapped for pipeshard's decode op (`runtime/decode_attention.py`), its weights the sub-layer sessions' packed ones.
+Python (a dense model's decoder, up to 64 MiB of weights at a time) joined into one graph (`runtime/joined.py`),
+its GroupQueryAttention nodes swapped for pipeshard's decode op (`runtime/decode_attention.py`), its weights the
+sub-layer sessions' packed ones.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 A decode step of a dense model runs every sub-layer once, in order, all on the CPU EP. Each session run costs
 more than its kernels: it starts cold, the caches full of the last sub-layer's weights (ONNX Runtime's executor
 state, the binding, the thread pool's hand-off). On SmolLM2 (2 threads, 256 cached tokens) one session over
-the whole decoder decoded 1.05-1.06x as fast as the 61-session chain with the same kernels. So the chain runs each
+the whole decoder decoded 1.05-1.06x as fast as the 62-session chain with the same kernels. So the chain runs each
 stretch of sub-layers that nothing outside ONNX Runtime interrupts (a MoE router's experts do) as one session
 over their joined graphs, in the sub-layer sessions' packed weights (one prepacked-weights container).
 

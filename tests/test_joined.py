@@ -96,7 +96,7 @@ def test_an_output_shares_an_inputs_buffer_only_after_every_read_of_it(tmp_path)
     joined = join([tmp_path / "g.onnx"], {"z", "w"})
     assert joined.read_before_written("y", "z")
     assert not joined.read_before_written("x", "z")  # Abs may run after Neg
-    assert joined.read_before_written("x", "w") is False  # Relu reads x and w does not depend on it
+    assert not joined.read_before_written("x", "w")  # Relu reads x and w does not depend on it
 
 
 def test_the_chain_decodes_in_fewer_runs_with_the_same_logits(tiny_pack):
