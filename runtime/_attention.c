@@ -3,9 +3,9 @@
  *
  * Why: at one new token ONNX Runtime's CPU GroupQueryAttention runs two small SGEMMs per head that each pack
  * their operand: on SmolLM2's 9 heads, hot, 42 us at 256 cached tokens and 176 us at 1024, against this op's
- * 24 and 84 us (one pass over each KV head's rows for all its query heads, rows split across the intra-op
- * threads). runtime/chain.py makes a second session of each attention sub-layer with this op in place of
- * GroupQueryAttention, for the decode steps only; prompts keep ONNX Runtime's kernel.
+ * 24 and 84 us (one pass over each KV head's rows for all its query heads, the rows cut into an even number of
+ * equal chunks per KV head for the intra-op threads, the key rows prefetched ahead of the scoring). The chain's
+ * joined decode sessions (runtime/joined.py) swap it in for GroupQueryAttention; prompts keep ONNX Runtime's kernel.
  *
  * Semantics (those of GroupQueryAttention with past and present sharing one buffer): packed query [B, 1,
  * (N + 2 Nkv) H]; past/present key and value [B, Nkv, C, H], the new key and value written at row seqlens_k[b];
@@ -117,7 +117,8 @@ typedef int32_t IntLanes __attribute__((vector_size(8 * sizeof(int32_t))));
 #define LANES 8
 #define ROWS 4  /* key rows scored together: independent sums keep the FMA units busy */
 #define TILE 8  /* value columns (in lanes) summed together, for the same reason */
-#define CHUNK 256  /* cached rows per task: long enough runs of rows for the hardware prefetchers (measured best) */
+#define CHUNK 256  /* most cached rows per task: long enough runs of rows for the hardware prefetchers (measured best) */
+#define KEYS_AHEAD 16  /* key rows prefetched ahead of the scoring (8-32 measured alike) */
 #define MAX_GROUP 64  /* query heads per KV head */
 
 static inline Lanes load(const float *from) {
@@ -176,6 +177,9 @@ static void attend_chunk(const float *queries, int64_t group, const float *keys,
     int64_t t = 0;
     for (; t + ROWS <= rows; t += ROWS) {
         const float *key = keys + (begin + t) * head_size;
+        /* the key rows KEYS_AHEAD rows on: the prefetchers alone left the scoring waiting on them */
+        for (int64_t at = 0; at < ROWS * head_size; at += 64 / sizeof(float))
+            __builtin_prefetch(key + KEYS_AHEAD * head_size + at);
         /* the value rows these weights will multiply: fetched while the keys are scored, not after */
         for (int64_t at = 0; at < ROWS * head_size; at += 64 / sizeof(float))
             __builtin_prefetch(values + (begin + t) * head_size + at);
@@ -238,7 +242,7 @@ typedef struct {
     const float *queries, *bias, *keys, *values;
     float *scratch, *partials;
     const int32_t *lengths;
-    int64_t heads, kv_heads, group, head_size, capacity, chunks, bias_rows, bias_heads, bias_width;
+    int64_t heads, kv_heads, group, head_size, capacity, chunks, chunk_rows, bias_rows, bias_heads, bias_width;
 } Step;
 
 /* Task `index`: chunk index % chunks of KV head (index / chunks) % kv_heads of sequence index / (chunks kv_heads). */
@@ -246,8 +250,8 @@ static void attend_task(void *data, size_t index) {
     const Step *step = data;
     const int64_t chunk = (int64_t)index % step->chunks, g = (int64_t)index / step->chunks % step->kv_heads;
     const int64_t b = (int64_t)index / (step->chunks * step->kv_heads), size = step->head_size;
-    const int64_t length = step->lengths[b] + 1, begin = chunk * CHUNK;
-    const int64_t end = begin + CHUNK < length ? begin + CHUNK : length;
+    const int64_t length = step->lengths[b] + 1, begin = chunk * step->chunk_rows;
+    const int64_t end = begin + step->chunk_rows < length ? begin + step->chunk_rows : length;
     float *partials = step->partials + (int64_t)index * step->group * (size + 2);
     if (begin >= end) {  /* past this sequence's rows: a chunk that weighs nothing */
         for (int64_t j = 0; j < step->group; j++) partials[j * (size + 2)] = -INFINITY;
@@ -374,6 +378,10 @@ static OrtStatus *compute(void *kernel_state, void *context) {
         .bias_rows = bias->value ? bias->dims[0] : 0, .bias_heads = bias->value ? bias->dims[1] : 0,
         .bias_width = bias->value ? bias->dims[3] : 0,
     };
+    /* Chunks of equal rows, an even number per KV head: with two threads and an odd number of KV heads (SmolLM2's
+     * 3), whole chunks of CHUNK rows and a short last one left one thread with twice the other's rows. */
+    step.chunks += step.chunks & 1;
+    step.chunk_rows = ((longest + step.chunks - 1) / step.chunks + ROWS - 1) / ROWS * ROWS;
     const size_t tasks = (size_t)(batch * kv_heads * step.chunks);
     const size_t query_floats = (size_t)(batch * heads * head_size);
     const size_t scratch_floats = tasks * (size_t)(group * (CHUNK + LANES));

@@ -83,10 +83,12 @@ def test_equals_group_query_attention_at_one_new_token(lengths, rotary, bias):
         np.testing.assert_allclose(cache_got, cache_expected, rtol=1e-6, atol=1e-6)
 
 
-def test_long_rows_are_attended_in_chunks_and_combined():
-    """601 rows are three chunks per KV head (256, 256, 89); the shorter row has rows in the first chunk only."""
-    expected = _run("GroupQueryAttention", "com.microsoft", [600, 130], 640, True, True)
-    got = _run(DECODE_OP, capi.CUSTOM_DOMAIN, [600, 130], 640, True, True)
+@pytest.mark.parametrize("lengths, capacity", [([600, 130], 640), ([256, 3], 264)])
+def test_long_rows_are_attended_in_chunks_and_combined(lengths, capacity):
+    """601 rows are four chunks per KV head (152, 152, 152, 145), 257 rows two (132, 125); the shorter rows have
+    rows in the first chunk only."""
+    expected = _run("GroupQueryAttention", "com.microsoft", lengths, capacity, True, True)
+    got = _run(DECODE_OP, capi.CUSTOM_DOMAIN, lengths, capacity, True, True)
     np.testing.assert_allclose(got[0], expected[0], rtol=1e-5, atol=1e-5)
 
 
