@@ -104,6 +104,7 @@ def measure(kind: str, pack_folder: str, floor_path: str, threads: int, prompt: 
         output = session.get_outputs()[0]
         result = np.empty(output.shape, np.float32)
         binding.bind_output(output.name, "cpu", 0, np.float32, output.shape, result.ctypes.data)
+
         def step(_: int) -> None:
             session.run_with_iobinding(binding)
     else:
@@ -147,12 +148,18 @@ def main() -> None:
         print(json.dumps(measure(args.measure, args.pack, args.floor_path, args.threads, args.prompt_tokens,
                                  args.steps, args.weight_bytes)))
         return
+    from pipeshard.errors import UserError
+    from pipeshard.runtime.exportdir import NUMPY_DTYPES
     from pipeshard.runtime.pack import load_pack
 
-    pack = load_pack(Path(args.pack))
+    try:
+        pack = load_pack(Path(args.pack))
+    except UserError as error:
+        _refuse(str(error))
     if pack.model.get("num_experts"):
-        print("error: the floor is for dense packs (a MoE decode step reads its chosen experts only)", file=sys.stderr)
-        sys.exit(2)
+        _refuse("the floor is for dense packs (a MoE decode step reads its chosen experts only)")
+    if NUMPY_DTYPES[pack.model["dtype"]] != np.float32:
+        _refuse(f"the floor is for fp32 packs (its weights are fp32), not {pack.model['dtype']}")
     products = matrix_products(pack)
     weight_bytes = sum(int(np.prod(p["shape"])) * 4 for p in products)
     print(f"{len(products)} matrix products, {weight_bytes / 1e6:.1f} MB of weights a step")
@@ -167,8 +174,8 @@ def main() -> None:
                 printed = subprocess.run(command, check=True, capture_output=True, text=True).stdout
                 results[kind].append(json.loads(printed.strip().splitlines()[-1]))
             floor, chain = results["floor"][-1], results["chain"][-1]
-            print(f"pair {pair + 1}: floor {floor['step_s'] * 1e3:6.2f} ms ({_share(floor, weight_bytes)} of its "
-                  "probe)  "
+            print(f"pair {pair + 1}: floor {floor['step_s'] * 1e3:6.2f} ms "
+                  f"({_share(floor, weight_bytes)} of its probe)  "
                   f"chain {chain['step_s'] * 1e3:6.2f} ms ({_share(chain, weight_bytes)})  "
                   f"chain / floor time {chain['step_s'] / floor['step_s']:.3f}")
     ratios = [c["step_s"] / f["step_s"] for f, c in zip(results["floor"], results["chain"], strict=True)]
@@ -176,6 +183,11 @@ def main() -> None:
           f"(range {min(ratios):.3f}-{max(ratios):.3f}); of the probe's best: floor "
           f"{statistics.median(_shares(results['floor'], weight_bytes)):.0%}, chain "
           f"{statistics.median(_shares(results['chain'], weight_bytes)):.0%}")
+
+
+def _refuse(message: str) -> None:
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
 
 
 def _shares(runs: list[dict], weight_bytes: int) -> list[float]:

@@ -43,3 +43,8 @@ def test_the_script_times_floor_and_chain_in_processes_of_their_own(tiny_pack):
                            "--prompt-tokens", "8"], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert "pair 1: floor" in done.stdout and "median over 1 pairs: chain / floor time" in done.stdout
+
+
+def test_a_folder_that_is_no_pack_is_one_error_line(tmp_path):
+    done = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stderr.startswith("error:") and "Traceback" not in done.stderr
