@@ -11,7 +11,12 @@ from dataclasses import dataclass
 from optimum.exporters.base import ExporterConfig
 from optimum.utils.normalized_config import NormalizedTextConfigWithGQA
 
+from pipeshard.errors import UserError
 from pipeshard.exporter.moe import moe_dims
+
+# Rotary variants whose tables are fixed functions of the position: the trace computes them exactly.
+# LongRoPE also picks its factors by the step's length (see `_max_context`).
+STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 
 
 @dataclass(frozen=True)
@@ -29,6 +34,47 @@ class DecoderDims:
     num_experts: int = 0  # MoE only: experts per layer, routed per token, and each expert's FFN width
     experts_per_token: int = 0
     expert_intermediate_size: int = 0
+    sliding_window: int = 0  # keys a sliding-window layer attends to (0: none, or none shorter than max_context)
+
+
+def rope_parameter_sets(config) -> list[dict]:
+    """The model's rotary settings: one dict, or one per layer type (Gemma 3's local and global bases)."""
+    parameters = getattr(config, "rope_parameters", None) or {}
+    if parameters and all(isinstance(value, dict) for value in parameters.values()):
+        return list(parameters.values())
+    return [parameters]
+
+
+def check_supported_features(config, where: str) -> None:
+    """Refuse, naming the feature, what the export would silently get wrong."""
+    for parameters in rope_parameter_sets(config):
+        rope_type = parameters.get("rope_type", "default")
+        if rope_type not in STATIC_ROPE_TYPES:
+            raise UserError(f"{where}: rope_scaling of type {rope_type!r} is not supported "
+                            f"(supported: {', '.join(STATIC_ROPE_TYPES)})")
+    if getattr(config, "attn_logit_softcapping", None):
+        raise UserError(f"{where}: attention logit softcapping (attn_logit_softcapping) is not supported")
+    if getattr(config, "use_bidirectional_attention", False):
+        raise UserError(f"{where}: bidirectional attention (use_bidirectional_attention) is not supported")
+
+
+def _max_context(config) -> int:
+    """The longest context the export computes as transformers does. LongRoPE switches every position to its
+    long factors once a sequence passes the original length, and transformers then recomputes the whole cache;
+    an export stays within the original length, where the short factors hold (the runtime refuses more)."""
+    for parameters in rope_parameter_sets(config):
+        if parameters.get("rope_type") == "longrope" and parameters.get("long_factor") != parameters.get(
+                "short_factor"):
+            original = parameters.get("original_max_position_embeddings") or getattr(
+                config, "original_max_position_embeddings", None)
+            return min(original or config.max_position_embeddings, config.max_position_embeddings)
+    return config.max_position_embeddings
+
+
+def _effective_sliding_window(config) -> int:
+    """The sliding window a layer of this model can meet within its context, or 0."""
+    window = getattr(config, "sliding_window", None) or 0
+    return window if 0 < window < _max_context(config) else 0
 
 
 class DecoderWithPastExportConfig(ExporterConfig):
@@ -50,10 +96,11 @@ class DecoderWithPastExportConfig(ExporterConfig):
             num_key_value_heads=normalized.num_key_value_heads or heads,
             head_dim=getattr(config, "head_dim", None) or normalized.hidden_size // heads,
             vocab_size=normalized.vocab_size,
-            max_context=config.max_position_embeddings,
+            max_context=_max_context(config),
             num_experts=moe.num_experts if moe else 0,
             experts_per_token=moe.experts_per_token if moe else 0,
             expert_intermediate_size=moe.expert_intermediate_size if moe else 0,
+            sliding_window=_effective_sliding_window(config),
         )
 
     @property
@@ -105,6 +152,15 @@ class MixtralExportConfig(DecoderWithPastExportConfig):
     """Mixtral: Mistral attention, a routed expert block per layer (exported per expert, exporter/moe.py)."""
 
 
+class Phi3ExportConfig(DecoderWithPastExportConfig):
+    """Phi-3 / Phi-3.5 / Phi-4-mini: fused qkv_proj and gate_up_proj, partial rotary, LongRoPE."""
+
+
+class Gemma3TextExportConfig(DecoderWithPastExportConfig):
+    """Gemma 3 text: scaled embeddings, (1 + w) RMS norms around attention and FFN, q/k norms, GeGLU, local
+    (sliding-window) and global layers with their own rotary bases, optional final logit softcapping."""
+
+
 SUPPORTED_ARCHITECTURES: dict[str, type[DecoderWithPastExportConfig]] = {
     "llama": LlamaExportConfig,
     "mistral": MistralExportConfig,
@@ -112,9 +168,12 @@ SUPPORTED_ARCHITECTURES: dict[str, type[DecoderWithPastExportConfig]] = {
     "qwen3": Qwen3ExportConfig,
     "qwen3_moe": Qwen3MoeExportConfig,
     "mixtral": MixtralExportConfig,
+    "phi3": Phi3ExportConfig,
+    "gemma3_text": Gemma3TextExportConfig,
 }
 
 
 def export_config_for(config, float_dtype: str) -> DecoderWithPastExportConfig:
     """The export config of a transformers model config."""
+    check_supported_features(config, config.model_type)
     return SUPPORTED_ARCHITECTURES[config.model_type](config, task="text-generation", float_dtype=float_dtype)

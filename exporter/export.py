@@ -98,7 +98,7 @@ def export_model(model: str, out: Path, dtype: str = "fp32", force: bool = False
         export_decoder(source.model, export_config, staging / MODEL_FILE, opset)
         dims = export_config.dims
         fuse_exported_model(staging / MODEL_FILE, dims.num_attention_heads, dims.num_key_value_heads,
-                            dims.head_dim, dtype, dims.max_context)
+                            dims.head_dim, dtype, dims.max_context, dims.sliding_window or None)
         progress.update()
 
         progress.set_description("validate against PyTorch")

@@ -216,25 +216,40 @@ def _concat_of(graph: _Graph, tensor: str) -> onnx.NodeProto:
     return node
 
 
-def _is_causal_and_padding(model: onnx.ModelProto, mask: str) -> bool:
-    """Whether the exporter's boolean mask is exactly "causal and not padding" (what GQA's own causal
-    masking plus a padding bias give), checked on a left-padded prompt batch and on steps with a past."""
+def _mask_window(model: onnx.ModelProto, mask: str, sliding_window: int | None) -> int | None:
+    """Which plain mask the exporter's boolean mask is, checked by running it on left-padded prompt batches and
+    on steps with a past, some longer than the sliding window: -1 for "causal and not padding", the window W for
+    "causal, within the last W keys and not padding" (GQA's `local_window_size`), None for anything else (kept
+    as the exporter's bias)."""
     cases = [(np.array([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]]), 6), (np.ones((1, 9), np.int64), 1),
              (np.ones((1, 9), np.int64), 3)]
+    if sliding_window:
+        longer = sliding_window + 5
+        cases += [(np.concatenate([np.zeros((1, 3)), np.ones((1, longer))], axis=1), longer + 3),
+                  (np.ones((1, longer), np.int64), 1), (np.ones((1, longer + 4), np.int64), 2)]
+    found_masks = []
     for attention_mask, new in cases:
         batch, total = attention_mask.shape
         positions = np.maximum(np.cumsum(attention_mask, axis=1) - 1, 0)[:, total - new:]
         feeds = {"input_ids": np.zeros((batch, new), np.int64), "attention_mask": attention_mask.astype(np.int64),
-                 "position_ids": positions}
+                 "position_ids": positions.astype(np.int64)}
         try:
             (found,) = _evaluate(model, [mask], feeds)
         except Exception:  # noqa: BLE001 - the mask needs more than the step inputs: not the plain kind
-            return False
-        query = np.arange(total - new, total)[:, None]
-        expected = (np.arange(total)[None, :] <= query)[None, None] & attention_mask.astype(bool)[:, None, None, :]
-        if found.shape != expected.shape or not np.array_equal(found, expected):
-            return False
-    return True
+            return None
+        found_masks.append((found, attention_mask.astype(bool), total, new))
+    for window in (-1, sliding_window) if sliding_window else (-1,):
+        if all(_is_plain_mask(found, attend, total, new, window) for found, attend, total, new in found_masks):
+            return window
+    return None
+
+
+def _is_plain_mask(found: np.ndarray, attend: np.ndarray, total: int, new: int, window: int) -> bool:
+    query = np.arange(total - new, total)[:, None]
+    keys = np.arange(total)[None, :]
+    visible = (keys <= query) & ((keys > query - window) if window > 0 else True)
+    expected = visible[None, None] & attend[:, None, None, :]
+    return found.shape == expected.shape and bool(np.array_equal(found, expected))
 
 
 def _padding_bias(float_type: int, like: onnx.NodeProto) -> tuple[str, list[onnx.NodeProto]]:
@@ -385,9 +400,11 @@ def _rotary_caches(graph: _Graph, sources: list[tuple[str, str]], max_context: i
 
 
 def fuse_attention(model: onnx.ModelProto, heads: int, kv_heads: int, head_dim: int,
-                   float_type: int = TensorProto.FLOAT, max_context: int | None = None) -> int:
+                   float_type: int = TensorProto.FLOAT, max_context: int | None = None,
+                   sliding_window: int | None = None) -> int:
     """Rewrite every exported attention into GroupQueryAttention; returns how many were rewritten.
-    With `max_context`, plainly rotated attentions get packed q/k/v and GQA's own rotary."""
+    With `max_context`, plainly rotated attentions get packed q/k/v and GQA's own rotary. An attention whose
+    mask is the sliding window of the model's config gets GQA's local window over the whole in-place cache."""
     derive_past_length(model, kv_heads, head_dim)
     graph = _Graph(model)
     attentions = [n for n in graph.nodes if n.op_type == "Attention" and n.domain in ("", "ai.onnx")]
@@ -396,6 +413,7 @@ def fuse_attention(model: onnx.ModelProto, heads: int, kv_heads: int, head_dim: 
     added: list[onnx.NodeProto] = []
     removed: list[onnx.NodeProto] = []
     biases: dict[str, str] = {}
+    windows: dict[str, int | None] = {}
     prologue: list[onnx.NodeProto] = []
     rotary_sources: list[tuple[str, str]] = []
     for attention in attentions:
@@ -403,7 +421,8 @@ def fuse_attention(model: onnx.ModelProto, heads: int, kv_heads: int, head_dim: 
         if not mask:
             raise UserError(f"attention rewrite: {attention.name} has no mask input")
         if mask not in biases:
-            if not _is_causal_and_padding(model, mask):
+            windows[mask] = _mask_window(model, mask, sliding_window)
+            if windows[mask] is None:
                 biases[mask], nodes = _additive_bias(graph, mask, float_type)
                 prologue += nodes
             elif PADDING_BIAS in biases.values():  # another mask of the same kind: one padding bias serves all
@@ -412,7 +431,12 @@ def fuse_attention(model: onnx.ModelProto, heads: int, kv_heads: int, head_dim: 
                 biases[mask], nodes = _padding_bias(float_type, graph.producer.get(mask) or attention)
                 prologue += nodes
         k_concat, v_concat = _concat_of(graph, k), _concat_of(graph, v)
-        (out_transpose,) = graph.consumers[attention.output[0]]
+        attention_output = attention.output[0]
+        (out_transpose,) = graph.consumers[attention_output]
+        if out_transpose.op_type == "Reshape" and _dims_of(model, out_transpose.output[0]) == \
+                _dims_of(model, attention_output):  # a reshape to the same shape (Phi-3's): nothing to keep
+            removed.append(out_transpose)
+            (out_transpose,) = graph.consumers[out_transpose.output[0]]
         if out_transpose.op_type != "Transpose":
             raise UserError(f"attention rewrite: {attention.name} output goes to {out_transpose.op_type}")
         (out_reshape,) = graph.consumers[out_transpose.output[0]]
@@ -436,7 +460,8 @@ def fuse_attention(model: onnx.ModelProto, heads: int, kv_heads: int, head_dim: 
             name=f"{attention.name or attention.output[0]}_gqa", domain="com.microsoft",
             num_heads=heads, kv_num_heads=kv_heads, **({"do_rotary": 1} if packed else {}),
             **({"scale": float(attributes["scale"])} if "scale" in attributes else {}),
-            **({"softcap": float(attributes["softcap"])} if attributes.get("softcap") else {}))
+            **({"softcap": float(attributes["softcap"])} if attributes.get("softcap") else {}),
+            **({"local_window_size": windows[mask]} if (windows[mask] or 0) > 0 else {}))
         added.append(_metadata_from(gqa, attention))
         removed += [attention, out_transpose, out_reshape, k_concat, v_concat]
     batch, sequence = _dims_of(model, "input_ids")
@@ -530,11 +555,11 @@ def pack_sibling_projections(model: onnx.ModelProto) -> int:
 
 
 def fuse_exported_model(onnx_path: Path, heads: int, kv_heads: int, head_dim: int, dtype: str,
-                        max_context: int) -> int:
+                        max_context: int, sliding_window: int | None = None) -> int:
     """Apply the rewrites to an exported model file in place (its external data file rewritten)."""
     model = onnx.load(str(onnx_path))
     float_type = {"fp32": TensorProto.FLOAT, "fp16": TensorProto.FLOAT16}[dtype]
-    fused = fuse_attention(model, heads, kv_heads, head_dim, float_type, max_context)
+    fused = fuse_attention(model, heads, kv_heads, head_dim, float_type, max_context, sliding_window)
     pack_sibling_projections(model)
     data = onnx_path.with_name(onnx_path.name + ".data")
     data.unlink(missing_ok=True)  # onnx appends to an existing data file

