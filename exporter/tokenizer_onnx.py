@@ -7,13 +7,17 @@ host without Python (a game engine with ONNX Runtime and the extensions library)
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
+log = logging.getLogger(__name__)
+
 EXTENSIONS_DOMAIN = "ai.onnx.contrib"
+ENCODER_FILE, DECODER_FILE = "tokenizer.onnx", "detokenizer.onnx"
 CHECK_STRINGS = [
     "Hello, world!",
     "<|im_start|>user\nWhat is 2+2?<|im_end|>\n",
@@ -104,3 +108,30 @@ def check_tokenizer_models(encoder_path: Path, decoder_path: Path, tokenizer_jso
         decoded_text = str(decoded.reshape(-1)[0]) if decoded.size else ""
         matched += ids == expected and decoded_text == reference.decode(expected, skip_special_tokens=False)
     return {"strings": len(CHECK_STRINGS), "matched": matched}
+
+
+def _is_byte_level(tokenizer_json: Path) -> bool:
+    spec = json.loads(tokenizer_json.read_text(encoding="utf-8"))
+    decoder = spec.get("decoder") or {}
+    kinds = [decoder.get("type")] + [d.get("type") for d in decoder.get("decoders", [])]
+    return spec.get("model", {}).get("type") == "BPE" and "ByteLevel" in kinds
+
+
+def write_tokenizer_models(folder: Path) -> dict:
+    """Write the ONNX tokenizer and detokenizer beside `tokenizer.json` when they reproduce it on every check
+    string; otherwise write neither (a host would tokenize wrongly) and say why in the returned record."""
+    tokenizer_json = folder / "tokenizer.json"
+    if not _is_byte_level(tokenizer_json):
+        reason = "not a byte-level BPE tokenizer (the ONNX detokenizer handles only those)"
+        log.warning("warning: no ONNX tokenizer written: %s", reason)
+        return {"strings": len(CHECK_STRINGS), "matched": 0, "skipped": reason}
+    encoder, decoder = build_tokenizer_models(tokenizer_json, folder / "tokenizer_config.json")
+    onnx.save(encoder, folder / ENCODER_FILE)
+    onnx.save(decoder, folder / DECODER_FILE)
+    check = check_tokenizer_models(folder / ENCODER_FILE, folder / DECODER_FILE, tokenizer_json)
+    if check["matched"] != check["strings"]:
+        for name in (ENCODER_FILE, DECODER_FILE):
+            (folder / name).unlink()
+        check["skipped"] = f"the ONNX tokenizer matched {check['matched']} of {check['strings']} check strings"
+        log.warning("warning: no ONNX tokenizer written: %s", check["skipped"])
+    return check

@@ -120,8 +120,8 @@ class Generator:
         self.codec = codec
 
     def prompt_ids(self, prompt: str, chat_template: bool = True, system: str | None = None) -> list[int]:
-        text = self.codec.render_chat(prompt, system) if chat_template else prompt
-        ids = self.codec.encode(text)
+        ids = self.codec.encode(self.codec.render_chat(prompt, system)) if chat_template else \
+            self.codec.encode(prompt, add_special_tokens=True)
         if not ids:
             raise UserError("the prompt is empty")
         return ids

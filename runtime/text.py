@@ -57,8 +57,10 @@ class TextCodec:
             eos_token=self.eos_token or "",
         )
 
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False).ids
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of `text`; with `add_special_tokens` the tokenizer adds what it adds to a plain prompt
+        (Gemma's <bos>), as transformers does. A rendered chat template already holds its own."""
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
