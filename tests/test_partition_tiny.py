@@ -222,7 +222,7 @@ def test_the_prologue_is_the_padding_bias_lengths_and_rotary_rows_only(tiny_pack
 def test_a_mask_that_is_not_causal_and_padding_keeps_the_exporters_bias():
     from onnx import TensorProto, helper
 
-    from pipeshard.exporter.fuse import _is_causal_and_padding
+    from pipeshard.exporter.fuse import _mask_window
 
     graph = helper.make_graph(  # padding only, no causal part
         [helper.make_node("Cast", ["attention_mask"], ["attend"], to=TensorProto.BOOL),
@@ -232,7 +232,7 @@ def test_a_mask_that_is_not_causal_and_padding_keeps_the_exporters_bias():
          for name, size in (("input_ids", "sequence"), ("attention_mask", "total"), ("position_ids", "sequence"))],
         [helper.make_tensor_value_info("mask", TensorProto.BOOL, None)])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    assert not _is_causal_and_padding(model, "mask")
+    assert _mask_window(model, "mask", None) is None and _mask_window(model, "mask", 4) is None
 
 
 def test_rotary_tables_are_bound_whole_once_instead_of_sliced_every_step(tiny_pack):

