@@ -293,8 +293,9 @@ def _additive_bias(graph: _Graph, mask: str, float_type: int) -> tuple[str, list
     return bias, nodes
 
 
-def _projection(graph: _Graph, tensor: str) -> onnx.NodeProto | None:
-    """The MatMul (by an initializer weight) that became `tensor` through Reshape and Transpose(0, 2, 1, 3)."""
+def _projection(graph: _Graph, tensor: str) -> tuple[onnx.NodeProto, str | None] | None:
+    """The MatMul (by an initializer weight) and the bias added after it, if any (Qwen2's q/k/v), that became
+    `tensor` through Reshape and Transpose(0, 2, 1, 3)."""
     transpose = graph.producer.get(tensor)
     if transpose is None or transpose.op_type != "Transpose" or \
             next((list(a.ints) for a in transpose.attribute if a.name == "perm"), None) != [0, 2, 1, 3]:
@@ -302,10 +303,16 @@ def _projection(graph: _Graph, tensor: str) -> onnx.NodeProto | None:
     reshape = graph.producer.get(transpose.input[0])
     if reshape is None or reshape.op_type != "Reshape":
         return None
-    matmul = graph.producer.get(reshape.input[0])
+    matmul, bias = graph.producer.get(reshape.input[0]), None
+    if matmul is not None and matmul.op_type == "Add":
+        biases = [t for t in matmul.input if t in graph.initializers and len(graph.initializers[t].dims) == 1]
+        made = [graph.producer.get(t) for t in matmul.input if t not in biases]
+        if len(biases) != 1 or len(made) != 1:
+            return None
+        matmul, bias = made[0], biases[0]
     if matmul is None or matmul.op_type != "MatMul" or matmul.input[1] not in graph.initializers:
         return None
-    return matmul
+    return matmul, bias
 
 
 def _plain_rotary(node: onnx.NodeProto | None, head_dim: int) -> bool:
@@ -317,14 +324,18 @@ def _plain_rotary(node: onnx.NodeProto | None, head_dim: int) -> bool:
 
 def _packed_qkv(graph: _Graph, q: str, k: str, v: str, heads: int, kv_heads: int, head_dim: int,
                 added: list[onnx.NodeProto]) -> tuple[str, list[tuple[str, str]]] | None:
-    """One MatMul over [Wq | Wk | Wv] when q and k are plainly rotated projections of the same input as v;
+    """One MatMul over [Wq | Wk | Wv] (plus [bq | bk | bv] where all three have biases) when q and k are plainly
+    rotated projections of the same input as v;
     returns the packed qkv and the (cos, sin) pairs q and k were rotated with, or None where the pattern
     does not hold."""
     rotate_q, rotate_k = graph.producer.get(q), graph.producer.get(k)
     if not (_plain_rotary(rotate_q, head_dim) and _plain_rotary(rotate_k, head_dim)):
         return None
-    projections = [_projection(graph, t) for t in (rotate_q.input[0], rotate_k.input[0], v)]
-    if any(p is None for p in projections) or len({p.input[0] for p in projections}) != 1:
+    found = [_projection(graph, t) for t in (rotate_q.input[0], rotate_k.input[0], v)]
+    if any(f is None for f in found):
+        return None
+    projections, biases = [f[0] for f in found], [f[1] for f in found]
+    if len({p.input[0] for p in projections}) != 1 or len({b is None for b in biases}) != 1:
         return None
     weights = [numpy_helper.to_array(graph.initializers[p.input[1]]) for p in projections]
     widths = [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
@@ -334,8 +345,17 @@ def _packed_qkv(graph: _Graph, q: str, k: str, v: str, heads: int, kv_heads: int
     packed = numpy_helper.from_array(np.concatenate(weights, axis=1), f"{name}_weight")
     graph.model.graph.initializer.append(packed)
     graph.initializers[packed.name] = packed
-    matmul = helper.make_node("MatMul", [projections[0].input[0], packed.name], [name], name=name)
+    product = name if biases[0] is None else f"{name}_product"
+    matmul = helper.make_node("MatMul", [projections[0].input[0], packed.name], [product], name=product)
     added.append(_metadata_from(matmul, projections[0]))
+    if biases[0] is not None:
+        bias = numpy_helper.from_array(np.concatenate([numpy_helper.to_array(graph.initializers[b])
+                                                       for b in biases]), f"{name}_bias")
+        graph.model.graph.initializer.append(bias)
+        graph.initializers[bias.name] = bias
+        added.append(_metadata_from(helper.make_node("Add", [product, bias.name], [name], name=name),
+                                    projections[0]))
+        graph.widths[product] = sum(widths)
     graph.widths[name] = sum(widths)
     return name, [tuple(rotate_q.input[1:3]), tuple(rotate_k.input[1:3])]
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import os
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any

@@ -90,7 +90,7 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
                             "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
         "tie_word_embeddings": True,
     },
-    # Qwen 2.5 with its long-context setting (YaRN) and q/k/v biases.
+    # Qwen 2.5: q/k/v biases (packed with the weights for GQA's own rotary).
     "qwen2": {
         "model_type": "qwen2",
         "hidden_size": 64,
@@ -99,8 +99,7 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
         "num_attention_heads": 4,
         "num_key_value_heads": 2,
         "max_position_embeddings": 512,
-        "rope_parameters": {"rope_type": "yarn", "rope_theta": 1000000.0, "factor": 4.0,
-                            "original_max_position_embeddings": 128},
+        "rope_theta": 1000000.0,
         "tie_word_embeddings": False,
     },
     # Phi-4-mini's shape: fused qkv / gate_up, partial rotary (0.75), LongRoPE, tied embeddings.

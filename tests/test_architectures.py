@@ -21,6 +21,9 @@ ARCHITECTURES = {
     "mistral": TINY_CONFIGS["mistral"],
     "llama3": TINY_CONFIGS["llama3"],
     "qwen2.5": TINY_CONFIGS["qwen2"],
+    # Qwen 2.5's long-context setting.
+    "qwen2.5-yarn": {**TINY_CONFIGS["qwen2"], "rope_parameters": {
+        "rope_type": "yarn", "rope_theta": 1000000.0, "factor": 4.0, "original_max_position_embeddings": 128}},
     "gemma3": TINY_CONFIGS["gemma3"],
     "phi4-mini": PHI3,
     # Phi-3-mini-4k: no rope scaling, full rotary, a sliding window (2047 there).

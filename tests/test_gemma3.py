@@ -29,7 +29,6 @@ def test_chain_and_sim_give_transformers_greedy_tokens(gemma3):
     export, pack, source = gemma3
     engines = {"export": pipeshard.load(export), "chain": pipeshard.load(pack),
                "sim": pipeshard.load(pack, vram="25%", device="sim", profile="laptop-8gb", context=1024)}
-    assert engines["chain"].step.max_context == 4096
     for prompt in PROMPTS:
         prompt_ids = source.tokenizer(prompt).input_ids
         with torch.no_grad():
@@ -39,4 +38,4 @@ def test_chain_and_sim_give_transformers_greedy_tokens(gemma3):
             assert engine.generator.prompt_ids(prompt, chat_template=False) == prompt_ids, kind
             generated = engine.generate(prompt, chat_template=False, max_new_tokens=NEW_TOKENS)[0].tokens
             assert generated == expected[:len(generated)] and len(generated) >= 8, (kind, prompt[:30])
-    assert len(PROMPTS[-1]) and len(source.tokenizer(PROMPTS[-1]).input_ids) > 512
+    assert len(source.tokenizer(PROMPTS[-1]).input_ids) > 512
