@@ -280,6 +280,7 @@ def partition(export_dir: Path, pack: Path, force: bool = False) -> PartitionRes
                 "tie_word_embeddings": info.get("tie_word_embeddings", False),
                 "num_experts": dims.get("num_experts", 0), "experts_per_token": dims.get("experts_per_token", 0),
                 "expert_intermediate_size": dims.get("expert_intermediate_size", 0),
+                "sliding_window": dims.get("sliding_window", 0),
             },
             "source": {"export": str(export_dir.absolute()),
                        "model_sha256": sha256_file(export_dir / info["model_file"])},
@@ -292,6 +293,9 @@ def partition(export_dir: Path, pack: Path, force: bool = False) -> PartitionRes
                           "for an expert, T = the tokens routed to it",
             "sub_layers": entries,
             "moe_blocks": blocks,
+            # Every file but the weight blobs (their digests are in the entries), for `inspect --verify`.
+            "files": {path.name: {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
+                      for path in sorted(staging.iterdir()) if path.is_file() and not path.name.endswith(".weights")},
         }
         write_json_atomic(staging / MANIFEST_NAME, manifest)
     total = sum(b["bytes"] for b in blobs.values())

@@ -87,7 +87,16 @@ def plot_timelines(planned: dict, tiers: list[int], path: Path, title: str) -> N
         axis.set_title(f"T={tier}: {plan.strategy}, {plan.step_s * 1e3:.2f} ms/step predicted, "
                        f"{plan.copy_hidden_fraction:.0%} of copy time overlaps compute", fontsize=9)
         axis.set_xlabel("ms")
-    figure.suptitle(title, fontsize=10)
-    figure.tight_layout()
+    from matplotlib.patches import Patch
+
+    labels = [(colors["attn"], "attention (+ its KV)"), (colors["ffn"], "FFN"), (colors["final"], "output layer"),
+              (colors["other"], "other sub-layers (embed, experts)"),
+              ("tab:red", "copy engine: weights streamed to the GPU"),
+              ("tab:pink", "copy engine: activations / logits crossing devices")]
+    legend = [Patch(facecolor=color, label=label) for color, label in labels]
+    figure.legend(handles=legend, loc="lower center", ncol=3, fontsize=8, frameon=False)
+    figure.suptitle(title + "\nrows: CPU and GPU compute, the copy engine's transfers (predicted steady-state step)",
+                    fontsize=10)
+    figure.tight_layout(rect=(0, 0.08, 1, 1))
     figure.savefig(path, dpi=110)
     plt.close(figure)

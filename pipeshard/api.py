@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 
 from pipeshard.errors import UserError
 from pipeshard.runtime.generate import Generation, Generator, SamplingSettings, StreamEvent
 from pipeshard.runtime.text import TextCodec
+
+log = logging.getLogger(__name__)
+
+
+DEVICES = ("auto", "cuda", "sim", "cpu")
+PLANS = ("auto", "gpu-only", "static", "dynamic", "cpu", "monolithic", "layers", "offload")
 
 
 class Engine:
@@ -33,7 +40,8 @@ class Engine:
         from pipeshard.units import resolve_budget
 
         if not hasattr(self.step, "set_budget"):
-            raise UserError("this engine runs without a device; load the pack with device= and vram=")
+            raise UserError("this engine runs without a device: start it from a pack with a device and a budget "
+                            "(--device sim|cuda --vram SIZE)")
         planner = self.step.planner
         self.step.set_budget(resolve_budget(size, planner.minimum_budget(), planner.model_bytes))
 
@@ -68,28 +76,63 @@ def load(path: str | Path, threads: int | None = None, verify: bool = False, vra
     folder = Path(path)
     if not folder.exists():
         raise UserError(f"{folder} does not exist")
+    if device not in DEVICES:
+        raise UserError(f"unknown device {device!r}; choose {', '.join(DEVICES)}")
+    if plan not in PLANS:
+        raise UserError(f"unknown plan {plan!r}; choose {', '.join(PLANS)}")
     if not is_pack(folder):
         if not (folder / "export.json").is_file():
             raise UserError(f"{folder} is neither a pipeshard export folder (export.json) nor a model pack "
                             "(manifest.json)")
+        if device not in ("auto", "cpu") or vram is not None or plan not in ("auto", "monolithic"):
+            raise UserError(f"{folder} is an export folder, which runs as one session on the CPU; --device, "
+                            "--vram and --plan need a model pack (pipeshard partition EXPORT PACK)")
+        if verify:
+            verify_export(folder)
         return _engine(lambda: MonolithicStep(folder, threads=threads), folder)
+    if device == "cuda":
+        from pipeshard.profiles.measure_cuda import cuda_usable
+
+        if not cuda_usable():
+            raise UserError("--device cuda: no usable CUDA execution provider here (onnxruntime-gpu with CUDA 13 "
+                            "and a GPU); --device sim simulates one on the CPU")
     if plan == "monolithic":
+        if device not in ("auto", "cpu") or vram is not None:
+            raise UserError("--plan monolithic runs the whole export as one CPU session: drop --device and --vram")
         export = Path(load_pack(folder).manifest["source"]["export"])
         if not (export / "export.json").is_file():
             raise UserError(f"--plan monolithic needs the export the pack was made from ({export}), which is gone")
         return _engine(lambda: MonolithicStep(export, threads=threads), folder)
-    if device not in ("auto", "cuda", "sim", "cpu"):
-        raise UserError(f"unknown device {device!r}; choose auto, cuda, sim or cpu")
     if device == "auto":
         from pipeshard.profiles.measure_cuda import cuda_usable
 
-        device = "cuda" if vram is not None and cuda_usable() else "cpu"
+        if vram is not None and not cuda_usable():
+            raise UserError("--vram needs a device, and there is no usable CUDA here: --device sim simulates one "
+                            "on the CPU")
+        device = "cuda" if vram is not None else "cpu"
     if device == "cpu" or plan == "cpu":
+        if vram is not None and device == "cpu":
+            raise UserError("--device cpu runs every sub-layer on the CPU: drop --vram, or give --device sim|cuda")
+        if plan not in ("auto", "cpu"):
+            raise UserError(f"--plan {plan} places sub-layers on a device: give --device sim|cuda and --vram")
         return _engine(lambda: ChainStep(folder, threads=threads, verify=verify), folder)
     if vram is None:
         raise UserError(f"--device {device} needs a VRAM budget (--vram SIZE)")
     return _engine(lambda: planned_step(folder, device, vram, profile, plan, threads, context, batch, verify,
                                         expert_stats), folder)
+
+
+def verify_export(folder: Path) -> None:
+    """Check every file an export folder lists in export.json against its sha256."""
+    from pipeshard.fsutil import sha256_file
+    from pipeshard.runtime.exportdir import read_export_info
+
+    for name, entry in read_export_info(folder).get("files", {}).items():
+        path = folder / name
+        if not path.is_file():
+            raise UserError(f"{path} is missing (listed in export.json)")
+        if sha256_file(path) != entry["sha256"]:
+            raise UserError(f"{path} does not match its sha256 in export.json (corrupt)")
 
 
 def _engine(make_step, folder: Path) -> Engine:
@@ -111,25 +154,37 @@ def read_expert_stats(path: str | Path | None) -> dict | None:
     return stats
 
 
+FALLBACK_PROFILE = "laptop-8gb"
+
+
+def profile_or_fallback(profile: str | Path | None) -> str | Path:
+    """The profile to plan with: the one given, else this machine's, else a reference profile (said on stderr)."""
+    from pipeshard.profiles.db import default_profile_path, machine_fingerprint
+
+    if profile is not None:
+        return profile
+    own = default_profile_path(machine_fingerprint())
+    if own.exists():
+        return own
+    log.warning("warning: this machine has no profile yet, so the plans use the reference profile %s "
+                "(`pipeshard profile --quick` measures this one in about a minute)", FALLBACK_PROFILE)
+    return FALLBACK_PROFILE
+
+
 def planned_step(folder: Path, device: str, vram, profile: str | None, plan: str, threads: int | None,
                  context: int | None, batch: int, verify: bool, expert_stats: str | Path | None = None):
     """A PlanStep on a device, planned from the profile for the budget."""
-    from pipeshard.partitioner.planner import STRATEGIES, Planner
-    from pipeshard.profiles.db import default_profile_path, load_profile, machine_fingerprint
+    from pipeshard.partitioner.planner import Planner
+    from pipeshard.profiles.db import load_profile
     from pipeshard.runtime.devices import make_device
     from pipeshard.runtime.pack import load_pack
     from pipeshard.runtime.planned import PlanStep
     from pipeshard.units import resolve_budget
 
-    if plan not in ("auto", *STRATEGIES, "layers", "offload"):
-        raise UserError(f"unknown plan {plan!r}; choose auto, gpu-only, static, dynamic, cpu, monolithic, layers "
-                        "or offload")
+    if plan not in PLANS or plan in ("cpu", "monolithic"):
+        raise UserError(f"plan {plan!r} does not run on a device; choose one of {', '.join(PLANS)}")
     manifest = load_pack(folder, verify=verify).manifest
-    profile_ref = profile or default_profile_path(machine_fingerprint())
-    if profile is None and not profile_ref.exists():
-        raise UserError("no profile of this machine yet: run `pipeshard profile` or pass --profile "
-                        "(a DB file, or laptop-8gb / desktop-24gb / laptop-4gb)")
-    planner = Planner(manifest, load_profile(profile_ref), 0,
+    planner = Planner(manifest, load_profile(profile_or_fallback(profile)), 0,
                       context=context or min(4096, manifest["model"]["max_context"]), batch=batch, threads=threads,
                       expert_stats=read_expert_stats(expert_stats))
     planner.budget_bytes = resolve_budget(vram, planner.minimum_budget(), planner.model_bytes)

@@ -630,8 +630,10 @@ def validate_bench(document: object) -> dict:
     return document
 
 
-def progress_bar(stream=sys.stderr) -> Callable[[int, int, str], None]:
-    """A one-line progress bar on a terminal (nothing when the stream is not one)."""
+def progress_bar(stream=None) -> Callable[[int, int, str], None]:
+    """A one-line progress bar on a terminal (nothing when the stream is not one); stderr by default."""
+    stream = stream or sys.stderr
+
     def update(done: int, total: int, label: str) -> None:
         if not stream.isatty():
             return

@@ -5,6 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
+import os
+import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -23,6 +26,102 @@ class _Parser(argparse.ArgumentParser):
         raise UserError(message)
 
 
+def _finite_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+    return value
+
+
+def _count(minimum: int):
+    """An argparse type: an integer of at least `minimum`."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{value} is below {minimum}")
+        return value
+    return parse
+
+
+def _opset(text: str) -> int:
+    value = _count(18)(text)
+    if value > 23:
+        raise argparse.ArgumentTypeError(f"{value}: the exporter writes opsets 18 to 23")
+    return value
+
+
+def _threads(text: str) -> int:
+    value = _count(1)(text)
+    cores = os.cpu_count() or 1
+    if value > cores:
+        raise argparse.ArgumentTypeError(f"{value} threads on a machine with {cores} cores would only slow it down")
+    return value
+
+
+def _text(value: str | None, what: str) -> str | None:
+    """Text from the command line or a terminal, refused if it is not UTF-8 (bytes Python could not decode)."""
+    if value is None:
+        return None
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise UserError(f"{what} is not valid UTF-8 text") from None
+    return value
+
+
+def _output_path(path: str | None, option: str) -> Path | None:
+    """An output file's path, its folder made now (before any work) and refused if a file stands in the way."""
+    if path is None:
+        return None
+    out = Path(path)
+    if out.is_dir():
+        raise UserError(f"{option} {path}: is a folder, give a file name")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        raise UserError(f"{option} {path}: {_file_in_the_way(out.parent)} is a file, not a folder") from None
+    return out
+
+
+def _file_in_the_way(path: Path) -> Path:
+    while not path.exists():
+        path = path.parent
+    return path
+
+
+def _check_vram(vram: str | None) -> None:
+    """A budget's syntax, checked before anything loads. A bare number is bytes: one under 1 MiB is surely a
+    forgotten unit or %."""
+    if vram is None:
+        return
+    from pipeshard.units import parse_share, parse_size
+
+    if parse_share(vram) is None and parse_size(vram) < 2**20 and vram.strip().isdigit():
+        raise UserError(f"--vram {vram}: a bare number is bytes; give a unit (2GiB, 512MiB) or a share (25%)")
+
+
+def _model_context(pack_or_export: Path) -> int | None:
+    """The longest context a pack or export folder supports, or None if it is neither (load says why)."""
+    from pipeshard.runtime.exportdir import read_json
+
+    for name, key in (("manifest.json", "model"), ("export.json", "dims")):
+        if (pack_or_export / name).is_file():
+            return int(read_json(pack_or_export / name, name)[key]["max_context"])
+    return None
+
+
+def _check_context(context: int | None, folder: Path) -> None:
+    maximum = _model_context(folder)
+    if context is not None and maximum is not None and context > maximum:
+        raise UserError(f"--context {context} is longer than the model's maximum of {maximum} tokens")
+
+
 def _command_export(args: argparse.Namespace) -> int:
     from pipeshard.exporter import export_model
 
@@ -34,28 +133,48 @@ def _command_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_generation_options(args: argparse.Namespace) -> None:
+    """What `run` and `chat` can refuse before loading anything."""
+    _check_vram(args.vram)
+    _check_context(args.context, Path(args.path))
+    if args.expert_stats is not None and not Path(args.expert_stats).is_file():
+        raise UserError(f"--expert-stats {args.expert_stats} does not exist")
+    args.system = _text(args.system, "--system")
+
+
+def _is_moe(folder: Path) -> bool:
+    from pipeshard.runtime.exportdir import read_json
+
+    found = [(folder / name, key) for name, key in (("manifest.json", "model"), ("export.json", "dims"))
+             if (folder / name).is_file()]
+    return bool(found) and bool(read_json(found[0][0], found[0][0].name)[found[0][1]].get("num_experts"))
+
+
 def _command_run(args: argparse.Namespace) -> int:
     import pipeshard
 
+    prompt = _text(args.prompt, "the prompt")
+    _check_generation_options(args)
+    save_stats = _output_path(args.save_expert_stats, "--save-expert-stats")
+    if save_stats and (args.plan == "monolithic" or not (Path(args.path) / "manifest.json").is_file()
+                       or not _is_moe(Path(args.path))):
+        raise UserError("--save-expert-stats needs a MoE model run from its pack (not --plan monolithic)")
     engine = pipeshard.load(args.path, threads=args.threads, verify=args.verify, vram=args.vram, device=args.device,
                             profile=args.profile, plan=args.plan, context=args.context, expert_stats=args.expert_stats)
     sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                     top_p=args.top_p, repetition_penalty=args.repetition_penalty, seed=args.seed,
-                    stop_strings=tuple(args.stop))
+                    stop_strings=tuple(_text(stop, "--stop") for stop in args.stop))
     results = []
-    events = engine.stream(args.prompt, chat_template=not args.no_chat_template, system=args.system,
+    events = engine.stream(prompt, chat_template=not args.no_chat_template, system=args.system,
                            results=results, **sampling)
     for event in events:
         if not args.json:
             print(event.text, end="", flush=True)
     (result,) = results
-    if args.save_expert_stats:
+    if save_stats:
         from pipeshard.fsutil import write_json_atomic
 
-        stats = engine.expert_stats()
-        if stats is None:
-            raise UserError("--save-expert-stats needs a MoE model run from its pack (not --plan monolithic)")
-        write_json_atomic(Path(args.save_expert_stats), stats)
+        write_json_atomic(save_stats, engine.expert_stats())
     if args.json:
         print(json.dumps({
             "text": result.text, "tokens": result.tokens, "prompt_tokens": len(result.prompt_tokens),
@@ -63,7 +182,8 @@ def _command_run(args: argparse.Namespace) -> int:
             "prefill_tok_s": result.prefill_tok_s,
         }))
     else:
-        print(f"\n[{len(result.prompt_tokens)} prompt tokens, {len(result.tokens)} generated, "
+        print(flush=True)
+        print(f"[{len(result.prompt_tokens)} prompt tokens, {len(result.tokens)} generated, "
               f"TTFT {result.ttft_s * 1000:.0f} ms, decode {result.decode_tok_s:.1f} tok/s, "
               f"stop: {result.stop_reason}{_device_note(engine)}]", file=sys.stderr)
     return 0
@@ -74,6 +194,8 @@ def _device_note(engine) -> str:
     step = engine.step
     if not hasattr(step, "device"):
         return ""
+    if not step._plans:
+        return f"; device {step.device.kind}; no step has run yet, so no plan is chosen"
     ledger = getattr(step.device, "ledger", None)
     peak = f", peak device memory {ledger.peak / 1024**2:.0f} MiB of {ledger.budget_bytes / 1024**2:.0f} MiB" \
         if ledger else ""
@@ -84,38 +206,74 @@ def _device_note(engine) -> str:
 
 def _command_chat(args: argparse.Namespace) -> int:
     import pipeshard
+    from pipeshard.runtime.conversation import Conversation
+    from pipeshard.runtime.generate import SamplingSettings
 
+    _check_generation_options(args)
+    settings = SamplingSettings(max_new_tokens=args.max_new_tokens)
+    settings.validate()
     engine = pipeshard.load(args.path, threads=args.threads, vram=args.vram, device=args.device,
                             profile=args.profile, plan=args.plan, context=args.context, expert_stats=args.expert_stats)
-    history = []
-    print("pipeshard chat: /budget SIZE changes the VRAM budget, /plan shows the active plan, /quit ends")
+    context = min(args.context or 4096, engine.step.max_context)
+    conversation = Conversation(engine.generator, settings, context, system=args.system)
+    print("pipeshard chat: /budget SIZE changes the VRAM budget, /plan shows the active plan, /reset forgets the "
+          "conversation, /quit ends")
     while True:
         try:
-            line = input("> ").strip()
+            line = _text(input("> "), "that line").strip()
         except EOFError:
+            print()
             return 0
+        except (UnicodeDecodeError, UserError):
+            print("error: that line is not valid UTF-8 text", file=sys.stderr)
+            continue
         if not line:
             continue
         if line in ("/quit", "/exit"):
             return 0
-        if line.startswith("/budget"):
+        if line == "/budget" or line.startswith("/budget "):
+            size = line[len("/budget"):].strip()
             try:
-                engine.set_vram_budget(line.split(maxsplit=1)[1])
-                print(f"budget now {line.split(maxsplit=1)[1]}; plans are remade at the next step")
-            except (UserError, IndexError) as exc:
-                print(f"error: {exc or 'usage: /budget SIZE'}")
+                if not size:
+                    raise UserError("usage: /budget SIZE (2GiB, 512MiB or a share such as 25%)")
+                _check_vram(size)
+                engine.set_vram_budget(size)
+                print(f"budget now {size}; plans are remade at the next step")
+            except UserError as exc:
+                print(f"error: {exc}", file=sys.stderr)
             continue
         if line == "/plan":
-            print(_device_note(engine).lstrip("; ") or "all-CPU chain (no device)")
+            print(_device_note(engine).lstrip("; ") or _engine_kind(engine))
             continue
-        history.append(line)
-        prompt = "\n".join(history[-4:])
+        if line == "/reset":
+            conversation.messages.clear()
+            print("conversation forgotten")
+            continue
+        if line.startswith("/"):
+            print(f"error: unknown command {line.split()[0]} (/budget SIZE, /plan, /reset, /quit)", file=sys.stderr)
+            continue
+        dropped = conversation.dropped_turns
+        answer = conversation.ask(line)
         try:
-            for event in engine.stream(prompt, max_new_tokens=args.max_new_tokens):
-                print(event.text, end="", flush=True)
+            for piece in answer:
+                print(piece, end="", flush=True)
         except KeyboardInterrupt:
-            print("\n[interrupted]")
+            answer.close()
+            print("\n[interrupted]", end="")
+        except UserError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            continue
         print()
+        if conversation.dropped_turns > dropped:
+            print(f"[history cut: the {conversation.dropped_turns - dropped} oldest turn(s) no longer fit the "
+                  f"context of {context} tokens]", file=sys.stderr)
+
+
+def _engine_kind(engine) -> str:
+    from pipeshard.runtime.monolithic import MonolithicStep
+
+    return "one session over the whole export (no device)" if isinstance(engine.step, MonolithicStep) \
+        else "all-CPU chain (no device)"
 
 
 def _command_partition(args: argparse.Namespace) -> int:
@@ -132,10 +290,12 @@ def _command_inspect(args: argparse.Namespace) -> int:
     from pipeshard.runtime.pack import load_pack
 
     pack = load_pack(args.pack, verify=args.verify)
+    _check_context(args.context, pack.folder)
+    context = args.context or min(1024, pack.model["max_context"])
     if args.json:
-        print(json.dumps(pack_summary(pack, args.context), indent=2))
+        print(json.dumps(pack_summary(pack, context), indent=2))
     else:
-        print(pack_table(pack, args.context))
+        print(pack_table(pack, context))
     return 0
 
 
@@ -170,47 +330,49 @@ def _command_profile(args: argparse.Namespace) -> int:
 
 
 def _command_plan(args: argparse.Namespace) -> int:
-    from pipeshard.api import read_expert_stats
+    from pipeshard.api import profile_or_fallback, read_expert_stats
     from pipeshard.fsutil import write_json_atomic
     from pipeshard.partitioner.planner import Planner, plans_document
     from pipeshard.partitioner.report import plan_table, plot_timelines
-    from pipeshard.profiles.db import default_profile_path, load_profile, machine_fingerprint
+    from pipeshard.profiles.db import load_profile
     from pipeshard.runtime.pack import load_pack
     from pipeshard.units import resolve_budget
 
     tiers = _positive_list(args.tiers, "--tiers") or [1, 4, 16, 64, 256, 1024]
-    if args.context < 1 or args.batch < 1:
-        raise UserError("--context and --batch must be positive integers")
+    _check_vram(args.vram)
+    out, plot = _output_path(args.out, "--out"), _output_path(args.plot, "--plot")
     pack = load_pack(args.pack)
-    profile_ref = args.profile or default_profile_path(machine_fingerprint())
-    if not args.profile and not profile_ref.exists():
-        raise UserError("no profile of this machine yet: run `pipeshard profile` or pass --profile "
-                        "(a DB file, or laptop-8gb / desktop-24gb / laptop-4gb)")
+    _check_context(args.context, pack.folder)
+    if args.expert_stats is not None and not Path(args.expert_stats).is_file():
+        raise UserError(f"--expert-stats {args.expert_stats} does not exist")
+    profile_ref = profile_or_fallback(args.profile)
     profile = load_profile(profile_ref)
-    planner = Planner(pack.manifest, profile, 0, context=args.context, batch=args.batch, threads=args.threads,
+    context = args.context or min(4096, pack.model["max_context"])
+    planner = Planner(pack.manifest, profile, 0, context=context, batch=args.batch, threads=args.threads,
                       expert_stats=read_expert_stats(args.expert_stats))
     planner.budget_bytes = budget = resolve_budget(args.vram, planner.minimum_budget(), planner.model_bytes)
     planned = planner.plan(tuple(tiers))
     document = plans_document(planner, planned, str(pack.folder), str(profile_ref))
-    if args.out:
-        write_json_atomic(Path(args.out), document)
+    if out:
+        write_json_atomic(out, document)
     if args.json:
         print(json.dumps(document, indent=1))
     else:
         print(plan_table(planner, planned, profile["device"]["kind"]))
-        if args.out:
-            print(f"wrote {args.out}")
-    if args.plot:
+        if out:
+            print(f"wrote {out}")
+    if plot:
         plot_tiers = [t for t in (1, 64) if t in tiers] or tiers[:2]
-        plot_timelines(planned, plot_tiers, Path(args.plot),
-                       f"{pack.model['architecture']} {pack.folder.name} on {profile.get('name', profile_ref)}, "
-                       f"budget {budget / 1024**2:.0f} MiB")
+        plot_timelines(planned, plot_tiers, plot,
+                       f"{pack.model['architecture']} ({pack.folder.name}), budget {format_bytes(budget)}, context "
+                       f"{context}, profile {profile.get('name', Path(str(profile_ref)).name)}")
         if not args.json:
-            print(f"wrote {args.plot}")
+            print(f"wrote {plot}")
     return 0
 
 
 def _command_bench(args: argparse.Namespace) -> int:
+    from pipeshard.api import profile_or_fallback
     from pipeshard.bench import DEVICE_PLANS, PLANS, BenchSettings, bench_table, plot_bench, progress_bar, run_bench
     from pipeshard.fsutil import write_json_atomic
     from pipeshard.peers import PEERS
@@ -222,19 +384,30 @@ def _command_bench(args: argparse.Namespace) -> int:
         plans = ["monolithic", "cpu"] + ([] if args.device == "cpu" else [p for p in PLANS if p in DEVICE_PLANS])
     peers = [] if args.peers == "none" else list(PEERS) if args.peers == "all" else \
         [p.strip() for p in args.peers.split(",") if p.strip()]
-    settings = BenchSettings(pack=args.pack, device=args.device, vram=args.vram, profile=args.profile, plans=plans,
+    json_out, plot_out = _output_path(args.json, "--json"), _output_path(args.plot, "--plot")
+    planned = args.device != "cpu" and any(p in DEVICE_PLANS for p in plans)
+    vram = args.vram or ("25%" if planned else None)
+    _check_vram(vram)
+    if not Path(args.pack, "manifest.json").is_file():
+        raise UserError(f"{args.pack} is not a model pack (no manifest.json)")
+    maximum = _model_context(Path(args.pack))
+    if (args.prompt_tokens or 0) + args.new_tokens > maximum:
+        raise UserError(f"--prompt-tokens + --new-tokens ({(args.prompt_tokens or 0) + args.new_tokens}) exceed the "
+                        f"model's context of {maximum} tokens")
+    profile = profile_or_fallback(args.profile) if planned else args.profile
+    settings = BenchSettings(pack=args.pack, device=args.device, vram=vram, profile=profile, plans=plans,
                              peers=peers, prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens,
                              threads=args.threads or default_threads(), repeat=args.repeat, reference=args.reference,
                              peer_dir=args.peer_dir, processes=args.processes,
                              **({"prompt": args.prompt} if args.prompt else {}))
     document = run_bench(settings, progress=progress_bar(), log=lambda line: print(line, file=sys.stderr))
     print(bench_table(document))
-    if args.json:
-        write_json_atomic(Path(args.json), document)
-        print(f"wrote {args.json}")
-    if args.plot:
-        plot_bench(document, Path(args.plot))
-        print(f"wrote {args.plot}")
+    if json_out:
+        write_json_atomic(json_out, document)
+        print(f"wrote {json_out}")
+    if plot_out:
+        plot_bench(document, plot_out)
+        print(f"wrote {plot_out}")
     return 0
 
 
@@ -267,7 +440,7 @@ def build_parser() -> argparse.ArgumentParser:
                                       "(llama, llama3, mistral, qwen2, qwen3, phi3, gemma3, moe, mixtral)")
     export.add_argument("out", help="output folder")
     export.add_argument("--dtype", default="fp32", help="fp32 (default) or fp16")
-    export.add_argument("--opset", type=int, default=None, help="ONNX opset (default 23)")
+    export.add_argument("--opset", type=_opset, default=None, help="ONNX opset, 18 to 23 (default 23)")
     export.add_argument("--force", action="store_true", help="replace OUT if it exists")
     export.add_argument("--quiet", action="store_true", help="no progress bar")
     export.set_defaults(handler=_command_export)
@@ -280,7 +453,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     inspect = commands.add_parser("inspect", help="table of a pack's sub-layers: weights, FLOPs, bytes, KV")
     inspect.add_argument("pack")
-    inspect.add_argument("--context", type=int, default=1024, help="context length C for the cost columns")
+    inspect.add_argument("--context", type=_count(1), default=None,
+                         help="context length C for the cost columns (default: 1024, or the model's maximum if less)")
     inspect.add_argument("--verify", action="store_true", help="check every blob's sha256")
     inspect.add_argument("--json", action="store_true")
     inspect.set_defaults(handler=_command_inspect)
@@ -299,10 +473,11 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("pack")
     plan.add_argument("--vram", required=True, help=VRAM_HELP)
     plan.add_argument("--profile", default=None, help="profile DB file or reference name (default: this machine's)")
-    plan.add_argument("--context", type=int, default=4096, help="context length the KV cache is sized for")
-    plan.add_argument("--batch", type=int, default=1, help="sequences per batch")
+    plan.add_argument("--context", type=_count(1), default=None,
+                      help="context length the KV cache is sized for (default: 4096, or the model's maximum if less)")
+    plan.add_argument("--batch", type=_count(1), default=1, help="sequences per batch")
     plan.add_argument("--tiers", default=None, help="token tiers, e.g. 1,4,16,64 (default 1,4,16,64,256,1024)")
-    plan.add_argument("--threads", type=int, default=None, help="CPU threads (default: the most profiled)")
+    plan.add_argument("--threads", type=_count(1), default=None, help="CPU threads (default: the most profiled)")
     plan.add_argument("--out", default=None, help="write plans.json here")
     plan.add_argument("--json", action="store_true", help="print plans.json instead of the table")
     plan.add_argument("--plot", default=None, metavar="FILE.png", help="timeline of tiers 1 and 64")
@@ -315,16 +490,16 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--verify", action="store_true", help="check the pack's sha256 sums before running")
     _add_device_options(run)
     run.add_argument("prompt")
-    run.add_argument("--max-new-tokens", type=int, default=64)
-    run.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    run.add_argument("--top-k", type=int, default=0)
-    run.add_argument("--top-p", type=float, default=1.0)
-    run.add_argument("--repetition-penalty", type=float, default=1.0)
-    run.add_argument("--seed", type=int, default=None)
+    run.add_argument("--max-new-tokens", type=_count(1), default=64)
+    run.add_argument("--temperature", type=_finite_float, default=0.0, help="0 = greedy (default)")
+    run.add_argument("--top-k", type=_count(0), default=0)
+    run.add_argument("--top-p", type=_finite_float, default=1.0)
+    run.add_argument("--repetition-penalty", type=_finite_float, default=1.0)
+    run.add_argument("--seed", type=_count(0), default=None)
     run.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     run.add_argument("--system", default=None, help="system message for the chat template")
     run.add_argument("--no-chat-template", action="store_true", help="feed the prompt as raw text")
-    run.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
+    run.add_argument("--threads", type=_threads, default=None, help="CPU threads (default: all cores)")
     run.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     run.add_argument("--save-expert-stats", default=None, metavar="FILE",
                      help="MoE: write the measured routing (for plan/run --expert-stats)")
@@ -332,26 +507,28 @@ def build_parser() -> argparse.ArgumentParser:
 
     chat = commands.add_parser("chat", help="interactive chat on a pack (/budget SIZE, /plan)")
     chat.add_argument("path", help="model pack or export folder")
-    chat.add_argument("--max-new-tokens", type=int, default=256)
-    chat.add_argument("--threads", type=int, default=None)
+    chat.add_argument("--max-new-tokens", type=_count(1), default=256)
+    chat.add_argument("--threads", type=_threads, default=None)
+    chat.add_argument("--system", default=None, help="system message for the chat template")
     _add_device_options(chat)
     chat.set_defaults(handler=_command_chat)
 
     bench = commands.add_parser("bench", help="our plans beside the peers and the bandwidth limit, interleaved")
     bench.add_argument("pack")
-    bench.add_argument("--vram", default=None, help=VRAM_HELP)
+    bench.add_argument("--vram", default=None, help=VRAM_HELP + " (default 25%% with a device)")
     bench.add_argument("--device", default="sim", help="sim (default; a simulated accelerator), cuda or cpu")
     bench.add_argument("--profile", default=None, help="profile DB file or reference name (for planned rows)")
     bench.add_argument("--plans", default=None,
                        help="comma-separated plans (default: all with a device, monolithic,cpu with --device cpu)")
-    bench.add_argument("--peers", default="all", help="comma-separated peers, all or none "
-                       "(ort-genai, llama.cpp, llama.cpp-f32, transformers)")
+    bench.add_argument("--peers", default="none", help="comma-separated peers, all or none (default): ort-genai, "
+                       "llama.cpp, llama.cpp-f32, transformers; their model files (about 1 GB for SmolLM2) are made "
+                       "once in --peer-dir")
     bench.add_argument("--prompt", default=None, help="user message (chat-templated); default: a fixed question")
-    bench.add_argument("--prompt-tokens", type=int, default=None, help="lengthen the prompt to exactly N tokens")
-    bench.add_argument("--new-tokens", type=int, default=128)
-    bench.add_argument("--threads", type=int, default=None, help="CPU threads for every row (default: all cores)")
-    bench.add_argument("--repeat", type=int, default=3, help="interleaved rounds after one warm-up round")
-    bench.add_argument("--processes", type=int, default=1,
+    bench.add_argument("--prompt-tokens", type=_count(8), default=None, help="lengthen the prompt to exactly N tokens")
+    bench.add_argument("--new-tokens", type=_count(2), default=128)
+    bench.add_argument("--threads", type=_threads, default=None, help="CPU threads for every row (default: all cores)")
+    bench.add_argument("--repeat", type=_count(1), default=3, help="interleaved rounds after one warm-up round")
+    bench.add_argument("--processes", type=_count(1), default=1,
                        help="worker processes per row, each running every round (averages where each landed)")
     bench.add_argument("--reference", default=None, help="the row ratios are taken against (default: monolithic)")
     bench.add_argument("--peer-dir", default=None, help="where peer model files are made (default: PACK.peers)")
@@ -367,7 +544,8 @@ def _add_device_options(command: argparse.ArgumentParser) -> None:
     command.add_argument("--plan", default="auto",
                          help="auto, gpu-only, static, dynamic, cpu, monolithic, layers or offload")
     command.add_argument("--profile", default=None, help="profile DB file or reference name")
-    command.add_argument("--context", type=int, default=None, help="KV cache context to plan for (default 4096)")
+    command.add_argument("--context", type=_count(1), default=None,
+                         help="KV cache context (default: 4096, or the model's maximum if less)")
     command.add_argument("--expert-stats", default=None, metavar="FILE",
                          help="MoE routing stats to plan with instead of uniform routing")
 
@@ -375,9 +553,16 @@ def _add_device_options(command: argparse.ArgumentParser) -> None:
 def main(argv: Sequence[str] | None = None, own_process: bool = False) -> int:
     """Run one command. `own_process`: this process runs nothing but this command (the console
     script), so `run` and `chat` may give all its ONNX Runtime sessions one spinning thread pool."""
+    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv:
+        parser.print_help()
+        return 2
+    if own_process:  # a terminated command cleans up as an interrupted one does (no half-written folders)
+        signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
-        args = build_parser().parse_args(argv)
-        logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
+        args = parser.parse_args(argv)
+        logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s", force=True)
         if own_process and args.command in ("run", "chat"):
             from pipeshard.runtime.ort import request_process_thread_pool
 
@@ -389,7 +574,7 @@ def main(argv: Sequence[str] | None = None, own_process: bool = False) -> int:
     except BrokenPipeError:
         return 0
     except KeyboardInterrupt:
-        print("error: interrupted", file=sys.stderr)
+        print("\nerror: interrupted", file=sys.stderr)
         return 130
 
 

@@ -53,8 +53,15 @@ def atomic_output_dir(out: Path, force: bool) -> Iterator[Path]:
         raise UserError(f"{out} already exists (use --force to replace it)")
     if out.exists() and not out.is_dir():
         raise UserError(f"{out} exists and is not a folder")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        blocking = out.parent
+        while not blocking.exists():
+            blocking = blocking.parent
+        raise UserError(f"cannot make {out}: {blocking} is a file, not a folder") from None
+    _remove_abandoned_staging(out)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-{os.getpid()}-", dir=out.parent))
     try:
         yield staging
         os.chmod(staging, 0o755)
@@ -68,3 +75,21 @@ def atomic_output_dir(out: Path, force: bool) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+
+
+def _remove_abandoned_staging(out: Path) -> None:
+    """Staging folders beside `out` whose process is gone (killed before it could clean up)."""
+    for staging in out.parent.glob(f".{out.name}.partial-*"):
+        owner = staging.name[len(f".{out.name}.partial-"):].split("-", 1)[0]
+        if owner.isdigit() and not _process_alive(int(owner)):
+            shutil.rmtree(staging, ignore_errors=True)
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

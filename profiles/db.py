@@ -177,7 +177,7 @@ def load_profile(name_or_path: str | Path, check_machine: bool = True) -> dict:
     validate(document, str(path))
     if check_machine and document["source"] == "measured":
         for warning in staleness(document):
-            log.warning("%s: %s", path, warning)
+            log.warning("warning: %s: %s", path, warning)
     return document
 
 

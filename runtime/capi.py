@@ -185,8 +185,14 @@ class Runtime:
         """A session over a model file, or over a serialized model whose external data lie in `weights_folder`.
         `initializers`: arrays used in place of the model's initializers of those names (not copied; kept while
         the session lives); sessions made with the same `shared` and the same arrays prepack them once."""
-        return Session(self, model, threads or self.threads, optimize, prepack, shared, weights_folder,
-                       initializers or {})
+        try:
+            return Session(self, model, threads or self.threads, optimize, prepack, shared, weights_folder,
+                           initializers or {})
+        except OrtError as error:
+            if not isinstance(model, Path):
+                raise
+            raise UserError(f"{model}: ONNX Runtime cannot load it ({str(error).splitlines()[0][:300]}); "
+                            "`pipeshard inspect PACK --verify` checks a pack's files") from None
 
     def custom_op_domain(self) -> ctypes.c_void_p | None:
         """The `pipeshard` op domain (DecodeAttention, runtime/_attention.c), made at first use; None where the

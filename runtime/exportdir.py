@@ -42,4 +42,11 @@ def read_export_info(folder: Path) -> dict:
             raise UserError(f"{path}: missing field {field!r}")
     if not (Path(folder) / info["model_file"]).is_file():
         raise UserError(f"{Path(folder) / info['model_file']} is missing")
+    for name, listed in info.get("files", {}).items():
+        path = Path(folder) / name
+        if not path.is_file():
+            raise UserError(f"{path} is missing (listed in export.json)")
+        if path.stat().st_size != listed["bytes"]:
+            raise UserError(f"{path} has {path.stat().st_size} bytes, export.json says {listed['bytes']} "
+                            "(truncated or replaced)")
     return info

@@ -118,6 +118,10 @@ class Generator:
     def __init__(self, step: ForwardStep, codec) -> None:
         self.step = step
         self.codec = codec
+        # With `stream(..., keep_cache=...)`: the tokens whose KV the step holds, and the cache's capacity.
+        self.cached_tokens: list[int] = []
+        self.cache_capacity = 0
+        self.reused_tokens = 0  # of the last prompt, taken from the kept cache
 
     def prompt_ids(self, prompt: str, chat_template: bool = True, system: str | None = None) -> list[int]:
         ids = self.codec.encode(self.codec.render_chat(prompt, system)) if chat_template else \
@@ -136,10 +140,15 @@ class Generator:
         return results
 
     def stream(self, prompts: list[list[int]], settings: SamplingSettings,
-               results: list[Generation] | None = None, pieces: bool = True) -> Iterator[StreamEvent]:
+               results: list[Generation] | None = None, pieces: bool = True,
+               keep_cache: int | None = None) -> Iterator[StreamEvent]:
         """Yield text pieces as tokens are chosen (none with `pieces=False`: then stop strings are only cut
-        from the final text); fill `results` (if given) when done."""
+        from the final text); fill `results` (if given) when done. `keep_cache` (one prompt only): a KV cache of
+        that many tokens is kept between calls, and a prompt that begins with tokens it already holds (the turns
+        of a chat seen before) feeds only the rest."""
         settings.validate()
+        if keep_cache is not None and len(prompts) != 1:
+            raise ValueError("keep_cache takes one prompt")
         if not prompts or any(not ids for ids in prompts):
             raise UserError("every prompt needs at least one token")
         longest = max(len(ids) for ids in prompts)
@@ -148,6 +157,9 @@ class Generator:
                 f"prompt ({longest} tokens) + --max-new-tokens ({settings.max_new_tokens}) exceeds the context "
                 f"of {self.step.max_context} tokens"
             )
+        if keep_cache is not None and longest + settings.max_new_tokens > keep_cache:
+            raise UserError(f"prompt ({longest} tokens) + --max-new-tokens ({settings.max_new_tokens}) exceeds the "
+                            f"context of {keep_cache} tokens")
         batch = len(prompts)
         rng = np.random.default_rng(settings.seed)
         total = longest + settings.max_new_tokens
@@ -160,18 +172,28 @@ class Generator:
         full_mask[:, longest:] = 1
         attention_mask = full_mask[:, :longest]
         position_ids = np.maximum(np.cumsum(attention_mask, axis=1) - 1, 0)
+        reused = self._reusable_prefix(prompts[0], total, keep_cache) if keep_cache is not None else 0
+        if reused:
+            input_ids, position_ids = input_ids[:, reused:], position_ids[:, reused:]
+        elif keep_cache is not None:
+            self.cached_tokens, self.cache_capacity = [], keep_cache
+            self.step.start(1, keep_cache)
+        else:
+            self.step.start(batch, total)
+        fed = self.cached_tokens = self.cached_tokens[:reused]
+        self.reused_tokens = reused
         generated: list[list[int]] = [[] for _ in prompts]
         texts = [_TextStream(self.codec, settings.stop_strings) for _ in prompts] if pieces else []
         stop_reason: list[str | None] = [None] * batch
         eos = set(self.codec.eos_token_ids)
         step_counts: list[int] = []
         penalized = settings.repetition_penalty != 1.0
-
-        self.step.start(batch, total)
         started = time.perf_counter()
         first_token_at = started
         for step_index in range(settings.max_new_tokens):
             logits = self.step.forward(input_ids, attention_mask, position_ids)[:, -1, :]
+            if keep_cache is not None:
+                fed += input_ids[0].tolist()
             step_counts.append(int(input_ids.size))
             history = [list(p) + g for p, g in zip(prompts, generated, strict=True)] if penalized else []
             next_tokens = choose_next_tokens(logits, history, settings, rng)
@@ -217,6 +239,18 @@ class Generator:
                     steps=len(step_counts),
                     step_token_counts=step_counts,
                 ))
+
+
+    def _reusable_prefix(self, prompt: list[int], total: int, capacity: int) -> int:
+        """How many of the prompt's first tokens the kept cache holds (at least one token is always fed)."""
+        if capacity != self.cache_capacity or total > capacity:
+            return 0
+        same = 0
+        for cached, token in zip(self.cached_tokens, prompt[:-1], strict=False):
+            if cached != token:
+                break
+            same += 1
+        return same
 
 
 class _TextStream:

@@ -104,4 +104,10 @@ def load_pack(folder: Path, verify: bool = False) -> Pack:
                                 "(truncated or replaced)")
             if verify and sha256_file(blob_path) != blob["sha256"]:
                 raise UserError(f"{blob_path} does not match its sha256 in the manifest (corrupt)")
+    for name, listed in manifest.get("files", {}).items():
+        file_path = folder / name
+        if not file_path.is_file():
+            raise UserError(f"{file_path} is missing (listed in the manifest)")
+        if file_path.stat().st_size != listed["bytes"] or verify and sha256_file(file_path) != listed["sha256"]:
+            raise UserError(f"{file_path} does not match the manifest (corrupt or replaced)")
     return Pack(folder, manifest)

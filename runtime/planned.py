@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
+from pipeshard.errors import UserError
 from pipeshard.partitioner.planner import CPU, PINNED, STREAMED, Plan, Planner
 from pipeshard.partitioner.simulate import EXPERT_RUN_ORDER, EXPERT_SLOTS
 from pipeshard.runtime.devices import cpu_ort_device
@@ -51,7 +52,12 @@ class _Session:
     """A sub-layer's session; `produced` are the outputs it allocates (the KV is written in place)."""
 
     def __init__(self, ort, path: Path, options, providers, entry: dict) -> None:
-        self.session = ort.InferenceSession(str(path), options, providers=providers)
+        try:
+            self.session = ort.InferenceSession(str(path), options, providers=providers)
+        except (ort.capi.onnxruntime_pybind11_state.Fail, ort.capi.onnxruntime_pybind11_state.InvalidProtobuf,
+                ort.capi.onnxruntime_pybind11_state.InvalidGraph) as error:
+            raise UserError(f"{path}: ONNX Runtime cannot load it ({str(error).splitlines()[0][:300]}); "
+                            "`pipeshard inspect PACK --verify` checks a pack's files") from None
         self.binding = self.session.io_binding()._iobinding
         self.run = self.session._sess.run_with_iobinding
         in_place = set(entry["kv"]["present"]) if entry["kv"] else set()
@@ -129,8 +135,8 @@ class PlanStep:
             plan = policies[self.strategy](tier) if self.strategy in policies else None
             if plan is None:
                 if self.strategy != "auto":
-                    log.warning("plan %s is not viable (or equals static) at tier %d within %.0f MiB: using the "
-                                "planner's choice", self.strategy, tier, self.planner.budget_bytes / 1024**2)
+                    log.warning("warning: plan %s is not viable (or equals static) at tier %d within %.0f MiB: "
+                                "using the planner's choice", self.strategy, tier, self.planner.budget_bytes / 1024**2)
                 plan = self.planner.plan_tier(tier)["chosen"]
             self._plans[tier] = plan
         return self._plans[tier]

@@ -18,10 +18,19 @@ class TextCodec:
 
     def __init__(self, folder: Path) -> None:
         folder = Path(folder)
-        self.tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+        path = folder / "tokenizer.json"
+        if not path.is_file():
+            raise UserError(f"{path} is missing (the tokenizer)")
+        try:
+            self.tokenizer = Tokenizer.from_file(str(path))
+        except Exception as exc:  # noqa: BLE001 - the tokenizers library raises plain Exceptions on bad files
+            raise UserError(f"{path} is not a readable tokenizer ({str(exc).splitlines()[0][:200]})") from None
         _return_freed_heap()  # parsing tokenizer.json leaves ~16 MiB of freed heap that would stay resident
         config_path = folder / "tokenizer_config.json"
-        config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        try:
+            config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise UserError(f"{config_path} is not valid JSON ({exc})") from None
         template_path = folder / "chat_template.jinja"
         self.chat_template = template_path.read_text() if template_path.is_file() else config.get("chat_template")
         self.bos_token = config.get("bos_token")
@@ -44,18 +53,26 @@ class TextCodec:
 
     def render_chat(self, prompt: str, system: str | None = None) -> str:
         """The prompt as one user turn of the model's chat template, ready for the answer."""
+        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+        return self.render_messages(messages)
+
+    def render_messages(self, messages: list[dict[str, str]]) -> str:
+        """A conversation (system, user, assistant, ... messages) through the chat template, ready for the
+        next answer."""
         if not self.chat_template:
             raise UserError("this model has no chat template; use --no-chat-template")
         import jinja2  # here, not at import: 7 MiB resident for something only a chat prompt needs
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
         environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, undefined=jinja2.Undefined)
         environment.globals["raise_exception"] = _raise_template_error
-        return environment.from_string(self.chat_template).render(
-            messages=messages, add_generation_prompt=True, bos_token=self.bos_token or "",
-            eos_token=self.eos_token or "",
-        )
+        try:
+            return environment.from_string(self.chat_template).render(
+                messages=messages, add_generation_prompt=True, bos_token=self.bos_token or "",
+                eos_token=self.eos_token or "",
+            )
+        except jinja2.TemplateError as exc:
+            raise UserError(f"the model's chat template cannot be rendered ({type(exc).__name__}: {exc})") from None
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Token ids of `text`; with `add_special_tokens` the tokenizer adds what it adds to a plain prompt
