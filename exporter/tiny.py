@@ -12,6 +12,10 @@ CHATML_TEMPLATE = (
 )
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
+# The dimensions the architecture test models share (their own features are what differs).
+_SMALL_DENSE = {"hidden_size": 64, "intermediate_size": 160, "num_hidden_layers": 3, "num_attention_heads": 4,
+                "num_key_value_heads": 2, "max_position_embeddings": 512}
+
 TINY_CONFIGS: dict[str, dict[str, Any]] = {
     "llama": {
         "model_type": "llama",
@@ -68,24 +72,14 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
     # Mistral with a sliding window shorter than the test prompts.
     "mistral": {
         "model_type": "mistral",
-        "hidden_size": 64,
-        "intermediate_size": 160,
-        "num_hidden_layers": 3,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "max_position_embeddings": 512,
+        **_SMALL_DENSE,
         "sliding_window": 16,
         "tie_word_embeddings": False,
     },
     # Llama 3.x: rope scaling of type llama3.
     "llama3": {
         "model_type": "llama",
-        "hidden_size": 64,
-        "intermediate_size": 160,
-        "num_hidden_layers": 3,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "max_position_embeddings": 512,
+        **_SMALL_DENSE,
         "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                             "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
         "tie_word_embeddings": True,
@@ -93,24 +87,14 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
     # Qwen 2.5: q/k/v biases (packed with the weights for GQA's own rotary).
     "qwen2": {
         "model_type": "qwen2",
-        "hidden_size": 64,
-        "intermediate_size": 160,
-        "num_hidden_layers": 3,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "max_position_embeddings": 512,
+        **_SMALL_DENSE,
         "rope_theta": 1000000.0,
         "tie_word_embeddings": False,
     },
     # Phi-4-mini's shape: fused qkv / gate_up, partial rotary (0.75), LongRoPE, tied embeddings.
     "phi3": {
         "model_type": "phi3",
-        "hidden_size": 64,
-        "intermediate_size": 160,
-        "num_hidden_layers": 3,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "max_position_embeddings": 512,
+        **_SMALL_DENSE,
         "original_max_position_embeddings": 128,
         "partial_rotary_factor": 0.75,
         "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,

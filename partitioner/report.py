@@ -78,7 +78,7 @@ def plot_timelines(planned: dict, tiers: list[int], path: Path, title: str) -> N
         plan = chosen[tier]
         rows = {"cpu": 2, "gpu": 1, "copy": 0}
         for interval in plan.timeline:
-            kind = interval.sub_layer.split(".")[-1].split(" ")[0]
+            kind = interval.sub_layer.split(".")[-1].split(" ")[0].split("#")[0]
             color = colors.get(kind, colors["other"]) if interval.resource != "copy" else (
                 "tab:red" if " input" not in interval.sub_layer and interval.sub_layer != "logits" else "tab:pink")
             axis.barh(rows[interval.resource], (interval.end_s - interval.start_s) * 1e3,

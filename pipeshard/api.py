@@ -97,8 +97,6 @@ def load(path: str | Path, threads: int | None = None, verify: bool = False, vra
             raise UserError("--device cuda: no usable CUDA execution provider here (onnxruntime-gpu with CUDA 13 "
                             "and a GPU); --device sim simulates one on the CPU")
     if plan == "monolithic":
-        if device not in ("auto", "cpu") or vram is not None:
-            raise UserError("--plan monolithic runs the whole export as one CPU session: drop --device and --vram")
         export = Path(load_pack(folder).manifest["source"]["export"])
         if not (export / "export.json").is_file():
             raise UserError(f"--plan monolithic needs the export the pack was made from ({export}), which is gone")
@@ -111,8 +109,6 @@ def load(path: str | Path, threads: int | None = None, verify: bool = False, vra
                             "on the CPU")
         device = "cuda" if vram is not None else "cpu"
     if device == "cpu" or plan == "cpu":
-        if vram is not None and device == "cpu":
-            raise UserError("--device cpu runs every sub-layer on the CPU: drop --vram, or give --device sim|cuda")
         if plan not in ("auto", "cpu"):
             raise UserError(f"--plan {plan} places sub-layers on a device: give --device sim|cuda and --vram")
         return _engine(lambda: ChainStep(folder, threads=threads, verify=verify), folder)

@@ -134,8 +134,12 @@ def _command_export(args: argparse.Namespace) -> int:
 
 
 def _check_generation_options(args: argparse.Namespace) -> None:
-    """What `run` and `chat` can refuse before loading anything."""
+    """What `run` and `chat` can refuse before loading anything: nothing given is silently ignored."""
     _check_vram(args.vram)
+    if args.plan == "monolithic" and (args.device not in ("auto", "cpu") or args.vram is not None):
+        raise UserError("--plan monolithic runs the whole export as one CPU session: drop --device and --vram")
+    if args.device == "cpu" and args.vram is not None:
+        raise UserError("--device cpu runs every sub-layer on the CPU: drop --vram, or give --device sim|cuda")
     _check_context(args.context, Path(args.path))
     if args.expert_stats is not None and not Path(args.expert_stats).is_file():
         raise UserError(f"--expert-stats {args.expert_stats} does not exist")
@@ -194,14 +198,13 @@ def _device_note(engine) -> str:
     step = engine.step
     if not hasattr(step, "device"):
         return ""
-    if not step._plans:
-        return f"; device {step.device.kind}; no step has run yet, so no plan is chosen"
     ledger = getattr(step.device, "ledger", None)
     peak = f", peak device memory {ledger.peak / 1024**2:.0f} MiB of {ledger.budget_bytes / 1024**2:.0f} MiB" \
         if ledger else ""
-    tiers = ", ".join(f"T={tier}: {plan.strategy}" for tier, plan in sorted(step._plans.items()))
+    tiers = "; plans " + ", ".join(f"T={tier}: {plan.strategy}" for tier, plan in sorted(step._plans.items())) \
+        if step._plans else "; no plan chosen yet (each tier's is made at its first step)"
     return (f"; device {step.device.kind}{' (simulated: not GPU speed)' if step.device.kind == 'sim' else ''}"
-            f"{peak}; plans {tiers}; streamed {step.stats.streamed_bytes / 1024**2:.1f} MiB")
+            f"{peak}{tiers}; streamed {step.stats.streamed_bytes / 1024**2:.1f} MiB")
 
 
 def _command_chat(args: argparse.Namespace) -> int:
@@ -364,7 +367,8 @@ def _command_plan(args: argparse.Namespace) -> int:
     if plot:
         plot_tiers = [t for t in (1, 64) if t in tiers] or tiers[:2]
         plot_timelines(planned, plot_tiers, plot,
-                       f"{pack.model['architecture']} ({pack.folder.name}), budget {format_bytes(budget)}, context "
+                       f"{pack.model['architecture']} {Path(pack.manifest['source']['export']).name} "
+                       f"(pack {pack.folder.name}), budget {format_bytes(budget)}, context "
                        f"{context}, profile {profile.get('name', Path(str(profile_ref)).name)}")
         if not args.json:
             print(f"wrote {plot}")
@@ -394,12 +398,14 @@ def _command_bench(args: argparse.Namespace) -> int:
     if (args.prompt_tokens or 0) + args.new_tokens > maximum:
         raise UserError(f"--prompt-tokens + --new-tokens ({(args.prompt_tokens or 0) + args.new_tokens}) exceed the "
                         f"model's context of {maximum} tokens")
-    profile = profile_or_fallback(args.profile) if planned else args.profile
-    settings = BenchSettings(pack=args.pack, device=args.device, vram=vram, profile=profile, plans=plans,
+    settings = BenchSettings(pack=args.pack, device=args.device, vram=vram, profile=args.profile, plans=plans,
                              peers=peers, prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens,
                              threads=args.threads or default_threads(), repeat=args.repeat, reference=args.reference,
                              peer_dir=args.peer_dir, processes=args.processes,
                              **({"prompt": args.prompt} if args.prompt else {}))
+    settings.check()
+    if planned:
+        settings.profile = profile_or_fallback(args.profile)
     document = run_bench(settings, progress=progress_bar(), log=lambda line: print(line, file=sys.stderr))
     print(bench_table(document))
     if json_out:
@@ -550,6 +556,27 @@ def _add_device_options(command: argparse.ArgumentParser) -> None:
                          help="MoE routing stats to plan with instead of uniform routing")
 
 
+class _StderrHandler(logging.StreamHandler):
+    """Log lines to whatever sys.stderr is when they are written (not the stream of the first call)."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:
+        pass
+
+
+def _log_to_stderr(level: int) -> None:
+    root = logging.getLogger()
+    root.setLevel(level)
+    if not any(isinstance(handler, _StderrHandler) for handler in root.handlers):
+        handler = _StderrHandler()
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        root.addHandler(handler)
+
+
 def main(argv: Sequence[str] | None = None, own_process: bool = False) -> int:
     """Run one command. `own_process`: this process runs nothing but this command (the console
     script), so `run` and `chat` may give all its ONNX Runtime sessions one spinning thread pool."""
@@ -562,7 +589,7 @@ def main(argv: Sequence[str] | None = None, own_process: bool = False) -> int:
         signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         args = parser.parse_args(argv)
-        logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s", force=True)
+        _log_to_stderr(logging.INFO if args.verbose else logging.WARNING)
         if own_process and args.command in ("run", "chat"):
             from pipeshard.runtime.ort import request_process_thread_pool
 

@@ -77,7 +77,7 @@ def test_a_missing_or_unusable_peer_is_skipped_not_fatal(tiny_pack, tmp_path, ca
 @pytest.mark.parametrize("arguments, message", [
     (["--peers", "vllm"], "unknown peer"),
     (["--plans", "fastest"], "unknown plan"),
-    (["--device", "sim", "--plans", "auto"], "--vram"),
+    (["--device", "sim", "--plans", "auto", "--vram", "25"], "give a unit"),
     (["--new-tokens", "1"], "--new-tokens"),
     (["--device", "cpu", "--reference", "transformers", "--peers", "none"], "reference row"),
 ])

@@ -113,7 +113,7 @@ def test_chat_commands_answer_instead_of_failing(tiny_pack, tiny_llama_export):
     assert done.returncode == 0, done.stderr
     err, out = done.stderr.decode(), done.stdout.decode()
     assert "usage: /budget SIZE" in err and "unknown command /nonsense" in err and "give a unit" in err
-    assert "no step has run yet" in out and "plans ;" not in out
+    assert "no plan chosen yet" in out and "plans ;" not in out
     assert "Traceback" not in err
     exported = process("chat", tiny_llama_export, stdin=b"/plan\n/budget 1GiB\n")
     assert "one session over the whole export" in exported.stdout.decode()

@@ -143,9 +143,10 @@ def test_chat_streams_answers_and_changes_the_budget_live(tiny_pack, minimum, mo
     monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
     assert main(["chat", str(tiny_pack), "--device", "sim", "--vram", str(minimum + 600_000), "--profile", "laptop-8gb",
                  "--max-new-tokens", "6"]) == 0
-    out = capsys.readouterr().out
+    captured = capsys.readouterr()
+    out = captured.out
     assert f"budget now {minimum}" in out
-    assert "error:" in out and "minimum" in out  # the 1 MiB budget is refused, the chat goes on
+    assert "error:" in captured.err and "minimum" in captured.err  # the 1 MiB budget is refused, the chat goes on
     assert out.count("device sim (simulated: not GPU speed)") == 2
 
 
