@@ -203,8 +203,8 @@ def test_output_paths_are_checked_or_made_before_the_work(capsys, tiny_pack, tin
     status, out, err = cli(capsys, "plan", tiny_pack, "--vram", "25%", "--profile", "laptop-8gb",
                            "--out", tmp_path / "nodir" / "deeper" / "plans.json")
     assert status == 0 and json.loads((tmp_path / "nodir" / "deeper" / "plans.json").read_text())["tiers"]
-    for argv in (["plan", tiny_pack, "--vram", "25%", "--profile", "laptop-8gb", "--out", tmp_path / "afile" / "p.json"],
-                 ["plan", tiny_pack, "--vram", "25%", "--profile", "laptop-8gb", "--plot", tmp_path / "afile" / "x.png"],
+    plan = ["plan", tiny_pack, "--vram", "25%", "--profile", "laptop-8gb"]
+    for argv in ([*plan, "--out", tmp_path / "afile" / "p.json"], [*plan, "--plot", tmp_path / "afile" / "x.png"],
                  ["bench", tiny_pack, "--device", "cpu", "--json", tmp_path / "afile" / "b.json"],
                  ["bench", tiny_pack, "--device", "cpu", "--plot", tmp_path / "afile" / "b.png"],
                  ["run", tiny_pack, "hi", "--save-expert-stats", tmp_path / "afile" / "s.json"],
@@ -315,7 +315,8 @@ def test_no_numeric_or_size_option_value_makes_a_traceback(capsys, tiny_pack, va
                (["bench", tiny_pack, "--device", "cpu", "--new-tokens", "2"], "--prompt-tokens"),
                (["export", "tiny:llama", "/nonexistent-root-dir/x/out"], "--opset")]
     for command, option in options:
-        if value in ("0", "-1", "1e30", "99999999999999999999") and command[0] == "bench" and option != "--prompt-tokens":
+        whole_bench = command[0] == "bench" and option != "--prompt-tokens"
+        if value in ("0", "-1", "1e30", "99999999999999999999") and whole_bench:
             continue  # valid or refused values of a command that would then run a whole benchmark
         status, _, err = cli(capsys, *command, option, value)
         assert status in (0, 2) and "Traceback" not in err, (command, option, value, err)
