@@ -18,7 +18,7 @@ from pipeshard.errors import UserError
 from pipeshard.partitioner.estimator import Estimator
 from pipeshard.partitioner.simulate import CPU, EXPERT_SLOTS, PINNED, STREAMED, Simulation, simulate
 
-PLANS_SCHEMA_VERSION = 1
+PLANS_SCHEMA_VERSION = 2  # 2: the pack's digest (pack_sha256), plans as the runtime's input
 DEFAULT_TIERS = (1, 4, 16, 64, 256, 1024)
 RESERVE_BYTES = 64 * 1024**2  # kept free for the driver and fragmentation
 STAGING_SLOTS = 2
@@ -92,6 +92,16 @@ class Plan:
         document["vram"]["total"] = self.vram.total
         document["counts"] = self.counts()
         return document
+
+    @classmethod
+    def from_json(cls, document: dict) -> Plan:
+        """A plan as `to_json` wrote it (plans.json); the derived fields (counts, vram total) are recomputed."""
+        fields = {name: document[name] for name in ("strategy", "tier", "placements", "predicted_s", "step_s",
+                                                     "tokens_per_s", "budget_bytes")}
+        optional = {name: document[name] for name in ("streamed_bytes", "copy_hidden_fraction", "slots", "prefetch")
+                    if name in document}
+        vram = VramBreakdown(**{k: v for k, v in document["vram"].items() if k != "total"})
+        return cls(**fields, **optional, vram=vram)
 
 
 class Planner:
@@ -371,8 +381,8 @@ def _nearest_tier_factor(factors: dict[str, float], tier: int) -> float:
     return max(1.0, factors[str(min(tiers, key=lambda t: abs(t - tier)))])
 
 
-def plans_document(planner: Planner, planned: dict, pack: str, profile_name: str) -> dict:
-    """plans.json (schema 1, docs/plans.md)."""
+def plans_document(planner: Planner, planned: dict, pack: str, profile_name: str, pack_sha256: str) -> dict:
+    """plans.json (schema 2, docs/plans.md)."""
     def tier_json(entry: dict) -> dict:
         return {"tier": entry["tier"], "chosen": entry["chosen"].to_json(),
                 "alternatives": [p.to_json() for p in entry["alternatives"]],
@@ -382,6 +392,7 @@ def plans_document(planner: Planner, planned: dict, pack: str, profile_name: str
         "schema_version": PLANS_SCHEMA_VERSION,
         "pipeshard_version": __version__,
         "pack": pack,
+        "pack_sha256": pack_sha256,
         "profile": {"name": profile_name, "source": planner.profile["source"],
                     "fingerprint_id": planner.profile["fingerprint_id"]},
         "budget_bytes": planner.budget_bytes,

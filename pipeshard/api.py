@@ -61,13 +61,15 @@ class Engine:
 
 def load(path: str | Path, threads: int | None = None, verify: bool = False, vram: str | int | None = None,
          device: str = "auto", profile: str | None = None, plan: str = "auto", context: int | None = None,
-         batch: int = 1, expert_stats: str | Path | None = None) -> Engine:
+         batch: int = 1, expert_stats: str | Path | None = None, plans: str | Path | None = None) -> Engine:
     """Load an export folder (one session over the whole graph) or a model pack.
 
     A pack runs as the all-CPU chain unless a device with a VRAM budget is given: then the planner
     makes one plan per token tier from the profile (a DB file or a reference name) and every step
     runs its tier's plan. `device`: auto (cuda if usable, else cpu), cuda, sim or cpu. `expert_stats`: a
-    MoE routing stats file (Engine.expert_stats) the planner uses instead of uniform routing.
+    MoE routing stats file (Engine.expert_stats) the planner uses instead of uniform routing. `plans`: a saved
+    plans.json (`pipeshard plan --out`) whose plans run as they are; the planner is consulted only when the
+    budget changes (its budget is the file's unless `vram` gives a larger one).
     """
     from pipeshard.runtime.chain import ChainStep
     from pipeshard.runtime.monolithic import MonolithicStep
@@ -101,6 +103,8 @@ def load(path: str | Path, threads: int | None = None, verify: bool = False, vra
         if not (export / "export.json").is_file():
             raise UserError(f"--plan monolithic needs the export the pack was made from ({export}), which is gone")
         return _engine(lambda: MonolithicStep(export, threads=threads), folder)
+    if plans is not None and (device in ("auto", "cpu") or plan != "auto"):
+        raise UserError("--plans runs a saved plans file on a device: give --device sim|cuda, and no --plan")
     if device == "auto":
         from pipeshard.profiles.measure_cuda import cuda_usable
 
@@ -112,10 +116,10 @@ def load(path: str | Path, threads: int | None = None, verify: bool = False, vra
         if plan not in ("auto", "cpu"):
             raise UserError(f"--plan {plan} places sub-layers on a device: give --device sim|cuda and --vram")
         return _engine(lambda: ChainStep(folder, threads=threads, verify=verify), folder)
-    if vram is None:
+    if vram is None and plans is None:
         raise UserError(f"--device {device} needs a VRAM budget (--vram SIZE)")
     return _engine(lambda: planned_step(folder, device, vram, profile, plan, threads, context, batch, verify,
-                                        expert_stats), folder)
+                                        expert_stats, plans), folder)
 
 
 def verify_export(folder: Path) -> None:
@@ -168,8 +172,9 @@ def profile_or_fallback(profile: str | Path | None) -> str | Path:
 
 
 def planned_step(folder: Path, device: str, vram, profile: str | None, plan: str, threads: int | None,
-                 context: int | None, batch: int, verify: bool, expert_stats: str | Path | None = None):
-    """A PlanStep on a device, planned from the profile for the budget."""
+                 context: int | None, batch: int, verify: bool, expert_stats: str | Path | None = None,
+                 plans: str | Path | None = None):
+    """A PlanStep on a device: the saved plans of `plans`, or plans made from the profile for the budget."""
     from pipeshard.partitioner.planner import Planner
     from pipeshard.profiles.db import load_profile
     from pipeshard.runtime.devices import make_device
@@ -179,10 +184,35 @@ def planned_step(folder: Path, device: str, vram, profile: str | None, plan: str
 
     if plan not in PLANS or plan in ("cpu", "monolithic"):
         raise UserError(f"plan {plan!r} does not run on a device; choose one of {', '.join(PLANS)}")
-    manifest = load_pack(folder, verify=verify).manifest
+    pack = load_pack(folder, verify=verify)
+    manifest = pack.manifest
+    saved = None
+    if plans is not None:
+        from pipeshard.partitioner.planner import planning_units
+        from pipeshard.runtime.plansfile import read_plans
+
+        saved = read_plans(Path(plans), pack, [u["name"] for u in planning_units(manifest["sub_layers"])])
+        if context is not None and context != saved.context:
+            raise UserError(f"{plans} was made for a context of {saved.context} tokens, not --context {context}")
+        context, batch = saved.context, saved.batch
+        if profile is None and _loadable_profile(saved.profile):
+            profile = saved.profile
     planner = Planner(manifest, load_profile(profile_or_fallback(profile)), 0,
                       context=context or min(4096, manifest["model"]["max_context"]), batch=batch, threads=threads,
                       expert_stats=read_expert_stats(expert_stats))
-    planner.budget_bytes = resolve_budget(vram, planner.minimum_budget(), planner.model_bytes)
+    if saved is not None and vram is None:
+        planner.budget_bytes = saved.budget_bytes
+    else:
+        planner.budget_bytes = resolve_budget(vram, planner.minimum_budget(), planner.model_bytes)
+    if saved is not None and planner.budget_bytes < saved.budget_bytes:
+        raise UserError(f"{plans} was made for a budget of {saved.budget_bytes / 1024**2:.0f} MiB, over the "
+                        f"--vram of {planner.budget_bytes / 1024**2:.0f} MiB: make plans for this budget")
     planner.check_budget()
-    return PlanStep(folder, make_device(device, planner.budget_bytes), planner, threads=threads, strategy=plan)
+    return PlanStep(folder, make_device(device, planner.budget_bytes), planner, threads=threads, strategy=plan,
+                    saved=saved.plans if saved else None)
+
+
+def _loadable_profile(name: str) -> bool:
+    from pipeshard.profiles.db import REFERENCE_PROFILES
+
+    return name in REFERENCE_PROFILES or Path(name).is_file()

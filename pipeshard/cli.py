@@ -141,8 +141,9 @@ def _check_generation_options(args: argparse.Namespace) -> None:
     if args.device == "cpu" and args.vram is not None:
         raise UserError("--device cpu runs every sub-layer on the CPU: drop --vram, or give --device sim|cuda")
     _check_context(args.context, Path(args.path))
-    if args.expert_stats is not None and not Path(args.expert_stats).is_file():
-        raise UserError(f"--expert-stats {args.expert_stats} does not exist")
+    for option, value in (("--expert-stats", args.expert_stats), ("--plans", args.plans)):
+        if value is not None and not Path(value).is_file():
+            raise UserError(f"{option} {value} does not exist")
     args.system = _text(args.system, "--system")
 
 
@@ -164,7 +165,8 @@ def _command_run(args: argparse.Namespace) -> int:
                        or not _is_moe(Path(args.path))):
         raise UserError("--save-expert-stats needs a MoE model run from its pack (not --plan monolithic)")
     engine = pipeshard.load(args.path, threads=args.threads, verify=args.verify, vram=args.vram, device=args.device,
-                            profile=args.profile, plan=args.plan, context=args.context, expert_stats=args.expert_stats)
+                            profile=args.profile, plan=args.plan, context=args.context, expert_stats=args.expert_stats,
+                            plans=args.plans)
     sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                     top_p=args.top_p, repetition_penalty=args.repetition_penalty, seed=args.seed,
                     stop_strings=tuple(_text(stop, "--stop") for stop in args.stop))
@@ -216,7 +218,8 @@ def _command_chat(args: argparse.Namespace) -> int:
     settings = SamplingSettings(max_new_tokens=args.max_new_tokens)
     settings.validate()
     engine = pipeshard.load(args.path, threads=args.threads, vram=args.vram, device=args.device,
-                            profile=args.profile, plan=args.plan, context=args.context, expert_stats=args.expert_stats)
+                            profile=args.profile, plan=args.plan, context=args.context, expert_stats=args.expert_stats,
+                            plans=args.plans)
     context = min(args.context or 4096, engine.step.max_context)
     conversation = Conversation(engine.generator, settings, context, system=args.system)
     print("pipeshard chat: /budget SIZE changes the VRAM budget, /plan shows the active plan, /reset forgets the "
@@ -334,7 +337,7 @@ def _command_profile(args: argparse.Namespace) -> int:
 
 def _command_plan(args: argparse.Namespace) -> int:
     from pipeshard.api import profile_or_fallback, read_expert_stats
-    from pipeshard.fsutil import write_json_atomic
+    from pipeshard.fsutil import sha256_file, write_json_atomic
     from pipeshard.partitioner.planner import Planner, plans_document
     from pipeshard.partitioner.report import plan_table, plot_timelines
     from pipeshard.profiles.db import load_profile
@@ -355,7 +358,8 @@ def _command_plan(args: argparse.Namespace) -> int:
                       expert_stats=read_expert_stats(args.expert_stats))
     planner.budget_bytes = budget = resolve_budget(args.vram, planner.minimum_budget(), planner.model_bytes)
     planned = planner.plan(tuple(tiers))
-    document = plans_document(planner, planned, str(pack.folder), str(profile_ref))
+    document = plans_document(planner, planned, str(pack.folder), str(profile_ref),
+                              sha256_file(pack.folder / "manifest.json"))
     if out:
         write_json_atomic(out, document)
     if args.json:
@@ -554,6 +558,9 @@ def _add_device_options(command: argparse.ArgumentParser) -> None:
                          help="KV cache context (default: 4096, or the model's maximum if less)")
     command.add_argument("--expert-stats", default=None, metavar="FILE",
                          help="MoE routing stats to plan with instead of uniform routing")
+    command.add_argument("--plans", default=None, metavar="FILE",
+                         help="run a saved plans.json (pipeshard plan --out) as it is; the planner only replans "
+                              "when the budget changes")
 
 
 class _StderrHandler(logging.StreamHandler):

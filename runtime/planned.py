@@ -68,13 +68,16 @@ class PlanStep:
     """A ForwardStep that executes the planner's plan for each step's tier on a device."""
 
     def __init__(self, folder: Path, device, planner: Planner, threads: int | None = None,
-                 strategy: str = "auto", tiers: tuple[int, ...] = (1, 4, 16, 64, 256, 1024)) -> None:
+                 strategy: str = "auto", tiers: tuple[int, ...] = (1, 4, 16, 64, 256, 1024),
+                 saved: dict[int, Plan] | None = None) -> None:
+        """`saved`: plans per tier to run as they are (a plans file); their tiers are the step's tiers, and the
+        planner is asked only after a budget change."""
         self._ort = import_onnxruntime()
         self.pack = load_pack(folder)
         self.device = device
         self.planner = planner
         self.strategy = strategy
-        self.tiers = sorted(tiers)
+        self.tiers = sorted(saved or tiers)
         model = self.pack.model
         self.max_context = int(model["max_context"])
         self.kv_heads, self.head_dim = int(model["num_key_value_heads"]), int(model["head_dim"])
@@ -95,7 +98,7 @@ class PlanStep:
         self.run_options = self._ort.RunOptions()
         self._cpu = cpu_ort_device()
         self.stats = StepStats()
-        self._plans: dict[int, Plan] = {}
+        self._plans: dict[int, Plan] = dict(saved or {})
         self.active: Plan | None = None
         self._schedule: list = []  # the active plan's runs per sub-layer (_schedule_for)
         self._device_outputs: set[str] = set()  # activations the active plan keeps in device memory

@@ -103,8 +103,8 @@ def test_replanning_for_a_new_budget_is_fast(tiny_manifest):
 def test_plans_json_carries_placements_times_and_vram(tiny_manifest, tmp_path):
     profile = load_profile("laptop-8gb")
     planner = Planner(tiny_manifest, profile, minimum(tiny_manifest, profile) + 64 * MiB)
-    document = plans_document(planner, planner.plan((1, 64)), "pack", "laptop-8gb")
-    assert document["schema_version"] == 1 and [t["tier"] for t in document["tiers"]] == [1, 64]
+    document = plans_document(planner, planner.plan((1, 64)), "pack", "laptop-8gb", "0" * 64)
+    assert document["schema_version"] == 2 and [t["tier"] for t in document["tiers"]] == [1, 64]
     chosen = document["tiers"][0]["chosen"]
     assert set(chosen["placements"].values()) <= {"pinned", "streamed", "cpu"}
     assert chosen["vram"]["total"] <= document["budget_bytes"] and chosen["step_s"] > 0

@@ -1,0 +1,75 @@
+"""A saved plans.json is the runtime's input: it runs as it is, and a file that does not belong is one error line."""
+
+import json
+
+import pytest
+
+import pipeshard
+from pipeshard.cli import main
+from pipeshard.partitioner.planner import Planner
+from pipeshard.profiles.db import load_profile
+
+PROMPTS = ["Hi", "What is the capital of France, and why is it famous?", "Count: 1 2 3"]
+
+
+@pytest.fixture(scope="module")
+def budget(tiny_pack) -> int:
+    """A budget where the tiny model does not fit whole (some tiers stream)."""
+    manifest = json.loads((tiny_pack / "manifest.json").read_text())
+    return Planner(manifest, load_profile("laptop-8gb"), 1 << 40, context=256).minimum_budget() + 600_000
+
+
+@pytest.fixture(scope="module")
+def plans_file(tiny_pack, budget, tmp_path_factory):
+    path = tmp_path_factory.mktemp("plans") / "plans.json"
+    assert main(["plan", str(tiny_pack), "--vram", str(budget), "--profile", "laptop-8gb", "--context", "256",
+                 "--tiers", "1,4,64", "--out", str(path)]) == 0
+    return path
+
+
+def test_a_saved_plans_file_runs_as_it_is_with_the_in_process_plans_tokens(tiny_pack, budget, plans_file,
+                                                                         monkeypatch):
+    planned = pipeshard.load(tiny_pack, vram=budget, device="sim", profile="laptop-8gb", context=256)
+    expected = [planned.generate(p, max_new_tokens=16)[0].tokens for p in PROMPTS]  # the file's batch: 1
+    saved = pipeshard.load(tiny_pack, device="sim", plans=plans_file)
+    monkeypatch.setattr(Planner, "plan_tier", lambda *a: pytest.fail("the planner was asked"))
+    assert [saved.generate(p, max_new_tokens=16)[0].tokens for p in PROMPTS] == expected
+    assert saved.step.stats.streamed_bytes > 0  # tiers 1 and 4 stream at this budget
+    document = json.loads(plans_file.read_text())
+    assert {tier: plan.placements for tier, plan in saved.step._plans.items()} == \
+        {entry["tier"]: entry["chosen"]["placements"] for entry in document["tiers"]}
+    assert saved.step.planner.budget_bytes == document["budget_bytes"] and saved.step.tiers == [1, 4, 64]
+    assert saved.step.device.ledger.peak <= document["budget_bytes"]
+
+
+def test_run_with_plans_through_the_cli(tiny_pack, plans_file, capsys):
+    assert main(["run", str(tiny_pack), "Hi", "--device", "sim", "--plans", str(plans_file),
+                 "--max-new-tokens", "4"]) == 0
+    assert "plans T=1:" in capsys.readouterr().err
+
+
+def _one_error(capsys, argv, fragment):
+    assert main([str(a) for a in argv]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:") and fragment in lines[0], lines
+
+
+@pytest.mark.parametrize(("change", "fragment"), [
+    (lambda d: d.update(pack_sha256="0" * 64), "made for another pack"),
+    (lambda d: d.update(schema_version=99), "unsupported schema_version 99"),
+    (lambda d: d.update(budget_bytes=d["budget_bytes"] // 4), "over the file's budget"),
+    (lambda d: d["tiers"][0]["chosen"]["placements"].pop("L0.attn"), "does not place exactly"),
+])
+def test_a_plans_file_that_does_not_belong_is_one_error_line(tiny_pack, plans_file, tmp_path, capsys, change,
+                                                           fragment):
+    document = json.loads(plans_file.read_text())
+    change(document)
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(document))
+    _one_error(capsys, ["run", tiny_pack, "Hi", "--device", "sim", "--plans", bad], fragment)
+
+
+def test_a_budget_below_the_files_is_one_error_line(tiny_pack, plans_file, capsys):
+    _one_error(capsys, ["run", tiny_pack, "Hi", "--device", "sim", "--plans", plans_file, "--vram", "1MiB"],
+               "made for a budget of")
+    _one_error(capsys, ["run", tiny_pack, "Hi", "--plans", plans_file], "--device sim|cuda")
