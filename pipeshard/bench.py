@@ -142,13 +142,14 @@ class PlanRunner:
         """Which plan each tier ran and what the planner predicted for a decode step."""
         step = self.engine.step
         facts = dict(self.facts)
-        if hasattr(step, "_plans"):
-            facts["budget_bytes"] = step.planner.budget_bytes
-            facts["tiers"] = {str(tier): {"strategy": plan.strategy, "counts": plan.counts(),
-                                          "predicted_step_s": plan.step_s}
-                              for tier, plan in sorted(step._plans.items())}
-            if 1 in step._plans:
-                facts["predicted_decode_step_s"] = step._plans[1].step_s
+        if hasattr(step, "report"):
+            report = step.report()
+            facts["budget_bytes"] = report.budget_bytes
+            facts["tiers"] = {str(tier): {"strategy": strategy, "counts": report.placement_counts[tier],
+                                          "predicted_step_s": report.predicted_step_s[tier]}
+                              for tier, strategy in report.plans.items()}
+            if 1 in report.plans:
+                facts["predicted_decode_step_s"] = report.predicted_step_s[1]
             if self.device.kind == "cuda":
                 from pipeshard.profiles.measure_cuda import CudaRuntime
 

@@ -197,16 +197,15 @@ def _command_run(args: argparse.Namespace) -> int:
 
 def _device_note(engine) -> str:
     """Where the figures came from: `sim` is a test double, never a GPU claim."""
-    step = engine.step
-    if not hasattr(step, "device"):
+    if not hasattr(engine.step, "report"):
         return ""
-    ledger = getattr(step.device, "ledger", None)
-    peak = f", peak device memory {ledger.peak / 1024**2:.0f} MiB of {ledger.budget_bytes / 1024**2:.0f} MiB" \
-        if ledger else ""
-    tiers = "; plans " + ", ".join(f"T={tier}: {plan.strategy}" for tier, plan in sorted(step._plans.items())) \
-        if step._plans else "; no plan chosen yet (each tier's is made at its first step)"
-    return (f"; device {step.device.kind}{' (simulated: not GPU speed)' if step.device.kind == 'sim' else ''}"
-            f"{peak}{tiers}; streamed {step.stats.streamed_bytes / 1024**2:.1f} MiB")
+    report = engine.step.report()
+    peak = f", peak device memory {report.peak_device_bytes / 1024**2:.0f} MiB of " \
+        f"{report.budget_bytes / 1024**2:.0f} MiB" if report.peak_device_bytes else ""
+    tiers = "; plans " + ", ".join(f"T={tier}: {strategy}" for tier, strategy in report.plans.items()) \
+        if report.plans else "; no plan chosen yet (each tier's is made at its first step)"
+    return (f"; device {report.device}{' (simulated: not GPU speed)' if report.device == 'sim' else ''}"
+            f"{peak}{tiers}; streamed {report.streamed_weight_bytes / 1024**2:.1f} MiB")
 
 
 def _command_chat(args: argparse.Namespace) -> int:

@@ -48,6 +48,27 @@ class StepStats:
     tiers_used: dict[int, int] = field(default_factory=dict)
 
 
+@dataclass
+class StepReport:
+    """What a planned step has done so far, for people and tools (the CLI, the bench, a server's metrics)."""
+
+    device: str
+    budget_bytes: int
+    peak_device_bytes: int
+    plans: dict[int, str]  # tier -> strategy, for the tiers planned so far
+    predicted_step_s: dict[int, float]
+    placement_counts: dict[int, dict[str, int]]  # tier -> units pinned / streamed / on the CPU
+    steps: int
+    plan_switches: int
+    streamed_weight_bytes: int
+    copy_wait_s: float  # copy time not hidden behind compute: what steps waited for
+
+    def to_json(self) -> dict:
+        return {**self.__dict__, "plans": {str(t): s for t, s in self.plans.items()},
+                "predicted_step_s": {str(t): s for t, s in self.predicted_step_s.items()},
+                "placement_counts": {str(t): c for t, c in self.placement_counts.items()}}
+
+
 class _Session:
     """A sub-layer's session; `produced` are the outputs it allocates (the KV is written in place)."""
 
@@ -123,6 +144,17 @@ class PlanStep:
         self._expert_names = {name for block in self.moe.values() for name in block.experts}
         self.expert_stats = ExpertStats(int(model.get("num_experts") or 0))
         self._expert_slots: list[np.ndarray] = []
+
+    def report(self) -> StepReport:
+        ledger = getattr(self.device, "ledger", None)
+        return StepReport(
+            device=self.device.kind, budget_bytes=self.planner.budget_bytes,
+            peak_device_bytes=ledger.peak if ledger else 0,
+            plans={tier: plan.strategy for tier, plan in sorted(self._plans.items())},
+            predicted_step_s={tier: plan.step_s for tier, plan in sorted(self._plans.items())},
+            placement_counts={tier: plan.counts() for tier, plan in sorted(self._plans.items())},
+            steps=self.stats.steps, plan_switches=self.stats.plan_switches,
+            streamed_weight_bytes=self.stats.streamed_bytes, copy_wait_s=self.stats.copy_wait_s)
 
     # -- plans ------------------------------------------------------------------------------------------------------
     def tier_for(self, tokens: int) -> int:

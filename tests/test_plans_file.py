@@ -34,12 +34,16 @@ def test_a_saved_plans_file_runs_as_it_is_with_the_in_process_plans_tokens(tiny_
     saved = pipeshard.load(tiny_pack, device="sim", plans=plans_file)
     monkeypatch.setattr(Planner, "plan_tier", lambda *a: pytest.fail("the planner was asked"))
     assert [saved.generate(p, max_new_tokens=16)[0].tokens for p in PROMPTS] == expected
-    assert saved.step.stats.streamed_bytes > 0  # tiers 1 and 4 stream at this budget
     document = json.loads(plans_file.read_text())
     assert {tier: plan.placements for tier, plan in saved.step._plans.items()} == \
         {entry["tier"]: entry["chosen"]["placements"] for entry in document["tiers"]}
     assert saved.step.planner.budget_bytes == document["budget_bytes"] and saved.step.tiers == [1, 4, 64]
-    assert saved.step.device.ledger.peak <= document["budget_bytes"]
+    report = saved.step.report()
+    assert report.plans == {entry["tier"]: entry["chosen"]["strategy"] for entry in document["tiers"]
+                            if entry["tier"] in report.plans} and 1 in report.plans
+    assert 0 < report.peak_device_bytes <= report.budget_bytes == document["budget_bytes"]
+    assert report.streamed_weight_bytes == saved.step.stats.streamed_bytes > 0 and report.steps > 0
+    assert json.loads(json.dumps(report.to_json()))["plans"]["1"] == report.plans[1]
 
 
 def test_run_with_plans_through_the_cli(tiny_pack, plans_file, capsys):
