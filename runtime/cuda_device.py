@@ -7,6 +7,11 @@ before a staging slot is refilled the copy stream waits on the event recorded af
 user ran. So copies overlap compute and nothing is read before it arrived. Device buffers are
 cudaMalloc'd, charged to the same Ledger as the sim device, and bound by pointer.
 
+Events are reused, never made per copy (a generated answer makes thousands of copies): an upload takes an
+event from a pool and gives it back once the compute stream's wait on it has been issued (CUDA waits on the
+record made before the wait call, so re-recording it later is safe); each staging slot has one release event,
+re-recorded after each reader and destroyed with the slot.
+
 Unverified: no GPU was available when this was written (README). The GPU check exercises it.
 """
 
@@ -38,9 +43,14 @@ class CopyTicket:
     def __init__(self, device: CudaDevice, event) -> None:
         self.device = device
         self.event = event
+        self._returned = False
 
     def result(self) -> None:
+        if self._returned:
+            return  # the wait was issued already: the compute stream stays ordered after the copy
         _check(self.device.rt.cudaStreamWaitEvent(self.device.compute_stream, self.event, 0))
+        self._returned = True
+        self.device._free_events.append(self.event)
 
 
 class CudaDevice(LedgeredDevice):
@@ -58,7 +68,9 @@ class CudaDevice(LedgeredDevice):
                         "do_copy_in_default_stream": "0"}
         self.providers = [("CUDAExecutionProvider", cuda_options), "CPUExecutionProvider"]
         self._pinned_host: dict[int, tuple[int, int]] = {}  # id(source) -> (pointer, bytes)
-        self._slot_released: dict[int, object] = {}
+        self._slot_released: dict[int, object] = {}  # buffer pointer -> its release event
+        self._free_events: list = []
+        self._events: list = []  # every event made, destroyed at close()
 
     def alloc(self, nbytes: int, purpose: str) -> DeviceBuffer:
         self.ledger.charge(nbytes, purpose)
@@ -72,7 +84,17 @@ class CudaDevice(LedgeredDevice):
         _check(self.rt.cudaStreamSynchronize(self.compute_stream))
         _check(self.rt.cudaFree(buffer.pointer))
         self.ledger.release(buffer.nbytes, purpose)
-        self._slot_released.pop(buffer.pointer, None)
+        released = self._slot_released.pop(buffer.pointer, None)
+        if released is not None:
+            self._free_events.append(released)
+
+    def _event(self):
+        """An event nobody waits on any more, or a new one."""
+        if self._free_events:
+            return self._free_events.pop()
+        event = _check(self.rt.cudaEventCreateWithFlags(self.rt.cudaEventDisableTiming))
+        self._events.append(event)
+        return event
 
     def _pinned(self, source: np.ndarray) -> int:
         """A pinned host copy of a weight blob (made once): async copies need page-locked memory."""
@@ -90,20 +112,23 @@ class CudaDevice(LedgeredDevice):
             _check(self.rt.cudaStreamWaitEvent(self.copy_stream, released, 0))
         _check(self.rt.cudaMemcpyAsync(target.pointer, self._pinned(source), source.nbytes,
                                        self.rt.cudaMemcpyKind.cudaMemcpyHostToDevice, self.copy_stream))
-        event = _check(self.rt.cudaEventCreateWithFlags(self.rt.cudaEventDisableTiming))
+        event = self._event()
         _check(self.rt.cudaEventRecord(event, self.copy_stream))
         self.copied_bytes += source.nbytes
         return CopyTicket(self, event)
 
     def upload_now(self, target: DeviceBuffer, source: np.ndarray) -> None:
-        self.upload(target, source)
+        ticket = self.upload(target, source)
         _check(self.rt.cudaStreamSynchronize(self.copy_stream))
+        ticket._returned = True
+        self._free_events.append(ticket.event)
 
     def released_after_compute(self, buffer: DeviceBuffer) -> None:
         """Record that the compute stream's work so far is the last reader of `buffer` (a staging slot)."""
-        event = _check(self.rt.cudaEventCreateWithFlags(self.rt.cudaEventDisableTiming))
+        event = self._slot_released.get(buffer.pointer)
+        if event is None:
+            event = self._slot_released[buffer.pointer] = self._event()
         _check(self.rt.cudaEventRecord(event, self.compute_stream))
-        self._slot_released[buffer.pointer] = event
 
     @property
     def ort_device(self):
@@ -135,3 +160,7 @@ class CudaDevice(LedgeredDevice):
         for pointer, _ in self._pinned_host.values():
             _check(self.rt.cudaFreeHost(pointer))
         self._pinned_host.clear()
+        for event in self._events:
+            _check(self.rt.cudaEventDestroy(event))
+        self._events, self._free_events = [], []
+        self._slot_released.clear()

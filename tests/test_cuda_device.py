@@ -92,3 +92,44 @@ def test_kv_copies_wait_for_compute_and_are_never_served_from_the_pinned_cache(d
     assert copy_in == (buffer.pointer, host.ctypes.data, 256, 1)
     assert copy_out == (host.ctypes.data, buffer.pointer, 256, 2)
     assert cuda._pinned_host == {}
+
+
+def test_events_are_reused_across_thousands_of_copies_and_destroyed_at_close(device):
+    cuda, runtime = device
+    slots = [cuda.alloc(1024, "staging") for _ in range(2)]
+    blob = np.zeros(1024, np.uint8)
+    for step in range(2000):  # the copies of a long answer through a two-slot ring
+        slot = slots[step % 2]
+        ticket = cuda.upload(slot, blob)
+        ticket.result()
+        cuda.released_after_compute(slot)
+    created = [name for name, _ in runtime.calls].count("cudaEventCreateWithFlags")
+    assert created <= 4, created
+    cuda.close()
+    destroyed = [args[0] for name, args in runtime.calls if name == "cudaEventDestroy"]
+    assert sorted(destroyed) == sorted(cuda_events_made(runtime))
+
+
+def cuda_events_made(runtime) -> list[int]:
+    """The pointers the fake runtime handed out for events, in call order."""
+    made, pointer = [], 0x1000
+    for name, _ in runtime.calls:
+        if name in ("cudaMalloc", "cudaMallocHost", "cudaStreamCreate", "cudaEventCreateWithFlags"):
+            pointer += 0x1000
+            if name == "cudaEventCreateWithFlags":
+                made.append(pointer)
+    return made
+
+
+def test_every_cuda_call_of_the_device_exists_in_the_real_bindings():
+    """cuda-bindings imports without a GPU: the names the device calls are checked against the real module."""
+    import ast
+    import inspect
+
+    from pipeshard.runtime import cuda_device
+
+    runtime = pytest.importorskip("cuda.bindings.runtime")
+    called = {node.attr for node in ast.walk(ast.parse(inspect.getsource(cuda_device)))
+              if isinstance(node, ast.Attribute) and node.attr.startswith("cuda")
+              and isinstance(node.value, ast.Attribute) and node.value.attr == "rt"}
+    assert called and not [name for name in called if not hasattr(runtime, name)]
