@@ -25,6 +25,10 @@ STAGING_SLOTS = 2
 HOST_ONLY_KINDS = ("prologue", "embed")  # cheap, and embed reads only T rows of a large table
 STRATEGIES = ("gpu-only", "static", "dynamic")
 BASELINES = ("monolithic", "cpu", "layers", "offload")
+# What a user may ask for by name: the planner's choice, a strategy, or a baseline; the first two kinds and the
+# device baselines place sub-layers on a device.
+PLAN_NAMES = ("auto", *STRATEGIES, *BASELINES)
+DEVICE_PLAN_NAMES = ("auto", *STRATEGIES, "layers", "offload")
 
 
 def planning_units(sub_layers: list[dict], output_chunks: int | None = None) -> list[dict]:

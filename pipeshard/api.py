@@ -7,6 +7,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from pipeshard.errors import UserError
+from pipeshard.partitioner.planner import PLAN_NAMES
 from pipeshard.runtime.generate import Generation, Generator, SamplingSettings, StreamEvent
 from pipeshard.runtime.text import TextCodec
 
@@ -14,7 +15,7 @@ log = logging.getLogger(__name__)
 
 
 DEVICES = ("auto", "cuda", "sim", "cpu")
-PLANS = ("auto", "gpu-only", "static", "dynamic", "cpu", "monolithic", "layers", "offload")
+PLANS = PLAN_NAMES
 
 
 class Engine:

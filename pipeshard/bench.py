@@ -21,11 +21,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from pipeshard.errors import UserError
+from pipeshard.partitioner.planner import DEVICE_PLAN_NAMES
 from pipeshard.peers import PEERS, make_peer_runner, missing_peer, prepare_peer_files
 
 BENCH_SCHEMA_VERSION = 1
-PLANS = ("auto", "monolithic", "cpu", "layers", "offload", "gpu-only", "static", "dynamic")
-DEVICE_PLANS = ("auto", "layers", "offload", "gpu-only", "static", "dynamic")
+PLANS = ("auto", "monolithic", "cpu", "layers", "offload", "gpu-only", "static", "dynamic")  # the rows' order
+DEVICE_PLANS = DEVICE_PLAN_NAMES
 BANDWIDTH_SAMPLES_BEFORE, BANDWIDTH_SAMPLES_PER_ROUND = 6, 2  # each sample reads what a decode step reads
 DEFAULT_PROMPT = ("Explain how a steam engine works, from the boiler to the wheels, and why it changed the way "
                   "people travelled and worked in the nineteenth century.")
@@ -49,6 +50,7 @@ class BenchSettings:
     reference: str | None = None  # default: monolithic if run, else the first row
     peer_dir: str | None = None
     processes: int = 1  # worker processes per row
+    plans_file: str | None = None  # a saved plans.json the `auto` row runs as it is
 
     def check(self) -> None:
         unknown = [p for p in self.plans if p not in PLANS]
@@ -108,8 +110,10 @@ class PlanRunner:
 
         request_process_thread_pool(settings.threads)  # as `pipeshard run` does: the worker runs only this
         device = "cpu" if plan in ("cpu", "monolithic") else settings.device
-        self.engine = pipeshard.load(settings.pack, threads=settings.threads, vram=settings.vram, device=device,
-                                     profile=settings.profile, plan=plan, context=context)
+        saved = settings.plans_file if plan == "auto" else None
+        self.engine = pipeshard.load(settings.pack, threads=settings.threads, vram=None if saved else settings.vram,
+                                     device=device, profile=settings.profile, plan=plan,
+                                     context=None if saved else context, plans=saved)
         self.engine.codec.eos_token_ids = []  # every row decodes exactly the asked number of tokens
         self.plan = plan
         self.settings = settings

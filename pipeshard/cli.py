@@ -385,7 +385,12 @@ def _command_bench(args: argparse.Namespace) -> int:
     from pipeshard.peers import PEERS
     from pipeshard.runtime.ort import default_threads
 
-    if args.plans:
+    plans_file = args.plans if args.plans and args.plans.endswith(".json") else None
+    if plans_file:
+        if not Path(plans_file).is_file():
+            raise UserError(f"--plans {plans_file} does not exist")
+        plans = ["monolithic", "cpu", "auto"]  # the auto row runs the saved file
+    elif args.plans:
         plans = [p.strip() for p in args.plans.split(",") if p.strip()]
     else:
         plans = ["monolithic", "cpu"] + ([] if args.device == "cpu" else [p for p in PLANS if p in DEVICE_PLANS])
@@ -404,7 +409,7 @@ def _command_bench(args: argparse.Namespace) -> int:
     settings = BenchSettings(pack=args.pack, device=args.device, vram=vram, profile=args.profile, plans=plans,
                              peers=peers, prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens,
                              threads=args.threads or default_threads(), repeat=args.repeat, reference=args.reference,
-                             peer_dir=args.peer_dir, processes=args.processes,
+                             peer_dir=args.peer_dir, processes=args.processes, plans_file=plans_file,
                              **({"prompt": args.prompt} if args.prompt else {}))
     settings.check()
     if planned:
@@ -528,7 +533,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--device", default="sim", help="sim (default; a simulated accelerator), cuda or cpu")
     bench.add_argument("--profile", default=None, help="profile DB file or reference name (for planned rows)")
     bench.add_argument("--plans", default=None,
-                       help="comma-separated plans (default: all with a device, monolithic,cpu with --device cpu)")
+                       help="comma-separated plans (default: all with a device, monolithic,cpu with --device cpu), "
+                            "or a saved plans.json, which the auto row runs as it is")
     bench.add_argument("--peers", default="none", help="comma-separated peers, all or none (default): ort-genai, "
                        "llama.cpp, llama.cpp-f32, transformers; their model files (about 1 GB for SmolLM2) are made "
                        "once in --peer-dir")

@@ -77,3 +77,14 @@ def test_a_budget_below_the_files_is_one_error_line(tiny_pack, plans_file, capsy
     _one_error(capsys, ["run", tiny_pack, "Hi", "--device", "sim", "--plans", plans_file, "--vram", "1MiB"],
                "made for a budget of")
     _one_error(capsys, ["run", tiny_pack, "Hi", "--plans", plans_file], "--device sim|cuda")
+
+
+def test_bench_runs_a_saved_plans_file_in_its_auto_row(tiny_pack, plans_file, tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    assert main(["bench", str(tiny_pack), "--plans", str(plans_file), "--new-tokens", "4", "--repeat", "1",
+                 "--prompt-tokens", "40", "--json", str(out)]) == 0
+    rows = {row["name"]: row for row in json.loads(out.read_text())["rows"]}
+    document = json.loads(plans_file.read_text())
+    assert set(rows) == {"monolithic", "cpu", "auto"}
+    assert rows["auto"]["facts"]["budget_bytes"] == document["budget_bytes"]
+    assert rows["auto"]["tokens"] == rows["cpu"]["tokens"] == rows["monolithic"]["tokens"]
