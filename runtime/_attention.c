@@ -10,7 +10,8 @@
  * Semantics (those of GroupQueryAttention with past and present sharing one buffer): packed query [B, 1,
  * (N + 2 Nkv) H]; past/present key and value [B, Nkv, C, H], the new key and value written at row seqlens_k[b];
  * rotary (non-interleaved) from cos/sin caches [R, H/2] at that row's position; scores scaled, plus the optional
- * additive bias [B or 1, N or 1, 1, T]; softmax over the row's seqlens_k[b] + 1 positions. */
+ * additive bias [B or 1, N or 1, 1, T]; softmax over the row's seqlens_k[b] + 1 positions, or the last
+ * local_window_size of them. */
 #if defined(__GNUC__) || defined(__clang__) /* the vector code below is GCC's vector extensions */
 #include <math.h>
 #include <stdint.h>
@@ -74,6 +75,7 @@ typedef struct {
 typedef struct {
     void *const *api;
     int64_t num_heads, kv_num_heads;
+    int64_t local_window; /* keys a query attends to, itself included (GQA's local_window_size); -1: all */
     float scale; /* 0: 1 / sqrt(head size) */
 } Kernel;
 
@@ -243,6 +245,7 @@ typedef struct {
     float *scratch, *partials;
     const int32_t *lengths;
     int64_t heads, kv_heads, group, head_size, capacity, chunks, chunk_rows, bias_rows, bias_heads, bias_width;
+    int64_t local_window;
 } Step;
 
 /* Task `index`: chunk index % chunks of KV head (index / chunks) % kv_heads of sequence index / (chunks kv_heads). */
@@ -250,7 +253,9 @@ static void attend_task(void *data, size_t index) {
     const Step *step = data;
     const int64_t chunk = (int64_t)index % step->chunks, g = (int64_t)index / step->chunks % step->kv_heads;
     const int64_t b = (int64_t)index / (step->chunks * step->kv_heads), size = step->head_size;
-    const int64_t length = step->lengths[b] + 1, begin = chunk * step->chunk_rows;
+    const int64_t length = step->lengths[b] + 1;
+    const int64_t first = step->local_window > 0 && length > step->local_window ? length - step->local_window : 0;
+    const int64_t begin = first + chunk * step->chunk_rows;
     const int64_t end = begin + step->chunk_rows < length ? begin + step->chunk_rows : length;
     float *partials = step->partials + (int64_t)index * step->group * (size + 2);
     if (begin >= end) {  /* past this sequence's rows: a chunk that weighs nothing */
@@ -341,6 +346,9 @@ static OrtStatus *compute(void *kernel_state, void *context) {
                         "DecodeAttention: seqlens_k[b] + 1 exceeds the KV capacity, the bias or the rotary caches");
         longest = length > longest ? length : longest;
     }
+    /* the most cached rows one sequence's query attends to (the last `local_window` with a sliding window) */
+    const int64_t attended = kernel->local_window > 0 && longest > kernel->local_window ? kernel->local_window
+                                                                                          : longest;
 
     void *outputs[OUTPUT_COUNT];
     int64_t output_dims[3] = {batch, 1, heads * head_size};
@@ -374,14 +382,14 @@ static OrtStatus *compute(void *kernel_state, void *context) {
     Step step = {
         .bias = bias->value ? bias->data : NULL, .keys = present_key, .values = present_value, .lengths = lengths,
         .heads = heads, .kv_heads = kv_heads, .group = group, .head_size = head_size, .capacity = capacity,
-        .chunks = (longest + CHUNK - 1) / CHUNK,
+        .chunks = (attended + CHUNK - 1) / CHUNK, .local_window = kernel->local_window,
         .bias_rows = bias->value ? bias->dims[0] : 0, .bias_heads = bias->value ? bias->dims[1] : 0,
         .bias_width = bias->value ? bias->dims[3] : 0,
     };
     /* Chunks of equal rows, an even number per KV head: with two threads and an odd number of KV heads (SmolLM2's
      * 3), whole chunks of CHUNK rows and a short last one left one thread with twice the other's rows. */
     step.chunks += step.chunks & 1;
-    step.chunk_rows = ((longest + step.chunks - 1) / step.chunks + ROWS - 1) / ROWS * ROWS;
+    step.chunk_rows = ((attended + step.chunks - 1) / step.chunks + ROWS - 1) / ROWS * ROWS;
     const size_t tasks = (size_t)(batch * kv_heads * step.chunks);
     const size_t query_floats = (size_t)(batch * heads * head_size);
     const size_t scratch_floats = tasks * (size_t)(group * (CHUNK + LANES));
@@ -424,6 +432,12 @@ static OrtStatus *create_kernel(const void *op, const void *api_table, const voi
     if (no_scale != NULL) { /* optional, as in GroupQueryAttention */
         ((ReleaseFn)api[RELEASE_STATUS])(no_scale);
         kernel->scale = 0.0f;
+    }
+    OrtStatus *no_window = ((GetAttributeInt64Fn)api[KERNEL_INFO_GET_ATTRIBUTE_INT64])(info, "local_window_size",
+                                                                                       &kernel->local_window);
+    if (no_window != NULL) { /* optional, as in GroupQueryAttention */
+        ((ReleaseFn)api[RELEASE_STATUS])(no_window);
+        kernel->local_window = -1;
     }
     *kernel_out = kernel;
     return NULL;

@@ -92,6 +92,16 @@ def test_long_rows_are_attended_in_chunks_and_combined(lengths, capacity):
     np.testing.assert_allclose(got[0], expected[0], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("lengths, capacity, window", [([37], 48, 16), ([37, 20, 5], 48, 8), ([0], 48, 8),
+                                                       ([600, 130], 640, 100), ([600, 130], 640, 300)])
+def test_a_local_window_attends_to_the_last_window_keys_as_group_query_attention_does(lengths, capacity, window):
+    expected = _run("GroupQueryAttention", "com.microsoft", lengths, capacity, True, True, local_window_size=window)
+    got = _run(DECODE_OP, capi.CUSTOM_DOMAIN, lengths, capacity, True, True, local_window_size=window)
+    np.testing.assert_allclose(got[0], expected[0], rtol=1e-5, atol=1e-5)
+    unwindowed = _run("GroupQueryAttention", "com.microsoft", lengths, capacity, True, True)
+    assert max(lengths) < window or not np.allclose(unwindowed[0], expected[0], atol=1e-3)  # the window matters
+
+
 def test_takes_one_new_token_and_checks_the_cache_capacity():
     with pytest.raises(capi.OrtError, match="one new token per sequence"):
         _run(DECODE_OP, capi.CUSTOM_DOMAIN, [4], 16, True, True, new=2)
@@ -108,9 +118,8 @@ def test_covers_only_what_it_computes():
     def check(made, float_inputs=frozenset({"k"})) -> bool:
         return covered(made.SerializeToString(), set(float_inputs))
 
-    assert check(node()) and check(node(local_window_size=-1, softcap=0.0))
+    assert check(node()) and check(node(local_window_size=-1, softcap=0.0)) and check(node(local_window_size=8))
     assert not check(node(), set())  # a float16 cache
-    assert not check(node(local_window_size=8))
     assert not check(node(rotary_interleaved=1))
     assert not check(node(softcap=30.0))
     separate = helper.make_node("GroupQueryAttention", ["q", "key", "value", "k", "v", "s", "t"], ["o", "pk", "pv"],
