@@ -219,6 +219,9 @@ def _command_chat(args: argparse.Namespace) -> int:
     engine = pipeshard.load(args.path, threads=args.threads, vram=args.vram, device=args.device,
                             profile=args.profile, plan=args.plan, context=args.context, expert_stats=args.expert_stats,
                             plans=args.plans)
+    if not engine.codec.chat_template:
+        raise UserError(f"{args.path}: this model has no chat template, and chat needs one (plain completions: "
+                        "pipeshard run PATH PROMPT --no-chat-template)")
     context = min(args.context or 4096, engine.step.max_context)
     conversation = Conversation(engine.generator, settings, context, system=args.system)
     print("pipeshard chat: /budget SIZE changes the VRAM budget, /plan shows the active plan, /reset forgets the "

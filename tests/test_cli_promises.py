@@ -336,3 +336,16 @@ def test_no_path_makes_a_traceback(capsys, tiny_pack, tmp_path, kind):
                  ["plan", tiny_pack, "--vram", "25%", "--expert-stats", path, "--profile", "laptop-8gb"]):
         status, _, err = cli(capsys, *argv)
         one_error(status, err)
+
+
+def test_chat_on_a_model_without_a_chat_template_says_so_at_once(capsys, pack_copy):
+    (pack_copy / "chat_template.jinja").unlink()
+    manifest = json.loads((pack_copy / "manifest.json").read_text())
+    manifest["files"].pop("chat_template.jinja", None)
+    (pack_copy / "manifest.json").write_text(json.dumps(manifest))
+    config = json.loads((pack_copy / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (pack_copy / "tokenizer_config.json").write_text(json.dumps(config))
+    manifest["files"].pop("tokenizer_config.json", None)
+    (pack_copy / "manifest.json").write_text(json.dumps(manifest))
+    one_error(*cli(capsys, "chat", pack_copy)[::2], "no chat template", "--no-chat-template")
