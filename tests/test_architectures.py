@@ -24,6 +24,9 @@ ARCHITECTURES = {
     # Qwen 2.5's long-context setting.
     "qwen2.5-yarn": {**TINY_CONFIGS["qwen2"], "rope_parameters": {
         "rope_type": "yarn", "rope_theta": 1000000.0, "factor": 4.0, "original_max_position_embeddings": 128}},
+    # Qwen 2.5 with its sliding window on the upper layers (use_sliding_window, max_window_layers).
+    "qwen2.5-sliding": {**TINY_CONFIGS["qwen2"], "use_sliding_window": True, "sliding_window": 16,
+                        "max_window_layers": 1},
     "gemma3": TINY_CONFIGS["gemma3"],
     "phi4-mini": PHI3,
     # Phi-3-mini-4k: no rope scaling, full rotary, a sliding window (2047 there).
