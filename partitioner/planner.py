@@ -385,8 +385,10 @@ def _nearest_tier_factor(factors: dict[str, float], tier: int) -> float:
     return max(1.0, factors[str(min(tiers, key=lambda t: abs(t - tier)))])
 
 
-def plans_document(planner: Planner, planned: dict, pack: str, profile_name: str, pack_sha256: str) -> dict:
-    """plans.json (schema 2, docs/plans.md)."""
+def plans_document(planner: Planner, planned: dict, pack: str, profile_name: str, pack_sha256: str,
+                   ladder: list[tuple[int, dict]] | None = None) -> dict:
+    """plans.json (schema 2, docs/plans.md). `ladder`: (budget, planned) of every budget planned, largest first;
+    the top-level tiers are the first's (the largest budget)."""
     def tier_json(entry: dict) -> dict:
         return {"tier": entry["tier"], "chosen": entry["chosen"].to_json(),
                 "alternatives": [p.to_json() for p in entry["alternatives"]],
@@ -406,4 +408,6 @@ def plans_document(planner: Planner, planned: dict, pack: str, profile_name: str
         "model_bytes": planner.model_bytes,
         "minimum_budget_bytes": planner.minimum_budget(),
         "tiers": [tier_json(e) for e in planned["tiers"]],
+        "ladder": [{"budget_bytes": budget, "tiers": [tier_json(e) for e in rung["tiers"]]}
+                   for budget, rung in (ladder or [(planner.budget_bytes, planned)])],
     }

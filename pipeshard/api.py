@@ -202,15 +202,15 @@ def planned_step(folder: Path, device: str, vram, profile: str | None, plan: str
                       context=context or min(4096, manifest["model"]["max_context"]), batch=batch, threads=threads,
                       expert_stats=read_expert_stats(expert_stats))
     if saved is not None and vram is None:
-        planner.budget_bytes = saved.budget_bytes
+        planner.budget_bytes = saved.largest
     else:
         planner.budget_bytes = resolve_budget(vram, planner.minimum_budget(), planner.model_bytes)
-    if saved is not None and planner.budget_bytes < saved.budget_bytes:
-        raise UserError(f"{plans} was made for a budget of {saved.budget_bytes / 1024**2:.0f} MiB, over the "
+    if saved is not None and saved.rung_for(planner.budget_bytes) is None:
+        raise UserError(f"{plans} was made for budgets of {min(saved.rungs) / 1024**2:.0f} MiB and more, over the "
                         f"--vram of {planner.budget_bytes / 1024**2:.0f} MiB: make plans for this budget")
     planner.check_budget()
     return PlanStep(folder, make_device(device, planner.budget_bytes), planner, threads=threads, strategy=plan,
-                    saved=saved.plans if saved else None)
+                    saved=saved)
 
 
 def _loadable_profile(name: str) -> bool:

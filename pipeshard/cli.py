@@ -347,7 +347,9 @@ def _command_plan(args: argparse.Namespace) -> int:
     from pipeshard.units import resolve_budget
 
     tiers = _positive_list(args.tiers, "--tiers") or [1, 4, 16, 64, 256, 1024]
-    _check_vram(args.vram)
+    budgets = [part.strip() for part in args.vram.split(",")]
+    for vram in budgets:
+        _check_vram(vram)
     out, plot = _output_path(args.out, "--out"), _output_path(args.plot, "--plot")
     pack = load_pack(args.pack)
     _check_context(args.context, pack.folder)
@@ -358,18 +360,23 @@ def _command_plan(args: argparse.Namespace) -> int:
     context = args.context or min(4096, pack.model["max_context"])
     planner = Planner(pack.manifest, profile, 0, context=context, batch=args.batch, threads=args.threads,
                       expert_stats=read_expert_stats(args.expert_stats))
-    planner.budget_bytes = budget = resolve_budget(args.vram, planner.minimum_budget(), planner.model_bytes)
-    planned = planner.plan(tuple(tiers))
+    ladder = []  # (budget, plans), largest budget first: a host picks the largest that fits its budget now
+    for budget in sorted({resolve_budget(v, planner.minimum_budget(), planner.model_bytes) for v in budgets},
+                         reverse=True):
+        planner.budget_bytes = budget
+        ladder.append((budget, planner.plan(tuple(tiers))))
+        if not args.json:
+            print(plan_table(planner, ladder[-1][1], profile["device"]["kind"]))
+    budget, planned = ladder[0]
+    planner.budget_bytes = budget
     document = plans_document(planner, planned, str(pack.folder), str(profile_ref),
-                              sha256_file(pack.folder / "manifest.json"))
+                              sha256_file(pack.folder / "manifest.json"), ladder)
     if out:
         write_json_atomic(out, document)
     if args.json:
         print(json.dumps(document, indent=1))
-    else:
-        print(plan_table(planner, planned, profile["device"]["kind"]))
-        if out:
-            print(f"wrote {out}")
+    elif out:
+        print(f"wrote {out}")
     if plot:
         plot_tiers = [t for t in (1, 64) if t in tiers] or tiers[:2]
         plot_timelines(planned, plot_tiers, plot,
@@ -488,7 +495,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     plan = commands.add_parser("plan", help="plans per token tier under a VRAM budget (plans.json)")
     plan.add_argument("pack")
-    plan.add_argument("--vram", required=True, help=VRAM_HELP)
+    plan.add_argument("--vram", required=True,
+                      help=VRAM_HELP + "; several, comma-separated, make a budget ladder a host picks from")
     plan.add_argument("--profile", default=None, help="profile DB file or reference name (default: this machine's)")
     plan.add_argument("--context", type=_count(1), default=None,
                       help="context length the KV cache is sized for (default: 4096, or the model's maximum if less)")

@@ -27,6 +27,7 @@ from pipeshard.runtime.kv import HostKvCache, check_step_shape
 from pipeshard.runtime.moe import ExpertStats, MoeBlock, chosen_experts, combine, moe_blocks_of, run_on_arrays
 from pipeshard.runtime.ort import cpu_session_options, import_onnxruntime
 from pipeshard.runtime.pack import load_pack
+from pipeshard.runtime.plansfile import PlanSet
 
 log = logging.getLogger(__name__)
 STEP_INPUTS = ("input_ids", "attention_mask", "position_ids")
@@ -90,15 +91,18 @@ class PlanStep:
 
     def __init__(self, folder: Path, device, planner: Planner, threads: int | None = None,
                  strategy: str = "auto", tiers: tuple[int, ...] = (1, 4, 16, 64, 256, 1024),
-                 saved: dict[int, Plan] | None = None) -> None:
-        """`saved`: plans per tier to run as they are (a plans file); their tiers are the step's tiers, and the
-        planner is asked only after a budget change."""
+                 saved: PlanSet | None = None) -> None:
+        """`saved`: a plans file's ladder, run as it is: the plans of its largest budget that fits are the step's
+        (their tiers its tiers), also after a budget change; the planner is asked only for a budget below every
+        rung, a context or a batch beyond the file's."""
         self._ort = import_onnxruntime()
         self.pack = load_pack(folder)
         self.device = device
         self.planner = planner
         self.strategy = strategy
-        self.tiers = sorted(saved or tiers)
+        self.saved = saved
+        rung = saved.rung_for(planner.budget_bytes)[1] if saved else None
+        self.tiers = sorted(rung or tiers)
         model = self.pack.model
         self.max_context = int(model["max_context"])
         self.kv_heads, self.head_dim = int(model["num_key_value_heads"]), int(model["head_dim"])
@@ -119,7 +123,7 @@ class PlanStep:
         self.run_options = self._ort.RunOptions()
         self._cpu = cpu_ort_device()
         self.stats = StepStats()
-        self._plans: dict[int, Plan] = dict(saved or {})
+        self._plans: dict[int, Plan] = dict(rung or {})
         self.active: Plan | None = None
         self._schedule: list = []  # the active plan's runs per sub-layer (_schedule_for)
         self._device_outputs: set[str] = set()  # activations the active plan keeps in device memory
@@ -188,6 +192,9 @@ class PlanStep:
             raise
         self._deactivate()
         self._plans.clear()
+        rung = self.saved.rung_for(budget_bytes) if self.saved else None
+        if rung is not None and set(rung[1]) == set(self.tiers):
+            self._plans.update(rung[1])
         self.device.set_budget(budget_bytes)
 
     # -- device memory ----------------------------------------------------------------------------------------------

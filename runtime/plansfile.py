@@ -14,13 +14,21 @@ from pipeshard.runtime.pack import MANIFEST_NAME, Pack
 
 @dataclass
 class PlanSet:
-    """The chosen plan of every tier of a plans file, and what they were made for."""
+    """The chosen plan of every tier of a plans file, per budget of its ladder, and what they were made for."""
 
-    plans: dict[int, Plan]
-    budget_bytes: int
+    rungs: dict[int, dict[int, Plan]]  # budget -> tier -> plan
     context: int
     batch: int
     profile: str
+
+    def rung_for(self, budget_bytes: int) -> tuple[int, dict[int, Plan]] | None:
+        """The plans of the largest budget of the ladder that fits `budget_bytes`, or None."""
+        fitting = [budget for budget in self.rungs if budget <= budget_bytes]
+        return (max(fitting), self.rungs[max(fitting)]) if fitting else None
+
+    @property
+    def largest(self) -> int:
+        return max(self.rungs)
 
 
 def read_plans(path: Path, pack: Pack, units: list[str]) -> PlanSet:
@@ -36,17 +44,20 @@ def read_plans(path: Path, pack: Pack, units: list[str]) -> PlanSet:
         raise UserError(f"{path} was made for another pack ({document.get('pack')}), not {pack.folder}: its "
                         "pack_sha256 differs from this pack's manifest.json")
     try:
-        plans = {int(entry["tier"]): Plan.from_json(entry["chosen"]) for entry in document["tiers"]}
-        budget, context, batch = int(document["budget_bytes"]), int(document["context"]), int(document["batch"])
+        ladder = document.get("ladder") or [{"budget_bytes": document["budget_bytes"], "tiers": document["tiers"]}]
+        rungs = {int(rung["budget_bytes"]): {int(entry["tier"]): Plan.from_json(entry["chosen"])
+                                             for entry in rung["tiers"]} for rung in ladder}
+        context, batch = int(document["context"]), int(document["batch"])
         profile = str(document["profile"]["name"])
     except (KeyError, TypeError, ValueError) as exc:
         raise UserError(f"{path}: malformed plans file ({type(exc).__name__}: {exc})") from None
-    if not plans:
-        raise UserError(f"{path}: no tiers")
-    for tier, plan in plans.items():
-        if set(plan.placements) != set(units):
-            raise UserError(f"{path}: the tier {tier} plan does not place exactly this pack's sub-layers")
-        if plan.vram.total > budget:
-            raise UserError(f"{path}: the tier {tier} plan needs {plan.vram.total} bytes, over the file's budget of "
-                            f"{budget} bytes")
-    return PlanSet(plans, budget, context, batch, profile)
+    for budget, plans in rungs.items():
+        if not plans:
+            raise UserError(f"{path}: no tiers for the budget of {budget} bytes")
+        for tier, plan in plans.items():
+            if set(plan.placements) != set(units):
+                raise UserError(f"{path}: the tier {tier} plan does not place exactly this pack's sub-layers")
+            if plan.vram.total > budget:
+                raise UserError(f"{path}: the tier {tier} plan needs {plan.vram.total} bytes, over the file's budget "
+                                f"of {budget} bytes")
+    return PlanSet(rungs, context, batch, profile)

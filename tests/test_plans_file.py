@@ -61,8 +61,8 @@ def _one_error(capsys, argv, fragment):
 @pytest.mark.parametrize(("change", "fragment"), [
     (lambda d: d.update(pack_sha256="0" * 64), "made for another pack"),
     (lambda d: d.update(schema_version=99), "unsupported schema_version 99"),
-    (lambda d: d.update(budget_bytes=d["budget_bytes"] // 4), "over the file's budget"),
-    (lambda d: d["tiers"][0]["chosen"]["placements"].pop("L0.attn"), "does not place exactly"),
+    (lambda d: d["ladder"][0].update(budget_bytes=d["budget_bytes"] // 4), "over the file's budget"),
+    (lambda d: d["ladder"][0]["tiers"][0]["chosen"]["placements"].pop("L0.attn"), "does not place exactly"),
 ])
 def test_a_plans_file_that_does_not_belong_is_one_error_line(tiny_pack, plans_file, tmp_path, capsys, change,
                                                            fragment):
@@ -75,7 +75,7 @@ def test_a_plans_file_that_does_not_belong_is_one_error_line(tiny_pack, plans_fi
 
 def test_a_budget_below_the_files_is_one_error_line(tiny_pack, plans_file, capsys):
     _one_error(capsys, ["run", tiny_pack, "Hi", "--device", "sim", "--plans", plans_file, "--vram", "1MiB"],
-               "made for a budget of")
+               "made for budgets of")
     _one_error(capsys, ["run", tiny_pack, "Hi", "--plans", plans_file], "--device sim|cuda")
 
 
@@ -88,3 +88,26 @@ def test_bench_runs_a_saved_plans_file_in_its_auto_row(tiny_pack, plans_file, tm
     assert set(rows) == {"monolithic", "cpu", "auto"}
     assert rows["auto"]["facts"]["budget_bytes"] == document["budget_bytes"]
     assert rows["auto"]["tokens"] == rows["cpu"]["tokens"] == rows["monolithic"]["tokens"]
+
+
+def test_a_budget_ladder_is_picked_from_when_the_budget_changes(tiny_pack, budget, tmp_path, monkeypatch):
+    """A game takes VRAM back: the engine switches to the ladder's plans for the new budget, no planner."""
+    ladder = tmp_path / "ladder.json"
+    small, large = budget, budget + 3_000_000
+    assert main(["plan", str(tiny_pack), "--vram", f"{small},{large}", "--profile", "laptop-8gb", "--context", "256",
+                 "--tiers", "1,4,64", "--out", str(ladder)]) == 0
+    document = json.loads(ladder.read_text())
+    assert [rung["budget_bytes"] for rung in document["ladder"]] == [large, small]
+    rungs = {rung["budget_bytes"]: {e["tier"]: e["chosen"]["placements"] for e in rung["tiers"]}
+             for rung in document["ladder"]}
+    assert rungs[large] != rungs[small]
+    in_process = pipeshard.load(tiny_pack, vram=small, device="sim", profile="laptop-8gb", context=256)
+    expected = in_process.generate(PROMPTS[1], max_new_tokens=16)[0].tokens
+    engine = pipeshard.load(tiny_pack, device="sim", plans=ladder)
+    monkeypatch.setattr(Planner, "plan_tier", lambda *a: pytest.fail("the planner was asked"))
+    assert {t: p.placements for t, p in engine.step._plans.items()} == rungs[large]
+    engine.generate(PROMPTS[0], max_new_tokens=4)
+    engine.set_vram_budget(small + 1000)  # between the rungs: the smaller one fits
+    assert engine.generate(PROMPTS[1], max_new_tokens=16)[0].tokens == expected
+    assert {t: p.placements for t, p in engine.step._plans.items()} == rungs[small]
+    assert engine.step.device.ledger.peak <= large
