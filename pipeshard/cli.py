@@ -490,7 +490,8 @@ def build_parser() -> argparse.ArgumentParser:
     profile.add_argument("--threads", default=None, help="thread counts, e.g. 1,2 (default: 1 .. physical cores)")
     profile.add_argument("--no-cuda", action="store_true", help="skip the CUDA part even if CUDA is usable")
     profile.add_argument("--show", default=None, metavar="FILE|NAME",
-                         help="print the summary of a DB or reference profile (laptop-8gb, desktop-24gb, laptop-4gb)")
+                         help="print the summary of a DB or reference profile (laptop-8gb, desktop-24gb, laptop-4gb, "
+                              "desktop-rtx5090)")
     profile.set_defaults(handler=_command_profile)
 
     plan = commands.add_parser("plan", help="plans per token tier under a VRAM budget (plans.json)")

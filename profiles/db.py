@@ -27,7 +27,7 @@ from pipeshard.fsutil import write_json_atomic
 log = logging.getLogger(__name__)
 PROFILE_SCHEMA_VERSION = 1
 MAX_DB_BYTES = 200 * 1024
-REFERENCE_PROFILES = ("laptop-8gb", "desktop-24gb", "laptop-4gb")
+REFERENCE_PROFILES = ("laptop-8gb", "desktop-24gb", "laptop-4gb", "desktop-rtx5090")
 STALE_AFTER_DAYS = 180
 
 # field -> type, checked on load; nested checks below.

@@ -45,6 +45,17 @@ SPECS = {
                 "peak_gflops_fp32": 7100.0, "peak_gflops_fp16": 28400.0},
         "link": {"name": "PCIe 4.0 x8", "gbps": 15.75},
     },
+    # The paper's machine class (its Table 4 / Figure 2: an RTX 5090 desktop, 16 CPU threads). The CPU model is an
+    # assumption: a 16-core desktop part with dual-channel DDR5-5600 (Zen 5: two 512-bit FMA pipes per core).
+    "desktop-rtx5090": {
+        "description": "the paper's desktop: RTX 5090 32 GB on PCIe 5.0 x16, a 16-core Ryzen 9 9950X class CPU, "
+                       "dual-channel DDR5-5600",
+        "cpu": {"model": "AMD Ryzen 9 9950X", "cores": 16, "peak_gflops_fp32": 16 * 5.0 * 64,
+                "memory_gbps": 89.6, "fp16_speed": 0.5},
+        "gpu": {"model": "NVIDIA GeForce RTX 5090", "memory_bytes": 32 * GiB, "memory_gbps": 1792.0,
+                "peak_gflops_fp32": 104800.0, "peak_gflops_fp16": 209500.0},
+        "link": {"name": "PCIe 5.0 x16", "gbps": 63.0},
+    },
 }
 GPU_EP_OVERHEAD_BYTES = 400 * 1024**2  # CUDA context + cuBLAS/cuDNN workspaces, typical
 CPU_CONTENTION = 1.1  # CPU GEMM slowdown while a PCIe DMA runs (DMA shares the memory bus)

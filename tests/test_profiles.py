@@ -53,8 +53,11 @@ def test_reference_profiles_are_spec_current_and_summarized(name, capsys):
 
 def test_reference_machines_cover_the_required_gpus():
     memory = {name: load_profile(name)["device"]["memory_bytes"] for name in REFERENCE_PROFILES}
-    assert memory == {"laptop-8gb": 8 * 1024**3, "desktop-24gb": 24 * 1024**3, "laptop-4gb": 4 * 1024**3}
+    assert memory == {"laptop-8gb": 8 * 1024**3, "desktop-24gb": 24 * 1024**3, "laptop-4gb": 4 * 1024**3,
+                      "desktop-rtx5090": 32 * 1024**3}
     assert "x8" in load_profile("laptop-8gb")["link"]["name"] and "x16" in load_profile("desktop-24gb")["link"]["name"]
+    paper = load_profile("desktop-rtx5090")  # the paper's machine: PCIe 5.0 x16, 16 CPU threads
+    assert paper["source"] == "spec" and "5.0 x16" in paper["link"]["name"] and "16" in paper["cpu"]["threads"]
 
 
 def test_show_summarizes_a_measured_db(measured, capsys):
