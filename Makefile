@@ -33,7 +33,7 @@ peers: $(STAMP)
 
 # Every plan beside the peers on SmolLM2 (sim device at minimum + 25 % of the model), 2 threads.
 bench: peers $(DEMO_DIR)/pack/manifest.json $(DEMO_DIR)/profile.json
-	$(BIN)/pipeshard bench $(DEMO_DIR)/pack --device sim --vram 25% --profile $(DEMO_DIR)/profile.json \
+	$(BIN)/pipeshard bench $(DEMO_DIR)/pack --device sim --vram 25% --profile $(DEMO_DIR)/profile.json --peers all \
 		--threads 2 --new-tokens 128 --json $(DEMO_DIR)/bench.json --plot $(DEMO_DIR)/bench.png
 
 $(DEMO_DIR)/export/export.json: $(STAMP)

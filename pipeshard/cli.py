@@ -14,6 +14,7 @@ from pathlib import Path
 
 from pipeshard import __version__
 from pipeshard.errors import UserError
+from pipeshard.fsutil import existing_ancestor
 from pipeshard.units import format_bytes
 
 VRAM_HELP = "VRAM budget: a size (2GiB, 512MiB) or a share of the model's weights on top of the minimum (25%%)"
@@ -85,14 +86,8 @@ def _output_path(path: str | None, option: str) -> Path | None:
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
     except (FileExistsError, NotADirectoryError):
-        raise UserError(f"{option} {path}: {_file_in_the_way(out.parent)} is a file, not a folder") from None
+        raise UserError(f"{option} {path}: {existing_ancestor(out.parent)} is a file, not a folder") from None
     return out
-
-
-def _file_in_the_way(path: Path) -> Path:
-    while not path.exists():
-        path = path.parent
-    return path
 
 
 def _check_vram(vram: str | None) -> None:
@@ -106,18 +101,18 @@ def _check_vram(vram: str | None) -> None:
         raise UserError(f"--vram {vram}: a bare number is bytes; give a unit (2GiB, 512MiB) or a share (25%)")
 
 
-def _model_context(pack_or_export: Path) -> int | None:
-    """The longest context a pack or export folder supports, or None if it is neither (load says why)."""
+def _model_facts(pack_or_export: Path) -> dict:
+    """A pack's `model` or an export's `dims` (max_context, num_experts, ...); {} if it is neither (load says why)."""
     from pipeshard.runtime.exportdir import read_json
 
     for name, key in (("manifest.json", "model"), ("export.json", "dims")):
         if (pack_or_export / name).is_file():
-            return int(read_json(pack_or_export / name, name)[key]["max_context"])
-    return None
+            return read_json(pack_or_export / name, name)[key]
+    return {}
 
 
 def _check_context(context: int | None, folder: Path) -> None:
-    maximum = _model_context(folder)
+    maximum = _model_facts(folder).get("max_context")
     if context is not None and maximum is not None and context > maximum:
         raise UserError(f"--context {context} is longer than the model's maximum of {maximum} tokens")
 
@@ -147,14 +142,6 @@ def _check_generation_options(args: argparse.Namespace) -> None:
     args.system = _text(args.system, "--system")
 
 
-def _is_moe(folder: Path) -> bool:
-    from pipeshard.runtime.exportdir import read_json
-
-    found = [(folder / name, key) for name, key in (("manifest.json", "model"), ("export.json", "dims"))
-             if (folder / name).is_file()]
-    return bool(found) and bool(read_json(found[0][0], found[0][0].name)[found[0][1]].get("num_experts"))
-
-
 def _command_run(args: argparse.Namespace) -> int:
     import pipeshard
 
@@ -162,7 +149,7 @@ def _command_run(args: argparse.Namespace) -> int:
     _check_generation_options(args)
     save_stats = _output_path(args.save_expert_stats, "--save-expert-stats")
     if save_stats and (args.plan == "monolithic" or not (Path(args.path) / "manifest.json").is_file()
-                       or not _is_moe(Path(args.path))):
+                       or not _model_facts(Path(args.path)).get("num_experts")):
         raise UserError("--save-expert-stats needs a MoE model run from its pack (not --plan monolithic)")
     engine = pipeshard.load(args.path, threads=args.threads, verify=args.verify, vram=args.vram, device=args.device,
                             profile=args.profile, plan=args.plan, context=args.context, expert_stats=args.expert_stats,
@@ -412,7 +399,7 @@ def _command_bench(args: argparse.Namespace) -> int:
     _check_vram(vram)
     if not Path(args.pack, "manifest.json").is_file():
         raise UserError(f"{args.pack} is not a model pack (no manifest.json)")
-    maximum = _model_context(Path(args.pack))
+    maximum = _model_facts(Path(args.pack))["max_context"]
     if (args.prompt_tokens or 0) + args.new_tokens > maximum:
         raise UserError(f"--prompt-tokens + --new-tokens ({(args.prompt_tokens or 0) + args.new_tokens}) exceed the "
                         f"model's context of {maximum} tokens")

@@ -56,10 +56,7 @@ def atomic_output_dir(out: Path, force: bool) -> Iterator[Path]:
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
     except (FileExistsError, NotADirectoryError):
-        blocking = out.parent
-        while not blocking.exists():
-            blocking = blocking.parent
-        raise UserError(f"cannot make {out}: {blocking} is a file, not a folder") from None
+        raise UserError(f"cannot make {out}: {existing_ancestor(out.parent)} is a file, not a folder") from None
     _remove_abandoned_staging(out)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-{os.getpid()}-", dir=out.parent))
     try:
@@ -75,6 +72,13 @@ def atomic_output_dir(out: Path, force: bool) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+
+
+def existing_ancestor(path: Path) -> Path:
+    """The nearest of `path` and its parents that exists (where a folder could not be made, the file in the way)."""
+    while not path.exists():
+        path = path.parent
+    return path
 
 
 def _remove_abandoned_staging(out: Path) -> None:

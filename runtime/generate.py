@@ -240,7 +240,6 @@ class Generator:
                     step_token_counts=step_counts,
                 ))
 
-
     def _reusable_prefix(self, prompt: list[int], total: int, capacity: int) -> int:
         """How many of the prompt's first tokens the kept cache holds (at least one token is always fed)."""
         if capacity != self.cache_capacity or total > capacity:
