@@ -20,7 +20,7 @@ from onnx import helper, numpy_helper
 
 from pipeshard import __version__
 from pipeshard.errors import UserError
-from pipeshard.fsutil import atomic_output_dir, sha256_file, write_json_atomic
+from pipeshard.fsutil import atomic_output_dir, check_output_dir, sha256_file, write_json_atomic
 from pipeshard.partitioner.costs import bytes_moved, checked_flops, kv_bytes_per_token
 from pipeshard.partitioner.graph import (
     SubLayer,
@@ -201,8 +201,7 @@ def partition(export_dir: Path, pack: Path, force: bool = False) -> PartitionRes
     started = time.perf_counter()
     export_dir = Path(export_dir)
     info = read_export_info(export_dir)
-    if Path(pack).exists() and not force:
-        raise UserError(f"{pack} already exists (use --force to replace it)")
+    check_output_dir(Path(pack), force)
     rules = RULES_BY_ARCHITECTURE.get(info["architecture"])
     if rules is None:
         raise UserError(f"no partition rules for architecture {info['architecture']!r}; "

@@ -48,15 +48,7 @@ def atomic_output_dir(out: Path, force: bool) -> Iterator[Path]:
     An existing `out` is refused unless `force`; with `force` it is only replaced once the new
     content is complete, so an interrupted run never leaves a half-written folder behind.
     """
-    out = Path(out).absolute()
-    if out.exists() and not force:
-        raise UserError(f"{out} already exists (use --force to replace it)")
-    if out.exists() and not out.is_dir():
-        raise UserError(f"{out} exists and is not a folder")
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-    except (FileExistsError, NotADirectoryError):
-        raise UserError(f"cannot make {out}: {existing_ancestor(out.parent)} is a file, not a folder") from None
+    out = check_output_dir(out, force)
     _remove_abandoned_staging(out)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-{os.getpid()}-", dir=out.parent))
     try:
@@ -72,6 +64,21 @@ def atomic_output_dir(out: Path, force: bool) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+
+
+def check_output_dir(out: Path, force: bool) -> Path:
+    """Where an output folder will go, its parent made: refused if it exists (without `force`), is a file, or a
+    file stands where a parent folder must be. Call it before the work, as `atomic_output_dir` does again."""
+    out = Path(out).absolute()
+    if out.exists() and not force:
+        raise UserError(f"{out} already exists (use --force to replace it)")
+    if out.exists() and not out.is_dir():
+        raise UserError(f"{out} exists and is not a folder")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        raise UserError(f"cannot make {out}: {existing_ancestor(out.parent)} is a file, not a folder") from None
+    return out
 
 
 def existing_ancestor(path: Path) -> Path:
