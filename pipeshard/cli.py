@@ -14,7 +14,7 @@ from pathlib import Path
 
 from pipeshard import __version__
 from pipeshard.errors import UserError
-from pipeshard.fsutil import existing_ancestor
+from pipeshard.fsutil import make_parent
 from pipeshard.units import format_bytes
 
 VRAM_HELP = "VRAM budget: a size (2GiB, 512MiB) or a share of the model's weights on top of the minimum (25%%)"
@@ -83,10 +83,7 @@ def _output_path(path: str | None, option: str) -> Path | None:
     out = Path(path)
     if out.is_dir():
         raise UserError(f"{option} {path}: is a folder, give a file name")
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-    except (FileExistsError, NotADirectoryError):
-        raise UserError(f"{option} {path}: {existing_ancestor(out.parent)} is a file, not a folder") from None
+    make_parent(out, f"{option} {path}")
     return out
 
 

@@ -74,18 +74,19 @@ def check_output_dir(out: Path, force: bool) -> Path:
         raise UserError(f"{out} already exists (use --force to replace it)")
     if out.exists() and not out.is_dir():
         raise UserError(f"{out} exists and is not a folder")
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-    except (FileExistsError, NotADirectoryError):
-        raise UserError(f"cannot make {out}: {existing_ancestor(out.parent)} is a file, not a folder") from None
+    make_parent(out, f"cannot make {out}")
     return out
 
 
-def existing_ancestor(path: Path) -> Path:
-    """The nearest of `path` and its parents that exists (where a folder could not be made, the file in the way)."""
-    while not path.exists():
-        path = path.parent
-    return path
+def make_parent(path: Path, what: str) -> None:
+    """Make the folder `path` goes in; a file standing where a folder must be is a UserError starting `what`."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        blocking = path.parent
+        while not blocking.exists():
+            blocking = blocking.parent
+        raise UserError(f"{what}: {blocking} is a file, not a folder") from None
 
 
 def _remove_abandoned_staging(out: Path) -> None:
