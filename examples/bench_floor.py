@@ -5,7 +5,7 @@
 The floor is one ONNX Runtime session holding only the pack's decode-step matrix products (MatMul / Gemm, in
 order, with each weight's shape and layout, seeded random values), each fed the previous one's output cut or
 repeated to the width it takes: what streaming the model's weights through MLAS costs with nothing else in a step.
-Against it, the chain's decode step at the prompt's context (`pipeshard.runtime.chain.ChainStep`).
+Against it, the chain's decode step at the prompt's context (`pipeshard.runtime.step.Step`).
 
 Each measurement runs in a process of its own, floor and chain alternating (in one process two engines' weights
 evict each other from the caches: on this machine's 300 MiB L3 two SmolLM2 fp32 engines stepped alternately both
@@ -108,9 +108,9 @@ def measure(kind: str, pack_folder: str, floor_path: str, threads: int, prompt: 
         def step(_: int) -> None:
             session.run_with_iobinding(binding)
     else:
-        from pipeshard.runtime.chain import ChainStep
+        from pipeshard.runtime.step import Step
 
-        chain = ChainStep(Path(pack_folder), threads=threads)
+        chain = Step(Path(pack_folder), threads=threads)
         chain.start(1, prompt + WRAP + 1)
         chain.forward(np.full((1, prompt), 7, np.int64), np.ones((1, prompt), np.int64), np.arange(prompt)[None])
         masks = [np.ones((1, prompt + 1 + i), np.int64) for i in range(WRAP)]

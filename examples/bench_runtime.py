@@ -49,7 +49,7 @@ def copy_overlap_at_tier(pack: str, profile: str, threads: int, steps: int, cont
         copy = device.copy_seconds - copy_before
         wait = step.stats.copy_wait_s - wait_before
         rows.append({"step_s": elapsed, "copy_s": copy, "wait_s": wait, "compute_s": elapsed - wait})
-    plan = step._plans[TIER]
+    plan = step.plans[TIER]
     return {"budget_mib": budget / 2**20, "plan": plan.strategy, "counts": plan.counts(),
             "streamed_mib_per_step": plan.streamed_bytes / 2**20, "rows": rows,
             "peak_mib": device.ledger.peak / 2**20, "predicted_step_s": plan.step_s,

@@ -30,11 +30,11 @@ WRAP = 64
 
 
 def make_engine(folder: str, threads: int, decode_attention: bool, join_decode: bool):
-    from pipeshard.runtime.chain import ChainStep
     from pipeshard.runtime.monolithic import MonolithicStep
+    from pipeshard.runtime.step import Step
 
     if is_pack(Path(folder)):
-        return ChainStep(Path(folder), threads=threads, decode_attention=decode_attention, join_decode=join_decode)
+        return Step(Path(folder), threads=threads, decode_attention=decode_attention, join_decode=join_decode)
     return MonolithicStep(Path(folder), threads)
 
 

@@ -19,7 +19,7 @@ import numpy as np
 from pipeshard.partitioner.estimator import Estimator
 from pipeshard.profiles.db import load_profile
 from pipeshard.profiles.pack_timing import timed_step
-from pipeshard.runtime.chain import ChainStep
+from pipeshard.runtime.step import Step
 
 
 def main() -> None:
@@ -32,7 +32,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--verbose", action="store_true", help="absolute times per kind")
     args = parser.parse_args()
-    step = ChainStep(args.pack, threads=args.threads)
+    step = Step(args.pack, threads=args.threads)
     estimator = Estimator(load_profile(args.profile), step.pack.model, args.threads,
                           step.pack.manifest["source"]["model_sha256"])
     entries = {e["name"]: e for e in step.pack.sub_layers}

@@ -40,7 +40,7 @@ class Engine:
         """Replan for a new VRAM budget between steps (a game took memory back, or gave it)."""
         from pipeshard.units import resolve_budget
 
-        if not hasattr(self.step, "set_budget"):
+        if getattr(self.step, "planner", None) is None:
             raise UserError("this engine runs without a device: start it from a pack with a device and a budget "
                             "(--device sim|cuda --vram SIZE)")
         planner = self.step.planner
@@ -72,9 +72,9 @@ def load(path: str | Path, threads: int | None = None, verify: bool = False, vra
     plans.json (`pipeshard plan --out`) whose plans run as they are; the planner is consulted only when the
     budget changes (its budget is the file's unless `vram` gives a larger one).
     """
-    from pipeshard.runtime.chain import ChainStep
     from pipeshard.runtime.monolithic import MonolithicStep
     from pipeshard.runtime.pack import is_pack, load_pack
+    from pipeshard.runtime.step import Step
 
     folder = Path(path)
     if not folder.exists():
@@ -116,7 +116,7 @@ def load(path: str | Path, threads: int | None = None, verify: bool = False, vra
     if device == "cpu" or plan == "cpu":
         if plan not in ("auto", "cpu"):
             raise UserError(f"--plan {plan} places sub-layers on a device: give --device sim|cuda and --vram")
-        return _engine(lambda: ChainStep(folder, threads=threads, verify=verify), folder)
+        return _engine(lambda: Step(folder, threads=threads, verify=verify), folder)
     if vram is None and plans is None:
         raise UserError(f"--device {device} needs a VRAM budget (--vram SIZE)")
     return _engine(lambda: planned_step(folder, device, vram, profile, plan, threads, context, batch, verify,
@@ -175,12 +175,13 @@ def profile_or_fallback(profile: str | Path | None) -> str | Path:
 def planned_step(folder: Path, device: str, vram, profile: str | None, plan: str, threads: int | None,
                  context: int | None, batch: int, verify: bool, expert_stats: str | Path | None = None,
                  plans: str | Path | None = None):
-    """A PlanStep on a device: the saved plans of `plans`, or plans made from the profile for the budget."""
+    """A step on a device: the saved plans of `plans`, or plans made from the profile for the budget."""
     from pipeshard.partitioner.planner import Planner
     from pipeshard.profiles.db import load_profile
     from pipeshard.runtime.devices import make_device
     from pipeshard.runtime.pack import load_pack
-    from pipeshard.runtime.planned import PlanStep
+    from pipeshard.runtime.plansource import PlanBook
+    from pipeshard.runtime.step import Step
     from pipeshard.units import resolve_budget
 
     if plan not in PLANS or plan in ("cpu", "monolithic"):
@@ -209,8 +210,8 @@ def planned_step(folder: Path, device: str, vram, profile: str | None, plan: str
         raise UserError(f"{plans} was made for budgets of {min(saved.rungs) / 1024**2:.0f} MiB and more, over the "
                         f"--vram of {planner.budget_bytes / 1024**2:.0f} MiB: make plans for this budget")
     planner.check_budget()
-    return PlanStep(folder, make_device(device, planner.budget_bytes), planner, threads=threads, strategy=plan,
-                    saved=saved)
+    book = PlanBook([u["name"] for u in planner.sub_layers], planner, strategy=plan, saved=saved)
+    return Step(folder, make_device(device, planner.budget_bytes), book, threads=threads)
 
 
 def _loadable_profile(name: str) -> bool:

@@ -118,7 +118,7 @@ class PlanRunner:
         self.plan = plan
         self.settings = settings
         step = self.engine.step
-        self.device = getattr(step, "device", None)
+        self.device = step.device if getattr(step, "planner", None) is not None else None  # None: nothing planned
         self.facts = {"engine": "pipeshard", "plan": plan, "device": self.device.kind if self.device else "cpu",
                       "dtype": _pack_dtype(settings.pack)}
 
@@ -146,7 +146,7 @@ class PlanRunner:
         """Which plan each tier ran and what the planner predicted for a decode step."""
         step = self.engine.step
         facts = dict(self.facts)
-        if hasattr(step, "report"):
+        if self.device is not None:
             report = step.report()
             facts["budget_bytes"] = report.budget_bytes
             facts["tiers"] = {str(tier): {"strategy": strategy, "counts": report.placement_counts[tier],

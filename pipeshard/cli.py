@@ -181,7 +181,7 @@ def _command_run(args: argparse.Namespace) -> int:
 
 def _device_note(engine) -> str:
     """Where the figures came from: `sim` is a test double, never a GPU claim."""
-    if not hasattr(engine.step, "report"):
+    if getattr(engine.step, "planner", None) is None:
         return ""
     report = engine.step.report()
     peak = f", peak device memory {report.peak_device_bytes / 1024**2:.0f} MiB of " \

@@ -35,9 +35,9 @@ def timed_step(step, past: int, tokens: int, rng) -> tuple[float, dict[str, floa
 
 def time_pack(pack_dir, threads: int, tiers, pasts, repeat: int = 3, progress=lambda: None) -> list[dict]:
     """Rows {kind, T, C, seconds} for the pack's attention, FFN and output sub-layers."""
-    from pipeshard.runtime.chain import ChainStep
+    from pipeshard.runtime.step import Step
 
-    step = ChainStep(pack_dir, threads=threads)
+    step = Step(pack_dir, threads=threads)
     step.all_logits = True  # time the output layer over all T, as the cost model counts it
     kinds = {s["name"]: s["kind"] for s in step.pack.sub_layers}
     rng = np.random.default_rng(0)

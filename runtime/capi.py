@@ -33,7 +33,8 @@ except ImportError:  # not built (no C compiler at install): the same runs, one 
 from pipeshard.runtime.ort import default_threads, import_onnxruntime
 
 CUSTOM_DOMAIN = "pipeshard"  # the op domain of runtime/_attention.c
-_API_VERSION = 13  # the OrtApi layout the indices below were checked against (ORT 1.13; every later one extends it)
+_API_VERSION = 13  # the OrtApi version asked for; every later one extends the table (indices checked in tests
+# against ONNX Runtime's own onnxruntime_c_api.h: tests/test_ort_api.py)
 _P = ctypes.c_void_p
 _PP = ctypes.POINTER(ctypes.c_void_p)
 _PATH = ctypes.c_wchar_p if sys.platform == "win32" else ctypes.c_char_p  # ORTCHAR_T
@@ -57,10 +58,12 @@ _SIGNATURES = {  # name: (OrtApi index, argument types, result type); OrtStatus*
     "GetDimensionsCount": (61, (_P, ctypes.POINTER(ctypes.c_size_t)), _P),
     "GetDimensions": (62, (_P, ctypes.POINTER(ctypes.c_int64), ctypes.c_size_t), _P),
     "GetTensorTypeAndShape": (65, (_P, _PP), _P),
+    "CreateMemoryInfo": (68, (ctypes.c_char_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, _PP), _P),
     "CreateCpuMemoryInfo": (69, (ctypes.c_int, ctypes.c_int, _PP), _P),
     "AllocatorFree": (76, (_P, _P), _P),
     "GetAllocatorWithDefaultOptions": (78, (_PP,), _P),
     "ReleaseStatus": (93, (_P,), None),
+    "ReleaseMemoryInfo": (94, (_P,), None),
     "ReleaseSession": (95, (_P,), None),
     "ReleaseValue": (96, (_P,), None),
     "ReleaseRunOptions": (97, (_P,), None),
@@ -91,11 +94,16 @@ _SIGNATURES = {  # name: (OrtApi index, argument types, result type); OrtStatus*
     "ReleasePrepackedWeightsContainer": (167, (_P,), None),
     "CreateSessionWithPrepackedWeightsContainer": (168, (_P, _PATH, _P, _P, _PP), _P),
     "CreateSessionFromArrayWithPrepackedWeightsContainer": (169, (_P, _P, ctypes.c_size_t, _P, _P, _PP), _P),
+    "SessionOptionsAppendExecutionProvider_CUDA_V2": (204, (_P, _P), _P),
+    "CreateCUDAProviderOptions": (205, (_PP,), _P),
+    "UpdateCUDAProviderOptions": (206, (_P, ctypes.POINTER(ctypes.c_char_p), ctypes.POINTER(ctypes.c_char_p),
+                                        ctypes.c_size_t), _P),
+    "ReleaseCUDAProviderOptions": (208, (_P,), None),
 }
 _ELEMENT_TYPES = {1: np.float32, 2: np.uint8, 3: np.int8, 4: np.uint16, 5: np.int16, 6: np.int32, 7: np.int64,
                   9: np.bool_, 10: np.float16, 11: np.float64, 12: np.uint32, 13: np.uint64}
 _ELEMENT_TYPE_OF = {np.dtype(t): code for code, t in _ELEMENT_TYPES.items()}
-_ARENA_ALLOCATOR, _MEM_TYPE_DEFAULT = 1, 0
+_DEVICE_ALLOCATOR, _ARENA_ALLOCATOR, _MEM_TYPE_DEFAULT = 0, 1, 0
 _ENABLE_ALL, _DISABLE_ALL = 99, 0
 _LOG_ERROR = 3
 # For models made from bytes: ONNX Runtime checks every external-data path against it, even for initializers given
@@ -178,16 +186,28 @@ class Runtime:
             lib.ReleaseArenaCfg(arena)
         self.allocator = lib.make(lib.GetAllocatorWithDefaultOptions)
         self._custom_ops: ctypes.c_void_p | None = None
+        self._memory_infos: dict[tuple[str, int], ctypes.c_void_p] = {}
+
+    def memory_info(self, name: str, device_id: int) -> ctypes.c_void_p:
+        """ONNX Runtime's description of a device's memory (`Cuda`, device 0), for tensors over buffers we
+        allocated; made once, kept for the process."""
+        key = (name, device_id)
+        if key not in self._memory_infos:
+            self._memory_infos[key] = self.lib.make(self.lib.CreateMemoryInfo, name.encode(), _DEVICE_ALLOCATOR,
+                                                    device_id, _MEM_TYPE_DEFAULT)
+        return self._memory_infos[key]
 
     def session(self, model: Path | bytes, threads: int | None = None, optimize: bool = True, prepack: bool = True,
                 shared: SharedWeights | None = None, weights_folder: Path | None = None,
-                initializers: dict[str, np.ndarray] | None = None) -> Session:
+                initializers: dict[str, np.ndarray] | None = None, cuda_options: dict[str, str] | None = None
+                ) -> Session:
         """A session over a model file, or over a serialized model whose external data lie in `weights_folder`.
         `initializers`: arrays used in place of the model's initializers of those names (not copied; kept while
-        the session lives); sessions made with the same `shared` and the same arrays prepack them once."""
+        the session lives); sessions made with the same `shared` and the same arrays prepack them once.
+        `cuda_options`: run on the CUDA EP with these provider options (nodes it lacks fall back to the CPU)."""
         try:
             return Session(self, model, threads or self.threads, optimize, prepack, shared, weights_folder,
-                           initializers or {})
+                           initializers or {}, cuda_options)
         except OrtError as error:
             if not isinstance(model, Path):
                 raise
@@ -208,12 +228,21 @@ class Runtime:
 
     def tensor(self, array: np.ndarray) -> ctypes.c_void_p:
         """A new OrtValue over a C-contiguous array's memory (the array must outlive every use of it)."""
-        element = _ELEMENT_TYPE_OF.get(array.dtype)
-        if element is None or not array.flags.c_contiguous:
-            raise ValueError(f"cannot bind a {array.dtype} array (contiguous: {array.flags.c_contiguous})")
-        shape = (ctypes.c_int64 * array.ndim)(*array.shape)
-        return self.lib.make(self.lib.CreateTensorWithDataAsOrtValue, self.cpu, array.ctypes.data,
-                             array.nbytes, shape, array.ndim, element)
+        if not array.flags.c_contiguous:
+            raise ValueError(f"cannot bind a non-contiguous {array.dtype} array")
+        return self.tensor_at(self.cpu, array.ctypes.data, array.dtype, array.shape)
+
+    def tensor_at(self, memory: ctypes.c_void_p, address: int, dtype, shape) -> ctypes.c_void_p:
+        """A new OrtValue over memory at `address` described by `memory` (host or device), which must outlive
+        every use of it."""
+        dtype = np.dtype(dtype)
+        element = _ELEMENT_TYPE_OF.get(dtype)
+        if element is None:
+            raise ValueError(f"cannot bind a {dtype} tensor")
+        dims = (ctypes.c_int64 * len(shape))(*shape)
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        return self.lib.make(self.lib.CreateTensorWithDataAsOrtValue, memory, address, nbytes, dims, len(shape),
+                             element)
 
 
 _runtime: Runtime | None = None
@@ -237,7 +266,7 @@ class Session:
 
     def __init__(self, rt: Runtime, model: Path | bytes, threads: int, optimize: bool, prepack: bool,
                  shared: SharedWeights | None, weights_folder: Path | None,
-                 initializers: dict[str, np.ndarray]) -> None:
+                 initializers: dict[str, np.ndarray], cuda_options: dict[str, str] | None = None) -> None:
         lib = rt.lib
         self.runtime = rt
         options = lib.make(lib.CreateSessionOptions)
@@ -258,6 +287,8 @@ class Session:
             lib.check(lib.AddSessionConfigEntry(options, b"session.use_env_allocators", b"1"))
             if not prepack:
                 lib.check(lib.AddSessionConfigEntry(options, b"session.disable_prepacking", b"1"))
+            if cuda_options is not None:
+                _append_cuda(lib, options, cuda_options)
             container = shared.pointer if shared is not None else None
             if isinstance(model, bytes):
                 if weights_folder is not None:
@@ -283,6 +314,18 @@ class Session:
 
     def binding(self) -> Binding:
         return Binding(self)
+
+
+def _append_cuda(lib: _Library, options: ctypes.c_void_p, cuda_options: dict[str, str]) -> None:
+    """Put the CUDA EP first in a session's providers, with its options as strings (the stream's address too)."""
+    provider = lib.make(lib.CreateCUDAProviderOptions)
+    try:
+        keys = (ctypes.c_char_p * len(cuda_options))(*[k.encode() for k in cuda_options])
+        values = (ctypes.c_char_p * len(cuda_options))(*[str(v).encode() for v in cuda_options.values()])
+        lib.check(lib.UpdateCUDAProviderOptions(provider, keys, values, len(cuda_options)))
+        lib.check(lib.SessionOptionsAppendExecutionProvider_CUDA_V2(options, provider))
+    finally:
+        lib.ReleaseCUDAProviderOptions(provider)
 
 
 def _release_session(lib: _Library, pointer: ctypes.c_void_p, shared: SharedWeights | None, values: list,
@@ -321,13 +364,25 @@ class Binding:
     def bind_output(self, name: str, array: np.ndarray) -> None:
         self._bind(self.lib.BindOutput, "out", name, array)
 
+    def bind_input_at(self, name: str, memory, address: int, dtype, shape, owner) -> None:
+        """Bind a tensor at an address in host or device memory (`memory`: its memory info; `owner`: the buffer,
+        kept while bound)."""
+        self._bind_value(self.lib.BindInput, "in", name, self.session.runtime.tensor_at(memory, address, dtype, shape),
+                         owner)
+
+    def bind_output_at(self, name: str, memory, address: int, dtype, shape, owner) -> None:
+        self._bind_value(self.lib.BindOutput, "out", name,
+                         self.session.runtime.tensor_at(memory, address, dtype, shape), owner)
+
     def _bind(self, function, side: str, name: str, array: np.ndarray) -> None:
-        value = self.session.runtime.tensor(array)
+        self._bind_value(function, side, name, self.session.runtime.tensor(array), array)
+
+    def _bind_value(self, function, side: str, name: str, value: ctypes.c_void_p, owner) -> None:
         try:
             self.lib.check(function(self.pointer, name.encode(), value))
         finally:
             self.lib.ReleaseValue(value)  # the binding holds its own reference
-        self._bound[side, name] = array
+        self._bound[side, name] = owner
 
     def bind_value_input(self, name: str, value: Value) -> None:
         """Bind a value another session's run produced (no copy)."""

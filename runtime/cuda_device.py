@@ -1,21 +1,25 @@
 """The `cuda` device: ONNX Runtime's CUDA EP fed by our own copy stream (cuda-python).
 
-Weights of streamed sub-layers are kept in pinned host memory; uploads are cudaMemcpyAsync on a
-copy stream we own, each followed by an event. ORT runs on a compute stream we also own (the EP's
-`user_compute_stream`), and before a sub-layer runs the compute stream waits on its upload's event;
-before a staging slot is refilled the copy stream waits on the event recorded after the slot's last
-user ran. So copies overlap compute and nothing is read before it arrived. Device buffers are
-cudaMalloc'd, charged to the same Ledger as the sim device, and bound by pointer.
+Streamed weights are held once, in pinned host memory: a streamed unit's bytes are read from its blob file
+straight into a page-locked buffer (never through the memory map, so the model's streamed part is not in host
+RAM twice), and uploads are cudaMemcpyAsync from there on a copy stream we own, each followed by an event.
+Pinned units are copied once, synchronously, from the mapped blob. ORT runs on a compute stream we also own
+(the EP's `user_compute_stream`); before a sub-layer runs, the compute stream waits on its upload's event;
+before a staging slot is refilled, the copy stream waits on the event recorded after the slot's last user
+ran. So copies overlap compute and nothing is read before it arrived. Device buffers are cudaMalloc'd,
+charged to the ledger, and bound by pointer through a CUDA memory info.
 
 Events are reused, never made per copy (a generated answer makes thousands of copies): an upload takes an
 event from a pool and gives it back once the compute stream's wait on it has been issued (CUDA waits on the
 record made before the wait call, so re-recording it later is safe); each staging slot has one release event,
-re-recorded after each reader and destroyed with the slot.
+re-recorded after each reader and returned to the pool when the slot is freed.
 
 Unverified: no GPU was available when this was written (README). The GPU check exercises it.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import numpy as np
 
@@ -31,6 +35,14 @@ def _check(result):
 
 class DeviceBuffer:
     """A cudaMalloc'd block: its address and size (what binding by pointer needs)."""
+
+    def __init__(self, pointer: int, nbytes: int) -> None:
+        self.pointer = pointer
+        self.nbytes = nbytes
+
+
+class PinnedSource:
+    """A streamed unit's bytes in page-locked host memory (cudaMallocHost), read from its blob file."""
 
     def __init__(self, pointer: int, nbytes: int) -> None:
         self.pointer = pointer
@@ -56,18 +68,18 @@ class CopyTicket:
 class CudaDevice(LedgeredDevice):
     kind = "cuda"
 
-    def __init__(self, budget_bytes: int, runtime=None) -> None:
+    def __init__(self, budget_bytes: int, runtime=None, device_id: int = 0) -> None:
         if runtime is None:
             from cuda.bindings import runtime
         super().__init__(budget_bytes)
         self.rt = runtime
-        _check(self.rt.cudaSetDevice(0))
+        self.device_id = device_id
+        _check(self.rt.cudaSetDevice(device_id))
         self.copy_stream = _check(self.rt.cudaStreamCreate())
         self.compute_stream = _check(self.rt.cudaStreamCreate())
-        cuda_options = {"device_id": 0, "user_compute_stream": str(int(self.compute_stream)),
-                        "do_copy_in_default_stream": "0"}
-        self.providers = [("CUDAExecutionProvider", cuda_options), "CPUExecutionProvider"]
-        self._pinned_host: dict[int, tuple[int, int]] = {}  # id(source) -> (pointer, bytes)
+        self.cuda_options = {"device_id": str(device_id), "user_compute_stream": str(int(self.compute_stream)),
+                             "do_copy_in_default_stream": "0"}
+        self._sources: list[PinnedSource] = []
         self._slot_released: dict[int, object] = {}  # buffer pointer -> its release event
         self._free_events: list = []
         self._events: list = []  # every event made, destroyed at close()
@@ -88,6 +100,13 @@ class CudaDevice(LedgeredDevice):
         if released is not None:
             self._free_events.append(released)
 
+    def address(self, buffer: DeviceBuffer) -> int:
+        return buffer.pointer
+
+    def memory_info(self, rt):
+        """ONNX Runtime's memory info for this GPU's memory (C API), for binding by pointer."""
+        return rt.memory_info("Cuda", self.device_id)
+
     def _event(self):
         """An event nobody waits on any more, or a new one."""
         if self._free_events:
@@ -96,21 +115,33 @@ class CudaDevice(LedgeredDevice):
         self._events.append(event)
         return event
 
-    def _pinned(self, source: np.ndarray) -> int:
-        """A pinned host copy of a weight blob (made once): async copies need page-locked memory."""
-        key = id(source.base if source.base is not None else source)
-        if key not in self._pinned_host:
-            pointer = int(_check(self.rt.cudaMallocHost(source.nbytes)))
-            np.ctypeslib.as_array((np.ctypeslib.ctypes.c_uint8 * source.nbytes).from_address(pointer))[:] = source
-            self._pinned_host[key] = (pointer, source.nbytes)
-        return self._pinned_host[key][0]
+    def host_source(self, path: Path, offset: int, nbytes: int) -> PinnedSource:
+        """Page-locked host memory holding a streamed unit's bytes, read from the file into it (once)."""
+        pointer = int(_check(self.rt.cudaMallocHost(nbytes)))
+        source = PinnedSource(pointer, nbytes)
+        self._sources.append(source)
+        self._read_into(path, offset, source)
+        return source
 
-    def upload(self, target: DeviceBuffer, source: np.ndarray) -> CopyTicket:
-        """Copy a blob into a device buffer on the copy stream, after the buffer's last reader finished."""
+    @staticmethod
+    def _read_into(path: Path, offset: int, source: PinnedSource) -> None:
+        view = np.ctypeslib.as_array((np.ctypeslib.ctypes.c_uint8 * source.nbytes).from_address(source.pointer))
+        with open(path, "rb") as file:
+            file.seek(offset)
+            if file.readinto(memoryview(view)) != source.nbytes:
+                raise RuntimeError(f"{path}: short read of {source.nbytes} bytes at {offset}")
+
+    @property
+    def host_bytes(self) -> int:
+        """Pinned host memory held for streamed units."""
+        return sum(source.nbytes for source in self._sources)
+
+    def upload(self, target: DeviceBuffer, source: PinnedSource) -> CopyTicket:
+        """Copy a streamed unit into a device buffer on the copy stream, after the buffer's last reader finished."""
         released = self._slot_released.get(target.pointer)
         if released is not None:
             _check(self.rt.cudaStreamWaitEvent(self.copy_stream, released, 0))
-        _check(self.rt.cudaMemcpyAsync(target.pointer, self._pinned(source), source.nbytes,
+        _check(self.rt.cudaMemcpyAsync(target.pointer, source.pointer, source.nbytes,
                                        self.rt.cudaMemcpyKind.cudaMemcpyHostToDevice, self.copy_stream))
         event = self._event()
         _check(self.rt.cudaEventRecord(event, self.copy_stream))
@@ -118,10 +149,10 @@ class CudaDevice(LedgeredDevice):
         return CopyTicket(self, event)
 
     def upload_now(self, target: DeviceBuffer, source: np.ndarray) -> None:
-        ticket = self.upload(target, source)
-        _check(self.rt.cudaStreamSynchronize(self.copy_stream))
-        ticket._returned = True
-        self._free_events.append(ticket.event)
+        """A pinned unit's weights, from the mapped blob (pageable), before the plan's first step."""
+        _check(self.rt.cudaMemcpy(target.pointer, source.ctypes.data, source.nbytes,
+                                  self.rt.cudaMemcpyKind.cudaMemcpyHostToDevice))
+        self.copied_bytes += source.nbytes
 
     def released_after_compute(self, buffer: DeviceBuffer) -> None:
         """Record that the compute stream's work so far is the last reader of `buffer` (a staging slot)."""
@@ -130,21 +161,8 @@ class CudaDevice(LedgeredDevice):
             event = self._slot_released[buffer.pointer] = self._event()
         _check(self.rt.cudaEventRecord(event, self.compute_stream))
 
-    @property
-    def ort_device(self):
-        """ORT's handle for this GPU, for binding by pointer."""
-        import onnxruntime
-
-        return onnxruntime.OrtDevice.make("cuda", 0)._get_c_device()
-
-    def bind_input(self, binding, name: str, buffer: DeviceBuffer, offset: int, dtype, shape) -> None:
-        binding.bind_input(name, self.ort_device, np.dtype(dtype), list(shape), buffer.pointer + offset)
-
-    def bind_output(self, binding, name: str, buffer: DeviceBuffer, offset: int, dtype, shape) -> None:
-        binding.bind_output(name, self.ort_device, np.dtype(dtype), list(shape), buffer.pointer + offset)
-
     def copy_in(self, target: DeviceBuffer, source: np.ndarray) -> None:
-        """A KV cache to the device, synchronously (pageable memory: it changes, so it is never pinned)."""
+        """Host data that changes (KV, activations) to the device, after the compute stream's work so far."""
         _check(self.rt.cudaStreamSynchronize(self.compute_stream))
         _check(self.rt.cudaMemcpy(target.pointer, source.ctypes.data, source.nbytes,
                                   self.rt.cudaMemcpyKind.cudaMemcpyHostToDevice))
@@ -157,9 +175,9 @@ class CudaDevice(LedgeredDevice):
     def close(self) -> None:
         _check(self.rt.cudaStreamSynchronize(self.copy_stream))
         _check(self.rt.cudaStreamSynchronize(self.compute_stream))
-        for pointer, _ in self._pinned_host.values():
-            _check(self.rt.cudaFreeHost(pointer))
-        self._pinned_host.clear()
+        for source in self._sources:
+            _check(self.rt.cudaFreeHost(source.pointer))
+        self._sources.clear()
         for event in self._events:
             _check(self.rt.cudaEventDestroy(event))
         self._events, self._free_events = [], []

@@ -1,21 +1,29 @@
-"""Where device weights live and how they get there: one small interface, three devices.
+"""Where a plan's device work lives: one small protocol, three devices.
 
-- `sim`: a simulated accelerator for machines without one. Device buffers are host arrays charged to
-  a ledger that enforces the budget (going over is a bug and raises); uploads are real memory copies
-  on the prefetch thread; device sessions run on the CPU EP. It tests the machinery, never GPU speed.
-- `cuda`: ONNX Runtime's CUDA EP; pinned host staging, a copy stream and events through cuda-python.
-- `cpu`: no device at all (budget 0): every plan is the all-CPU chain.
+- `cpu`: no device memory at all (a budget of 0): the all-CPU plan runs on it.
+- `sim`: a simulated accelerator for machines without one. Device buffers are host arrays charged to a ledger
+  that enforces the budget (going over is a bug and raises); uploads are real memory copies on the prefetch
+  thread; device sessions run on the CPU EP. It tests the machinery, never GPU speed.
+- `cuda`: ONNX Runtime's CUDA EP fed by our own copy stream (`runtime/cuda_device.py`).
+
+The step (`runtime/step.py`) talks to a device only through `Device`: memory (alloc, free, the address and the
+ONNX Runtime memory info a binding points at), copies (an asynchronous upload returning a waitable, synchronous
+copies in and out), and what its sessions need (`cuda_options`).
 """
 
 from __future__ import annotations
 
-import functools
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 
 from pipeshard.errors import UserError
+
+DEVICE_KINDS = ("cpu", "sim", "cuda")
 
 
 class BudgetExceeded(RuntimeError):
@@ -47,8 +55,41 @@ class Ledger:
             self.by_purpose[purpose] = self.by_purpose.get(purpose, 0) - nbytes
 
 
+class Waitable(Protocol):
+    def result(self) -> object: ...
+
+
+class Device(Protocol):
+    """What the step needs of a device."""
+
+    kind: str
+    ledger: Ledger
+    cuda_options: dict[str, str] | None  # the CUDA EP's options for device sessions; None: the CPU EP
+    copied_bytes: int
+    copy_seconds: float
+
+    def alloc(self, nbytes: int, purpose: str): ...
+    def free(self, buffer, purpose: str) -> None: ...
+    def address(self, buffer) -> int: ...
+    def memory_info(self, rt): ...
+    def host_source(self, path: Path, offset: int, nbytes: int): ...
+    def upload(self, target, source) -> Waitable: ...
+    def upload_now(self, target, source: np.ndarray) -> None: ...
+    def released_after_compute(self, buffer) -> None: ...
+    def copy_in(self, target, source: np.ndarray) -> None: ...
+    def copy_out(self, target: np.ndarray, source) -> None: ...
+    def set_budget(self, budget_bytes: int) -> None: ...
+    def reserve(self, nbytes: int, purpose: str) -> None: ...
+    def unreserve(self, nbytes: int, purpose: str) -> None: ...
+    @property
+    def host_bytes(self) -> int: ...
+    def close(self) -> None: ...
+
+
 class LedgeredDevice:
     """What every device shares: a ledger that every byte of device memory is charged to."""
+
+    cuda_options: dict[str, str] | None = None
 
     def __init__(self, budget_bytes: int) -> None:
         self.ledger = Ledger(budget_bytes)
@@ -68,15 +109,9 @@ class LedgeredDevice:
         self.ledger.release(nbytes, purpose)
 
 
-class SimDevice(LedgeredDevice):
-    """Host memory posing as device memory, with a budget and an asynchronous copy engine."""
-
-    kind = "sim"
-    providers = ["CPUExecutionProvider"]
-
-    def __init__(self, budget_bytes: int) -> None:
-        super().__init__(budget_bytes)
-        self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pipeshard-prefetch")
+class HostMemoryDevice(LedgeredDevice):
+    """A device whose memory is host memory (cpu, sim): buffers are byte arrays, bound through the CPU's memory
+    info, copies are memory copies."""
 
     def alloc(self, nbytes: int, purpose: str) -> np.ndarray:
         self.ledger.charge(nbytes, purpose)
@@ -85,11 +120,64 @@ class SimDevice(LedgeredDevice):
     def free(self, buffer: np.ndarray, purpose: str) -> None:
         self.ledger.release(buffer.nbytes, purpose)
 
+    def address(self, buffer: np.ndarray) -> int:
+        return buffer.ctypes.data
+
+    def memory_info(self, rt):
+        return rt.cpu
+
+    def host_source(self, path: Path, offset: int, nbytes: int) -> np.ndarray:
+        """The host bytes a streamed unit is uploaded from: a view of its memory-mapped blob."""
+        return np.memmap(path, np.uint8, mode="r", offset=offset, shape=(nbytes,))
+
+    @property
+    def host_bytes(self) -> int:
+        """Host memory the device holds besides the mapped blobs (none)."""
+        return 0
+
+    def upload_now(self, target: np.ndarray, source: np.ndarray) -> None:
+        np.copyto(target[: source.nbytes], source.reshape(-1).view(np.uint8))
+
+    def released_after_compute(self, buffer: np.ndarray) -> None:
+        """Compute here is synchronous: a slot is free as soon as its sub-layer returned."""
+
+    def copy_in(self, target: np.ndarray, source: np.ndarray) -> None:
+        np.copyto(target[: source.nbytes], source.reshape(-1).view(np.uint8))
+
+    def copy_out(self, target: np.ndarray, source: np.ndarray) -> None:
+        np.copyto(target.reshape(-1).view(np.uint8), source[: target.nbytes])
+
+
+class CpuDevice(HostMemoryDevice):
+    """No device: every plan it runs places every unit on the CPU."""
+
+    kind = "cpu"
+
+    def __init__(self, budget_bytes: int = 0) -> None:
+        super().__init__(budget_bytes)
+
+    def upload(self, target: np.ndarray, source: np.ndarray) -> Future:
+        self.upload_now(target, source)
+        done: Future = Future()
+        done.set_result(0.0)
+        return done
+
+    def close(self) -> None:
+        """Nothing to release."""
+
+
+class SimDevice(HostMemoryDevice):
+    """Host memory posing as device memory, with a budget and an asynchronous copy engine."""
+
+    kind = "sim"
+
+    def __init__(self, budget_bytes: int) -> None:
+        super().__init__(budget_bytes)
+        self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pipeshard-prefetch")
+
     def upload(self, target: np.ndarray, source: np.ndarray) -> Future:
         """Copy host bytes into a device buffer on the copy thread; returns a waitable."""
         def copy() -> float:
-            import time
-
             started = time.perf_counter()
             np.copyto(target[: source.nbytes], source)
             elapsed = time.perf_counter() - started
@@ -99,47 +187,14 @@ class SimDevice(LedgeredDevice):
 
         return self._copier.submit(copy)
 
-    def upload_now(self, target: np.ndarray, source: np.ndarray) -> None:
-        self.upload(target, source).result()
-
-    @property
-    def ort_device(self):
-        """Where device sessions keep their KV outputs (host memory, on sim)."""
-        return cpu_ort_device()
-
-    def released_after_compute(self, buffer: np.ndarray) -> None:
-        """Compute here is synchronous: a slot is free as soon as its sub-layer returned."""
-
-    def bind_input(self, binding, name: str, buffer: np.ndarray, offset: int, dtype, shape) -> None:
-        """Bind the tensor at `offset` in a device buffer (a weight, a KV cache) as a session input."""
-        binding.bind_input(name, cpu_ort_device(), np.dtype(dtype), list(shape), buffer.ctypes.data + offset)
-
-    def bind_output(self, binding, name: str, buffer: np.ndarray, offset: int, dtype, shape) -> None:
-        """Bind a device buffer as a session output (a KV cache written in place)."""
-        binding.bind_output(name, cpu_ort_device(), np.dtype(dtype), list(shape), buffer.ctypes.data + offset)
-
-    def copy_in(self, target: np.ndarray, source: np.ndarray) -> None:
-        """Synchronous host -> device copy of a host array that changes (a KV cache; never cached)."""
-        np.copyto(target[: source.nbytes], source.reshape(-1).view(np.uint8))
-
-    def copy_out(self, target: np.ndarray, source: np.ndarray) -> None:
-        """Synchronous device -> host copy into a host array."""
-        np.copyto(target.reshape(-1).view(np.uint8), source[: target.nbytes])
-
     def close(self) -> None:
         self._copier.shutdown(wait=True)
 
 
-@functools.cache
-def cpu_ort_device():
-    """ONNX Runtime's handle for host memory, for raw IO binding."""
-    import onnxruntime
-
-    return onnxruntime.OrtDevice.make("cpu", 0)._get_c_device()
-
-
-def make_device(kind: str, budget_bytes: int):
+def make_device(kind: str, budget_bytes: int) -> Device:
     """The device of a name; `cuda` only when the CUDA EP really loads."""
+    if kind == "cpu":
+        return CpuDevice(budget_bytes)
     if kind == "sim":
         return SimDevice(budget_bytes)
     if kind == "cuda":
@@ -151,4 +206,4 @@ def make_device(kind: str, budget_bytes: int):
         from pipeshard.runtime.cuda_device import CudaDevice
 
         return CudaDevice(budget_bytes)
-    raise UserError(f"unknown device {kind!r}; choose cuda, sim or cpu")
+    raise UserError(f"unknown device {kind!r}; choose {', '.join(DEVICE_KINDS)}")

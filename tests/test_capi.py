@@ -92,7 +92,7 @@ def test_a_missing_shared_library_is_a_clear_error(tmp_path, monkeypatch):
 def test_the_native_loop_is_built_and_gives_the_python_loops_logits(tiny_pack, monkeypatch):
     """The chain's decode step is one native call for a dense model, with the same logits, bit for bit, as
     one run per ctypes call (what a machine without a C compiler gets)."""
-    from pipeshard.runtime.chain import ChainStep
+    from pipeshard.runtime.step import Step
 
     if capi._runloop is None and not has_c_compiler():
         pytest.skip("no C compiler here: the _runloop extension is optional and was not built")
@@ -107,13 +107,13 @@ def test_the_native_loop_is_built_and_gives_the_python_loops_logits(tiny_pack, m
         return np.stack(logits)
 
     # ONNX Runtime's attention in both (the decode attention op is part of the extension)
-    native = ChainStep(tiny_pack, threads=1, decode_attention=False)
+    native = Step(tiny_pack, threads=1, decode_attention=False)
     native_logits = decode(native)
-    assert [runs.native for runs, _ in native._program] == [True]  # the whole decode step in one call
+    assert [op.native for op in native._program] == [True]  # the whole decode step in one call
     monkeypatch.setattr(capi, "_runloop", None)
-    python = ChainStep(tiny_pack, threads=1, decode_attention=False)
+    python = Step(tiny_pack, threads=1, decode_attention=False)
     assert np.array_equal(decode(python), native_logits)
-    assert not any(runs.native for runs, _ in python._program)
+    assert not any(op.native for op in python._program)
 
 
 def test_a_new_generation_lets_the_old_kv_buffers_go(tiny_pack, tiny_llama_export):
@@ -121,10 +121,10 @@ def test_a_new_generation_lets_the_old_kv_buffers_go(tiny_pack, tiny_llama_expor
     before the new ones are made (not held beside them at the peak)."""
     import weakref
 
-    from pipeshard.runtime.chain import ChainStep
     from pipeshard.runtime.monolithic import MonolithicStep
+    from pipeshard.runtime.step import Step
 
-    for step in (ChainStep(tiny_pack, threads=1), MonolithicStep(tiny_llama_export, threads=1)):
+    for step in (Step(tiny_pack, threads=1), MonolithicStep(tiny_llama_export, threads=1)):
         step.start(1, 16)
         step.forward(np.array([[5, 6]], np.int64), np.ones((1, 2), np.int64), np.arange(2)[None])
         old = [weakref.ref(buffer) for buffer in step.kv.buffers.values()]

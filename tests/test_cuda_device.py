@@ -37,9 +37,17 @@ class FakeRuntime:
 @pytest.fixture()
 def device(monkeypatch):
     runtime = FakeRuntime()
-    # Writing into "pinned" memory at a fake address would crash: keep the pinned copy in numpy instead.
-    monkeypatch.setattr(CudaDevice, "_pinned", lambda self, source: id(source))
+    # Reading into "pinned" memory at a fake address would crash: the read is recorded instead.
+    monkeypatch.setattr(CudaDevice, "_read_into", staticmethod(lambda path, offset, source: runtime.calls.append(
+        ("read", (str(path), offset, source.nbytes)))))
     return CudaDevice(1 << 20, runtime=runtime), runtime
+
+
+@pytest.fixture()
+def blob(tmp_path):
+    path = tmp_path / "unit.bin"
+    path.write_bytes(bytes(4096))
+    return path
 
 
 def test_allocations_are_charged_and_released(device):
@@ -57,10 +65,10 @@ def test_the_budget_is_enforced_before_cuda_malloc(device):
     assert not any(name == "cudaMalloc" for name, _ in runtime.calls)
 
 
-def test_a_slot_refill_waits_for_its_last_reader_and_compute_waits_for_the_copy(device):
+def test_a_slot_refill_waits_for_its_last_reader_and_compute_waits_for_the_copy(device, blob):
     cuda, runtime = device
     slot = cuda.alloc(1024, "staging")
-    blob = np.zeros(1024, np.uint8)
+    blob = cuda.host_source(blob, 0, 1024)
     ticket = cuda.upload(slot, blob)
     ticket.result()
     assert ("cudaStreamWaitEvent", (cuda.compute_stream, ticket.event, 0)) in runtime.calls
@@ -75,9 +83,20 @@ def test_a_slot_refill_waits_for_its_last_reader_and_compute_waits_for_the_copy(
 
 def test_the_ep_runs_on_our_compute_stream(device):
     cuda, _ = device
-    options = cuda.providers[0][1]
-    assert cuda.providers[0][0] == "CUDAExecutionProvider"
+    options = cuda.cuda_options
     assert options["user_compute_stream"] == str(cuda.compute_stream) and options["do_copy_in_default_stream"] == "0"
+
+
+def test_streamed_weights_are_held_once_in_pinned_memory_read_from_the_file(device, blob):
+    """A streamed unit's bytes go from its blob file straight into page-locked memory (no mapped copy beside
+    them); the report counts that memory, and close() frees it."""
+    cuda, runtime = device
+    source = cuda.host_source(blob, 1024, 2048)
+    assert ("read", (str(blob), 1024, 2048)) in runtime.calls
+    assert [args for name, args in runtime.calls if name == "cudaMallocHost"] == [(2048,)]
+    assert cuda.host_bytes == 2048
+    cuda.close()
+    assert ("cudaFreeHost", (source.pointer,)) in runtime.calls and cuda.host_bytes == 0
 
 
 def test_kv_copies_wait_for_compute_and_are_never_served_from_the_pinned_cache(device):
@@ -91,13 +110,13 @@ def test_kv_copies_wait_for_compute_and_are_never_served_from_the_pinned_cache(d
     (_, copy_in), (_, copy_out) = runtime.calls[1], runtime.calls[3]
     assert copy_in == (buffer.pointer, host.ctypes.data, 256, 1)
     assert copy_out == (host.ctypes.data, buffer.pointer, 256, 2)
-    assert cuda._pinned_host == {}
+    assert cuda.host_bytes == 0
 
 
-def test_events_are_reused_across_thousands_of_copies_and_destroyed_at_close(device):
+def test_events_are_reused_across_thousands_of_copies_and_destroyed_at_close(device, blob):
     cuda, runtime = device
     slots = [cuda.alloc(1024, "staging") for _ in range(2)]
-    blob = np.zeros(1024, np.uint8)
+    blob = cuda.host_source(blob, 0, 1024)
     for step in range(2000):  # the copies of a long answer through a two-slot ring
         slot = slots[step % 2]
         ticket = cuda.upload(slot, blob)
@@ -133,3 +152,22 @@ def test_every_cuda_call_of_the_device_exists_in_the_real_bindings():
               if isinstance(node, ast.Attribute) and node.attr.startswith("cuda")
               and isinstance(node.value, ast.Attribute) and node.value.attr == "rt"}
     assert called and not [name for name in called if not hasattr(runtime, name)]
+
+
+def test_cuda_sessions_and_memory_go_through_the_c_api():
+    """The C API path a CUDA device's sessions take: a memory info for CUDA memory is made, and appending the CUDA
+    EP reaches ONNX Runtime, which on this CPU-only build says it has no CUDA (a wrong table index or argument
+    list would crash or fail otherwise)."""
+    from pipeshard.runtime import capi
+
+    rt = capi.runtime()
+    assert rt.memory_info("Cuda", 0).value and rt.memory_info("Cuda", 0) is rt.memory_info("Cuda", 0)
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    model.ir_version = 10
+    with pytest.raises(capi.OrtError, match="(?i)cuda"):
+        rt.session(model.SerializeToString(), cuda_options={"device_id": "0", "do_copy_in_default_stream": "0"})

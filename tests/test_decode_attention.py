@@ -128,9 +128,9 @@ def test_covers_only_what_it_computes():
 
 
 def test_the_chain_decodes_through_it_with_the_same_tokens(tiny_pack):
-    from pipeshard.runtime.chain import ChainStep
+    from pipeshard.runtime.step import Step
 
-    fast, reference = ChainStep(tiny_pack, threads=2), ChainStep(tiny_pack, threads=2, decode_attention=False)
+    fast, reference = Step(tiny_pack, threads=2), Step(tiny_pack, threads=2, decode_attention=False)
     assert fast.decode_attention and not reference.decode_attention
     rng = np.random.default_rng(3)
     prompts = rng.integers(3, 200, (2, 9)).astype(np.int64)

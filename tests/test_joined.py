@@ -100,11 +100,12 @@ def test_an_output_shares_an_inputs_buffer_only_after_every_read_of_it(tmp_path)
 
 
 def test_the_chain_decodes_in_fewer_runs_with_the_same_logits(tiny_pack):
-    from pipeshard.runtime.chain import ChainStep
+    from pipeshard.runtime.step import Step
 
-    joined = ChainStep(tiny_pack, threads=1, decode_attention=False)
-    split = ChainStep(tiny_pack, threads=1, decode_attention=False, join_decode=False)
-    assert len(joined.decode_stages) < len(split.decode_stages) == len(split.stages) - 1  # less the prologue
+    joined = Step(tiny_pack, threads=1, decode_attention=False)
+    split = Step(tiny_pack, threads=1, decode_attention=False, join_decode=False)
+    joined_runs, split_runs = sum(joined.decode_runs(), []), sum(split.decode_runs(), [])
+    assert len(joined_runs) < len(split_runs) == len(split.layout.in_line) - 1  # less the prologue
     logits = []
     for step in (joined, split):
         step.start(2, 16)
@@ -118,4 +119,4 @@ def test_the_chain_decodes_in_fewer_runs_with_the_same_logits(tiny_pack):
             steps.append(step.forward(np.full((2, 1), token, np.int64), mask, positions)[:, -1].copy())
         logits.append(np.stack(steps))
     np.testing.assert_allclose(logits[0], logits[1], atol=1e-5)
-    assert [runs.names for runs, _ in joined._program] == [[stage.name for stage in joined.decode_stages]]
+    assert [op.names for op in joined._program] == joined.decode_runs() == [joined_runs]

@@ -5,8 +5,8 @@ import onnx
 import pytest
 
 from pipeshard.errors import UserError
-from pipeshard.runtime.chain import ChainStep
 from pipeshard.runtime.monolithic import MonolithicStep
+from pipeshard.runtime.step import Step
 
 
 def test_the_export_attends_with_group_query_attention_over_in_place_buffers(tiny_llama_export):
@@ -33,7 +33,7 @@ def _logits(step, ids, capacity):
     return out
 
 
-@pytest.mark.parametrize("make", [lambda export, pack: MonolithicStep(export), lambda export, pack: ChainStep(pack)],
+@pytest.mark.parametrize("make", [lambda export, pack: MonolithicStep(export), lambda export, pack: Step(pack)],
                          ids=["monolithic", "chain"])
 def test_a_cache_started_too_small_grows_and_gives_the_same_logits(make, tiny_llama_export, tiny_pack):
     ids = np.arange(5, 17, dtype=np.int64)[None]
@@ -51,7 +51,7 @@ def test_several_new_tokens_after_a_past_in_a_batch_is_a_clear_error(tiny_llama_
 
 
 def test_switching_all_logits_rebinds_every_stage_to_the_new_buffers(tiny_pack):
-    step = ChainStep(tiny_pack)
+    step = Step(tiny_pack)
     ids = np.arange(5, 17, dtype=np.int64)[None]
     results = []
     for all_logits in (False, True, False, True):

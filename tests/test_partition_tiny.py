@@ -239,16 +239,17 @@ def test_a_mask_that_is_not_causal_and_padding_keeps_the_exporters_bias():
 
 
 def test_rotary_tables_are_bound_whole_once_instead_of_sliced_every_step(tiny_pack):
-    from pipeshard.runtime.chain import ChainStep
+    from pipeshard.runtime.step import Step
 
     pack = load_pack(tiny_pack)
     prologue = pack.sub_layers[0]
     tables = {o["name"]: o["rows_of"] for o in prologue["outputs"] if "rows_of" in o}
     assert tables == {"_gqa_cos_cache": "_gqa_cos_cache_table", "_gqa_sin_cache": "_gqa_sin_cache_table"}
     assert set(tables.values()) <= {w["name"] for w in prologue["weights"]}
-    step = ChainStep(tiny_pack, threads=1)
-    assert not set(tables) & {n for s in step.stages for n in s.shared_inputs + s.allocated_outputs}
-    for stage in (s for s in step.stages if s.past):
+    step = Step(tiny_pack, threads=1)
+    stages = step.sub_layer_stages()
+    assert not set(tables) & {n for s in stages for n in s.shared_inputs + s.allocated_outputs}
+    for stage in (s for s in stages if s.past):
         assert set(tables) <= set(stage.fixed_inputs)
     rows = step.max_context
     assert [step._tables[name].shape[0] for name in tables] == [rows, rows]
@@ -296,5 +297,6 @@ def test_decode_steps_skip_the_prologue_and_keep_its_values_in_place(tiny_pack, 
             positions = positions[:, -1:] + 1
         expected = whole.forward(ids, mask, positions)[:, -1]
         assert np.abs(chain.forward(ids, mask, positions)[:, -1] - expected).max() < 1e-4
-    assert runs.count(chain.stages[0].name) == 1  # the prefill's
-    assert chain.stages[0].name == "prologue" and len(runs) == 4 * len(chain.stages) - 3
+    stages = chain.sub_layer_stages()
+    assert runs.count(stages[0].name) == 1  # the prefill's
+    assert stages[0].name == "prologue" and len(runs) == 4 * len(stages) - 3

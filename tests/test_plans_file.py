@@ -35,7 +35,7 @@ def test_a_saved_plans_file_runs_as_it_is_with_the_in_process_plans_tokens(tiny_
     monkeypatch.setattr(Planner, "plan_tier", lambda *a: pytest.fail("the planner was asked"))
     assert [saved.generate(p, max_new_tokens=16)[0].tokens for p in PROMPTS] == expected
     document = json.loads(plans_file.read_text())
-    assert {tier: plan.placements for tier, plan in saved.step._plans.items()} == \
+    assert {tier: plan.placements for tier, plan in saved.step.plans.items()} == \
         {entry["tier"]: entry["chosen"]["placements"] for entry in document["tiers"]}
     assert saved.step.planner.budget_bytes == document["budget_bytes"] and saved.step.tiers == [1, 4, 64]
     report = saved.step.report()
@@ -105,9 +105,9 @@ def test_a_budget_ladder_is_picked_from_when_the_budget_changes(tiny_pack, budge
     expected = in_process.generate(PROMPTS[1], max_new_tokens=16)[0].tokens
     engine = pipeshard.load(tiny_pack, device="sim", plans=ladder)
     monkeypatch.setattr(Planner, "plan_tier", lambda *a: pytest.fail("the planner was asked"))
-    assert {t: p.placements for t, p in engine.step._plans.items()} == rungs[large]
+    assert {t: p.placements for t, p in engine.step.plans.items()} == rungs[large]
     engine.generate(PROMPTS[0], max_new_tokens=4)
     engine.set_vram_budget(small + 1000)  # between the rungs: the smaller one fits
     assert engine.generate(PROMPTS[1], max_new_tokens=16)[0].tokens == expected
-    assert {t: p.placements for t, p in engine.step._plans.items()} == rungs[small]
+    assert {t: p.placements for t, p in engine.step.plans.items()} == rungs[small]
     assert engine.step.device.ledger.peak <= large

@@ -12,7 +12,8 @@ from pipeshard.api import Engine
 from pipeshard.partitioner.planner import CPU, PINNED, STREAMED, Planner, planning_units
 from pipeshard.profiles.db import load_profile
 from pipeshard.runtime.devices import make_device
-from pipeshard.runtime.planned import PlanStep
+from pipeshard.runtime.plansource import PlanBook
+from pipeshard.runtime.step import Step
 from pipeshard.runtime.text import TextCodec
 
 PROMPTS = ["hi", "a much longer prompt than the first one"]
@@ -50,9 +51,10 @@ def test_chunks_placed_anywhere_give_the_monolithic_tokens(tiny_pack, tiny_llama
     planner = Planner(manifest, profile, budget, context=128, output_chunks=4)
     placements = {u["name"]: STREAMED if u["kind"] == "attn" else CPU for u in planner.placeable}
     placements.update({f"final#{j}": p for j, p in enumerate(chunk_placements)})
-    step = PlanStep(Path(tiny_pack), make_device("sim", budget), planner, strategy="gpu-only")
+    book = PlanBook([u["name"] for u in planner.sub_layers], planner, strategy="gpu-only")
+    step = Step(Path(tiny_pack), make_device("sim", budget), book)
     for tier in step.tiers:
-        step._plans[tier] = planner.evaluate("gpu-only", tier, placements)
+        step.plans[tier] = planner.evaluate("gpu-only", tier, placements)
     engine = Engine(step, TextCodec(Path(tiny_pack)), Path(tiny_pack))
     engine.codec.eos_token_ids = []
     assert [g.tokens for g in engine.generate(PROMPTS, max_new_tokens=12)] == expected

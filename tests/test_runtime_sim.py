@@ -45,7 +45,7 @@ def test_streaming_plans_really_stream(tiny_pack, minimum, plan):
     engine = sim(tiny_pack, minimum + 600_000, plan)
     engine.generate(PROMPTS[1], max_new_tokens=8)
     assert engine.step.stats.streamed_bytes > 0
-    assert any(p.strategy == plan and p.counts()["streamed"] > 0 for p in engine.step._plans.values())
+    assert any(p.strategy == plan and p.counts()["streamed"] > 0 for p in engine.step.plans.values())
 
 
 def test_ledger_peak_never_exceeds_the_budget_across_budgets(tiny_pack, minimum, reference):
@@ -83,7 +83,7 @@ def test_shrinking_below_the_minimum_is_an_error_naming_it_and_changes_nothing(t
 def test_an_interrupted_step_leaves_the_engine_usable(tiny_pack, minimum, reference):
     engine = sim(tiny_pack, minimum + 600_000, "gpu-only")
     step = engine.step
-    original = step._run_plan
+    original = step._wait_for_slot
     calls = {"n": 0}
 
     def interrupt_once(*args):
@@ -92,7 +92,7 @@ def test_an_interrupted_step_leaves_the_engine_usable(tiny_pack, minimum, refere
             raise KeyboardInterrupt
         return original(*args)
 
-    step._run_plan = interrupt_once
+    step._wait_for_slot = interrupt_once
     with pytest.raises(KeyboardInterrupt):
         engine.generate(PROMPTS[1], max_new_tokens=16)
     assert step.device.ledger.used == 0
@@ -162,19 +162,27 @@ def test_a_batch_larger_than_planned_is_replanned_so_its_kv_is_reserved(tiny_pac
 
 
 def test_activations_cross_devices_only_where_the_placement_changes(tiny_pack, minimum):
+    """Copies between the host's and the device's residual buffers sit only where a tensor's producer and a
+    reader are on different sides (the host reads the last positions for the output layer, and a MoE layer's
+    residual)."""
     engine = sim(tiny_pack, minimum + 2_000_000, "gpu-only")
     engine.generate(PROMPTS[0], max_new_tokens=2)
     step = engine.step
     placements = step.active.placements
     assert all(placements[f"L{i}.{part}"] != "cpu" for i in range(4) for part in ("attn", "ffn"))
     output_of = {e["name"]: [o["name"] for o in e["outputs"] if not o["name"].startswith("present.")]
-                 for e in step.entries}
-    resident = step.device_resident_activations(step.active)
-    assert {output_of["L0.attn"][0], output_of["L0.ffn"][0], output_of["L2.attn"][0]} <= resident
-    assert output_of["L3.ffn"][0] not in resident  # the output layer reads its last positions on the host
-    assert "logits" not in resident and not resident & set(output_of["prologue"])
+                 for e in step.layout.in_line}
+    copies = [(action, name) for split in step.splits for action, name in split.after if action.startswith("copy")]
+    assert copies[0] == ("copy in", output_of["embed"][0])
+    assert ("copy out", output_of["L3.ffn"][0]) in copies or placements.get("final", "pinned") != "cpu"
+    assert not {name for _, name in copies} & {output_of[f"L{i}.{part}"][0] for i in range(3)
+                                                for part in ("attn", "ffn")}
     static = sim(tiny_pack, minimum + 2_000_000, "static")
     static.generate(PROMPTS[0], max_new_tokens=2)
-    cpu_readers = {t for e in static.step.entries if static.step.active.placements.get(e["name"]) == "cpu"
-                   for t in static.step._inputs[e["name"]]}
-    assert not static.step.device_resident_activations(static.step.active) & cpu_readers
+    placements = static.step.active.placements
+    chain = ["embed"] + [f"L{i}.{part}" for i in range(4) for part in ("attn", "ffn")] + ["final"]
+    side = {name: "cpu" if placements.get(name, "cpu") == "cpu" else "device" for name in chain}
+    assert len(set(side.values())) == 2
+    expected = [output_of[a][0] for a, b in zip(chain[:-1], chain[1:], strict=True) if side[a] != side[b]]
+    copies = [(a, n) for split in static.step.splits for a, n in split.after if a.startswith("copy")]
+    assert [n for _, n in copies] == expected  # the decode step's: the output layer reads its input directly

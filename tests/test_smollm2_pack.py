@@ -61,9 +61,9 @@ from pipeshard.runtime import capi
 def status(field): return int(open("/proc/self/status").read().split(field + ":")[1].split()[0]) / 1024
 capi.runtime(2)
 anon, peak = status("RssAnon"), status("VmHWM")
-from pipeshard.runtime.chain import ChainStep
-step = ChainStep(Path({str(pack)!r}), threads=2, join_decode={join_decode})
-assert (len(step.decode_stages) < 20) == {join_decode}
+from pipeshard.runtime.step import Step
+step = Step(Path({str(pack)!r}), threads=2, join_decode={join_decode})
+assert (len(sum(step.decode_runs(), [])) < 20) == {join_decode}
 print(status("RssAnon") - anon, status("VmHWM") - peak)
 """
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
@@ -76,7 +76,7 @@ def test_joined_decode_sessions_share_the_sub_layers_weights(smollm2_pack):
     """The joined decode sessions take their weights (~514 MiB packed) from the sub-layers' sessions; making one
     maps all of its weights at once, so the load peak rises by up to one session's weights (JOINED_WEIGHT_BYTES,
     measured +62 MiB) and one weight packed to be found in the container."""
-    from pipeshard.runtime.chain import JOINED_WEIGHT_BYTES
+    from pipeshard.runtime.step import JOINED_WEIGHT_BYTES
 
     joined, split = _memory_after_loading(smollm2_pack[0], True), _memory_after_loading(smollm2_pack[0], False)
     assert joined[0] - split[0] < 20, f"joined sessions hold {joined[0] - split[0]:.0f} MiB more"
