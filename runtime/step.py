@@ -323,7 +323,7 @@ class Step:
     def _stage_for(self, unit: str, placement: str) -> _Stage:
         if placement != CPU:
             return self._device_stage(unit)
-        return self._host_input_stage(unit) if "chunk_of" in self.layout.units[unit] else self._cpu_stage(unit)
+        return self._host_input_stage(unit) if "chunk_of" in self.layout.units.get(unit, {}) else self._cpu_stage(unit)
 
     def _split_stages(self, split: Split, join: bool) -> list[_Stage]:
         """The stages a split runs: one per unit, or a CPU split's sub-layers joined (one-token steps)."""
@@ -668,7 +668,7 @@ class Step:
         self.splits = schedule(self.layout, plan, shape[1], self.all_logits)
         self._chunk_logits = {unit: np.empty((shape[0], logit_rows, u["rows"][1] - u["rows"][0]), self.dtype)
                               for split in self.splits for unit, _ in split.runs
-                              if "chunk_of" in (u := self.layout.units[unit])}
+                              if "chunk_of" in (u := self.layout.units.get(unit, {}))}
         # The device's residual buffers come out of the plan's activation workspace. A step larger than the tier
         # the plan was made for (a batch's prompts beyond the largest tier) leaves the device's runs reading and
         # writing the host's buffers instead (ONNX Runtime then copies them in and out of each run).
