@@ -125,6 +125,7 @@ class _Stage:
         # IO binding returns outputs in the order they were first bound: KV, pointers, the rest.
         self.bound_output_order = present + self.pointer_outputs + self.allocated_outputs
         self.takes_last_hidden = LOGITS in self.pointer_outputs and len(self.residual_inputs) == 1
+        self.members = [name]  # the units it runs (several when joined)
 
     def run_on_arrays(self, inputs: dict[str, np.ndarray], output: str, out: np.ndarray, run_options) -> None:
         """One run with host arrays bound by pointer, writing into `out`."""
@@ -328,7 +329,9 @@ class Step:
     def _split_stages(self, split: Split, join: bool) -> list[_Stage]:
         """The stages a split runs: one per unit, or a CPU split's sub-layers joined (one-token steps)."""
         stages = [self._stage_for(unit, placement) for unit, placement in split.runs]
-        return self._joined(stages) if join and split.side != DEVICE else stages
+        if not join or any("chunk_of" in self.layout.units.get(unit, {}) for unit, _ in split.runs):
+            return stages
+        return self._joined(stages, split.side == DEVICE)
 
     def decode_runs(self) -> list[list[str]]:
         """The session runs of a one-token step under the active plan, per split (made now if not yet)."""
@@ -340,10 +343,12 @@ class Step:
         """Every in-line sub-layer's CPU stage, in order (made now if not yet)."""
         return [self._cpu_stage(entry["name"]) for entry in self.layout.in_line]
 
-    def _joined(self, stretch: list[_Stage]) -> list[_Stage]:
-        """A stretch of CPU sub-layer stages as one joined decode session (cut at 64 MiB of weights), or the stages
-        themselves where joining gains nothing or their residual buffers could not be shared safely."""
-        key = tuple(stage.name for stage in stretch)
+    def _joined(self, stretch: list[_Stage], on_device: bool) -> list[_Stage]:
+        """A stretch of sub-layer stages of one side as one joined decode session (cut at 64 MiB of weights), or
+        the stages themselves where joining gains nothing or their residual buffers could not be shared safely. On
+        the CPU EP (the host, or a device whose memory is host memory) the attention runs pipeshard's decode op;
+        a device's joined session takes its weights as inputs, bound by pointer like its sub-layers'."""
+        key = (on_device, *(stage.name for stage in stretch))
         if key in self._joined_stages:
             return self._joined_stages[key]
         entries = self.layout.entries
@@ -359,6 +364,8 @@ class Step:
         read_in_python = {name for block in self.moe.values() for name in (block.residual, block.hidden,
                                                                           block.routing)}
         float_inputs = {i["name"] for entry in self.layout.in_line for i in entry["inputs"] if i["dtype"] == "float32"}
+        swap = self.decode_attention and (not on_device or self.device.cuda_options is None)
+        variant = "weights_as_inputs" if on_device else "onnx"
         all_inputs = {name: set(entry_inputs) for name, entry_inputs in
                       ((e["name"], [i["name"] for i in e["inputs"]]) for e in self.layout.in_line)}
         joined_stages: list[_Stage] = []
@@ -369,21 +376,27 @@ class Step:
                                              if sub_layer not in members for name in inputs}
             outputs = {name for name in inside if name in read_outside or name == LOGITS or
                        any(name in stage.present for stage in piece)}
-            joined = join([self.pack.path(entries[stage.name]["files"]["onnx"]) for stage in piece], outputs,
-                          float_inputs if self.decode_attention else None)
+            joined = join([self.pack.path(entries[stage.name]["files"][variant]) for stage in piece], outputs,
+                          float_inputs if swap else None)
             if len(piece) == 1 and not joined.decode_attention_nodes or not self._buffers_safe(joined):
                 joined_stages += piece
                 continue
-            weights: dict[str, np.ndarray] = {}
-            for stage in piece:
-                weights.update(self._weights.add(self.pack.folder, entries[stage.name]["weights"]))
-            session = self._session(joined.model, initializers=weights)
-            self._weights.release_pages()
-            capi.release_free_heap()
-            joined_stages.append(_Stage(f"{piece[0].name}..{piece[-1].name}", session, joined.inputs,
-                                        joined.outputs, [n for s in piece for n in s.past],
-                                        [n for s in piece for n in s.present], self.layout.roles,
-                                        last_sub_layer=piece[-1].name))
+            weight_names = {w["name"] for stage in piece for w in entries[stage.name]["weights"]}
+            if on_device:
+                session = self._device_session(joined.model)
+            else:
+                weights: dict[str, np.ndarray] = {}
+                for stage in piece:
+                    weights.update(self._weights.add(self.pack.folder, entries[stage.name]["weights"]))
+                session = self._session(joined.model, initializers=weights)
+                self._weights.release_pages()
+                capi.release_free_heap()
+            stage = _Stage(f"{piece[0].name}..{piece[-1].name}", session,
+                           [name for name in joined.inputs if name not in weight_names], joined.outputs,
+                           [n for s in piece for n in s.past], [n for s in piece for n in s.present],
+                           self.layout.roles, on_device, last_sub_layer=piece[-1].name)
+            stage.members = [s.name for s in piece]
+            joined_stages.append(stage)
         self._joined_stages[key] = joined_stages
         return joined_stages
 
@@ -687,9 +700,13 @@ class Step:
             for unit, placement in split.runs:
                 self._bind_stage(self._stage_for(unit, placement), unit, placement)
             split_stages = self._split_stages(split, join)
+            placement_of = dict(split.runs)
             for stage in split_stages:
                 if stage.name not in self.layout.units:  # a joined one
                     self._bind_stage(stage, stage.name, CPU)
+                    for unit in stage.members:
+                        if placement_of[unit] == PINNED:
+                            self._bind_weights(stage, unit, self._pinned[unit])
             if split.wait is not None:
                 program.append(partial(self._wait_for_slot, split_stages[0], split.wait))
             stages += split_stages
