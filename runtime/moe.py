@@ -107,10 +107,3 @@ def combine(residual: np.ndarray, hidden: np.ndarray, routing: np.ndarray,
         total[rows] += output.reshape(len(rows), width)
     np.add(residual, total.reshape(residual.shape), out=out)
 
-
-def run_on_arrays(binding, run, run_options, cpu, inputs: dict[str, np.ndarray], output: str, out: np.ndarray) -> None:
-    """One run of a session's raw binding with host arrays bound by pointer, writing into `out`."""
-    for name, array in inputs.items():
-        binding.bind_input(name, cpu, array.dtype, list(array.shape), array.ctypes.data)
-    binding.bind_output(output, cpu, out.dtype, list(out.shape), out.ctypes.data)
-    run(binding, run_options)

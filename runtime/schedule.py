@@ -162,7 +162,7 @@ def describe(splits: list[Split]) -> list[str]:
     for number, split in enumerate(splits, start=1):
         names = [unit for unit, _ in split.runs]
         shown = ", ".join(names) if len(names) <= 4 else f"{names[0]}, ... {names[-1]} ({len(names)} runs)"
-        wait = f"  waits for {split.wait}'s weights;" if split.wait else ""
+        wait = f" waits for {split.wait}'s weights;" if split.wait else ""
         lines.append(f"split {number:3d} on {split.side:6s}:{wait} {shown}")
         lines += [f"             then {action} {name}" for action, name in split.after]
     return lines

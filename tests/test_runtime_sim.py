@@ -32,10 +32,11 @@ def sim(tiny_pack, budget, plan="auto"):
     return pipeshard.load(tiny_pack, vram=budget, device="sim", profile="laptop-8gb", plan=plan, context=256)
 
 
+@pytest.mark.parametrize("above_minimum", [600_000, 2_000_000])
 @pytest.mark.parametrize("plan", PLANS)
-def test_every_plan_gives_the_monolithic_greedy_tokens(tiny_pack, minimum, reference, plan):
-    # A budget where the tiny model does not fit whole: gpu-only and offload must stream.
-    engine = sim(tiny_pack, minimum + 600_000, plan)
+def test_every_plan_gives_the_monolithic_greedy_tokens(tiny_pack, minimum, reference, plan, above_minimum):
+    # Budgets where the tiny model does not fit whole (gpu-only and offload must stream), and where most of it does.
+    engine = sim(tiny_pack, minimum + above_minimum, plan)
     assert [engine.generate(p, max_new_tokens=16)[0].tokens for p in PROMPTS[:3]] == reference["solo"]
     assert [g.tokens for g in engine.generate(PROMPTS, max_new_tokens=16)] == reference["batch"]
 
