@@ -139,6 +139,34 @@ def _check_generation_options(args: argparse.Namespace) -> None:
     args.system = _text(args.system, "--system")
 
 
+def _port(text: str) -> int:
+    value = _count(0)(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"{value} is not a port (0-65535)")
+    return value
+
+
+def _command_serve(args: argparse.Namespace) -> int:
+    import pipeshard
+    from pipeshard.server import ServerSettings, serve
+
+    _check_generation_options(args)
+    if args.plan == "monolithic" or not (Path(args.path) / "manifest.json").is_file():
+        raise UserError(f"{args.path}: serving needs a model pack with slots (pipeshard partition EXPORT PACK), not "
+                        "an export folder or --plan monolithic")
+    if args.api_key is not None:
+        args.api_key = _text(args.api_key, "--api-key")
+    name = args.name or Path(args.path).resolve().name
+
+    def load():
+        return pipeshard.load(args.path, threads=args.threads, verify=args.verify, vram=args.vram, device=args.device,
+                              profile=args.profile, plan=args.plan, context=args.context, batch=args.parallel,
+                              expert_stats=args.expert_stats, plans=args.plans)
+
+    settings = ServerSettings(name, args.api_key, args.max_tokens)
+    return serve(load, settings, args.host, args.port, args.parallel, args.queue, args.context)
+
+
 def _command_run(args: argparse.Namespace) -> int:
     import pipeshard
 
@@ -541,6 +569,20 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--system", default=None, help="system message for the chat template")
     _add_device_options(chat)
     chat.set_defaults(handler=_command_chat)
+
+    serve = commands.add_parser("serve", help="OpenAI-compatible HTTP server with continuous batching")
+    serve.add_argument("path", help="model pack")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine)")
+    serve.add_argument("--port", type=_port, default=8080)
+    serve.add_argument("--parallel", type=_count(1), default=4, help="requests decoded together (KV slots)")
+    serve.add_argument("--queue", type=_count(0), default=64, help="requests waiting for a slot before 503")
+    serve.add_argument("--max-tokens", type=_count(1), default=256, help="new tokens when a request gives none")
+    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    serve.add_argument("--name", default=None, help="the model's name in the API (default: the pack's folder name)")
+    serve.add_argument("--threads", type=_threads, default=None)
+    serve.add_argument("--verify", action="store_true", help="check the pack's sha256 sums before serving")
+    _add_device_options(serve)
+    serve.set_defaults(handler=_command_serve, system=None)
 
     bench = commands.add_parser("bench", help="our plans beside the peers and the bandwidth limit, interleaved")
     bench.add_argument("pack")

@@ -197,8 +197,9 @@ class Step:
         self._reserved: dict[str, int] = {}
         self._sources: dict[str, object] = {}  # streamed unit -> the host bytes it is uploaded from
         self._blobs: dict[str, np.memmap] = {}
-        # Per batch shape.
+        # Per batch shape (and KV row, for a one-sequence step into a row of a batch's cache).
         self._shape: tuple[int, int] | None = None
+        self._kv_row: int | None = None
         self.splits: list[Split] = []
         self._program: list = []
         self._residual: list[np.ndarray] = []
@@ -609,15 +610,18 @@ class Step:
         """(Re)bind everything of a stage that stays put for the current plan and batch shape: KV, residual
         buffers, fixed values, logits, pinned weights."""
         stage.binding.clear()
-        shape = self._shape
+        shape, row = self._shape, self._kv_row
+        kv_shape = self.kv.shape if row is None else (1, *self.kv.shape[1:])
+        row_offset = 0 if row is None else row * int(np.prod(kv_shape)) * np.dtype(self.dtype).itemsize
         for past, present in zip(stage.past, stage.present, strict=True):
             if stage.on_device:
-                kv_shape = self.kv.shape
-                self._bind_device(stage, past, self._kv_device[past], 0, self.dtype, kv_shape)
-                self._bind_device(stage, present, self._kv_device[past], 0, self.dtype, kv_shape, output=True)
+                buffer = self._kv_device[past]
+                self._bind_device(stage, past, buffer, row_offset, self.dtype, kv_shape)
+                self._bind_device(stage, present, buffer, row_offset, self.dtype, kv_shape, output=True)
             else:
-                self._bind_host(stage, past, self.kv.buffers[past])
-                self._bind_host(stage, present, self.kv.buffers[past], output=True)
+                host = self.kv.buffers[past] if row is None else self.kv.buffers[past][row: row + 1]
+                self._bind_host(stage, past, host)
+                self._bind_host(stage, present, host, output=True)
         last_only = stage.takes_last_hidden and not self.all_logits and shape[1] > 1
         residual_shape = (*shape, self.hidden_size)
         device_residual = stage.on_device and self._device_activations
@@ -760,10 +764,16 @@ class Step:
                 stage.binding.bind_input(PADDING_BIAS, self._decode_bias)
 
     # -- the step ---------------------------------------------------------------------------------------------------
-    def forward(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray) -> np.ndarray:
+    def forward(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray,
+                slot: int | None = None) -> np.ndarray:
+        """One step. `slot`: a one-sequence step into that row of the KV cache (a request joining a running
+        batch, `runtime/scheduler.py`); rows of a batch step may have lengths of their own (each row's mask ends
+        at its last token)."""
         batch, tokens = input_ids.shape
         total = attention_mask.shape[1]
         check_step_shape(batch, tokens, total)
+        if slot is not None and (batch != 1 or not 0 <= slot < self.kv.batch):
+            raise ValueError(f"a step into slot {slot} takes one sequence, and the cache has {self.kv.batch} rows")
         if total > self.kv.capacity:
             self._grow_kv(batch, total)
         largest = self.book.largest_tier
@@ -773,14 +783,15 @@ class Step:
             past = total - tokens
             pieces = [np.array(self.forward(input_ids[:, begin: begin + largest],
                                             attention_mask[:, : past + min(begin + largest, tokens)],
-                                            position_ids[:, begin: begin + largest]))
+                                            position_ids[:, begin: begin + largest], slot))
                       for begin in range(0, tokens, largest)]
             return np.concatenate(pieces, axis=1)
         tier = self.book.tier_for(batch * tokens)
         plan = self.book.plan_for(tier)
         if plan is not self.active:
             self._activate(plan)
-        if (batch, tokens) != self._shape:
+        if (batch, tokens) != self._shape or slot != self._kv_row:
+            self._kv_row = slot
             self._make_program((batch, tokens))
         self.stats.steps += 1
         self.stats.tiers_used[tier] = self.stats.tiers_used.get(tier, 0) + 1
@@ -790,8 +801,8 @@ class Step:
         # values ONNX Runtime allocates (the mask bias, a router's outputs).
         shared = self._shared
         shared["attention_mask"] = mask = np.ascontiguousarray(attention_mask, dtype=np.int64)
-        if self._decoding:
-            self._fixed_buffers[SEQLENS].fill(total - 1)
+        if self._decoding:  # each row's new token goes after its last one: the mask's last set column
+            self._fixed_buffers[SEQLENS][:] = total - 1 - np.argmax(mask[:, ::-1] != 0, axis=1)
             np.copyto(self._decode_bias[:, 0, 0, :total], np.where(mask != 0, 0, self._bias_lowest))
         for bind, name in self._mask_inputs:
             bind(name, mask)

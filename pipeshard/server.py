@@ -1,0 +1,369 @@
+"""`pipeshard serve`: an OpenAI-compatible HTTP server over the continuous-batching scheduler.
+
+Starlette on uvicorn: the server is a handful of routes whose errors must be OpenAI's error objects, which plain
+Starlette handlers return directly. The engine lives on the scheduler's thread (`runtime/scheduler.py`); a
+request's events cross to the event loop through an asyncio queue fed with `call_soon_threadsafe`, as vLLM's
+AsyncLLM and llama-cpp-python's server hand tokens over. A client that goes away cancels its request, which
+frees its slot at the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+
+from pipeshard.errors import UserError
+
+log = logging.getLogger(__name__)
+MAX_BODY_BYTES = 1 << 20
+_SAMPLING_FIELDS = ("max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed", "stop",
+                    "repetition_penalty", "frequency_penalty", "presence_penalty", "n", "stream", "stream_options",
+                    "model", "messages", "prompt", "user", "logprobs", "echo")
+
+
+class RequestError(Exception):
+    """What a client got wrong: answered with an OpenAI error object and this status."""
+
+    def __init__(self, message: str, status: int = 400, param: str | None = None,
+                 kind: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.status, self.param, self.kind = status, param, kind
+
+
+@dataclass
+class ServerSettings:
+    model_name: str
+    api_key: str | None = None
+    default_max_tokens: int = 256
+
+
+class State:
+    """What the routes share: the engine and scheduler once loaded (None before: /health answers 503)."""
+
+    def __init__(self, settings: ServerSettings) -> None:
+        self.settings = settings
+        self.engine = None
+        self.scheduler = None
+        self.load_error: str | None = None
+        self.started = time.time()
+
+
+def create_app(state: State):
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
+    from starlette.routing import Route
+
+    def error_response(error: RequestError) -> JSONResponse:
+        return JSONResponse({"error": {"message": str(error), "type": error.kind, "param": error.param,
+                                       "code": None}}, status_code=error.status)
+
+    async def body_of(request) -> dict:
+        if state.settings.api_key and request.headers.get("authorization") != f"Bearer {state.settings.api_key}":
+            raise RequestError("invalid or missing API key (Authorization: Bearer KEY)", 401,
+                               kind="authentication_error")
+        size = request.headers.get("content-length")
+        if size is not None and size.isdigit() and int(size) > MAX_BODY_BYTES:
+            raise RequestError(f"request body over {MAX_BODY_BYTES} bytes", 413)
+        raw = b""
+        async for chunk in request.stream():
+            raw += chunk
+            if len(raw) > MAX_BODY_BYTES:
+                raise RequestError(f"request body over {MAX_BODY_BYTES} bytes", 413)
+        try:
+            body = json.loads(raw or b"{}")
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise RequestError(f"the body is not valid JSON ({exc})") from None
+        if not isinstance(body, dict):
+            raise RequestError("the body must be a JSON object")
+        return body
+
+    def ready():
+        if state.scheduler is None:
+            raise RequestError("the model is still loading" if state.load_error is None else
+                               f"the model failed to load: {state.load_error}", 503, kind="server_error")
+        return state.scheduler
+
+    def handler(function):
+        async def wrapped(request):
+            try:
+                return await function(request)
+            except RequestError as error:
+                return error_response(error)
+            except UserError as error:
+                return error_response(RequestError(str(error)))
+        return wrapped
+
+    async def health(request):
+        if state.scheduler is None:
+            return JSONResponse({"status": "loading" if state.load_error is None else "error",
+                                 "error": state.load_error}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    async def models(request):
+        return JSONResponse({"object": "list", "data": [{"id": state.settings.model_name, "object": "model",
+                                                         "created": int(state.started), "owned_by": "pipeshard"}]})
+
+    async def chat_completions(request):
+        body = await body_of(request)
+        scheduler = ready()
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in messages):
+            raise RequestError("'messages' must be a non-empty list of {role, content} objects with text content",
+                               param="messages")
+        codec = state.engine.codec
+        if codec.chat_template is None:
+            raise RequestError("this model has no chat template: use /v1/completions", param="messages")
+        prompt = codec.encode(codec.render_messages([{"role": m["role"], "content": m["content"]} for m in messages]))
+        return await complete(request, body, scheduler, prompt, chat=True)
+
+    async def completions(request):
+        body = await body_of(request)
+        scheduler = ready()
+        prompt = body.get("prompt")
+        codec = state.engine.codec
+        if isinstance(prompt, str) and prompt:
+            ids = codec.encode(prompt, add_special_tokens=True)
+        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
+                                                         and 0 <= t < scheduler.step.vocab_size for t in prompt):
+            ids = list(prompt)
+        else:
+            raise RequestError("'prompt' must be a non-empty string or a list of token ids", param="prompt")
+        return await complete(request, body, scheduler, ids, chat=False)
+
+    async def complete(request, body: dict, scheduler, prompt: list[int], chat: bool):
+        model = body.get("model", state.settings.model_name)
+        if model != state.settings.model_name:
+            raise RequestError(f"unknown model {model!r}; this server has {state.settings.model_name!r}",
+                               param="model", kind="invalid_request_error")
+        settings = sampling_settings(body, state.settings.default_max_tokens)
+        stream = body.get("stream", False)
+        if not isinstance(stream, bool):
+            raise RequestError("'stream' must be true or false", param="stream")
+        include_usage = isinstance(body.get("stream_options"), dict) and body["stream_options"].get("include_usage")
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+        from pipeshard.runtime.scheduler import QueueFull
+
+        try:
+            handle = scheduler.submit(prompt, settings, sink=lambda e: loop.call_soon_threadsafe(events.put_nowait, e))
+        except QueueFull as exc:
+            raise RequestError(str(exc), 503, kind="server_error") from None
+        identifier = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        created = int(time.time())
+        kind = "chat.completion" if chat else "text_completion"
+
+        def usage(event) -> dict:
+            return {"prompt_tokens": event.prompt_tokens, "completion_tokens": event.completion_tokens,
+                    "total_tokens": event.prompt_tokens + event.completion_tokens}
+
+        def choice(text: str, finish: str | None, delta: bool) -> dict:
+            if not chat:
+                return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+            content = {"role": "assistant", "content": text} if not delta else ({"content": text} if text else {})
+            return {"index": 0, ("delta" if delta else "message"): content, "logprobs": None, "finish_reason": finish}
+
+        def finish_reason(event) -> str:
+            return "length" if event.finish_reason == "length" else "stop"
+
+        if not stream:
+            pieces = []
+            try:
+                while True:
+                    try:
+                        event = await asyncio.wait_for(events.get(), timeout=0.5)
+                    except asyncio.TimeoutError:
+                        if await request.is_disconnected():
+                            handle.cancel()
+                            return PlainTextResponse("", status_code=499)
+                        continue
+                    pieces.append(event.text)
+                    if event.finish_reason is not None:
+                        break
+            except asyncio.CancelledError:
+                handle.cancel()
+                raise
+            if event.finish_reason == "error":
+                raise RequestError(f"generation failed: {event.error}", 500, kind="server_error")
+            return JSONResponse({"id": identifier, "object": kind, "created": created, "model": model,
+                                 "choices": [choice("".join(pieces), finish_reason(event), delta=False)],
+                                 "usage": usage(event)})
+
+        async def sse():
+            chunk_kind = "chat.completion.chunk" if chat else "text_completion"
+            try:
+                if chat:
+                    first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                             "finish_reason": None}
+                    yield _sse({"id": identifier, "object": chunk_kind, "created": created, "model": model,
+                                "choices": [first]})
+                while True:
+                    event = await events.get()
+                    done = event.finish_reason is not None
+                    if event.text or done:
+                        yield _sse({"id": identifier, "object": chunk_kind, "created": created, "model": model,
+                                    "choices": [choice(event.text, finish_reason(event) if done else None, True)]})
+                    if done:
+                        if include_usage:
+                            yield _sse({"id": identifier, "object": chunk_kind, "created": created, "model": model,
+                                        "choices": [], "usage": usage(event)})
+                        yield "data: [DONE]\n\n"
+                        return
+            finally:
+                handle.cancel()  # the client went away, or the answer is done: either way the slot is free
+
+        return StreamingResponse(sse(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def tokenize(request):
+        body = await body_of(request)
+        ready()
+        content = body.get("content")
+        if not isinstance(content, str):
+            raise RequestError("'content' must be a string", param="content")
+        return JSONResponse({"tokens": state.engine.codec.encode(content, add_special_tokens=bool(
+            body.get("add_special", False)))})
+
+    async def detokenize(request):
+        body = await body_of(request)
+        ready()
+        tokens = body.get("tokens")
+        codec = state.engine.codec
+        if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool)
+                                                   and 0 <= t < state.engine.step.vocab_size for t in tokens):
+            raise RequestError("'tokens' must be a list of token ids", param="tokens")
+        return JSONResponse({"content": codec.decode(tokens)})
+
+    async def budget(request):
+        body = await body_of(request)
+        scheduler = ready()
+        vram = body.get("vram")
+        if not isinstance(vram, str | int) or isinstance(vram, bool):
+            raise RequestError("'vram' must be a size such as \"600MiB\" or a number of bytes", param="vram")
+        step = scheduler.step
+        if step.planner is None:
+            raise RequestError("this server runs without a device: start it with --device sim|cuda --vram SIZE")
+        from pipeshard.units import resolve_budget
+
+        size = resolve_budget(vram, step.planner.minimum_budget(), step.planner.model_bytes)
+        await asyncio.get_running_loop().run_in_executor(None, scheduler.set_budget, size)
+        return JSONResponse({"budget_bytes": size})
+
+    async def metrics(request):
+        return PlainTextResponse(prometheus_text(state), media_type="text/plain; version=0.0.4")
+
+    routes = [Route("/health", handler(health)), Route("/v1/models", handler(models)),
+              Route("/v1/chat/completions", handler(chat_completions), methods=["POST"]),
+              Route("/v1/completions", handler(completions), methods=["POST"]),
+              Route("/tokenize", handler(tokenize), methods=["POST"]),
+              Route("/detokenize", handler(detokenize), methods=["POST"]),
+              Route("/v1/budget", handler(budget), methods=["POST"]), Route("/metrics", handler(metrics))]
+    return Starlette(routes=routes)
+
+
+def _sse(document: dict) -> str:
+    return f"data: {json.dumps(document)}\n\n"
+
+
+def sampling_settings(body: dict, default_max_tokens: int):
+    """The request's sampling fields as SamplingSettings; each wrong one is a RequestError naming it."""
+    from pipeshard.runtime.generate import SamplingSettings
+
+    def number(name: str, default, low: float, high: float, integer: bool = False):
+        value = body.get(name, default)
+        if value is None:
+            return default
+        if isinstance(value, bool) or not isinstance(value, int | float) or (integer and not isinstance(value, int)) \
+                or not math.isfinite(value) or not low <= value <= high:
+            kind = "an integer" if integer else "a number"
+            raise RequestError(f"'{name}' must be {kind} in [{low}, {high}]", param=name)
+        return value
+
+    if body.get("n", 1) != 1:
+        raise RequestError("'n' must be 1 (one choice per request)", param="n")
+    max_tokens = number("max_completion_tokens", None, 1, 1 << 20, integer=True) or \
+        number("max_tokens", default_max_tokens, 1, 1 << 20, integer=True)
+    stop = body.get("stop")
+    if stop is None:
+        stops: tuple[str, ...] = ()
+    elif isinstance(stop, str):
+        stops = (stop,)
+    elif isinstance(stop, list) and len(stop) <= 4 and all(isinstance(s, str) for s in stop):
+        stops = tuple(stop)
+    else:
+        raise RequestError("'stop' must be a string or a list of up to 4 strings", param="stop")
+    seed = body.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise RequestError("'seed' must be an integer", param="seed")
+    for ignored in ("frequency_penalty", "presence_penalty"):
+        number(ignored, 0.0, -2.0, 2.0)
+    return SamplingSettings(max_new_tokens=max_tokens, temperature=number("temperature", 1.0, 0.0, 2.0),
+                            top_k=number("top_k", 0, 0, 1 << 20, integer=True), top_p=number("top_p", 1.0, 1e-9, 1.0),
+                            repetition_penalty=number("repetition_penalty", 1.0, 1e-3, 10.0), seed=seed,
+                            stop_strings=stops)
+
+
+def prometheus_text(state: State) -> str:
+    """The server's metrics in Prometheus' text format."""
+    lines = [f"pipeshard_up {0 if state.scheduler is None else 1}"]
+    scheduler = state.scheduler
+    if scheduler is not None:
+        stats = scheduler.stats
+        lines += [f"pipeshard_requests_running {stats.running}", f"pipeshard_requests_queued {stats.queued}",
+                  f"pipeshard_slots_free {scheduler.free_slots}", f"pipeshard_slots_total {scheduler.parallel}",
+                  f"pipeshard_requests_total {stats.requests_done}",
+                  f"pipeshard_requests_cancelled_total {stats.requests_cancelled}",
+                  f"pipeshard_prompt_tokens_total {stats.prompt_tokens}",
+                  f"pipeshard_generated_tokens_total {stats.generated_tokens}",
+                  f"pipeshard_decode_steps_total {stats.steps}",
+                  f"pipeshard_generated_tokens_per_busy_second "
+                  f"{stats.generated_tokens / stats.busy_s if stats.busy_s else 0.0:.3f}"]
+        report = scheduler.step.report()
+        lines += [f'pipeshard_device_info{{device="{report.device}"}} 1',
+                  f"pipeshard_vram_budget_bytes {report.budget_bytes}",
+                  f"pipeshard_device_peak_bytes {report.peak_device_bytes}",
+                  f"pipeshard_device_used_bytes {scheduler.step.device.ledger.used}",
+                  f"pipeshard_streamed_weight_bytes_total {report.streamed_weight_bytes}",
+                  f"pipeshard_plan_switches_total {report.plan_switches}"]
+        lines += [f'pipeshard_plan{{tier="{tier}",strategy="{strategy}"}} 1' for tier, strategy in report.plans.items()]
+    return "\n".join(lines) + "\n"
+
+
+def serve(engine_loader, settings: ServerSettings, host: str, port: int, parallel: int, queue_size: int,
+          context: int | None) -> int:
+    """Listen at once (/health says 503 while loading), load the engine on a thread, serve until Ctrl-C."""
+    import uvicorn
+
+    from pipeshard.runtime.scheduler import Scheduler
+
+    state = State(settings)
+
+    def load() -> None:
+        try:
+            state.engine = engine_loader()
+            state.scheduler = Scheduler(state.engine, parallel=parallel, queue_size=queue_size, context=context)
+            print(f"pipeshard serve: http://{host}:{port}/v1 ready (model {settings.model_name}, {parallel} slots, "
+                  f"context {state.scheduler.context} tokens)", flush=True)
+        except UserError as error:
+            state.load_error = str(error)
+            print(f"error: {error}", flush=True)
+        except Exception as error:  # noqa: BLE001 - reported through /health, the server stays up to say so
+            state.load_error = f"{type(error).__name__}: {error}"
+            log.exception("loading failed")
+
+    threading.Thread(target=load, name="pipeshard-load", daemon=True).start()
+    config = uvicorn.Config(create_app(state), host=host, port=port, log_level="warning", access_log=False)
+    server = uvicorn.Server(config)
+    try:
+        server.run()
+    finally:
+        if state.scheduler is not None:
+            state.scheduler.close()
+    return 0

@@ -1,0 +1,299 @@
+"""Continuous batching: one thread owns the engine's step; requests join and leave between steps.
+
+The step's KV cache has one row per slot (`parallel`). A request waits in a bounded queue for a free slot, is
+prefilled into it as a one-sequence step (`Step.forward(..., slot=k)`: ONNX Runtime's CPU attention takes several
+new tokens after a past only for one sequence), a chunk per loop turn so that running rows keep decoding, then
+decodes jointly with every row in flight: one step over all slots, each row at its own length (its mask ends at
+its last token; a free slot decodes a dummy token at column 0). A row's tokens depend only on its own tokens and
+sampling state, so its text is the one it would get alone. Each step's tier follows from its new tokens, so the
+plan switches with the load. Budget changes are applied between steps, on the same thread.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from pipeshard.errors import UserError
+from pipeshard.runtime.generate import SamplingSettings, _first_stop, _TextStream, choose_next_tokens
+
+log = logging.getLogger(__name__)
+PREFILL_CHUNK = 256  # prompt tokens per loop turn while other rows are decoding
+
+
+class QueueFull(Exception):
+    """Every slot is busy and the queue is at its bound."""
+
+
+@dataclass
+class Event:
+    """A piece of a request's answer (`text`, its `token`), or its end (`finish_reason` set, `usage` filled)."""
+
+    text: str = ""
+    token: int | None = None
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    error: str | None = None
+    tokens: list[int] | None = None  # the end's: every generated token
+
+
+@dataclass
+class Request:
+    """One request's state on the scheduler thread, and the queue its events go to."""
+
+    id: int
+    prompt: list[int]
+    settings: SamplingSettings
+    sink: Callable[[Event], None]
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    slot: int | None = None
+    fed: int = 0  # prompt tokens in the slot's KV
+    generated: list[int] = field(default_factory=list)
+    last_token: int = 0
+    queued_at: float = field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
+
+    def __post_init__(self) -> None:
+        self.rng = np.random.default_rng(self.settings.seed)
+        self.text: _TextStream | None = None
+
+    @property
+    def length(self) -> int:
+        """Tokens in the slot's KV once its last chosen token is fed: prompt + generated - 1."""
+        return len(self.prompt) + len(self.generated) - 1
+
+
+class RequestStream:
+    """What `Scheduler.submit` returns: iterate for the events (ending with the one whose finish_reason is set);
+    `cancel()` frees the slot at the next step."""
+
+    def __init__(self, request: Request, events: queue.SimpleQueue) -> None:
+        self.request = request
+        self._events = events
+
+    def __iter__(self) -> Iterator[Event]:
+        while True:
+            event = self._events.get()
+            yield event
+            if event.finish_reason is not None:
+                return
+
+    def cancel(self) -> None:
+        self.request.cancelled.set()
+
+
+@dataclass
+class SchedulerStats:
+    running: int = 0
+    queued: int = 0
+    requests_done: int = 0
+    requests_cancelled: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    steps: int = 0
+    busy_s: float = 0.0  # time spent in steps
+
+
+class Scheduler:
+    """Owns a pack engine's step on a thread of its own; `submit` from any thread."""
+
+    def __init__(self, engine, parallel: int = 4, queue_size: int = 64, context: int | None = None) -> None:
+        step = engine.step
+        if not hasattr(step, "layout"):
+            raise UserError("serving needs a model pack (pipeshard partition EXPORT PACK): an export folder runs as "
+                            "one session without slots")
+        self.engine, self.step, self.codec = engine, step, engine.codec
+        self.parallel = parallel
+        self.context = min(context or 4096, step.max_context)
+        self.stats = SchedulerStats()
+        self._waiting: queue.Queue[Request] = queue.Queue(maxsize=queue_size)
+        self._slots: list[Request | None] = [None] * parallel
+        self._controls: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stopping = threading.Event()
+        self._ids = itertools.count()
+        self._eos = set(self.codec.eos_token_ids)
+        self.step.start(parallel, self.context)
+        self._thread = threading.Thread(target=self._loop, name="pipeshard-scheduler", daemon=True)
+        self._thread.start()
+
+    # -- any thread -------------------------------------------------------------------------------------------------
+    def submit(self, prompt: list[int], settings: SamplingSettings, sink: Callable[[Event], None] | None = None
+               ) -> RequestStream:
+        """Queue a request. Raises UserError for what the request itself gets wrong, QueueFull when the queue is at
+        its bound. `sink` (called on the scheduler thread) receives the events instead of the returned stream."""
+        settings.validate()
+        if not prompt:
+            raise UserError("the prompt is empty")
+        if len(prompt) + 1 > self.context:
+            raise UserError(f"the prompt ({len(prompt)} tokens) leaves no room in the context of {self.context} tokens")
+        events: queue.SimpleQueue = queue.SimpleQueue()
+        request = Request(next(self._ids), list(prompt), settings, sink or events.put)
+        if self._stopping.is_set():
+            raise QueueFull("the server is shutting down")
+        try:
+            self._waiting.put_nowait(request)
+        except queue.Full:
+            raise QueueFull(f"all {self.parallel} slots are busy and {self._waiting.maxsize} requests wait") from None
+        self._wake.set()
+        return RequestStream(request, events)
+
+    def set_budget(self, budget_bytes: int, timeout: float = 60.0) -> None:
+        """Change the VRAM budget between steps; returns once applied (raises what the step refused)."""
+        done: dict = {}
+        applied = threading.Event()
+        self._controls.put((budget_bytes, done, applied))
+        self._wake.set()
+        if not applied.wait(timeout):
+            raise TimeoutError("the scheduler did not apply the budget in time")
+        if "error" in done:
+            raise done["error"]
+
+    def close(self) -> None:
+        """Cancel everything in flight and queued, and stop the thread."""
+        self._stopping.set()
+        self._wake.set()
+        self._thread.join(timeout=30)
+
+    @property
+    def free_slots(self) -> int:
+        return sum(request is None for request in self._slots)
+
+    # -- the scheduler thread ---------------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while not self._stopping.is_set():
+            self._apply_controls()
+            self._drop_cancelled()
+            self._admit()
+            occupied = [r for r in self._slots if r is not None]
+            self.stats.running = len(occupied)
+            self.stats.queued = self._waiting.qsize()
+            if not occupied:
+                self._wake.wait(0.05)
+                self._wake.clear()
+                continue
+            started = time.perf_counter()
+            try:
+                prefilling = [r for r in occupied if r.fed < len(r.prompt)]
+                if prefilling:
+                    self._prefill_chunk(prefilling[0])
+                if any(r.fed == len(r.prompt) for r in self._slots if r is not None):
+                    self._decode()
+            except Exception as error:  # a failed step ends every request in flight, not the server
+                log.exception("step failed")
+                for request in [r for r in self._slots if r is not None]:
+                    self._finish(request, "error", error=str(error))
+            self.stats.busy_s += time.perf_counter() - started
+        for request in [r for r in self._slots if r is not None]:
+            self._finish(request, "cancelled")
+        while not self._waiting.empty():
+            self._finish(self._waiting.get_nowait(), "cancelled")
+
+    def _apply_controls(self) -> None:
+        while not self._controls.empty():
+            budget, done, applied = self._controls.get_nowait()
+            try:
+                self.step.set_budget(budget)
+            except Exception as error:
+                done["error"] = error
+            applied.set()
+
+    def _drop_cancelled(self) -> None:
+        for request in self._slots:
+            if request is not None and request.cancelled.is_set():
+                self._finish(request, "cancelled")
+
+    def _admit(self) -> None:
+        while self.free_slots and not self._waiting.empty():
+            request = self._waiting.get_nowait()
+            if request.cancelled.is_set():
+                self._finish(request, "cancelled")
+                continue
+            request.slot = self._slots.index(None)
+            self._slots[request.slot] = request
+            request.text = _TextStream(self.codec, request.settings.stop_strings)
+
+    def _prefill_chunk(self, request: Request) -> None:
+        """The next chunk of a request's prompt into its slot; after the last, its first token."""
+        begin = request.fed
+        end = min(len(request.prompt), begin + PREFILL_CHUNK)
+        ids = np.array([request.prompt[begin:end]], np.int64)
+        logits = self.step.forward(ids, np.ones((1, end), np.int64), np.arange(begin, end)[None], slot=request.slot)
+        request.fed = end
+        self.stats.prompt_tokens += end - begin
+        if end == len(request.prompt):
+            request.first_token_at = time.perf_counter()
+            self._take(request, logits[:, -1, :])
+
+    def _decode(self) -> None:
+        """One step over every slot: each running row feeds its last token at its own length. A row still being
+        prefilled writes a dummy token where its next chunk goes (overwritten by it), a free one at column 0."""
+        rows = [r for r in self._slots if r is not None and r.fed == len(r.prompt)]
+        filling = [r for r in self._slots if r is not None and r.fed < len(r.prompt)]
+        width = max([r.length for r in rows] + [r.fed for r in filling]) + 1
+        input_ids = np.full((self.parallel, 1), self.codec.pad_token_id, np.int64)
+        mask = np.zeros((self.parallel, width), np.int64)
+        mask[:, 0] = 1
+        positions = np.zeros((self.parallel, 1), np.int64)
+        for request in filling:
+            mask[request.slot, : request.fed + 1] = 1
+            positions[request.slot, 0] = request.fed
+        for request in rows:
+            input_ids[request.slot, 0] = request.last_token
+            mask[request.slot, : request.length + 1] = 1
+            positions[request.slot, 0] = request.length
+        logits = self.step.forward(input_ids, mask, positions)[:, -1, :]
+        self.stats.steps += 1
+        for request in rows:
+            self._take(request, logits[request.slot: request.slot + 1])
+
+    def _take(self, request: Request, logits: np.ndarray) -> None:
+        """Choose a request's next token, stream it, and finish the request if it stops."""
+        settings = request.settings
+        history = [request.prompt + request.generated] if settings.repetition_penalty != 1.0 else []
+        token = int(choose_next_tokens(logits, history, settings, request.rng)[0])
+        if token in self._eos:
+            self._finish(request, "stop")
+            return
+        request.generated.append(token)
+        request.last_token = token
+        self.stats.generated_tokens += 1
+        piece, stopped = request.text.add(token)
+        if piece:
+            request.sink(Event(text=piece, token=token))
+        if stopped:
+            self._finish(request, "stop")
+        elif len(request.generated) >= settings.max_new_tokens or request.length + 1 >= self.context:
+            self._finish(request, "length")
+
+    def _finish(self, request: Request, reason: str, error: str | None = None) -> None:
+        if request.slot is not None and self._slots[request.slot] is request:
+            self._slots[request.slot] = None
+        rest = ""
+        if request.text is not None and reason != "cancelled":
+            # The whole answer decoded at once, as `pipeshard run` gives it: what streaming held back (an
+            # incomplete character at the end) comes out here.
+            streamed = request.text.text[:request.text.emitted]
+            whole = final_text(self.codec, request.generated, request.settings.stop_strings)
+            rest = whole[len(streamed):] if whole.startswith(streamed) else request.text.flush()
+        if reason == "cancelled":
+            self.stats.requests_cancelled += 1
+        else:
+            self.stats.requests_done += 1
+        request.sink(Event(text=rest, finish_reason=reason, prompt_tokens=len(request.prompt),
+                           completion_tokens=len(request.generated), error=error, tokens=list(request.generated)))
+
+
+def final_text(codec, tokens: list[int], stop_strings: tuple[str, ...]) -> str:
+    """A request's whole answer as one string, cut at its first stop string."""
+    text = codec.decode(tokens)
+    stop_at = _first_stop(text, stop_strings)
+    return text if stop_at is None else text[:stop_at]
