@@ -575,7 +575,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine)")
     serve.add_argument("--port", type=_port, default=8080)
     serve.add_argument("--parallel", type=_count(1), default=4, help="requests decoded together (KV slots)")
-    serve.add_argument("--queue", type=_count(0), default=64, help="requests waiting for a slot before 503")
+    serve.add_argument("--queue", type=_count(1), default=64, help="requests waiting for a slot before 503")
     serve.add_argument("--max-tokens", type=_count(1), default=256, help="new tokens when a request gives none")
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
     serve.add_argument("--name", default=None, help="the model's name in the API (default: the pack's folder name)")

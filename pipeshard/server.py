@@ -179,7 +179,7 @@ def create_app(state: State):
                 while True:
                     try:
                         event = await asyncio.wait_for(events.get(), timeout=0.5)
-                    except asyncio.TimeoutError:
+                    except TimeoutError:
                         if await request.is_disconnected():
                             handle.cancel()
                             return PlainTextResponse("", status_code=499)
@@ -316,7 +316,7 @@ def prometheus_text(state: State) -> str:
     scheduler = state.scheduler
     if scheduler is not None:
         stats = scheduler.stats
-        lines += [f"pipeshard_requests_running {stats.running}", f"pipeshard_requests_queued {stats.queued}",
+        lines += [f"pipeshard_requests_running {stats.running}", f"pipeshard_requests_queued {scheduler.queued}",
                   f"pipeshard_slots_free {scheduler.free_slots}", f"pipeshard_slots_total {scheduler.parallel}",
                   f"pipeshard_requests_total {stats.requests_done}",
                   f"pipeshard_requests_cancelled_total {stats.requests_cancelled}",

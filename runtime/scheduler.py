@@ -93,7 +93,6 @@ class RequestStream:
 @dataclass
 class SchedulerStats:
     running: int = 0
-    queued: int = 0
     requests_done: int = 0
     requests_cancelled: int = 0
     prompt_tokens: int = 0
@@ -164,6 +163,10 @@ class Scheduler:
         self._thread.join(timeout=30)
 
     @property
+    def queued(self) -> int:
+        return self._waiting.qsize()
+
+    @property
     def free_slots(self) -> int:
         return sum(request is None for request in self._slots)
 
@@ -175,7 +178,6 @@ class Scheduler:
             self._admit()
             occupied = [r for r in self._slots if r is not None]
             self.stats.running = len(occupied)
-            self.stats.queued = self._waiting.qsize()
             if not occupied:
                 self._wake.wait(0.05)
                 self._wake.clear()
@@ -239,10 +241,11 @@ class Scheduler:
         rows = [r for r in self._slots if r is not None and r.fed == len(r.prompt)]
         filling = [r for r in self._slots if r is not None and r.fed < len(r.prompt)]
         width = max([r.length for r in rows] + [r.fed for r in filling]) + 1
-        input_ids = np.full((self.parallel, 1), self.codec.pad_token_id, np.int64)
-        mask = np.zeros((self.parallel, width), np.int64)
+        batch = max(r.slot for r in rows + filling) + 1  # the cache's first rows: slots are taken lowest first
+        input_ids = np.full((batch, 1), self.codec.pad_token_id, np.int64)
+        mask = np.zeros((batch, width), np.int64)
         mask[:, 0] = 1
-        positions = np.zeros((self.parallel, 1), np.int64)
+        positions = np.zeros((batch, 1), np.int64)
         for request in filling:
             mask[request.slot, : request.fed + 1] = 1
             positions[request.slot, 0] = request.fed

@@ -197,9 +197,9 @@ class Step:
         self._reserved: dict[str, int] = {}
         self._sources: dict[str, object] = {}  # streamed unit -> the host bytes it is uploaded from
         self._blobs: dict[str, np.memmap] = {}
-        # Per batch shape (and KV row, for a one-sequence step into a row of a batch's cache).
+        # Per batch shape (and KV rows, (first, count), for a step on some rows of the cache).
         self._shape: tuple[int, int] | None = None
-        self._kv_row: int | None = None
+        self._kv_rows: tuple[int, int] | None = None
         self.splits: list[Split] = []
         self._program: list = []
         self._residual: list[np.ndarray] = []
@@ -610,16 +610,17 @@ class Step:
         """(Re)bind everything of a stage that stays put for the current plan and batch shape: KV, residual
         buffers, fixed values, logits, pinned weights."""
         stage.binding.clear()
-        shape, row = self._shape, self._kv_row
-        kv_shape = self.kv.shape if row is None else (1, *self.kv.shape[1:])
-        row_offset = 0 if row is None else row * int(np.prod(kv_shape)) * np.dtype(self.dtype).itemsize
+        shape = self._shape
+        first, count = self._kv_rows or (0, self.kv.batch)
+        kv_shape = (count, *self.kv.shape[1:])
+        row_offset = first * int(np.prod(self.kv.shape[1:])) * np.dtype(self.dtype).itemsize
         for past, present in zip(stage.past, stage.present, strict=True):
             if stage.on_device:
                 buffer = self._kv_device[past]
                 self._bind_device(stage, past, buffer, row_offset, self.dtype, kv_shape)
                 self._bind_device(stage, present, buffer, row_offset, self.dtype, kv_shape, output=True)
             else:
-                host = self.kv.buffers[past] if row is None else self.kv.buffers[past][row: row + 1]
+                host = self.kv.buffers[past][first: first + count]
                 self._bind_host(stage, past, host)
                 self._bind_host(stage, present, host, output=True)
         last_only = stage.takes_last_hidden and not self.all_logits and shape[1] > 1
@@ -767,13 +768,16 @@ class Step:
     def forward(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray,
                 slot: int | None = None) -> np.ndarray:
         """One step. `slot`: a one-sequence step into that row of the KV cache (a request joining a running
-        batch, `runtime/scheduler.py`); rows of a batch step may have lengths of their own (each row's mask ends
-        at its last token)."""
+        batch, `runtime/scheduler.py`); a step of fewer sequences than the cache has rows runs on its first rows.
+        Rows of a batch step may have lengths of their own (each row's mask ends at its last token)."""
         batch, tokens = input_ids.shape
         total = attention_mask.shape[1]
         check_step_shape(batch, tokens, total)
         if slot is not None and (batch != 1 or not 0 <= slot < self.kv.batch):
             raise ValueError(f"a step into slot {slot} takes one sequence, and the cache has {self.kv.batch} rows")
+        if batch > self.kv.batch:
+            raise ValueError(f"a step of {batch} sequences on a cache of {self.kv.batch} rows (start() sizes it)")
+        rows = (slot if slot is not None else 0, batch) if slot is not None or batch < self.kv.batch else None
         if total > self.kv.capacity:
             self._grow_kv(batch, total)
         largest = self.book.largest_tier
@@ -790,8 +794,8 @@ class Step:
         plan = self.book.plan_for(tier)
         if plan is not self.active:
             self._activate(plan)
-        if (batch, tokens) != self._shape or slot != self._kv_row:
-            self._kv_row = slot
+        if (batch, tokens) != self._shape or rows != self._kv_rows:
+            self._kv_rows = rows
             self._make_program((batch, tokens))
         self.stats.steps += 1
         self.stats.tiers_used[tier] = self.stats.tiers_used.get(tier, 0) + 1

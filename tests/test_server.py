@@ -1,0 +1,306 @@
+"""`pipeshard serve` as a client sees it: a real server on 127.0.0.1 (started here, ended by its PID), the
+official `openai` client, and requests that join and leave a running batch with their solo tokens."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+
+import httpx
+import pytest
+
+import pipeshard
+from pipeshard.runtime.generate import SamplingSettings
+from pipeshard.runtime.scheduler import QueueFull, Scheduler
+
+openai = pytest.importorskip("openai")
+PROMPTS = ["Hi", "What is the capital of France, and why is it famous?", "Count: 1 2 3", "Tell me a story.",
+           "a b c d e f g h", "Once upon a time there was", "Name three colors.", "Why is the sky blue?"]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextmanager
+def server(pack, *options: str):
+    port = free_port()
+    process = subprocess.Popen([sys.executable, "-m", "pipeshard.cli", "serve", str(pack), "--port", str(port),
+                                *options], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(base + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if process.poll() is not None:
+                raise AssertionError(process.stdout.read())
+            time.sleep(0.1)
+        else:
+            raise AssertionError("the server did not become healthy")
+        yield base
+    finally:
+        process.send_signal(signal.SIGINT)
+        try:
+            process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def metric(base: str, name: str) -> float:
+    for line in httpx.get(base + "/metrics").text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise KeyError(name)
+
+
+@pytest.fixture(scope="module")
+def solo(tiny_pack):
+    """Each prompt alone, as `pipeshard run` generates it."""
+    engine = pipeshard.load(tiny_pack)
+    return {p: engine.generate(p, max_new_tokens=20)[0] for p in PROMPTS}
+
+
+@pytest.fixture(scope="module")
+def running(tiny_pack):
+    with server(tiny_pack, "--parallel", "4", "--context", "256") as base:
+        yield base
+
+
+def client(base: str, **options):
+    return openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, **options)
+
+
+def test_chat_and_completions_give_the_solo_text_streaming_or_not(running, solo, tiny_pack):
+    chat = client(running)
+    answer = chat.chat.completions.create(model="pack", messages=[{"role": "user", "content": PROMPTS[1]}],
+                                          max_tokens=20, temperature=0)
+    expected = solo[PROMPTS[1]]
+    assert answer.choices[0].message.content == expected.text
+    assert answer.usage.completion_tokens == len(expected.tokens)
+    assert answer.usage.prompt_tokens == len(expected.prompt_tokens)
+    assert answer.choices[0].finish_reason == ("length" if expected.stop_reason == "length" else "stop")
+    chunks = list(chat.chat.completions.create(model="pack", messages=[{"role": "user", "content": PROMPTS[1]}],
+                                               max_tokens=20, temperature=0, stream=True,
+                                               stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected.text
+    assert chunks[-1].usage.completion_tokens == len(expected.tokens)
+    engine = pipeshard.load(tiny_pack)
+    raw = engine.generate("Once upon", chat_template=False, max_new_tokens=12)[0]
+    completion = chat.completions.create(model="pack", prompt="Once upon", max_tokens=12, temperature=0)
+    assert completion.choices[0].text == raw.text
+    streamed = chat.completions.create(model="pack", prompt="Once upon", max_tokens=12, temperature=0, stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == raw.text
+
+
+def test_sixteen_concurrent_requests_of_different_lengths_get_their_solo_texts(running, solo):
+    chat = client(running)
+    prompts = PROMPTS * 2
+
+    def ask(prompt: str) -> str:
+        answer = chat.chat.completions.create(model="pack", messages=[{"role": "user", "content": prompt}],
+                                              max_tokens=20, temperature=0)
+        return answer.choices[0].message.content
+
+    with ThreadPoolExecutor(16) as pool:
+        answers = list(pool.map(ask, prompts))
+    assert answers == [solo[p].text for p in prompts]
+    assert metric(running, "pipeshard_slots_free") == 4
+
+
+def test_a_seeded_request_gives_the_same_text_alone_or_among_others(running):
+    chat = client(running)
+
+    def ask(prompt: str, seed: int | None) -> str:
+        return chat.chat.completions.create(model="pack", messages=[{"role": "user", "content": prompt}],
+                                            max_tokens=16, temperature=0.9, top_p=0.95, seed=seed
+                                            ).choices[0].message.content
+
+    alone = ask(PROMPTS[3], 7)
+    with ThreadPoolExecutor(4) as pool:
+        crowded = [pool.submit(ask, p, 7 if p == PROMPTS[3] else None) for p in PROMPTS[:4]]
+    assert crowded[3].result() == alone
+
+
+def test_models_health_tokenize_and_detokenize(running, tiny_pack):
+    assert httpx.get(running + "/v1/models").json()["data"][0]["id"] == "pack"
+    assert httpx.get(running + "/health").json() == {"status": "ok"}
+    codec = pipeshard.load(tiny_pack).codec
+    tokens = httpx.post(running + "/tokenize", json={"content": "hello world"}).json()["tokens"]
+    assert tokens == codec.encode("hello world")
+    assert httpx.post(running + "/detokenize", json={"tokens": tokens}).json()["content"] == codec.decode(tokens)
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"model": "pack", "messages": []}, "messages"),
+    ({"model": "other", "messages": [{"role": "user", "content": "hi"}]}, "model"),
+    ({"model": "pack", "messages": [{"role": "user", "content": "hi"}], "temperature": -1}, "temperature"),
+    ({"model": "pack", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, "max_tokens"),
+    ({"model": "pack", "messages": [{"role": "user", "content": "hi"}], "n": 2}, "n"),
+    ({"model": "pack", "messages": [{"role": "user", "content": "hi"}], "stop": 5}, "stop"),
+    ({"model": "pack", "messages": [{"role": "user", "content": "word " * 400}]}, None),
+])
+def test_bad_requests_are_openai_errors_with_400(running, body, param):
+    answer = httpx.post(running + "/v1/chat/completions", json=body)
+    assert answer.status_code == 400, answer.text
+    error = answer.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["message"] and error["param"] == param
+
+
+def test_malformed_json_and_oversized_bodies_are_refused(running):
+    answer = httpx.post(running + "/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert answer.status_code == 400 and "JSON" in answer.json()["error"]["message"]
+    answer = httpx.post(running + "/v1/completions", content=b"x" * (2 << 20))
+    assert answer.status_code == 413 and answer.json()["error"]
+
+
+def test_a_client_that_disconnects_mid_stream_frees_its_slot(tiny_pack):
+    with server(tiny_pack, "--parallel", "2", "--context", "512") as base:
+        body = {"model": "pack", "prompt": "Once upon a time", "max_tokens": 100_000, "temperature": 0,
+                "stream": True}  # to the end of the context: long enough to leave in the middle
+        with httpx.stream("POST", base + "/v1/completions", json=body, timeout=30) as answer:
+            for line in answer.iter_lines():
+                if line.startswith("data: {"):
+                    break  # leave with the answer unfinished
+        deadline = time.monotonic() + 10
+        while metric(base, "pipeshard_slots_free") != 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert metric(base, "pipeshard_slots_free") == 2
+        assert metric(base, "pipeshard_requests_cancelled_total") == 1
+        assert metric(base, "pipeshard_generated_tokens_total") < 512 - 10
+
+
+@pytest.fixture(scope="module")
+def smollm2_pack(smollm2_export, tmp_path_factory):
+    from pipeshard.partitioner.pack import partition
+
+    pack = tmp_path_factory.mktemp("smollm2-serve") / "pack"
+    partition(smollm2_export, pack)
+    return pack
+
+
+@pytest.mark.slow
+def test_a_full_queue_answers_503_at_once_and_smollm2_answers_as_alone(smollm2_pack):
+    """SmolLM2 (slow enough to keep a slot busy): with one slot and a queue of one, a third request is refused at
+    once; the two accepted get the texts they get alone, as do four requests decoded together."""
+    engine = pipeshard.load(smollm2_pack, threads=2)
+    prompts = ["Name three colors.", "What is 2 + 2? Explain briefly.", "Write one sentence about the sea.", "Hi!"]
+    alone = [engine.generate(p, max_new_tokens=48)[0].text for p in prompts]
+    with server(smollm2_pack, "--parallel", "1", "--queue", "1", "--threads", "2") as base:
+        results: dict[int, str] = {}
+
+        def ask(index: int) -> None:
+            answer = client(base).chat.completions.create(
+                model="pack", messages=[{"role": "user", "content": prompts[index]}], max_tokens=48, temperature=0)
+            results[index] = answer.choices[0].message.content
+
+        threads = [threading.Thread(target=ask, args=(index,)) for index in range(2)]
+        threads[0].start()
+        deadline = time.monotonic() + 30
+        while metric(base, "pipeshard_slots_free") != 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        threads[1].start()
+        while metric(base, "pipeshard_requests_queued") < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        started = time.monotonic()
+        third = httpx.post(base + "/v1/chat/completions", timeout=60, json={
+            "model": "pack", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4})
+        assert third.status_code == 503 and time.monotonic() - started < 2
+        assert third.json()["error"]["type"] == "server_error"
+        for thread in threads:
+            thread.join()
+        assert [results[0], results[1]] == alone[:2]
+    with server(smollm2_pack, "--parallel", "4", "--threads", "2") as base:
+        with ThreadPoolExecutor(4) as pool:
+            answers = list(pool.map(lambda p: client(base).chat.completions.create(
+                model="pack", messages=[{"role": "user", "content": p}], max_tokens=48,
+                temperature=0).choices[0].message.content, prompts))
+        assert answers == alone
+
+
+def test_the_api_key_is_required_when_set(tiny_pack):
+    with server(tiny_pack, "--api-key", "sesame") as base:
+        assert httpx.get(base + "/health").status_code == 200
+        with pytest.raises(openai.AuthenticationError):
+            client(base).models.list() and client(base).completions.create(model="pack", prompt="hi", max_tokens=2)
+        answer = client(base, default_headers={"Authorization": "Bearer sesame"}).completions.create(
+            model="pack", prompt="hi", max_tokens=2)
+        assert answer.usage.completion_tokens <= 2
+
+
+def test_a_budget_change_mid_stream_on_sim_keeps_the_tokens(tiny_pack):
+    manifest = json.loads((tiny_pack / "manifest.json").read_text())
+    from pipeshard.partitioner.planner import Planner
+    from pipeshard.profiles.db import load_profile
+
+    minimum = Planner(manifest, load_profile("laptop-8gb"), 1 << 40).minimum_budget()
+    engine = pipeshard.load(tiny_pack, device="sim", vram=minimum + 2_000_000, profile="laptop-8gb", context=256)
+    engine.codec.eos_token_ids = []
+    expected = engine.generate(PROMPTS[1], max_new_tokens=40)[0].text
+    with server(tiny_pack, "--device", "sim", "--vram", str(minimum + 2_000_000), "--profile", "laptop-8gb",
+                "--context", "256") as base:
+        body = {"model": "pack", "prompt": engine.codec.render_chat(PROMPTS[1]), "max_tokens": 40, "temperature": 0,
+                "stream": True}
+        pieces, changed = [], False
+        with httpx.stream("POST", base + "/v1/completions", json=body, timeout=60) as answer:
+            for line in answer.iter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                pieces.append(json.loads(line[6:])["choices"][0]["text"])
+                if len(pieces) == 3 and not changed:
+                    small = httpx.post(base + "/v1/budget", json={"vram": str(minimum + 600_000)}, timeout=30)
+                    assert small.status_code == 200 and small.json()["budget_bytes"] == minimum + 600_000
+                    changed = True
+        assert changed and "".join(pieces) == expected
+        assert metric(base, "pipeshard_vram_budget_bytes") == minimum + 600_000
+        assert metric(base, "pipeshard_device_peak_bytes") <= minimum + 2_000_000
+
+
+def test_the_in_process_scheduler_streams_and_refuses_beyond_its_queue(tiny_pack, solo):
+    engine = pipeshard.load(tiny_pack)
+    scheduler = Scheduler(engine, parallel=1, queue_size=1, context=256)
+    release = threading.Event()
+    forward = scheduler.step.forward
+
+    def held(*args, **options):  # the scheduler's steps wait until the test lets them go
+        release.wait(30)
+        return forward(*args, **options)
+
+    scheduler.step.forward = held
+    try:
+        settings = SamplingSettings(max_new_tokens=20)
+        first = scheduler.submit(engine.generator.prompt_ids(PROMPTS[0]), settings)
+        deadline = time.monotonic() + 10
+        while scheduler.free_slots and time.monotonic() < deadline:
+            time.sleep(0.01)
+        second = scheduler.submit(engine.generator.prompt_ids(PROMPTS[1]), settings)  # waits in the queue
+        with pytest.raises(QueueFull):
+            scheduler.submit(engine.generator.prompt_ids(PROMPTS[2]), settings)
+        release.set()
+        for stream, prompt in ((first, PROMPTS[0]), (second, PROMPTS[1])):
+            events = list(stream)
+            assert events[-1].tokens == solo[prompt].tokens
+            assert "".join(e.text for e in events) == solo[prompt].text
+    finally:
+        release.set()
+        scheduler.close()
+
+
+def test_serve_refuses_an_export_folder_with_one_error_line(tiny_llama_export):
+    done = subprocess.run([sys.executable, "-m", "pipeshard.cli", "serve", str(tiny_llama_export)],
+                          capture_output=True, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert done.returncode == 2 and done.stderr.startswith("error:") and len(done.stderr.splitlines()) == 1
