@@ -13,6 +13,7 @@ copies in and out), and what its sessions need (`cuda_options`).
 
 from __future__ import annotations
 
+import mmap
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -180,6 +181,7 @@ class SimDevice(HostMemoryDevice):
         def copy() -> float:
             started = time.perf_counter()
             np.copyto(target[: source.nbytes], source)
+            _drop_mapped_pages(source)
             elapsed = time.perf_counter() - started
             self.copied_bytes += source.nbytes
             self.copy_seconds += elapsed
@@ -189,6 +191,14 @@ class SimDevice(HostMemoryDevice):
 
     def close(self) -> None:
         self._copier.shutdown(wait=True)
+
+
+def _drop_mapped_pages(source: np.ndarray) -> None:
+    """Let the kernel take back a memory-mapped source's pages once copied (they stay in the page cache): the
+    streamed part of the model is then not resident twice, in the mapping and in the CPU sessions."""
+    mapped = getattr(source, "_mmap", None)
+    if mapped is not None and hasattr(mmap, "MADV_DONTNEED"):
+        mapped.madvise(mmap.MADV_DONTNEED)
 
 
 def make_device(kind: str, budget_bytes: int) -> Device:

@@ -63,6 +63,7 @@ from pipeshard.runtime.schedule import (
 # peak (docs/plans.md).
 JOINED_WEIGHT_BYTES = 64 * 2**20
 _NO_ROLES = Roles(frozenset(), frozenset(), frozenset())
+JOINED_KEPT_PLANS = 4  # joined decode sessions are kept while one of the last this many activated plans used them
 
 
 @dataclass
@@ -168,7 +169,8 @@ class Step:
         self._cpu_stages: dict[str, _Stage] = {}
         self._device_stages: dict[str, _Stage] = {}  # weights-as-inputs sessions, their weights bound by pointer
         self._host_input_stages: dict[str, _Stage] = {}  # weights-as-inputs on the CPU EP (row chunks)
-        self._joined_stages: dict[tuple[str, ...], list[_Stage]] = {}
+        self._joined_stages: dict[tuple, list[_Stage]] = {}
+        self._joined_used: dict[tuple, int] = {}  # stretch -> the plan activation that last used it
         self._tables = {name: _stored_weight(self.pack, entry, weight) for name, (entry, weight)
                         in layout.tables.items()}
         self.decode_attention = (decode_attention and capi.custom_ops_available() and self.dtype == np.float32
@@ -350,6 +352,7 @@ class Step:
         the CPU EP (the host, or a device whose memory is host memory) the attention runs pipeshard's decode op;
         a device's joined session takes its weights as inputs, bound by pointer like its sub-layers'."""
         key = (on_device, *(stage.name for stage in stretch))
+        self._joined_used[key] = self.stats.plan_switches
         if key in self._joined_stages:
             return self._joined_stages[key]
         entries = self.layout.entries
@@ -555,6 +558,11 @@ class Step:
         for entry in sorted(on_cpu, key=lambda e: -e["weight_bytes"]):
             self._cpu_stage(entry["name"])
         self.stats.plan_switches += 1
+        # Joined decode sessions of stretches the last few plans have not used are let go: budget changes make
+        # ever new stretches, and each joined session holds its own graph and buffers.
+        for key in [k for k, used in self._joined_used.items() if used < self.stats.plan_switches - JOINED_KEPT_PLANS]:
+            self._joined_stages.pop(key, None)
+            del self._joined_used[key]
 
     def _start_copy(self, slot: int, name: str) -> None:
         if self._slot_unit[slot] == name:
