@@ -26,6 +26,26 @@ class Engine:
         self.codec = codec
         self.source = source
         self.generator = Generator(step, codec)
+        self.scheduler = None  # set by serve(): then the scheduler's thread owns the step
+
+    def serve(self, parallel: int = 4, queue_size: int = 64, context: int | None = None):
+        """Hand the step to a continuous-batching scheduler (`runtime/scheduler.py`) of `parallel` slots: from now
+        on requests go through `submit`, from any thread, and share decode steps."""
+        from pipeshard.runtime.scheduler import Scheduler
+
+        if self.scheduler is None:
+            self.scheduler = Scheduler(self, parallel=parallel, queue_size=queue_size, context=context)
+        return self.scheduler
+
+    def submit(self, prompt: str, chat_template: bool = True, system: str | None = None, **sampling):
+        """Queue one prompt on the scheduler (made with its defaults if `serve` was not called); returns a stream
+        of events (text pieces, then the end with its token ids and finish reason) and `cancel()`."""
+        (ids,) = self._prompt_ids(prompt, chat_template, system)
+        return self.serve().submit(ids, SamplingSettings(**sampling))
+
+    def _check_not_served(self) -> None:
+        if self.scheduler is not None:
+            raise UserError("this engine's step belongs to its scheduler (engine.serve): use engine.submit")
 
     def _prompt_ids(self, prompts: str | list[str], chat_template: bool, system: str | None) -> list[list[int]]:
         prompts = [prompts] if isinstance(prompts, str) else list(prompts)
@@ -34,6 +54,7 @@ class Engine:
     def generate(self, prompts: str | list[str], chat_template: bool = True, system: str | None = None,
                  **sampling) -> list[Generation]:
         """Generate for one prompt or a batch; keyword arguments are SamplingSettings fields."""
+        self._check_not_served()
         return self.generator.generate(self._prompt_ids(prompts, chat_template, system), SamplingSettings(**sampling))
 
     def set_vram_budget(self, size: str | int) -> None:
@@ -56,6 +77,7 @@ class Engine:
     def stream(self, prompts: str | list[str], chat_template: bool = True, system: str | None = None,
                results: list[Generation] | None = None, **sampling) -> Iterator[StreamEvent]:
         """Like generate, yielding text pieces as they are produced."""
+        self._check_not_served()
         return self.generator.stream(self._prompt_ids(prompts, chat_template, system), SamplingSettings(**sampling),
                                      results)
 

@@ -304,3 +304,16 @@ def test_serve_refuses_an_export_folder_with_one_error_line(tiny_llama_export):
     done = subprocess.run([sys.executable, "-m", "pipeshard.cli", "serve", str(tiny_llama_export)],
                           capture_output=True, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
     assert done.returncode == 2 and done.stderr.startswith("error:") and len(done.stderr.splitlines()) == 1
+
+
+def test_the_engine_submits_through_its_scheduler_from_several_threads(tiny_pack, solo):
+    engine = pipeshard.load(tiny_pack)
+    try:
+        engine.serve(parallel=3, context=256)
+        with ThreadPoolExecutor(6) as pool:
+            texts = list(pool.map(lambda p: "".join(e.text for e in engine.submit(p, max_new_tokens=20)), PROMPTS[:6]))
+        assert texts == [solo[p].text for p in PROMPTS[:6]]
+        with pytest.raises(pipeshard.errors.UserError, match="submit"):
+            engine.generate("Hi")
+    finally:
+        engine.scheduler.close()
