@@ -167,6 +167,26 @@ def _command_serve(args: argparse.Namespace) -> int:
     return serve(load, settings, args.host, args.port, args.parallel, args.queue, args.context)
 
 
+def _command_batch(args: argparse.Namespace) -> int:
+    import pipeshard
+    from pipeshard.batch import read_jobs, run_batch
+
+    _check_generation_options(args)
+    if args.plan == "monolithic" or not (Path(args.path) / "manifest.json").is_file():
+        raise UserError(f"{args.path}: a batch job needs a model pack (pipeshard partition EXPORT PACK)")
+    source = Path(args.input)
+    if not source.is_file():
+        raise UserError(f"{source} does not exist")
+    target = _output_path(args.output, "OUTPUT")
+    read_jobs(source)  # duplicate custom_ids are refused before the model loads
+    engine = pipeshard.load(args.path, threads=args.threads, verify=args.verify, vram=args.vram, device=args.device,
+                            profile=args.profile, plan=args.plan, context=args.context, batch=args.parallel,
+                            expert_stats=args.expert_stats, plans=args.plans)
+    summary = run_batch(engine, source, target, Path(args.path).resolve().name, args.parallel, args.max_new_tokens)
+    print(summary.line(), file=sys.stderr)
+    return 0
+
+
 def _command_run(args: argparse.Namespace) -> int:
     import pipeshard
 
@@ -583,6 +603,17 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--verify", action="store_true", help="check the pack's sha256 sums before serving")
     _add_device_options(serve)
     serve.set_defaults(handler=_command_serve, system=None)
+
+    batch = commands.add_parser("batch", help="a JSONL job (OpenAI Batch or plain lines), resumable")
+    batch.add_argument("path", help="model pack")
+    batch.add_argument("input", help="JSONL: OpenAI Batch lines (custom_id, url, body) or {prompt|messages, ...}")
+    batch.add_argument("output", help="JSONL results, appended; a rerun skips the custom_ids it holds")
+    batch.add_argument("--parallel", type=_count(1), default=8, help="requests decoded together")
+    batch.add_argument("--max-new-tokens", type=_count(1), default=256, help="when a request gives no max_tokens")
+    batch.add_argument("--threads", type=_threads, default=None)
+    batch.add_argument("--verify", action="store_true", help="check the pack's sha256 sums first")
+    _add_device_options(batch)
+    batch.set_defaults(handler=_command_batch, system=None)
 
     bench = commands.add_parser("bench", help="our plans beside the peers and the bandwidth limit, interleaved")
     bench.add_argument("pack")

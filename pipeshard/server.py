@@ -112,30 +112,13 @@ def create_app(state: State):
     async def chat_completions(request):
         body = await body_of(request)
         scheduler = ready()
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages or not all(
-                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                for m in messages):
-            raise RequestError("'messages' must be a non-empty list of {role, content} objects with text content",
-                               param="messages")
-        codec = state.engine.codec
-        if codec.chat_template is None:
-            raise RequestError("this model has no chat template: use /v1/completions", param="messages")
-        prompt = codec.encode(codec.render_messages([{"role": m["role"], "content": m["content"]} for m in messages]))
+        prompt = prompt_ids(state.engine.codec, body, chat=True, vocab_size=scheduler.step.vocab_size)
         return await complete(request, body, scheduler, prompt, chat=True)
 
     async def completions(request):
         body = await body_of(request)
         scheduler = ready()
-        prompt = body.get("prompt")
-        codec = state.engine.codec
-        if isinstance(prompt, str) and prompt:
-            ids = codec.encode(prompt, add_special_tokens=True)
-        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
-                                                         and 0 <= t < scheduler.step.vocab_size for t in prompt):
-            ids = list(prompt)
-        else:
-            raise RequestError("'prompt' must be a non-empty string or a list of token ids", param="prompt")
+        ids = prompt_ids(state.engine.codec, body, chat=False, vocab_size=scheduler.step.vocab_size)
         return await complete(request, body, scheduler, ids, chat=False)
 
     async def complete(request, body: dict, scheduler, prompt: list[int], chat: bool):
@@ -158,7 +141,6 @@ def create_app(state: State):
             raise RequestError(str(exc), 503, kind="server_error") from None
         identifier = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
-        kind = "chat.completion" if chat else "text_completion"
 
         def usage(event) -> dict:
             return {"prompt_tokens": event.prompt_tokens, "completion_tokens": event.completion_tokens,
@@ -192,9 +174,7 @@ def create_app(state: State):
                 raise
             if event.finish_reason == "error":
                 raise RequestError(f"generation failed: {event.error}", 500, kind="server_error")
-            return JSONResponse({"id": identifier, "object": kind, "created": created, "model": model,
-                                 "choices": [choice("".join(pieces), finish_reason(event), delta=False)],
-                                 "usage": usage(event)})
+            return JSONResponse(completion_document(chat, identifier, model, "".join(pieces), event, created))
 
         async def sse():
             chunk_kind = "chat.completion.chunk" if chat else "text_completion"
@@ -268,8 +248,41 @@ def create_app(state: State):
     return Starlette(routes=routes)
 
 
+def completion_document(chat: bool, identifier: str, model: str, text: str, end, created: int | None = None) -> dict:
+    """A whole answer as OpenAI's chat.completion or text_completion object (`end`: the request's last event)."""
+    finish = "length" if end.finish_reason == "length" else "stop"
+    choice = {"index": 0, "message": {"role": "assistant", "content": text}} if chat else {"index": 0, "text": text}
+    return {"id": identifier, "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()) if created is None else created, "model": model,
+            "choices": [{**choice, "logprobs": None, "finish_reason": finish}],
+            "usage": {"prompt_tokens": end.prompt_tokens, "completion_tokens": end.completion_tokens,
+                      "total_tokens": end.prompt_tokens + end.completion_tokens}}
+
+
 def _sse(document: dict) -> str:
     return f"data: {json.dumps(document)}\n\n"
+
+
+def prompt_ids(codec, body: dict, chat: bool, vocab_size: int) -> list[int]:
+    """A request's prompt as token ids: its messages through the chat template (chat), or its prompt as text (the
+    tokenizer's special tokens added) or token ids."""
+    if chat:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in messages):
+            raise RequestError("'messages' must be a non-empty list of {role, content} objects with text content",
+                               param="messages")
+        if codec.chat_template is None:
+            raise RequestError("this model has no chat template: use /v1/completions", param="messages")
+        return codec.encode(codec.render_messages([{"role": m["role"], "content": m["content"]} for m in messages]))
+    prompt = body.get("prompt")
+    if isinstance(prompt, str) and prompt:
+        return codec.encode(prompt, add_special_tokens=True)
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
+                                                   and 0 <= t < vocab_size for t in prompt):
+        return list(prompt)
+    raise RequestError("'prompt' must be a non-empty string or a list of token ids", param="prompt")
 
 
 def sampling_settings(body: dict, default_max_tokens: int):

@@ -1,0 +1,132 @@
+"""`pipeshard batch`: a JSONL job through the scheduler, its results equal to `pipeshard run`, surviving kills."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+import pipeshard
+from pipeshard.cli import main
+
+WORDS = ["tell", "me", "about", "the", "sea", "a", "story", "why", "how", "numbers", "colors", "rivers"]
+
+
+def prompt(index: int) -> str:
+    return " ".join(WORDS[(index * 7 + k) % len(WORDS)] for k in range(1 + index % 9))
+
+
+def write_job(path, count: int, max_tokens: int) -> None:
+    """Every third line in OpenAI's Batch form (chat), the others plain (completions and chat, extra fields)."""
+    with open(path, "w") as job:
+        for i in range(count):
+            if i % 3 == 0:
+                line = {"custom_id": f"req-{i}", "method": "POST", "url": "/v1/chat/completions",
+                        "body": {"model": "pack", "messages": [{"role": "user", "content": prompt(i)}],
+                                 "max_tokens": max_tokens}}
+            elif i % 3 == 1:
+                line = {"custom_id": f"req-{i}", "prompt": prompt(i), "max_tokens": max_tokens, "answer": i}
+            else:
+                line = {"custom_id": f"req-{i}", "messages": [{"role": "user", "content": prompt(i)}],
+                        "max_tokens": max_tokens}
+            job.write(json.dumps(line) + "\n")
+
+
+def answers(path) -> dict[str, str]:
+    """custom_id -> the answer's text, every line of a results file (each custom_id must appear once)."""
+    found: dict[str, str] = {}
+    for line in open(path):
+        record = json.loads(line)
+        assert record["custom_id"] not in found, record["custom_id"]
+        if "response" in record:
+            choice = record["response"]["body"]["choices"][0]
+            found[record["custom_id"]] = choice["message"]["content"]
+        else:
+            found[record["custom_id"]] = record["output"]
+    return found
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_pack):
+    """What `pipeshard run` gives for each line of a 200-line job, one prompt at a time."""
+    engine = pipeshard.load(tiny_pack)
+    result = {}
+    for i in range(200):
+        chat = i % 3 != 1
+        result[f"req-{i}"] = engine.generate(prompt(i), chat_template=chat, max_new_tokens=24)[0].text
+    return result
+
+
+def test_a_200_line_job_gives_what_run_gives_prompt_by_prompt(tiny_pack, expected, tmp_path, capsys):
+    job, out = tmp_path / "job.jsonl", tmp_path / "out.jsonl"
+    write_job(job, 200, 24)
+    assert main(["batch", str(tiny_pack), str(job), str(out), "--parallel", "6"]) == 0
+    assert answers(out) == expected
+    records = [json.loads(line) for line in open(out)]
+    openai_form = next(r for r in records if r["custom_id"] == "req-0")
+    assert openai_form["response"]["status_code"] == 200 and openai_form["error"] is None
+    assert openai_form["response"]["body"]["object"] == "chat.completion"
+    plain = next(r for r in records if r["custom_id"] == "req-1")
+    assert plain["answer"] == 1 and plain["usage"]["completion_tokens"] <= 24  # its fields passed through
+    assert "200 requests (0 already done, 0 failed)" in capsys.readouterr().err
+
+
+def test_a_job_killed_midway_and_rerun_has_every_request_exactly_once(tiny_pack, expected, tmp_path):
+    job, out = tmp_path / "job.jsonl", tmp_path / "out.jsonl"
+    write_job(job, 200, 24)
+    command = [sys.executable, "-m", "pipeshard.cli", "batch", str(tiny_pack), str(job), str(out), "--parallel", "2"]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and (not out.exists() or out.read_bytes().count(b"\n") < 30):
+        time.sleep(0.01)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    written = out.read_bytes().count(b"\n")
+    assert 30 <= written < 200, written  # killed in the middle
+    subprocess.run(command, check=True, capture_output=True)
+    assert answers(out) == expected
+
+
+def test_a_last_line_cut_off_is_dropped_and_redone(tiny_pack, expected, tmp_path):
+    job, out = tmp_path / "job.jsonl", tmp_path / "out.jsonl"
+    write_job(job, 12, 24)
+    assert main(["batch", str(tiny_pack), str(job), str(out)]) == 0
+    lines = out.read_bytes().splitlines(keepends=True)
+    cut = json.loads(lines[-1])["custom_id"]
+    out.write_bytes(b"".join(lines[:-1]) + lines[-1][: len(lines[-1]) // 2])  # a kill in the middle of a write
+    assert main(["batch", str(tiny_pack), str(job), str(out)]) == 0
+    redone = answers(out)
+    assert redone == {k: v for k, v in expected.items() if int(k.split("-")[1]) < 12}
+    assert json.loads(out.read_bytes().splitlines()[-1])["custom_id"] == cut
+
+
+def test_malformed_lines_become_error_records_and_the_job_goes_on(tiny_pack, tmp_path):
+    job, out = tmp_path / "job.jsonl", tmp_path / "out.jsonl"
+    job.write_text("\n".join([
+        json.dumps({"prompt": "hello", "max_tokens": 4}),
+        "{not json",
+        json.dumps({"question": "no prompt here"}),
+        json.dumps({"custom_id": "b", "url": "/v1/embeddings", "body": {}}),
+        json.dumps({"custom_id": "c", "url": "/v1/chat/completions", "body": {"messages": []}}),
+        json.dumps({"custom_id": "d", "prompt": "fine", "max_tokens": 0}),
+        json.dumps({"custom_id": "e", "prompt": "fine too", "max_tokens": 4}),
+    ]) + "\n")
+    assert main(["batch", str(tiny_pack), str(job), str(out)]) == 0
+    records = {r["custom_id"]: r for r in map(json.loads, open(out))}
+    assert set(records) == {"line-1", "line-2", "line-3", "b", "c", "d", "e"}
+    assert "output" in records["line-1"] and "output" in records["e"]
+    assert "not JSON" in records["line-2"]["error"] and "messages or prompt" in records["line-3"]["error"]
+    assert records["b"]["response"]["status_code"] == 400 and records["c"]["response"]["status_code"] == 400
+    assert "max_tokens" in records["d"]["error"]
+
+
+def test_duplicate_custom_ids_are_one_error_naming_the_lines(tiny_pack, tmp_path, capsys):
+    job = tmp_path / "job.jsonl"
+    job.write_text("\n".join(json.dumps({"custom_id": c, "prompt": "x"}) for c in ("a", "b", "a")) + "\n")
+    assert main(["batch", str(tiny_pack), str(job), str(tmp_path / "out.jsonl")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and "'a' on lines 1 and 3" in err and len(err.splitlines()) == 1
