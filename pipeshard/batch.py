@@ -154,35 +154,19 @@ def result_record(job: Job, model: str, text: str | None, end, error: str | None
             "usage": {"prompt_tokens": end.prompt_tokens, "completion_tokens": end.completion_tokens}}
 
 
-def run_batch(engine, source: Path, target: Path, model: str, parallel: int, default_max_tokens: int,
-              progress: bool = True) -> Summary:
-    """Run every job of `source` not yet in `target`, appending results as they finish."""
+def run_jobs(engine, jobs: list[Job], model: str, parallel: int, default_max_tokens: int, on_record) -> None:
+    """Every job through the engine's scheduler; `on_record(job, record, end)` as each finishes (`end`: its last
+    event, None for a job refused before it ran). A job cancelled by an interruption gets no record."""
     from pipeshard.runtime.scheduler import QueueFull
     from pipeshard.server import RequestError, prompt_ids, sampling_settings
 
-    started = time.perf_counter()
-    jobs = read_jobs(source)
-    done = finished_ids(target)
-    pending = [job for job in jobs if job.custom_id not in done]
-    summary = Summary(requests=len(jobs), skipped=len(jobs) - len(pending))
-    writer = ResultWriter(target)
     scheduler = engine.serve(parallel=parallel, queue_size=parallel)
-    slots = threading.Semaphore(2 * parallel)  # in flight: the slots and as many waiting
+    in_flight = threading.Semaphore(2 * parallel)  # the slots and as many waiting
     finished = threading.Condition()
     outstanding = [0]
-    bar = _progress(len(jobs), summary.skipped) if progress else None
 
-    def record(job: Job, text: str | None, end, error: str | None) -> None:
-        writer.write(result_record(job, model, text, end, error))
-        with finished:
-            if error is not None or (end is not None and end.finish_reason == "error"):
-                summary.failed += 1
-            if end is not None:
-                summary.prompt_tokens += end.prompt_tokens
-                summary.generated_tokens += end.completion_tokens
-            if bar is not None:
-                bar.update(1)
-                bar.set_postfix_str(f"{summary.generated_tokens / (time.perf_counter() - started):.1f} tok/s")
+    def refused(job: Job, error: str) -> None:
+        on_record(job, result_record(job, model, None, None, error), None)
 
     def sink_for(job: Job):
         pieces: list[str] = []
@@ -193,46 +177,155 @@ def run_batch(engine, source: Path, target: Path, model: str, parallel: int, def
                 return
             if event.finish_reason != "cancelled":  # a cancelled one (the job interrupted) is redone on a rerun
                 error = event.error if event.finish_reason == "error" else None
-                record(job, "".join(pieces), event, error)
-            slots.release()
+                on_record(job, result_record(job, model, "".join(pieces), event, error), event)
+            in_flight.release()
             with finished:
                 outstanding[0] -= 1
                 finished.notify_all()
         return sink
 
-    try:
-        for job in pending:
-            if job.error is not None:
-                record(job, None, None, job.error)
-                continue
-            try:
-                ids = prompt_ids(engine.codec, job.body, job.chat, scheduler.step.vocab_size)
-                settings = sampling_settings({"temperature": 0, **job.body}, default_max_tokens)
-            except (RequestError, UserError) as exc:
-                record(job, None, None, f"line {job.line}: {exc}")
-                continue
-            slots.acquire()
-            with finished:
-                outstanding[0] += 1
-            while True:
-                try:
-                    scheduler.submit(ids, settings, sink=sink_for(job))
-                    break
-                except QueueFull:
-                    time.sleep(0.01)
-                except UserError as exc:
-                    slots.release()
-                    with finished:
-                        outstanding[0] -= 1
-                    record(job, None, None, f"line {job.line}: {exc}")
-                    break
+    for job in jobs:
+        if job.error is not None:
+            refused(job, job.error)
+            continue
+        try:
+            ids = prompt_ids(engine.codec, job.body, job.chat, scheduler.step.vocab_size)
+            settings = sampling_settings({"temperature": 0, **job.body}, default_max_tokens)
+        except (RequestError, UserError) as exc:
+            refused(job, f"line {job.line}: {exc}")
+            continue
+        in_flight.acquire()
         with finished:
-            finished.wait_for(lambda: outstanding[0] == 0)
+            outstanding[0] += 1
+        while True:
+            try:
+                scheduler.submit(ids, settings, sink=sink_for(job))
+                break
+            except QueueFull:
+                time.sleep(0.01)
+            except UserError as exc:
+                in_flight.release()
+                with finished:
+                    outstanding[0] -= 1
+                refused(job, f"line {job.line}: {exc}")
+                break
+    with finished:
+        finished.wait_for(lambda: outstanding[0] == 0)
+
+
+def run_batch(engine, source: Path, target: Path, model: str, parallel: int, default_max_tokens: int,
+              progress: bool = True) -> Summary:
+    """Run every job of `source` not yet in `target`, appending results as they finish."""
+    started = time.perf_counter()
+    jobs = read_jobs(source)
+    done = finished_ids(target)
+    pending = [job for job in jobs if job.custom_id not in done]
+    summary = Summary(requests=len(jobs), skipped=len(jobs) - len(pending))
+    writer = ResultWriter(target)
+    bar = _progress(len(jobs), summary.skipped) if progress else None
+    lock = threading.Lock()
+
+    def on_record(job: Job, record: dict, end) -> None:
+        writer.write(record)
+        with lock:
+            _count(summary, record, end)
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix_str(f"{summary.generated_tokens / (time.perf_counter() - started):.1f} tok/s")
+
+    try:
+        run_jobs(engine, pending, model, parallel, default_max_tokens, on_record)
     finally:
-        scheduler.close()
+        engine.scheduler.close()
         writer.close()
         if bar is not None:
             bar.close()
+    summary.wall_s = time.perf_counter() - started
+    return summary
+
+
+def _count(summary: Summary, record: dict, end) -> None:
+    if record.get("error") or record.get("response", {}).get("status_code", 200) != 200 or \
+            (end is not None and end.finish_reason == "error"):
+        summary.failed += 1
+    if end is not None:
+        summary.prompt_tokens += end.prompt_tokens
+        summary.generated_tokens += end.completion_tokens
+
+
+class RayWorker:
+    """A Ray Data actor: loads the pack once on its node and runs batches of job lines through its scheduler."""
+
+    def __init__(self, pack: str, load_options: dict, model: str, parallel: int, default_max_tokens: int) -> None:
+        import ray
+
+        import pipeshard
+
+        self.engine = pipeshard.load(pack, **load_options)
+        self.model, self.parallel, self.default_max_tokens = model, parallel, default_max_tokens
+        self.node_id = ray.get_runtime_context().get_node_id()
+
+    def __call__(self, batch: dict) -> dict:
+        jobs = [_job(int(number), str(text)) for number, text in zip(batch["line"], batch["text"], strict=True)]
+        records: list[str] = []
+        lock = threading.Lock()
+
+        def on_record(job: Job, record: dict, end) -> None:
+            record["metadata"] = {"node_id": self.node_id, "tokens": [end.prompt_tokens, end.completion_tokens]
+                                  if end is not None else [0, 0]}
+            with lock:
+                records.append(json.dumps(record, ensure_ascii=False))
+
+        run_jobs(self.engine, jobs, self.model, self.parallel, self.default_max_tokens, on_record)
+        return {"record": records}
+
+
+def run_batch_ray(address: str, pack: Path, source: Path, target: Path, model: str, parallel: int,
+                  default_max_tokens: int, load_options: dict, progress: bool = True) -> Summary:
+    """The same job on a Ray cluster: Ray Data spreads the pending lines over one actor per node (each loads the
+    pack once and runs its scheduler); the driver appends the results to `target` as batches come back."""
+    try:
+        import ray
+    except ImportError:
+        raise UserError("--ray needs Ray Data: pip install 'pipeshard[ray]'") from None
+    started = time.perf_counter()
+    jobs = read_jobs(source)
+    done = finished_ids(target)
+    texts = Path(source).read_text(encoding="utf-8").splitlines()
+    pending = [job for job in jobs if job.custom_id not in done]
+    summary = Summary(requests=len(jobs), skipped=len(jobs) - len(pending))
+    if not pending:
+        return summary
+    owns_connection = not ray.is_initialized()
+    if owns_connection:
+        ray.init(address=address, log_to_driver=False, include_dashboard=False)
+    writer = ResultWriter(target)
+    bar = _progress(len(jobs), summary.skipped) if progress else None
+    try:
+        nodes = [node for node in ray.nodes() if node["Alive"]]
+        # Each actor takes a whole node's cores (its engine uses them all), so there is one per node.
+        cores = min(node["Resources"].get("CPU", 1.0) for node in nodes)
+        rows = ray.data.from_items([{"line": job.line, "text": texts[job.line - 1]} for job in pending])
+        results = rows.map_batches(RayWorker, fn_constructor_args=(str(pack), load_options, model, parallel,
+                                                                   default_max_tokens),
+                                   batch_size=4 * parallel, num_cpus=cores,
+                                   compute=ray.data.ActorPoolStrategy(size=len(nodes)))
+        for batch in results.iter_batches(batch_size=None):
+            for line in batch["record"]:
+                record = json.loads(line)
+                writer.write(record)
+                prompt_tokens, completion_tokens = record["metadata"]["tokens"]
+                summary.prompt_tokens += prompt_tokens
+                summary.generated_tokens += completion_tokens
+                _count(summary, record, None)
+                if bar is not None:
+                    bar.update(1)
+    finally:
+        writer.close()
+        if bar is not None:
+            bar.close()
+        if owns_connection:
+            ray.shutdown()
     summary.wall_s = time.perf_counter() - started
     return summary
 

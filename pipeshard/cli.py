@@ -179,10 +179,18 @@ def _command_batch(args: argparse.Namespace) -> int:
         raise UserError(f"{source} does not exist")
     target = _output_path(args.output, "OUTPUT")
     read_jobs(source)  # duplicate custom_ids are refused before the model loads
-    engine = pipeshard.load(args.path, threads=args.threads, verify=args.verify, vram=args.vram, device=args.device,
-                            profile=args.profile, plan=args.plan, context=args.context, batch=args.parallel,
-                            expert_stats=args.expert_stats, plans=args.plans)
-    summary = run_batch(engine, source, target, Path(args.path).resolve().name, args.parallel, args.max_new_tokens)
+    options = dict(threads=args.threads, verify=args.verify, vram=args.vram, device=args.device, profile=args.profile,
+                   plan=args.plan, context=args.context, batch=args.parallel, expert_stats=args.expert_stats,
+                   plans=args.plans)
+    model = Path(args.path).resolve().name
+    if args.ray is not None:
+        from pipeshard.batch import run_batch_ray
+
+        summary = run_batch_ray(args.ray, Path(args.path).resolve(), source, target, model, args.parallel,
+                                args.max_new_tokens, options)
+    else:
+        engine = pipeshard.load(args.path, **options)
+        summary = run_batch(engine, source, target, model, args.parallel, args.max_new_tokens)
     print(summary.line(), file=sys.stderr)
     return 0
 
@@ -612,6 +620,8 @@ def build_parser() -> argparse.ArgumentParser:
     batch.add_argument("--max-new-tokens", type=_count(1), default=256, help="when a request gives no max_tokens")
     batch.add_argument("--threads", type=_threads, default=None)
     batch.add_argument("--verify", action="store_true", help="check the pack's sha256 sums first")
+    batch.add_argument("--ray", default=None, metavar="ADDRESS|auto",
+                       help="run on a Ray cluster: an actor per node loads the pack (pipeshard[ray])")
     _add_device_options(batch)
     batch.set_defaults(handler=_command_batch, system=None)
 

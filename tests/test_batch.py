@@ -130,3 +130,45 @@ def test_duplicate_custom_ids_are_one_error_naming_the_lines(tiny_pack, tmp_path
     assert main(["batch", str(tiny_pack), str(job), str(tmp_path / "out.jsonl")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error:") and "'a' on lines 1 and 3" in err and len(err.splitlines()) == 1
+
+
+def _ray_processes() -> set[int]:
+    done = subprocess.run(["pgrep", "-f", "raylet|gcs_server"], capture_output=True, text=True)
+    return {int(pid) for pid in done.stdout.split()}
+
+
+@pytest.mark.slow
+def test_the_job_on_a_two_node_ray_cluster_spreads_and_gives_the_same_results(tiny_pack, expected, tmp_path):
+    ray = pytest.importorskip("ray")
+    from ray.cluster_utils import Cluster
+
+    from pipeshard.batch import run_batch_ray
+
+    job, out = tmp_path / "job.jsonl", tmp_path / "out.jsonl"
+    write_job(job, 200, 24)
+    before = _ray_processes()
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "object_store_memory": 100 * 2**20})
+    try:
+        cluster.add_node(num_cpus=1, object_store_memory=100 * 2**20)
+        cluster.wait_for_nodes()
+        summary = run_batch_ray(cluster.address, tiny_pack, job, out, "pack", 4, 256, {"threads": 1},
+                                progress=False)
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+    assert summary.requests == 200 and summary.failed == 0
+    assert answers(out) == expected
+    assert len({json.loads(line)["metadata"]["node_id"] for line in open(out)}) == 2  # both nodes worked
+    deadline = time.monotonic() + 10
+    while _ray_processes() - before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _ray_processes() - before  # the cluster's processes are gone
+
+
+def test_ray_without_the_extra_is_one_error_line(tiny_pack, tmp_path, monkeypatch, capsys):
+    job = tmp_path / "job.jsonl"
+    write_job(job, 2, 4)
+    monkeypatch.setitem(sys.modules, "ray", None)  # as if pipeshard[ray] were not installed
+    assert main(["batch", str(tiny_pack), str(job), str(tmp_path / "out.jsonl"), "--ray", "auto"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and "pipeshard[ray]" in err
