@@ -298,7 +298,11 @@ def run_batch_ray(address: str, pack: Path, source: Path, target: Path, model: s
         return summary
     owns_connection = not ray.is_initialized()
     if owns_connection:
-        ray.init(address=address, log_to_driver=False, include_dashboard=False)
+        try:
+            ray.init(address=address, log_to_driver=False, include_dashboard=False)
+        except (ConnectionError, RuntimeError, ValueError) as exc:
+            raise UserError(f"--ray {address}: no Ray cluster to join there ({str(exc).splitlines()[0][:200]}); "
+                            "start one with `ray start --head`, or give its address") from None
     writer = ResultWriter(target)
     bar = _progress(len(jobs), summary.skipped) if progress else None
     try:
