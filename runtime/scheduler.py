@@ -26,6 +26,7 @@ from pipeshard.runtime.generate import SamplingSettings, _first_stop, _TextStrea
 
 log = logging.getLogger(__name__)
 PREFILL_CHUNK = 256  # prompt tokens per loop turn while other rows are decoding
+PREFILL_GROUP_TOKENS = 1024  # padded prompt tokens of the requests prefilled together in one step
 
 
 class QueueFull(Exception):
@@ -185,7 +186,10 @@ class Scheduler:
             started = time.perf_counter()
             try:
                 prefilling = [r for r in occupied if r.fed < len(r.prompt)]
-                if prefilling:
+                group = self._prefill_group(prefilling)
+                if len(group) > 1:
+                    self._prefill_together(group)
+                elif prefilling:
                     self._prefill_chunk(prefilling[0])
                 if any(r.fed == len(r.prompt) for r in self._slots if r is not None):
                     self._decode()
@@ -234,6 +238,38 @@ class Scheduler:
         if end == len(request.prompt):
             request.first_token_at = time.perf_counter()
             self._take(request, logits[:, -1, :])
+
+    def _prefill_group(self, prefilling: list[Request]) -> list[Request]:
+        """Requests not yet started, in neighbouring slots, whose prompts fit one chunk: prefilled in one step
+        (their KV rows are then one range of the cache), up to PREFILL_GROUP_TOKENS padded tokens."""
+        fresh = sorted((r for r in prefilling if r.fed == 0 and len(r.prompt) <= PREFILL_CHUNK), key=lambda r: r.slot)
+        group: list[Request] = []
+        for request in fresh:
+            if group and request.slot != group[-1].slot + 1:
+                break
+            if (len(group) + 1) * max([len(request.prompt)] + [len(r.prompt) for r in group]) > PREFILL_GROUP_TOKENS:
+                break
+            group.append(request)
+        return group
+
+    def _prefill_together(self, group: list[Request]) -> None:
+        """Several prompts in one step, each from column 0 of its own KV row (padded at the end, as it would be
+        alone), each request's first token from its own last position."""
+        width = max(len(r.prompt) for r in group)
+        ids = np.full((len(group), width), self.codec.pad_token_id, np.int64)
+        mask = np.zeros((len(group), width), np.int64)
+        for row, request in enumerate(group):
+            ids[row, : len(request.prompt)] = request.prompt
+            mask[row, : len(request.prompt)] = 1
+        positions = np.broadcast_to(np.arange(width), (len(group), width)).copy()
+        last = np.array([len(r.prompt) - 1 for r in group])
+        logits = self.step.forward(ids, mask, positions, slot=group[0].slot, last_positions=last)
+        now = time.perf_counter()
+        for row, request in enumerate(group):
+            request.fed = len(request.prompt)
+            request.first_token_at = now
+            self.stats.prompt_tokens += len(request.prompt)
+            self._take(request, logits[row: row + 1, -1, :])
 
     def _decode(self) -> None:
         """One step over every slot: each running row feeds its last token at its own length. A row still being

@@ -202,6 +202,7 @@ class Step:
         # Per batch shape (and KV rows, (first, count), for a step on some rows of the cache).
         self._shape: tuple[int, int] | None = None
         self._kv_rows: tuple[int, int] | None = None
+        self._last_positions: np.ndarray | None = None
         self.splits: list[Split] = []
         self._program: list = []
         self._residual: list[np.ndarray] = []
@@ -752,7 +753,7 @@ class Step:
         if action == "last position":
             residual_input = next(i["name"] for i in self.layout.entries[name]["inputs"]
                                   if i["name"] in self.layout.roles.residual)
-            return partial(np.copyto, self._last_hidden, self._buffer(residual_input)[:, -1:, :])
+            return partial(self._copy_last_positions, self._buffer(residual_input))
         if action == "join chunks":
             pieces = [self._chunk_logits[u["name"]] for u in self.layout.chunks[name]]
             return partial(np.concatenate, pieces, axis=-1, out=self._logits)
@@ -760,6 +761,13 @@ class Step:
         if action == "copy out":
             return partial(self.device.copy_out, host, device)
         return partial(self.device.copy_in, device, host)
+
+    def _copy_last_positions(self, residual: np.ndarray) -> None:
+        """Each sequence's position the output layer reads: its last, or the step's `last_positions`."""
+        if self._last_positions is None:
+            np.copyto(self._last_hidden, residual[:, -1:, :])
+        else:
+            np.copyto(self._last_hidden[:, 0, :], residual[np.arange(len(residual)), self._last_positions])
 
     def _bind_decode_values(self, stages: list[_Stage]) -> None:
         """The prologue's values for one new token, over the KV capacity: the total length is the capacity (or
@@ -774,18 +782,20 @@ class Step:
 
     # -- the step ---------------------------------------------------------------------------------------------------
     def forward(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray,
-                slot: int | None = None) -> np.ndarray:
-        """One step. `slot`: a one-sequence step into that row of the KV cache (a request joining a running
-        batch, `runtime/scheduler.py`); a step of fewer sequences than the cache has rows runs on its first rows.
-        Rows of a batch step may have lengths of their own (each row's mask ends at its last token)."""
+                slot: int | None = None, last_positions: np.ndarray | None = None) -> np.ndarray:
+        """One step. `slot`: the KV cache's row of the step's first sequence (requests joining a running batch,
+        `runtime/scheduler.py`); without it a step of fewer sequences than the cache has rows runs on its first
+        rows. Rows may have lengths of their own (each row's mask ends at its last token; `last_positions`: the
+        position whose logits each row's prompt step returns, by default the last)."""
         batch, tokens = input_ids.shape
         total = attention_mask.shape[1]
         check_step_shape(batch, tokens, total)
-        if slot is not None and (batch != 1 or not 0 <= slot < self.kv.batch):
-            raise ValueError(f"a step into slot {slot} takes one sequence, and the cache has {self.kv.batch} rows")
-        if batch > self.kv.batch:
-            raise ValueError(f"a step of {batch} sequences on a cache of {self.kv.batch} rows (start() sizes it)")
-        rows = (slot if slot is not None else 0, batch) if slot is not None or batch < self.kv.batch else None
+        first = slot or 0
+        if not 0 <= first or first + batch > self.kv.batch:
+            raise ValueError(f"a step of {batch} sequences from row {first} on a cache of {self.kv.batch} rows "
+                             "(start() sizes it)")
+        rows = (first, batch) if slot is not None or batch < self.kv.batch else None
+        self._last_positions = last_positions
         if total > self.kv.capacity:
             self._grow_kv(batch, total)
         largest = self.book.largest_tier

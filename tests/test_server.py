@@ -317,3 +317,27 @@ def test_the_engine_submits_through_its_scheduler_from_several_threads(tiny_pack
             engine.generate("Hi")
     finally:
         engine.scheduler.close()
+
+
+def test_requests_waiting_together_are_prefilled_in_one_step_with_their_solo_tokens(tiny_pack, solo, monkeypatch):
+    """Requests that start together are prefilled as one step (each prompt from column 0 of its own KV row, its
+    first token from its own last position) and still get the tokens they get alone."""
+    engine = pipeshard.load(tiny_pack)
+    groups: list[int] = []
+    together = Scheduler._prefill_together
+    monkeypatch.setattr(Scheduler, "_prefill_together",
+                        lambda self, group: groups.append(len(group)) or together(self, group))
+    scheduler = Scheduler(engine, parallel=6, context=256)
+    release = threading.Event()
+    forward = scheduler.step.forward
+    scheduler.step.forward = lambda *args, **options: release.wait(30) and forward(*args, **options)
+    try:
+        streams = [scheduler.submit(engine.generator.prompt_ids(p), SamplingSettings(max_new_tokens=20))
+                   for p in PROMPTS[:6]]
+        time.sleep(0.2)  # all six admitted while the first step waits
+        release.set()
+        assert [list(s)[-1].tokens for s in streams] == [solo[p].tokens for p in PROMPTS[:6]]
+        assert groups and max(groups) > 1
+    finally:
+        release.set()
+        scheduler.close()
