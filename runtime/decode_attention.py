@@ -1,8 +1,8 @@
 """The attention of decode steps on the CPU: GroupQueryAttention nodes swapped for `pipeshard.DecodeAttention`.
 
 ONNX Runtime's CPU GroupQueryAttention is slow at one new token (two small SGEMMs per head, each packing its
-operand: on SmolLM2, hot, 42 us a layer at 256 cached tokens, 176 us at 1024); `runtime/_attention.c` does the
-same arithmetic in one pass over the cache, split across the intra-op threads (24 and 84 us).
+operand); `runtime/_attention.c` does the same arithmetic in one pass over the cache, split across the intra-op
+threads (figures in docs/cli.md).
 
 The pack is not changed: the chain's decode sessions join the sub-layers' graphs (`runtime/joined.py`) with each
 covered GroupQueryAttention node swapped for this op (same inputs, outputs and attributes; renamed on protobuf's

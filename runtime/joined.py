@@ -1,11 +1,10 @@
-"""Consecutive sub-layers joined into one graph, for the steps that run them back to back on the CPU.
+"""Consecutive sub-layers joined into one graph, for the steps that run them back to back.
 
-A decode step of a dense model runs every sub-layer once, in order, all on the CPU EP. Each session run costs
-more than its kernels: it starts cold, the caches full of the last sub-layer's weights (ONNX Runtime's executor
-state, the binding, the thread pool's hand-off). On SmolLM2 (2 threads, 256 cached tokens) one session over
-the whole decoder decoded 1.05-1.06x as fast as the 62-session chain with the same kernels. So the chain runs each
-stretch of sub-layers that nothing outside ONNX Runtime interrupts (a MoE router's experts do) as one session
-over their joined graphs, in the sub-layer sessions' packed weights (one prepacked-weights container).
+A decode step runs every sub-layer once, in order. Each session run costs more than its kernels: it starts cold,
+the caches full of the last sub-layer's weights (ONNX Runtime's executor state, the binding, the thread pool's
+hand-off), so fewer, larger sessions decode faster (docs/cli.md). The step runs each split's sub-layers, which
+nothing outside ONNX Runtime interrupts, as one session over their joined graphs (on the CPU in the sub-layer
+sessions' packed weights, one prepacked-weights container; on a device with the weights as inputs).
 
 The join is done on protobuf's wire format (`runtime/protowire.py`): nodes, initializers and value infos
 concatenated in order (an initializer stored by two sub-layers, like a tied embedding, kept once), the graph's

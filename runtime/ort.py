@@ -97,8 +97,7 @@ def cpu_session_options(threads: int | None = None, optimize: bool = True):
     options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     # A memory pattern is traced and cached per distinct set of input shapes; decoding grows the context
     # every step, so each step at a context not seen before traces one, and the cache keeps one entry per
-    # context length per session. Off, the shared arena serves the same allocations: on new contexts the
-    # chain's decode step took 0.98x the time, the monolithic session's 0.995x; equal once cached.
+    # context length per session. Off, the shared arena serves the same allocations, no slower (docs/cli.md).
     options.enable_mem_pattern = False
     options.graph_optimization_level = (
         ort.GraphOptimizationLevel.ORT_ENABLE_ALL if optimize else ort.GraphOptimizationLevel.ORT_DISABLE_ALL
