@@ -636,15 +636,22 @@ def validate_bench(document: object) -> dict:
 
 
 def progress_bar(stream=None) -> Callable[[int, int, str], None]:
-    """A one-line progress bar on a terminal (nothing when the stream is not one); stderr by default."""
+    """A progress bar (tqdm) on a terminal, nothing when the stream is not one; stderr by default."""
+    from tqdm import tqdm
+
     stream = stream or sys.stderr
+    bar: list = []
 
     def update(done: int, total: int, label: str) -> None:
-        if not stream.isatty():
+        if not stream.isatty() or (bar and bar[0] is None):  # not a terminal, or finished
             return
-        filled = int(30 * done / max(total, 1))
-        stream.write(f"\r[{'#' * filled}{'.' * (30 - filled)}] {done}/{total} {label[:40]:40s}")
+        if not bar:
+            bar.append(tqdm(total=total, file=stream, unit="step", leave=True))
+        bar[0].total = total
+        bar[0].n = done
+        bar[0].set_description_str(label[:40])
+        bar[0].refresh()
         if done >= total:
-            stream.write("\n")
-        stream.flush()
+            bar[0].close()
+            bar[0] = None
     return update
