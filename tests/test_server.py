@@ -168,20 +168,23 @@ def test_malformed_json_and_oversized_bodies_are_refused(running):
     assert answer.status_code == 413 and answer.json()["error"]
 
 
-def test_a_client_that_disconnects_mid_stream_frees_its_slot(tiny_pack):
-    with server(tiny_pack, "--parallel", "2", "--context", "512") as base:
-        body = {"model": "pack", "prompt": "Once upon a time", "max_tokens": 100_000, "temperature": 0,
-                "stream": True}  # to the end of the context: long enough to leave in the middle
-        with httpx.stream("POST", base + "/v1/completions", json=body, timeout=30) as answer:
+@pytest.mark.slow
+def test_a_client_that_disconnects_mid_stream_frees_its_slot(smollm2_pack):
+    """SmolLM2, slow enough that a 400-token answer is still running when its client leaves after two chunks."""
+    with server(smollm2_pack, "--parallel", "2", "--context", "1024", "--threads", "2") as base:
+        body = {"model": "pack", "prompt": "Once upon a time", "max_tokens": 400, "temperature": 0, "stream": True}
+        with httpx.stream("POST", base + "/v1/completions", json=body, timeout=60) as answer:
+            chunks = 0
             for line in answer.iter_lines():
-                if line.startswith("data: {"):
+                chunks += line.startswith("data: {")
+                if chunks == 2:
                     break  # leave with the answer unfinished
         deadline = time.monotonic() + 10
         while metric(base, "pipeshard_slots_free") != 2 and time.monotonic() < deadline:
             time.sleep(0.02)
         assert metric(base, "pipeshard_slots_free") == 2
         assert metric(base, "pipeshard_requests_cancelled_total") == 1
-        assert metric(base, "pipeshard_generated_tokens_total") < 512 - 10
+        assert metric(base, "pipeshard_generated_tokens_total") < 400
 
 
 @pytest.fixture(scope="module")
