@@ -12,7 +12,6 @@ by the kill is dropped and redone.
 from __future__ import annotations
 
 import json
-import os
 import sys
 import threading
 import time
@@ -73,9 +72,9 @@ def _job(number: int, text: str) -> Job:
         return Job(number, custom_id, True, chat=url == CHAT_URL, body=body)
     if "messages" in record or "prompt" in record:
         chat = "messages" in record
-        body = {k: v for k, v in record.items() if k in ("messages", "prompt", "max_tokens", "max_completion_tokens",
-                                                         "temperature", "top_p", "top_k", "seed", "stop",
-                                                         "repetition_penalty")}
+        from pipeshard.server import SAMPLING_FIELDS
+
+        body = {k: v for k, v in record.items() if k in ("messages", "prompt", *SAMPLING_FIELDS)}
         return Job(number, custom_id, False, chat=chat, body=body, passthrough=record)
     return Job(number, custom_id, False, error=f"line {number}: needs messages or prompt (or an OpenAI Batch body)")
 
@@ -337,5 +336,5 @@ def run_batch_ray(address: str, pack: Path, source: Path, target: Path, model: s
 def _progress(total: int, already: int):
     from tqdm import tqdm
 
-    return tqdm(total=total, initial=already, unit="req", file=sys.stderr, disable=not sys.stderr.isatty()
-                and not os.environ.get("PIPESHARD_PROGRESS"), smoothing=0.1)
+    return tqdm(total=total, initial=already, unit="req", file=sys.stderr, disable=not sys.stderr.isatty(),
+                smoothing=0.1)

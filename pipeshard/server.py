@@ -22,9 +22,9 @@ from pipeshard.errors import UserError
 
 log = logging.getLogger(__name__)
 MAX_BODY_BYTES = 1 << 20
-_SAMPLING_FIELDS = ("max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed", "stop",
-                    "repetition_penalty", "frequency_penalty", "presence_penalty", "n", "stream", "stream_options",
-                    "model", "messages", "prompt", "user", "logprobs", "echo")
+# The request fields `sampling_settings` reads (besides n and the ignored penalties).
+SAMPLING_FIELDS = ("max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed", "stop",
+                   "repetition_penalty")
 
 
 class RequestError(Exception):

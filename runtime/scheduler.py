@@ -59,8 +59,6 @@ class Request:
     fed: int = 0  # prompt tokens in the slot's KV
     generated: list[int] = field(default_factory=list)
     last_token: int = 0
-    queued_at: float = field(default_factory=time.perf_counter)
-    first_token_at: float | None = None
 
     def __post_init__(self) -> None:
         self.rng = np.random.default_rng(self.settings.seed)
@@ -236,7 +234,6 @@ class Scheduler:
         request.fed = end
         self.stats.prompt_tokens += end - begin
         if end == len(request.prompt):
-            request.first_token_at = time.perf_counter()
             self._take(request, logits[:, -1, :])
 
     def _prefill_group(self, prefilling: list[Request]) -> list[Request]:
@@ -264,10 +261,8 @@ class Scheduler:
         positions = np.broadcast_to(np.arange(width), (len(group), width)).copy()
         last = np.array([len(r.prompt) - 1 for r in group])
         logits = self.step.forward(ids, mask, positions, slot=group[0].slot, last_positions=last)
-        now = time.perf_counter()
         for row, request in enumerate(group):
             request.fed = len(request.prompt)
-            request.first_token_at = now
             self.stats.prompt_tokens += len(request.prompt)
             self._take(request, logits[row: row + 1, -1, :])
 

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeshard.partitioner.planner import CPU, PINNED, STREAMED, Plan, planning_units
+from pipeshard.partitioner.planner import CPU, HOST_ONLY_KINDS, PINNED, STREAMED, Plan, planning_units
 from pipeshard.partitioner.simulate import EXPERT_RUN_ORDER, EXPERT_SLOTS
 from pipeshard.runtime import capi
 from pipeshard.runtime.devices import CpuDevice, Device
@@ -554,7 +554,7 @@ class Step:
         # The plan's CPU sessions, largest weights first: a session's mapped blob is then never on top of the
         # packed copies of all the others.
         on_cpu = [e for e in self.pack.sub_layers if placements.get(e["name"]) == CPU or
-                  e["kind"] in ("prologue", "embed") or (self.layout.chunks.get(e["name"]) and not any(
+                  e["kind"] in HOST_ONLY_KINDS or (self.layout.chunks.get(e["name"]) and not any(
                       placements[u["name"]] != CPU for u in self.layout.chunks[e["name"]]))]
         for entry in sorted(on_cpu, key=lambda e: -e["weight_bytes"]):
             self._cpu_stage(entry["name"])
@@ -711,16 +711,16 @@ class Step:
         program: list = []
         stages: list[_Stage] = []
         for split in self.splits:
-            for unit, placement in split.runs:
-                self._bind_stage(self._stage_for(unit, placement), unit, placement)
             split_stages = self._split_stages(split, join)
             placement_of = dict(split.runs)
             for stage in split_stages:
-                if stage.name not in self.layout.units:  # a joined one
-                    self._bind_stage(stage, stage.name, CPU)
-                    for unit in stage.members:
-                        if placement_of[unit] == PINNED:
-                            self._bind_weights(stage, unit, self._pinned[unit])
+                if stage.name in placement_of:
+                    self._bind_stage(stage, stage.name, placement_of[stage.name])
+                    continue
+                self._bind_stage(stage, stage.name, CPU)  # a joined one: its members' pinned weights too
+                for unit in stage.members:
+                    if placement_of[unit] == PINNED:
+                        self._bind_weights(stage, unit, self._pinned[unit])
             if split.wait is not None:
                 program.append(partial(self._wait_for_slot, split_stages[0], split.wait))
             stages += split_stages
