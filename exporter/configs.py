@@ -81,6 +81,7 @@ class DecoderWithPastExportConfig(ExporterConfig):
     """Decoder with KV cache in and out: prefill (past length 0) and decode in one graph."""
 
     NORMALIZED_CONFIG_CLASS = NormalizedTextConfigWithGQA
+    image_token_id: int | None = None  # a VLM's decoder takes `image_features` for its image tokens
 
     @property
     def dims(self) -> DecoderDims:
@@ -113,8 +114,10 @@ class DecoderWithPastExportConfig(ExporterConfig):
 
     @property
     def inputs(self) -> dict[str, dict[int, str]]:
-        axes = {
-            "input_ids": {0: "batch", 1: "sequence"},
+        axes = {"input_ids": {0: "batch", 1: "sequence"}}
+        if self.image_token_id is not None:
+            axes["image_features"] = {0: "image_tokens"}
+        axes |= {
             "attention_mask": {0: "batch", 1: "total_sequence"},
             "position_ids": {0: "batch", 1: "sequence"},
         }
@@ -173,7 +176,9 @@ SUPPORTED_ARCHITECTURES: dict[str, type[DecoderWithPastExportConfig]] = {
 }
 
 
-def export_config_for(config, float_dtype: str) -> DecoderWithPastExportConfig:
-    """The export config of a transformers model config."""
+def export_config_for(config, float_dtype: str, image_token_id: int | None = None) -> DecoderWithPastExportConfig:
+    """The export config of a transformers model config (a VLM's decoder: with its image token)."""
     check_supported_features(config, config.model_type)
-    return SUPPORTED_ARCHITECTURES[config.model_type](config, task="text-generation", float_dtype=float_dtype)
+    export_config = SUPPORTED_ARCHITECTURES[config.model_type](config, task="text-generation", float_dtype=float_dtype)
+    export_config.image_token_id = image_token_id
+    return export_config

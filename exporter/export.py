@@ -67,6 +67,18 @@ def _quiet_third_party_output() -> None:
         logging.getLogger(name).setLevel(logging.ERROR)
 
 
+def _export_vision(source, staging: Path, opset: int, dtype: str) -> dict:
+    """A VLM's vision graph beside the decoder, checked against PyTorch; its description for export.json."""
+    from pipeshard.exporter.image_processing import preprocessing_config
+    from pipeshard.exporter.vlm import VISION_FILE, export_vision, vision_description
+
+    difference = export_vision(source.vlm, staging / VISION_FILE, opset)
+    if not difference <= LOGIT_TOLERANCE[dtype]:
+        raise RuntimeError(f"exported image features differ from PyTorch by {difference:.3g}")
+    return {**vision_description(source.vlm), "max_difference_vs_pytorch": difference,
+            "preprocessing": preprocessing_config(source.image_processor, source.vlm.config)}
+
+
 def export_model(model: str, out: Path, dtype: str = "fp32", force: bool = False, opset: int | None = None,
                  quiet: bool = False) -> ExportResult:
     """Export MODEL to OUT (atomically): ONNX decoder, weights, config, tokenizer files, export.json."""
@@ -91,10 +103,12 @@ def export_model(model: str, out: Path, dtype: str = "fp32", force: bool = False
     with atomic_output_dir(out, force) as staging, _stages(5, quiet) as progress:
         progress.set_description("load model")
         source = load_source(spec, getattr(torch, DTYPES[dtype]))
-        export_config = export_config_for(source.model.config, dtype)
+        image_token_id = int(source.vlm.config.image_token_id) if source.vlm is not None else None
+        export_config = export_config_for(source.model.config, dtype, image_token_id)
         progress.update()
 
         progress.set_description("trace + write ONNX")
+        vision = _export_vision(source, staging, opset, dtype) if source.vlm is not None else None
         export_decoder(source.model, export_config, staging / MODEL_FILE, opset)
         dims = export_config.dims
         fuse_exported_model(staging / MODEL_FILE, dims.num_attention_heads, dims.num_key_value_heads,
@@ -111,6 +125,8 @@ def export_model(model: str, out: Path, dtype: str = "fp32", force: bool = False
         source.model.config.save_pretrained(staging)
         source.model.generation_config.save_pretrained(staging)
         source.tokenizer.save_pretrained(staging)
+        if source.image_processor is not None:
+            source.image_processor.save_pretrained(staging)
         tokenizer_check = write_tokenizer_models(staging)
         progress.update()
 
@@ -120,6 +136,7 @@ def export_model(model: str, out: Path, dtype: str = "fp32", force: bool = False
             "schema_version": EXPORT_SCHEMA_VERSION,
             "source": source.description,
             "architecture": source.model.config.model_type,
+            **({"vision": vision} if vision else {}),
             "task": export_config.task,
             "dims": asdict(export_config.dims),
             "tie_word_embeddings": bool(getattr(source.model.config, "tie_word_embeddings", False)),

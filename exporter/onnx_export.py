@@ -11,16 +11,19 @@ import numpy as np
 
 from pipeshard.exporter.configs import DecoderWithPastExportConfig
 from pipeshard.exporter.moe import moe_export_form
+from pipeshard.exporter.vlm import IMAGE_MERGE, image_merge_module
 from pipeshard.runtime.kv import PAST_PREFIX, present_name
 
 log = logging.getLogger(__name__)
 
 DEFAULT_OPSET = 23
+IMAGE_TOKENS_TRACED = 3
 WRAPPER_ATTRIBUTE = "lm"
 
 
-def _decoder_with_past(model, num_layers: int):
-    """Wrap a causal LM so its KV cache is flat tensors in and out (what ONNX needs)."""
+def _decoder_with_past(model, num_layers: int, image_token_id: int | None = None):
+    """Wrap a causal LM so its KV cache is flat tensors in and out (what ONNX needs). With an image token, the
+    wrapper takes `image_features` after `input_ids` and merges them into the embeddings (exporter/vlm.py)."""
     import torch
     from transformers.cache_utils import DynamicCache
 
@@ -30,11 +33,15 @@ def _decoder_with_past(model, num_layers: int):
             setattr(self, WRAPPER_ATTRIBUTE, model)
 
         def forward(self, input_ids, attention_mask, position_ids, *past):
+            return self.decode(input_ids, None, attention_mask, position_ids, past)
+
+        def decode(self, input_ids, inputs_embeds, attention_mask, position_ids, past):
             # No config: every layer a full DynamicLayer, so present = Concat(past, new) everywhere; a sliding
             # window stays in the attention mask (config-built sliding layers would crop the cache instead).
             cache = DynamicCache(ddp_cache_data=[(past[2 * i], past[2 * i + 1]) for i in range(num_layers)])
             out = model(
-                input_ids=input_ids,
+                input_ids=None if inputs_embeds is not None else input_ids,
+                inputs_embeds=inputs_embeds,
                 attention_mask=attention_mask,
                 position_ids=position_ids,
                 cache=cache,
@@ -45,20 +52,36 @@ def _decoder_with_past(model, num_layers: int):
                 present += [layer.keys, layer.values]
             return (out.logits, *present)
 
-    return DecoderWithPast().eval()
+    class DecoderWithImages(DecoderWithPast):
+        def __init__(self) -> None:
+            super().__init__()
+            setattr(self, IMAGE_MERGE, image_merge_module(image_token_id))
+
+        def forward(self, input_ids, image_features, attention_mask, position_ids, *past):
+            embeds = getattr(self, IMAGE_MERGE)(input_ids, model.get_input_embeddings()(input_ids), image_features)
+            return self.decode(input_ids, embeds, attention_mask, position_ids, past)
+
+    return (DecoderWithPast() if image_token_id is None else DecoderWithImages()).eval()
 
 
 def dummy_inputs(export_config: DecoderWithPastExportConfig, torch_dtype, batch=2, sequence=3, past=5):
-    """Example inputs for tracing and validation: a decode-like step with a non-empty past."""
+    """Example inputs for tracing and validation: a decode-like step with a non-empty past; for a VLM, up to four image
+    tokens and three rows of features (the dimensions stay apart, and a token without features is traced too)."""
     import torch
 
     dims = export_config.dims
     generator = torch.Generator().manual_seed(0)
     input_ids = torch.randint(0, dims.vocab_size, (batch, sequence), generator=generator)
+    image_token_id = export_config.image_token_id
+    if image_token_id is not None:
+        input_ids.view(-1)[1: 1 + IMAGE_TOKENS_TRACED + 1] = image_token_id
+        features = torch.randn(IMAGE_TOKENS_TRACED, dims.hidden_size, generator=generator).to(torch_dtype)
     attention_mask = torch.ones(batch, past + sequence, dtype=torch.int64)
     position_ids = torch.arange(past, past + sequence).unsqueeze(0).expand(batch, sequence).contiguous()
     kv_shape = (batch, dims.num_key_value_heads, past, dims.head_dim)
     past_kv = [torch.randn(kv_shape, generator=generator).to(torch_dtype) for _ in export_config.past_names]
+    if image_token_id is not None:
+        return (input_ids, features, attention_mask, position_ids, *past_kv)
     return (input_ids, attention_mask, position_ids, *past_kv)
 
 
@@ -66,14 +89,16 @@ def export_decoder(model, export_config: DecoderWithPastExportConfig, onnx_path:
     """Export `model` to `onnx_path` with its weights in `<name>.data` beside it."""
     import torch
 
-    wrapper = _decoder_with_past(model, export_config.dims.num_layers)
+    wrapper = _decoder_with_past(model, export_config.dims.num_layers, export_config.image_token_id)
     args = dummy_inputs(export_config, model.dtype)
     input_names = list(export_config.inputs)
     output_names = list(export_config.outputs)
     batch, sequence = torch.export.Dim("batch"), torch.export.Dim("sequence")
     past, total = torch.export.Dim("past_sequence"), torch.export.Dim("total_sequence")
-    dynamic_shapes = {
-        "input_ids": {0: batch, 1: sequence},
+    dynamic_shapes = {"input_ids": {0: batch, 1: sequence}}  # in the order of the wrapper's arguments
+    if export_config.image_token_id is not None:
+        dynamic_shapes["image_features"] = {0: torch.export.Dim("image_tokens")}
+    dynamic_shapes |= {
         "attention_mask": {0: batch, 1: total},
         "position_ids": {0: batch, 1: sequence},
         "past": tuple({0: batch, 2: past} for _ in export_config.past_names),
@@ -132,6 +157,7 @@ def max_logit_difference(model, export_config: DecoderWithPastExportConfig, onnx
     reference = model if model.dtype == torch.float32 else copy.deepcopy(model).float()
     reference_args = [a.float() if a.is_floating_point() else a for a in args]
     with torch.no_grad():
-        torch_logits = _decoder_with_past(reference, export_config.dims.num_layers)(*reference_args)[0].numpy()
+        torch_logits = _decoder_with_past(reference, export_config.dims.num_layers,
+                                          export_config.image_token_id)(*reference_args)[0].numpy()
     return max(float(np.abs(logits.astype(np.float32) - torch_logits).max())
                for logits in (own_past_logits, shared_logits))

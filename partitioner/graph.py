@@ -21,6 +21,8 @@ from pipeshard.partitioner.rules import GLUE, classify, module_path
 from pipeshard.runtime.kv import PAST_PREFIX, PRESENT_PREFIX
 
 PROLOGUE = "prologue"
+# A vision tower's first and last sub-layers, and its prologue's name in a pack (beside the decoder's).
+VISION_EMBED, PROJECTOR, VISION_PROLOGUE = "vision_embed", "projector", "vision_prologue"
 SMALL_CONSTANT_ELEMENTS = 65536  # inline constants up to this size may follow a value into the prologue
 GRAPH_INPUT = "<input>"
 
@@ -43,8 +45,9 @@ class SubLayer:
 
 
 def sub_layer_kind(name: str) -> tuple[str, int | None]:
-    """('attn', 3) for 'L3.attn', ('expert', 3) for 'L3.expert5', ('embed', None) for 'embed'."""
-    match = re.fullmatch(r"L(\d+)\.([a-z_]+)\d*", name)
+    """('attn', 3) for 'L3.attn' (and a vision block's 'V3.attn'), ('expert', 3) for 'L3.expert5', ('embed', None)
+    for 'embed'."""
+    match = re.fullmatch(r"[LV](\d+)\.([a-z_]+)\d*", name)
     return (match.group(2), int(match.group(1))) if match else (name, None)
 
 
@@ -55,14 +58,15 @@ def expert_index(name: str) -> int | None:
 
 
 def execution_order(names: set[str]) -> list[str]:
-    """prologue, embed, L0.attn, L0.ffn (or L0.router, L0.expert0..., L0.combine), L1.attn, ..., final."""
+    """prologue, embed, L0.attn, L0.ffn (or L0.router, L0.expert0..., L0.combine), L1.attn, ..., final; a vision
+    tower's prologue, vision_embed, V0.attn, V0.ffn, ..., projector."""
     part_rank = {"attn": 0, "router": 1, "ffn": 2, "expert": 2, "combine": 3}
 
     def key(name: str):
         kind, layer = sub_layer_kind(name)
         if name == PROLOGUE:
             return (0, 0, 0, 0)
-        if name == "embed":
+        if name in ("embed", VISION_EMBED):
             return (1, 0, 0, 0)
         if layer is not None:
             return (2, layer, part_rank.get(kind, 4), expert_index(name) or 0)
@@ -157,11 +161,25 @@ def hoist_step_invariants(model: onnx.ModelProto, graph: nx.DiGraph, assignment:
     producer_of = graph.graph["producer"]
     for index in nx.topological_sort(graph):
         node = model.graph.node[index]
-        if assignment[index] == PROLOGUE or not node.input:
+        # The embedding stays whole: a VLM's image merge reads the token ids, but its values are per step.
+        if assignment[index] in (PROLOGUE, "embed") or not node.input:
             continue
         if all(not t or t in step_inputs or t in inline or assignment.get(producer_of.get(t)) == PROLOGUE
                for t in node.input):
             assignment[index] = PROLOGUE
+
+
+def keep_embedding_whole(model: onnx.ModelProto, graph: nx.DiGraph, assignment: dict[int, str]) -> None:
+    """Prologue nodes whose values only the embedding reads (the sizes a VLM's image merge takes from its inputs)
+    move into the embedding: the prologue keeps to the attention's step values, which a one-token step does not
+    recompute."""
+    graph_outputs = {o.name for o in model.graph.output}
+    for index in reversed(list(nx.topological_sort(graph))):
+        if assignment[index] != PROLOGUE:
+            continue
+        readers = {assignment[successor] for successor in graph.successors(index)}
+        if readers == {"embed"} and not graph_outputs & set(model.graph.node[index].output):
+            assignment[index] = "embed"
 
 
 def merge_duplicate_prologue_nodes(model: onnx.ModelProto, assignment: dict[int, str]) -> None:

@@ -21,14 +21,17 @@ from onnx import helper, numpy_helper
 from pipeshard import __version__
 from pipeshard.errors import UserError
 from pipeshard.fsutil import atomic_output_dir, check_output_dir, sha256_file, write_json_atomic
-from pipeshard.partitioner.costs import bytes_moved, checked_flops, kv_bytes_per_token
+from pipeshard.partitioner.costs import DTYPE_BYTES, bytes_moved, checked_flops, counted_flops, kv_bytes_per_token
 from pipeshard.partitioner.graph import (
+    PROLOGUE,
+    VISION_PROLOGUE,
     SubLayer,
     assign_sub_layers,
     build_graph,
     cut,
     expert_index,
     hoist_step_invariants,
+    keep_embedding_whole,
     merge_duplicate_prologue_nodes,
     moe_blocks,
     moe_internal_tensors,
@@ -36,7 +39,7 @@ from pipeshard.partitioner.graph import (
     untranspose_tied_weights,
     verify_cut,
 )
-from pipeshard.partitioner.rules import RULES_BY_ARCHITECTURE
+from pipeshard.partitioner.rules import RULES_BY_ARCHITECTURE, VISION_RULES
 from pipeshard.runtime.exportdir import read_export_info
 from pipeshard.runtime.kv import PAST_PREFIX, PRESENT_PREFIX
 from pipeshard.runtime.pack import MANIFEST_NAME, PACK_SCHEMA_VERSION, WEIGHT_ALIGNMENT
@@ -196,6 +199,51 @@ def _sub_model(model, sub_layer, infos, initializers, placements, weights_as_inp
     return sub_model
 
 
+def _vision_section(export_dir: Path, vision: dict, dtype: str, staging: Path) -> dict:
+    """Cut a VLM's vision graph into its blocks (`vision_embed`, `V{i}.attn`, `V{i}.ffn`, `projector`) and write
+    them beside the decoder's sub-layers: the manifest's `vision` section. A block's cost counts T = patches
+    through it and C = the patches each attends to; attention scores are the fused op's, never stored."""
+    model = onnx.load(export_dir / vision["file"], load_external_data=False)
+    graph = build_graph(model)
+    assignment = assign_sub_layers(model, graph, VISION_RULES)
+    model, assignment = topologically_sorted(model, assignment)
+    sub_layers = cut(model, assignment)
+    infos = _value_infos(model)
+    verify_cut(sub_layers, {name: _dims(v) for name, v in infos.items()}, vision["hidden_size"])
+    for sub_layer in sub_layers:
+        if sub_layer.name == PROLOGUE:
+            sub_layer.name = VISION_PROLOGUE
+    initializers = {i.name: i for i in model.graph.initializer}
+    external = {_external(i)["location"] for i in initializers.values() if _external(i)}
+    placements, blobs = _write_blobs(sub_layers, _weight_owners(sub_layers, initializers), initializers,
+                                     export_dir / external.pop(), staging) if external else ({}, {})
+    dims = {"hidden_size": vision["hidden_size"], "num_attention_heads": vision["num_attention_heads"],
+            "head_dim": vision["hidden_size"] // vision["num_attention_heads"]}
+    entries = []
+    for sub_layer in sub_layers:
+        files = {"onnx": f"{sub_layer.name}.onnx", "weights_as_inputs": f"{sub_layer.name}.inputs.onnx"}
+        for variant, as_inputs in (("onnx", False), ("weights_as_inputs", True)):
+            onnx.save(_sub_model(model, sub_layer, infos, initializers, placements, as_inputs), staging / files[variant])
+        weights = [{"name": name, "shape": list(initializers[name].dims),
+                    "dtype": ONNX_DTYPE_NAMES[initializers[name].data_type], **placements[name]}
+                   for name in sub_layer.initializers if name in placements]
+        weight_bytes = sum(w["bytes"] for w in weights)
+        entries.append({
+            "name": sub_layer.name, "kind": sub_layer.kind, "layer": sub_layer.layer, "files": files,
+            "blob": blobs.get(sub_layer.name), "weights": weights, "weight_bytes": weight_bytes,
+            "inputs": [_describe(infos[t]) for t in sub_layer.inputs],
+            "outputs": [_describe(infos[t]) for t in sub_layer.outputs],
+            "cost": {"flops": counted_flops(sub_layer, model, dims),
+                     "bytes": {"const": float(weight_bytes),
+                               "T": float(2 * vision["hidden_size"] * DTYPE_BYTES[dtype])}},
+            "nodes": len(sub_layer.nodes),
+        })
+    described = {k: v for k, v in vision.items() if k not in ("file", "max_difference_vs_pytorch")}
+    return {**described, "graph_inputs": [_describe(v) for v in model.graph.input],
+            "graph_outputs": [_describe(v) for v in model.graph.output],
+            "total_weight_bytes": sum(b["bytes"] for b in blobs.values()), "sub_layers": entries}
+
+
 def partition(export_dir: Path, pack: Path, force: bool = False) -> PartitionResult:
     """Cut EXPORT_DIR's decoder into sub-layers and write the pack to PACK (atomically)."""
     started = time.perf_counter()
@@ -211,6 +259,8 @@ def partition(export_dir: Path, pack: Path, force: bool = False) -> PartitionRes
     graph = build_graph(model)
     assignment = assign_sub_layers(model, graph, rules)
     hoist_step_invariants(model, graph, assignment)
+    if "vision" in info:
+        keep_embedding_whole(model, graph, assignment)
     merge_duplicate_prologue_nodes(model, assignment)
     untranspose_tied_weights(model, assignment)
     model, assignment = topologically_sorted(model, assignment)
@@ -262,8 +312,9 @@ def partition(export_dir: Path, pack: Path, force: bool = False) -> PartitionRes
                          "bytes": bytes_moved(sub_layer, sub_layer.kind, dims, dtype, weight_bytes)},
                 "nodes": len(sub_layer.nodes),
             })
+        vision = _vision_section(export_dir, info["vision"], dtype, staging) if "vision" in info else None
         for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-                     "chat_template.jinja", "tokenizer.onnx", "detokenizer.onnx"):
+                     "chat_template.jinja", "tokenizer.onnx", "detokenizer.onnx", "preprocessor_config.json"):
             if (export_dir / name).is_file():
                 (staging / name).write_bytes((export_dir / name).read_bytes())
         manifest = {
@@ -292,6 +343,7 @@ def partition(export_dir: Path, pack: Path, force: bool = False) -> PartitionRes
                           "for an expert, T = the tokens routed to it",
             "sub_layers": entries,
             "moe_blocks": blocks,
+            **({"vision": vision} if vision else {}),
             # Every file but the weight blobs (their digests are in the entries), for `inspect --verify`.
             "files": {path.name: {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
                       for path in sorted(staging.iterdir()) if path.is_file() and not path.name.endswith(".weights")},

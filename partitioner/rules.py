@@ -21,7 +21,7 @@ DECODER_RULES: list[tuple[str, str]] = [
     (r"(?:^|\.)layers\.(\d+)\.(input_layernorm|self_attn)(\..*)?$", "L{0}.attn"),
     (r"(?:^|\.)layers\.(\d+)\.(post_attention_layernorm|mlp)(\..*)?$", "L{0}.ffn"),
     (r"(?:^|\.)layers\.(\d+)$", "L{0}." + GLUE),
-    (r"(?:^|\.)embed_tokens$", "embed"),
+    (r"(?:^|\.)embed_tokens$|^image_merge$", "embed"),  # a VLM decoder's image merge (exporter/vlm.py) too
     (r"(?:^|\.)model\.norm$|(?:^|\.)lm_head$", "final"),
     (r"(?:^|\.)rotary_emb$|(?:^|\.)model$|^lm$|^$", "prologue"),
 ]
@@ -41,6 +41,16 @@ MOE_RULES: list[tuple[str, str]] = [
     (r"(?:^|\.)layers\.(\d+)\.mlp\.experts\.(\d+)(\..*)?$", "L{0}.expert{1}"),
     (r"(?:^|\.)layers\.(\d+)\.mlp\.combine$", "L{0}.combine"),
     *DECODER_RULES,
+]
+
+# A VLM's vision tower (exporter/vlm.py: `vision_model` and `connector` of Idefics3 / SmolVLM).
+VISION_RULES: list[tuple[str, str]] = [
+    (r"(?:^|\.)encoder\.layers\.(\d+)\.(layer_norm1|self_attn)(\..*)?$", "V{0}.attn"),
+    (r"(?:^|\.)encoder\.layers\.(\d+)\.(layer_norm2|mlp)(\..*)?$", "V{0}.ffn"),
+    (r"(?:^|\.)encoder\.layers\.(\d+)$", "V{0}." + GLUE),
+    (r"(?:^|\.)vision_model\.embeddings(\..*)?$", "vision_embed"),
+    (r"(?:^|\.)vision_model\.post_layernorm$|(?:^|\.)connector(\..*)?$", "projector"),
+    (r"(?:^|\.)vision_model$|^_empty_nn_module_stack_from_metadata_hook$|^$", "prologue"),
 ]
 
 RULES_BY_ARCHITECTURE: dict[str, list[tuple[str, str]]] = {

@@ -6,6 +6,8 @@ import logging
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
+
 from pipeshard.errors import UserError
 from pipeshard.partitioner.planner import PLAN_NAMES
 from pipeshard.runtime.generate import Generation, Generator, SamplingSettings, StreamEvent
@@ -21,10 +23,11 @@ PLANS = PLAN_NAMES
 class Engine:
     """A loaded model: turns prompts into text through a forward step."""
 
-    def __init__(self, step, codec: TextCodec, source: Path) -> None:
+    def __init__(self, step, codec: TextCodec, source: Path, vision=None) -> None:
         self.step = step
         self.codec = codec
         self.source = source
+        self.vision = vision  # a VLM's image encoder (runtime/vision.py); None for a text model
         self.generator = Generator(step, codec)
         self.scheduler = None  # set by serve(): then the scheduler's thread owns the step
 
@@ -51,11 +54,37 @@ class Engine:
         prompts = [prompts] if isinstance(prompts, str) else list(prompts)
         return [self.generator.prompt_ids(p, chat_template, system) for p in prompts]
 
+    def _with_images(self, prompts: str | list[str], images: list | None, chat_template: bool,
+                     system: str | None):
+        """The prompts' token ids and the features of their image tokens (None without images). `images`: for
+        one prompt, its images (paths or PIL images); for a batch, a list per prompt."""
+        if not images:
+            return self._prompt_ids(prompts, chat_template, system), None
+        if self.vision is None:
+            raise UserError(f"{self.source} is a text model: it takes no images")
+        from pipeshard.runtime.vision import prompt_images
+
+        batch = isinstance(prompts, list)
+        prompts, per_prompt = (prompts, images) if batch else ([prompts], [images])
+        if len(per_prompt) != len(prompts):
+            raise UserError(f"{len(prompts)} prompts but images for {len(per_prompt)}")
+        ids, features = [], []
+        for prompt, its_images in zip(prompts, per_prompt, strict=True):
+            if its_images:
+                prepared = prompt_images(self.vision, prompt, list(its_images))
+                prompt = prepared.text
+                features.append(prepared.features)
+            ids += self._prompt_ids(prompt, chat_template, system)
+        return ids, np.concatenate(features) if features else None
+
     def generate(self, prompts: str | list[str], chat_template: bool = True, system: str | None = None,
-                 **sampling) -> list[Generation]:
-        """Generate for one prompt or a batch; keyword arguments are SamplingSettings fields."""
+                 images: list | None = None, **sampling) -> list[Generation]:
+        """Generate for one prompt or a batch; keyword arguments are SamplingSettings fields. A VLM takes
+        `images`: the prompt's (paths or PIL images), or for a batch a list per prompt; placeholders in a prompt
+        say where they go (by default, before its text)."""
         self._check_not_served()
-        return self.generator.generate(self._prompt_ids(prompts, chat_template, system), SamplingSettings(**sampling))
+        ids, features = self._with_images(prompts, images, chat_template, system)
+        return self.generator.generate(ids, SamplingSettings(**sampling), image_features=features)
 
     def set_vram_budget(self, size: str | int) -> None:
         """Replan for a new VRAM budget between steps (a game took memory back, or gave it)."""
@@ -75,11 +104,12 @@ class Engine:
         return stats.to_json() if stats is not None and stats.steps else None
 
     def stream(self, prompts: str | list[str], chat_template: bool = True, system: str | None = None,
-               results: list[Generation] | None = None, **sampling) -> Iterator[StreamEvent]:
+               results: list[Generation] | None = None, images: list | None = None,
+               **sampling) -> Iterator[StreamEvent]:
         """Like generate, yielding text pieces as they are produced."""
         self._check_not_served()
-        return self.generator.stream(self._prompt_ids(prompts, chat_template, system), SamplingSettings(**sampling),
-                                     results)
+        ids, features = self._with_images(prompts, images, chat_template, system)
+        return self.generator.stream(ids, SamplingSettings(**sampling), results, image_features=features)
 
 
 def load(path: str | Path, threads: int | None = None, verify: bool = False, vram: str | int | None = None,
@@ -114,7 +144,7 @@ def load(path: str | Path, threads: int | None = None, verify: bool = False, vra
                             "--vram and --plan need a model pack (pipeshard partition EXPORT PACK)")
         if verify:
             verify_export(folder)
-        return _engine(lambda: MonolithicStep(folder, threads=threads), folder)
+        return _engine(lambda: MonolithicStep(folder, threads=threads), folder, threads)
     if device == "cuda":
         from pipeshard.profiles.measure_cuda import cuda_usable
 
@@ -125,7 +155,7 @@ def load(path: str | Path, threads: int | None = None, verify: bool = False, vra
         export = Path(load_pack(folder).manifest["source"]["export"])
         if not (export / "export.json").is_file():
             raise UserError(f"--plan monolithic needs the export the pack was made from ({export}), which is gone")
-        return _engine(lambda: MonolithicStep(export, threads=threads), folder)
+        return _engine(lambda: MonolithicStep(export, threads=threads), folder, threads)
     if plans is not None and (device in ("auto", "cpu") or plan != "auto"):
         raise UserError("--plans runs a saved plans file on a device: give --device sim|cuda, and no --plan")
     if device == "auto":
@@ -138,11 +168,11 @@ def load(path: str | Path, threads: int | None = None, verify: bool = False, vra
     if device == "cpu" or plan == "cpu":
         if plan not in ("auto", "cpu"):
             raise UserError(f"--plan {plan} places sub-layers on a device: give --device sim|cuda and --vram")
-        return _engine(lambda: Step(folder, threads=threads, verify=verify), folder)
+        return _engine(lambda: Step(folder, threads=threads, verify=verify), folder, threads)
     if vram is None and plans is None:
         raise UserError(f"--device {device} needs a VRAM budget (--vram SIZE)")
     return _engine(lambda: planned_step(folder, device, vram, profile, plan, threads, context, batch, verify,
-                                        expert_stats, plans), folder)
+                                        expert_stats, plans), folder, threads)
 
 
 def verify_export(folder: Path) -> None:
@@ -158,11 +188,25 @@ def verify_export(folder: Path) -> None:
             raise UserError(f"{path} does not match its sha256 in export.json (corrupt)")
 
 
-def _engine(make_step, folder: Path) -> Engine:
+def _engine(make_step, folder: Path, threads: int | None = None) -> Engine:
     """The text codec first, then the step: what the tokenizer's parse leaves behind is then freed below the
     weights rather than on top of them, so it never adds to the peak."""
     codec = TextCodec(folder)
-    return Engine(make_step(), codec, folder)
+    step = make_step()
+    return Engine(step, codec, folder, _vision_of(step, threads))
+
+
+def _vision_of(step, threads: int | None):
+    """A VLM's image encoder on the step's side: the export's vision graph beside a monolithic step, the pack's
+    vision blocks on the step's device (which gives the decoder's memory back if the encoder needs it)."""
+    from pipeshard.runtime.monolithic import MonolithicStep
+    from pipeshard.runtime.vision import ExportVision, PackVision
+
+    if isinstance(step, MonolithicStep):
+        return ExportVision(step.folder, step.info, threads) if step.takes_images else None
+    if "vision" not in step.pack.manifest:
+        return None
+    return PackVision(step.pack, step.device, threads, release_decoder=step.release_device_memory)
 
 
 def read_expert_stats(path: str | Path | None) -> dict | None:

@@ -25,10 +25,12 @@ class ForwardStep(Protocol):
     def start(self, batch_size: int, context: int | None = None) -> None:
         """Forget every cached token and prepare for `batch_size` sequences of up to `context` tokens."""
 
-    def forward(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray) -> np.ndarray:
+    def forward(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray,
+                image_features: np.ndarray | None = None) -> np.ndarray:
         """Logits for int64 ids [batch, T], mask [batch, past + T], positions [batch, T]: [batch, T, vocab], or
         [batch, 1, vocab] (the last new token only) for steps that skip the rest — generation needs no more.
-        The array may be the step's own buffer, overwritten by the next forward: copy what you keep."""
+        The array may be the step's own buffer, overwritten by the next forward: copy what you keep. A VLM's
+        step takes the rows of its image tokens' features."""
 
 
 @dataclass
@@ -122,6 +124,7 @@ class Generator:
         self.cached_tokens: list[int] = []
         self.cache_capacity = 0
         self.reused_tokens = 0  # of the last prompt, taken from the kept cache
+        self.cached_features: np.ndarray | None = None  # the image features of the kept cache's image tokens
 
     def prompt_ids(self, prompt: str, chat_template: bool = True, system: str | None = None) -> list[int]:
         ids = self.codec.encode(self.codec.render_chat(prompt, system)) if chat_template else \
@@ -130,22 +133,25 @@ class Generator:
             raise UserError("the prompt is empty")
         return ids
 
-    def generate(self, prompts: list[list[int]], settings: SamplingSettings) -> list[Generation]:
+    def generate(self, prompts: list[list[int]], settings: SamplingSettings,
+                 image_features: np.ndarray | None = None) -> list[Generation]:
         """Generate for a batch of tokenized prompts; returns one Generation per prompt."""
         results: list[Generation] = []
         # Nobody reads the pieces here: the text is decoded once at the end, unless stop strings must be
         # watched for as it grows.
-        for _ in self.stream(prompts, settings, results, pieces=bool(settings.stop_strings)):
+        for _ in self.stream(prompts, settings, results, pieces=bool(settings.stop_strings),
+                             image_features=image_features):
             pass
         return results
 
     def stream(self, prompts: list[list[int]], settings: SamplingSettings,
                results: list[Generation] | None = None, pieces: bool = True,
-               keep_cache: int | None = None) -> Iterator[StreamEvent]:
+               keep_cache: int | None = None, image_features: np.ndarray | None = None) -> Iterator[StreamEvent]:
         """Yield text pieces as tokens are chosen (none with `pieces=False`: then stop strings are only cut
         from the final text); fill `results` (if given) when done. `keep_cache` (one prompt only): a KV cache of
         that many tokens is kept between calls, and a prompt that begins with tokens it already holds (the turns
-        of a chat seen before) feeds only the rest."""
+        of a chat seen before, their images' features the same) feeds only the rest. `image_features`: a VLM's
+        rows for the prompts' image tokens, in reading order (prompt by prompt)."""
         settings.validate()
         if keep_cache is not None and len(prompts) != 1:
             raise ValueError("keep_cache takes one prompt")
@@ -172,14 +178,19 @@ class Generator:
         full_mask[:, longest:] = 1
         attention_mask = full_mask[:, :longest]
         position_ids = np.maximum(np.cumsum(attention_mask, axis=1) - 1, 0)
-        reused = self._reusable_prefix(prompts[0], total, keep_cache) if keep_cache is not None else 0
+        reused = self._reusable_prefix(prompts[0], total, keep_cache, image_features) if keep_cache is not None else 0
+        features = image_features
         if reused:
             input_ids, position_ids = input_ids[:, reused:], position_ids[:, reused:]
+            if features is not None:
+                features = features[self._image_tokens(prompts[0][:reused]):]
         elif keep_cache is not None:
             self.cached_tokens, self.cache_capacity = [], keep_cache
             self.step.start(1, keep_cache)
         else:
             self.step.start(batch, total)
+        if keep_cache is not None:
+            self.cached_features = image_features
         fed = self.cached_tokens = self.cached_tokens[:reused]
         self.reused_tokens = reused
         generated: list[list[int]] = [[] for _ in prompts]
@@ -191,7 +202,11 @@ class Generator:
         started = time.perf_counter()
         first_token_at = started
         for step_index in range(settings.max_new_tokens):
-            logits = self.step.forward(input_ids, attention_mask, position_ids)[:, -1, :]
+            if features is not None:  # the prompt's step: its image tokens take their features
+                logits = self.step.forward(input_ids, attention_mask, position_ids, image_features=features)
+                logits, features = logits[:, -1, :], None
+            else:
+                logits = self.step.forward(input_ids, attention_mask, position_ids)[:, -1, :]
             if keep_cache is not None:
                 fed += input_ids[0].tolist()
             step_counts.append(int(input_ids.size))
@@ -240,8 +255,14 @@ class Generator:
                     step_token_counts=step_counts,
                 ))
 
-    def _reusable_prefix(self, prompt: list[int], total: int, capacity: int) -> int:
-        """How many of the prompt's first tokens the kept cache holds (at least one token is always fed)."""
+    def _image_tokens(self, ids: list[int]) -> int:
+        image_token = getattr(self.step, "image_token_id", None)
+        return sum(1 for token in ids if token == image_token) if image_token is not None else 0
+
+    def _reusable_prefix(self, prompt: list[int], total: int, capacity: int,
+                         image_features: np.ndarray | None = None) -> int:
+        """How many of the prompt's first tokens the kept cache holds (at least one token is always fed); image
+        tokens count only where the cache saw the same features for them."""
         if capacity != self.cache_capacity or total > capacity:
             return 0
         same = 0
@@ -249,6 +270,14 @@ class Generator:
             if cached != token:
                 break
             same += 1
+        images = self._image_tokens(prompt[:same])
+        if images:
+            cached = self.cached_features
+            seen = cached is not None and image_features is not None and len(cached) >= images and \
+                len(image_features) >= images and np.array_equal(cached[:images], image_features[:images])
+            if not seen:
+                image_token = self.step.image_token_id
+                same = prompt.index(image_token)
         return same
 
 

@@ -11,6 +11,7 @@ from pipeshard.errors import UserError
 DEFAULT_CAPACITY = 2048
 PAST_PREFIX = "past_key_values."
 PRESENT_PREFIX = "present."
+IMAGE_FEATURES = "image_features"  # a VLM decoder's rows for the step's image tokens (none on most steps)
 # GroupQueryAttention's per-step inputs besides the KV buffers, made by the exported graph (a pack's prologue)
 # from `attention_mask`: each row's length - 1 (int32 [batch]), the total length (int32 scalar), and the
 # additive bias of the padding alone ([batch, 1, new, total]: 0 where the mask is set, the dtype's lowest

@@ -8,7 +8,7 @@ import numpy as np
 
 from pipeshard.runtime import capi
 from pipeshard.runtime.exportdir import NUMPY_DTYPES, read_export_info
-from pipeshard.runtime.kv import PAST_PREFIX, HostKvCache, check_step_shape, present_name
+from pipeshard.runtime.kv import IMAGE_FEATURES, PAST_PREFIX, HostKvCache, check_step_shape, present_name
 
 
 class MonolithicStep:
@@ -30,6 +30,9 @@ class MonolithicStep:
         self.binding = self.session.binding()
         self.run_options = rt.run_options()
         self._logits = np.empty(0, self.kv.dtype)
+        self.takes_images = IMAGE_FEATURES in self.info["inputs"]
+        self.image_token_id = int(self.info["vision"]["image_token_id"]) if self.takes_images else None
+        self._no_features = np.zeros((0, int(dims["hidden_size"])), self.kv.dtype)
 
     def start(self, batch_size: int, context: int | None = None) -> None:
         self.binding.clear()  # lets the old KV buffers go before the new ones are made
@@ -42,7 +45,9 @@ class MonolithicStep:
             self.binding.bind_input(name, buffer)
             self.binding.bind_output(present_name(name), buffer)
 
-    def forward(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray) -> np.ndarray:
+    def forward(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray,
+                image_features: np.ndarray | None = None) -> np.ndarray:
+        """One step; a VLM's decoder takes the rows of the step's image tokens (`image_features`)."""
         batch, tokens = input_ids.shape
         total = attention_mask.shape[1]
         check_step_shape(batch, tokens, total)
@@ -52,6 +57,9 @@ class MonolithicStep:
         binding.bind_input("input_ids", np.ascontiguousarray(input_ids, dtype=np.int64))
         binding.bind_input("attention_mask", np.ascontiguousarray(attention_mask, dtype=np.int64))
         binding.bind_input("position_ids", np.ascontiguousarray(position_ids, dtype=np.int64))
+        if self.takes_images:
+            binding.bind_input(IMAGE_FEATURES, np.ascontiguousarray(
+                self._no_features if image_features is None else image_features, self.kv.dtype))
         if self._logits.shape[:2] != (batch, tokens):  # logits land in our buffer: no output is fetched back
             self._logits = np.empty((batch, tokens, self.vocab_size), self.kv.dtype)
             binding.bind_output("logits", self._logits)

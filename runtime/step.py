@@ -42,7 +42,7 @@ from pipeshard.runtime import capi
 from pipeshard.runtime.devices import CpuDevice, Device
 from pipeshard.runtime.exportdir import NUMPY_DTYPES
 from pipeshard.runtime.joined import JoinedGraph, join
-from pipeshard.runtime.kv import PADDING_BIAS, SEQLENS, TOTAL, HostKvCache, check_step_shape
+from pipeshard.runtime.kv import IMAGE_FEATURES, PADDING_BIAS, SEQLENS, TOTAL, HostKvCache, check_step_shape
 from pipeshard.runtime.moe import ExpertStats, MoeBlock, chosen_experts, combine
 from pipeshard.runtime.pack import MappedWeights, Pack, load_pack
 from pipeshard.runtime.plansource import PlanBook
@@ -117,10 +117,11 @@ class _Stage:
         outputs = [n for n in outputs if n not in roles.tables]  # consumers get whole tables
         self.token_inputs = [n for n in inputs if n in TOKEN_INPUTS]
         self.mask_inputs = [n for n in inputs if n in STEP_INPUTS and n not in TOKEN_INPUTS]
+        self.feature_inputs = [n for n in inputs if n == IMAGE_FEATURES]
         self.residual_inputs = [n for n in inputs if n in roles.residual]
         self.fixed_inputs = [n for n in inputs if n in roles.fixed or n in roles.tables]
         self.shared_inputs = [n for n in inputs if n not in STEP_INPUTS and n not in roles.residual
-                              and n not in past and n not in self.fixed_inputs]
+                              and n not in past and n not in self.fixed_inputs and n != IMAGE_FEATURES]
         self.pointer_outputs = [n for n in outputs if n in roles.residual or n == LOGITS or n in roles.fixed]
         self.allocated_outputs = [n for n in outputs if n not in self.pointer_outputs and n not in present]
         # IO binding returns outputs in the order they were first bound: KV, pointers, the rest.
@@ -216,6 +217,10 @@ class Step:
         self._device_activations = False
         self._consumers: dict[str, list[tuple]] = {}
         self._mask_inputs: list[tuple] = []
+        self._feature_inputs: list[tuple] = []
+        vision = self.pack.manifest.get("vision")
+        self.image_token_id = int(vision["image_token_id"]) if vision else None
+        self._no_features = np.zeros((0, self.hidden_size), self.dtype)
         self._allocated_outputs: list[tuple] = []
         self._decoding = False
         self._bias_dtype = next((np.dtype(o["dtype"]) for e in layout.in_line if e["kind"] == "prologue"
@@ -456,6 +461,11 @@ class Step:
         for copy in self._slot_copy:
             if copy is not None:
                 copy.result()
+
+    def release_device_memory(self) -> None:
+        """Give back every byte the active plan holds on the device, between steps (a VLM's image encoder runs in
+        it); the next step activates its plan again."""
+        self._deactivate()
 
     def _deactivate(self) -> None:
         """Release everything on the device; the KV comes back to the host."""
@@ -734,6 +744,7 @@ class Step:
         if self._decoding:
             self._bind_decode_values(stages)
         self._mask_inputs = [(stage.binding.bind_input, name) for stage in stages for name in stage.mask_inputs]
+        self._feature_inputs = [(stage.binding.bind_input, name) for stage in stages for name in stage.feature_inputs]
         self._allocated_outputs = [(stage.binding.bind_output_to_cpu, name) for stage in stages
                                    for name in stage.allocated_outputs]
         self._consumers = {}
@@ -782,11 +793,13 @@ class Step:
 
     # -- the step ---------------------------------------------------------------------------------------------------
     def forward(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray,
-                slot: int | None = None, last_positions: np.ndarray | None = None) -> np.ndarray:
+                slot: int | None = None, last_positions: np.ndarray | None = None,
+                image_features: np.ndarray | None = None) -> np.ndarray:
         """One step. `slot`: the KV cache's row of the step's first sequence (requests joining a running batch,
         `runtime/scheduler.py`); without it a step of fewer sequences than the cache has rows runs on its first
         rows. Rows may have lengths of their own (each row's mask ends at its last token; `last_positions`: the
-        position whose logits each row's prompt step returns, by default the last)."""
+        position whose logits each row's prompt step returns, by default the last). `image_features`: a VLM's
+        rows for the step's image tokens, in reading order."""
         batch, tokens = input_ids.shape
         total = attention_mask.shape[1]
         check_step_shape(batch, tokens, total)
@@ -803,10 +816,12 @@ class Step:
             # A prompt longer than the largest tier: chunks of it (bounds activation memory too). A batch's
             # prompts go in one step: GQA on the CPU takes several new tokens after a past only for batch 1.
             past = total - tokens
+            starts = range(0, tokens, largest)
+            features = split_features(input_ids[0], self.image_token_id, image_features, starts)
             pieces = [np.array(self.forward(input_ids[:, begin: begin + largest],
                                             attention_mask[:, : past + min(begin + largest, tokens)],
-                                            position_ids[:, begin: begin + largest], slot))
-                      for begin in range(0, tokens, largest)]
+                                            position_ids[:, begin: begin + largest], slot, image_features=rows))
+                      for begin, rows in zip(starts, features, strict=True)]
             return np.concatenate(pieces, axis=1)
         tier = self.book.tier_for(batch * tokens)
         plan = self.book.plan_for(tier)
@@ -828,6 +843,11 @@ class Step:
             np.copyto(self._decode_bias[:, 0, 0, :total], np.where(mask != 0, 0, self._bias_lowest))
         for bind, name in self._mask_inputs:
             bind(name, mask)
+        if self._feature_inputs:
+            features = self._no_features if image_features is None else np.ascontiguousarray(image_features,
+                                                                                             self.dtype)
+            for bind, name in self._feature_inputs:
+                bind(name, features)
         for bind, name in self._allocated_outputs:
             bind(name)
         try:
@@ -928,6 +948,16 @@ class Step:
     def close(self) -> None:
         self._deactivate()
         self.device.close()
+
+
+def split_features(token_ids: np.ndarray, image_token_id: int | None, features: np.ndarray | None,
+                   starts: range) -> list[np.ndarray | None]:
+    """The image features of each chunk of a prompt cut at `starts`: as many rows as the chunk has image tokens."""
+    if features is None or image_token_id is None:
+        return [None] * len(starts)
+    counts = [int(np.count_nonzero(token_ids[begin: begin + starts.step] == image_token_id)) for begin in starts]
+    edges = np.cumsum([0, *counts])
+    return [features[edges[i]: edges[i + 1]] for i in range(len(starts))]
 
 
 def _stored_weight(pack: Pack, entry: dict, name: str) -> np.ndarray:

@@ -1,0 +1,353 @@
+"""Image preprocessing for vision-language packs, with numpy and Pillow only.
+
+The export records the model's image processor as a plain dict (exporter/image_processing.py); this module
+turns images into the vision graph's inputs the way the transformers processor does (same resize chain, same
+float arithmetic, so the pixels match it bit for bit), expands each image placeholder in the prompt into the
+image tokens the model expects, and computes Qwen2.5-VL's window-attention indices and rotary positions,
+which its vision tower derives in Python and the ONNX vision graph takes as inputs.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+
+import numpy as np
+from PIL import Image, ImageOps, UnidentifiedImageError
+
+from pipeshard.errors import UserError
+
+PREPROCESSING_SCHEMA_VERSION = 1
+
+
+@dataclass
+class ImageInputs:
+    """The vision graph's inputs for the images of one prompt, and how each image lays out in the prompt.
+
+    pixel_values is float32: idefics3 [tiles, 3, S, S] (every image's tiles, in order, each image's global
+    view last); qwen2_vl [patches, C * temporal_patch * patch * patch]. image_tokens[i] is the number of
+    image-token positions image i fills in the prompt (= its rows of image features).
+    """
+
+    family: str
+    pixel_values: np.ndarray
+    image_tokens: list[int]
+    rows: list[int] = field(default_factory=list)  # idefics3: tile rows per image (0: not split)
+    cols: list[int] = field(default_factory=list)  # idefics3: tile columns per image (0: not split)
+    image_grid_thw: np.ndarray | None = None  # qwen2_vl: int64 [images, 3], patches along t, h, w
+
+
+def load_image(path: str | os.PathLike) -> Image.Image:
+    """An image file as RGB, upright per its EXIF orientation; a file that is not a readable image is a UserError."""
+    name = os.fspath(path)
+    if os.path.isdir(name):
+        raise UserError(f"{name} is a directory, not an image file")
+    if not os.path.exists(name):
+        raise UserError(f"image file not found: {name}")
+    try:
+        with Image.open(name) as opened:
+            opened.load()
+            image = ImageOps.exif_transpose(opened)
+            return to_rgb(image)
+    except UnidentifiedImageError:
+        raise UserError(f"{name} is not an image file Pillow can read") from None
+    except (OSError, ValueError, Image.DecompressionBombError) as error:
+        raise UserError(f"cannot read image {name}: {error}") from None
+
+
+def to_rgb(image: Image.Image) -> Image.Image:
+    """RGB, with any transparency composited onto white, as the transformers processors convert."""
+    if "A" in image.getbands() or image.info.get("transparency") is not None:
+        rgba = image.convert("RGBA")
+        white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        return Image.alpha_composite(white, rgba).convert("RGB")
+    return image if image.mode == "RGB" else image.convert("RGB")
+
+
+def image_placeholder(config: dict) -> str:
+    """What a prompt holds for one image before expansion (what the model's chat template writes)."""
+    _check_config(config)
+    if config["family"] == "idefics3":
+        return config["image_token"]
+    return config["vision_start_token"] + config["image_token"] + config["vision_end_token"]
+
+
+def preprocess(images: list[Image.Image], config: dict) -> ImageInputs:
+    """The vision inputs for `images` (one prompt's, in prompt order) under the pack's preprocessing config."""
+    _check_config(config)
+    if not images:
+        raise ValueError("preprocess needs at least one image")
+    rgb = [to_rgb(image) for image in images]
+    if config["family"] == "idefics3":
+        return _preprocess_idefics3(rgb, config)
+    return _preprocess_qwen2_vl(rgb, config)
+
+
+def expand_image_tokens(text: str, inputs: ImageInputs, config: dict) -> str:
+    """`text` with its i-th image token replaced by image i's token run, as the transformers processor writes it."""
+    _check_config(config)
+    pieces = text.split(config["image_token"])
+    placeholders = len(pieces) - 1
+    if placeholders != len(inputs.image_tokens):
+        raise UserError(
+            f"the prompt has {placeholders} image placeholder(s) {config['image_token']!r} "
+            f"but {len(inputs.image_tokens)} image(s) were given"
+        )
+    if config["family"] == "idefics3":
+        runs = [_idefics3_image_text(rows, cols, config) for rows, cols in zip(inputs.rows, inputs.cols, strict=True)]
+    else:
+        runs = [config["image_token"] * count for count in inputs.image_tokens]
+    expanded = [pieces[0]]
+    for run, piece in zip(runs, pieces[1:], strict=True):
+        expanded += [run, piece]
+    return "".join(expanded)
+
+
+def _check_config(config: dict) -> None:
+    version = config.get("schema_version")
+    if version != PREPROCESSING_SCHEMA_VERSION:
+        raise UserError(
+            f"the pack's image preprocessing has schema_version {version}; this pipeshard reads "
+            f"{PREPROCESSING_SCHEMA_VERSION} (re-export the pack)"
+        )
+    if config.get("family") not in ("idefics3", "qwen2_vl"):
+        raise UserError(f"the pack's image preprocessing family {config.get('family')!r} is not known")
+
+
+def _resize(image: Image.Image, height: int, width: int, config: dict) -> Image.Image:
+    return image.resize((width, height), resample=Image.Resampling[config["resample"]])
+
+
+def _rescale_and_normalize(image: Image.Image, config: dict) -> np.ndarray:
+    """Channels-first float32 pixels, with the processor's arithmetic: rescale in float64, normalize in float32."""
+    pixels = np.asarray(image).transpose(2, 0, 1)
+    if config["do_rescale"]:
+        pixels = (pixels.astype(np.float64) * config["rescale_factor"]).astype(np.float32)
+    else:
+        pixels = pixels.astype(np.float32)
+    if config["do_normalize"]:
+        mean = np.asarray(config["image_mean"], dtype=np.float32)[:, None, None]
+        std = np.asarray(config["image_std"], dtype=np.float32)[:, None, None]
+        pixels = (pixels - mean) / std
+    return pixels
+
+
+# --- Idefics3 / SmolVLM: the image resized to a multiple of the tile size, cut into tiles, plus a global view.
+
+
+def idefics3_resized_size(height: int, width: int, config: dict) -> tuple[int, int]:
+    """The size the processor first resizes to: longest edge to `longest_edge` (even short edge), capped."""
+    longest_edge = config["longest_edge"]
+    aspect_ratio = width / height
+    if width >= height:
+        width = longest_edge
+        height = int(width / aspect_ratio)
+        height += height % 2
+    else:
+        height = longest_edge
+        width = int(height * aspect_ratio)
+        width += width % 2
+    height, width = max(height, 1), max(width, 1)
+
+    cap = config["max_resolution"]
+    aspect_ratio = width / height
+    if width >= height and width > cap:
+        width = cap
+        height = int(width / aspect_ratio)
+    elif height > width and height > cap:
+        height = cap
+        width = int(height * aspect_ratio)
+    return max(height, 1), max(width, 1)
+
+
+def idefics3_tiled_size(height: int, width: int, config: dict) -> tuple[int, int]:
+    """The size the processor resizes to before tiling: both edges up to multiples of the tile size."""
+    tile = config["max_image_size"]
+    aspect_ratio = width / height
+    if width >= height:
+        width = math.ceil(width / tile) * tile
+        height = math.ceil(int(width / aspect_ratio) / tile) * tile
+    else:
+        height = math.ceil(height / tile) * tile
+        width = math.ceil(int(height * aspect_ratio) / tile) * tile
+    return height, width
+
+
+def _preprocess_idefics3(images: list[Image.Image], config: dict) -> ImageInputs:
+    tile = config["max_image_size"]
+    tiles: list[np.ndarray] = []
+    rows: list[int] = []
+    cols: list[int] = []
+    for image in images:
+        if config["do_resize"]:
+            image = _resize(image, *idefics3_resized_size(image.height, image.width, config), config)
+        if not config["do_image_splitting"]:
+            tiles.append(_rescale_and_normalize(_resize(image, tile, tile, config), config))
+            rows.append(0)
+            cols.append(0)
+            continue
+        image = _resize(image, *idefics3_tiled_size(image.height, image.width, config), config)
+        if image.height <= tile and image.width <= tile:
+            tiles.append(_rescale_and_normalize(image, config))
+            rows.append(0)
+            cols.append(0)
+            continue
+        pixels = _rescale_and_normalize(image, config)
+        image_rows, image_cols = image.height // tile, image.width // tile
+        for row in range(image_rows):
+            for col in range(image_cols):
+                tiles.append(pixels[:, row * tile:(row + 1) * tile, col * tile:(col + 1) * tile])
+        tiles.append(_rescale_and_normalize(_resize(image, tile, tile, config), config))
+        rows.append(image_rows)
+        cols.append(image_cols)
+    seq_len = config["image_seq_len"]
+    image_tokens = [seq_len * (r * c + 1) if r else seq_len for r, c in zip(rows, cols, strict=True)]
+    return ImageInputs("idefics3", np.stack(tiles), image_tokens, rows=rows, cols=cols)
+
+
+def _idefics3_image_text(rows: int, cols: int, config: dict) -> str:
+    """One image's prompt text: a tagged run of image tokens per tile, row by row, then the global view."""
+    fake, image_run = config["fake_image_token"], config["image_token"] * config["image_seq_len"]
+    global_view = fake + config["global_image_token"] + image_run + fake
+    if rows == 0:
+        return global_view
+    row_texts = []
+    for row in range(rows):
+        tiles = [fake + config["row_col_token"].format(row=row + 1, col=col + 1) + image_run for col in range(cols)]
+        row_texts.append("".join(tiles) + "\n")
+    return "".join(row_texts) + "\n" + global_view
+
+
+# --- Qwen2-VL / Qwen2.5-VL: native resolution, rounded to whole merged patches, flattened patch by patch.
+
+
+def qwen2_vl_resized_size(height: int, width: int, config: dict) -> tuple[int, int]:
+    """The processor's `smart_resize`: edges multiples of patch x merge, pixel count within [min, max]."""
+    factor = config["patch_size"] * config["merge_size"]
+    if max(height, width) / min(height, width) > config["max_aspect_ratio"]:
+        raise UserError(
+            f"an image of {width}x{height} pixels is too elongated for this model "
+            f"(aspect ratio over {config['max_aspect_ratio']})"
+        )
+    resized_height = round(height / factor) * factor
+    resized_width = round(width / factor) * factor
+    if resized_height * resized_width > config["max_pixels"]:
+        beta = math.sqrt(height * width / config["max_pixels"])
+        resized_height = max(factor, math.floor(height / beta / factor) * factor)
+        resized_width = max(factor, math.floor(width / beta / factor) * factor)
+    elif resized_height * resized_width < config["min_pixels"]:
+        beta = math.sqrt(config["min_pixels"] / (height * width))
+        resized_height = math.ceil(height * beta / factor) * factor
+        resized_width = math.ceil(width * beta / factor) * factor
+    return resized_height, resized_width
+
+
+def _preprocess_qwen2_vl(images: list[Image.Image], config: dict) -> ImageInputs:
+    patch, merge, temporal = config["patch_size"], config["merge_size"], config["temporal_patch_size"]
+    patch_rows: list[np.ndarray] = []
+    grids: list[tuple[int, int, int]] = []
+    for image in images:
+        if config["do_resize"]:
+            image = _resize(image, *qwen2_vl_resized_size(image.height, image.width, config), config)
+        pixels = _rescale_and_normalize(image, config)
+        channels, height, width = pixels.shape
+        grid_h, grid_w = height // patch, width // patch
+        # [C, H, W] -> [blocks_h, blocks_w, merge_h, merge_w, C, patch_h, patch_w]: merged patches adjacent.
+        blocks = pixels.reshape(channels, grid_h // merge, merge, patch, grid_w // merge, merge, patch)
+        blocks = blocks.transpose(1, 4, 2, 5, 0, 3, 6)
+        # A still image is one frame repeated over the temporal patch.
+        frames = np.repeat(blocks[:, :, :, :, :, None], temporal, axis=5)
+        patch_rows.append(frames.reshape(grid_h * grid_w, channels * temporal * patch * patch))
+        grids.append((1, grid_h, grid_w))
+    grid_thw = np.array(grids, dtype=np.int64)
+    image_tokens = [int(t * h * w) // merge**2 for t, h, w in grids]
+    return ImageInputs("qwen2_vl", np.concatenate(patch_rows), image_tokens, image_grid_thw=grid_thw)
+
+
+def cu_seqlens(grid_thw: np.ndarray) -> np.ndarray:
+    """int32 [frames + 1]: where each frame's patches start and end in the packed sequence (full attention)."""
+    grid_thw = np.asarray(grid_thw, dtype=np.int64)
+    frame_lengths = np.repeat(grid_thw[:, 1] * grid_thw[:, 2], grid_thw[:, 0])
+    return np.concatenate([[0], np.cumsum(frame_lengths)]).astype(np.int32)
+
+
+def rotary_position_ids(grid_thw: np.ndarray, merge_size: int) -> np.ndarray:
+    """int64 [patches, 2]: each patch's (row, column) in its image, in the merged-block order of pixel_values."""
+    per_image = []
+    for t, h, w in np.asarray(grid_thw, dtype=np.int64).tolist():
+        row_ids, col_ids = np.meshgrid(np.arange(h), np.arange(w), indexing="ij")
+        block_shape = (h // merge_size, merge_size, w // merge_size, merge_size)
+        row_ids = row_ids.reshape(block_shape).transpose(0, 2, 1, 3).reshape(-1)
+        col_ids = col_ids.reshape(block_shape).transpose(0, 2, 1, 3).reshape(-1)
+        per_image.append(np.tile(np.stack([row_ids, col_ids], axis=-1), (t, 1)))
+    return np.concatenate(per_image).astype(np.int64)
+
+
+def vision_window_index(grid_thw: np.ndarray, config: dict) -> tuple[np.ndarray, np.ndarray]:
+    """Qwen2.5-VL's window attention: the order merged patches take so each window is contiguous
+    (int64 [merged patches]) and the windows' bounds in patches (int32 [windows + 1])."""
+    if not config.get("window_size"):
+        raise ValueError("this model's vision tower has no window attention (no window_size)")
+    merge = config["merge_size"]
+    window = config["window_size"] // merge // config["patch_size"]  # in merged patches
+    window_index: list[np.ndarray] = []
+    bounds = [0]
+    first_index = 0
+    for t, h, w in np.asarray(grid_thw, dtype=np.int64).tolist():
+        merged_h, merged_w = h // merge, w // merge
+        index = np.arange(t * merged_h * merged_w).reshape(t, merged_h, merged_w)
+        # Pad up to whole windows (a full window more where the grid divides evenly, as transformers does;
+        # those windows are empty and drop out below).
+        pad_h, pad_w = window - merged_h % window, window - merged_w % window
+        windows_h, windows_w = (merged_h + pad_h) // window, (merged_w + pad_w) // window
+        padded = np.pad(index, ((0, 0), (0, pad_h), (0, pad_w)), constant_values=-1)
+        padded = padded.reshape(t, windows_h, window, windows_w, window).transpose(0, 1, 3, 2, 4)
+        padded = padded.reshape(t * windows_h * windows_w, window * window)
+        window_lengths = (padded >= 0).sum(axis=1)
+        flat = padded.reshape(-1)
+        window_index.append(flat[flat >= 0] + first_index)
+        bounds.extend((bounds[-1] + np.cumsum(window_lengths) * merge * merge).tolist())
+        first_index += t * merged_h * merged_w
+    bounds_array = np.array(bounds, dtype=np.int32)
+    keep = np.concatenate([[True], np.diff(bounds_array) != 0])
+    return np.concatenate(window_index).astype(np.int64), bounds_array[keep]
+
+
+def mrope_position_ids(input_ids: np.ndarray, image_grid_thw: np.ndarray, config: dict) -> tuple[np.ndarray, int]:
+    """Qwen2-VL's decoder positions (M-RoPE) for one prompt's ids: int64 [3, tokens] of (time, row, column).
+
+    Text counts up on all three axes; each run of image tokens takes its merged grid's coordinates, offset by
+    the position reached, and moves it on by the grid's longer side. Returns the positions and the delta that
+    later tokens add to their index (a decode step at index i has position i + delta on every axis).
+    """
+    ids = np.asarray(input_ids).reshape(-1)
+    merge = config["merge_size"]
+    is_image = ids == config["image_token_id"]
+    run_starts = np.flatnonzero(np.diff(is_image.astype(np.int8))) + 1
+    bounds = [0, *run_starts.tolist(), len(ids)]
+    grids = iter(np.asarray(image_grid_thw, dtype=np.int64).reshape(-1, 3).tolist())
+    pieces: list[np.ndarray] = []
+    position = 0
+    for start, end in zip(bounds[:-1], bounds[1:], strict=True):
+        if start == end:
+            continue
+        if not is_image[start]:
+            pieces.append(np.broadcast_to(np.arange(end - start) + position, (3, end - start)))
+            position += end - start
+            continue
+        grid_thw = next(grids, None)
+        if grid_thw is None:
+            raise ValueError("the prompt has more runs of image tokens than image grids")
+        t, h, w = grid_thw
+        grid = np.meshgrid(np.arange(t), np.arange(h // merge), np.arange(w // merge), indexing="ij")
+        image_positions = np.stack(grid).reshape(3, -1) + position
+        if image_positions.shape[1] != end - start:
+            raise ValueError(f"a run of {end - start} image tokens does not match the image grid {t}x{h}x{w}")
+        pieces.append(image_positions)
+        position += max(h, w) // merge
+    if next(grids, None) is not None:
+        raise ValueError("more image grids than runs of image tokens in the prompt")
+    positions = np.concatenate(pieces, axis=1).astype(np.int64) if pieces else np.zeros((3, 0), np.int64)
+    delta = int(positions.max()) + 1 - len(ids) if len(ids) else 0
+    return positions, delta
