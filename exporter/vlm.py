@@ -99,6 +99,9 @@ def build_vlm(text_model, tokenizer, vision: dict, scale_factor: int, seed_text:
     model.tie_weights()
     if seed_text:
         _seed_tiny_text(model)
+    with torch.no_grad():  # image features at the scale of the text embeddings, as a trained connector gives
+        table = model.get_input_embeddings().weight
+        model.model.connector.modality_projection.proj.weight.mul_(float(table.std()))
     stray = [k for k in missing if not k.startswith(("model.vision_model.", "model.connector.", "lm_head."))]
     if stray or unexpected:
         raise RuntimeError(f"text weights do not fit the VLM: missing {stray}, unexpected {unexpected}")

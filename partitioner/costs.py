@@ -8,6 +8,8 @@ one by walking the sub-layer's ONNX nodes — and the pack is only written when 
 
 from __future__ import annotations
 
+import math
+
 import onnx
 
 from pipeshard.errors import UserError
@@ -38,7 +40,8 @@ def analytic_flops(kind: str, dims: dict) -> Coefficients:
 
 
 def counted_flops(sub_layer: SubLayer, model: onnx.ModelProto, dims: dict) -> Coefficients:
-    """FLOPs counted from the sub-layer's nodes: each MatMul against a weight, each Attention op."""
+    """FLOPs counted from the sub-layer's nodes: each MatMul against a weight, each Attention op, a patch
+    embedding's Conv."""
     initializers = {i.name: list(i.dims) for i in model.graph.initializer}
     produced = {out: node for node in model.graph.node for out in node.output}
 
@@ -56,6 +59,8 @@ def counted_flops(sub_layer: SubLayer, model: onnx.ModelProto, dims: dict) -> Co
             weight = next((s for s in shapes if s is not None and len(s) == 2), None)
             if weight is not None:
                 per_token += 2.0 * weight[0] * weight[1]
+        elif node.op_type == "Conv" and (kernel := weight_dims(node.input[1])):  # a patch embedding: one
+            per_token += 2.0 * math.prod(kernel)  # output position per patch (stride = kernel)
         elif node.op_type in ("Attention", "GroupQueryAttention", "MultiHeadAttention"):
             per_token_context += 4.0 * dims["num_attention_heads"] * dims["head_dim"]
     found = {}

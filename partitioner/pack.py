@@ -223,7 +223,8 @@ def _vision_section(export_dir: Path, vision: dict, dtype: str, staging: Path) -
     for sub_layer in sub_layers:
         files = {"onnx": f"{sub_layer.name}.onnx", "weights_as_inputs": f"{sub_layer.name}.inputs.onnx"}
         for variant, as_inputs in (("onnx", False), ("weights_as_inputs", True)):
-            onnx.save(_sub_model(model, sub_layer, infos, initializers, placements, as_inputs), staging / files[variant])
+            onnx.save(_sub_model(model, sub_layer, infos, initializers, placements, as_inputs),
+                      staging / files[variant])
         weights = [{"name": name, "shape": list(initializers[name].dims),
                     "dtype": ONNX_DTYPE_NAMES[initializers[name].data_type], **placements[name]}
                    for name in sub_layer.initializers if name in placements]

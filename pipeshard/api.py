@@ -62,18 +62,19 @@ class Engine:
             return self._prompt_ids(prompts, chat_template, system), None
         if self.vision is None:
             raise UserError(f"{self.source} is a text model: it takes no images")
-        from pipeshard.runtime.vision import prompt_images
+        from pipeshard.runtime.vision import encode_images, expand_prompt, with_placeholders
 
         batch = isinstance(prompts, list)
         prompts, per_prompt = (prompts, images) if batch else ([prompts], [images])
         if len(per_prompt) != len(prompts):
             raise UserError(f"{len(prompts)} prompts but images for {len(per_prompt)}")
+        config = self.vision.config
         ids, features = [], []
         for prompt, its_images in zip(prompts, per_prompt, strict=True):
             if its_images:
-                prepared = prompt_images(self.vision, prompt, list(its_images))
-                prompt = prepared.text
-                features.append(prepared.features)
+                encoded = encode_images(self.vision, list(its_images))
+                prompt = expand_prompt(with_placeholders(prompt, len(encoded), config), encoded, config)
+                features += [image.features for image in encoded]
             ids += self._prompt_ids(prompt, chat_template, system)
         return ids, np.concatenate(features) if features else None
 

@@ -200,6 +200,7 @@ def _command_run(args: argparse.Namespace) -> int:
 
     prompt = _text(args.prompt, "the prompt")
     _check_generation_options(args)
+    images = _images(args.image)
     save_stats = _output_path(args.save_expert_stats, "--save-expert-stats")
     if save_stats and (args.plan == "monolithic" or not (Path(args.path) / "manifest.json").is_file()
                        or not _model_facts(Path(args.path)).get("num_experts")):
@@ -212,7 +213,7 @@ def _command_run(args: argparse.Namespace) -> int:
                     stop_strings=tuple(_text(stop, "--stop") for stop in args.stop))
     results = []
     events = engine.stream(prompt, chat_template=not args.no_chat_template, system=args.system,
-                           results=results, **sampling)
+                           results=results, images=images, **sampling)
     for event in events:
         if not args.json:
             print(event.text, end="", flush=True)
@@ -225,7 +226,7 @@ def _command_run(args: argparse.Namespace) -> int:
         print(json.dumps({
             "text": result.text, "tokens": result.tokens, "prompt_tokens": len(result.prompt_tokens),
             "stop_reason": result.stop_reason, "ttft_s": result.ttft_s, "decode_tok_s": result.decode_tok_s,
-            "prefill_tok_s": result.prefill_tok_s,
+            "prefill_tok_s": result.prefill_tok_s, **_vision_facts(engine, images),
         }))
     else:
         print(flush=True)
@@ -233,6 +234,21 @@ def _command_run(args: argparse.Namespace) -> int:
               f"TTFT {result.ttft_s * 1000:.0f} ms, decode {result.decode_tok_s:.1f} tok/s, "
               f"stop: {result.stop_reason}{_device_note(engine)}]", file=sys.stderr)
     return 0
+
+
+def _images(paths: list[str]) -> list:
+    """The images given on the command line, opened (a missing or unreadable one is an error before loading)."""
+    from pipeshard.runtime.images import load_image
+
+    return [load_image(path) for path in paths]
+
+
+def _vision_facts(engine, images: list) -> dict:
+    """What `run --json` says of a VLM's images: how many, and the device memory the encoder peaked at."""
+    if not images:
+        return {}
+    peak = getattr(engine.vision, "peak_device_bytes", 0)
+    return {"images": len(images), **({"vision_peak_device_bytes": peak} if peak else {})}
 
 
 def _device_note(engine) -> str:
@@ -263,9 +279,10 @@ def _command_chat(args: argparse.Namespace) -> int:
         raise UserError(f"{args.path}: this model has no chat template, and chat needs one (plain completions: "
                         "pipeshard run PATH PROMPT --no-chat-template)")
     context = min(args.context or 4096, engine.step.max_context)
-    conversation = Conversation(engine.generator, settings, context, system=args.system)
+    conversation = Conversation(engine.generator, settings, context, system=args.system, vision=engine.vision)
+    pending_images: list = []
     print("pipeshard chat: /budget SIZE changes the VRAM budget, /plan shows the active plan, /reset forgets the "
-          "conversation, /quit ends")
+          f"conversation,{' /image PATH adds an image to the next message,' if engine.vision else ''} /quit ends")
     while True:
         try:
             line = _text(input("> "), "that line").strip()
@@ -295,13 +312,28 @@ def _command_chat(args: argparse.Namespace) -> int:
             continue
         if line == "/reset":
             conversation.messages.clear()
+            pending_images.clear()
             print("conversation forgotten")
             continue
+        if line == "/image" or line.startswith("/image "):
+            try:
+                if engine.vision is None:
+                    raise UserError("this model is a text model: it takes no images")
+                path = line[len("/image"):].strip()
+                if not path:
+                    raise UserError("usage: /image PATH")
+                pending_images += _images([path])
+                print(f"image {len(pending_images)} added to the next message")
+            except UserError as exc:
+                print(f"error: {exc}", file=sys.stderr)
+            continue
         if line.startswith("/"):
-            print(f"error: unknown command {line.split()[0]} (/budget SIZE, /plan, /reset, /quit)", file=sys.stderr)
+            print(f"error: unknown command {line.split()[0]} (/budget SIZE, /plan, /reset, /image PATH, /quit)",
+                  file=sys.stderr)
             continue
         dropped = conversation.dropped_turns
-        answer = conversation.ask(line)
+        answer = conversation.ask(line, pending_images)
+        pending_images = []
         try:
             for piece in answer:
                 print(piece, end="", flush=True)
@@ -588,6 +620,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     run.add_argument("--save-expert-stats", default=None, metavar="FILE",
                      help="MoE: write the measured routing (for plan/run --expert-stats)")
+    run.add_argument("--image", action="append", default=[], metavar="PATH",
+                     help="VLM: an image for the prompt (repeatable; `<image>` in the prompt says where, else first)")
     run.set_defaults(handler=_command_run)
 
     chat = commands.add_parser("chat", help="interactive chat on a pack (/budget SIZE, /plan)")

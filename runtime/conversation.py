@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from pipeshard.errors import UserError
 from pipeshard.runtime.generate import Generation, Generator, SamplingSettings
 
@@ -20,19 +22,29 @@ class Conversation:
     settings: SamplingSettings
     context: int
     system: str | None = None
-    messages: list[dict[str, str]] = field(default_factory=list)
+    messages: list[dict] = field(default_factory=list)
     dropped_turns: int = 0
     last: Generation | None = None  # the last answer, when it ran to its end
+    vision: object = None  # a VLM's image encoder (runtime/vision.py): then a turn may bring images
 
-    def ask(self, text: str) -> Iterator[str]:
-        """The answer to `text`, piece by piece. An answer stopped early (Ctrl-C) stays in the history as far as
-        it got, and the next turn starts from a fresh cache."""
-        self.messages.append({"role": "user", "content": text})
-        prompt_ids = self._fitting_prompt()
+    def ask(self, text: str, images: list | None = None) -> Iterator[str]:
+        """The answer to `text` (and its `images`: paths or PIL images), piece by piece. An answer stopped early
+        (Ctrl-C) stays in the history as far as it got, and the next turn starts from a fresh cache."""
+        encoded = []
+        if images:
+            from pipeshard.runtime.vision import encode_images, with_placeholders
+
+            if self.vision is None:
+                raise UserError("this model is a text model: it takes no images")
+            encoded = encode_images(self.vision, images)
+            text = with_placeholders(text, len(encoded), self.vision.config)
+        self.messages.append({"role": "user", "content": text, "images": encoded})
+        prompt_ids, features = self._fitting_prompt()
         pieces: list[str] = []
         results: list[Generation] = []
         try:
-            for event in self.generator.stream([prompt_ids], self.settings, results, keep_cache=self.context):
+            for event in self.generator.stream([prompt_ids], self.settings, results, keep_cache=self.context,
+                                               image_features=features):
                 pieces.append(event.text)
                 yield event.text
         finally:
@@ -41,13 +53,23 @@ class Conversation:
             if not results:
                 self.generator.cached_tokens = []
 
-    def _fitting_prompt(self) -> list[int]:
+    def _fitting_prompt(self):
+        """The history's token ids (its images' tokens expanded) and those images' features, or None."""
         codec = self.generator.codec
         while True:
             system = [{"role": "system", "content": self.system}] if self.system else []
-            ids = codec.encode(codec.render_messages(system + self.messages))
+            text = codec.render_messages(system + [{"role": m["role"], "content": m["content"]}
+                                                   for m in self.messages])
+            images = [image for m in self.messages for image in m.get("images", ())]
+            features = None
+            if images:
+                from pipeshard.runtime.vision import expand_prompt
+
+                text = expand_prompt(text, images, self.vision.config)
+                features = np.concatenate([image.features for image in images])
+            ids = codec.encode(text)
             if len(ids) + self.settings.max_new_tokens <= self.context:
-                return ids
+                return ids, features
             if len(self.messages) <= 1:
                 self.messages.clear()
                 raise UserError(f"this message ({len(ids)} tokens with the template) and --max-new-tokens "

@@ -69,4 +69,23 @@ def pack_table(pack: Pack, context: int) -> str:
         lines.append(f"MoE: {model['num_experts']} experts per layer, {model['experts_per_token']} per token; an "
                      "expert's row is at T tokens routed to it, the total counts each expert by its expected use "
                      "in a step of T tokens (uniform routing)")
+    vision = pack.manifest.get("vision")
+    if vision:
+        lines += ["", vision_table(vision)]
+    return "\n".join(lines)
+
+
+def vision_table(vision: dict) -> str:
+    """A VLM's vision blocks: weights, GFLOP and MiB moved per tile (T = C = the patches of one tile)."""
+    patches = int(vision["patches_per_tile"])
+    lines = [f"vision tower ({vision['family']}): {vision['num_layers']} blocks over {vision['image_size']} px tiles, "
+             f"{patches} patches and {vision['tokens_per_tile']} image tokens per tile; per tile:",
+             f"{'block':<16} {'weights MiB':>11} {'GFLOP':>9} {'MiB moved':>10}"]
+    for entry in vision["sub_layers"]:
+        cost = entry["cost"]
+        flops = sum(cost["flops"].get(k, 0) * m for k, m in (("const", 1), ("T", patches), ("TC", patches ** 2)))
+        moved = cost["bytes"].get("const", 0) + cost["bytes"].get("T", 0) * patches
+        lines.append(f"{entry['name']:<16} {entry['weight_bytes'] / MiB:>11.2f} {flops / 1e9:>9.3f} "
+                     f"{moved / MiB:>10.2f}")
+    lines.append(f"{'total':<16} {vision['total_weight_bytes'] / MiB:>11.2f}")
     return "\n".join(lines)

@@ -18,22 +18,22 @@ import numpy as np
 from PIL import Image
 
 from pipeshard.errors import UserError
+from pipeshard.partitioner.vision_memory import VisionShape, naive_workspace, tile_runs
 from pipeshard.runtime import capi
 from pipeshard.runtime.exportdir import NUMPY_DTYPES
-from pipeshard.runtime.images import ImageInputs, expand_image_tokens, image_placeholder, load_image, preprocess
+from pipeshard.runtime.images import expand_image_tokens, image_placeholder, load_image, preprocess
+from pipeshard.runtime.pack import WEIGHT_ALIGNMENT
 
 PIXEL_VALUES, IMAGE_FEATURES = "pixel_values", "image_features"
-MIN_QUERY_TILE = 64  # the paper's artifact: tiled queries in multiples of 64, at least 64
 WEIGHTS, WORKSPACE = "vision weights", "vision workspace"
 
 
 @dataclass
-class PromptImages:
-    """A prompt with its images: the text with every placeholder expanded, and the features of its image tokens."""
+class EncodedImage:
+    """One image as the decoder takes it: its run of image tokens in the prompt, and their features."""
 
-    text: str
+    tokens: str
     features: np.ndarray
-    inputs: ImageInputs
 
 
 def with_placeholders(prompt: str, count: int, config: dict) -> str:
@@ -49,20 +49,20 @@ def with_placeholders(prompt: str, count: int, config: dict) -> str:
     return prompt
 
 
+def expand_prompt(text: str, images: list[EncodedImage], config: dict) -> str:
+    """`text` (rendered, its placeholders in image order) with each placeholder replaced by its image's tokens."""
+    pieces = text.split(config["image_token"])
+    if len(pieces) - 1 != len(images):
+        raise UserError(f"the prompt has {len(pieces) - 1} image placeholder(s) but {len(images)} image(s)")
+    expanded = [pieces[0]]
+    for image, piece in zip(images, pieces[1:], strict=True):
+        expanded += [image.tokens, piece]
+    return "".join(expanded)
+
+
 def open_images(images: list) -> list[Image.Image]:
     """Paths or PIL images, as RGB PIL images (a bad path is one UserError)."""
     return [load_image(image) if not isinstance(image, Image.Image) else image for image in images]
-
-
-def vision_workspace(vision: dict, tiles: int, itemsize: int, fused: bool = True) -> int:
-    """Device bytes a run of `tiles` tiles needs besides weights: the residual stream in and out, the widest
-    intermediate (q/k/v or the FFN's), and the attention's scores: a fused op's query tiles of
-    budget / (4 x heads x patches) queries (at least 64), or, unfused, every score."""
-    patches, hidden = int(vision["patches_per_tile"]), int(vision["hidden_size"])
-    heads = int(vision["num_attention_heads"])
-    activations = tiles * patches * (2 * hidden + max(3 * hidden, int(vision["intermediate_size"]))) * itemsize
-    queries = min(patches, MIN_QUERY_TILE) if fused else patches
-    return activations + tiles * heads * queries * patches * 4
 
 
 class ExportVision:
@@ -84,15 +84,19 @@ class ExportVision:
 
 
 class PackVision:
-    """A pack's vision blocks, on the CPU (`device.kind == "cpu"`) or streamed through the device (VLMOpt)."""
+    """A pack's vision blocks, on the CPU (`device.kind == "cpu"`) or on the device: streamed (VLMOpt), or with
+    `naive` as a plain port does it (every weight resident, every score stored, the decoder kept), for comparing
+    their peak device memory on the simulated device."""
 
-    def __init__(self, pack, device, threads: int | None = None, release_decoder=None) -> None:
+    def __init__(self, pack, device, threads: int | None = None, release_decoder=None, naive: bool = False) -> None:
         self.pack = pack
         self.description = pack.manifest["vision"]
         self.config = self.description["preprocessing"]
         self.entries = self.description["sub_layers"]
+        self.shape = VisionShape.from_pack(self.description)
         self.device = device
         self.release_decoder = release_decoder  # frees the decoder's device memory when the encoder needs it
+        self.naive = naive
         self._rt = capi.runtime(threads)
         self._threads = threads
         self._run_options = self._rt.run_options()
@@ -119,36 +123,51 @@ class PackVision:
         pixel_values = np.ascontiguousarray(pixel_values, self.dtype)
         if not self.on_device:
             return self._run_all(pixel_values, None)
-        return self._encode_on_device(pixel_values)
-
-    def _encode_on_device(self, pixel_values: np.ndarray) -> np.ndarray:
         ledger = self.device.ledger
-        slot_bytes = max(e["weight_bytes"] for e in self.entries)
-        one_tile = vision_workspace(self.description, 1, np.dtype(self.dtype).itemsize)
-        if ledger.used + 2 * slot_bytes + one_tile > ledger.budget_bytes and self.release_decoder is not None:
-            self.release_decoder()  # the decoder's plan comes back at its next step
-        free = ledger.budget_bytes - ledger.used - 2 * slot_bytes
-        if free < one_tile:
-            raise UserError(f"the VRAM budget leaves {max(free, 0)} bytes for the vision encoder's workspace, "
-                            f"less than one tile needs ({one_tile} bytes)")
-        tiles = len(pixel_values)
-        per_run = max(t for t in range(1, tiles + 1)
-                      if vision_workspace(self.description, t, np.dtype(self.dtype).itemsize) <= free)
-        workspace = vision_workspace(self.description, per_run, np.dtype(self.dtype).itemsize)
-        started_peak = ledger.peak
-        ledger.peak = ledger.used
-        slots = [self.device.alloc(slot_bytes, WEIGHTS) for _ in range(2)]
-        self.device.reserve(workspace, WORKSPACE)
+        started_peak, ledger.peak = ledger.peak, ledger.used
         try:
-            runs = [self._run_all(pixel_values[first: first + per_run], slots)
-                    for first in range(0, tiles, per_run)]
+            return self._encode_naive(pixel_values) if self.naive else self._encode_streamed(pixel_values)
         finally:
-            self.device.unreserve(workspace, WORKSPACE)
-            for slot in slots:
-                self.device.free(slot, WEIGHTS)
             self.peak_device_bytes = max(self.peak_device_bytes, ledger.peak)
             ledger.peak = max(started_peak, ledger.peak)
-        return np.concatenate(runs)
+
+    def _encode_streamed(self, pixel_values: np.ndarray) -> np.ndarray:
+        """VLMOpt: two staging slots, tiles in runs whose workspace fits what the budget leaves."""
+        ledger, shape, tiles = self.device.ledger, self.shape, len(pixel_values)
+        slot_bytes = shape.largest_block_bytes
+        if ledger.used + 2 * slot_bytes + tile_runs(shape, 1, 0)[1] > ledger.budget_bytes and self.release_decoder:
+            self.release_decoder()  # the decoder's plan comes back at its next step
+        free = ledger.budget_bytes - ledger.used - 2 * slot_bytes
+        per_run, reserved = tile_runs(shape, tiles, max(free, 0))
+        if reserved > free:
+            raise UserError(f"the VRAM budget leaves {max(free, 0)} bytes for the vision encoder, less than one tile "
+                            f"needs ({reserved} bytes)")
+        slots = [self.device.alloc(slot_bytes, WEIGHTS) for _ in range(2)]
+        self.device.reserve(reserved, WORKSPACE)
+        try:
+            return np.concatenate([self._run_all(pixel_values[first: first + per_run], slots)
+                                   for first in range(0, tiles, per_run)])
+        finally:
+            self.device.unreserve(reserved, WORKSPACE)
+            for slot in slots:
+                self.device.free(slot, WEIGHTS)
+
+    def _encode_naive(self, pixel_values: np.ndarray) -> np.ndarray:
+        """Every weight uploaded and resident, every tile at once with all its scores."""
+        keys = (self.shape.tile_size // self.shape.patch_size) ** 2
+        reserved = naive_workspace(self.shape, len(pixel_values) * keys, keys)
+        weights = self.device.alloc(sum(_resident_bytes(entry) for entry in self.entries), WEIGHTS)
+        self.device.reserve(reserved, WORKSPACE)
+        try:
+            offset = 0
+            for entry in self.entries:
+                if entry.get("blob"):
+                    self._upload(entry, weights[offset:]).result()
+                offset += _resident_bytes(entry)
+            return self._run_all(pixel_values, [weights], resident=True)
+        finally:
+            self.device.unreserve(reserved, WORKSPACE)
+            self.device.free(weights, WEIGHTS)
 
     def _upload(self, entry: dict, slot):
         blob = entry.get("blob")
@@ -158,19 +177,25 @@ class PackVision:
         self.streamed_bytes += blob["bytes"]
         return self.device.upload(slot, source)
 
-    def _run_all(self, pixel_values: np.ndarray, slots: list | None) -> np.ndarray:
-        """Every block over these tiles; with slots, block i + 1's weights copy while block i computes."""
+    def _run_all(self, pixel_values: np.ndarray, slots: list | None, resident: bool = False) -> np.ndarray:
+        """Every block over these tiles. With two slots, block i + 1's weights copy while block i computes; with
+        the weights `resident` in one buffer, each block reads its part of it."""
         values: dict[str, object] = {PIXEL_VALUES: pixel_values}
-        copies = [self._upload(self.entries[0], slots[0])] if slots else []
+        streamed = slots is not None and not resident
+        copies = [self._upload(self.entries[0], slots[0])] if streamed else []
+        offset = 0
         for index, entry in enumerate(self.entries):
             session = self._session(entry)
             binding = session.binding()
-            if slots:
+            if streamed:
                 if index + 1 < len(self.entries):
                     copies.append(self._upload(self.entries[index + 1], slots[(index + 1) % 2]))
                 if copies[index] is not None:
                     copies[index].result()
-                self._bind_weights(binding, entry, slots[index % 2])
+                self._bind_weights(binding, entry, slots[index % 2], 0)
+            elif resident:
+                self._bind_weights(binding, entry, slots[0], offset)
+                offset += _resident_bytes(entry)
             for tensor in entry["inputs"]:
                 value = values[tensor["name"]]
                 if isinstance(value, np.ndarray):
@@ -184,20 +209,27 @@ class PackVision:
                 values[tensor["name"]] = value
         return values[IMAGE_FEATURES].numpy()
 
-    def _bind_weights(self, binding: capi.Binding, entry: dict, slot) -> None:
+    def _bind_weights(self, binding: capi.Binding, entry: dict, buffer, base: int) -> None:
         memory = self.device.memory_info(self._rt)
         for weight in entry["weights"]:
-            binding.bind_input_at(weight["name"], memory, self.device.address(slot) + weight["offset"],
-                                  NUMPY_DTYPES[weight["dtype"]], weight["shape"], slot)
+            binding.bind_input_at(weight["name"], memory, self.device.address(buffer) + base + weight["offset"],
+                                  NUMPY_DTYPES[weight["dtype"]], weight["shape"], buffer)
 
 
-def prompt_images(encoder, prompt: str, images: list) -> PromptImages:
-    """Preprocess `images`, encode them, and expand the prompt's placeholders into their image tokens."""
-    opened = open_images(images)
-    inputs = preprocess(opened, encoder.config)
-    text = expand_image_tokens(with_placeholders(prompt, len(opened), encoder.config), inputs, encoder.config)
-    features = encoder.encode(inputs.pixel_values)
-    if len(features) != sum(inputs.image_tokens):
-        raise RuntimeError(f"the vision graph gave {len(features)} feature rows for {sum(inputs.image_tokens)} "
-                           "image tokens")
-    return PromptImages(text, features, inputs)
+def _resident_bytes(entry: dict) -> int:
+    """A block's room in a buffer of every vision weight: its blob, to the weights' alignment."""
+    nbytes = (entry.get("blob") or {}).get("bytes", 0)
+    return -(-nbytes // WEIGHT_ALIGNMENT) * WEIGHT_ALIGNMENT
+
+
+def encode_images(encoder, images: list) -> list[EncodedImage]:
+    """Preprocess `images` (paths or PIL images) and run their tiles through the encoder in one go."""
+    config = encoder.config
+    prepared = [preprocess([image], config) for image in open_images(images)]
+    features = encoder.encode(np.concatenate([inputs.pixel_values for inputs in prepared]))
+    counts = [inputs.image_tokens[0] for inputs in prepared]
+    if len(features) != sum(counts):
+        raise RuntimeError(f"the vision graph gave {len(features)} feature rows for {sum(counts)} image tokens")
+    edges = np.cumsum([0, *counts])
+    return [EncodedImage(expand_image_tokens(config["image_token"], inputs, config), features[edges[i]: edges[i + 1]])
+            for i, inputs in enumerate(prepared)]

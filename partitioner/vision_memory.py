@@ -1,0 +1,145 @@
+"""Device memory of a VLM's vision encoder for one image, VLMOpt against a naive port, from the tower's shape alone.
+
+The naive port (what a plain offload of the vision model does) keeps every vision weight on the device, computes
+each attention's full scores (heads x queries x keys, fp32) and starts the decoder while the encoder's memory is
+still held. VLMOpt (the paper's three parts): the weights stream through two staging slots of the largest block;
+attention runs in query tiles of budget / (4 x heads x keys) queries (at least 64, a multiple of 64) so the scores
+never exceed the workspace bound; the encoder's memory is released before the decoder's prefill, so the peak is
+the larger of the two. Idefics3 towers attend within a tile (keys = patches per tile; tiles run in batches that
+fit); Qwen2.5-VL towers attend within windows in most blocks and over the whole image in a few.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+SCORE_BYTES = 4  # attention scores and softmax in fp32
+QUERY_TILE_STEP = 64
+
+
+@dataclass(frozen=True)
+class VisionShape:
+    """What the estimate needs of a vision tower."""
+
+    family: str  # "idefics3" or "qwen2_vl"
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_layers: int
+    patch_size: int
+    weight_bytes: int  # the whole tower's
+    largest_block_bytes: int  # the largest streamed block's (a staging slot)
+    itemsize: int  # bytes per activation element
+    tile_size: int = 0  # idefics3: a tile's side in pixels
+    merge_size: int = 1  # qwen2_vl: patches merged per side
+    window_patches: int = 0  # qwen2_vl: patches per side of an attention window
+    full_attention_layers: int = 0  # qwen2_vl: blocks that attend over the whole image
+
+    @classmethod
+    def from_pack(cls, vision: dict) -> VisionShape:
+        """The shape of a pack's `vision` section (partitioner/pack.py)."""
+        entries = vision["sub_layers"]
+        dtype = {e["dtype"] for entry in entries for e in entry["weights"]}
+        return cls(family=vision["family"], hidden_size=vision["hidden_size"],
+                   intermediate_size=vision["intermediate_size"], num_heads=vision["num_attention_heads"],
+                   num_layers=vision["num_layers"], patch_size=vision["patch_size"],
+                   weight_bytes=vision["total_weight_bytes"],
+                   largest_block_bytes=max(e["weight_bytes"] for e in entries),
+                   itemsize=2 if dtype <= {"float16", "bfloat16"} and dtype else 4, tile_size=vision["image_size"])
+
+
+@dataclass(frozen=True)
+class VisionPeak:
+    """Device bytes at the encoder's peak, by what holds them."""
+
+    weights: int
+    activations: int
+    attention: int
+    decoder: int  # the decoder's memory held at the same time (0: released first)
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.activations + self.attention + self.decoder
+
+
+def _activations(shape: VisionShape, tokens: int) -> int:
+    """The residual stream in and out and the widest intermediate, for `tokens` patches at once."""
+    hidden = shape.hidden_size
+    return tokens * (2 * hidden + max(3 * hidden, shape.intermediate_size)) * shape.itemsize
+
+
+def query_tile(workspace_bytes: int, heads: int, keys: int) -> int:
+    """The paper's artifact: budget / (4 x heads x keys) queries, at least 64, a multiple of 64."""
+    tile = workspace_bytes // (SCORE_BYTES * heads * keys)
+    return max(QUERY_TILE_STEP, tile // QUERY_TILE_STEP * QUERY_TILE_STEP)
+
+
+def image_patches(shape: VisionShape, width: int, height: int) -> tuple[int, int]:
+    """(patches the tower sees, patches per attention group at its widest) for an image of width x height: for
+    idefics3 the tiles (and the global view) times patches per tile; for qwen2_vl the image resized to multiples
+    of patch x merge."""
+    if shape.family == "idefics3":
+        tiles = math.ceil(width / shape.tile_size) * math.ceil(height / shape.tile_size)
+        tiles = tiles + 1 if tiles > 1 else 1  # the global view beside the tiles
+        per_tile = (shape.tile_size // shape.patch_size) ** 2
+        return tiles * per_tile, per_tile
+    unit = shape.patch_size * shape.merge_size
+    patches = max(unit, round(width / unit) * unit) // shape.patch_size * \
+        (max(unit, round(height / unit) * unit) // shape.patch_size)
+    return patches, patches if shape.full_attention_layers else shape.window_patches ** 2
+
+
+def naive_workspace(shape: VisionShape, patches: int, keys: int) -> int:
+    """Activations and every attention score of `patches` patches in groups of `keys` that attend together."""
+    return _activations(shape, patches) + shape.num_heads * patches * keys * SCORE_BYTES
+
+
+def naive_peak(shape: VisionShape, width: int, height: int, decoder_bytes: int) -> VisionPeak:
+    """Everything resident, every score stored, the decoder already loaded."""
+    patches, keys = image_patches(shape, width, height)
+    activations = _activations(shape, patches)
+    return VisionPeak(shape.weight_bytes, activations, naive_workspace(shape, patches, keys) - activations,
+                      decoder_bytes)
+
+
+def tile_runs(shape: VisionShape, tiles: int, workspace_bytes: int) -> tuple[int, int]:
+    """idefics3: how many tiles go through at once, and the bytes their activations and (query-tiled) scores take
+    within `workspace_bytes` (one tile at least, whatever it takes)."""
+    keys = (shape.tile_size // shape.patch_size) ** 2
+    queries = min(keys, query_tile(workspace_bytes, shape.num_heads, keys))
+    per_tile = _activations(shape, keys) + shape.num_heads * queries * keys * SCORE_BYTES
+    per_run = max(1, min(tiles, workspace_bytes // per_tile))
+    return per_run, per_run * per_tile
+
+
+def vlmopt_peak(shape: VisionShape, width: int, height: int, workspace_bytes: int) -> VisionPeak:
+    """Streamed weights, query-tiled attention within `workspace_bytes`, the decoder released first."""
+    patches, keys = image_patches(shape, width, height)
+    if shape.family == "idefics3":
+        per_run, reserved = tile_runs(shape, patches // keys, workspace_bytes)
+        activations = _activations(shape, per_run * keys)
+        return VisionPeak(2 * shape.largest_block_bytes, activations, reserved - activations, 0)
+    queries = min(keys, query_tile(workspace_bytes, shape.num_heads, keys))
+    return VisionPeak(2 * shape.largest_block_bytes, _activations(shape, patches),
+                      shape.num_heads * queries * keys * SCORE_BYTES, 0)
+
+
+def qwen2_5_vl_shape(vision: dict, itemsize: int = 2) -> VisionShape:
+    """A Qwen2.5-VL vision tower's shape from its config (`vision_config`), for planning without weights: blocks
+    of fused qkv + projection and a gated FFN, the patch embedding and the merger counted from the dimensions."""
+    hidden, inter = vision["hidden_size"], vision["intermediate_size"]
+    attention = 4 * hidden * hidden + 4 * hidden
+    ffn = 3 * hidden * inter + 2 * inter + hidden
+    norms = 2 * hidden
+    merged = hidden * vision.get("spatial_merge_size", 2) ** 2
+    merger = merged * merged + merged * vision["out_hidden_size"] + merged + vision["out_hidden_size"]
+    patch = vision.get("in_channels", 3) * vision.get("temporal_patch_size", 2) * vision["patch_size"] ** 2 * hidden
+    blocks = vision["depth"] * (attention + ffn + norms)
+    return VisionShape(family="qwen2_vl", hidden_size=hidden, intermediate_size=inter,
+                       num_heads=vision["num_heads"], num_layers=vision["depth"], patch_size=vision["patch_size"],
+                       weight_bytes=(blocks + merger + patch) * itemsize,
+                       largest_block_bytes=max(attention, ffn, merger) * itemsize, itemsize=itemsize,
+                       merge_size=vision.get("spatial_merge_size", 2),
+                       window_patches=vision["window_size"] // vision["patch_size"],
+                       full_attention_layers=len(vision.get("fullatt_block_indexes", [])))

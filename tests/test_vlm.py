@@ -1,0 +1,214 @@
+"""Vision-language models: the export, the pack's vision blocks, and greedy tokens equal to transformers' with one
+and two images, on the export's sessions, the pack's CPU chain and planned on the simulated device."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from PIL import Image
+
+import pipeshard
+from pipeshard.errors import UserError
+
+PROMPT = "What is in the picture?"
+NEW_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def tiny_vlm():
+    from pipeshard.exporter.vlm import build_tiny_vlm, image_processor_for
+
+    model, tokenizer, processor = build_tiny_vlm("smolvlm")
+    return model, tokenizer, image_processor_for(processor)
+
+
+@pytest.fixture(scope="module")
+def vlm_export(tmp_path_factory) -> Path:
+    from pipeshard.exporter import export_model
+
+    folder = tmp_path_factory.mktemp("vlm") / "export"
+    export_model("tiny:smolvlm", folder, quiet=True)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def vlm_pack(vlm_export, tmp_path_factory) -> Path:
+    from pipeshard.partitioner.pack import partition
+
+    folder = tmp_path_factory.mktemp("vlm-pack") / "pack"
+    partition(vlm_export, folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory) -> list[Path]:
+    """Two images of other sizes and aspect ratios than the tiles: one is split into tiles, one is not."""
+    folder = tmp_path_factory.mktemp("images")
+    rng = np.random.default_rng(7)
+    paths = []
+    for index, (width, height) in enumerate([(50, 37), (90, 61)]):
+        pixels = (rng.random((height, width, 3)) * 255).astype(np.uint8)
+        paths.append(folder / f"image{index}.png")
+        Image.fromarray(pixels).save(paths[-1])
+    return paths
+
+
+def reference_tokens(tiny_vlm, prompt_ids: list[int], paths: list[Path]) -> list[int]:
+    """transformers' greedy tokens for the same ids, its own image processor making the pixels."""
+    import torch
+
+    model, _, image_processor = tiny_vlm
+    pixels = image_processor(images=[[Image.open(p).convert("RGB") for p in paths]], return_tensors="pt")
+    ids = torch.tensor([prompt_ids])
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), pixel_values=pixels["pixel_values"],
+                             pixel_attention_mask=pixels["pixel_attention_mask"], max_new_tokens=NEW_TOKENS,
+                             do_sample=False)
+    return out[0, len(prompt_ids):].tolist()
+
+
+def test_export_describes_three_parts_with_dynamic_tiles(vlm_export):
+    info = json.loads((vlm_export / "export.json").read_text())
+    assert info["vision"]["preprocessing"]["family"] == "idefics3"
+    assert info["vision"]["max_difference_vs_pytorch"] < 1e-4
+    assert "image_features" in info["inputs"]
+    vision = onnx.load(vlm_export / info["vision"]["file"], load_external_data=False).graph
+    assert vision.input[0].type.tensor_type.shape.dim[0].dim_param  # tiles stay dynamic
+    assert vision.output[0].type.tensor_type.shape.dim[0].dim_param
+
+
+def test_pack_cuts_the_vision_tower_into_blocks(vlm_pack):
+    manifest = json.loads((vlm_pack / "manifest.json").read_text())
+    names = [e["name"] for e in manifest["vision"]["sub_layers"]]
+    assert names == ["vision_prologue", "vision_embed", "V0.attn", "V0.ffn", "V1.attn", "V1.ffn", "projector"]
+    attention = next(e for e in manifest["vision"]["sub_layers"] if e["name"] == "V0.attn")
+    assert attention["cost"]["flops"]["TC"] > 0 and attention["weight_bytes"] > 0
+    # The image merge stays in the embedding: the prologue keeps to the attention's step values (skipped at
+    # one new token).
+    prologue = next(e for e in manifest["sub_layers"] if e["name"] == "prologue")
+    assert {i["name"] for i in prologue["inputs"]} <= {"input_ids", "attention_mask", "position_ids"}
+    embed = next(e for e in manifest["sub_layers"] if e["name"] == "embed")
+    assert "image_features" in {i["name"] for i in embed["inputs"]}
+
+
+@pytest.mark.parametrize("where", ["export", "pack", "sim-25%", "sim-60%"])
+def test_tokens_equal_transformers_with_one_and_two_images(where, vlm_export, vlm_pack, images, tiny_vlm):
+    if where == "export":
+        engine = pipeshard.load(vlm_export)
+    elif where == "pack":
+        engine = pipeshard.load(vlm_pack)
+    else:
+        engine = pipeshard.load(vlm_pack, device="sim", vram=where.split("-")[1], profile="laptop-8gb")
+    for paths in (images[:1], images):
+        (result,) = engine.generate(PROMPT, images=[str(p) for p in paths], max_new_tokens=NEW_TOKENS)
+        assert result.tokens == reference_tokens(tiny_vlm, result.prompt_tokens, paths)[: len(result.tokens)]
+        assert len(result.tokens) == NEW_TOKENS
+    if where.startswith("sim"):
+        # VLMOpt: the encoder's weights stream through two slots and everything is released before the prefill.
+        vision = engine.vision
+        largest = max(e["weight_bytes"] for e in vision.entries)
+        assert vision.streamed_bytes >= 2 * vision.description["total_weight_bytes"]
+        assert 2 * largest <= vision.peak_device_bytes <= engine.step.device.ledger.budget_bytes
+        assert engine.step.report().peak_device_bytes <= engine.step.device.ledger.budget_bytes
+
+
+def test_text_only_prompt_on_a_vlm_equals_its_decoder(vlm_pack, tiny_vlm):
+    import torch
+
+    engine = pipeshard.load(vlm_pack)
+    (result,) = engine.generate(PROMPT, max_new_tokens=NEW_TOKENS)
+    model = tiny_vlm[0]
+    ids = torch.tensor([result.prompt_tokens])
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
+                             do_sample=False)
+    assert result.tokens == out[0, ids.shape[1]:].tolist()[: len(result.tokens)]
+
+
+def test_chat_turns_with_images_reuse_the_cache(vlm_pack, images, tiny_vlm):
+    from pipeshard.runtime.conversation import Conversation
+    from pipeshard.runtime.generate import SamplingSettings
+
+    engine = pipeshard.load(vlm_pack)
+    conversation = Conversation(engine.generator, SamplingSettings(max_new_tokens=6), 400, vision=engine.vision)
+    "".join(conversation.ask("Look.", [str(images[0])]))
+    "".join(conversation.ask("And this one?", [str(images[1])]))
+    assert engine.generator.reused_tokens > 0  # the first turn, image included, came from the kept cache
+    last = conversation.last
+    assert last.tokens == reference_tokens(tiny_vlm, last.prompt_tokens, images)[: len(last.tokens)]
+
+
+def test_images_on_a_text_model_and_bad_images_are_user_errors(tiny_pack, images, tmp_path):
+    engine = pipeshard.load(tiny_pack)
+    with pytest.raises(UserError, match="text model"):
+        engine.generate(PROMPT, images=[str(images[0])])
+    not_an_image = tmp_path / "notes.png"
+    not_an_image.write_text("hello")
+    for path in (tmp_path / "missing.png", not_an_image, tmp_path):
+        done = subprocess.run([sys.executable, "-m", "pipeshard", "run", str(tiny_pack), PROMPT, "--image", str(path)],
+                              capture_output=True, text=True)
+        assert done.returncode == 2
+        assert done.stderr.startswith("error:") and done.stderr.count("\n") == 1, done.stderr
+
+
+def test_run_cli_with_images_prints_json(vlm_pack, images):
+    done = subprocess.run([sys.executable, "-m", "pipeshard", "run", str(vlm_pack), "<image> and <image>?",
+                           "--image", str(images[0]), "--image", str(images[1]), "--json", "--max-new-tokens", "4",
+                           "--device", "sim", "--vram", "40%", "--profile", "laptop-8gb"],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    assert result["images"] == 2 and len(result["tokens"]) == 4 and result["vision_peak_device_bytes"] > 0
+    wrong = subprocess.run([sys.executable, "-m", "pipeshard", "run", str(vlm_pack), "<image> only one",
+                            "--image", str(images[0]), "--image", str(images[1])], capture_output=True, text=True)
+    assert wrong.returncode == 2 and "placeholder" in wrong.stderr
+
+
+def test_hf_folder_of_a_vlm_exports_the_same_model(tiny_vlm, images, tmp_path):
+    from pipeshard.exporter import export_model
+    from pipeshard.partitioner.pack import partition
+
+    model, tokenizer, image_processor = tiny_vlm
+    folder = tmp_path / "smolvlm-tiny"
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    image_processor.save_pretrained(folder)
+    export_model(str(folder), tmp_path / "export", quiet=True)
+    partition(tmp_path / "export", tmp_path / "pack")
+    engine = pipeshard.load(tmp_path / "pack")
+    (result,) = engine.generate(PROMPT, images=[str(p) for p in images], max_new_tokens=NEW_TOKENS)
+    assert result.tokens == reference_tokens(tiny_vlm, result.prompt_tokens, images)[: len(result.tokens)]
+
+
+@pytest.mark.slow
+def test_smolvlm_256m_through_the_real_smollm2_decoder_equals_transformers(tmp_path):
+    """SmolVLM-256M's shape around the built-in SmolLM2-135M (its real text model; the vision weights are random):
+    the pack's tokens equal transformers' for one image and for two."""
+    import torch
+    from conftest import CACHE, _export_once
+
+    from pipeshard.exporter.sources import load_source, resolve_source
+    from pipeshard.partitioner.pack import partition
+
+    export = _export_once("smolvlm-256m", CACHE / "smolvlm-256m-fp32")
+    partition(export, tmp_path / "pack")
+    source = load_source(resolve_source("smolvlm-256m"), torch.float32)
+    reference = (source.vlm, source.tokenizer, source.image_processor)
+    rng = np.random.default_rng(3)
+    paths = []
+    for index, (width, height) in enumerate([(640, 480), (300, 700)]):
+        paths.append(tmp_path / f"photo{index}.jpg")
+        Image.fromarray((rng.random((height, width, 3)) * 255).astype(np.uint8)).save(paths[-1])
+    engine = pipeshard.load(tmp_path / "pack")
+    for images in (paths[:1], paths):
+        # A plain completion: through the chat template, random image features make SmolLM2 stop at once.
+        (result,) = engine.generate("The capital of France is", chat_template=False, images=[str(p) for p in images],
+                                    max_new_tokens=NEW_TOKENS)
+        assert len(result.tokens) == NEW_TOKENS
+        assert result.tokens == reference_tokens(reference, result.prompt_tokens, images)
