@@ -5,8 +5,8 @@
 
 The predictions are partitioner/vision_memory.py's. Measured: the pack runs on the simulated device, the naive
 way (every vision weight resident, every score stored, the decoder's plan held) and the VLMOpt way under
-`--budget` (streamed weights, tiles in runs that fit, the decoder released if the encoder needs the room); the
-figure is the ledger's peak while encoding. Prints Markdown tables.
+`--budget` (streamed weights, tiles in runs within `--workspace`, the decoder released if the encoder needs the
+room); the figure is the ledger's peak while encoding. Prints Markdown tables.
 """
 
 from __future__ import annotations
@@ -36,57 +36,60 @@ COSMOS_DECODER_BYTES = 2 * 7_070_000_000
 MIB = 1024 ** 2
 
 
-def prediction_table(shape: VisionShape, decoder_bytes: int, workspace: int, title: str) -> list[str]:
+def prediction_table(shape: VisionShape, decoder_bytes: int, workspace: int, title: str,
+                     tiles: dict[str, int] | None = None) -> list[str]:
     lines = [f"### {title}: predicted", "",
-             f"VLMOpt's attention workspace bound {workspace / MIB:.0f} MiB; the decoder's weights "
+             f"VLMOpt's workspace bound {workspace / MIB:.0f} MiB; the decoder's weights "
              f"{decoder_bytes / MIB:,.0f} MiB (held beside the naive encoder, released before VLMOpt's)", "",
              "| image | patches | naive encoder | naive + decoder | VLMOpt encoder | encoder, naive / VLMOpt |",
              "|---|---:|---:|---:|---:|---:|"]
     for name, (width, height) in RESOLUTIONS.items():
-        naive = naive_peak(shape, width, height, decoder_bytes)
-        vlmopt = vlmopt_peak(shape, width, height, workspace)
+        patches, keys = image_patches(shape, width, height, (tiles or {}).get(name, 0))
+        naive = naive_peak(shape, patches, keys, decoder_bytes)
+        vlmopt = vlmopt_peak(shape, patches, keys, workspace)
         alone = naive.total - decoder_bytes
-        lines.append(f"| {name} ({width}x{height}) | {image_patches(shape, width, height)[0]:,} | "
-                     f"{alone / MIB:,.0f} MiB | {naive.total / MIB:,.0f} MiB | {vlmopt.total / MIB:,.0f} MiB | "
-                     f"{alone / vlmopt.total:.1f}x |")
+        lines.append(f"| {name} ({width}x{height}) | {patches:,} | {alone / MIB:,.0f} MiB | "
+                     f"{naive.total / MIB:,.0f} MiB | {vlmopt.total / MIB:,.0f} MiB | {alone / vlmopt.total:.1f}x |")
     return lines
 
 
-def measured_table(pack: Path, budget: int, threads: int | None) -> list[str]:
+def measured_table(pack: Path, budget: int, workspace: int, threads: int | None) -> list[str]:
     import pipeshard
-    from pipeshard.runtime.pack import load_pack
     from pipeshard.runtime.vision import PackVision
 
-    manifest = load_pack(pack).manifest
-    shape = VisionShape.from_pack(manifest["vision"])
-    lines = [f"### {pack.name}: measured on the simulated device's ledger (budget {budget / MIB:.0f} MiB)", "",
-             "| image | tiles | naive (decoder held) | VLMOpt | naive / VLMOpt | predicted naive / VLMOpt |",
-             "|---|---:|---:|---:|---:|---:|"]
-    engine = pipeshard.load(pack, device="sim", vram=budget * 8, profile="laptop-8gb", threads=threads)
-    engine.generate("Hello", max_new_tokens=2)  # the decoder's plan is on the device, as in a running game
+    lines = [f"### {pack.name}: measured on the simulated device's ledger (VLMOpt under a budget of "
+             f"{budget / MIB:.0f} MiB, workspace bound {workspace / MIB:.0f} MiB)", "",
+             "| image | tiles | naive (decoder held) | VLMOpt | naive / VLMOpt |", "|---|---:|---:|---:|---:|"]
+    roomy = 64 * budget  # the naive port's device: room for everything it holds
+    engine = pipeshard.load(pack, device="sim", vram=roomy, profile="laptop-8gb", threads=threads)
     step = engine.step
     naive = PackVision(step.pack, step.device, threads, naive=True)
-    with tempfile.TemporaryDirectory() as folder:
-        for name, (width, height) in RESOLUTIONS.items():
-            path = Path(folder) / f"{name}.png"
-            rng = np.random.default_rng(0)
-            Image.fromarray((rng.random((height, width, 3)) * 255).astype(np.uint8)).save(path)
-            naive.peak_device_bytes = 0
-            engine.vision = naive
-            engine.generate("Describe.", images=[path], max_new_tokens=1)
-            naive_bytes = naive.peak_device_bytes
-            step.set_budget(budget)
-            streamed = PackVision(step.pack, step.device, threads, release_decoder=step.release_device_memory)
-            engine.vision = streamed
-            engine.generate("Describe.", images=[path], max_new_tokens=1)
-            step.set_budget(budget * 8)
-            tiles = len(_tiles(step.pack, path))
-            predicted = (naive_peak(shape, width, height, 0).total /
-                         vlmopt_peak(shape, width, height, budget - 2 * shape.largest_block_bytes).total)
-            lines.append(f"| {name} | {tiles} | {naive_bytes / MIB:,.0f} MiB | "
-                         f"{streamed.peak_device_bytes / MIB:,.0f} MiB | "
-                         f"{naive_bytes / streamed.peak_device_bytes:.1f}x | {predicted:.1f}x |")
+    streamed = PackVision(step.pack, step.device, threads, release_decoder=step.release_device_memory,
+                          workspace_bytes=workspace)
+    for name, path in _images().items():
+        engine.generate("Hello", max_new_tokens=2)  # the decoder's plan is on the device, as in a running game
+        naive.peak_device_bytes = streamed.peak_device_bytes = 0
+        engine.vision = naive
+        engine.generate("Describe.", images=[path], max_new_tokens=1)
+        step.set_budget(budget)
+        engine.generate("Hello", max_new_tokens=2)
+        engine.vision = streamed
+        engine.generate("Describe.", images=[path], max_new_tokens=1)
+        step.set_budget(roomy)
+        lines.append(f"| {name} | {len(_tiles(step.pack, path))} | {naive.peak_device_bytes / MIB:,.0f} MiB | "
+                     f"{streamed.peak_device_bytes / MIB:,.0f} MiB | "
+                     f"{naive.peak_device_bytes / streamed.peak_device_bytes:.1f}x |")
     return lines
+
+
+def _images() -> dict[str, Path]:
+    folder = Path(tempfile.mkdtemp(prefix="vision-memory-"))
+    paths = {}
+    for name, (width, height) in RESOLUTIONS.items():
+        paths[name] = folder / f"{name}.png"
+        rng = np.random.default_rng(0)
+        Image.fromarray((rng.random((height, width, 3)) * 255).astype(np.uint8)).save(paths[name])
+    return paths
 
 
 def _tiles(pack, path: Path) -> list:
@@ -99,8 +102,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pack", type=Path, default=None, help="a VLM pack (pipeshard export smolvlm-256m ...)")
     parser.add_argument("--measure", action="store_true", help="run the pack on the simulated device")
-    parser.add_argument("--workspace", default="512MiB", help="VLMOpt's attention workspace bound (predicted)")
-    parser.add_argument("--budget", default="256MiB", help="the simulated device's budget for VLMOpt (measured)")
+    parser.add_argument("--workspace", default="256MiB", help="VLMOpt's workspace bound (activations + scores)")
+    parser.add_argument("--budget", default="768MiB", help="the simulated device's budget for VLMOpt (measured)")
     parser.add_argument("--threads", type=int, default=None)
     args = parser.parse_args()
     workspace = parse_size(args.workspace)
@@ -109,11 +112,12 @@ def main() -> None:
     if args.pack is not None:
         from pipeshard.runtime.pack import load_pack
 
-        manifest = load_pack(args.pack).manifest
-        lines += ["", *prediction_table(VisionShape.from_pack(manifest["vision"]), manifest["total_weight_bytes"],
-                                        workspace, args.pack.name)]
+        pack = load_pack(args.pack)
+        tiles = {name: len(_tiles(pack, path)) for name, path in _images().items()}
+        lines += ["", *prediction_table(VisionShape.from_pack(pack.manifest["vision"]),
+                                        pack.manifest["total_weight_bytes"], workspace, args.pack.name, tiles)]
         if args.measure:
-            lines += ["", *measured_table(args.pack, parse_size(args.budget), args.threads)]
+            lines += ["", *measured_table(args.pack, parse_size(args.budget), workspace, args.threads)]
     print("\n".join(lines))
 
 

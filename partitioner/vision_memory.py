@@ -11,7 +11,6 @@ fit); Qwen2.5-VL towers attend within windows in most blocks and over the whole 
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 SCORE_BYTES = 4  # attention scores and softmax in fp32
@@ -29,7 +28,7 @@ class VisionShape:
     num_layers: int
     patch_size: int
     weight_bytes: int  # the whole tower's
-    largest_block_bytes: int  # the largest streamed block's (a staging slot)
+    largest_block_bytes: int  # the largest streamed block's blob, alignment included (a staging slot)
     itemsize: int  # bytes per activation element
     tile_size: int = 0  # idefics3: a tile's side in pixels
     merge_size: int = 1  # qwen2_vl: patches merged per side
@@ -45,7 +44,7 @@ class VisionShape:
                    intermediate_size=vision["intermediate_size"], num_heads=vision["num_attention_heads"],
                    num_layers=vision["num_layers"], patch_size=vision["patch_size"],
                    weight_bytes=vision["total_weight_bytes"],
-                   largest_block_bytes=max(e["weight_bytes"] for e in entries),
+                   largest_block_bytes=max((e.get("blob") or {}).get("bytes", 0) for e in entries),
                    itemsize=2 if dtype <= {"float16", "bfloat16"} and dtype else 4, tile_size=vision["image_size"])
 
 
@@ -75,13 +74,11 @@ def query_tile(workspace_bytes: int, heads: int, keys: int) -> int:
     return max(QUERY_TILE_STEP, tile // QUERY_TILE_STEP * QUERY_TILE_STEP)
 
 
-def image_patches(shape: VisionShape, width: int, height: int) -> tuple[int, int]:
-    """(patches the tower sees, patches per attention group at its widest) for an image of width x height: for
-    idefics3 the tiles (and the global view) times patches per tile; for qwen2_vl the image resized to multiples
-    of patch x merge."""
+def image_patches(shape: VisionShape, width: int, height: int, tiles: int = 0) -> tuple[int, int]:
+    """(patches the tower sees, patches per attention group at its widest): for idefics3, `tiles` tiles (the
+    preprocessing's count, global view included) of patches per tile; for qwen2_vl the image of width x height
+    resized to multiples of patch x merge."""
     if shape.family == "idefics3":
-        tiles = math.ceil(width / shape.tile_size) * math.ceil(height / shape.tile_size)
-        tiles = tiles + 1 if tiles > 1 else 1  # the global view beside the tiles
         per_tile = (shape.tile_size // shape.patch_size) ** 2
         return tiles * per_tile, per_tile
     unit = shape.patch_size * shape.merge_size
@@ -95,9 +92,9 @@ def naive_workspace(shape: VisionShape, patches: int, keys: int) -> int:
     return _activations(shape, patches) + shape.num_heads * patches * keys * SCORE_BYTES
 
 
-def naive_peak(shape: VisionShape, width: int, height: int, decoder_bytes: int) -> VisionPeak:
-    """Everything resident, every score stored, the decoder already loaded."""
-    patches, keys = image_patches(shape, width, height)
+def naive_peak(shape: VisionShape, patches: int, keys: int, decoder_bytes: int) -> VisionPeak:
+    """Everything resident, every score stored (groups of `keys` patches attending together), the decoder
+    already loaded."""
     activations = _activations(shape, patches)
     return VisionPeak(shape.weight_bytes, activations, naive_workspace(shape, patches, keys) - activations,
                       decoder_bytes)
@@ -113,9 +110,8 @@ def tile_runs(shape: VisionShape, tiles: int, workspace_bytes: int) -> tuple[int
     return per_run, per_run * per_tile
 
 
-def vlmopt_peak(shape: VisionShape, width: int, height: int, workspace_bytes: int) -> VisionPeak:
+def vlmopt_peak(shape: VisionShape, patches: int, keys: int, workspace_bytes: int) -> VisionPeak:
     """Streamed weights, query-tiled attention within `workspace_bytes`, the decoder released first."""
-    patches, keys = image_patches(shape, width, height)
     if shape.family == "idefics3":
         per_run, reserved = tile_runs(shape, patches // keys, workspace_bytes)
         activations = _activations(shape, per_run * keys)

@@ -88,7 +88,10 @@ class PackVision:
     `naive` as a plain port does it (every weight resident, every score stored, the decoder kept), for comparing
     their peak device memory on the simulated device."""
 
-    def __init__(self, pack, device, threads: int | None = None, release_decoder=None, naive: bool = False) -> None:
+    def __init__(self, pack, device, threads: int | None = None, release_decoder=None, naive: bool = False,
+                 workspace_bytes: int | None = None) -> None:
+        """`workspace_bytes`: the most the encoder's activations and attention take at once (default: whatever
+        the budget leaves)."""
         self.pack = pack
         self.description = pack.manifest["vision"]
         self.config = self.description["preprocessing"]
@@ -97,6 +100,7 @@ class PackVision:
         self.device = device
         self.release_decoder = release_decoder  # frees the decoder's device memory when the encoder needs it
         self.naive = naive
+        self.workspace_bytes = workspace_bytes
         self._rt = capi.runtime(threads)
         self._threads = threads
         self._run_options = self._rt.run_options()
@@ -138,6 +142,8 @@ class PackVision:
         if ledger.used + 2 * slot_bytes + tile_runs(shape, 1, 0)[1] > ledger.budget_bytes and self.release_decoder:
             self.release_decoder()  # the decoder's plan comes back at its next step
         free = ledger.budget_bytes - ledger.used - 2 * slot_bytes
+        if self.workspace_bytes is not None:
+            free = min(free, self.workspace_bytes)
         per_run, reserved = tile_runs(shape, tiles, max(free, 0))
         if reserved > free:
             raise UserError(f"the VRAM budget leaves {max(free, 0)} bytes for the vision encoder, less than one tile "
