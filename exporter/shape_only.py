@@ -61,6 +61,7 @@ def load_config(model: str):
             raise UserError(f"{config_path} is not a valid config ({exc})") from None
         if not isinstance(settings, dict) or "model_type" not in settings:
             raise UserError(f"{config_path} has no model_type")
+        settings = {key: value for key, value in settings.items() if not key.startswith("_")}  # "_source" notes
         settings.pop("architectures", None)
         if settings["model_type"] not in SUPPORTED_ARCHITECTURES:
             raise UserError(f"unsupported architecture {settings['model_type']!r} in {config_path}; "
