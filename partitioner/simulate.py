@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 PINNED, STREAMED, CPU = "pinned", "streamed", "cpu"
 STEPS = 3
 EXPERT_SLOTS = 2  # streamed experts: copied after their router ran, two in flight per layer
-EXPERT_RUN_ORDER = {PINNED: 0, CPU: 1, STREAMED: 2}
-COLLAPSE_AFTER = 8  # see _collapsed_runs: the contention check's window of recent intervals  # streamed experts last: their copies overlap the others
+EXPERT_RUN_ORDER = {PINNED: 0, CPU: 1, STREAMED: 2}  # streamed experts last: their copies overlap the others
+COLLAPSE_AFTER = 8  # see _collapsed_runs: the contention check's window of recent intervals
 
 
 def _experts_by_placement(sub_layers: list[dict], placements: dict[str, str], gates: dict[str, str]) -> list[dict]:

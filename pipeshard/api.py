@@ -94,8 +94,8 @@ def load(path: str | Path, threads: int | None = None, verify: bool = False, vra
     plans.json (`pipeshard plan --out`) whose plans run as they are; the planner is consulted only when the
     budget changes (its budget is the file's unless `vram` gives a larger one).
     """
-    from pipeshard.runtime.monolithic import MonolithicStep
     from pipeshard.runtime.exportdir import read_json
+    from pipeshard.runtime.monolithic import MonolithicStep
     from pipeshard.runtime.pack import MANIFEST_NAME, Pack, is_pack, load_pack
     from pipeshard.runtime.step import Step
 
