@@ -97,8 +97,8 @@ def _weights_as_references(graph, data_file: str) -> None:
     import onnx_ir as ir
 
     for value in graph.initializers.values():
-        tensor = value.const_value
-        if isinstance(tensor, ir.LazyTensor) and stored_externally(tensor.nbytes):
+        tensor = value.const_value  # a stand-in, or what the optimizer folded from stand-ins (a transposed weight)
+        if not isinstance(tensor, ir.ExternalTensor) and stored_externally(tensor.nbytes):
             value.const_value = ir.ExternalTensor(data_file, 0, tensor.nbytes, tensor.dtype, shape=tensor.shape,
                                                   name=value.name)
 
@@ -145,7 +145,13 @@ def export_decoder(model, export_config: DecoderWithPastExportConfig, onnx_path:
     for value in list(program.model.graph.initializers.values()):
         if value.name.startswith(prefix):
             value.name = value.name[len(prefix) :]
-    program.save(str(onnx_path), external_data=not shape_only)
+    if shape_only:  # the references are written as they are (a save with external data would copy their data)
+        import onnx
+        import onnx_ir as ir
+
+        onnx.save(ir.to_proto(program.model), str(onnx_path))
+        return
+    program.save(str(onnx_path), external_data=True)
 
 
 def max_logit_difference(model, export_config: DecoderWithPastExportConfig, onnx_path: Path) -> float:

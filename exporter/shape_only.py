@@ -3,8 +3,9 @@
 The model is built with its weights on torch's meta device (nothing is allocated) and traced as the real
 export traces it; the weights become references to a data file that is never written, so the pack has every
 shape, byte count and cost coefficient and no weights. A model of many identical layers is traced with
-`PROBE_LAYERS` of them, and the pack's manifest is that probe's with its last layer repeated
-(partitioner/repeat.py; tests check the result against the pack made from real weights).
+`PROBE_LAYERS` of them (and a MoE model with a few experts per layer), and the pack's manifest is that probe's
+with its last layer (its last expert) repeated (partitioner/repeat.py; tests check the result against the pack
+made from real weights).
 """
 
 from __future__ import annotations
@@ -78,12 +79,35 @@ def load_config(model: str):
     return config
 
 
-def probe_config(config, layers: int = PROBE_LAYERS):
-    """The same model with only its first `layers` layers."""
+EXPERT_COUNT_FIELDS = {"qwen3_moe": "num_experts", "mixtral": "num_local_experts"}
+
+
+def probe_experts(config, element_bytes: int) -> int:
+    """How many experts per layer the probe traces: more than a token's, unlike every other dimension of the
+    model (so that repeat_experts can tell the expert count in a shape: the routing weights' width), and enough
+    that the router's gate is stored as a weight where the full model's is."""
+    from pipeshard.exporter.fuse import stored_externally
+    from pipeshard.exporter.moe import moe_dims
+
+    moe = moe_dims(config)
+    others = {config.hidden_size, config.intermediate_size, config.num_attention_heads, config.vocab_size,
+              getattr(config, "num_key_value_heads", None), getattr(config, "head_dim", None),
+              moe.expert_intermediate_size, PROBE_LAYERS, 1}
+    gate_bytes = config.hidden_size * element_bytes
+    count = moe.experts_per_token + 1
+    while count in others or stored_externally(gate_bytes * moe.num_experts) != stored_externally(gate_bytes * count):
+        count += 1
+    return min(count, moe.num_experts)
+
+
+def probe_config(config, layers: int = PROBE_LAYERS, element_bytes: int = 4):
+    """The same model with only its first `layers` layers (and in a MoE model `probe_experts` experts)."""
     probe = copy.deepcopy(config)
     probe.num_hidden_layers = min(layers, config.num_hidden_layers)
     if getattr(probe, "layer_types", None):
         probe.layer_types = probe.layer_types[:probe.num_hidden_layers]
+    if config.model_type in EXPERT_COUNT_FIELDS:
+        setattr(probe, EXPERT_COUNT_FIELDS[config.model_type], probe_experts(config, element_bytes))
     return probe
 
 
@@ -120,7 +144,7 @@ def export_shape_only(model: str, out: Path, dtype: str = "fp16", force: bool = 
     """Write the shape-only pack of MODEL's config to OUT (atomically): manifest.json and config.json."""
     from pipeshard.exporter.export import DTYPES
     from pipeshard.partitioner.pack import partition
-    from pipeshard.partitioner.repeat import repeat_layers
+    from pipeshard.partitioner.repeat import repeat_experts, repeat_layers
 
     if dtype not in DTYPES:
         raise UserError(f"unknown dtype {dtype!r}; choose one of: {', '.join(DTYPES)}")
@@ -132,9 +156,11 @@ def export_shape_only(model: str, out: Path, dtype: str = "fp16", force: bool = 
     with tempfile.TemporaryDirectory(prefix="pipeshard-shape-only-") as scratch:
         export_dir, probe_pack = Path(scratch) / "export", Path(scratch) / "pack"
         export_dir.mkdir()
-        _trace_probe(probe_config(config, probe_layers), dtype, export_dir)
+        _trace_probe(probe_config(config, probe_layers, {"fp32": 4, "fp16": 2}[dtype]), dtype, export_dir)
         partition(export_dir, probe_pack)
         manifest = json.loads((probe_pack / MANIFEST_NAME).read_text())
+        if config.model_type in EXPERT_COUNT_FIELDS:
+            manifest = repeat_experts(manifest, getattr(config, EXPERT_COUNT_FIELDS[config.model_type]))
         manifest = repeat_layers(manifest, config.num_hidden_layers)
         manifest["source"] = {"config": model, "shape_only": True}
         with atomic_output_dir(out, force) as staging:

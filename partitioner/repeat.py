@@ -10,6 +10,7 @@ and the residual stream into layer i is the one out of layer i - 1.
 from __future__ import annotations
 
 import copy
+import math
 
 from pipeshard.errors import UserError
 
@@ -94,4 +95,74 @@ def repeat_layers(manifest: dict, num_layers: int) -> dict:
     result["model"]["num_layers"] = num_layers
     result["kv_bytes_per_token"] = sum(e["kv"]["bytes_per_token"] for e in result["sub_layers"] if e["kv"])
     result["total_weight_bytes"] = sum(e["blob"]["bytes"] for e in result["sub_layers"] if e["blob"])
+    return result
+
+
+def _resized(shape: list, traced: int, wanted: int) -> list:
+    return [wanted if dim == traced else dim for dim in shape]
+
+
+def repeat_experts(manifest: dict, num_experts: int) -> dict:
+    """`manifest` with `num_experts` experts per MoE layer, those past the traced ones copied from the last traced
+    (`L{i}.expert{j}`, weights `...experts.{j}.*`, numbered tensors with the suffix `@E{j}`). The router's gate and
+    the routing weights widen to the new count (the probe's expert count is chosen unlike any other dimension),
+    and the router's and experts' costs are counted again for it."""
+    from pipeshard.partitioner.costs import analytic_flops, bytes_moved
+    from pipeshard.runtime.pack import WEIGHT_ALIGNMENT
+
+    model = manifest["model"]
+    traced = model["num_experts"]
+    if num_experts <= traced:
+        return manifest
+    result = copy.deepcopy(manifest)
+    dims = {**result["model"], "num_experts": num_experts}
+    itemsize = {"float32": 4, "float16": 2, "bfloat16": 2}
+    by_name = {e["name"]: e for e in result["sub_layers"]}
+    added: dict[str, list[dict]] = {}
+    for block in result["moe_blocks"]:
+        last = by_name[block["experts"][-1]]
+        own = {t["name"] for t in last["outputs"]}
+        index = traced - 1
+        new_experts = []
+        for j in range(traced, num_experts):
+            expert = copy.deepcopy(last)
+            expert["name"], expert["expert"] = f"L{block['layer']}.expert{j}", j
+            if expert.get("blob"):
+                expert["blob"]["file"] = f"{expert['name']}.weights"
+            marker = f".experts.{index}."
+            for w in expert["weights"]:
+                w["name"] = w["name"].replace(marker, f".experts.{j}.", 1) if marker in w["name"] else \
+                    f"{w['name']}@E{j}"
+                w["file"] = f"{expert['name']}.weights" if w["file"] == f"{last['name']}.weights" else w["file"]
+            for t in expert["outputs"]:
+                t["name"] = f"{t['name']}@E{j}" if t["name"] in own else t["name"]
+            new_experts.append(expert)
+        added[last["name"]] = new_experts
+        block["experts"] += [e["name"] for e in new_experts]
+        block["expert_outputs"] += [e["outputs"][0]["name"] for e in new_experts]
+    entries = []
+    for entry in result["sub_layers"]:
+        entries.append(entry)
+        entries += added.get(entry["name"], [])
+    for entry in entries:
+        if entry["kind"] not in ("router", "expert"):
+            continue
+        for t in entry["inputs"] + entry["outputs"]:
+            t["shape"] = _resized(t["shape"], traced, num_experts)
+        offset = 0
+        for w in entry["weights"]:
+            if w["file"] != (entry["blob"] or {}).get("file"):
+                continue
+            w["shape"] = _resized(w["shape"], traced, num_experts)
+            offset += (-offset) % WEIGHT_ALIGNMENT
+            w["offset"], w["bytes"] = offset, math.prod(w["shape"]) * itemsize[w["dtype"]]
+            offset += w["bytes"]
+        if entry["blob"]:
+            entry["blob"]["bytes"] = offset
+        entry["weight_bytes"] = sum(w["bytes"] for w in entry["weights"])
+        entry["cost"] = {"flops": analytic_flops(entry["kind"], dims),
+                         "bytes": bytes_moved(None, entry["kind"], dims, model["dtype"], entry["weight_bytes"])}
+    result["sub_layers"] = entries
+    result["model"]["num_experts"] = num_experts
+    result["total_weight_bytes"] = sum(e["blob"]["bytes"] for e in entries if e["blob"])
     return result
