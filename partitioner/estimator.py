@@ -56,6 +56,10 @@ class RateTable:
     def gflops(self, m: int, k: int, n: int) -> float:
         return _interpolate_log(self.by_shape[self.nearest_shape(k, n)], m)
 
+    def peak_gflops(self, k: int, n: int) -> float:
+        """The best rate measured for the shape (its compute-bound rate at large M)."""
+        return max(rate for _, rate in self.by_shape[self.nearest_shape(k, n)])
+
 
 class AttentionTable:
     """Achieved attention GFLOP/s by (T, C)."""
@@ -186,7 +190,10 @@ class Estimator:
         read_gbps = rates.read_gbps_loaded if under_copy else rates.read_gbps
         seconds = rates.hop_s + entry.get("nodes", 0) * rates.op_s
         for k, n in self._matmuls(entry):
-            compute = 2.0 * tokens * k * n / (table.gflops(tokens, k, n) * 1e9)
+            # With assumed bits the measured rates at small M are bound by reading weights of the pack's dtype:
+            # the roofline of the shape's peak rate and the weights' own bytes stands in for them.
+            rate = table.gflops(tokens, k, n) if self.weight_element == self.element else table.peak_gflops(k, n)
+            compute = 2.0 * tokens * k * n / (rate * 1e9)
             memory = k * n * self.weight_element / (read_gbps * 1e9)
             seconds += max(compute, memory)
         if entry["kind"] == "attn":

@@ -22,7 +22,8 @@ PLANS_SCHEMA_VERSION = 2  # 2: the pack's digest (pack_sha256), plans as the run
 DEFAULT_TIERS = (1, 4, 16, 64, 256, 1024)
 RESERVE_BYTES = 64 * 1024**2  # kept free for the driver and fragmentation
 STAGING_SLOTS = 2
-DYNAMIC_MOVES = 128  # the most moves the dynamic search simulates per slot count (see Planner.dynamic)
+DYNAMIC_MOVES = 128  # up to this many candidates, the dynamic search tries each alone (see Planner.dynamic) ...
+DYNAMIC_BLOCKS = 32  # ... beyond it, this many blocks of neighbours
 HOST_ONLY_KINDS = ("prologue", "embed")  # cheap, and embed reads only T rows of a large table
 STRATEGIES = ("gpu-only", "static", "dynamic")
 BASELINES = ("monolithic", "cpu", "layers", "offload")
@@ -317,8 +318,8 @@ class Planner:
         """Pin as static (leaving room for the slots); then, in order of the time they would save on the
         GPU, move the remaining sub-layers from the CPU to streaming, keeping each move that the
         simulation says helps (one simulation per move: cheap enough to replan between steps). A move is
-        one sub-layer, or with more than DYNAMIC_MOVES candidates (MoE packs of thousands of experts) a
-        block of neighbours in that order."""
+        one sub-layer, or with more than DYNAMIC_MOVES candidates (MoE packs of thousands of experts) one of
+        DYNAMIC_BLOCKS blocks of neighbours in that order."""
         best_plan = None
         for slots in (STAGING_SLOTS, 1):
             placements = self._pin_prefix(tier, {e["name"]: CPU for e in self.placeable}, slots)
@@ -326,7 +327,8 @@ class Planner:
             candidates = [n for n, p in placements.items() if p == CPU]
             candidates.sort(key=lambda n: compute[n]["gpu"] + copies[n] - compute[n]["cpu"])
             best = self.evaluate("dynamic", tier, placements, slots=slots)
-            for block in _blocks(candidates, DYNAMIC_MOVES):
+            moves = len(candidates) if len(candidates) <= DYNAMIC_MOVES else DYNAMIC_BLOCKS
+            for block in _blocks(candidates, moves):
                 trial = {**best.placements, **dict.fromkeys(block, STREAMED)}
                 plan = self.evaluate("dynamic", tier, trial, slots=slots)
                 if self.fits(plan) and plan.step_s < best.step_s * (1 - 1e-9):
