@@ -187,8 +187,19 @@ def render(rows: list[dict], seconds: dict, command: str) -> str:
         "and Qwen3-235B-A22B (Q2_K, about 85 GB) with `--assume-bits 4.5` and `2.9`: planning only, every weight "
         "sized and read at that many bits, compute at fp16 rates (our runtime stays lossless; it would need "
         "4x / 5.5x the bytes). Architectures are from the models' public configs (examples/paper_configs/; the "
-        "4B's shape is an assumption, see its `_source`). Every figure is a roofline prediction, unchecked on a "
-        "GPU: no GPU run has been made (unverified).",
+        "4B's shape is an assumption, see its `_source`). The paper does not name its CPU (its artifact was built on "
+        "an Intel x86-64 Windows desktop); the profile's 16-core Zen 5 with AVX-512 has about twice the fp32 peak "
+        "of an Intel desktop without it, which matters for CPU prefill, hardly for decode (both read dual-channel "
+        "DDR5). Every figure is a roofline prediction, unchecked on a GPU: no GPU run has been made (unverified).",
+        "",
+        "**The largest differences, in short** (details in the notes under each table): (1) at small budgets our "
+        "prefill stays on the CPU because no plan of ours streams the model at tier 1024 (GPU-only's two slots of "
+        "the largest unit do not fit, and the dynamic search leaves no room for a slot), where the paper streams "
+        "every layer: TTFT up to 40x the paper's; (2) at long contexts the KV that does not fit keeps attention on "
+        "the CPU (the paper streams KV, issue 25): tok/s up to 10x below the paper's at 64K; (3) our `layers` "
+        "baseline computes a prompt's CPU layers on the CPU, while llama.cpp offloads large batches to the GPU, "
+        "so our predicted TTFT speedups are 3-15x the paper's where both stream; (4) attention is costed at the "
+        "profile's multi-head rate, overcharging grouped-query attention on the CPU.",
         "",
         "Columns: budget; *ours* tok/s and TTFT with the decode / prefill strategies and the attentions on the "
         "GPU at decode; *layers* tok/s and TTFT; predicted speedups; the paper's tok/s, TTFT and speedups. A "

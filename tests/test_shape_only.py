@@ -37,10 +37,8 @@ def _comparable(manifest: dict) -> dict:
 
 @pytest.fixture(scope="session")
 def shape_only_llama(tmp_path_factory):
-    from pipeshard.exporter.shape_only import export_shape_only
-
     folder = tmp_path_factory.mktemp("shape-only") / "llama"
-    export_shape_only("tiny:llama", folder, dtype="fp32")
+    assert main(["export", "tiny:llama", str(folder), "--shape-only", "--quiet"]) == 0
     return folder
 
 
@@ -71,6 +69,13 @@ def test_running_a_shape_only_pack_is_one_error_line(shape_only_llama, capsys, c
     assert main([part.format(pack=shape_only_llama) for part in command]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error:") and "no weights" in err[0]
+
+
+def test_shape_only_export_refuses_what_does_not_apply(tmp_path, capsys):
+    assert main(["export", "tiny:llama", str(tmp_path / "p"), "--shape-only", "--opset", "18"]) == 2
+    assert main(["export", str(tmp_path / "nothing.json"), str(tmp_path / "q"), "--shape-only"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and all(line.startswith("error:") for line in err)
 
 
 def test_inspect_and_plan_read_a_shape_only_pack(shape_only_llama, tmp_path, capsys):
