@@ -12,6 +12,8 @@ last two, so the next step's first copies overlap this step's tail.
 
 from __future__ import annotations
 
+import bisect
+import itertools
 from dataclasses import dataclass, field
 
 PINNED, STREAMED, CPU = "pinned", "streamed", "cpu"
@@ -61,6 +63,24 @@ def _collapsed_runs(sub_layers: list[dict], placements: dict[str, str], compute_
             runs.append((sub_layers[single], [e["name"] for e in sub_layers[single:end]]))
         index = end
     return runs
+
+
+PAIRWISE_OVERLAP_LIMIT = 4096  # compute intervals summed pair by pair; more through sorted prefix sums
+
+
+def _overlap_with(intervals: list[tuple[float, float]]):
+    """f(a, b) = the sum over `intervals` of their overlap with [a, b]: pair by pair for few intervals; for many
+    (thousands of experts) as F(b) - F(a), F(x) = sum of (x - start) over starts before x less the same over ends."""
+    if len(intervals) <= PAIRWISE_OVERLAP_LIMIT:
+        return lambda a, b: sum(max(0.0, min(b, e) - max(a, s)) for s, e in intervals)
+    starts, ends = sorted(s for s, _ in intervals), sorted(e for _, e in intervals)
+    start_sums, end_sums = [0.0, *itertools.accumulate(starts)], [0.0, *itertools.accumulate(ends)]
+
+    def covered_until(x: float) -> float:
+        opened, closed = bisect.bisect_left(starts, x), bisect.bisect_left(ends, x)
+        return opened * x - start_sums[opened] - (closed * x - end_sums[closed])
+
+    return lambda a, b: max(0.0, covered_until(b) - covered_until(a))
 
 
 @dataclass
@@ -193,11 +213,12 @@ def simulate(sub_layers: list[dict], placements: dict[str, str], compute_s: dict
         return Simulation(window_end - window_start, per_sub_layer)
     in_window = [i for i in timeline if i.end_s > window_start and i.start_s < window_end]
     compute_busy = [(i.start_s, i.end_s) for i in in_window if i.resource != "copy"]
+    overlap = _overlap_with(compute_busy)
     copy_busy = hidden = 0.0
     for i in in_window:
         if i.resource == "copy":
             start, end = max(i.start_s, window_start), min(i.end_s, window_end)
             copy_busy += end - start
-            hidden += sum(max(0.0, min(end, e) - max(start, s)) for s, e in compute_busy)
+            hidden += overlap(start, end)
     shifted = [Interval(i.resource, i.sub_layer, i.start_s - window_start, i.end_s - window_start) for i in in_window]
     return Simulation(window_end - window_start, per_sub_layer, shifted, copy_busy, min(hidden, copy_busy))
