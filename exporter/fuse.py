@@ -31,6 +31,7 @@ past is only supported for batch 1.
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -41,6 +42,7 @@ from pipeshard.errors import UserError
 from pipeshard.partitioner.rules import module_path
 from pipeshard.runtime.kv import PADDING_BIAS, PAST_PREFIX, PRESENT_PREFIX, SEQLENS, TOTAL
 
+EXTERNAL_THRESHOLD_BYTES = 1024  # onnx.save's size_threshold: larger tensors go to the data file
 ROTARY_CACHES = ("_gqa_cos_cache", "_gqa_sin_cache")  # the tables' rows 0 .. total - 1, per step
 _REPEAT_KV_OPS = ("Reshape", "Expand", "Unsqueeze")
 
@@ -68,6 +70,36 @@ class _Graph:
             found = node.op_type if node is not None else "a graph input"
             raise UserError(f"attention rewrite: expected {tensor} to come from {op_type}, found {found}")
         return node
+
+
+def stored_externally(nbytes: int) -> bool:
+    """Whether the export stores a tensor of `nbytes` in its data file (onnx.save's test: the size of the
+    tensor's bytes object against the threshold)."""
+    return nbytes + sys.getsizeof(b"") >= EXTERNAL_THRESHOLD_BYTES
+
+
+def weight_reference(name: str, data_type: int, dims: list[int], data_file: str) -> TensorProto:
+    """A weight of a shape-only export: name, type and shape, its data a reference into a file never written."""
+    nbytes = int(np.prod(dims, dtype=np.int64)) * helper.tensor_dtype_to_np_dtype(data_type).itemsize
+    reference = TensorProto(name=name, data_type=data_type, dims=dims)
+    reference.data_location = TensorProto.EXTERNAL
+    for key, value in (("location", data_file), ("offset", "0"), ("length", str(nbytes))):
+        reference.external_data.add(key=key, value=value)
+    return reference
+
+
+def _is_reference(tensor: TensorProto) -> bool:
+    return tensor.data_location == TensorProto.EXTERNAL
+
+
+def _concatenated(tensors: list[TensorProto], axis: int, name: str) -> TensorProto:
+    """The tensors joined along `axis`; for references (a shape-only export), a reference of the joined shape."""
+    if not any(_is_reference(t) for t in tensors):
+        return numpy_helper.from_array(np.concatenate([numpy_helper.to_array(t) for t in tensors], axis=axis), name)
+    dims = list(tensors[0].dims)
+    dims[axis] = sum(t.dims[axis] for t in tensors)
+    location = next(e.value for t in tensors if _is_reference(t) for e in t.external_data if e.key == "location")
+    return weight_reference(name, tensors[0].data_type, dims, location)
 
 
 def _declare(model: onnx.ModelProto, name: str, elem_type: int, dims: list) -> None:
@@ -337,20 +369,19 @@ def _packed_qkv(graph: _Graph, q: str, k: str, v: str, heads: int, kv_heads: int
     projections, biases = [f[0] for f in found], [f[1] for f in found]
     if len({p.input[0] for p in projections}) != 1 or len({b is None for b in biases}) != 1:
         return None
-    weights = [numpy_helper.to_array(graph.initializers[p.input[1]]) for p in projections]
+    weights = [graph.initializers[p.input[1]] for p in projections]
     widths = [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
-    if [w.shape[-1] for w in weights] != widths or any(w.ndim != 2 for w in weights):
+    if [w.dims[-1] for w in weights] != widths or any(len(w.dims) != 2 for w in weights):
         return None
     name = f"{projections[0].output[0]}_qkv"
-    packed = numpy_helper.from_array(np.concatenate(weights, axis=1), f"{name}_weight")
+    packed = _concatenated(weights, 1, f"{name}_weight")
     graph.model.graph.initializer.append(packed)
     graph.initializers[packed.name] = packed
     product = name if biases[0] is None else f"{name}_product"
     matmul = helper.make_node("MatMul", [projections[0].input[0], packed.name], [product], name=product)
     added.append(_metadata_from(matmul, projections[0]))
     if biases[0] is not None:
-        bias = numpy_helper.from_array(np.concatenate([numpy_helper.to_array(graph.initializers[b])
-                                                       for b in biases]), f"{name}_bias")
+        bias = _concatenated([graph.initializers[b] for b in biases], 0, f"{name}_bias")
         graph.model.graph.initializer.append(bias)
         graph.initializers[bias.name] = bias
         added.append(_metadata_from(helper.make_node("Add", [product, bias.name], [name], name=name),
@@ -553,10 +584,10 @@ def pack_sibling_projections(model: onnx.ModelProto) -> int:
     for (activation, _parent), members in groups.items():
         if len(members) < 2:
             continue
-        weights = [numpy_helper.to_array(graph.initializers[n.input[1]]) for n in members]
-        widths = [w.shape[1] for w in weights]
+        weights = [graph.initializers[n.input[1]] for n in members]
+        widths = [int(w.dims[1]) for w in weights]
         name = f"{members[0].output[0]}_packed"
-        weight = numpy_helper.from_array(np.concatenate(weights, axis=1), f"{name}_weight")
+        weight = _concatenated(weights, 1, f"{name}_weight")
         graph.model.graph.initializer.extend([weight, numpy_helper.from_array(np.array(widths, np.int64),
                                                                               f"{name}_widths")])
         matmul = _metadata_from(helper.make_node("MatMul", [activation, weight.name], [name], name=name), members[0])
@@ -575,13 +606,24 @@ def pack_sibling_projections(model: onnx.ModelProto) -> int:
 
 
 def fuse_exported_model(onnx_path: Path, heads: int, kv_heads: int, head_dim: int, dtype: str,
-                        max_context: int, sliding_window: int | None = None) -> int:
-    """Apply the rewrites to an exported model file in place (its external data file rewritten)."""
-    model = onnx.load(str(onnx_path))
+                        max_context: int, sliding_window: int | None = None, shape_only: bool = False) -> int:
+    """Apply the rewrites to an exported model file in place (its external data file rewritten). `shape_only`:
+    the file's weights are references (onnx_export's shape-only trace), and what the rewrites compute (the
+    rotary tables) becomes references too: no data file is written."""
+    model = onnx.load(str(onnx_path), load_external_data=not shape_only)
     float_type = {"fp32": TensorProto.FLOAT, "fp16": TensorProto.FLOAT16}[dtype]
     fused = fuse_attention(model, heads, kv_heads, head_dim, float_type, max_context, sliding_window)
     pack_sibling_projections(model)
     data = onnx_path.with_name(onnx_path.name + ".data")
+    if shape_only:
+        initializers = model.graph.initializer
+        for index, tensor in enumerate(initializers):
+            if not _is_reference(tensor) and stored_externally(len(tensor.raw_data)):
+                initializers[index].CopyFrom(weight_reference(tensor.name, tensor.data_type, list(tensor.dims),
+                                                              data.name))
+        onnx.save(model, str(onnx_path))
+        return fused
     data.unlink(missing_ok=True)  # onnx appends to an existing data file
-    onnx.save(model, str(onnx_path), save_as_external_data=True, location=data.name, size_threshold=1024)
+    onnx.save(model, str(onnx_path), save_as_external_data=True, location=data.name,
+              size_threshold=EXTERNAL_THRESHOLD_BYTES)
     return fused

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from pipeshard.exporter.configs import DecoderWithPastExportConfig
+from pipeshard.exporter.fuse import stored_externally
 from pipeshard.exporter.moe import moe_export_form
 from pipeshard.exporter.vlm import IMAGE_MERGE, image_merge_module
 from pipeshard.runtime.kv import PAST_PREFIX, present_name
@@ -85,12 +86,57 @@ def dummy_inputs(export_config: DecoderWithPastExportConfig, torch_dtype, batch=
     return (input_ids, attention_mask, position_ids, *past_kv)
 
 
-def export_decoder(model, export_config: DecoderWithPastExportConfig, onnx_path: Path, opset: int) -> None:
-    """Export `model` to `onnx_path` with its weights in `<name>.data` beside it."""
+def _stand_in(shape: tuple[int, ...], dtype, index: int):
+    """A weight's stand-in: 0.5 (not 0 or 1, so no rule that drops an addition of 0 or a product by 1 fires where
+    a real weight would not let it), its first two elements numbering it (so no two weights look equal to the
+    optimizer's deduplication of initializers, as real weights never do)."""
+    import numpy as np
+
+    values = np.full(shape, 0.5, dtype)
+    flat = values.reshape(-1)
+    if flat.size >= 2:
+        flat[:2] = (index // 1024 + 1, index % 1024 + 1)
+    return values
+
+
+def _stand_in_weights(graph) -> None:
+    """Give every weight of a meta-device trace a stand-in value, made lazily: the exporter's optimizer reads the
+    small ones (folding constants) as it reads real weights."""
+    import onnx_ir as ir
+
+    for index, value in enumerate(graph.initializers.values()):
+        raw = getattr(value.const_value, "raw", None)
+        if getattr(raw, "is_meta", False):
+            dtype, shape = value.const_value.dtype, value.const_value.shape
+            value.const_value = ir.LazyTensor(
+                lambda dtype=dtype, shape=shape, index=index: ir.tensor(_stand_in(shape.numpy(), dtype.numpy(),
+                                                                                  index)),
+                dtype=dtype, shape=shape, name=value.name)
+
+
+def _weights_as_references(graph, data_file: str) -> None:
+    """Every stand-in the export stores outside the graph becomes a reference to `data_file`, which is never
+    written: a shape-only export keeps each weight's name, dtype and shape, and no data."""
+    import onnx_ir as ir
+
+    for value in graph.initializers.values():
+        tensor = value.const_value  # a stand-in, or what the optimizer folded from stand-ins (a transposed weight)
+        if not isinstance(tensor, ir.ExternalTensor) and stored_externally(tensor.nbytes):
+            value.const_value = ir.ExternalTensor(data_file, 0, tensor.nbytes, tensor.dtype, shape=tensor.shape,
+                                                  name=value.name)
+
+
+def export_decoder(model, export_config: DecoderWithPastExportConfig, onnx_path: Path, opset: int,
+                   shape_only: bool = False) -> None:
+    """Export `model` to `onnx_path` with its weights in `<name>.data` beside it. `shape_only`: the model's
+    weights are on the meta device, and the weights of the file are references to a data file that is not
+    written (`_weights_as_references`)."""
     import torch
 
     wrapper = _decoder_with_past(model, export_config.dims.num_layers, export_config.image_token_id)
     args = dummy_inputs(export_config, model.dtype)
+    if shape_only:
+        args = tuple(arg.to("meta") for arg in args)
     input_names = list(export_config.inputs)
     output_names = list(export_config.outputs)
     batch, sequence = torch.export.Dim("batch"), torch.export.Dim("sequence")
@@ -113,13 +159,23 @@ def export_decoder(model, export_config: DecoderWithPastExportConfig, onnx_path:
             output_names=output_names,
             dynamic_shapes=dynamic_shapes,
             opset_version=opset,
-            optimize=True,
+            optimize=not shape_only,
             verbose=False,
         )
+    if shape_only:
+        _stand_in_weights(program.model.graph)
+        program.optimize()
+        _weights_as_references(program.model.graph, onnx_path.name + ".data")
     prefix = WRAPPER_ATTRIBUTE + "."
     for value in list(program.model.graph.initializers.values()):
         if value.name.startswith(prefix):
             value.name = value.name[len(prefix) :]
+    if shape_only:  # the references are written as they are (a save with external data would copy their data)
+        import onnx
+        import onnx_ir as ir
+
+        onnx.save(ir.to_proto(program.model), str(onnx_path))
+        return
     program.save(str(onnx_path), external_data=True)
 
 

@@ -154,23 +154,25 @@ def build_tiny_model(architecture: str):
     return build_random_model(dict(TINY_CONFIGS[architecture]))
 
 
+def tiny_config(settings: dict[str, Any], tokenizer=None):
+    """The transformers config of a test model's settings (`model_type` plus its fields), sized for the byte
+    tokenizer."""
+    from transformers import AutoConfig
+
+    tokenizer = tokenizer or build_byte_tokenizer()
+    settings = dict(settings)
+    return AutoConfig.for_model(settings.pop("model_type"), vocab_size=len(tokenizer),
+                                bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                                pad_token_id=tokenizer.pad_token_id, **settings)
+
+
 def build_random_model(settings: dict[str, Any]):
     """A seeded random-weight causal LM of any config (`model_type` plus its fields) with the byte tokenizer."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     tokenizer = build_byte_tokenizer()
-    settings = dict(settings)
-    model_type = settings.pop("model_type")
-    vocab_size = len(tokenizer)
-    config = AutoConfig.for_model(
-        model_type,
-        vocab_size=vocab_size,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        **settings,
-    )
+    config = tiny_config(settings, tokenizer)
     torch.manual_seed(TINY_SEED)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     # Random init leaves norms at 1 and small weights: scale so outputs are not near-uniform and

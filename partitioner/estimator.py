@@ -56,6 +56,10 @@ class RateTable:
     def gflops(self, m: int, k: int, n: int) -> float:
         return _interpolate_log(self.by_shape[self.nearest_shape(k, n)], m)
 
+    def peak_gflops(self, k: int, n: int) -> float:
+        """The best rate measured for the shape (its compute-bound rate at large M)."""
+        return max(rate for _, rate in self.by_shape[self.nearest_shape(k, n)])
+
 
 class AttentionTable:
     """Achieved attention GFLOP/s by (T, C)."""
@@ -89,10 +93,12 @@ class DeviceRates:
 class Estimator:
     """Seconds per sub-layer (CPU or device) and per copy, for one pack, profile and thread count."""
 
-    def __init__(self, profile: dict, model: dict, threads: int | None = None, model_sha256: str | None = None) -> None:
+    def __init__(self, profile: dict, model: dict, threads: int | None = None, model_sha256: str | None = None,
+                 weight_bits: float | None = None) -> None:
         self.profile = profile
         self.dtype = model["dtype"]
         self.element = ELEMENT_BYTES[self.dtype]
+        self.weight_element = weight_bits / 8 if weight_bits else self.element  # bytes a weight is read as
         self.model = model
         cpu_threads = profile["cpu"]["threads"]
         available = sorted(int(t) for t in cpu_threads)
@@ -175,7 +181,7 @@ class Estimator:
         if entry["kind"] in ("prologue",):
             return rates.hop_s
         if entry["kind"] == "embed":
-            return rates.hop_s + tokens * self.model["hidden_size"] * self.element / (rates.read_gbps * 1e9)
+            return rates.hop_s + tokens * self.model["hidden_size"] * self.weight_element / (rates.read_gbps * 1e9)
         if not on_device or self.profile["device"]["kind"] == "sim":
             measured = self._measured_seconds(entry["kind"], tokens, context)
             if measured is not None:
@@ -184,8 +190,11 @@ class Estimator:
         read_gbps = rates.read_gbps_loaded if under_copy else rates.read_gbps
         seconds = rates.hop_s + entry.get("nodes", 0) * rates.op_s
         for k, n in self._matmuls(entry):
-            compute = 2.0 * tokens * k * n / (table.gflops(tokens, k, n) * 1e9)
-            memory = k * n * self.element / (read_gbps * 1e9)
+            # With assumed bits the measured rates at small M are bound by reading weights of the pack's dtype:
+            # the roofline of the shape's peak rate and the weights' own bytes stands in for them.
+            rate = table.gflops(tokens, k, n) if self.weight_element == self.element else table.peak_gflops(k, n)
+            compute = 2.0 * tokens * k * n / (rate * 1e9)
+            memory = k * n * self.weight_element / (read_gbps * 1e9)
             seconds += max(compute, memory)
         if entry["kind"] == "attn":
             flops = 4.0 * self.model["num_attention_heads"] * self.model["head_dim"] * tokens * context

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -100,9 +101,11 @@ def _weight_owners(sub_layers: list[SubLayer], initializers: dict[str, onnx.Tens
     return owners
 
 
-def _write_blobs(sub_layers, owners, initializers, source_data: Path, staging: Path) -> tuple[dict, dict]:
-    """Copy each owned weight from the export's data file into its sub-layer's blob, aligned."""
-    source = np.memmap(source_data, dtype=np.uint8, mode="r")
+def _write_blobs(sub_layers, owners, initializers, source_data: Path | None, staging: Path) -> tuple[dict, dict]:
+    """Copy each owned weight from the export's data file into its sub-layer's blob, aligned. With no
+    `source_data` (a shape-only export) only the layout is made: the same offsets and sizes, no files and no
+    digests."""
+    source = np.memmap(source_data, dtype=np.uint8, mode="r") if source_data else None
     placements: dict[str, dict] = {}
     blobs: dict[str, dict] = {}
     for sub_layer in sub_layers:
@@ -112,23 +115,25 @@ def _write_blobs(sub_layers, owners, initializers, source_data: Path, staging: P
         blob_name = f"{sub_layer.name}.weights"
         digest = hashlib.sha256()
         offset = 0
-        with open(staging / blob_name, "wb") as blob:
+        with open(staging / blob_name, "wb") if source is not None else nullcontext() as blob:
             for name in owned:
                 padding = (-offset) % WEIGHT_ALIGNMENT
-                if padding:
+                if padding and blob is not None:
                     blob.write(b"\0" * padding)
                     digest.update(b"\0" * padding)
-                    offset += padding
+                offset += padding
                 entry = _external(initializers[name])
                 start, length = int(entry.get("offset", 0)), int(entry["length"])
-                chunk = source[start:start + length]
-                if len(chunk) != length:
-                    raise UserError(f"{source_data} is truncated: weight {name} ends past the end of the file")
-                blob.write(chunk)
-                digest.update(chunk)
+                if blob is not None:
+                    chunk = source[start:start + length]
+                    if len(chunk) != length:
+                        raise UserError(f"{source_data} is truncated: weight {name} ends past the end of the file")
+                    blob.write(chunk)
+                    digest.update(chunk)
                 placements[name] = {"file": blob_name, "offset": offset, "bytes": length}
                 offset += length
-        blobs[sub_layer.name] = {"file": blob_name, "bytes": offset, "sha256": digest.hexdigest()}
+        blobs[sub_layer.name] = {"file": blob_name, "bytes": offset,
+                                 "sha256": digest.hexdigest() if blob is not None else None}
     return placements, blobs
 
 
@@ -278,14 +283,18 @@ def partition(export_dir: Path, pack: Path, force: bool = False) -> PartitionRes
         raise UserError(f"{export_dir}: weights spread over several files ({sorted(external)}); expected one")
     owners = _weight_owners(sub_layers, initializers)
 
+    shape_only = bool(info.get("shape_only"))  # weights are references to a file that does not exist
     with atomic_output_dir(Path(pack), force) as staging:
-        placements, blobs = (_write_blobs(sub_layers, owners, initializers, export_dir / external.pop(), staging)
+        placements, blobs = (_write_blobs(sub_layers, owners, initializers,
+                                          None if shape_only else export_dir / external.pop(), staging)
                              if external else ({}, {}))
         entries = []
         for sub_layer in sub_layers:
             files = {"onnx": f"{sub_layer.name}.onnx", "weights_as_inputs": f"{sub_layer.name}.inputs.onnx"}
             chunkable = row_chunkable_weight(model, sub_layer, initializers)
-            for variant, as_inputs in (("onnx", False), ("weights_as_inputs", True)):
+            if shape_only:
+                files = {}
+            for variant, as_inputs in (("onnx", False), ("weights_as_inputs", True)) if files else ():
                 onnx.save(_sub_model(model, sub_layer, infos, initializers, placements, as_inputs, chunkable),
                           staging / files[variant])
             weights = [{"name": name, "shape": list(initializers[name].dims),
@@ -347,8 +356,11 @@ def partition(export_dir: Path, pack: Path, force: bool = False) -> PartitionRes
             **({"vision": vision} if vision else {}),
             # Every file but the weight blobs (their digests are in the entries), for `inspect --verify`.
             "files": {path.name: {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
-                      for path in sorted(staging.iterdir()) if path.is_file() and not path.name.endswith(".weights")},
+                      for path in sorted(staging.iterdir()) if path.is_file() and not path.name.endswith(".weights")
+                      and not shape_only},
         }
+        if shape_only:
+            manifest["shape_only"] = True
         write_json_atomic(staging / MANIFEST_NAME, manifest)
     total = sum(b["bytes"] for b in blobs.values())
     return PartitionResult(Path(pack), len(entries), total, time.perf_counter() - started)

@@ -22,6 +22,8 @@ PLANS_SCHEMA_VERSION = 2  # 2: the pack's digest (pack_sha256), plans as the run
 DEFAULT_TIERS = (1, 4, 16, 64, 256, 1024)
 RESERVE_BYTES = 64 * 1024**2  # kept free for the driver and fragmentation
 STAGING_SLOTS = 2
+DYNAMIC_MOVES = 128  # up to this many candidates, the dynamic search tries each alone (see Planner.dynamic) ...
+DYNAMIC_BLOCKS = 32  # ... beyond it, this many blocks of neighbours
 HOST_ONLY_KINDS = ("prologue", "embed")  # cheap, and embed reads only T rows of a large table
 STRATEGIES = ("gpu-only", "static", "dynamic")
 BASELINES = ("monolithic", "cpu", "layers", "offload")
@@ -113,12 +115,16 @@ class Planner:
 
     def __init__(self, manifest: dict, profile: dict, budget_bytes: int, context: int = 4096, batch: int = 1,
                  threads: int | None = None, output_chunks: int | None = None,
-                 expert_stats: dict | None = None) -> None:
+                 expert_stats: dict | None = None, assume_bits: float | None = None) -> None:
         self.manifest = manifest
         self.model = manifest["model"]
         self.sub_layers = planning_units(manifest["sub_layers"], output_chunks)
         self.profile = profile
-        self.estimator = Estimator(profile, self.model, threads, manifest.get("source", {}).get("model_sha256"))
+        # Planning only (comparisons with quantized figures): every weight takes `assume_bits` bits instead of
+        # the pack's dtype, in VRAM, copies and reads; compute rates, activations and KV stay the pack's.
+        self.assume_bits = assume_bits
+        self.estimator = Estimator(profile, self.model, threads, manifest.get("source", {}).get("model_sha256"),
+                                   weight_bits=assume_bits)
         self.context = context
         self.batch = batch
         self.budget_bytes = budget_bytes
@@ -128,9 +134,11 @@ class Planner:
         for entry in self.sub_layers:
             for weight in entry["weights"]:
                 owned[(weight["file"], weight["offset"])] = weight["bytes"]
-        self.weight_bytes = {e["name"]: e["weight_bytes"] if "chunk_of" in e else sum(w["bytes"] for w in e["weights"])
+        scale = self.estimator.weight_element / self.estimator.element
+        self.weight_bytes = {e["name"]: round(scale * (e["weight_bytes"] if "chunk_of" in e else
+                                                       sum(w["bytes"] for w in e["weights"])))
                              for e in self.sub_layers}
-        self.model_bytes = sum(owned.values())
+        self.model_bytes = round(scale * sum(owned.values()))
         self.placeable = [e for e in self.sub_layers if e["kind"] not in HOST_ONLY_KINDS]
         self.routing_share = expert_routing_shares(manifest, expert_stats)
         # Streamed experts can be copied only once their router has run.
@@ -237,15 +245,53 @@ class Planner:
     # -- policies ---------------------------------------------------------------------------------------------------
     def _pin_prefix(self, tier: int, base: dict[str, str], slots: int, priority: list[dict] | None = None
                     ) -> dict[str, str]:
-        """Pin in priority order while the plan still fits (placements not pinned keep `base`)."""
+        """Pin in priority order while the plan still fits (placements not pinned keep `base`). The VRAM of each
+        longer prefix is updated from the previous one (what `vram` would add up anew), so this is linear in the
+        units."""
+        order = priority or self.priority
         placements = dict(base)
-        for entry in priority or self.priority:
-            trial = dict(placements)
-            trial[entry["name"]] = PINNED
-            if self.vram(trial, tier, slots).total <= self.budget_bytes:
-                placements = trial
-            else:
+        in_order = {e["name"] for e in order}
+        weights = self.weight_bytes
+        vram = self.vram(base, tier, slots)
+        pinned, kv = vram.pinned_weights, vram.kv_cache
+        on_device = sum(1 for e in self.placeable if base[e["name"]] != CPU)
+        # The staging slots are as large as the largest unit still streamed: the largest outside `order`, or the
+        # largest of those after the prefix (suffix maxima over `order`), for ring units and experts apart.
+        streamed_left = {False: 0, True: 0}
+        largest_outside = {False: 0, True: 0}
+        for e in self.placeable:
+            if base[e["name"]] == STREAMED:
+                is_expert = e["kind"] == "expert"
+                streamed_left[is_expert] += 1
+                if e["name"] not in in_order:
+                    largest_outside[is_expert] = max(largest_outside[is_expert], weights[e["name"]])
+        suffix = {False: [0] * (len(order) + 1), True: [0] * (len(order) + 1)}
+        for index in range(len(order) - 1, -1, -1):
+            entry = order[index]
+            for is_expert in (False, True):
+                own = weights[entry["name"]] if base[entry["name"]] == STREAMED and \
+                    (entry["kind"] == "expert") == is_expert else 0
+                suffix[is_expert][index] = max(suffix[is_expert][index + 1], own)
+        fixed = vram.ep_overhead + vram.reserve
+        workspace = self.workspace_bytes(tier)
+        for index, entry in enumerate(order):
+            name = entry["name"]
+            was = base[name]
+            is_expert = entry["kind"] == "expert"
+            left = dict(streamed_left)
+            if was == STREAMED:
+                left[is_expert] -= 1
+            trial_pinned = pinned + weights[name] - (weights[name] if was == PINNED else 0)
+            trial_kv = kv + (self.kv_bytes(entry) if was == CPU else 0)
+            trial_on_device = on_device + (1 if was == CPU else 0)
+            largest = {x: max(largest_outside[x], suffix[x][index + 1]) for x in (False, True)}
+            total = (trial_pinned + trial_kv + (slots * largest[False] if left[False] else 0)
+                     + EXPERT_SLOTS * (largest[True] if left[True] else 0)
+                     + (workspace if trial_on_device else 0) + fixed)
+            if total > self.budget_bytes:
                 break
+            placements[name] = PINNED
+            pinned, kv, on_device, streamed_left = trial_pinned, trial_kv, trial_on_device, left
         return placements
 
     def gpu_only(self, tier: int) -> Plan | None:
@@ -271,7 +317,9 @@ class Planner:
     def dynamic(self, tier: int) -> Plan | None:
         """Pin as static (leaving room for the slots); then, in order of the time they would save on the
         GPU, move the remaining sub-layers from the CPU to streaming, keeping each move that the
-        simulation says helps (one simulation per candidate: cheap enough to replan between steps)."""
+        simulation says helps (one simulation per move: cheap enough to replan between steps). A move is
+        one sub-layer, or with more than DYNAMIC_MOVES candidates (MoE packs of thousands of experts) one of
+        DYNAMIC_BLOCKS blocks of neighbours in that order."""
         best_plan = None
         for slots in (STAGING_SLOTS, 1):
             placements = self._pin_prefix(tier, {e["name"]: CPU for e in self.placeable}, slots)
@@ -279,8 +327,9 @@ class Planner:
             candidates = [n for n, p in placements.items() if p == CPU]
             candidates.sort(key=lambda n: compute[n]["gpu"] + copies[n] - compute[n]["cpu"])
             best = self.evaluate("dynamic", tier, placements, slots=slots)
-            for name in candidates:
-                trial = {**best.placements, name: STREAMED}
+            moves = len(candidates) if len(candidates) <= DYNAMIC_MOVES else DYNAMIC_BLOCKS
+            for block in _blocks(candidates, moves):
+                trial = {**best.placements, **dict.fromkeys(block, STREAMED)}
                 plan = self.evaluate("dynamic", tier, trial, slots=slots)
                 if self.fits(plan) and plan.step_s < best.step_s * (1 - 1e-9):
                     best = plan
@@ -306,35 +355,30 @@ class Planner:
     def baseline(self, name: str, tier: int) -> Plan | None:
         if name in ("monolithic", "cpu"):
             return self.evaluate(name, tier, {e["name"]: CPU for e in self.placeable}, slots=0)
-        layers = sorted({e["layer"] for e in self.placeable if e["layer"] is not None})
         if name == "layers":
+            # Whole layers in order, then the rest (the output layer) once every layer is in: with nothing
+            # streamed, a prefix's VRAM is its weights and KV plus what every plan with a unit on the device needs.
+            by_layer: dict[int | None, list[dict]] = {}
+            for e in self.placeable:
+                by_layer.setdefault(e["layer"], []).append(e)
+            fixed = self.workspace_bytes(tier) + VramBreakdown(ep_overhead=self.ep_overhead).total
             placements = {e["name"]: CPU for e in self.placeable}
-            for layer in layers:
-                trial = {**placements, **{e["name"]: PINNED for e in self.placeable if e["layer"] == layer}}
-                if self.vram(trial, tier, 0).total > self.budget_bytes:
+            used = fixed
+            layers = sorted(layer for layer in by_layer if layer is not None)
+            for layer in [*layers, None]:
+                units = by_layer.get(layer, [])
+                used += sum(self.weight_bytes[e["name"]] + self.kv_bytes(e) for e in units)
+                if used > self.budget_bytes:
                     break
-                placements = trial
-            if all(p == PINNED for n, p in placements.items() if self._layer_of(n) is not None):
-                trial = {**placements, **{e["name"]: PINNED for e in self.placeable if e["layer"] is None}}
-                if self.vram(trial, tier, 0).total <= self.budget_bytes:
-                    placements = trial
+                placements.update({e["name"]: PINNED for e in units})
             return self.evaluate("layers", tier, placements, slots=0)
         if name == "offload":
             streamed_all = {e["name"]: STREAMED for e in self.placeable}
             if self.vram(streamed_all, tier, 1).total > self.budget_bytes:
                 return None
-            in_order = sorted(self.placeable, key=lambda e: self.sub_layers.index(e))
-            placements = dict(streamed_all)
-            for entry in in_order:
-                trial = {**placements, entry["name"]: PINNED}
-                if self.vram(trial, tier, 1).total > self.budget_bytes:
-                    break
-                placements = trial
+            placements = self._pin_prefix(tier, streamed_all, 1, self.placeable)  # in manifest order
             return self.evaluate("offload", tier, placements, slots=1, prefetch=False)
         raise UserError(f"unknown baseline {name!r}; known: {', '.join(BASELINES)}")
-
-    def _layer_of(self, name: str) -> int | None:
-        return next(e["layer"] for e in self.sub_layers if e["name"] == name)
 
     # -- per tier ---------------------------------------------------------------------------------------------------
     def check_budget(self) -> None:
@@ -359,6 +403,13 @@ class Planner:
         started = time.perf_counter()
         per_tier = [self.plan_tier(t) for t in tiers]
         return {"tiers": per_tier, "planning_s": time.perf_counter() - started}
+
+
+def _blocks(names: list[str], most: int) -> list[list[str]]:
+    """`names` cut into at most `most` consecutive blocks of near-equal size (one name each when they are few)."""
+    count = min(len(names), most)
+    bounds = [round(i * len(names) / count) for i in range(count + 1)] if count else [0]
+    return [names[bounds[i]:bounds[i + 1]] for i in range(count)]
 
 
 def expert_routing_shares(manifest: dict, stats: dict | None) -> dict[str, float]:
@@ -406,6 +457,7 @@ def plans_document(planner: Planner, planned: dict, pack: str, profile_name: str
         "batch": planner.batch,
         "threads": planner.estimator.threads,
         "model_bytes": planner.model_bytes,
+        **({"assumed_bits_per_weight": planner.assume_bits} if planner.assume_bits else {}),
         "minimum_budget_bytes": planner.minimum_budget(),
         "tiers": [tier_json(e) for e in planned["tiers"]],
         "ladder": [{"budget_bytes": budget, "tiers": [tier_json(e) for e in rung["tiers"]]}

@@ -25,7 +25,9 @@ def plan_table(planner, planned: dict, device_kind: str) -> str:
               f"{'other plans (ms)':<28} {'vs layers':>9} {'vs offload':>10}")
     lines = [f"budget {planner.budget_bytes / MiB:.0f} MiB (minimum {planner.minimum_budget() / MiB:.0f} MiB), "
              f"context {planner.context}, batch {planner.batch}, {planner.estimator.threads} CPU threads, "
-             f"device {device_kind}, model {planner.model_bytes / MiB:.0f} MiB", header, "-" * len(header)]
+             f"device {device_kind}, model {planner.model_bytes / MiB:.0f} MiB"
+             + (f" (weights sized at {planner.assume_bits:g} bits: planning only)" if planner.assume_bits else ""),
+             header, "-" * len(header)]
     for entry in planned["tiers"]:
         chosen: Plan = entry["chosen"]
         others = ", ".join(f"{p.strategy} {p.step_s * 1e3:.2f}" for p in entry["alternatives"]) or "-"

@@ -12,12 +12,15 @@ last two, so the next step's first copies overlap this step's tail.
 
 from __future__ import annotations
 
+import bisect
+import itertools
 from dataclasses import dataclass, field
 
 PINNED, STREAMED, CPU = "pinned", "streamed", "cpu"
 STEPS = 3
 EXPERT_SLOTS = 2  # streamed experts: copied after their router ran, two in flight per layer
 EXPERT_RUN_ORDER = {PINNED: 0, CPU: 1, STREAMED: 2}  # streamed experts last: their copies overlap the others
+COLLAPSE_AFTER = 8  # see _collapsed_runs: the contention check's window of recent intervals
 
 
 def _experts_by_placement(sub_layers: list[dict], placements: dict[str, str], gates: dict[str, str]) -> list[dict]:
@@ -33,6 +36,51 @@ def _experts_by_placement(sub_layers: list[dict], placements: dict[str, str], ga
         (group if gate is not None else ordered).append(entry)
     ordered += sorted(group, key=lambda e: EXPERT_RUN_ORDER[placements[e["name"]]])
     return ordered
+
+
+def _collapsed_runs(sub_layers: list[dict], placements: dict[str, str], compute_s: dict[str, dict[str, float]],
+                    gates: dict[str, str]) -> list[tuple[dict, list[str]]]:
+    """The chain as (unit, []) steps, except that within a long run of one MoE layer's experts placed alike (not
+    streamed) and taking the same time, the units after the first COLLAPSE_AFTER are one step (unit, [names]).
+    Such units run back to back on one device; only the first few can overlap a copy issued before the run
+    (the contention check looks at the last COLLAPSE_AFTER intervals), so the step time is the one the
+    unit-by-unit loop gives, at the cost of a few steps per layer instead of one per expert."""
+    runs: list[tuple[dict, list[str]]] = []
+    index = 0
+    while index < len(sub_layers):
+        entry = sub_layers[index]
+        name = entry["name"]
+        end = index + 1
+        if name in gates and placements[name] != STREAMED:
+            device = "cpu" if placements[name] == CPU else "gpu"
+            while end < len(sub_layers) and gates.get(sub_layers[end]["name"]) == gates[name] and \
+                    placements[sub_layers[end]["name"]] == placements[name] and \
+                    compute_s[sub_layers[end]["name"]][device] == compute_s[name][device]:
+                end += 1
+        single = min(end, index + COLLAPSE_AFTER)
+        runs += [(e, []) for e in sub_layers[index:single]]
+        if single < end:
+            runs.append((sub_layers[single], [e["name"] for e in sub_layers[single:end]]))
+        index = end
+    return runs
+
+
+PAIRWISE_OVERLAP_LIMIT = 4096  # compute intervals summed pair by pair; more through sorted prefix sums
+
+
+def _overlap_with(intervals: list[tuple[float, float]]):
+    """f(a, b) = the sum over `intervals` of their overlap with [a, b]: pair by pair for few intervals; for many
+    (thousands of experts) as F(b) - F(a), F(x) = sum of (x - start) over starts before x less the same over ends."""
+    if len(intervals) <= PAIRWISE_OVERLAP_LIMIT:
+        return lambda a, b: sum(max(0.0, min(b, e) - max(a, s)) for s, e in intervals)
+    starts, ends = sorted(s for s, _ in intervals), sorted(e for _, e in intervals)
+    start_sums, end_sums = [0.0, *itertools.accumulate(starts)], [0.0, *itertools.accumulate(ends)]
+
+    def covered_until(x: float) -> float:
+        opened, closed = bisect.bisect_left(starts, x), bisect.bisect_left(ends, x)
+        return opened * x - start_sums[opened] - (closed * x - end_sums[closed])
+
+    return lambda a, b: max(0.0, covered_until(b) - covered_until(a))
 
 
 @dataclass
@@ -70,8 +118,12 @@ def simulate(sub_layers: list[dict], placements: dict[str, str], compute_s: dict
     free = {"cpu": 0.0, "gpu": 0.0, "copy": 0.0}
     timeline: list[Interval] = []
     streamed = [e["name"] for e in sub_layers if placements[e["name"]] == STREAMED and e["name"] not in gates]
-    gated_streamed = {gate: [e["name"] for e in sub_layers if placements[e["name"]] == STREAMED and
-                             gates.get(e["name"]) == gate] for gate in set(gates.values())}
+    gated_streamed: dict[str, list[str]] = {gate: [] for gate in set(gates.values())}
+    for entry in sub_layers:
+        if placements[entry["name"]] == STREAMED and entry["name"] in gates:
+            gated_streamed[gates[entry["name"]]].append(entry["name"])
+    position_in_group = {name: i for group in gated_streamed.values() for i, name in enumerate(group)}
+    runs = _collapsed_runs(sub_layers, placements, compute_s, gates)
     gated_copy_end: dict[str, float] = {}
     gated_compute_end: dict[str, float] = {}
     ended: dict[str, float] = {}
@@ -105,10 +157,18 @@ def simulate(sub_layers: list[dict], placements: dict[str, str], compute_s: dict
     step_ends: list[float] = []
     per_sub_layer: dict[str, float] = {}
     for _ in range(STEPS):
-        for entry in sub_layers:
+        for entry, repeats in runs:
             name = entry["name"]
             place = placements[name]
             device = "cpu" if place == CPU else "gpu"
+            if repeats:  # more units like the one before, on the same device: back to back, nothing to wait for
+                start = free[device]
+                for other in repeats:
+                    per_sub_layer[other] = compute_s[other][device]
+                end = start + compute_s[name][device] * len(repeats)
+                free[device] = ready = end
+                timeline.append(Interval(device, name, start, end))
+                continue
             if device != previous_device:
                 ready = copy(f"{name} input", ready, activation_copy_s)
             if prefetch:
@@ -116,10 +176,10 @@ def simulate(sub_layers: list[dict], placements: dict[str, str], compute_s: dict
             start = max(free[device], ready)
             if place == STREAMED and name in gates:
                 group = gated_streamed[gates[name]]
-                position = group.index(name)
+                position = position_in_group[name]
                 for ahead in group[position:position + EXPERT_SLOTS]:
                     if ahead not in gated_copy_end:
-                        behind = group.index(ahead) - EXPERT_SLOTS
+                        behind = position_in_group[ahead] - EXPERT_SLOTS
                         slot_free = gated_compute_end[group[behind]] if behind >= 0 else 0.0
                         gated_copy_end[ahead] = copy(ahead, max(ended[gates[name]], slot_free), copy_s[ahead])
                 start = max(start, gated_copy_end[name])
@@ -130,7 +190,7 @@ def simulate(sub_layers: list[dict], placements: dict[str, str], compute_s: dict
                 start = max(start, copy_end[index])
             duration = compute_s[name][device]
             if device == "cpu" and any(i.resource == "copy" and i.start_s < start + duration and i.end_s > start
-                                       for i in timeline[-8:]):
+                                       for i in timeline[-COLLAPSE_AFTER:]):
                 duration *= cpu_slowdown_under_copy
             end = start + duration
             ended[name] = end
@@ -153,11 +213,12 @@ def simulate(sub_layers: list[dict], placements: dict[str, str], compute_s: dict
         return Simulation(window_end - window_start, per_sub_layer)
     in_window = [i for i in timeline if i.end_s > window_start and i.start_s < window_end]
     compute_busy = [(i.start_s, i.end_s) for i in in_window if i.resource != "copy"]
+    overlap = _overlap_with(compute_busy)
     copy_busy = hidden = 0.0
     for i in in_window:
         if i.resource == "copy":
             start, end = max(i.start_s, window_start), min(i.end_s, window_end)
             copy_busy += end - start
-            hidden += sum(max(0.0, min(end, e) - max(start, s)) for s, e in compute_busy)
+            hidden += overlap(start, end)
     shifted = [Interval(i.resource, i.sub_layer, i.start_s - window_start, i.end_s - window_start) for i in in_window]
     return Simulation(window_end - window_start, per_sub_layer, shifted, copy_busy, min(hidden, copy_busy))

@@ -125,8 +125,9 @@ def load(path: str | Path, threads: int | None = None, verify: bool = False, vra
     plans.json (`pipeshard plan --out`) whose plans run as they are; the planner is consulted only when the
     budget changes (its budget is the file's unless `vram` gives a larger one).
     """
+    from pipeshard.runtime.exportdir import read_json
     from pipeshard.runtime.monolithic import MonolithicStep
-    from pipeshard.runtime.pack import is_pack, load_pack
+    from pipeshard.runtime.pack import MANIFEST_NAME, Pack, is_pack, load_pack
     from pipeshard.runtime.step import Step
 
     folder = Path(path)
@@ -146,6 +147,7 @@ def load(path: str | Path, threads: int | None = None, verify: bool = False, vra
         if verify:
             verify_export(folder)
         return _engine(lambda: MonolithicStep(folder, threads=threads), folder, threads)
+    Pack(folder, read_json(folder / MANIFEST_NAME, "model pack")).require_weights()
     if device == "cuda":
         from pipeshard.profiles.measure_cuda import cuda_usable
 

@@ -115,6 +115,16 @@ def _check_context(context: int | None, folder: Path) -> None:
 
 
 def _command_export(args: argparse.Namespace) -> int:
+    if args.shape_only:
+        from pipeshard.exporter.shape_only import export_shape_only
+
+        if args.opset is not None:
+            raise UserError("--opset does not apply to --shape-only (its pack holds no ONNX files)")
+        result = export_shape_only(args.model, args.out, dtype=args.dtype, force=args.force)
+        print(f"shape-only pack of {args.model} -> {result.pack}: {result.sub_layers} sub-layers, "
+              f"{format_bytes(result.weight_bytes)} of weights described (none stored), {result.seconds:.1f} s; "
+              "inspect and plan it, it cannot run")
+        return 0
     from pipeshard.exporter import export_model
 
     result = export_model(args.model, args.out, dtype=args.dtype, force=args.force, opset=args.opset,
@@ -430,8 +440,10 @@ def _command_plan(args: argparse.Namespace) -> int:
     profile_ref = profile_or_fallback(args.profile)
     profile = load_profile(profile_ref)
     context = args.context or min(4096, pack.model["max_context"])
+    if args.assume_bits is not None and not 0 < args.assume_bits <= 32:
+        raise UserError(f"--assume-bits {args.assume_bits}: give bits per weight between 0 and 32 (4.5 for Q4_0)")
     planner = Planner(pack.manifest, profile, 0, context=context, batch=args.batch, threads=args.threads,
-                      expert_stats=read_expert_stats(args.expert_stats))
+                      expert_stats=read_expert_stats(args.expert_stats), assume_bits=args.assume_bits)
     ladder = []  # (budget, plans), largest budget first: a host picks the largest that fits its budget now
     for budget in sorted({resolve_budget(v, planner.minimum_budget(), planner.model_bytes) for v in budgets},
                          reverse=True):
@@ -556,6 +568,9 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--opset", type=_opset, default=None, help="ONNX opset, 18 to 23 (default 23)")
     export.add_argument("--force", action="store_true", help="replace OUT if it exists")
     export.add_argument("--quiet", action="store_true", help="no progress bar")
+    export.add_argument("--shape-only", action="store_true",
+                        help="from the config alone (MODEL: a config.json, a folder holding one, or tiny:ARCH): "
+                             "write a pack for inspect and plan, with every shape, byte count and cost and no weights")
     export.set_defaults(handler=_command_export)
 
     partition = commands.add_parser("partition", help="cut an export into sub-layers and write a model pack")
@@ -598,6 +613,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--plot", default=None, metavar="FILE.png", help="timeline of tiers 1 and 64")
     plan.add_argument("--explain", action="store_true",
                       help="print how each tier's plan runs: its splits, their waits, copies and host actions")
+    plan.add_argument("--assume-bits", type=_finite_float, default=None, metavar="BITS",
+                      help="planning only: size every weight at BITS bits (4.5 = llama.cpp Q4_0) to compare with "
+                           "quantized figures; the pack and the runtime stay lossless, and such a plans file won't run")
     plan.add_argument("--expert-stats", default=None, metavar="FILE",
                       help="MoE routing stats (run --save-expert-stats) instead of uniform routing")
     plan.set_defaults(handler=_command_plan)

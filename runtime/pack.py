@@ -33,6 +33,17 @@ class Pack:
     def sub_layers(self) -> list[dict]:
         return self.manifest["sub_layers"]
 
+    @property
+    def shape_only(self) -> bool:
+        """Made by `export --shape-only`: shapes, bytes and costs for planning, no weights to run."""
+        return bool(self.manifest.get("shape_only"))
+
+    def require_weights(self) -> None:
+        """Refuse to run a shape-only pack."""
+        if self.shape_only:
+            raise UserError(f"{self.folder} is a shape-only pack (export --shape-only): it holds no weights, so it "
+                            "can be inspected and planned but not run; export the model with its weights to run it")
+
     def path(self, name: str) -> Path:
         return self.folder / name
 
@@ -90,6 +101,8 @@ def load_pack(folder: Path, verify: bool = False) -> Pack:
         for required in SUB_LAYER_FIELDS:
             if required not in entry:
                 raise UserError(f"{path}: sub_layers[{index}] has no field {required!r}")
+        if manifest.get("shape_only"):
+            continue  # no sub-layer files and no blobs: shapes, bytes and costs only
         for file_name in entry["files"].values():
             if not (folder / file_name).is_file():
                 raise UserError(f"{folder / file_name} is missing (sub-layer {entry['name']})")

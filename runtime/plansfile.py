@@ -39,6 +39,9 @@ def read_plans(path: Path, pack: Pack, units: list[str]) -> PlanSet:
     if version != PLANS_SCHEMA_VERSION:
         raise UserError(f"{path}: unsupported schema_version {version!r} (this pipeshard reads "
                         f"{PLANS_SCHEMA_VERSION}: make it again with `pipeshard plan PACK --out FILE`)")
+    if document.get("assumed_bits_per_weight"):
+        raise UserError(f"{path} was planned with --assume-bits {document['assumed_bits_per_weight']} (planning only: "
+                        "its VRAM is not the pack's); make it again without --assume-bits to run it")
     digest = sha256_file(pack.folder / MANIFEST_NAME)
     if document.get("pack_sha256") != digest:
         raise UserError(f"{path} was made for another pack ({document.get('pack')}), not {pack.folder}: its "

@@ -1,0 +1,170 @@
+"""`pipeshard export MODEL OUT --shape-only`: a model pack from a config alone, for planning.
+
+The model is built with its weights on torch's meta device (nothing is allocated) and traced as the real
+export traces it; the weights become references to a data file that is never written, so the pack has every
+shape, byte count and cost coefficient and no weights. A model of many identical layers is traced with
+`PROBE_LAYERS` of them (and a MoE model with a few experts per layer), and the pack's manifest is that probe's
+with its last layer (its last expert) repeated (partitioner/repeat.py; tests check the result against the pack
+made from real weights).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from pipeshard.errors import UserError
+from pipeshard.exporter.offline import force_offline
+from pipeshard.fsutil import atomic_output_dir, check_output_dir, write_json_atomic
+from pipeshard.runtime.exportdir import EXPORT_SCHEMA_VERSION, KV_CACHE
+from pipeshard.runtime.pack import MANIFEST_NAME
+
+log = logging.getLogger(__name__)
+PROBE_LAYERS = 2  # layer 0 and one layer that stands for every later one
+MODEL_FILE = "model.onnx"
+
+
+@dataclass
+class ShapeOnlyResult:
+    """What a shape-only export wrote."""
+
+    pack: Path
+    sub_layers: int
+    weight_bytes: int
+    seconds: float
+
+
+def load_config(model: str):
+    """The transformers config of `tiny:ARCH`, a model folder's config.json (no weights needed) or a config.json."""
+    from transformers import AutoConfig
+
+    from pipeshard.exporter.configs import SUPPORTED_ARCHITECTURES, check_supported_features
+    from pipeshard.exporter.tiny import TINY_CONFIGS, tiny_config
+
+    if model.startswith("tiny:"):
+        architecture = model.split(":", 1)[1]
+        if architecture not in TINY_CONFIGS:
+            raise UserError(f"unknown tiny model {model!r}; known: {', '.join('tiny:' + a for a in TINY_CONFIGS)}")
+        config = tiny_config(dict(TINY_CONFIGS[architecture]))
+    else:
+        path = Path(model)
+        config_path = path / "config.json" if path.is_dir() else path
+        if not config_path.is_file():
+            raise UserError(f"{model}: give a model config (config.json, or a folder holding one) or tiny:ARCH")
+        try:
+            settings = json.loads(config_path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise UserError(f"{config_path} is not a valid config ({exc})") from None
+        if not isinstance(settings, dict) or "model_type" not in settings:
+            raise UserError(f"{config_path} has no model_type")
+        settings = {key: value for key, value in settings.items() if not key.startswith("_")}  # "_source" notes
+        settings.pop("architectures", None)
+        if settings["model_type"] not in SUPPORTED_ARCHITECTURES:
+            raise UserError(f"unsupported architecture {settings['model_type']!r} in {config_path}; "
+                            f"supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}")
+        try:
+            config = AutoConfig.for_model(settings.pop("model_type"), **settings)
+        except (TypeError, ValueError) as exc:
+            raise UserError(f"{config_path}: {exc}") from None
+        check_supported_features(config, str(config_path))
+    layer_types = getattr(config, "layer_types", None) or []
+    if len(set(layer_types)) > 1 or getattr(config, "mlp_only_layers", None) or \
+            getattr(config, "decoder_sparse_step", 1) not in (1, None):
+        raise UserError(f"{model}: --shape-only needs layers that are all alike (this config mixes layer types)")
+    return config
+
+
+EXPERT_COUNT_FIELDS = {"qwen3_moe": "num_experts", "mixtral": "num_local_experts"}
+
+
+def probe_experts(config, element_bytes: int) -> int:
+    """How many experts per layer the probe traces: more than a token's, unlike every other dimension of the
+    model (so that repeat_experts can tell the expert count in a shape: the routing weights' width), and enough
+    that the router's gate is stored as a weight where the full model's is."""
+    from pipeshard.exporter.fuse import stored_externally
+    from pipeshard.exporter.moe import moe_dims
+
+    moe = moe_dims(config)
+    others = {config.hidden_size, config.intermediate_size, config.num_attention_heads, config.vocab_size,
+              getattr(config, "num_key_value_heads", None), getattr(config, "head_dim", None),
+              moe.expert_intermediate_size, PROBE_LAYERS, 1}
+    gate_bytes = config.hidden_size * element_bytes
+    count = moe.experts_per_token + 1
+    while count in others or stored_externally(gate_bytes * moe.num_experts) != stored_externally(gate_bytes * count):
+        count += 1
+    return min(count, moe.num_experts)
+
+
+def probe_config(config, layers: int = PROBE_LAYERS, element_bytes: int = 4):
+    """The same model with only its first `layers` layers (and in a MoE model `probe_experts` experts)."""
+    probe = copy.deepcopy(config)
+    probe.num_hidden_layers = min(layers, config.num_hidden_layers)
+    if getattr(probe, "layer_types", None):
+        probe.layer_types = probe.layer_types[:probe.num_hidden_layers]
+    if config.model_type in EXPERT_COUNT_FIELDS:
+        setattr(probe, EXPERT_COUNT_FIELDS[config.model_type], probe_experts(config, element_bytes))
+    return probe
+
+
+def _trace_probe(config, dtype: str, folder: Path) -> None:
+    """The shape-only export folder of `config`: model.onnx with references for weights, export.json, config."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from pipeshard.exporter.configs import export_config_for
+    from pipeshard.exporter.export import DTYPES, _quiet_third_party_output
+    from pipeshard.exporter.fuse import fuse_exported_model
+    from pipeshard.exporter.onnx_export import DEFAULT_OPSET, export_decoder
+
+    _quiet_third_party_output()
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, DTYPES[dtype])).eval()
+    export_config = export_config_for(config, dtype)
+    export_decoder(model, export_config, folder / MODEL_FILE, DEFAULT_OPSET, shape_only=True)
+    dims = export_config.dims
+    fuse_exported_model(folder / MODEL_FILE, dims.num_attention_heads, dims.num_key_value_heads, dims.head_dim,
+                        dtype, dims.max_context, dims.sliding_window or None, shape_only=True)
+    config.save_pretrained(folder)
+    write_json_atomic(folder / "export.json", {
+        "schema_version": EXPORT_SCHEMA_VERSION, "shape_only": True,
+        "source": {"kind": "config", "name": config.model_type}, "architecture": config.model_type,
+        "task": export_config.task, "dims": asdict(dims),
+        "tie_word_embeddings": bool(getattr(config, "tie_word_embeddings", False)), "dtype": dtype,
+        "opset": DEFAULT_OPSET, "kv_cache": KV_CACHE, "model_file": MODEL_FILE,
+        "inputs": list(export_config.inputs), "outputs": list(export_config.outputs)})
+
+
+def export_shape_only(model: str, out: Path, dtype: str = "fp16", force: bool = False,
+                      probe_layers: int = PROBE_LAYERS) -> ShapeOnlyResult:
+    """Write the shape-only pack of MODEL's config to OUT (atomically): manifest.json and config.json."""
+    from pipeshard.exporter.export import DTYPES
+    from pipeshard.partitioner.pack import partition
+    from pipeshard.partitioner.repeat import repeat_experts, repeat_layers
+
+    if dtype not in DTYPES:
+        raise UserError(f"unknown dtype {dtype!r}; choose one of: {', '.join(DTYPES)}")
+    out = Path(out)
+    check_output_dir(out, force)
+    force_offline()
+    started = time.perf_counter()
+    config = load_config(model)
+    with tempfile.TemporaryDirectory(prefix="pipeshard-shape-only-") as scratch:
+        export_dir, probe_pack = Path(scratch) / "export", Path(scratch) / "pack"
+        export_dir.mkdir()
+        _trace_probe(probe_config(config, probe_layers, {"fp32": 4, "fp16": 2}[dtype]), dtype, export_dir)
+        partition(export_dir, probe_pack)
+        manifest = json.loads((probe_pack / MANIFEST_NAME).read_text())
+        if config.model_type in EXPERT_COUNT_FIELDS:
+            manifest = repeat_experts(manifest, getattr(config, EXPERT_COUNT_FIELDS[config.model_type]))
+        manifest = repeat_layers(manifest, config.num_hidden_layers)
+        manifest["source"] = {"config": model, "shape_only": True}
+        with atomic_output_dir(out, force) as staging:
+            config.save_pretrained(staging)
+            write_json_atomic(staging / MANIFEST_NAME, manifest)
+    return ShapeOnlyResult(out, len(manifest["sub_layers"]), manifest["total_weight_bytes"],
+                           time.perf_counter() - started)
