@@ -72,8 +72,8 @@ pipeshard_host* open_host(const Json& expected, const std::string& extensions, b
     }
     pipeshard_host* host = nullptr;
     pipeshard_status status = pipeshard_open(expected.at("pack").str().c_str(), &options, &host);
-    expect(status == PIPESHARD_OK, std::string("open ") + (planned ? "with the plans file" : "all-CPU") + ": " +
-                                       pipeshard_last_error(nullptr));
+    std::string message = pipeshard_last_error(nullptr);
+    expect(status == PIPESHARD_OK, std::string("open ") + (planned ? "with the plans file" : "all-CPU") + " " + message);
     return host;
 }
 
@@ -89,10 +89,11 @@ void compare_prompts(pipeshard_host* host, const Json& expected, const char* key
     for (const Json& prompt : expected.at("prompts").items) {
         Collected collected;
         pipeshard_status status = pipeshard_generate(host, prompt.at("text").str().c_str(), &sampling, collect, &collected);
+        std::string message = pipeshard_last_error(host);
         std::vector<int64_t> want = ids_of(prompt.at(key));
         expect(status == PIPESHARD_OK && collected.ids == want,
                std::string(key) + " for \"" + prompt.at("text").str() + "\": host [" + join(collected.ids) +
-                   "] python [" + join(want) + "] " + pipeshard_last_error(host));
+                   "] python [" + join(want) + "] " + message);
         std::printf("     text: %s\n     report: %s\n", collected.text.c_str(), report(host).c_str());
     }
 }
@@ -130,8 +131,9 @@ int budget_ladder(const Json& expected, const std::string& extensions) {
     expect(after.find("\"rung_budget_bytes\": " + std::to_string(ladder.at("small_rung_bytes").integer())) !=
                std::string::npos, "the smaller rung runs after the change: " + after);
     status = pipeshard_set_vram_budget(host, static_cast<uint64_t>(expected.at("too_small_budget_bytes").integer()));
-    expect(status == PIPESHARD_ERR_BUDGET && std::string(pipeshard_last_error(host)).find("below every rung") !=
-               std::string::npos, std::string("a budget below every rung is refused: ") + pipeshard_last_error(host));
+    std::string refusal = pipeshard_last_error(host);
+    expect(status == PIPESHARD_ERR_BUDGET && refusal.find("below every rung") != std::string::npos,
+           "a budget below every rung is refused: " + refusal);
     Collected again;
     status = pipeshard_generate(host, prompt.at("text").str().c_str(), &sampling, collect, &again);
     expect(status == PIPESHARD_OK && again.ids == want, "and the host still generates the same tokens");
@@ -161,6 +163,12 @@ int tokenizer_round_trip(const Json& expected, const std::string& extensions) {
     return failures;
 }
 
+// The status of a call, then the host's message about it (read after the call).
+void expect_status(pipeshard_status status, pipeshard_status want, const pipeshard_host* host, const std::string& what) {
+    std::string message = pipeshard_last_error(host);
+    expect(status == want && !message.empty(), what + " -> " + pipeshard_status_name(status) + ": " + message);
+}
+
 void expect_open_error(const std::string& what, const std::string& pack, pipeshard_options options,
                        pipeshard_status want) {
     pipeshard_host* host = nullptr;
@@ -183,14 +191,13 @@ int bad_input(const Json* expected, const std::string& extensions) {
     std::ofstream(scratch + "/future/manifest.json") << "{\"schema_version\": 99}";
     expect_open_error("a manifest of another schema", scratch + "/future", options, PIPESHARD_ERR_PACK);
     pipeshard_host* host = nullptr;
-    expect(pipeshard_open(nullptr, &options, &host) == PIPESHARD_ERR_ARGUMENT, std::string("a NULL pack: ") +
-                                                                                   pipeshard_last_error(nullptr));
+    expect_status(pipeshard_open(nullptr, &options, &host), PIPESHARD_ERR_ARGUMENT, nullptr, "a NULL pack");
     pipeshard_options old_abi = options;
     old_abi.abi_version = 0;
     expect_open_error("options not from pipeshard_default_options", "/nonexistent/pack", old_abi,
                       PIPESHARD_ERR_ARGUMENT);
-    expect(pipeshard_generate(nullptr, "hi", nullptr, nullptr, nullptr) == PIPESHARD_ERR_ARGUMENT,
-           "generate without a host");
+    expect_status(pipeshard_generate(nullptr, "hi", nullptr, nullptr, nullptr), PIPESHARD_ERR_ARGUMENT, nullptr,
+                  "generate without a host");
     if (!expected) return failures;
 
     std::string pack = expected->at("pack").str();
@@ -226,21 +233,21 @@ int bad_input(const Json* expected, const std::string& extensions) {
     pipeshard_sampling sampling;
     pipeshard_default_sampling(&sampling);
     sampling.max_new_tokens = 0;
-    expect(pipeshard_generate(host, "Hello", &sampling, nullptr, nullptr) == PIPESHARD_ERR_ARGUMENT,
-           std::string("max_new_tokens 0: ") + pipeshard_last_error(host));
+    expect_status(pipeshard_generate(host, "Hello", &sampling, nullptr, nullptr), PIPESHARD_ERR_ARGUMENT, host,
+                  "max_new_tokens 0");
     sampling.max_new_tokens = 64;
-    expect(pipeshard_generate(host, "Hello", &sampling, nullptr, nullptr) == PIPESHARD_ERR_CONTEXT,
-           std::string("a prompt and answer beyond the context: ") + pipeshard_last_error(host));
+    expect_status(pipeshard_generate(host, "Hello", &sampling, nullptr, nullptr), PIPESHARD_ERR_CONTEXT, host,
+                  "a prompt and answer beyond the context");
     int64_t outside[] = {1, 999999};
     sampling.max_new_tokens = 2;
-    expect(pipeshard_generate_ids(host, outside, 2, &sampling, nullptr, nullptr) == PIPESHARD_ERR_ARGUMENT,
-           std::string("a token id outside the vocabulary: ") + pipeshard_last_error(host));
-    expect(pipeshard_set_vram_budget(host, 1) == PIPESHARD_ERR_ARGUMENT,
-           std::string("a budget for an all-CPU host: ") + pipeshard_last_error(host));
+    expect_status(pipeshard_generate_ids(host, outside, 2, &sampling, nullptr, nullptr), PIPESHARD_ERR_ARGUMENT, host,
+                  "a token id outside the vocabulary");
+    expect_status(pipeshard_set_vram_budget(host, 1), PIPESHARD_ERR_ARGUMENT, host, "a budget for an all-CPU host");
     int64_t ids[1];
     size_t count = 0;
-    expect(pipeshard_tokenize(host, "a long enough text", ids, 1, &count) == PIPESHARD_ERR_ARGUMENT && count > 1,
-           std::string("a too small ids buffer: ") + pipeshard_last_error(host));
+    expect_status(pipeshard_tokenize(host, "a long enough text", ids, 1, &count), PIPESHARD_ERR_ARGUMENT, host,
+                  "a too small ids buffer");
+    expect(count > 1, "and the ids it needs are said: " + std::to_string(count));
     pipeshard_close(host);
     return failures;
 }
