@@ -93,6 +93,10 @@ def test_native_host_ctest_matches_the_python_engine(smollm2_export, tiny_pack, 
     }
     expected_path = tmp_path / "expected.json"
     expected_path.write_text(json.dumps(expected))
+    # The same for the C# console program, in lines it reads without a JSON library.
+    lines = [f"{pack}\t{plans}\t{THREADS}\t{MAX_NEW_TOKENS}"] + [
+        f"{p['text']}\t{' '.join(map(str, p['cpu_tokens']))}" for p in prompts]
+    Path(f"{expected_path}.tsv").write_text("\n".join(lines) + "\n")
 
     subprocess.run(["cmake", "-S", str(HOST), "-B", str(BUILD), f"-DPIPESHARD_TEST_EXPECTED={expected_path}"],
                    check=True, capture_output=True)

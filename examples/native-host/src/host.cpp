@@ -1021,6 +1021,7 @@ void Host::generate(const std::vector<int64_t>& prompt, const pipeshard_sampling
         if (step + 1 == sampling.max_new_tokens) break;
         forward(&token, 1, past);
         ++past;
+        ++last_.decode_steps;
     }
     last_.decode_s = seconds_since(first_token_at);
 }
@@ -1045,8 +1046,8 @@ std::string Host::report() const {
         out << (first ? "" : ", ") << "\"" << tier << "\": " << count;
         first = false;
     }
-    double decode_tok_s = last_.decode_s > 0 && last_.generated_tokens > 1
-                              ? static_cast<double>(last_.generated_tokens - 1) / last_.decode_s : 0.0;
+    // As pipeshard's generate counts it: forward steps after the prompt's, over the time since the first token.
+    double decode_tok_s = last_.decode_s > 0 ? static_cast<double>(last_.decode_steps) / last_.decode_s : 0.0;
     out << "}, \"device_bytes\": " << device_bytes_ << ", \"peak_device_bytes\": " << peak_device_bytes_
         << ", \"streamed_weight_bytes\": " << streamed_weight_bytes_ << ", \"last\": {\"prompt_tokens\": "
         << last_.prompt_tokens << ", \"generated_tokens\": " << last_.generated_tokens << ", \"prefill_s\": "

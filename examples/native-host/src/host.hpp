@@ -39,7 +39,7 @@ struct Run {
 };
 
 struct GenerationTimes {
-    size_t prompt_tokens = 0, generated_tokens = 0;
+    size_t prompt_tokens = 0, generated_tokens = 0, decode_steps = 0;
     double prefill_s = 0, decode_s = 0;
     std::string stop_reason;
 };
