@@ -68,8 +68,9 @@ def main() -> None:
         same = native["tokens"] == python["tokens"]
         ratio = native["decode_tok_s"] / python["decode_tok_s"]
         rows.append(ratio)
-        print(f"round {round_index + 1}: native {native['decode_tok_s']:.1f} tok/s, python {python['decode_tok_s']:.1f} "
-              f"tok/s, ratio {ratio:.2f}, {len(native['tokens'])} tokens, same tokens: {same}", flush=True)
+        print(f"round {round_index + 1}: native {native['decode_tok_s']:.1f} tok/s, "
+              f"python {python['decode_tok_s']:.1f} tok/s, ratio {ratio:.2f}, {len(native['tokens'])} tokens, "
+              f"same tokens: {same}", flush=True)
     print(f"native / python decode tok/s over {len(rows)} paired rounds: median {statistics.median(rows):.2f}, "
           f"min {min(rows):.2f}, max {max(rows):.2f}")
 

@@ -39,7 +39,10 @@ def prerendered_chat_template(folder: Path) -> dict | None:
     or does more with a message than paste it in (then a host cannot apply it without a template engine)."""
     from pipeshard.runtime.text import TextCodec
 
-    codec = TextCodec(folder)
+    try:
+        codec = TextCodec(folder)
+    except UserError:  # no readable tokenizer: nothing a host could use either
+        return None
     if not codec.chat_template:
         return None
     try:

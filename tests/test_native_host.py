@@ -15,7 +15,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from prompts import SMOLLM2_PROMPTS
 
 REPO = Path(__file__).resolve().parents[1]
@@ -58,10 +57,11 @@ def test_native_host_ctest_matches_the_python_engine(smollm2_export, tiny_pack, 
     reason = _missing_tools()
     if reason:
         pytest.skip(reason)
+    from tokenizers import Tokenizer
+
     import pipeshard
     from pipeshard.exporter.tokenizer_onnx import CHECK_STRINGS
     from pipeshard.partitioner.pack import partition
-    from tokenizers import Tokenizer
 
     pack = tmp_path / "pack"
     partition(smollm2_export, pack)
