@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <functional>
 #include <mutex>
@@ -99,6 +100,12 @@ const std::string& input_dtype_of(const SubLayer& sub, const std::string& name) 
     fail(PIPESHARD_ERR_PACK, sub.name + ": no input " + name);
 }
 
+std::string mib(uint64_t bytes) {
+    char text[32];
+    std::snprintf(text, sizeof text, "%.1f MiB", static_cast<double>(bytes) / (1024.0 * 1024.0));
+    return text;
+}
+
 bool ends_incomplete(const std::string& text) {
     return text.size() >= 3 && text.compare(text.size() - 3, 3, "\xEF\xBF\xBD") == 0;
 }
@@ -163,15 +170,9 @@ Host::Host(const std::string& pack_dir, const pipeshard_options& options) {
     if (!manifest_.min_onnxruntime.empty() && version_numbers(version) < version_numbers(manifest_.min_onnxruntime))
         fail(PIPESHARD_ERR_PACK, pack_dir + " needs ONNX Runtime " + manifest_.min_onnxruntime + " or newer; this "
                                  "process has " + version);
-    for (const SubLayer& sub : manifest_.sub_layers) {
-        if (!sub.past.empty()) kv_element_bytes_ = element_type(sub.inputs.front().dtype).bytes;
+    for (const SubLayer& sub : manifest_.sub_layers)
         for (const TensorSpec& output : sub.outputs)
             if (output.name == "logits") logits_dtype_ = output.dtype;
-    }
-    for (const SubLayer& sub : manifest_.sub_layers)
-        for (const TensorSpec& input : sub.inputs)
-            for (const std::string& past : sub.past)
-                if (input.name == past) kv_element_bytes_ = element_type(input.dtype).bytes;
 
     has_plans_ = options.plans_path != nullptr && options.plans_path[0] != '\0';
     device_kind_ = options.device && options.device[0] ? options.device : (has_plans_ ? "cuda" : "cpu");
@@ -195,11 +196,9 @@ Host::Host(const std::string& pack_dir, const pipeshard_options& options) {
         budget_bytes_ = options.vram_budget_bytes ? options.vram_budget_bytes : plans_.rungs.front().budget_bytes;
         rung_ = rung_for(budget_bytes_);
         if (rung_ < 0)
-            fail(PIPESHARD_ERR_BUDGET, "a VRAM budget of " + std::to_string(budget_bytes_ / (1024 * 1024)) +
-                                           " MiB is below every rung of " + plans_.path + " (the smallest is " +
-                                           std::to_string(plans_.rungs.back().budget_bytes / (1024 * 1024)) +
-                                           " MiB): make plans for this budget");
-        pending_rung_ = rung_;
+            fail(PIPESHARD_ERR_BUDGET, "a VRAM budget of " + mib(budget_bytes_) + " is below every rung of " +
+                                           plans_.path + " (the smallest is " + mib(plans_.rungs.back().budget_bytes) +
+                                           "): make plans for this budget");
         pending_budget_ = budget_bytes_;
         int slots = 0;
         for (const Rung& rung : plans_.rungs)
@@ -621,11 +620,11 @@ void Host::activate(const Plan* plan) {
 }
 
 void Host::apply_pending_budget() {
-    int pending = pending_rung_.load();
     uint64_t budget = pending_budget_.load();
-    if (!has_plans_ || (pending == rung_ && budget == budget_bytes_)) return;
-    if (pending != rung_) deactivate();
-    rung_ = pending;
+    if (!has_plans_ || budget == budget_bytes_) return;
+    int rung = rung_for(budget);  // set_vram_budget checked that one fits
+    if (rung != rung_) deactivate();
+    rung_ = rung;
     budget_bytes_ = budget;
 }
 
@@ -635,12 +634,10 @@ void Host::set_vram_budget(uint64_t budget_bytes) {
                                      "ladder) to change budgets");
     int rung = rung_for(budget_bytes);
     if (rung < 0)
-        fail(PIPESHARD_ERR_BUDGET, "a VRAM budget of " + std::to_string(budget_bytes / (1024 * 1024)) +
-                                       " MiB is below every rung of " + plans_.path + " (the smallest is " +
-                                       std::to_string(plans_.rungs.back().budget_bytes / (1024 * 1024)) +
-                                       " MiB); nothing changed");
+        fail(PIPESHARD_ERR_BUDGET, "a VRAM budget of " + mib(budget_bytes) + " is below every rung of " +
+                                       plans_.path + " (the smallest is " + mib(plans_.rungs.back().budget_bytes) +
+                                       "); nothing changed");
     pending_budget_ = budget_bytes;
-    pending_rung_ = rung;
 }
 
 // ---- The step --------------------------------------------------------------------------------------------------

@@ -70,7 +70,6 @@ private:
     std::string device_kind_ = "cpu";
     std::unique_ptr<Device> device_;
     int64_t capacity_ = 0;
-    size_t kv_element_bytes_ = 4;
 
     OrtEnv* env_ = nullptr;
     OrtMemoryInfo* cpu_memory_ = nullptr;
@@ -90,8 +89,7 @@ private:
 
     // The plans in force: the rung (index into plans_.rungs), and the tier plan now on the device.
     int rung_ = -1;
-    std::atomic<int> pending_rung_{-1};
-    std::atomic<uint64_t> pending_budget_{0};
+    std::atomic<uint64_t> pending_budget_{0};  // what set_vram_budget asked for, taken between steps
     uint64_t budget_bytes_ = 0;
     const Plan* active_ = nullptr;
     std::vector<Run> runs_;
