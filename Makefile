@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-stamp
 DEMO_DIR := build/demo
 DEMO_PROMPT := "What is the capital of France? Answer in one sentence."
 
-.PHONY: demo test install lint clean peers bench
+.PHONY: demo test install lint clean peers bench host host-if-possible
 
 $(BIN)/python:
 	$(shell command -v $(PYTHON) >/dev/null 2>&1 && echo $(PYTHON) || echo python3) -m venv $(VENV)
@@ -60,7 +60,26 @@ demo: $(DEMO_DIR)/pack/manifest.json $(DEMO_DIR)/profile.json
 	$(BIN)/pipeshard run $(DEMO_DIR)/pack $(DEMO_PROMPT) --max-new-tokens 48 --device sim --vram 25% \
 		--profile $(DEMO_DIR)/profile.json
 
-test: $(STAMP) $(ORT_HEADER)
+# The native host (examples/native-host, docs/native-host.md): its two npm packages (the Unity plugins of ONNX Runtime
+# 1.29 and onnxruntime-extensions, pinned and sha256-checked) are fetched once into build/native-host/deps, then
+# CMake builds the library, its CLI and its tests. Debian's mono (for the C# test) is installed when missing and
+# apt-get may be used (root); otherwise the C# test is skipped and says so.
+HOST_DEPS := build/native-host/deps
+HOST_BUILD := build/native-host/build
+host:
+	examples/native-host/fetch_deps.sh $(CURDIR)/$(HOST_DEPS)
+	@command -v mcs >/dev/null && command -v mono >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null \
+		&& DEBIAN_FRONTEND=noninteractive apt-get install -y -q mono-mcs mono-runtime >/dev/null; } \
+		|| echo "mono not installed: the native host's C# test will be skipped (apt-get install mono-mcs mono-runtime)"
+	cmake -S examples/native-host -B $(HOST_BUILD) -DPIPESHARD_DEPS_DIR=$(CURDIR)/$(HOST_DEPS) >/dev/null
+	cmake --build $(HOST_BUILD) -j 2
+
+# `make test` builds the host first where it can; tests/test_native_host.py then runs its CTest cases.
+host-if-possible:
+	@if command -v c++ >/dev/null && command -v cmake >/dev/null && command -v npm >/dev/null; then $(MAKE) --no-print-directory host; \
+	else echo "skipping the native host: it needs a C++ compiler, cmake and npm (tests/test_native_host.py skips too)"; fi
+
+test: $(STAMP) $(ORT_HEADER) host-if-possible
 	$(BIN)/python -m pytest -q
 
 lint: $(STAMP)

@@ -49,10 +49,12 @@ def _extensions_tokenizer_config(tokenizer_config_json: Path) -> str:
 
 
 def _model(node: onnx.NodeProto, inputs, outputs) -> onnx.ModelProto:
+    """A one-op graph at the lowest IR version that holds its opsets: older ONNX Runtimes (the Unity plugin's 1.29)
+    refuse the newest IR a current onnx package stamps by default."""
     graph = helper.make_graph([node], node.op_type, inputs, outputs)
-    return helper.make_model(
-        graph, opset_imports=[helper.make_operatorsetid("", 17), helper.make_operatorsetid(EXTENSIONS_DOMAIN, 1)]
-    )
+    opsets = [helper.make_operatorsetid("", 17), helper.make_operatorsetid(EXTENSIONS_DOMAIN, 1)]
+    return helper.make_model(graph, opset_imports=opsets,
+                             ir_version=helper.find_min_ir_version_for(opsets, ignore_unknown=True))
 
 
 def build_tokenizer_models(

@@ -40,6 +40,13 @@ from pipeshard.partitioner.graph import (
     untranspose_tied_weights,
     verify_cut,
 )
+from pipeshard.partitioner.host_files import (
+    CHAT_TEMPLATE_FILE,
+    MIN_ONNXRUNTIME,
+    TOKENIZER_GRAPHS,
+    prerendered_chat_template,
+    write_tokenizer_graph,
+)
 from pipeshard.partitioner.rules import RULES_BY_ARCHITECTURE, VISION_RULES
 from pipeshard.runtime.exportdir import read_export_info
 from pipeshard.runtime.kv import PAST_PREFIX, PRESENT_PREFIX
@@ -324,9 +331,15 @@ def partition(export_dir: Path, pack: Path, force: bool = False) -> PartitionRes
             })
         vision = _vision_section(export_dir, info["vision"], dtype, staging) if "vision" in info else None
         for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-                     "chat_template.jinja", "tokenizer.onnx", "detokenizer.onnx", "preprocessor_config.json"):
+                     "chat_template.jinja", "preprocessor_config.json", *TOKENIZER_GRAPHS):
             if (export_dir / name).is_file():
-                (staging / name).write_bytes((export_dir / name).read_bytes())
+                if name in TOKENIZER_GRAPHS:
+                    write_tokenizer_graph(export_dir / name, staging / name)
+                else:
+                    (staging / name).write_bytes((export_dir / name).read_bytes())
+        chat_template = prerendered_chat_template(staging)
+        if chat_template is not None:
+            write_json_atomic(staging / CHAT_TEMPLATE_FILE, chat_template)
         manifest = {
             "schema_version": PACK_SCHEMA_VERSION,
             "pipeshard_version": __version__,
@@ -354,6 +367,10 @@ def partition(export_dir: Path, pack: Path, force: bool = False) -> PartitionRes
             "sub_layers": entries,
             "moe_blocks": blocks,
             **({"vision": vision} if vision else {}),
+            # For native hosts (docs/native-host.md): the oldest ONNX Runtime these files are checked with, and
+            # the chat template rendered in advance (null: the template needs a template engine).
+            "host": {"min_onnxruntime": MIN_ONNXRUNTIME,
+                     "chat_template": CHAT_TEMPLATE_FILE if chat_template is not None else None},
             # Every file but the weight blobs (their digests are in the entries), for `inspect --verify`.
             "files": {path.name: {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
                       for path in sorted(staging.iterdir()) if path.is_file() and not path.name.endswith(".weights")

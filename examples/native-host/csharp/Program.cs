@@ -1,0 +1,98 @@
+// A console program over PipeshardHost.cs: what a Unity script would do, run under mono in the tests.
+//   mono PipeshardConsole.exe PACK "prompt" [EXTENSIONS_LIBRARY]      streams the answer
+//   mono PipeshardConsole.exe --check EXTENSIONS_LIBRARY EXPECTED.tsv the CTest case csharp_tokens
+// EXPECTED.tsv (tests/test_native_host.py): "pack \t plans \t threads \t max_new_tokens", then one line per prompt:
+// "prompt \t the Python engine's greedy ids".
+using System;
+using System.Collections.Generic;
+using System.IO;
+using System.Linq;
+using Pipeshard;
+
+static class Program
+{
+    static int failures;
+
+    static void Expect(bool ok, string what)
+    {
+        Console.WriteLine((ok ? "ok   " : "FAIL ") + what);
+        if (!ok) ++failures;
+    }
+
+    static int Main(string[] args)
+    {
+        if (args.Length == 3 && args[0] == "--check") return Check(args[1], args[2]);
+        if (args.Length < 2)
+        {
+            Console.Error.WriteLine("usage: PipeshardConsole PACK PROMPT [EXTENSIONS_LIBRARY]");
+            return 2;
+        }
+        try
+        {
+            using (var host = new PipeshardHost(args[0], new HostOptions { ExtensionsLibrary = args.Length > 2 ? args[2] : null }))
+            {
+                host.Generate(args[1], new Sampling(), (id, piece) => { Console.Write(piece); return true; });
+                Console.WriteLine();
+            }
+            return 0;
+        }
+        catch (PipeshardException error)
+        {
+            Console.Error.WriteLine("error: " + error.Message);
+            return 2;
+        }
+    }
+
+    static int Check(string extensions, string expectedPath)
+    {
+        string[] lines = File.ReadAllLines(expectedPath);
+        string[] head = lines[0].Split('\t');
+        string pack = head[0], plans = head[1];
+        int threads = int.Parse(head[2]);
+        var sampling = new Sampling { MaxNewTokens = int.Parse(head[3]) };
+        var cases = lines.Skip(1).Select(line => line.Split('\t'))
+                         .Select(parts => new { Prompt = parts[0], Ids = parts[1].Split(' ').Select(long.Parse).ToList() })
+                         .ToList();
+        using (var host = new PipeshardHost(pack, new HostOptions { ExtensionsLibrary = extensions, Threads = threads }))
+        {
+            foreach (var item in cases)
+            {
+                string text = "";
+                List<long> ids = host.Generate(item.Prompt, sampling, (id, piece) => { text += piece; return true; });
+                Expect(ids.SequenceEqual(item.Ids), "all-CPU \"" + item.Prompt + "\": C# [" + string.Join(" ", ids) +
+                                                    "] python [" + string.Join(" ", item.Ids) + "]");
+                Console.WriteLine("     " + text.Replace("\n", "\\n"));
+            }
+            long[] hello = host.Tokenize("Hello, world!");
+            Expect(host.Detokenize(hello) == "Hello, world!", "Tokenize/Detokenize round trip: " + string.Join(" ", hello));
+            var stopped = host.Generate(cases[0].Prompt, sampling, (id, piece) => false);
+            Expect(stopped.Count == 1, "a callback returning false stops after its token");
+        }
+        var options = new HostOptions { ExtensionsLibrary = extensions, Threads = threads, PlansPath = plans, Device = "sim" };
+        using (var host = new PipeshardHost(pack, options))
+        {
+            List<long> ids = host.Generate(cases[0].Prompt, sampling);
+            Expect(ids.SequenceEqual(cases[0].Ids), "with the plans file: C# [" + string.Join(" ", ids) + "]");
+            try
+            {
+                host.SetVramBudget(1024);
+                Expect(false, "a 1 KiB budget is refused");
+            }
+            catch (PipeshardException error)
+            {
+                Expect(error.Status == Status.BudgetTooSmall, "a 1 KiB budget is refused: " + error.Message);
+            }
+            Console.WriteLine("     report: " + host.Report());
+        }
+        try
+        {
+            new PipeshardHost("/nonexistent/pack").Dispose();
+            Expect(false, "a missing pack is refused");
+        }
+        catch (PipeshardException error)
+        {
+            Expect(error.Status == Status.BadPack, "a missing pack is refused: " + error.Message);
+        }
+        return failures == 0 ? 0 : 1;
+    }
+}

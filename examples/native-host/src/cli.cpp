@@ -1,0 +1,133 @@
+// pipeshard-host: the C ABI from the command line.
+//   pipeshard-host PACK "prompt" [--plans FILE --device sim|cuda [--vram SIZE]] [--extensions LIB] [--threads N]
+//                  [--context N] [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P]
+//                  [--repetition-penalty R] [--seed S] [--system TEXT] [--no-chat-template] [--ids 1,2,3]
+//                  [--budget-after N:SIZE] [--print-ids] [--report]
+// Bad input: one line starting with "error:" on stderr, exit status 2.
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "pipeshard_host.h"
+
+namespace {
+
+int error(const std::string& message) {
+    std::fprintf(stderr, "error: %s\n", message.c_str());
+    return 2;
+}
+
+bool parse_size(const std::string& text, uint64_t* bytes) {
+    char* end = nullptr;
+    double value = std::strtod(text.c_str(), &end);
+    if (end == text.c_str() || value < 0) return false;
+    std::string unit(end);
+    double scale = unit.empty() || unit == "B" ? 1 : unit == "KiB" ? 1024.0 : unit == "MiB" ? 1048576.0
+                   : unit == "GiB" ? 1073741824.0 : -1;
+    if (scale < 0) return false;
+    *bytes = static_cast<uint64_t>(value * scale);
+    return true;
+}
+
+struct Session {
+    pipeshard_host* host = nullptr;
+    bool print_ids = false;
+    std::vector<int64_t> ids;
+    int budget_after = -1;
+    uint64_t budget_bytes = 0;
+    int budget_status = PIPESHARD_OK;
+};
+
+int on_token(int64_t token_id, const char* piece, void* user_data) {
+    auto* session = static_cast<Session*>(user_data);
+    session->ids.push_back(token_id);
+    if (!session->print_ids) {
+        std::fputs(piece, stdout);
+        std::fflush(stdout);
+    }
+    if (static_cast<int>(session->ids.size()) == session->budget_after) {
+        session->budget_status = pipeshard_set_vram_budget(session->host, session->budget_bytes);
+        if (session->budget_status != PIPESHARD_OK)
+            std::fprintf(stderr, "warning: %s\n", pipeshard_last_error(session->host));
+    }
+    return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+    pipeshard_options options;
+    pipeshard_default_options(&options);
+    pipeshard_sampling sampling;
+    pipeshard_default_sampling(&sampling);
+    std::vector<std::string> positional;
+    std::vector<int64_t> prompt_ids;
+    bool report = false;
+    Session session;
+    for (int i = 1; i < argc; ++i) {
+        std::string arg = argv[i];
+        auto value = [&]() -> const char* {
+            if (i + 1 >= argc) return nullptr;
+            return argv[++i];
+        };
+        const char* v = nullptr;
+        if (arg == "--print-ids") { session.print_ids = true; continue; }
+        if (arg == "--report") { report = true; continue; }
+        if (arg == "--no-chat-template") { sampling.use_chat_template = 0; continue; }
+        if (arg.rfind("--", 0) != 0) { positional.push_back(arg); continue; }
+        if (!(v = value())) return error(arg + " needs a value");
+        if (arg == "--plans") options.plans_path = v;
+        else if (arg == "--device") options.device = v;
+        else if (arg == "--extensions") options.extensions_library = v;
+        else if (arg == "--threads") options.threads = std::atoi(v);
+        else if (arg == "--context") options.context = std::atoi(v);
+        else if (arg == "--vram") { if (!parse_size(v, &options.vram_budget_bytes)) return error("--vram: not a size: " + std::string(v)); }
+        else if (arg == "--max-new-tokens") sampling.max_new_tokens = std::atoi(v);
+        else if (arg == "--temperature") sampling.temperature = std::strtof(v, nullptr);
+        else if (arg == "--top-k") sampling.top_k = std::atoi(v);
+        else if (arg == "--top-p") sampling.top_p = std::strtof(v, nullptr);
+        else if (arg == "--repetition-penalty") sampling.repetition_penalty = std::strtof(v, nullptr);
+        else if (arg == "--seed") sampling.seed = std::strtoull(v, nullptr, 10);
+        else if (arg == "--system") sampling.system_prompt = v;
+        else if (arg == "--ids") {
+            std::stringstream in(v);
+            std::string part;
+            while (std::getline(in, part, ',')) prompt_ids.push_back(std::atoll(part.c_str()));
+        } else if (arg == "--budget-after") {
+            std::string spec = v;
+            size_t colon = spec.find(':');
+            if (colon == std::string::npos || !parse_size(spec.substr(colon + 1), &session.budget_bytes))
+                return error("--budget-after: give TOKENS:SIZE, e.g. 8:600MiB");
+            session.budget_after = std::atoi(spec.substr(0, colon).c_str());
+        } else {
+            return error("unknown option " + arg);
+        }
+    }
+    if (positional.empty() || (positional.size() < 2 && prompt_ids.empty()))
+        return error("usage: pipeshard-host PACK PROMPT [options] (or --ids 1,2,3 instead of PROMPT)");
+    if (pipeshard_open(positional[0].c_str(), &options, &session.host) != PIPESHARD_OK)
+        return error(pipeshard_last_error(nullptr));
+    pipeshard_status status = prompt_ids.empty()
+        ? pipeshard_generate(session.host, positional[1].c_str(), &sampling, on_token, &session)
+        : pipeshard_generate_ids(session.host, prompt_ids.data(), prompt_ids.size(), &sampling, on_token, &session);
+    if (status != PIPESHARD_OK) {
+        int code = error(pipeshard_last_error(session.host));
+        pipeshard_close(session.host);
+        return code;
+    }
+    if (session.print_ids) {
+        for (size_t i = 0; i < session.ids.size(); ++i) std::printf("%s%lld", i ? " " : "", (long long)session.ids[i]);
+    }
+    std::printf("\n");
+    if (report) {
+        std::vector<char> json(8192);
+        size_t length = 0;
+        if (pipeshard_report(session.host, json.data(), json.size(), &length) == PIPESHARD_OK)
+            std::fprintf(stderr, "%s\n", json.data());
+    }
+    pipeshard_close(session.host);
+    return session.budget_status == PIPESHARD_OK ? 0 : 2;
+}

@@ -1,0 +1,1056 @@
+// The step a host runs, as docs/plans.md ("How a step executes its tier's plan") and docs/native-host.md say:
+// the tier's plan of the rung in force, its units in manifest order, each on the side its placement names, the
+// KV bound in place, streamed weights through a ring of staging slots copied ahead of use.
+#include "host.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <mutex>
+#include <numeric>
+#include <sstream>
+#include <thread>
+
+#include "errors.hpp"
+
+#if defined(_WIN32)
+#include <windows.h>
+#else
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+#endif
+
+namespace pipeshard {
+
+namespace {
+
+const OrtApi* g_api = nullptr;
+
+const OrtApi& ort() { return *g_api; }
+
+void check(OrtStatus* status) {
+    if (!status) return;
+    std::string message = ort().GetErrorMessage(status);
+    ort().ReleaseStatus(status);
+    fail(PIPESHARD_ERR_RUNTIME, "ONNX Runtime: " + message);
+}
+
+// One ONNX Runtime environment per process (ONNX Runtime allows one), shared by every host and released with the
+// last: its global intra-op pool serves every session, as pipeshard's own C-API chain does.
+std::mutex g_env_mutex;
+OrtEnv* g_env = nullptr;
+int g_env_users = 0;
+
+struct ElementType {
+    ONNXTensorElementDataType type;
+    size_t bytes;
+};
+
+ElementType element_type(const std::string& dtype) {
+    if (dtype == "float32") return {ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT, 4};
+    if (dtype == "float16") return {ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16, 2};
+    if (dtype == "bfloat16") return {ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16, 2};
+    if (dtype == "int64") return {ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64, 8};
+    if (dtype == "int32") return {ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32, 4};
+    if (dtype == "bool") return {ONNX_TENSOR_ELEMENT_DATA_TYPE_BOOL, 1};
+    fail(PIPESHARD_ERR_PACK, "unsupported dtype '" + dtype + "' in manifest.json");
+}
+
+float half_to_float(uint16_t h) {
+    uint32_t sign = (h & 0x8000u) << 16, exponent = (h >> 10) & 0x1F, mantissa = h & 0x3FF;
+    uint32_t bits;
+    if (exponent == 0) {
+        if (mantissa == 0) {
+            bits = sign;
+        } else {
+            exponent = 127 - 15 + 1;
+            while (!(mantissa & 0x400)) { mantissa <<= 1; --exponent; }
+            bits = sign | (exponent << 23) | ((mantissa & 0x3FF) << 13);
+        }
+    } else if (exponent == 31) {
+        bits = sign | 0x7F800000u | (mantissa << 13);
+    } else {
+        bits = sign | ((exponent + 127 - 15) << 23) | (mantissa << 13);
+    }
+    float out;
+    std::memcpy(&out, &bits, 4);
+    return out;
+}
+
+std::vector<int> version_numbers(const std::string& version) {
+    std::vector<int> numbers;
+    std::stringstream in(version);
+    std::string part;
+    while (std::getline(in, part, '.')) numbers.push_back(std::atoi(part.c_str()));
+    return numbers;
+}
+
+double seconds_since(std::chrono::steady_clock::time_point start) {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+const std::string& input_dtype_of(const SubLayer& sub, const std::string& name) {
+    for (const TensorSpec& input : sub.inputs)
+        if (input.name == name) return input.dtype;
+    fail(PIPESHARD_ERR_PACK, sub.name + ": no input " + name);
+}
+
+std::string mib(uint64_t bytes) {
+    char text[32];
+    std::snprintf(text, sizeof text, "%.1f MiB", static_cast<double>(bytes) / (1024.0 * 1024.0));
+    return text;
+}
+
+bool ends_incomplete(const std::string& text) {
+    return text.size() >= 3 && text.compare(text.size() - 3, 3, "\xEF\xBF\xBD") == 0;
+}
+
+}  // namespace
+
+// A weight blob mapped read-only: CPU chunks bind their rows from it, device units copy from it.
+class MappedFile {
+public:
+    explicit MappedFile(const std::string& path) {
+#if defined(_WIN32)
+        file_ = CreateFileA(path.c_str(), GENERIC_READ, FILE_SHARE_READ, nullptr, OPEN_EXISTING, 0, nullptr);
+        if (file_ == INVALID_HANDLE_VALUE) fail(PIPESHARD_ERR_PACK, path + ": cannot be opened");
+        LARGE_INTEGER size;
+        GetFileSizeEx(file_, &size);
+        size_ = static_cast<size_t>(size.QuadPart);
+        mapping_ = CreateFileMappingA(file_, nullptr, PAGE_READONLY, 0, 0, nullptr);
+        data_ = mapping_ ? static_cast<uint8_t*>(MapViewOfFile(mapping_, FILE_MAP_READ, 0, 0, 0)) : nullptr;
+        if (!data_) fail(PIPESHARD_ERR_PACK, path + ": cannot be mapped");
+#else
+        int fd = open(path.c_str(), O_RDONLY);
+        if (fd < 0) fail(PIPESHARD_ERR_PACK, path + ": cannot be opened");
+        struct stat info {};
+        fstat(fd, &info);
+        size_ = static_cast<size_t>(info.st_size);
+        void* data = size_ ? mmap(nullptr, size_, PROT_READ, MAP_SHARED, fd, 0) : nullptr;
+        close(fd);
+        if (data == MAP_FAILED) fail(PIPESHARD_ERR_PACK, path + ": cannot be mapped");
+        data_ = static_cast<uint8_t*>(data);
+#endif
+    }
+    ~MappedFile() {
+#if defined(_WIN32)
+        if (data_) UnmapViewOfFile(data_);
+        if (mapping_) CloseHandle(mapping_);
+        if (file_ != INVALID_HANDLE_VALUE) CloseHandle(file_);
+#else
+        if (data_) munmap(data_, size_);
+#endif
+    }
+    const uint8_t* data() const { return data_; }
+    size_t size() const { return size_; }
+
+private:
+    uint8_t* data_ = nullptr;
+    size_t size_ = 0;
+#if defined(_WIN32)
+    HANDLE file_ = INVALID_HANDLE_VALUE, mapping_ = nullptr;
+#endif
+};
+
+Host::Host(const std::string& pack_dir, const pipeshard_options& options) {
+    if (!g_api) {
+        g_api = OrtGetApiBase()->GetApi(ORT_API_VERSION);
+        if (!g_api)
+            fail(PIPESHARD_ERR_RUNTIME, std::string("the ONNX Runtime library (") + OrtGetApiBase()->GetVersionString() +
+                                            ") is older than the API version " + std::to_string(ORT_API_VERSION) +
+                                            " this host was built with");
+    }
+    manifest_ = read_manifest(pack_dir);
+    std::string version = OrtGetApiBase()->GetVersionString();
+    if (!manifest_.min_onnxruntime.empty() && version_numbers(version) < version_numbers(manifest_.min_onnxruntime))
+        fail(PIPESHARD_ERR_PACK, pack_dir + " needs ONNX Runtime " + manifest_.min_onnxruntime + " or newer; this "
+                                 "process has " + version);
+    for (const SubLayer& sub : manifest_.sub_layers)
+        for (const TensorSpec& output : sub.outputs)
+            if (output.name == "logits") logits_dtype_ = output.dtype;
+
+    has_plans_ = options.plans_path != nullptr && options.plans_path[0] != '\0';
+    device_kind_ = options.device && options.device[0] ? options.device : (has_plans_ ? "cuda" : "cpu");
+    if (device_kind_ != "cpu" && device_kind_ != "sim" && device_kind_ != "cuda")
+        fail(PIPESHARD_ERR_ARGUMENT, "unknown device '" + device_kind_ + "' (cpu, sim or cuda)");
+    if (has_plans_ && device_kind_ == "cpu")
+        fail(PIPESHARD_ERR_ARGUMENT, "a plans file places units on a device: give the device sim or cuda");
+    if (!has_plans_ && device_kind_ != "cpu")
+        fail(PIPESHARD_ERR_ARGUMENT, "device " + device_kind_ + " needs a plans file (`pipeshard plan PACK --vram "
+                                     "SIZES --out plans.json`)");
+    if (options.threads < 0) fail(PIPESHARD_ERR_ARGUMENT, "threads must be >= 0");
+    if (options.context < 0) fail(PIPESHARD_ERR_ARGUMENT, "context must be >= 0");
+
+    if (has_plans_) {
+        plans_ = read_plans(options.plans_path, manifest_, units_);
+        if (options.context > plans_.context)
+            fail(PIPESHARD_ERR_PLANS, std::string(options.plans_path) + " was made for a context of " +
+                                          std::to_string(plans_.context) + " tokens, less than the " +
+                                          std::to_string(options.context) + " asked for");
+        capacity_ = options.context ? options.context : plans_.context;
+        budget_bytes_ = options.vram_budget_bytes ? options.vram_budget_bytes : plans_.rungs.front().budget_bytes;
+        rung_ = rung_for(budget_bytes_);
+        if (rung_ < 0)
+            fail(PIPESHARD_ERR_BUDGET, "a VRAM budget of " + mib(budget_bytes_) + " is below every rung of " +
+                                           plans_.path + " (the smallest is " + mib(plans_.rungs.back().budget_bytes) +
+                                           "): make plans for this budget");
+        pending_budget_ = budget_bytes_;
+        int slots = 0;
+        for (const Rung& rung : plans_.rungs)
+            for (const auto& entry : rung.tiers) slots = std::max(slots, entry.second.slots);
+        try {
+            load_env(options.threads);
+            device_ = make_device(device_kind_, g_api, slots);
+        } catch (const HostError&) {
+            throw;
+        } catch (const std::exception& error) {
+            fail(PIPESHARD_ERR_DEVICE, error.what());
+        }
+    } else {
+        units_ = planning_units(manifest_, 1);
+        capacity_ = options.context ? options.context : std::min<int64_t>(4096, manifest_.max_context);
+        load_env(options.threads);
+    }
+    if (capacity_ > manifest_.max_context)
+        fail(PIPESHARD_ERR_ARGUMENT, "context " + std::to_string(capacity_) + " is beyond the model's " +
+                                         std::to_string(manifest_.max_context) + " tokens");
+    check(ort().CreateCpuMemoryInfo(OrtArenaAllocator, OrtMemTypeDefault, &cpu_memory_));
+    check(ort().CreateRunOptions(&run_options_));
+    for (const SubLayer& sub : manifest_.sub_layers)
+        if (!sub.blob_file.empty()) blobs_[sub.blob_file] = std::make_unique<MappedFile>(pack_dir + "/" + sub.blob_file);
+    allocate_kv();
+    // An output layer planned as row chunks runs whole when every chunk is on the CPU: a unit for that.
+    for (size_t u = 0; u < units_.size() && whole_output_unit_ == SIZE_MAX; ++u)
+        if (units_[u].chunk) {
+            whole_output_unit_ = units_.size();
+            units_.push_back({manifest_.sub_layers[units_[u].sub_layer].name, units_[u].sub_layer, false, 0, 0});
+        }
+    // Sessions of units some plan runs on the CPU are made now (first use would stall a step); device ones when a
+    // plan that needs them is activated.
+    for (size_t u = 0; u < units_.size(); ++u) {
+        const Unit& unit = units_[u];
+        if (unit.chunk) continue;
+        bool on_cpu = !has_plans_ || host_only(manifest_.sub_layers[unit.sub_layer]) || u == whole_output_unit_;
+        for (const Rung& rung : plans_.rungs)
+            for (const auto& entry : rung.tiers) {
+                auto placed = entry.second.placements.find(unit.name);
+                on_cpu |= placed != entry.second.placements.end() && placed->second == "cpu";
+            }
+        if (on_cpu) session_for({u, "cpu", -1});
+    }
+    load_text(options.extensions_library);
+}
+
+Host::~Host() {
+    try {
+        deactivate();
+    } catch (...) {
+    }
+    clear_values();
+    for (auto& entry : kv_) {
+        for (OrtValue* value : entry.second.host_values) ort().ReleaseValue(value);
+    }
+    // Sessions first, then the options that registered the extensions library, then the environment: ONNX Runtime
+    // 1.29 crashes at exit in any other order.
+    for (auto& entry : bindings_) ort().ReleaseIoBinding(entry.second);
+    std::vector<OrtSession*> sessions;
+    for (auto* table : {&cpu_sessions_, &host_input_sessions_, &device_sessions_})
+        for (auto& entry : *table) sessions.push_back(entry.second);
+    std::sort(sessions.begin(), sessions.end());
+    sessions.erase(std::unique(sessions.begin(), sessions.end()), sessions.end());
+    for (OrtSession* session : sessions) ort().ReleaseSession(session);
+    if (tokenizer_) ort().ReleaseSession(tokenizer_);
+    if (detokenizer_) ort().ReleaseSession(detokenizer_);
+    for (OrtSessionOptions* options : session_options_) ort().ReleaseSessionOptions(options);
+    if (tokenizer_options_) ort().ReleaseSessionOptions(tokenizer_options_);
+    device_.reset();
+    if (run_options_) ort().ReleaseRunOptions(run_options_);
+    if (cpu_memory_) ort().ReleaseMemoryInfo(cpu_memory_);
+    if (env_) {
+        std::lock_guard<std::mutex> lock(g_env_mutex);
+        if (--g_env_users == 0) {
+            ort().ReleaseEnv(g_env);
+            g_env = nullptr;
+        }
+    }
+}
+
+void Host::load_env(int threads) {
+    std::lock_guard<std::mutex> lock(g_env_mutex);
+    if (!g_env) {
+        OrtThreadingOptions* threading = nullptr;
+        check(ort().CreateThreadingOptions(&threading));
+        int count = threads ? threads : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+        OrtStatus* status = ort().SetGlobalIntraOpNumThreads(threading, count);
+        if (!status) status = ort().SetGlobalInterOpNumThreads(threading, 1);
+        if (!status) status = ort().SetGlobalSpinControl(threading, 1);
+        if (!status) status = ort().CreateEnvWithGlobalThreadPools(ORT_LOGGING_LEVEL_ERROR, "pipeshard-host", threading,
+                                                                   &g_env);
+        ort().ReleaseThreadingOptions(threading);
+        check(status);
+    }
+    ++g_env_users;
+    env_ = g_env;
+}
+
+OrtSession* Host::make_session(const std::string& file, bool on_device) {
+    OrtSessionOptions* options = nullptr;
+    check(ort().CreateSessionOptions(&options));
+    session_options_.push_back(options);
+    check(ort().SetSessionGraphOptimizationLevel(options, ORT_ENABLE_ALL));
+    check(ort().SetSessionExecutionMode(options, ORT_SEQUENTIAL));
+    // A memory pattern is traced per set of input shapes, and the context grows every step (docs/cli.md).
+    check(ort().DisableMemPattern(options));
+    check(ort().DisablePerSessionThreads(options));
+    check(ort().SetSessionLogSeverityLevel(options, 3));
+    if (on_device) {
+        try {
+            device_->add_provider(options);
+        } catch (const std::exception& error) {
+            fail(PIPESHARD_ERR_DEVICE, error.what());
+        }
+    }
+    OrtSession* session = nullptr;
+    std::string path = manifest_.folder + "/" + file;
+    check(ort().CreateSession(env_, path.c_str(), options, &session));
+    return session;
+}
+
+OrtSession* Host::session_for(const Run& run) {
+    const Unit& unit = units_[run.unit];
+    const SubLayer& sub = manifest_.sub_layers[unit.sub_layer];
+    if (run.placement == "cpu" && !unit.chunk) {
+        auto& session = cpu_sessions_[unit.sub_layer];
+        if (!session) session = make_session(sub.onnx_file, false);
+        return session;
+    }
+    bool on_device = run.placement != "cpu" && device_kind_ == "cuda";
+    auto& table = on_device ? device_sessions_ : host_input_sessions_;
+    auto& session = table[unit.sub_layer];
+    if (!session) session = make_session(sub.inputs_file, on_device);
+    return session;
+}
+
+OrtIoBinding* Host::binding_for(OrtSession* session) {
+    auto& binding = bindings_[session];
+    if (!binding) check(ort().CreateIoBinding(session, &binding));
+    return binding;
+}
+
+void Host::load_text(const char* extensions_library) {
+    std::string folder = manifest_.folder;
+    std::string config_path = folder + "/generation_config.json";
+    try {
+        if (FILE* probe = std::fopen(config_path.c_str(), "rb")) {
+            std::fclose(probe);
+            Json config = Json::parse(read_file(config_path));
+            if (config.has("eos_token_id")) {
+                const Json& eos = config.at("eos_token_id");
+                if (eos.is_array()) {
+                    for (const Json& id : eos.items) eos_ids_.push_back(id.integer());
+                } else if (eos.is_number()) {
+                    eos_ids_.push_back(eos.integer());
+                }
+            }
+        }
+        if (!manifest_.chat_template_file.empty()) {
+            chat_template_ = Json::parse(read_file(folder + "/" + manifest_.chat_template_file));
+            if (chat_template_.at("schema_version").integer() != 1)
+                fail(PIPESHARD_ERR_PACK, folder + "/" + manifest_.chat_template_file + ": unsupported schema_version");
+            chat_template_.at("user").at("before").str();
+            chat_template_.at("system_user").at("between").str();
+            has_chat_template_ = true;
+        }
+    } catch (const JsonError& error) {
+        fail(PIPESHARD_ERR_PACK, folder + ": " + error.what());
+    } catch (const std::runtime_error& error) {
+        if (dynamic_cast<const HostError*>(&error)) throw;
+        fail(PIPESHARD_ERR_PACK, error.what());
+    }
+    if (!extensions_library || !extensions_library[0]) return;
+    check(ort().CreateSessionOptions(&tokenizer_options_));
+    check(ort().DisablePerSessionThreads(tokenizer_options_));
+    check(ort().SetSessionLogSeverityLevel(tokenizer_options_, 3));
+    OrtStatus* status = ort().RegisterCustomOpsLibrary_V2(tokenizer_options_, extensions_library);
+    if (status) {
+        std::string message = ort().GetErrorMessage(status);
+        ort().ReleaseStatus(status);
+        fail(PIPESHARD_ERR_ARGUMENT, std::string("the extensions library ") + extensions_library +
+                                         " cannot be loaded (" + message + ")");
+    }
+    for (auto [file, session] : {std::pair<const char*, OrtSession**>{"tokenizer.onnx", &tokenizer_},
+                                 std::pair<const char*, OrtSession**>{"detokenizer.onnx", &detokenizer_}}) {
+        std::string path = folder + "/" + file;
+        status = ort().CreateSession(env_, path.c_str(), tokenizer_options_, session);
+        if (status) {
+            std::string message = ort().GetErrorMessage(status);
+            ort().ReleaseStatus(status);
+            fail(PIPESHARD_ERR_PACK, path + " cannot be loaded (" + message + ")");
+        }
+    }
+    // The tokenizer config's eos token, as pipeshard's TextCodec adds it to generation_config's.
+    try {
+        Json config = Json::parse(read_file(folder + "/tokenizer_config.json"));
+        if (config.has("eos_token") && config.at("eos_token").is_string()) {
+            std::vector<int64_t> ids = tokenize(config.at("eos_token").str());
+            if (ids.size() == 1) eos_ids_.push_back(ids[0]);
+        }
+    } catch (const JsonError&) {
+    } catch (const std::runtime_error& error) {
+        if (dynamic_cast<const HostError*>(&error)) throw;
+    }
+    std::sort(eos_ids_.begin(), eos_ids_.end());
+    eos_ids_.erase(std::unique(eos_ids_.begin(), eos_ids_.end()), eos_ids_.end());
+}
+
+void Host::allocate_kv() {
+    for (size_t index = 0; index < manifest_.sub_layers.size(); ++index) {
+        const SubLayer& sub = manifest_.sub_layers[index];
+        if (sub.past.empty()) continue;
+        KvCache& cache = kv_[index];
+        for (const std::string& past : sub.past) {
+            const TensorSpec* spec = nullptr;
+            for (const TensorSpec& input : sub.inputs)
+                if (input.name == past) spec = &input;
+            if (!spec) fail(PIPESHARD_ERR_PACK, sub.name + ": its past " + past + " is not among its inputs");
+            std::vector<int64_t> shape;
+            for (const Json& dim : spec->shape.items)
+                shape.push_back(dim.is_number() ? dim.integer() : dim.str() == "batch" ? 1 : capacity_);
+            size_t bytes = element_type(spec->dtype).bytes;
+            for (int64_t dim : shape) bytes *= static_cast<size_t>(dim);
+            cache.host.emplace_back(bytes, 0);
+            cache.host_values.push_back(tensor(cpu_memory_, cache.host.back().data(), bytes, shape, spec->dtype));
+        }
+    }
+}
+
+// ---- Plans, rungs and device memory ----------------------------------------------------------------------------
+
+int Host::rung_for(uint64_t budget_bytes) const {
+    for (size_t index = 0; index < plans_.rungs.size(); ++index)  // largest first
+        if (plans_.rungs[index].budget_bytes <= budget_bytes) return static_cast<int>(index);
+    return -1;
+}
+
+const std::map<int, Plan>* Host::tier_plans() const {
+    return has_plans_ ? &plans_.rungs[static_cast<size_t>(rung_)].tiers : nullptr;
+}
+
+int Host::largest_tier() const {
+    const auto* tiers = tier_plans();
+    return tiers ? tiers->rbegin()->first : 0;
+}
+
+const Plan* Host::plan_for(int64_t tokens, int* tier) const {
+    const auto* tiers = tier_plans();
+    if (!tiers) {
+        *tier = 0;
+        return nullptr;
+    }
+    auto found = tiers->lower_bound(static_cast<int>(tokens));
+    if (found == tiers->end()) --found;
+    *tier = found->first;
+    return &found->second;
+}
+
+void* Host::device_allocate(uint64_t bytes, const std::string& purpose) {
+    if (device_bytes_ + bytes > budget_bytes_)
+        fail(PIPESHARD_ERR_BUDGET, purpose + " (" + std::to_string(bytes) + " bytes) does not fit the VRAM budget of " +
+                                       std::to_string(budget_bytes_) + " bytes with " +
+                                       std::to_string(device_bytes_) + " in use");
+    void* buffer = nullptr;
+    try {
+        buffer = device_->allocate(bytes);
+    } catch (const std::exception& error) {
+        fail(PIPESHARD_ERR_DEVICE, error.what());
+    }
+    device_allocations_[buffer] = bytes;
+    device_bytes_ += bytes;
+    peak_device_bytes_ = std::max(peak_device_bytes_, device_bytes_);
+    return buffer;
+}
+
+void Host::device_release(void* buffer) {
+    auto found = device_allocations_.find(buffer);
+    if (found == device_allocations_.end()) return;
+    device_bytes_ -= found->second;
+    device_allocations_.erase(found);
+    device_->release(buffer);
+}
+
+const uint8_t* Host::mapped(const std::string& file) const {
+    auto found = blobs_.find(file);
+    if (found == blobs_.end()) fail(PIPESHARD_ERR_PACK, "weights of " + file + " are not in the pack");
+    return found->second->data();
+}
+
+uint64_t Host::unit_size(const Unit& unit) const {
+    const SubLayer& sub = manifest_.sub_layers[unit.sub_layer];
+    if (!unit.chunk) return sub.blob_bytes;
+    return static_cast<uint64_t>(unit.row_stop - unit.row_start) * sub.row_chunks.row_bytes;
+}
+
+std::pair<std::string, uint64_t> Host::unit_bytes(const Unit& unit) const {
+    const SubLayer& sub = manifest_.sub_layers[unit.sub_layer];
+    if (!unit.chunk) return {sub.blob_file, 0};
+    for (const WeightSpec& weight : sub.weights)
+        if (weight.name == sub.row_chunks.weight)
+            return {weight.file, weight.offset + static_cast<uint64_t>(unit.row_start) * sub.row_chunks.row_bytes};
+    fail(PIPESHARD_ERR_PACK, sub.name + ": its row_chunks weight is not among its weights");
+}
+
+void Host::start_copy(int streamed_index, int slot) {
+    const Unit& unit = units_[runs_[streamed_[static_cast<size_t>(streamed_index)]].unit];
+    auto [file, offset] = unit_bytes(unit);
+    uint64_t bytes = unit_size(unit);
+    device_->upload(slots_[static_cast<size_t>(slot)], mapped(file) + offset, bytes, slot);
+    slot_holds_[static_cast<size_t>(slot)] = streamed_index;
+    streamed_weight_bytes_ += bytes;
+}
+
+void Host::deactivate() {
+    if (!active_) return;
+    device_->drain();
+    for (auto& [index, cache] : kv_) {
+        if (!cache.on_device) continue;
+        for (size_t i = 0; i < cache.device.size(); ++i) {
+            device_->download(cache.host[i].data(), cache.device[i], cache.host[i].size());
+            ort().ReleaseValue(cache.device_values[i]);
+            device_release(cache.device[i]);
+        }
+        cache.device.clear();
+        cache.device_values.clear();
+        cache.on_device = false;
+    }
+    for (auto& entry : pinned_) device_release(entry.second);
+    pinned_.clear();
+    for (void* slot : slots_) device_release(slot);
+    slots_.clear();
+    slot_holds_.clear();
+    runs_.clear();
+    streamed_.clear();
+    active_ = nullptr;
+}
+
+// Make `plan` the one on the device: what the old plan held goes first (so device memory never passes the
+// budget), then the KV of device-run attentions moves in, pinned units are uploaded, the ring is allocated and
+// its first copies start.
+void Host::activate(const Plan* plan) {
+    deactivate();
+    ++plan_switches_;
+    std::map<size_t, std::vector<size_t>> chunks_of;  // sub-layer -> its chunk units
+    for (size_t u = 0; u < units_.size(); ++u)
+        if (units_[u].chunk) chunks_of[units_[u].sub_layer].push_back(u);
+    for (size_t u = 0; u < units_.size(); ++u) {
+        if (u == whole_output_unit_) continue;
+        const Unit& unit = units_[u];
+        const SubLayer& sub = manifest_.sub_layers[unit.sub_layer];
+        std::string placement = host_only(sub) ? "cpu" : plan->placements.at(unit.name);
+        if (unit.chunk) {
+            bool any_on_device = false;
+            for (size_t c : chunks_of[unit.sub_layer])
+                any_on_device |= plan->placements.at(units_[c].name) != "cpu";
+            if (!any_on_device) {
+                // Every chunk on the CPU: the whole output layer's session runs once, for the first chunk's unit.
+                if (u == chunks_of[unit.sub_layer].front()) runs_.push_back({whole_output_unit_, "cpu", -1});
+                continue;
+            }
+        }
+        Run run{u, placement, -1};
+        if (placement == "streamed") {
+            run.streamed_index = static_cast<int>(streamed_.size());
+            streamed_.push_back(runs_.size());
+        }
+        if (placement != "cpu" && !unit.chunk) {
+            for (const WeightSpec& weight : sub.weights)
+                if (weight.file != sub.blob_file)
+                    fail(PIPESHARD_ERR_PACK, sub.name + " reads " + weight.name + " from another unit's blob (" +
+                                                 weight.file + "); this host places such units on the CPU only");
+        }
+        runs_.push_back(run);
+    }
+    active_ = plan;
+    for (const Run& run : runs_) {
+        const Unit& unit = units_[run.unit];
+        if (run.placement == "cpu") {
+            session_for(run);
+            continue;
+        }
+        session_for(run);
+        if (run.placement == "pinned") {
+            auto [file, offset] = unit_bytes(unit);
+            uint64_t bytes = unit_size(unit);
+            void* buffer = device_allocate(bytes, "pinned weights of " + unit.name);
+            device_->upload(buffer, mapped(file) + offset, bytes, -1);
+            pinned_[run.unit] = buffer;
+        }
+        auto cache = kv_.find(unit.sub_layer);
+        if (cache != kv_.end() && !cache->second.on_device) {
+            KvCache& kv = cache->second;
+            const SubLayer& sub = manifest_.sub_layers[unit.sub_layer];
+            for (size_t i = 0; i < kv.host.size(); ++i) {
+                void* buffer = device_allocate(kv.host[i].size(), "the KV cache of " + sub.name);
+                device_->upload(buffer, kv.host[i].data(), kv.host[i].size(), -1);
+                kv.device.push_back(buffer);
+                std::vector<int64_t> shape;
+                for (const TensorSpec& input : sub.inputs)
+                    if (input.name == sub.past[i])
+                        for (const Json& dim : input.shape.items)
+                            shape.push_back(dim.is_number() ? dim.integer() : dim.str() == "batch" ? 1 : capacity_);
+                kv.device_values.push_back(tensor(device_->memory_info(), buffer, kv.host[i].size(), shape,
+                                                  input_dtype_of(sub, sub.past[i])));
+            }
+            kv.on_device = true;
+        }
+    }
+    if (!streamed_.empty()) {
+        int slots = std::max(1, plan->slots);
+        slot_bytes_ = 0;
+        for (size_t run_index : streamed_) slot_bytes_ = std::max(slot_bytes_, unit_size(units_[runs_[run_index].unit]));
+        for (int slot = 0; slot < slots; ++slot) slots_.push_back(device_allocate(slot_bytes_, "a staging slot"));
+        slot_holds_.assign(slots_.size(), -1);
+        if (plan->prefetch)
+            for (int k = 0; k < static_cast<int>(std::min(slots_.size(), streamed_.size())); ++k) start_copy(k, k);
+    }
+}
+
+void Host::apply_pending_budget() {
+    uint64_t budget = pending_budget_.load();
+    if (!has_plans_ || budget == budget_bytes_) return;
+    int rung = rung_for(budget);  // set_vram_budget checked that one fits
+    if (rung != rung_) deactivate();
+    rung_ = rung;
+    budget_bytes_ = budget;
+}
+
+void Host::set_vram_budget(uint64_t budget_bytes) {
+    if (!has_plans_)
+        fail(PIPESHARD_ERR_ARGUMENT, "this host runs every unit on the CPU: open it with a plans file (a budget "
+                                     "ladder) to change budgets");
+    int rung = rung_for(budget_bytes);
+    if (rung < 0)
+        fail(PIPESHARD_ERR_BUDGET, "a VRAM budget of " + mib(budget_bytes) + " is below every rung of " +
+                                       plans_.path + " (the smallest is " + mib(plans_.rungs.back().budget_bytes) +
+                                       "); nothing changed");
+    pending_budget_ = budget_bytes;
+}
+
+// ---- The step --------------------------------------------------------------------------------------------------
+
+OrtValue* Host::tensor(const OrtMemoryInfo* memory, void* data, size_t bytes, const std::vector<int64_t>& shape,
+                       const std::string& dtype) {
+    OrtValue* value = nullptr;
+    check(ort().CreateTensorWithDataAsOrtValue(memory, data, bytes, shape.data(), shape.size(),
+                                               element_type(dtype).type, &value));
+    return value;
+}
+
+void Host::set_value(const std::string& name, OrtValue* value) {
+    auto found = values_.find(name);
+    if (found != values_.end()) ort().ReleaseValue(found->second);
+    values_[name] = value;
+}
+
+void Host::clear_values() {
+    for (auto& entry : values_) ort().ReleaseValue(entry.second);
+    values_.clear();
+}
+
+void Host::forward(const int64_t* ids, int64_t tokens, int64_t past) {
+    int64_t largest = largest_tier();
+    if (largest > 0 && tokens > largest) {  // a prompt longer than the largest tier: chunks of it, in order
+        for (int64_t begin = 0; begin < tokens; begin += largest)
+            forward(ids + begin, std::min(largest, tokens - begin), past + begin);
+        return;
+    }
+    apply_pending_budget();
+    int tier = 0;
+    const Plan* plan = plan_for(tokens, &tier);
+    if (!plan) {
+        if (!active_ && runs_.empty()) {
+            for (size_t u = 0; u < units_.size(); ++u) runs_.push_back({u, "cpu", -1});
+        }
+    } else if (plan != active_) {
+        activate(plan);
+    }
+    ++steps_;
+    ++tier_steps_[tier];
+    int64_t total = past + tokens;
+    input_ids_.assign(ids, ids + tokens);
+    attention_mask_.assign(static_cast<size_t>(total), 1);
+    position_ids_.resize(static_cast<size_t>(tokens));
+    std::iota(position_ids_.begin(), position_ids_.end(), past);
+    clear_values();
+    set_value("input_ids", tensor(cpu_memory_, input_ids_.data(), input_ids_.size() * 8, {1, tokens}, "int64"));
+    set_value("attention_mask", tensor(cpu_memory_, attention_mask_.data(), attention_mask_.size() * 8, {1, total},
+                                       "int64"));
+    set_value("position_ids", tensor(cpu_memory_, position_ids_.data(), position_ids_.size() * 8, {1, tokens},
+                                     "int64"));
+    size_t logit_bytes = static_cast<size_t>(manifest_.vocab_size) * element_type(logits_dtype_).bytes;
+    logits_bytes_.resize(logit_bytes);
+    try {
+        for (const Run& run : runs_) run_unit(run, tokens);
+    } catch (...) {
+        // Failed mid-step: the ring and the KV are in an unknown state; release the device (the next generation
+        // starts from an empty cache anyway).
+        try {
+            deactivate();
+        } catch (...) {
+        }
+        throw;
+    }
+    read_logits();
+}
+
+void Host::run_unit(const Run& run, int64_t tokens) {
+    const Unit& unit = units_[run.unit];
+    const SubLayer& sub = manifest_.sub_layers[unit.sub_layer];
+    OrtSession* session = session_for(run);
+    OrtIoBinding* binding = binding_for(session);
+    ort().ClearBoundInputs(binding);
+    ort().ClearBoundOutputs(binding);
+    std::vector<OrtValue*> temporaries;
+    struct Release {
+        std::vector<OrtValue*>& values;
+        ~Release() {
+            for (OrtValue* value : values) ort().ReleaseValue(value);
+        }
+    } release{temporaries};
+
+    auto kv = kv_.find(unit.sub_layer);
+    auto kv_value = [&](const std::string& name) -> OrtValue* {
+        KvCache& cache = kv->second;
+        const auto& names = std::find(sub.past.begin(), sub.past.end(), name) != sub.past.end() ? sub.past : sub.present;
+        size_t index = static_cast<size_t>(std::find(names.begin(), names.end(), name) - names.begin());
+        return cache.on_device ? cache.device_values[index] : cache.host_values[index];
+    };
+    bool is_output_layer = sub.kind == "final";
+    for (const TensorSpec& input : sub.inputs) {
+        if (kv != kv_.end() && std::find(sub.past.begin(), sub.past.end(), input.name) != sub.past.end()) {
+            check(ort().BindInput(binding, input.name.c_str(), kv_value(input.name)));
+            continue;
+        }
+        auto found = values_.find(input.name);
+        if (found == values_.end())
+            fail(PIPESHARD_ERR_PACK, sub.name + " reads " + input.name + ", which no earlier sub-layer produced");
+        OrtValue* value = found->second;
+        if (is_output_layer && tokens > 1 && input.shape.size() == 3) {
+            // The output layer of a multi-token step reads only the last position's hidden state.
+            void* data = nullptr;
+            check(ort().GetTensorMutableData(value, &data));
+            size_t row = static_cast<size_t>(manifest_.hidden_size) * element_type(input.dtype).bytes;
+            value = tensor(cpu_memory_, static_cast<uint8_t*>(data) + row * static_cast<size_t>(tokens - 1), row,
+                           {1, 1, manifest_.hidden_size}, input.dtype);
+            temporaries.push_back(value);
+        }
+        check(ort().BindInput(binding, input.name.c_str(), value));
+    }
+    bool weights_as_inputs = run.placement != "cpu" || unit.chunk;
+    if (weights_as_inputs) {
+        const uint8_t* device_bytes = nullptr;
+        if (run.placement == "pinned") {
+            device_bytes = static_cast<const uint8_t*>(pinned_.at(run.unit));
+        } else if (run.placement == "streamed") {
+            int slot = run.streamed_index % static_cast<int>(slots_.size());
+            if (!active_->prefetch || slot_holds_[static_cast<size_t>(slot)] != run.streamed_index)
+                start_copy(run.streamed_index, slot);
+            device_->wait(slot);
+            device_bytes = static_cast<const uint8_t*>(slots_[static_cast<size_t>(slot)]);
+        }
+        for (const WeightSpec& weight : sub.weights) {
+            std::vector<int64_t> shape = weight.shape;
+            const OrtMemoryInfo* memory = cpu_memory_;
+            const uint8_t* data = nullptr;
+            size_t bytes = weight.bytes;
+            bool rows = unit.chunk && weight.name == sub.row_chunks.weight;
+            if (rows) {
+                shape[0] = unit.row_stop - unit.row_start;
+                bytes = static_cast<size_t>(shape[0]) * sub.row_chunks.row_bytes;
+            }
+            if (device_bytes && (rows || !unit.chunk)) {
+                memory = device_->memory_info();
+                data = rows ? device_bytes : device_bytes + weight.offset;
+            } else {
+                data = mapped(weight.file) + weight.offset +
+                       (rows ? static_cast<uint64_t>(unit.row_start) * sub.row_chunks.row_bytes : 0);
+            }
+            OrtValue* value = tensor(memory, const_cast<uint8_t*>(data), bytes, shape, weight.dtype);
+            temporaries.push_back(value);
+            check(ort().BindInput(binding, weight.name.c_str(), value));
+        }
+    }
+    std::vector<std::string> handed_on;
+    for (const TensorSpec& output : sub.outputs) {
+        if (kv != kv_.end() && std::find(sub.present.begin(), sub.present.end(), output.name) != sub.present.end()) {
+            check(ort().BindOutput(binding, output.name.c_str(), kv_value(output.name)));
+        } else if (output.name == "logits") {
+            size_t element = element_type(output.dtype).bytes;
+            int64_t start = unit.chunk ? unit.row_start : 0;
+            int64_t width = unit.chunk ? unit.row_stop - unit.row_start : manifest_.vocab_size;
+            OrtValue* value = tensor(cpu_memory_, logits_bytes_.data() + static_cast<size_t>(start) * element,
+                                     static_cast<size_t>(width) * element, {1, 1, width}, output.dtype);
+            temporaries.push_back(value);
+            check(ort().BindOutput(binding, output.name.c_str(), value));
+        } else {
+            check(ort().BindOutputToDevice(binding, output.name.c_str(), cpu_memory_));
+            handed_on.push_back(output.name);
+        }
+    }
+    check(ort().RunWithBinding(session, run_options_, binding));
+    if (run.placement == "streamed" && active_->prefetch && streamed_.size() > slots_.size()) {
+        // The slot is free again: start the copy of the streamed unit `slots` places ahead (the next step's first
+        // ones after the last).
+        int slot = run.streamed_index % static_cast<int>(slots_.size());
+        start_copy((run.streamed_index + static_cast<int>(slots_.size())) % static_cast<int>(streamed_.size()), slot);
+    }
+    OrtAllocator* allocator = nullptr;
+    check(ort().GetAllocatorWithDefaultOptions(&allocator));
+    OrtValue** outputs = nullptr;
+    size_t count = 0;
+    check(ort().GetBoundOutputValues(binding, allocator, &outputs, &count));
+    // Outputs come back in the order they were bound: the present KV and logits first where bound earlier.
+    size_t index = 0;
+    for (const TensorSpec& output : sub.outputs) {
+        if (index >= count) break;
+        bool kept = std::find(handed_on.begin(), handed_on.end(), output.name) != handed_on.end();
+        if (kept) {
+            set_value(output.name, outputs[index]);
+        } else {
+            ort().ReleaseValue(outputs[index]);
+        }
+        ++index;
+    }
+    for (; index < count; ++index) ort().ReleaseValue(outputs[index]);
+    check(ort().AllocatorFree(allocator, outputs));
+}
+
+void Host::read_logits() {
+    size_t vocab = static_cast<size_t>(manifest_.vocab_size);
+    logits_.resize(vocab);
+    if (logits_dtype_ == "float32") {
+        std::memcpy(logits_.data(), logits_bytes_.data(), vocab * 4);
+    } else if (logits_dtype_ == "float16") {
+        const uint16_t* half = reinterpret_cast<const uint16_t*>(logits_bytes_.data());
+        for (size_t i = 0; i < vocab; ++i) logits_[i] = half_to_float(half[i]);
+    } else {
+        fail(PIPESHARD_ERR_PACK, "logits of dtype " + logits_dtype_ + " are not supported");
+    }
+}
+
+// ---- Generation ------------------------------------------------------------------------------------------------
+
+int64_t Host::choose(const pipeshard_sampling& sampling, const std::vector<int64_t>& history, std::mt19937_64& rng) {
+    std::vector<double> scores(logits_.begin(), logits_.end());
+    if (sampling.repetition_penalty != 1.0f) {
+        std::vector<int64_t> seen(history);
+        std::sort(seen.begin(), seen.end());
+        seen.erase(std::unique(seen.begin(), seen.end()), seen.end());
+        for (int64_t id : seen) {
+            double& value = scores[static_cast<size_t>(id)];
+            value = value > 0 ? value / sampling.repetition_penalty : value * sampling.repetition_penalty;
+        }
+    }
+    if (sampling.temperature == 0.0f)
+        return static_cast<int64_t>(std::max_element(scores.begin(), scores.end()) - scores.begin());
+    for (double& value : scores) value /= sampling.temperature;
+    if (sampling.top_k > 0 && static_cast<size_t>(sampling.top_k) < scores.size()) {
+        std::vector<double> sorted(scores);
+        std::nth_element(sorted.begin(), sorted.begin() + (sampling.top_k - 1), sorted.end(), std::greater<double>());
+        double kth = sorted[static_cast<size_t>(sampling.top_k - 1)];
+        for (double& value : scores)
+            if (value < kth) value = -INFINITY;
+    }
+    double top = *std::max_element(scores.begin(), scores.end());
+    std::vector<double> probabilities(scores.size());
+    double sum = 0;
+    for (size_t i = 0; i < scores.size(); ++i) sum += probabilities[i] = std::exp(scores[i] - top);
+    for (double& p : probabilities) p /= sum;
+    if (sampling.top_p < 1.0f) {
+        std::vector<size_t> order(probabilities.size());
+        std::iota(order.begin(), order.end(), 0);
+        std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return probabilities[a] > probabilities[b]; });
+        double cumulative = 0;
+        for (size_t i : order) {
+            if (cumulative >= sampling.top_p) probabilities[i] = 0;
+            cumulative += probabilities[i] > 0 ? probabilities[i] : 0;
+        }
+    }
+    std::discrete_distribution<size_t> pick(probabilities.begin(), probabilities.end());
+    return static_cast<int64_t>(pick(rng));
+}
+
+std::vector<int64_t> Host::prompt_ids(const char* prompt, const pipeshard_sampling& sampling) {
+    std::string text = prompt;
+    if (sampling.use_chat_template) {
+        if (!has_chat_template_)
+            fail(PIPESHARD_ERR_ARGUMENT, manifest_.folder + " has no pre-rendered chat template (chat_template.json): "
+                                         "pass use_chat_template = 0 and a prompt in the model's own format");
+        if (sampling.system_prompt) {
+            const Json& form = chat_template_.at("system_user");
+            text = form.at("before").str() + sampling.system_prompt + form.at("between").str() + text +
+                   form.at("after").str();
+        } else {
+            const Json& form = chat_template_.at("user");
+            text = form.at("before").str() + text + form.at("after").str();
+        }
+    }
+    std::vector<int64_t> ids = tokenize(text);
+    if (ids.empty()) fail(PIPESHARD_ERR_ARGUMENT, "the prompt is empty");
+    return ids;
+}
+
+std::vector<int64_t> Host::tokenize(const std::string& text) {
+    if (!tokenizer_)
+        fail(PIPESHARD_ERR_ARGUMENT, "no tokenizer: open the host with extensions_library (libortextensions) and a "
+                                     "pack with tokenizer.onnx");
+    OrtAllocator* allocator = nullptr;
+    check(ort().GetAllocatorWithDefaultOptions(&allocator));
+    int64_t shape[] = {1};
+    OrtValue* input = nullptr;
+    check(ort().CreateTensorAsOrtValue(allocator, shape, 1, ONNX_TENSOR_ELEMENT_DATA_TYPE_STRING, &input));
+    const char* strings[] = {text.c_str()};
+    OrtValue* output = nullptr;
+    OrtStatus* status = ort().FillStringTensor(input, strings, 1);
+    const char* input_names[] = {"text"};
+    const char* output_names[] = {"input_ids"};
+    if (!status) status = ort().Run(tokenizer_, nullptr, input_names, &input, 1, output_names, 1, &output);
+    ort().ReleaseValue(input);
+    check(status);
+    OrtTensorTypeAndShapeInfo* info = nullptr;
+    std::vector<int64_t> ids;
+    status = ort().GetTensorTypeAndShape(output, &info);
+    if (!status) {
+        size_t count = 0;
+        status = ort().GetTensorShapeElementCount(info, &count);
+        ort().ReleaseTensorTypeAndShapeInfo(info);
+        int64_t* data = nullptr;
+        if (!status) status = ort().GetTensorMutableData(output, reinterpret_cast<void**>(&data));
+        if (!status) ids.assign(data, data + count);
+    }
+    ort().ReleaseValue(output);
+    check(status);
+    return ids;
+}
+
+std::string Host::detokenize(const std::vector<int64_t>& ids) {
+    if (!detokenizer_)
+        fail(PIPESHARD_ERR_ARGUMENT, "no detokenizer: open the host with extensions_library (libortextensions) and "
+                                     "a pack with detokenizer.onnx");
+    if (ids.empty()) return "";
+    std::vector<int64_t> copy(ids);
+    int64_t shape[] = {static_cast<int64_t>(copy.size())};
+    OrtValue* input = tensor(cpu_memory_, copy.data(), copy.size() * 8, {shape[0]}, "int64");
+    const char* input_names[] = {"ids"};
+    const char* output_names[] = {"text"};
+    OrtValue* output = nullptr;
+    OrtStatus* status = ort().Run(detokenizer_, nullptr, input_names, &input, 1, output_names, 1, &output);
+    ort().ReleaseValue(input);
+    check(status);
+    size_t length = 0;
+    std::string text;
+    status = ort().GetStringTensorDataLength(output, &length);
+    if (!status) {
+        text.resize(length);
+        size_t offset = 0;
+        status = ort().GetStringTensorContent(output, text.data(), length, &offset, 1);
+    }
+    ort().ReleaseValue(output);
+    check(status);
+    return text;
+}
+
+void Host::generate(const std::vector<int64_t>& prompt, const pipeshard_sampling& sampling,
+                    pipeshard_token_callback callback, void* user_data) {
+    if (sampling.max_new_tokens < 1) fail(PIPESHARD_ERR_ARGUMENT, "max_new_tokens must be at least 1");
+    if (sampling.temperature < 0) fail(PIPESHARD_ERR_ARGUMENT, "temperature must be >= 0");
+    if (sampling.top_k < 0) fail(PIPESHARD_ERR_ARGUMENT, "top_k must be >= 0 (0 means off)");
+    if (!(sampling.top_p > 0 && sampling.top_p <= 1)) fail(PIPESHARD_ERR_ARGUMENT, "top_p must be in (0, 1]");
+    if (!(sampling.repetition_penalty > 0)) fail(PIPESHARD_ERR_ARGUMENT, "repetition_penalty must be > 0");
+    if (prompt.empty()) fail(PIPESHARD_ERR_ARGUMENT, "the prompt is empty");
+    for (int64_t id : prompt)
+        if (id < 0 || id >= manifest_.vocab_size)
+            fail(PIPESHARD_ERR_ARGUMENT, "token id " + std::to_string(id) + " is outside the vocabulary of " +
+                                             std::to_string(manifest_.vocab_size));
+    if (static_cast<int64_t>(prompt.size()) + sampling.max_new_tokens > capacity_)
+        fail(PIPESHARD_ERR_CONTEXT, "the prompt (" + std::to_string(prompt.size()) + " tokens) and max_new_tokens (" +
+                                        std::to_string(sampling.max_new_tokens) + ") exceed the context of " +
+                                        std::to_string(capacity_) + " tokens");
+    std::mt19937_64 rng(sampling.seed);
+    std::vector<int64_t> history(prompt), generated;
+    std::string emitted;
+    last_ = GenerationTimes{};
+    last_.prompt_tokens = prompt.size();
+    last_.stop_reason = "length";
+    auto started = std::chrono::steady_clock::now();
+    forward(prompt.data(), static_cast<int64_t>(prompt.size()), 0);
+    auto first_token_at = started;
+    int64_t past = static_cast<int64_t>(prompt.size());
+    for (int step = 0; step < sampling.max_new_tokens; ++step) {
+        int64_t token = choose(sampling, history, rng);
+        if (step == 0) {
+            first_token_at = std::chrono::steady_clock::now();
+            last_.prefill_s = seconds_since(started);
+        }
+        if (std::find(eos_ids_.begin(), eos_ids_.end(), token) != eos_ids_.end()) {
+            last_.stop_reason = "eos";
+            break;
+        }
+        generated.push_back(token);
+        history.push_back(token);
+        std::string piece;
+        if (detokenizer_) {
+            std::string text = detokenize(generated);
+            if (!ends_incomplete(text) && text.size() >= emitted.size() && text.compare(0, emitted.size(), emitted) == 0) {
+                piece = text.substr(emitted.size());
+                emitted = text;
+            }
+        }
+        last_.generated_tokens = generated.size();
+        if (callback && callback(token, piece.c_str(), user_data) != 0) {
+            last_.stop_reason = "callback";
+            break;
+        }
+        if (step + 1 == sampling.max_new_tokens) break;
+        forward(&token, 1, past);
+        ++past;
+        ++last_.decode_steps;
+    }
+    last_.decode_s = seconds_since(first_token_at);
+}
+
+std::string Host::report() const {
+    std::ostringstream out;
+    out << "{\"device\": \"" << device_kind_ << "\", \"onnxruntime\": \"" << OrtGetApiBase()->GetVersionString()
+        << "\", \"context\": " << capacity_ << ", \"budget_bytes\": " << budget_bytes_;
+    if (has_plans_) {
+        const Rung& rung = plans_.rungs[static_cast<size_t>(rung_)];
+        out << ", \"rung_budget_bytes\": " << rung.budget_bytes << ", \"plans\": {";
+        bool first = true;
+        for (const auto& [tier, plan] : rung.tiers) {
+            out << (first ? "" : ", ") << "\"" << tier << "\": \"" << plan.strategy << "\"";
+            first = false;
+        }
+        out << "}, \"active_tier\": " << (active_ ? active_->tier : 0);
+    }
+    out << ", \"steps\": " << steps_ << ", \"plan_switches\": " << plan_switches_ << ", \"tier_steps\": {";
+    bool first = true;
+    for (const auto& [tier, count] : tier_steps_) {
+        out << (first ? "" : ", ") << "\"" << tier << "\": " << count;
+        first = false;
+    }
+    // As pipeshard's generate counts it: forward steps after the prompt's, over the time since the first token.
+    double decode_tok_s = last_.decode_s > 0 ? static_cast<double>(last_.decode_steps) / last_.decode_s : 0.0;
+    out << "}, \"device_bytes\": " << device_bytes_ << ", \"peak_device_bytes\": " << peak_device_bytes_
+        << ", \"streamed_weight_bytes\": " << streamed_weight_bytes_ << ", \"last\": {\"prompt_tokens\": "
+        << last_.prompt_tokens << ", \"generated_tokens\": " << last_.generated_tokens << ", \"prefill_s\": "
+        << last_.prefill_s << ", \"decode_s\": " << last_.decode_s << ", \"decode_tok_s\": " << decode_tok_s
+        << ", \"stop_reason\": \"" << last_.stop_reason << "\"}}";
+    return out.str();
+}
+
+}  // namespace pipeshard

@@ -1,0 +1,147 @@
+// The host behind the C ABI: a pack's sessions, its KV cache, the plans of the active ladder rung, and the step.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "device.hpp"
+#include "json.hpp"
+#include "onnxruntime_c_api.h"
+#include "pack.hpp"
+#include "pipeshard_host.h"
+
+namespace pipeshard {
+
+class MappedFile;
+
+// One attention's cache: a [1, kv_heads, capacity, head_dim] buffer per past name, on the host and (while its
+// attention runs on the device) on the device; bound as both the past input and the present output.
+struct KvCache {
+    std::vector<std::vector<uint8_t>> host;
+    std::vector<OrtValue*> host_values;
+    std::vector<void*> device;
+    std::vector<OrtValue*> device_values;
+    bool on_device = false;
+};
+
+// One session run of a step: a unit, where it computes, and (streamed) its place in the ring.
+struct Run {
+    size_t unit = 0;
+    std::string placement;
+    int streamed_index = -1;
+};
+
+struct GenerationTimes {
+    size_t prompt_tokens = 0, generated_tokens = 0, decode_steps = 0;
+    double prefill_s = 0, decode_s = 0;
+    std::string stop_reason;
+};
+
+class Host {
+public:
+    Host(const std::string& pack_dir, const pipeshard_options& options);
+    ~Host();
+    Host(const Host&) = delete;
+    Host& operator=(const Host&) = delete;
+
+    std::vector<int64_t> prompt_ids(const char* prompt, const pipeshard_sampling& sampling);
+    std::vector<int64_t> tokenize(const std::string& text);
+    std::string detokenize(const std::vector<int64_t>& ids);
+    void generate(const std::vector<int64_t>& prompt, const pipeshard_sampling& sampling,
+                  pipeshard_token_callback callback, void* user_data);
+    void set_vram_budget(uint64_t budget_bytes);
+    std::string report() const;
+
+    std::string last_error;
+
+private:
+    Manifest manifest_;
+    std::vector<Unit> units_;
+    size_t whole_output_unit_ = SIZE_MAX;  // the output layer as one unit, when plans cut it into row chunks
+    PlansFile plans_;
+    bool has_plans_ = false;
+    std::string device_kind_ = "cpu";
+    std::unique_ptr<Device> device_;
+    int64_t capacity_ = 0;
+
+    OrtEnv* env_ = nullptr;
+    OrtMemoryInfo* cpu_memory_ = nullptr;
+    OrtRunOptions* run_options_ = nullptr;
+    std::vector<OrtSessionOptions*> session_options_;
+    std::map<size_t, OrtSession*> cpu_sessions_, host_input_sessions_, device_sessions_;
+    std::map<OrtSession*, OrtIoBinding*> bindings_;
+    OrtSessionOptions* tokenizer_options_ = nullptr;
+    OrtSession* tokenizer_ = nullptr;
+    OrtSession* detokenizer_ = nullptr;
+    std::vector<int64_t> eos_ids_;
+    Json chat_template_;
+    bool has_chat_template_ = false;
+
+    std::map<std::string, std::unique_ptr<MappedFile>> blobs_;
+    std::map<size_t, KvCache> kv_;  // by attention sub-layer
+
+    // The plans in force: the rung (index into plans_.rungs), and the tier plan now on the device.
+    int rung_ = -1;
+    std::atomic<uint64_t> pending_budget_{0};  // what set_vram_budget asked for, taken between steps
+    uint64_t budget_bytes_ = 0;
+    const Plan* active_ = nullptr;
+    std::vector<Run> runs_;
+    std::vector<size_t> streamed_;  // run indices of the streamed units, in order
+    std::map<size_t, void*> pinned_;  // unit -> device buffer
+    std::vector<void*> slots_;
+    std::vector<int> slot_holds_;     // streamed index each slot holds (or is receiving), -1 none
+    uint64_t slot_bytes_ = 0;
+    std::map<void*, uint64_t> device_allocations_;
+    uint64_t device_bytes_ = 0, peak_device_bytes_ = 0;
+
+    // Step state.
+    std::map<std::string, OrtValue*> values_;  // what runs hand on by name (ORT-allocated outputs, step inputs)
+    std::vector<int64_t> input_ids_, attention_mask_, position_ids_;
+    std::vector<uint8_t> logits_bytes_;
+    std::string logits_dtype_ = "float32";
+    std::vector<float> logits_;
+
+    // What the host has done.
+    uint64_t steps_ = 0, plan_switches_ = 0, streamed_weight_bytes_ = 0;
+    std::map<int, uint64_t> tier_steps_;
+    GenerationTimes last_;
+
+    void load_env(int threads);
+    OrtSession* make_session(const std::string& file, bool on_device);
+    OrtSession* session_for(const Run& run);
+    OrtIoBinding* binding_for(OrtSession* session);
+    void load_text(const char* extensions_library);
+    void allocate_kv();
+
+    const std::map<int, Plan>* tier_plans() const;
+    const Plan* plan_for(int64_t tokens, int* tier) const;
+    int largest_tier() const;
+    int rung_for(uint64_t budget_bytes) const;
+    void activate(const Plan* plan);
+    void deactivate();
+    void* device_allocate(uint64_t bytes, const std::string& purpose);
+    void device_release(void* buffer);
+    std::pair<std::string, uint64_t> unit_bytes(const Unit& unit) const;  // (file, offset); size by unit_size
+    uint64_t unit_size(const Unit& unit) const;
+    const uint8_t* mapped(const std::string& file) const;
+    void start_copy(int streamed_index, int slot);
+    void apply_pending_budget();
+
+    void forward(const int64_t* ids, int64_t tokens, int64_t past);
+    void run_unit(const Run& run, int64_t tokens);
+    OrtValue* tensor(const OrtMemoryInfo* memory, void* data, size_t bytes, const std::vector<int64_t>& shape,
+                     const std::string& dtype);
+    void set_value(const std::string& name, OrtValue* value);
+    void clear_values();
+    void read_logits();
+    int64_t choose(const pipeshard_sampling& sampling, const std::vector<int64_t>& history, std::mt19937_64& rng);
+};
+
+}  // namespace pipeshard

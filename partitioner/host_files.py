@@ -1,0 +1,77 @@
+"""What a host without Python finds in a pack beside the sub-layers (docs/native-host.md).
+
+The ONNX tokenizer graphs are stored at the lowest IR version that holds their opsets: an export may stamp them
+with the newest IR its onnx package knows, which older ONNX Runtimes (the Unity plugin's 1.29) refuse. The chat
+template is rendered in advance into the strings around one user turn (and a system turn), so a host needs no
+Jinja engine; a template that does more with a message than paste it in is not rendered, and the host then says so.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import onnx
+from onnx import helper
+
+from pipeshard.errors import UserError
+
+# The oldest ONNX Runtime pipeshard checks a pack's files against (the Unity plugin `com.github.asus4.onnxruntime`
+# 0.4.9); hosts refuse to run a pack with an older one.
+MIN_ONNXRUNTIME = "1.29"
+CHAT_TEMPLATE_FILE = "chat_template.json"
+CHAT_TEMPLATE_SCHEMA_VERSION = 1
+TOKENIZER_GRAPHS = ("tokenizer.onnx", "detokenizer.onnx")
+_MARKERS = ("\ue000pipeshard-user\ue000", "\ue001pipeshard-system\ue001")
+_OTHER_MARKERS = ("\ue002another user\ue002", "\ue003another system\ue003")
+
+
+def write_tokenizer_graph(source: Path, target: Path) -> None:
+    """Copy an ONNX tokenizer graph, its IR version lowered to the lowest that holds its opsets."""
+    model = onnx.load(source)
+    lowest = helper.find_min_ir_version_for(list(model.opset_import), ignore_unknown=True)
+    model.ir_version = min(model.ir_version, lowest)
+    onnx.save(model, target)
+
+
+def prerendered_chat_template(folder: Path) -> dict | None:
+    """The chat template of the pack in `folder` as fixed strings around the messages, or None when it has none
+    or does more with a message than paste it in (then a host cannot apply it without a template engine)."""
+    from pipeshard.runtime.text import TextCodec
+
+    try:
+        codec = TextCodec(folder)
+    except UserError:  # no readable tokenizer: nothing a host could use either
+        return None
+    if not codec.chat_template:
+        return None
+    try:
+        user = _split(codec, [("user", _MARKERS[0])], [("user", _OTHER_MARKERS[0])])
+        with_system = _split(codec, [("system", _MARKERS[1]), ("user", _MARKERS[0])],
+                             [("system", _OTHER_MARKERS[1]), ("user", _OTHER_MARKERS[0])])
+    except (UserError, ValueError):
+        return None
+    return {
+        "schema_version": CHAT_TEMPLATE_SCHEMA_VERSION,
+        "template_sha256": hashlib.sha256(codec.chat_template.encode()).hexdigest(),
+        "user": {"before": user[0], "after": user[1]},
+        "system_user": {"before": with_system[0], "between": with_system[1], "after": with_system[2]},
+    }
+
+
+def _split(codec, messages: list[tuple[str, str]], others: list[tuple[str, str]]) -> list[str]:
+    """The rendered conversation cut at each message's content; the same cut must rebuild a rendering of other
+    contents, or the template does more than paste them in."""
+    rendered = codec.render_messages([{"role": role, "content": content} for role, content in messages])
+    pieces, rest = [], rendered
+    for _, content in messages:
+        if rest.count(content) != 1:
+            raise ValueError("the template repeats or changes a message")
+        before, rest = rest.split(content)
+        pieces.append(before)
+    pieces.append(rest)
+    other = codec.render_messages([{"role": role, "content": content} for role, content in others])
+    rebuilt = pieces[0] + "".join(content + piece for (_, content), piece in zip(others, pieces[1:], strict=True))
+    if rebuilt != other:
+        raise ValueError("the template's text depends on the messages")
+    return pieces

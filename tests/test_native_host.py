@@ -1,0 +1,110 @@
+"""The native host (examples/native-host): its CTest cases against the Python engine's tokens on SmolLM2.
+
+`make host` fetches the two npm packages and builds the host; this test writes what the CTest cases compare
+against (the Python engine's greedy tokens for three prompts, all-CPU and with a saved plans file whose top rung
+streams weights; the tokenizer's check strings), configures the build with it and runs `ctest`. Without a C++
+compiler, cmake or npm, or before `make host`, it skips and says why.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from prompts import SMOLLM2_PROMPTS
+
+REPO = Path(__file__).resolve().parents[1]
+HOST = REPO / "examples" / "native-host"
+DEPS = REPO / "build" / "native-host" / "deps"
+BUILD = REPO / "build" / "native-host" / "build"
+MAX_NEW_TOKENS = 24
+THREADS = 2
+CONTEXT = 512
+
+
+def _missing_tools() -> str | None:
+    missing = [tool for tool in ("cmake", "ctest", "npm") if shutil.which(tool) is None]
+    if shutil.which("c++") is None and shutil.which("g++") is None:
+        missing.append("a C++ compiler")
+    if missing:
+        return f"the native host needs {', '.join(missing)}"
+    if not (DEPS / ".complete").is_file() or not (BUILD / "CMakeCache.txt").is_file():
+        return "the native host is not built: `make host` fetches its npm packages and builds it"
+    return None
+
+
+def _plan_ladder(pack: Path, out: Path) -> dict:
+    """A two-rung ladder for `pack`: the larger budget runs the planner's gpu-only plans (pinned and streamed units,
+    the output layer in streamed row chunks), the smaller its static ones (pinned attention, the rest on the CPU)."""
+    command = [sys.executable, "-P", "-m", "pipeshard", "plan", str(pack), "--vram", "10%,60%", "--profile",
+               "laptop-8gb", "--tiers", "1,16,64", "--context", str(CONTEXT), "--out", str(out)]
+    subprocess.run(command, check=True, capture_output=True, text=True)
+    document = json.loads(out.read_text())
+    top = document["ladder"][0]
+    for entry in top["tiers"]:
+        entry["chosen"] = next(a for a in entry["alternatives"] if a["strategy"] == "gpu-only")
+    document["tiers"] = top["tiers"]
+    out.write_text(json.dumps(document))
+    return document
+
+
+@pytest.mark.slow
+def test_native_host_ctest_matches_the_python_engine(smollm2_export, tiny_pack, tmp_path):
+    reason = _missing_tools()
+    if reason:
+        pytest.skip(reason)
+    from tokenizers import Tokenizer
+
+    import pipeshard
+    from pipeshard.exporter.tokenizer_onnx import CHECK_STRINGS
+    from pipeshard.partitioner.pack import partition
+
+    pack = tmp_path / "pack"
+    partition(smollm2_export, pack)
+    plans = tmp_path / "plans.json"
+    document = _plan_ladder(pack, plans)
+    assert any(p == "streamed" for p in document["ladder"][0]["tiers"][0]["chosen"]["placements"].values())
+    other_plans = tmp_path / "other-plans.json"
+    subprocess.run([sys.executable, "-P", "-m", "pipeshard", "plan", str(tiny_pack), "--vram", "25%", "--profile",
+                    "laptop-8gb", "--out", str(other_plans)], check=True, capture_output=True)
+
+    cpu_engine = pipeshard.load(pack, threads=THREADS)
+    planned_engine = pipeshard.load(pack, device="sim", plans=plans, threads=THREADS)
+    prompts = []
+    for text in SMOLLM2_PROMPTS:
+        cpu = cpu_engine.generate(text, max_new_tokens=MAX_NEW_TOKENS)[0]
+        planned = planned_engine.generate(text, max_new_tokens=MAX_NEW_TOKENS)[0]
+        assert planned.tokens == cpu.tokens
+        prompts.append({"text": text, "prompt_ids": cpu.prompt_tokens, "cpu_tokens": cpu.tokens,
+                        "planned_tokens": planned.tokens})
+    reference = Tokenizer.from_file(str(pack / "tokenizer.json"))
+    checks = [{"text": text, "ids": (ids := reference.encode(text, add_special_tokens=False).ids),
+               "decoded": reference.decode(ids, skip_special_tokens=False)} for text in CHECK_STRINGS]
+    rungs = sorted(int(rung["budget_bytes"]) for rung in document["ladder"])
+    expected = {
+        "pack": str(pack), "plans": str(plans), "other_plans": str(other_plans), "threads": THREADS,
+        "max_new_tokens": MAX_NEW_TOKENS, "prompts": prompts, "check_strings": checks,
+        "ladder": {"budget_after": 5, "small_budget_bytes": rungs[0] + 1, "small_rung_bytes": rungs[0]},
+        "too_small_budget_bytes": rungs[0] - 1,
+    }
+    expected_path = tmp_path / "expected.json"
+    expected_path.write_text(json.dumps(expected))
+    # The same for the C# console program, in lines it reads without a JSON library.
+    lines = [f"{pack}\t{plans}\t{THREADS}\t{MAX_NEW_TOKENS}"] + [
+        f"{p['text']}\t{' '.join(map(str, p['cpu_tokens']))}" for p in prompts]
+    Path(f"{expected_path}.tsv").write_text("\n".join(lines) + "\n")
+
+    subprocess.run(["cmake", "-S", str(HOST), "-B", str(BUILD), f"-DPIPESHARD_TEST_EXPECTED={expected_path}"],
+                   check=True, capture_output=True)
+    subprocess.run(["cmake", "--build", str(BUILD), "-j", "2"], check=True, capture_output=True)
+    result = subprocess.run(["ctest", "--test-dir", str(BUILD), "--output-on-failure"], capture_output=True,
+                            text=True)
+    print(result.stdout[-6000:], result.stderr[-2000:])
+    assert result.returncode == 0, result.stdout[-6000:]
+    listed = subprocess.run(["ctest", "--test-dir", str(BUILD), "-N"], capture_output=True, text=True).stdout
+    if "csharp_tokens" not in listed:
+        print("the C# test was skipped: mono and mcs are not installed (apt-get install mono-mcs mono-runtime)")
