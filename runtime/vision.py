@@ -106,6 +106,8 @@ class PackVision:
         self._run_options = self._rt.run_options()
         self._sessions: dict[str, capi.Session] = {}
         self.peak_device_bytes = 0  # the ledger's peak while encoding, over every encode
+        self.encoder_peak_bytes = 0  # the same, less what the decoder held meanwhile
+        self._held = self._peak_before_release = 0
         self.streamed_bytes = 0
         self.dtype = NUMPY_DTYPES[pack.model["dtype"]]
 
@@ -129,18 +131,23 @@ class PackVision:
             return self._run_all(pixel_values, None)
         ledger = self.device.ledger
         started_peak, ledger.peak = ledger.peak, ledger.used
+        self._held, self._peak_before_release = ledger.used, 0
         try:
             return self._encode_naive(pixel_values) if self.naive else self._encode_streamed(pixel_values)
         finally:
-            self.peak_device_bytes = max(self.peak_device_bytes, ledger.peak)
-            ledger.peak = max(started_peak, ledger.peak)
+            self.peak_device_bytes = max(self.peak_device_bytes, ledger.peak, self._peak_before_release)
+            # What the encoder itself took: above what the decoder held meanwhile.
+            self.encoder_peak_bytes = max(self.encoder_peak_bytes, ledger.peak - self._held)
+            ledger.peak = max(started_peak, ledger.peak, self._peak_before_release)
 
     def _encode_streamed(self, pixel_values: np.ndarray) -> np.ndarray:
         """VLMOpt: two staging slots, tiles in runs whose workspace fits what the budget leaves."""
         ledger, shape, tiles = self.device.ledger, self.shape, len(pixel_values)
         slot_bytes = shape.largest_block_bytes
         if ledger.used + 2 * slot_bytes + tile_runs(shape, 1, 0)[1] > ledger.budget_bytes and self.release_decoder:
+            self._peak_before_release = ledger.peak
             self.release_decoder()  # the decoder's plan comes back at its next step
+            self._held = ledger.peak = ledger.used
         free = ledger.budget_bytes - ledger.used - 2 * slot_bytes
         if self.workspace_bytes is not None:
             free = min(free, self.workspace_bytes)
