@@ -561,8 +561,9 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     export = commands.add_parser("export", help="export a model to an ONNX folder (like optimum-cli export onnx)")
-    export.add_argument("model", help="HF model folder, .gguf file, smollm2-135m, gemma3-270m, or tiny:ARCH "
-                                      "(llama, llama3, mistral, qwen2, qwen3, phi3, gemma3, moe, mixtral)")
+    export.add_argument("model", help="HF model folder, .gguf file, smollm2-135m, gemma3-270m, smolvlm-256m (a VLM), "
+                                      "or tiny:ARCH (llama, llama3, mistral, qwen2, qwen3, phi3, gemma3, moe, "
+                                      "mixtral, smolvlm)")
     export.add_argument("out", help="output folder")
     export.add_argument("--dtype", default="fp32", help="fp32 (default) or fp16")
     export.add_argument("--opset", type=_opset, default=None, help="ONNX opset, 18 to 23 (default 23)")
