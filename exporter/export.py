@@ -17,8 +17,11 @@ from pipeshard.runtime.exportdir import EXPORT_SCHEMA_VERSION, KV_CACHE
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"fp32": "float32", "fp16": "float16"}
-LOGIT_TOLERANCE = {"fp32": 1e-3, "fp16": 5e-2}
+# the stored weights' type -> the torch type the model is loaded in; fp16 and bf16 weights are computed in float32
+# (exporter/half_weights.py), so every export computes in float32 and is checked against PyTorch at one tolerance
+DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
+COMPUTE_DTYPE = "fp32"
+LOGIT_TOLERANCE = 1e-3
 MODEL_FILE = "model.onnx"
 TOOL_PACKAGES = ["pipeshard", "torch", "transformers", "optimum", "onnx", "onnxscript", "onnxruntime",
                  "onnxruntime-extensions", "gguf"]
@@ -91,20 +94,22 @@ def export_model(model: str, out: Path, dtype: str = "fp32", force: bool = False
     with atomic_output_dir(out, force) as staging, _stages(5, quiet) as progress:
         progress.set_description("load model")
         source = load_source(spec, getattr(torch, DTYPES[dtype]))
-        export_config = export_config_for(source.model.config, dtype)
+        source.model.float()  # the weights keep the half type's values; the trace and the reference compute in fp32
+        export_config = export_config_for(source.model.config, COMPUTE_DTYPE)
         progress.update()
 
         progress.set_description("trace + write ONNX")
         export_decoder(source.model, export_config, staging / MODEL_FILE, opset)
         dims = export_config.dims
         fuse_exported_model(staging / MODEL_FILE, dims.num_attention_heads, dims.num_key_value_heads,
-                            dims.head_dim, dtype, dims.max_context, dims.sliding_window or None)
+                            dims.head_dim, COMPUTE_DTYPE, dims.max_context, dims.sliding_window or None,
+                            stored_dtype=dtype)
         progress.update()
 
         progress.set_description("validate against PyTorch")
         difference = max_logit_difference(source.model, export_config, staging / MODEL_FILE)
-        if not difference <= LOGIT_TOLERANCE[dtype]:
-            raise RuntimeError(f"exported logits differ from PyTorch by {difference:.3g} (> {LOGIT_TOLERANCE[dtype]})")
+        if not difference <= LOGIT_TOLERANCE:
+            raise RuntimeError(f"exported logits differ from PyTorch by {difference:.3g} (> {LOGIT_TOLERANCE})")
         progress.update()
 
         progress.set_description("tokenizer")
@@ -124,6 +129,7 @@ def export_model(model: str, out: Path, dtype: str = "fp32", force: bool = False
             "dims": asdict(export_config.dims),
             "tie_word_embeddings": bool(getattr(source.model.config, "tie_word_embeddings", False)),
             "dtype": dtype,
+            "compute_dtype": COMPUTE_DTYPE,
             "opset": opset,
             "kv_cache": KV_CACHE,
             "model_file": MODEL_FILE,

@@ -38,6 +38,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from pipeshard.errors import UserError
+from pipeshard.exporter.half_weights import store_weights_in_half
 from pipeshard.partitioner.rules import module_path
 from pipeshard.runtime.kv import PADDING_BIAS, PAST_PREFIX, PRESENT_PREFIX, SEQLENS, TOTAL
 
@@ -575,12 +576,15 @@ def pack_sibling_projections(model: onnx.ModelProto) -> int:
 
 
 def fuse_exported_model(onnx_path: Path, heads: int, kv_heads: int, head_dim: int, dtype: str,
-                        max_context: int, sliding_window: int | None = None) -> int:
-    """Apply the rewrites to an exported model file in place (its external data file rewritten)."""
+                        max_context: int, sliding_window: int | None = None, stored_dtype: str = "fp32") -> int:
+    """Apply the rewrites to an exported model file in place (its external data file rewritten); with a
+    half-precision `stored_dtype`, the product and embedding weights are then stored in it (half_weights.py)."""
     model = onnx.load(str(onnx_path))
     float_type = {"fp32": TensorProto.FLOAT, "fp16": TensorProto.FLOAT16}[dtype]
     fused = fuse_attention(model, heads, kv_heads, head_dim, float_type, max_context, sliding_window)
     pack_sibling_projections(model)
+    if stored_dtype != "fp32":
+        store_weights_in_half(model, stored_dtype)
     data = onnx_path.with_name(onnx_path.name + ".data")
     data.unlink(missing_ok=True)  # onnx appends to an existing data file
     onnx.save(model, str(onnx_path), save_as_external_data=True, location=data.name, size_threshold=1024)
