@@ -2,6 +2,7 @@
 
 A sub-layer's time is the sum, over its matrix products, of
     max(2·T·K·N / achieved FLOP/s(T, K, N),  K·N·element / achieved read bandwidth)
+(element: the bytes of the weight's stored dtype, whose read bandwidth the profile measures per dtype),
 plus its attention, max(4·heads·head_dim·T·C / achieved attention FLOP/s(T, C), KV bytes / bandwidth),
 plus one hop and a measured per-node cost for each of its graph nodes. The KV bytes are the
 manifest's cost-model traffic per context token. Achieved rates come from the profile's tables: the
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 from pipeshard.errors import UserError
 
 ELEMENT_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
+WEIGHT_DTYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}  # manifest weight dtype -> short name
 
 
 def _interpolate_log(points: list[tuple[float, float]], x: float) -> float:
@@ -84,6 +86,7 @@ class DeviceRates:
     read_gbps_loaded: float
     hop_s: float
     op_s: float = 0.0
+    weight_read_gbps: dict[str, float] | None = None  # M=1 products over half-precision weights, by dtype
 
 
 class Estimator:
@@ -91,8 +94,8 @@ class Estimator:
 
     def __init__(self, profile: dict, model: dict, threads: int | None = None, model_sha256: str | None = None) -> None:
         self.profile = profile
-        self.dtype = model["dtype"]
-        self.element = ELEMENT_BYTES[self.dtype]
+        self.dtype = model["dtype"]  # the weights' (a half-precision pack computes in float32)
+        self.element = ELEMENT_BYTES[model.get("compute_dtype", self.dtype)]  # activations and KV
         self.model = model
         cpu_threads = profile["cpu"]["threads"]
         available = sorted(int(t) for t in cpu_threads)
@@ -109,6 +112,7 @@ class Estimator:
             read_gbps_loaded=cpu["under_copy_load"]["memory_read_gbps"],
             hop_s=cpu["hop_us"] * 1e-6,
             op_s=cpu.get("op_us", 0.0) * 1e-6,
+            weight_read_gbps=cpu.get("weight_read_gbps"),
         )
         device = profile["device"]
         if device["kind"] == "sim" or not device.get("matmul"):
@@ -154,10 +158,14 @@ class Estimator:
         return _interpolate_log(per_past, past)
 
     def _table_dtype(self, table: dict) -> str:
-        return self.dtype if self.dtype in table else "fp32"
+        """The rate table of the products' arithmetic: the model's dtype where it computes in it (an fp16 graph),
+        else fp32 (fp32 packs, and half-precision weights computed in fp32)."""
+        compute = self.model.get("compute_dtype", self.dtype)
+        return compute if compute in table else "fp32"
 
-    def _matmuls(self, entry: dict) -> list[tuple[int, int]]:
-        """(K, N) of each matrix product: weights are [K, N] for MatMul, [N, K] for the lm_head Gemm."""
+    def _matmuls(self, entry: dict) -> list[tuple[int, int, str]]:
+        """(K, N, weight dtype) of each matrix product: weights are [K, N] for MatMul, [N, K] for the lm_head
+        Gemm."""
         shapes = []
         for weight in entry["weights"]:
             if len(weight["shape"]) != 2:
@@ -165,8 +173,15 @@ class Estimator:
             k, n = weight["shape"]
             if entry["kind"] in ("final", "embed") and n == self.model["hidden_size"]:
                 k, n = n, k  # stored [vocab, hidden]: read transposed
-            shapes.append((k, n))
+            shapes.append((k, n, WEIGHT_DTYPES.get(weight["dtype"], self.dtype)))
         return shapes
+
+    def _weight_read_gbps(self, rates: DeviceRates, dtype: str, under_copy: bool) -> float:
+        """How fast products stream weights of `dtype`: the profile's rate for that dtype where it measured one
+        (pipeshard's half-precision product on the CPU), else the fp32 MatMul's."""
+        read_gbps = rates.read_gbps_loaded if under_copy else rates.read_gbps
+        measured = (rates.weight_read_gbps or {}).get(dtype)
+        return measured * read_gbps / rates.read_gbps if measured else read_gbps
 
     def compute_seconds(self, entry: dict, tokens: int, context: int, on_device: bool,
                         under_copy: bool = False) -> float:
@@ -175,7 +190,9 @@ class Estimator:
         if entry["kind"] in ("prologue",):
             return rates.hop_s
         if entry["kind"] == "embed":
-            return rates.hop_s + tokens * self.model["hidden_size"] * self.element / (rates.read_gbps * 1e9)
+            row_bytes = self.model["hidden_size"] * ELEMENT_BYTES[next(
+                (WEIGHT_DTYPES.get(w["dtype"], self.dtype) for w in entry["weights"]), self.dtype)]
+            return rates.hop_s + tokens * row_bytes / (rates.read_gbps * 1e9)
         if not on_device or self.profile["device"]["kind"] == "sim":
             measured = self._measured_seconds(entry["kind"], tokens, context)
             if measured is not None:
@@ -183,9 +200,9 @@ class Estimator:
         table = rates.matmul_loaded if under_copy and rates.matmul_loaded else rates.matmul
         read_gbps = rates.read_gbps_loaded if under_copy else rates.read_gbps
         seconds = rates.hop_s + entry.get("nodes", 0) * rates.op_s
-        for k, n in self._matmuls(entry):
+        for k, n, dtype in self._matmuls(entry):
             compute = 2.0 * tokens * k * n / (table.gflops(tokens, k, n) * 1e9)
-            memory = k * n * self.element / (read_gbps * 1e9)
+            memory = k * n * ELEMENT_BYTES[dtype] / (self._weight_read_gbps(rates, dtype, under_copy) * 1e9)
             seconds += max(compute, memory)
         if entry["kind"] == "attn":
             flops = 4.0 * self.model["num_attention_heads"] * self.model["head_dim"] * tokens * context
