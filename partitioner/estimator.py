@@ -55,8 +55,12 @@ class RateTable:
 
         return min(self.by_shape, key=distance)
 
-    def gflops(self, m: int, k: int, n: int) -> float:
-        return _interpolate_log(self.by_shape[self.nearest_shape(k, n)], m)
+    def gflops(self, m: int, k: int, n: int, narrower: float = 1.0) -> float:
+        """The rate at M rows; over weights `narrower` times fewer bytes than the table's (half-precision weights
+        against the fp32 table), the memory-bound rate that many times higher, up to the shape's best measured."""
+        points = self.by_shape[self.nearest_shape(k, n)]
+        rate = _interpolate_log(points, m)
+        return min(rate * narrower, max(g for _, g in points)) if narrower > 1.0 else rate
 
 
 class AttentionTable:
@@ -201,7 +205,8 @@ class Estimator:
         read_gbps = rates.read_gbps_loaded if under_copy else rates.read_gbps
         seconds = rates.hop_s + entry.get("nodes", 0) * rates.op_s
         for k, n, dtype in self._matmuls(entry):
-            compute = 2.0 * tokens * k * n / (table.gflops(tokens, k, n) * 1e9)
+            narrower = self.element / ELEMENT_BYTES[dtype]  # > 1: half-precision weights computed in fp32
+            compute = 2.0 * tokens * k * n / (table.gflops(tokens, k, n, narrower) * 1e9)
             memory = k * n * ELEMENT_BYTES[dtype] / (self._weight_read_gbps(rates, dtype, under_copy) * 1e9)
             seconds += max(compute, memory)
         if entry["kind"] == "attn":

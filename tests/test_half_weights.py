@@ -11,6 +11,7 @@ import torch
 import pipeshard
 from pipeshard.exporter import export_model
 from pipeshard.exporter.sources import load_source, resolve_source
+from pipeshard.partitioner.estimator import Estimator
 from pipeshard.partitioner.pack import partition
 from pipeshard.partitioner.planner import Planner
 from pipeshard.profiles.db import load_profile
@@ -107,3 +108,24 @@ def test_every_plan_on_the_simulated_device_gives_pytorchs_greedy_tokens(half, p
         engine = pipeshard.load(pack, vram=minimum + 600_000, device="sim", profile="laptop-8gb", plan=plan,
                                 context=256)
         assert _tokens(engine) == pytorch_tokens, plan
+
+
+def test_the_estimator_reads_each_weight_in_its_dtype_at_the_profiles_rate_for_it(half):
+    _, _, pack = half
+    model = load_pack(pack).model
+    profile = load_profile("laptop-8gb")
+
+    def decode_seconds(dtype: str, weight_read_gbps: dict | None = None) -> float:
+        for rates in profile["cpu"]["threads"].values():
+            rates.pop("weight_read_gbps", None)
+            if weight_read_gbps:
+                rates["weight_read_gbps"] = weight_read_gbps
+        entry = {"kind": "ffn", "nodes": 0, "weights": [{"shape": [4096, 4096], "dtype": dtype}]}
+        return Estimator(profile, model, threads=1).compute_seconds(entry, 1, 1, on_device=False)
+
+    fp32 = decode_seconds("float32")
+    half_bytes = decode_seconds({"fp16": "float16", "bf16": "bfloat16"}[model["dtype"]])
+    assert half_bytes == pytest.approx(fp32 / 2, rel=0.05)  # memory-bound at one token: half the bytes
+    read = profile["cpu"]["threads"]["1"]["memory_read_gbps"]
+    slower = decode_seconds("bfloat16", {"fp16": read / 2, "bf16": read / 2})  # the measured rate, if any
+    assert slower == pytest.approx(fp32, rel=0.05)
