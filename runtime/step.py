@@ -143,10 +143,10 @@ class Step:
     def __init__(self, folder: Path, device: Device | None = None, book: PlanBook | None = None,
                  threads: int | None = None, optimize: bool = True, prepack: bool = True, verify: bool = False,
                  all_logits: bool = False, join_decode: bool = True, decode_attention: bool = True,
-                 weight_matmul: bool = True, fp32_decode_products: bool = True) -> None:
+                 weight_matmul: bool = True, fp32_weight_matmul: bool = False) -> None:
         """Without a `book` every step runs the all-CPU plan; without a `device`, on `CpuDevice`. With
         `weight_matmul` (and the C extension) CPU sessions read half-precision weights as stored
-        (runtime/weight_matmul.py); with `fp32_decode_products` too, the decode sessions' float32 weights."""
+        (runtime/weight_matmul.py); with `fp32_weight_matmul` too, float32 ones (no prepacked copies)."""
         self.pack = load_pack(folder, verify=verify)
         model = self.pack.model
         self.max_context = int(model["max_context"])
@@ -181,7 +181,7 @@ class Step:
                                  and self.head_dim % 8 == 0)
         self.join_decode = join_decode
         self.weight_matmul = weight_matmul and capi.custom_ops_available()
-        self.fp32_decode_products = self.weight_matmul and fp32_decode_products
+        self.fp32_weight_matmul = self.weight_matmul and fp32_weight_matmul
         self.expert_stats = ExpertStats(int(model.get("num_experts") or 0))
         self._all_logits = all_logits
         self.run_options = rt.run_options()
@@ -296,7 +296,7 @@ class Step:
         if name not in self._cpu_stages:
             entry = self.layout.entries[name]
             model: Path | bytes = self.pack.path(entry["files"]["onnx"])
-            if self.weight_matmul and (weights := product_weights(entry["weights"], float_weights=False)):
+            if self.weight_matmul and (weights := product_weights(entry["weights"], self.fp32_weight_matmul)):
                 model = join([model], {o["name"] for o in entry["outputs"]}, product_weights=weights).model
             session = self._session(model, initializers=self._weights.add(self.pack.folder, entry["weights"]))
             self._weights.release_pages()  # the session holds packed copies; weights read unpacked page back in
@@ -389,13 +389,11 @@ class Step:
                                              if sub_layer not in members for name in inputs}
             outputs = {name for name in inside if name in read_outside or name == LOGITS or
                        any(name in stage.present for stage in piece)}
-            products = set().union(*(product_weights(entries[stage.name]["weights"], self.fp32_decode_products)
+            products = set().union(*(product_weights(entries[stage.name]["weights"], self.fp32_weight_matmul)
                                      for stage in piece)) if self.weight_matmul and not on_device else None
             joined = join([self.pack.path(entries[stage.name]["files"][variant]) for stage in piece], outputs,
                           float_inputs if swap else None, products)
-            # a lone sub-layer's own session already reads its half-precision weights as stored
-            gains = joined.decode_attention_nodes or self.fp32_decode_products and joined.weight_matmul_nodes
-            if len(piece) == 1 and not gains or not self._buffers_safe(joined):
+            if len(piece) == 1 and not joined.decode_attention_nodes or not self._buffers_safe(joined):
                 joined_stages += piece
                 continue
             weight_names = {w["name"] for stage in piece for w in entries[stage.name]["weights"]}

@@ -129,3 +129,16 @@ def test_the_estimator_reads_each_weight_in_its_dtype_at_the_profiles_rate_for_i
     read = profile["cpu"]["threads"]["1"]["memory_read_gbps"]
     slower = decode_seconds("bfloat16", {"fp16": read / 2, "bf16": read / 2})  # the measured rate, if any
     assert slower == pytest.approx(fp32, rel=0.05)
+
+
+@pytest.mark.skipif(not capi.custom_ops_available(), reason="the C extension (and with it the op) was not built")
+def test_fp32_weights_through_the_op_give_the_same_steps(tiny_pack):
+    ids = np.array([[5, 17, 99, 3]], dtype=np.int64)
+    logits = []
+    for step in (Step(tiny_pack, threads=1, fp32_weight_matmul=True), Step(tiny_pack, threads=1)):
+        step.start(1)
+        prompt = step.forward(ids, np.ones_like(ids), np.arange(4)[None]).copy()
+        decode = step.forward(np.array([[7]]), np.ones((1, 5), np.int64), np.array([[4]])).copy()
+        logits.append((prompt, decode))
+    for ours, theirs in zip(logits[0], logits[1], strict=True):
+        np.testing.assert_allclose(ours, theirs, atol=1e-4)
