@@ -38,11 +38,11 @@ ISA_TARGET static inline float GLUE(lane_sum, ISA)(FLOATS lanes) {
 
 /* Rows [k, k + DEPTH) of B times columns [k, k + DEPTH) of the ROWS rows of A, added to acc[r][c - c0] for
  * columns [c0, c1): the block's rows read side by side, front to back (as many sequential streams), their products
- * summed in registers and added to `acc` once. DEPTH, ROWS and TYPE are constants where it is inlined, so every
+ * summed in registers and added to `acc` once; with `ahead`, the next block's rows prefetched. DEPTH, ROWS and TYPE are constants where it is inlined, so every
  * loop over them unrolls and the sums stay in registers. */
 ISA_TARGET static inline __attribute__((always_inline)) void GLUE(stream_block, ISA)(
         const float *a, int64_t lda, const int ROWS, const void *b, const int TYPE, int64_t n, int64_t k,
-        const int DEPTH, int64_t c0, int64_t c1, float *acc, int64_t ldacc) {
+        const int DEPTH, int64_t c0, int64_t c1, float *acc, int64_t ldacc, int ahead) {
     enum { WIDE = 4 };                    /* vectors of columns per step */
     const int SPLIT = ROWS == 1 ? 2 : 1;  /* one row: even and odd rows of B in separate sums, for more in flight */
     FLOATS scale[STREAM_DEPTH][MAX_STREAM_ROWS];
@@ -53,6 +53,12 @@ ISA_TARGET static inline __attribute__((always_inline)) void GLUE(stream_block, 
     int64_t c = c0;
     for (; c + WIDE * LANES <= c1; c += WIDE * LANES) {
         FLOATS sums[MAX_STREAM_ROWS][2][WIDE] = {{{{0}}}};
+        if (TYPE != WEIGHT_FP32 && ahead) /* the next block's rows, fetched while this one is summed (fp32: no gain) */
+#pragma GCC unroll 16
+            for (int d = 0; d < DEPTH; d++)
+#pragma GCC unroll 4
+                for (int line = 0; line < WIDE * LANES * 2; line += 64)
+                    __builtin_prefetch((const char *)b + ((k + d + STREAM_DEPTH) * n + c) * 2 + line);
 #pragma GCC unroll 16
         for (int d = 0; d < DEPTH; d++) {
             const int64_t at = (k + d) * n + c;
@@ -100,8 +106,9 @@ ISA_TARGET static inline __attribute__((always_inline)) void GLUE(stream_fixed, 
     for (int r = 0; r < ROWS; r++) memset(acc + r * ldacc, 0, sizeof(float) * (size_t)(c1 - c0));
     int64_t k = k0;
     for (; k + STREAM_DEPTH <= k1; k += STREAM_DEPTH)
-        GLUE(stream_block, ISA)(a, lda, ROWS, b, TYPE, n, k, STREAM_DEPTH, c0, c1, acc, ldacc);
-    for (; k < k1; k++) GLUE(stream_block, ISA)(a, lda, ROWS, b, TYPE, n, k, 1, c0, c1, acc, ldacc);
+        GLUE(stream_block, ISA)(a, lda, ROWS, b, TYPE, n, k, STREAM_DEPTH, c0, c1, acc, ldacc,
+                                k + 2 * STREAM_DEPTH <= k1);
+    for (; k < k1; k++) GLUE(stream_block, ISA)(a, lda, ROWS, b, TYPE, n, k, 1, c0, c1, acc, ldacc, 0);
 }
 
 /* out[r][j] = a[r] . B[j] for rows r < ROWS and rows j in [j0, j1) of a B stored [N, K] (a transposed product,
