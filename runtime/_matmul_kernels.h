@@ -24,10 +24,15 @@ ISA_TARGET static inline void GLUE(store, ISA)(float *to, FLOATS lanes) { memcpy
 
 ISA_TARGET static inline FLOATS GLUE(broadcast, ISA)(float value) { return value - (FLOATS){0}; } /* x - 0 = x, -0 too */
 
+/* The sum of the lanes, halves added to halves (log2(LANES) dependent adds, not LANES). */
 ISA_TARGET static inline float GLUE(lane_sum, ISA)(FLOATS lanes) {
-    float sum = 0.0f;
-    for (int i = 0; i < LANES; i++) sum += lanes[i];
-    return sum;
+    float sums[LANES];
+    memcpy(sums, &lanes, sizeof sums);
+#pragma GCC unroll 8
+    for (int width = LANES / 2; width >= 1; width /= 2)
+#pragma GCC unroll 8
+        for (int i = 0; i < width; i++) sums[i] += sums[i + width];
+    return sums[0];
 }
 
 /* LANES weights of B from element `at`, as floats. */
@@ -122,6 +127,9 @@ ISA_TARGET static inline __attribute__((always_inline)) void GLUE(dot_fixed, ISA
         int64_t d = 0;
         for (; d + LANES <= k; d += LANES) {
             FLOATS w[4];
+            if (j + 8 <= j1) /* the next four rows, fetched while these are summed */
+                for (int q = 0; q < 4; q++)
+                    __builtin_prefetch((const char *)b + ((j + 4 + q) * k + d) * (TYPE == WEIGHT_FP32 ? 4 : 2));
             for (int q = 0; q < 4; q++) w[q] = LOAD_WEIGHTS(TYPE, b, (j + q) * k + d);
             for (int r = 0; r < ROWS; r++) {
                 const FLOATS x = GLUE(load_fp32, ISA)(a + r * lda + d);
