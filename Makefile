@@ -13,7 +13,7 @@ $(BIN)/python:
 
 # torch first, pinned: the CPU build of torch==2.13.0 is on this kind of machine's disk; a bare
 # torch requirement resolved from scratch would pull a multi-GB CUDA build.
-$(STAMP): $(BIN)/python pyproject.toml setup.py runtime/_runloop.c runtime/_attention.c
+$(STAMP): $(BIN)/python pyproject.toml setup.py runtime/_runloop.c runtime/_attention.c runtime/_matmul.c
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet torch==2.13.0
 	$(BIN)/pip install --quiet -e '.[cpu,export,serve,ray,dev]'

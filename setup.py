@@ -1,5 +1,6 @@
-"""The one compiled part: the CPU engines' C code (runtime/capi.py uses it): the run loop (runtime/_runloop.c) and
-the decode attention op (runtime/_attention.c). Optional: without a C compiler the install succeeds, the same runs
+"""The one compiled part: the CPU engines' C code (runtime/capi.py uses it): the run loop (runtime/_runloop.c), the
+decode attention op (runtime/_attention.c) and the weight product op (runtime/_matmul.c, its instruction sets chosen
+at run time). Optional: without a C compiler the install succeeds, the same runs
 are made from Python and decode steps use ONNX Runtime's attention. Everything else is in pyproject.toml (its
 extension table is still experimental in setuptools, hence this file)."""
 
@@ -7,6 +8,8 @@ import sys
 
 from setuptools import Extension, setup
 
-FLAGS = [] if sys.platform == "win32" else ["-O3"]  # MSVC builds the run loop only (see runtime/_attention.c)
-setup(ext_modules=[Extension("pipeshard.runtime._runloop", ["runtime/_runloop.c", "runtime/_attention.c"],
-                             extra_compile_args=FLAGS, optional=True)])
+FLAGS = [] if sys.platform == "win32" else ["-O3"]  # MSVC builds the run loop only (the ops are GCC / Clang C)
+setup(ext_modules=[Extension("pipeshard.runtime._runloop", ["runtime/_runloop.c", "runtime/_attention.c",
+                                                           "runtime/_matmul.c"],
+                             depends=["runtime/_ortapi.h", "runtime/_matmul_kernels.h"], extra_compile_args=FLAGS,
+                             optional=True)])

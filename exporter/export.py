@@ -17,8 +17,11 @@ from pipeshard.runtime.exportdir import EXPORT_SCHEMA_VERSION, KV_CACHE
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"fp32": "float32", "fp16": "float16"}
-LOGIT_TOLERANCE = {"fp32": 1e-3, "fp16": 5e-2}
+# the stored weights' type -> the torch type the model is loaded in; fp16 and bf16 weights are computed in float32
+# (exporter/half_weights.py), so every export computes in float32 and is checked against PyTorch at one tolerance
+DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
+COMPUTE_DTYPE = "fp32"
+LOGIT_TOLERANCE = 1e-3
 MODEL_FILE = "model.onnx"
 TOOL_PACKAGES = ["pipeshard", "torch", "transformers", "optimum", "onnx", "onnxscript", "onnxruntime",
                  "onnxruntime-extensions", "gguf"]
@@ -73,7 +76,7 @@ def _export_vision(source, staging: Path, opset: int, dtype: str) -> dict:
     from pipeshard.exporter.vlm import VISION_FILE, export_vision, vision_description
 
     difference = export_vision(source.vlm, staging / VISION_FILE, opset)
-    if not difference <= LOGIT_TOLERANCE[dtype]:
+    if not difference <= LOGIT_TOLERANCE:
         raise RuntimeError(f"exported image features differ from PyTorch by {difference:.3g}")
     return {**vision_description(source.vlm), "max_difference_vs_pytorch": difference,
             "preprocessing": preprocessing_config(source.image_processor, source.vlm.config)}
@@ -103,8 +106,12 @@ def export_model(model: str, out: Path, dtype: str = "fp32", force: bool = False
     with atomic_output_dir(out, force) as staging, _stages(5, quiet) as progress:
         progress.set_description("load model")
         source = load_source(spec, getattr(torch, DTYPES[dtype]))
-        image_token_id = int(source.vlm.config.image_token_id) if source.vlm is not None else None
-        export_config = export_config_for(source.model.config, dtype, image_token_id)
+        source.model.float()  # the weights keep the half type's values; the trace and the reference compute in fp32
+        image_token_id = None
+        if source.vlm is not None:
+            source.vlm.float()  # its vision graph too (stored in fp32)
+            image_token_id = int(source.vlm.config.image_token_id)
+        export_config = export_config_for(source.model.config, COMPUTE_DTYPE, image_token_id)
         progress.update()
 
         progress.set_description("trace + write ONNX")
@@ -112,13 +119,14 @@ def export_model(model: str, out: Path, dtype: str = "fp32", force: bool = False
         export_decoder(source.model, export_config, staging / MODEL_FILE, opset)
         dims = export_config.dims
         fuse_exported_model(staging / MODEL_FILE, dims.num_attention_heads, dims.num_key_value_heads,
-                            dims.head_dim, dtype, dims.max_context, dims.sliding_window or None)
+                            dims.head_dim, COMPUTE_DTYPE, dims.max_context, dims.sliding_window or None,
+                            stored_dtype=dtype)
         progress.update()
 
         progress.set_description("validate against PyTorch")
         difference = max_logit_difference(source.model, export_config, staging / MODEL_FILE)
-        if not difference <= LOGIT_TOLERANCE[dtype]:
-            raise RuntimeError(f"exported logits differ from PyTorch by {difference:.3g} (> {LOGIT_TOLERANCE[dtype]})")
+        if not difference <= LOGIT_TOLERANCE:
+            raise RuntimeError(f"exported logits differ from PyTorch by {difference:.3g} (> {LOGIT_TOLERANCE})")
         progress.update()
 
         progress.set_description("tokenizer")
@@ -141,6 +149,7 @@ def export_model(model: str, out: Path, dtype: str = "fp32", force: bool = False
             "dims": asdict(export_config.dims),
             "tie_word_embeddings": bool(getattr(source.model.config, "tie_word_embeddings", False)),
             "dtype": dtype,
+            "compute_dtype": COMPUTE_DTYPE,
             "opset": opset,
             "kv_cache": KV_CACHE,
             "model_file": MODEL_FILE,

@@ -39,6 +39,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from pipeshard.errors import UserError
+from pipeshard.exporter.half_weights import store_weights_in_half
 from pipeshard.partitioner.rules import module_path
 from pipeshard.runtime.kv import PADDING_BIAS, PAST_PREFIX, PRESENT_PREFIX, SEQLENS, TOTAL
 
@@ -606,14 +607,18 @@ def pack_sibling_projections(model: onnx.ModelProto) -> int:
 
 
 def fuse_exported_model(onnx_path: Path, heads: int, kv_heads: int, head_dim: int, dtype: str,
-                        max_context: int, sliding_window: int | None = None, shape_only: bool = False) -> int:
-    """Apply the rewrites to an exported model file in place (its external data file rewritten). `shape_only`:
-    the file's weights are references (onnx_export's shape-only trace), and what the rewrites compute (the
-    rotary tables) becomes references too: no data file is written."""
+                        max_context: int, sliding_window: int | None = None, shape_only: bool = False,
+                        stored_dtype: str = "fp32") -> int:
+    """Apply the rewrites to an exported model file in place (its external data file rewritten); with a
+    half-precision `stored_dtype`, the product and embedding weights are then stored in it (half_weights.py).
+    `shape_only`: the file's weights are references (onnx_export's shape-only trace), and what the rewrites
+    compute (the rotary tables) becomes references too: no data file is written."""
     model = onnx.load(str(onnx_path), load_external_data=not shape_only)
     float_type = {"fp32": TensorProto.FLOAT, "fp16": TensorProto.FLOAT16}[dtype]
     fused = fuse_attention(model, heads, kv_heads, head_dim, float_type, max_context, sliding_window)
     pack_sibling_projections(model)
+    if stored_dtype != "fp32":
+        store_weights_in_half(model, stored_dtype)
     data = onnx_path.with_name(onnx_path.name + ".data")
     if shape_only:
         initializers = model.graph.initializer

@@ -2,6 +2,7 @@
 
 A sub-layer's time is the sum, over its matrix products, of
     max(2·T·K·N / achieved FLOP/s(T, K, N),  K·N·element / achieved read bandwidth)
+(element: the bytes of the weight's stored dtype, whose read bandwidth the profile measures per dtype),
 plus its attention, max(4·heads·head_dim·T·C / achieved attention FLOP/s(T, C), KV bytes / bandwidth),
 plus one hop and a measured per-node cost for each of its graph nodes. The KV bytes are the
 manifest's cost-model traffic per context token. Achieved rates come from the profile's tables: the
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 from pipeshard.errors import UserError
 
 ELEMENT_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
+WEIGHT_DTYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}  # manifest weight dtype -> short name
 
 
 def _interpolate_log(points: list[tuple[float, float]], x: float) -> float:
@@ -53,8 +55,12 @@ class RateTable:
 
         return min(self.by_shape, key=distance)
 
-    def gflops(self, m: int, k: int, n: int) -> float:
-        return _interpolate_log(self.by_shape[self.nearest_shape(k, n)], m)
+    def gflops(self, m: int, k: int, n: int, narrower: float = 1.0) -> float:
+        """The rate at M rows; over weights `narrower` times fewer bytes than the table's (half-precision weights
+        against the fp32 table), the memory-bound rate that many times higher, up to the shape's best measured."""
+        points = self.by_shape[self.nearest_shape(k, n)]
+        rate = _interpolate_log(points, m)
+        return min(rate * narrower, max(g for _, g in points)) if narrower > 1.0 else rate
 
     def peak_gflops(self, k: int, n: int) -> float:
         """The best rate measured for the shape (its compute-bound rate at large M)."""
@@ -88,6 +94,7 @@ class DeviceRates:
     read_gbps_loaded: float
     hop_s: float
     op_s: float = 0.0
+    weight_read_gbps: dict[str, float] | None = None  # M=1 products over half-precision weights, by dtype
 
 
 class Estimator:
@@ -96,9 +103,10 @@ class Estimator:
     def __init__(self, profile: dict, model: dict, threads: int | None = None, model_sha256: str | None = None,
                  weight_bits: float | None = None) -> None:
         self.profile = profile
-        self.dtype = model["dtype"]
-        self.element = ELEMENT_BYTES[self.dtype]
-        self.weight_element = weight_bits / 8 if weight_bits else self.element  # bytes a weight is read as
+        self.dtype = model["dtype"]  # the weights' (a half-precision pack computes in float32)
+        self.element = ELEMENT_BYTES[model.get("compute_dtype", self.dtype)]  # activations and KV
+        self.weight_bits = weight_bits  # planning only: every weight read as this many bits
+        self.weight_scale = weight_bits / 8 / ELEMENT_BYTES[self.dtype] if weight_bits else 1.0  # of stored bytes
         self.model = model
         cpu_threads = profile["cpu"]["threads"]
         available = sorted(int(t) for t in cpu_threads)
@@ -115,6 +123,7 @@ class Estimator:
             read_gbps_loaded=cpu["under_copy_load"]["memory_read_gbps"],
             hop_s=cpu["hop_us"] * 1e-6,
             op_s=cpu.get("op_us", 0.0) * 1e-6,
+            weight_read_gbps=cpu.get("weight_read_gbps"),
         )
         device = profile["device"]
         if device["kind"] == "sim" or not device.get("matmul"):
@@ -160,10 +169,14 @@ class Estimator:
         return _interpolate_log(per_past, past)
 
     def _table_dtype(self, table: dict) -> str:
-        return self.dtype if self.dtype in table else "fp32"
+        """The rate table of the products' arithmetic: the model's dtype where it computes in it (an fp16 graph),
+        else fp32 (fp32 packs, and half-precision weights computed in fp32)."""
+        compute = self.model.get("compute_dtype", self.dtype)
+        return compute if compute in table else "fp32"
 
-    def _matmuls(self, entry: dict) -> list[tuple[int, int]]:
-        """(K, N) of each matrix product: weights are [K, N] for MatMul, [N, K] for the lm_head Gemm."""
+    def _matmuls(self, entry: dict) -> list[tuple[int, int, str]]:
+        """(K, N, weight dtype) of each matrix product: weights are [K, N] for MatMul, [N, K] for the lm_head
+        Gemm."""
         shapes = []
         for weight in entry["weights"]:
             if len(weight["shape"]) != 2:
@@ -171,8 +184,15 @@ class Estimator:
             k, n = weight["shape"]
             if entry["kind"] in ("final", "embed") and n == self.model["hidden_size"]:
                 k, n = n, k  # stored [vocab, hidden]: read transposed
-            shapes.append((k, n))
+            shapes.append((k, n, WEIGHT_DTYPES.get(weight["dtype"], self.dtype)))
         return shapes
+
+    def _weight_read_gbps(self, rates: DeviceRates, dtype: str, under_copy: bool) -> float:
+        """How fast products stream weights of `dtype`: the profile's rate for that dtype where it measured one
+        (pipeshard's half-precision product on the CPU), else the fp32 MatMul's."""
+        read_gbps = rates.read_gbps_loaded if under_copy else rates.read_gbps
+        measured = (rates.weight_read_gbps or {}).get(dtype)
+        return measured * read_gbps / rates.read_gbps if measured else read_gbps
 
     def compute_seconds(self, entry: dict, tokens: int, context: int, on_device: bool,
                         under_copy: bool = False) -> float:
@@ -181,7 +201,9 @@ class Estimator:
         if entry["kind"] in ("prologue",):
             return rates.hop_s
         if entry["kind"] == "embed":
-            return rates.hop_s + tokens * self.model["hidden_size"] * self.weight_element / (rates.read_gbps * 1e9)
+            row_bytes = self.model["hidden_size"] * (self.weight_bits / 8 if self.weight_bits else ELEMENT_BYTES[next(
+                (WEIGHT_DTYPES.get(w["dtype"], self.dtype) for w in entry["weights"]), self.dtype)])
+            return rates.hop_s + tokens * row_bytes / (rates.read_gbps * 1e9)
         if not on_device or self.profile["device"]["kind"] == "sim":
             measured = self._measured_seconds(entry["kind"], tokens, context)
             if measured is not None:
@@ -189,12 +211,16 @@ class Estimator:
         table = rates.matmul_loaded if under_copy and rates.matmul_loaded else rates.matmul
         read_gbps = rates.read_gbps_loaded if under_copy else rates.read_gbps
         seconds = rates.hop_s + entry.get("nodes", 0) * rates.op_s
-        for k, n in self._matmuls(entry):
-            # With assumed bits the measured rates at small M are bound by reading weights of the pack's dtype:
-            # the roofline of the shape's peak rate and the weights' own bytes stands in for them.
-            rate = table.gflops(tokens, k, n) if self.weight_element == self.element else table.peak_gflops(k, n)
-            compute = 2.0 * tokens * k * n / (rate * 1e9)
-            memory = k * n * self.weight_element / (read_gbps * 1e9)
+        for k, n, dtype in self._matmuls(entry):
+            if self.weight_bits:
+                # With assumed bits the measured rates at small M are bound by reading weights of the pack's dtype:
+                # the roofline of the shape's peak rate and the weights' own bytes stands in for them.
+                compute = 2.0 * tokens * k * n / (table.peak_gflops(k, n) * 1e9)
+                memory = k * n * self.weight_bits / 8 / (read_gbps * 1e9)
+            else:
+                narrower = self.element / ELEMENT_BYTES[dtype]  # > 1: half-precision weights computed in fp32
+                compute = 2.0 * tokens * k * n / (table.gflops(tokens, k, n, narrower) * 1e9)
+                memory = k * n * ELEMENT_BYTES[dtype] / (self._weight_read_gbps(rates, dtype, under_copy) * 1e9)
             seconds += max(compute, memory)
         if entry["kind"] == "attn":
             flops = 4.0 * self.model["num_attention_heads"] * self.model["head_dim"] * tokens * context

@@ -221,10 +221,17 @@ def _drop_nodes(model: onnx.ModelProto, assignment: dict[int, str], dropped: set
     assignment.update(moved)
 
 
+def _stored_weight_of(nodes, producer: dict[str, int], tensor: str) -> str:
+    """The weight a tensor reads: itself, or the initializer a Cast to float reads (half-precision weights,
+    exporter/half_weights.py)."""
+    cast = nodes[producer[tensor]] if tensor in producer else None
+    return cast.input[0] if cast is not None and cast.op_type == "Cast" else tensor
+
+
 def untranspose_tied_weights(model: onnx.ModelProto, assignment: dict[int, str]) -> None:
-    """`MatMul(x, Transpose(W))` over a weight W: ONNX Runtime folds the Transpose into a second,
-    transposed copy of W at load (108 MiB for SmolLM2's tied lm_head). Rewrite it as
-    Reshape -> Gemm(transB=1) -> Reshape, which reads W in place."""
+    """`MatMul(x, Transpose(W))` over a weight W (or a Cast of a half-precision one): ONNX Runtime folds the
+    Transpose into a second, transposed copy of W at load (108 MiB for SmolLM2's tied lm_head). Rewrite it as
+    Reshape -> Gemm(transB=1) -> Reshape, which reads W (through its Cast) in place."""
     initializers = {i.name: i for i in model.graph.initializer}
     nodes = model.graph.node
     producer = {out: index for index, node in enumerate(nodes) for out in node.output}
@@ -234,7 +241,7 @@ def untranspose_tied_weights(model: onnx.ModelProto, assignment: dict[int, str])
             continue
         transpose = nodes[producer[node.input[1]]]
         perm = [a.ints for a in transpose.attribute if a.name == "perm"]
-        weight = initializers.get(transpose.input[0])
+        weight = initializers.get(_stored_weight_of(nodes, producer, transpose.input[0]))
         if transpose.op_type != "Transpose" or weight is None or len(weight.dims) != 2 or \
                 (perm and list(perm[0]) != [1, 0]):
             continue

@@ -145,16 +145,18 @@ def _write_blobs(sub_layers, owners, initializers, source_data: Path | None, sta
 
 
 def row_chunkable_weight(model: onnx.ModelProto, sub_layer, initializers) -> str | None:
-    """The output layer's weight W [vocab, hidden] when every use of it is `Gemm(x, W, transB=1)`:
+    """The output layer's weight W [vocab, hidden] when every use of it is `Gemm(x, W, transB=1)` (W or its Cast):
     then any range of W's rows gives that range of the logits, so a device can stream and compute
     the layer in row chunks (SmolLM2's tied lm_head is 108 MiB, ten times any other sub-layer)."""
     if sub_layer.kind != "final":
         return None
     nodes = [model.graph.node[i] for i in sub_layer.nodes]
+    casts = {n.input[0]: n.output[0] for n in nodes if n.op_type == "Cast"}  # half-precision weights read as float
     for name in sub_layer.initializers:
-        users = [n for n in nodes if name in n.input]
+        read_as = casts.get(name, name)
+        users = [n for n in nodes if read_as in n.input]
         if len(initializers[name].dims) == 2 and users and all(
-                n.op_type == "Gemm" and list(n.input).index(name) == 1 and
+                n.op_type == "Gemm" and list(n.input).index(read_as) == 1 and
                 any(a.name == "transB" and a.i == 1 for a in n.attribute) for n in users):
             return name
     return None
@@ -268,6 +270,7 @@ def partition(export_dir: Path, pack: Path, force: bool = False) -> PartitionRes
         raise UserError(f"no partition rules for architecture {info['architecture']!r}; "
                         f"known: {', '.join(sorted(RULES_BY_ARCHITECTURE))}")
     dims, dtype = info["dims"], info["dtype"]
+    compute = info.get("compute_dtype", dtype)  # activations and KV (half-precision weights compute in fp32)
     model = onnx.load(export_dir / info["model_file"], load_external_data=False)
     graph = build_graph(model)
     assignment = assign_sub_layers(model, graph, rules)
@@ -313,7 +316,7 @@ def partition(export_dir: Path, pack: Path, force: bool = False) -> PartitionRes
             if sub_layer.kind == "attn":
                 kv = {"past": [t for t in sub_layer.inputs if t.startswith(PAST_PREFIX)],
                       "present": [t for t in sub_layer.outputs if t.startswith(PRESENT_PREFIX)],
-                      "bytes_per_token": kv_bytes_per_token(dims, dtype)}
+                      "bytes_per_token": kv_bytes_per_token(dims, compute)}
             entries.append({
                 "name": sub_layer.name, "kind": sub_layer.kind, "layer": sub_layer.layer,
                 "files": files, "blob": blobs.get(sub_layer.name), "weights": weights, "weight_bytes": weight_bytes,
@@ -326,7 +329,7 @@ def partition(export_dir: Path, pack: Path, force: bool = False) -> PartitionRes
                                "row_bytes": placements[chunkable]["bytes"] // int(initializers[chunkable].dims[0])}
                 if chunkable and chunkable in placements else None,
                 "cost": {"flops": checked_flops(sub_layer, model, dims),
-                         "bytes": bytes_moved(sub_layer, sub_layer.kind, dims, dtype, weight_bytes)},
+                         "bytes": bytes_moved(sub_layer, sub_layer.kind, dims, compute, weight_bytes)},
                 "nodes": len(sub_layer.nodes),
             })
         vision = _vision_section(export_dir, info["vision"], dtype, staging) if "vision" in info else None
@@ -344,7 +347,7 @@ def partition(export_dir: Path, pack: Path, force: bool = False) -> PartitionRes
             "schema_version": PACK_SCHEMA_VERSION,
             "pipeshard_version": __version__,
             "model": {
-                "architecture": info["architecture"], "dtype": dtype,
+                "architecture": info["architecture"], "dtype": dtype, "compute_dtype": compute,
                 "num_layers": dims["num_layers"], "hidden_size": dims["hidden_size"],
                 "intermediate_size": dims["intermediate_size"],
                 "num_attention_heads": dims["num_attention_heads"],

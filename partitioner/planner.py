@@ -134,7 +134,7 @@ class Planner:
         for entry in self.sub_layers:
             for weight in entry["weights"]:
                 owned[(weight["file"], weight["offset"])] = weight["bytes"]
-        scale = self.estimator.weight_element / self.estimator.element
+        scale = self.estimator.weight_scale
         self.weight_bytes = {e["name"]: round(scale * (e["weight_bytes"] if "chunk_of" in e else
                                                        sum(w["bytes"] for w in e["weights"])))
                              for e in self.sub_layers}

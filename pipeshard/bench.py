@@ -53,9 +53,13 @@ class BenchSettings:
     plans_file: str | None = None  # a saved plans.json the `auto` row runs as it is
 
     def check(self) -> None:
-        unknown = [p for p in self.plans if p not in PLANS]
+        unknown = [p for p in self.plans if plan_of(p)[0] not in PLANS]
         if unknown:
             raise UserError(f"unknown plan {unknown[0]!r}; known: {', '.join(PLANS)}")
+        for name in self.plans:
+            plan, pack = plan_of(name)
+            if pack is not None and (plan not in ("cpu", "monolithic") or not Path(pack, "manifest.json").is_file()):
+                raise UserError(f"plan {name!r}: PLAN@PACK takes cpu or monolithic and a model pack folder")
         for peer in self.peers:
             if peer not in PEERS:
                 raise UserError(f"unknown peer {peer!r}; known: {', '.join(PEERS)}")
@@ -65,11 +69,18 @@ class BenchSettings:
             raise UserError("--prompt-tokens must be at least 8 (the chat template alone takes some)")
         if self.device not in ("cpu", "sim", "cuda"):
             raise UserError(f"unknown device {self.device!r}; choose cpu, sim or cuda")
-        if self.device != "cpu" and self.vram is None and any(p in DEVICE_PLANS for p in self.plans):
+        if self.device != "cpu" and self.vram is None and any(plan_of(p)[0] in DEVICE_PLANS for p in self.plans):
             raise UserError(f"--device {self.device} needs a VRAM budget (--vram SIZE or a share such as 25%)")
         if self.reference is not None and self.reference not in (*self.plans, *self.peers):
             raise UserError(f"the reference row {self.reference!r} is not among the rows "
                             f"({', '.join([*self.plans, *self.peers])})")
+
+
+def plan_of(row: str) -> tuple[str, str | None]:
+    """A plan row's plan and pack: `cpu` runs the bench's pack, `cpu@PACK` another one (the same model in
+    another dtype, say), in the same interleaved rounds."""
+    plan, _, pack = row.partition("@")
+    return plan, pack or None
 
 
 def first_difference(a: list[int], b: list[int]) -> int | None:
@@ -104,23 +115,25 @@ def bench_prompt(codec, text: str, tokens: int | None) -> tuple[str, list[int]]:
 class PlanRunner:
     """One of our plans (named as in `pipeshard run --plan`) through the generation layer."""
 
-    def __init__(self, settings: BenchSettings, plan: str, context: int) -> None:
+    def __init__(self, settings: BenchSettings, row: str, context: int) -> None:
         import pipeshard
         from pipeshard.runtime.ort import request_process_thread_pool
 
         request_process_thread_pool(settings.threads)  # as `pipeshard run` does: the worker runs only this
+        plan, pack = plan_of(row)
+        pack = pack or settings.pack
         device = "cpu" if plan in ("cpu", "monolithic") else settings.device
         saved = settings.plans_file if plan == "auto" else None
-        self.engine = pipeshard.load(settings.pack, threads=settings.threads, vram=None if saved else settings.vram,
+        self.engine = pipeshard.load(pack, threads=settings.threads, vram=None if saved else settings.vram,
                                      device=device, profile=settings.profile, plan=plan,
                                      context=None if saved else context, plans=saved)
         self.engine.codec.eos_token_ids = []  # every row decodes exactly the asked number of tokens
-        self.plan = plan
+        self.plan, self.pack = plan, pack
         self.settings = settings
         step = self.engine.step
         self.device = step.device if getattr(step, "planner", None) is not None else None  # None: nothing planned
         self.facts = {"engine": "pipeshard", "plan": plan, "device": self.device.kind if self.device else "cpu",
-                      "dtype": _pack_dtype(settings.pack)}
+                      "dtype": _pack_dtype(pack), "pack": str(pack)}
 
     def prompt_ids(self, text: str) -> list[int]:
         return self.engine.codec.encode(text)
@@ -160,7 +173,7 @@ class PlanRunner:
                 properties = CudaRuntime().properties()
                 facts["cuda_used_bytes_now"] = properties["memory_bytes"] - properties["free_bytes"]
         elif self.settings.profile:
-            facts["predicted_decode_step_s"] = _baseline_prediction(self.settings, self.plan)
+            facts["predicted_decode_step_s"] = _baseline_prediction(self.settings, self.plan, self.pack)
         return facts
 
 
@@ -208,13 +221,13 @@ def _pack_dtype(pack: str) -> str:
     return load_pack(Path(pack)).model["dtype"]
 
 
-def _baseline_prediction(settings: BenchSettings, plan: str) -> float | None:
+def _baseline_prediction(settings: BenchSettings, plan: str, pack: str) -> float | None:
     """The planner's decode-step estimate for the all-CPU rows (from the profile)."""
     from pipeshard.partitioner.planner import Planner
     from pipeshard.profiles.db import load_profile
     from pipeshard.runtime.pack import load_pack
 
-    planner = Planner(load_pack(Path(settings.pack)).manifest, load_profile(settings.profile), 1 << 40,
+    planner = Planner(load_pack(Path(pack)).manifest, load_profile(settings.profile), 1 << 40,
                       threads=settings.threads)
     return planner.baseline(plan, 1).step_s
 
@@ -250,7 +263,7 @@ def _prepare_worker(name: str, settings: dict, _commands, replies) -> None:
 def _load_onnx_runtime(plan: str, settings: BenchSettings) -> None:
     """The ONNX Runtime a plan's row runs on, loaded before its baseline RSS is read: the C-API runtime for
     the all-CPU rows (runtime/capi.py), the Python binding's for planned ones."""
-    if plan in ("cpu", "monolithic"):
+    if plan_of(plan)[0] in ("cpu", "monolithic"):
         from pipeshard.runtime.capi import runtime
 
         runtime(settings.threads)
@@ -379,7 +392,7 @@ def run_bench(settings: BenchSettings, progress: Callable[[int, int, str], None]
     skipped = []
     for kind, name in list(rows_wanted):
         reason = None
-        if kind == "plan" and name in DEVICE_PLANS and settings.device == "cpu":
+        if kind == "plan" and plan_of(name)[0] in DEVICE_PLANS and settings.device == "cpu":
             reason = "needs a device: --device sim or cuda with --vram"
         elif kind == "peer":
             reason = missing_peer(name)

@@ -565,7 +565,8 @@ def build_parser() -> argparse.ArgumentParser:
                                       "or tiny:ARCH (llama, llama3, mistral, qwen2, qwen3, phi3, gemma3, moe, "
                                       "mixtral, smolvlm)")
     export.add_argument("out", help="output folder")
-    export.add_argument("--dtype", default="fp32", help="fp32 (default) or fp16")
+    export.add_argument("--dtype", default="fp32", help="the weights' type: fp32 (default), fp16 or bf16 "
+                                                        "(half-precision weights are stored so, computed in fp32)")
     export.add_argument("--opset", type=_opset, default=None, help="ONNX opset, 18 to 23 (default 23)")
     export.add_argument("--force", action="store_true", help="replace OUT if it exists")
     export.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -685,10 +686,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--profile", default=None, help="profile DB file or reference name (for planned rows)")
     bench.add_argument("--plans", default=None,
                        help="comma-separated plans (default: all with a device, monolithic,cpu with --device cpu), "
+                            "cpu@PACK for another pack's all-CPU row (the model in another dtype), "
                             "or a saved plans.json, which the auto row runs as it is")
     bench.add_argument("--peers", default="none", help="comma-separated peers, all or none (default): ort-genai, "
-                       "llama.cpp, llama.cpp-f32, transformers; their model files (about 1 GB for SmolLM2) are made "
-                       "once in --peer-dir")
+                       "llama.cpp, llama.cpp-f32, llama.cpp-f16, transformers; their model files (about 1 GB for "
+                       "SmolLM2) are made once in --peer-dir")
     bench.add_argument("--prompt", default=None, help="user message (chat-templated); default: a fixed question")
     bench.add_argument("--prompt-tokens", type=_count(8), default=None, help="lengthen the prompt to exactly N tokens")
     bench.add_argument("--new-tokens", type=_count(2), default=128)

@@ -5,7 +5,9 @@ that is missing is skipped with the line that installs it.
 Their model files are made once from the export's source into a peer folder beside the pack:
 `hf/` (the same fp32 weights as the export, as a transformers folder), `ort-genai/` (its model
 builder run on `hf/`), and for GGUF sources the GGUF as shipped plus `model-f32.gguf` (the same
-tensors dequantized to F32, the like-for-like llama.cpp run).
+tensors dequantized to F32, the like-for-like llama.cpp run of an fp32 pack) and `model-f16.gguf` (dequantized,
+then matrices rounded to F16 and vectors kept F32, as llama.cpp's converter writes them: the weights of an fp16
+pack of the same source).
 """
 
 from __future__ import annotations
@@ -20,9 +22,10 @@ from pathlib import Path
 from pipeshard.errors import UserError
 from pipeshard.fsutil import atomic_output_dir
 
-PEERS = ("ort-genai", "llama.cpp", "llama.cpp-f32", "transformers")
+PEERS = ("ort-genai", "llama.cpp", "llama.cpp-f32", "llama.cpp-f16", "transformers")
 PEER_MODULES = {"ort-genai": "onnxruntime_genai", "llama.cpp": "llama_cpp", "llama.cpp-f32": "llama_cpp",
-                "transformers": "transformers"}
+                "llama.cpp-f16": "llama_cpp", "transformers": "transformers"}
+DEQUANTIZED_GGUFS = {"llama.cpp-f32": "f32", "llama.cpp-f16": "f16"}  # peer -> the type its GGUF is rewritten in
 INSTALL_HINT = {
     "ort-genai": "pip install onnxruntime-genai onnx-ir",
     "llama.cpp": "CMAKE_ARGS='-DCMAKE_C_FLAGS=\"-mno-amx-tile -mno-amx-int8 -mno-amx-bf16\" "
@@ -30,7 +33,7 @@ INSTALL_HINT = {
                  "pip install --no-cache-dir llama-cpp-python",
     "transformers": "pip install 'pipeshard[export]'",
 }
-INSTALL_HINT["llama.cpp-f32"] = INSTALL_HINT["llama.cpp"]
+INSTALL_HINT["llama.cpp-f32"] = INSTALL_HINT["llama.cpp-f16"] = INSTALL_HINT["llama.cpp"]
 
 
 def missing_peer(name: str) -> str | None:
@@ -86,17 +89,18 @@ def prepare_ort_genai(export_dir: Path, peer_dir: Path, log) -> Path:
     return out
 
 
-def prepare_f32_gguf(gguf_path: Path, peer_dir: Path, log) -> Path:
+def prepare_dequantized_gguf(gguf_path: Path, peer_dir: Path, log, dtype: str = "f32") -> Path:
     """The GGUF's tensors dequantized to F32 with the same metadata: llama.cpp on exactly the weights
-    the fp32 export holds (which were dequantized from the same file)."""
+    the fp32 export holds (which were dequantized from the same file). With `dtype` "f16", the matrices then
+    rounded to F16 (vectors stay F32, as llama.cpp's converter keeps them): the weights of an fp16 export."""
     import numpy as np
     from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
     from gguf.quants import dequantize
 
-    out = peer_dir / "model-f32.gguf"
+    out = peer_dir / f"model-{dtype}.gguf"
     if out.is_file():
         return out
-    log(f"writing an F32 copy of {gguf_path.name} (once)")
+    log(f"writing an {dtype.upper()} copy of {gguf_path.name} (once)")
     reader = GGUFReader(gguf_path)
     architecture = reader.fields["general.architecture"].contents()
     peer_dir.mkdir(parents=True, exist_ok=True)
@@ -107,11 +111,12 @@ def prepare_f32_gguf(gguf_path: Path, peer_dir: Path, log) -> Path:
             continue
         sub_type = field.types[-1] if field.types[0] == GGUFValueType.ARRAY else None
         writer.add_key_value(field.name, field.contents(), field.types[0], sub_type=sub_type)
-    writer.add_file_type(0)  # all F32
+    writer.add_file_type(0 if dtype == "f32" else 1)  # all F32, or mostly F16
     for tensor in reader.tensors:
         data = dequantize(tensor.data, tensor.tensor_type) if tensor.tensor_type != GGMLQuantizationType.F32 \
             else np.asarray(tensor.data)
-        writer.add_tensor(tensor.name, np.ascontiguousarray(data, dtype=np.float32))
+        half = dtype == "f16" and data.ndim >= 2
+        writer.add_tensor(tensor.name, np.ascontiguousarray(data, dtype=np.float16 if half else np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -222,7 +227,8 @@ def _gguf_file_type(path: Path) -> str:
     from gguf import GGUFReader, LlamaFileType
 
     field = GGUFReader(path).fields.get("general.file_type")
-    return LlamaFileType(field.contents()).name.removeprefix("MOSTLY_").removeprefix("ALL_") if field else "?"
+    name = LlamaFileType(field.contents()).name.removeprefix("MOSTLY_").removeprefix("ALL_") if field else "?"
+    return {"F32": "fp32", "F16": "fp16", "BF16": "bf16"}.get(name, name)  # a pack's dtype names where they agree
 
 
 def _timings(prompt: list[int], tokens: list[int], started: float, first: float, done: float) -> dict:
@@ -239,7 +245,9 @@ def prepare_peer_files(name: str, export_dir: Path, peer_dir: Path, log) -> Path
     gguf_path = source_gguf(export_dir)
     if gguf_path is None:
         raise UserError("the export was not made from a GGUF file, so there is no GGUF for llama.cpp to run")
-    return prepare_f32_gguf(gguf_path, peer_dir, log) if name == "llama.cpp-f32" else gguf_path
+    if name in DEQUANTIZED_GGUFS:
+        return prepare_dequantized_gguf(gguf_path, peer_dir, log, DEQUANTIZED_GGUFS[name])
+    return gguf_path
 
 
 def make_peer_runner(name: str, model_path: Path, threads: int, context: int):

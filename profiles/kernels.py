@@ -26,6 +26,23 @@ def matmul_model(k: int, n: int, dtype: str) -> onnx.ModelProto:
     return helper.make_model(graph, opset_imports=[helper.make_operatorsetid("", 21)])
 
 
+def weight_matmul_model(k: int, n: int, dtype: str) -> onnx.ModelProto:
+    """Y[M, N] = X[M, K] @ W[K, N] through pipeshard.WeightMatMul (runtime/_matmul.c), W a (random) fp16 or bf16
+    initializer: the product a half-precision pack's CPU sub-layers run."""
+    values = np.random.default_rng(0).standard_normal((k, n), dtype=np.float32) * 0.02
+    if dtype == "fp16":
+        weight = numpy_helper.from_array(values.astype(np.float16), "W")
+    else:  # bf16: the high half of each float32
+        weight = helper.make_tensor("W", TensorProto.BFLOAT16, [k, n],
+                                    (values.view(np.uint32) >> 16).astype("<u2").tobytes(), raw=True)
+    graph = helper.make_graph(
+        [helper.make_node("WeightMatMul", ["X", "W"], ["Y"], domain="pipeshard")], "weight_matmul",
+        [helper.make_tensor_value_info("X", TensorProto.FLOAT, ["M", k])],
+        [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["M", n])], initializer=[weight])
+    return helper.make_model(graph, opset_imports=[helper.make_operatorsetid("", 21),
+                                                   helper.make_operatorsetid("pipeshard", 1)])
+
+
 def attention_model(heads: int, head_dim: int, dtype: str) -> onnx.ModelProto:
     """GroupQueryAttention as the exporter emits it (here with as many KV heads as query heads):
     q/k/v [1, T, heads * head_dim], the past and present one buffer [1, heads, C, head_dim] holding

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 
@@ -23,6 +24,7 @@ from pipeshard.profiles.kernels import (
     matmul_model,
     median_seconds,
     op_chain_model,
+    weight_matmul_model,
 )
 from pipeshard.runtime.ort import cpu_session_options, import_onnxruntime
 
@@ -151,6 +153,28 @@ def matmul_read_gbps(ort, threads: int, size_bytes: int, seconds: float, copy_lo
 
 
 
+def weight_read_gbps(threads: int, size_bytes: int, seconds: float) -> dict[str, float]:
+    """Bytes per second pipeshard's WeightMatMul streams at M=1 from an fp16 / bf16 weight of `size_bytes` (the
+    decode roofline of a half-precision pack's CPU sub-layers), by dtype; empty where the C extension is not built.
+    Through the C-API runtime, as the chain runs it."""
+    from pipeshard.runtime import capi
+
+    if not capi.custom_ops_available():
+        return {}
+    rt = capi.runtime(threads)
+    side = int(np.sqrt(size_bytes / 2))
+    x, y = np.ones((1, side), np.float32), np.empty((1, side), np.float32)
+    found = {}
+    for dtype in ("fp16", "bf16"):
+        session = rt.session(weight_matmul_model(side, side, dtype).SerializeToString(), threads=threads)
+        binding = session.binding()
+        binding.bind_input("X", x)
+        binding.bind_output("Y", y)
+        run = partial(capi.run, session, binding, rt.run_options())
+        found[dtype] = side * side * 2 / median_seconds(run, seconds) / 1e9
+    return found
+
+
 def hop_microseconds(ort, threads: int, width: int = 4096) -> float:
     """Fixed cost of one session run with IO binding (raw call, reused RunOptions)."""
     x = np.ones((1, 1, width), np.float32)
@@ -188,6 +212,7 @@ def measure_machine(plan: Plan, thread_counts: list[int] | None = None, progress
         cpu_threads[str(threads)] = {
             "matmul": idle_matmul,
             "memory_read_gbps": read_idle,
+            "weight_read_gbps": weight_read_gbps(threads, plan.bandwidth_bytes, plan.seconds_per_point),
             "memory_copy_gbps": copy_idle,
             "attention": attention_rows(ort, cpu_session_options(threads), ["CPUExecutionProvider"], plan.heads,
                                         plan.head_dim, plan.attention_tokens, plan.attention_contexts, "fp32",

@@ -1,14 +1,16 @@
 /* The all-CPU chain's run loop: one call runs a block of ONNX Runtime sessions, each with its IoBinding,
  * through the C API's RunWithBinding, without returning to the interpreter between runs (every return costs
  * microseconds of cache-cold interpreter and binding code per session run). Used by runtime/capi.py, which
- * passes the function and the arrays as addresses. The module also hands out the decode attention op of
- * runtime/_attention.c, linked into it. */
+ * passes the function and the arrays as addresses. The module also hands out the custom ops linked into it: the
+ * decode attention of runtime/_attention.c and the weight products of runtime/_matmul.c. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
 typedef void *(*RunWithBinding)(void *session, const void *run_options, const void *binding);
 
 const void *pipeshard_decode_attention_op(void); /* runtime/_attention.c */
+const void *pipeshard_weight_matmul_op(void);    /* runtime/_matmul.c */
+const char *pipeshard_weight_matmul_isa(void);
 
 /* run_block(run_with_binding, sessions, bindings, count, run_options) -> None, or (index, status) of the
  * first run that failed (the OrtStatus* for the caller to read and release). */
@@ -46,11 +48,27 @@ static PyObject *decode_attention_op(PyObject *module, PyObject *unused) {
     return PyLong_FromVoidPtr((void *)pipeshard_decode_attention_op());
 }
 
+static PyObject *weight_matmul_op(PyObject *module, PyObject *unused) {
+    (void)module;
+    (void)unused;
+    return PyLong_FromVoidPtr((void *)pipeshard_weight_matmul_op());
+}
+
+static PyObject *weight_matmul_isa(PyObject *module, PyObject *unused) {
+    (void)module;
+    (void)unused;
+    return PyUnicode_FromString(pipeshard_weight_matmul_isa());
+}
+
 static PyMethodDef methods[] = {
     {"run_block", (PyCFunction)(void (*)(void))run_block, METH_FASTCALL,
      "Run a block of ONNX Runtime sessions with their bindings; None, or (index, status) of a failed run."},
     {"decode_attention_op", decode_attention_op, METH_NOARGS,
      "The address of the DecodeAttention custom op (an OrtCustomOp), for OrtApi::CustomOpDomain_Add."},
+    {"weight_matmul_op", weight_matmul_op, METH_NOARGS,
+     "The address of the WeightMatMul custom op (an OrtCustomOp), for OrtApi::CustomOpDomain_Add."},
+    {"weight_matmul_isa", weight_matmul_isa, METH_NOARGS,
+     "The instruction set WeightMatMul runs on this CPU (avx512, avx2, portable; empty: no op)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -30,9 +30,10 @@ try:
     from pipeshard.runtime import _runloop
 except ImportError:  # not built (no C compiler at install): the same runs, one Python call each
     _runloop = None
+from pipeshard.runtime.exportdir import BFLOAT16
 from pipeshard.runtime.ort import default_threads, import_onnxruntime
 
-CUSTOM_DOMAIN = "pipeshard"  # the op domain of runtime/_attention.c
+CUSTOM_DOMAIN = "pipeshard"  # the op domain of runtime/_attention.c and runtime/_matmul.c
 _API_VERSION = 13  # the OrtApi version asked for; every later one extends the table (indices checked in tests
 # against ONNX Runtime's own onnxruntime_c_api.h: tests/test_ort_api.py)
 _P = ctypes.c_void_p
@@ -101,7 +102,7 @@ _SIGNATURES = {  # name: (OrtApi index, argument types, result type); OrtStatus*
     "ReleaseCUDAProviderOptions": (208, (_P,), None),
 }
 _ELEMENT_TYPES = {1: np.float32, 2: np.uint8, 3: np.int8, 4: np.uint16, 5: np.int16, 6: np.int32, 7: np.int64,
-                  9: np.bool_, 10: np.float16, 11: np.float64, 12: np.uint32, 13: np.uint64}
+                  9: np.bool_, 10: np.float16, 11: np.float64, 12: np.uint32, 13: np.uint64, 16: BFLOAT16}
 _ELEMENT_TYPE_OF = {np.dtype(t): code for code, t in _ELEMENT_TYPES.items()}
 _DEVICE_ALLOCATOR, _ARENA_ALLOCATOR, _MEM_TYPE_DEFAULT = 0, 1, 0
 _ENABLE_ALL, _DISABLE_ALL = 99, 0
@@ -215,11 +216,12 @@ class Runtime:
                             "`pipeshard inspect PACK --verify` checks a pack's files") from None
 
     def custom_op_domain(self) -> ctypes.c_void_p | None:
-        """The `pipeshard` op domain (DecodeAttention, runtime/_attention.c), made at first use; None where the
-        C extension was built without it, or not at all."""
+        """The `pipeshard` op domain (DecodeAttention, runtime/_attention.c; WeightMatMul, runtime/_matmul.c),
+        made at first use; None where the C extension was built without them, or not at all."""
         if self._custom_ops is None and custom_ops_available():
             domain = self.lib.make(self.lib.CreateCustomOpDomain, CUSTOM_DOMAIN.encode())
-            self.lib.check(self.lib.CustomOpDomain_Add(domain, ctypes.c_void_p(_runloop.decode_attention_op())))
+            for op in (_runloop.decode_attention_op(), _runloop.weight_matmul_op()):
+                self.lib.check(self.lib.CustomOpDomain_Add(domain, ctypes.c_void_p(op)))
             self._custom_ops = domain  # lives as long as the process: sessions keep a pointer to it
         return self._custom_ops
 
@@ -510,7 +512,12 @@ def release_free_heap() -> None:
 
 def custom_ops_available() -> bool:
     """Whether the C extension is built with pipeshard's ops (compilers with GCC's vector extensions)."""
-    return _runloop is not None and bool(_runloop.decode_attention_op())
+    return _runloop is not None and bool(_runloop.decode_attention_op()) and bool(_runloop.weight_matmul_op())
+
+
+def weight_matmul_isa() -> str:
+    """The instruction set pipeshard's WeightMatMul runs here (avx512, avx2, portable), or "" without the op."""
+    return _runloop.weight_matmul_isa() if custom_ops_available() else ""
 
 
 def run(session: Session, binding: Binding, run_options: RunOptions) -> None:

@@ -12,8 +12,23 @@ from pipeshard.errors import UserError
 EXPORT_SCHEMA_VERSION = 2  # 2: attention is GroupQueryAttention over one in-place KV buffer
 KV_CACHE = {"layout": "shared-buffer", "attention": "com.microsoft.GroupQueryAttention",
             "shape": ["batch", "kv_heads", "capacity", "head_dim"]}
+# numpy has no bfloat16: its bits travel as this 2-byte type, which the C-API runtime passes to ONNX Runtime as
+# bfloat16 (runtime/capi.py)
+BFLOAT16 = np.dtype([("bfloat16", "<u2")])
 # numpy types of the dtype names exports and packs use (model dtype; ONNX names of weights)
-NUMPY_DTYPES = {"fp32": np.float32, "fp16": np.float16, "float32": np.float32, "float16": np.float16}
+NUMPY_DTYPES = {"fp32": np.dtype(np.float32), "fp16": np.dtype(np.float16), "bf16": BFLOAT16,
+                "float32": np.dtype(np.float32), "float16": np.dtype(np.float16), "bfloat16": BFLOAT16}
+
+
+def numpy_dtype(name: str) -> np.dtype:
+    """The numpy type of a dtype name in a manifest or export.json (fp16, bfloat16, int64, ...)."""
+    return NUMPY_DTYPES.get(name) or np.dtype(name)
+
+
+def compute_dtype(model: dict) -> np.dtype:
+    """The type of a model's activations and KV cache: its `compute_dtype` (half-precision weights computed in
+    float32), else its `dtype` (exports made before weights and activations could differ)."""
+    return NUMPY_DTYPES[model.get("compute_dtype", model["dtype"])]
 REQUIRED_FIELDS = ("architecture", "dims", "dtype", "model_file", "inputs", "outputs")
 
 

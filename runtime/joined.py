@@ -21,6 +21,7 @@ from pathlib import Path
 from pipeshard.runtime import protowire as wire
 from pipeshard.runtime.capi import CUSTOM_DOMAIN
 from pipeshard.runtime.decode_attention import decode_attention_node
+from pipeshard.runtime.weight_matmul import swap_products
 
 # ONNX's field numbers (onnx.proto): ModelProto.opset_import / graph; GraphProto.node / initializer / input /
 # output / value_info; NodeProto.output; TensorProto.name; ValueInfoProto.name; OperatorSetIdProto.domain / version.
@@ -40,6 +41,7 @@ class JoinedGraph:
     outputs: list[str]
     decode_attention_nodes: int
     nodes: list[tuple[list[str], list[str]]]  # each node's input and output names, in order
+    weight_matmul_nodes: int = 0
 
     def read_before_written(self, read: str, written: str) -> bool:
         """Whether every node reading tensor `read` comes before the node writing `written` in any order ONNX
@@ -54,10 +56,12 @@ class JoinedGraph:
         return all(index in ancestors for index, (inputs, _) in enumerate(self.nodes) if read in inputs)
 
 
-def join(paths: Iterable[Path], outputs: set[str], float_inputs: set[str] | None = None) -> JoinedGraph:
+def join(paths: Iterable[Path], outputs: set[str], float_inputs: set[str] | None = None,
+         product_weights: set[str] | None = None) -> JoinedGraph:
     """The sub-layer models at `paths`, in that order, as one: graph outputs are the sub-layers' outputs named in
     `outputs`. With `float_inputs` (the float32 tensors among the sub-layers' inputs), covered GroupQueryAttention
-    nodes are swapped for DecodeAttention."""
+    nodes are swapped for DecodeAttention; products of the weights in `product_weights` for WeightMatMul
+    (runtime/weight_matmul.py)."""
     models = [wire.parse(Path(path).read_bytes()) for path in paths]
     graphs = [wire.parse(_only(model, _MODEL_GRAPH)) for model in models]
     produced = {output for graph in graphs for number, _, value in graph if number == _GRAPH_NODE
@@ -83,6 +87,9 @@ def join(paths: Iterable[Path], outputs: set[str], float_inputs: set[str] | None
             if wanted and name not in seen[number]:
                 seen[number].add(name)
                 joined.append((number, kind, value))
+    products = 0
+    if product_weights:
+        joined, products = _swap_products(joined, product_weights, outputs)
     nodes = [(wire.strings(f, _NODE_INPUT), wire.strings(f, _NODE_OUTPUT)) for f in _nodes(joined)]
     inputs, kept_outputs = _names(joined, _GRAPH_INPUT), _names(joined, _GRAPH_OUTPUT)
     if missing := outputs - set(kept_outputs):
@@ -90,12 +97,21 @@ def join(paths: Iterable[Path], outputs: set[str], float_inputs: set[str] | None
     model = [field for field in models[0] if field[0] not in (_MODEL_GRAPH, _MODEL_OPSET_IMPORT)]
     model.append((_MODEL_GRAPH, wire.LENGTH, wire.serialize(joined)))
     opsets = _opsets(models)
-    if swapped:
+    if swapped or products:
         opsets[CUSTOM_DOMAIN] = 1
     model += [(_MODEL_OPSET_IMPORT, wire.LENGTH, wire.serialize(
         [(_OPSET_DOMAIN, wire.LENGTH, domain.encode()), (_OPSET_VERSION, wire.VARINT, version)]))
         for domain, version in opsets.items()]
-    return JoinedGraph(wire.serialize(model), inputs, kept_outputs, swapped, nodes)
+    return JoinedGraph(wire.serialize(model), inputs, kept_outputs, swapped, nodes, products)
+
+
+def _swap_products(graph: list[wire.Field], weights: set[str], outputs: set[str]) -> tuple[list[wire.Field], int]:
+    """The graph's fields with its products of `weights` swapped for WeightMatMul (their Casts dropped)."""
+    at = [index for index, (number, _, _) in enumerate(graph) if number == _GRAPH_NODE]
+    nodes, swapped = swap_products([graph[index][2] for index in at], weights, outputs)
+    replaced = dict(zip(at, nodes, strict=True))
+    return [field if index not in replaced else (_GRAPH_NODE, wire.LENGTH, replaced[index])
+            for index, field in enumerate(graph) if index not in replaced or replaced[index] is not None], swapped
 
 
 def _nodes(graph: list[wire.Field]) -> list[list[wire.Field]]:

@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 
 from pipeshard.runtime import capi
-from pipeshard.runtime.exportdir import NUMPY_DTYPES, read_export_info
+from pipeshard.runtime.exportdir import compute_dtype, read_export_info
 from pipeshard.runtime.kv import IMAGE_FEATURES, PAST_PREFIX, HostKvCache, check_step_shape, present_name
 
 
@@ -25,7 +25,7 @@ class MonolithicStep:
         self.session = rt.session(self.folder / self.info["model_file"], threads, optimize)
         past_names = [name for name in self.info["inputs"] if name.startswith(PAST_PREFIX)]
         self.kv = HostKvCache(past_names, int(dims["num_key_value_heads"]), int(dims["head_dim"]),
-                              NUMPY_DTYPES[self.info["dtype"]])
+                              compute_dtype(self.info))
         self.vocab_size = int(dims["vocab_size"])
         self.binding = self.session.binding()
         self.run_options = rt.run_options()

@@ -10,7 +10,7 @@ import numpy as np
 
 from pipeshard.errors import UserError
 from pipeshard.fsutil import sha256_file
-from pipeshard.runtime.exportdir import read_json
+from pipeshard.runtime.exportdir import numpy_dtype, read_json
 
 MANIFEST_NAME = "manifest.json"
 PACK_SCHEMA_VERSION = 2  # 2: KV caches are in-place buffers (GroupQueryAttention), see docs/model-pack.md
@@ -62,7 +62,7 @@ class MappedWeights:
             if path not in self.maps:
                 with open(path, "rb") as file:
                     self.maps[path] = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
-            dtype = np.dtype(weight["dtype"])
+            dtype = numpy_dtype(weight["dtype"])
             added[weight["name"]] = np.frombuffer(self.maps[path], dtype, weight["bytes"] // dtype.itemsize,
                                                   weight["offset"]).reshape(weight["shape"])
         return added

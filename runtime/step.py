@@ -40,7 +40,7 @@ from pipeshard.partitioner.planner import CPU, HOST_ONLY_KINDS, PINNED, STREAMED
 from pipeshard.partitioner.simulate import EXPERT_RUN_ORDER, EXPERT_SLOTS
 from pipeshard.runtime import capi
 from pipeshard.runtime.devices import CpuDevice, Device
-from pipeshard.runtime.exportdir import NUMPY_DTYPES
+from pipeshard.runtime.exportdir import NUMPY_DTYPES, compute_dtype, numpy_dtype
 from pipeshard.runtime.joined import JoinedGraph, join
 from pipeshard.runtime.kv import IMAGE_FEATURES, PADDING_BIAS, SEQLENS, TOTAL, HostKvCache, check_step_shape
 from pipeshard.runtime.moe import ExpertStats, MoeBlock, chosen_experts, combine
@@ -57,6 +57,7 @@ from pipeshard.runtime.schedule import (
     describe,
     schedule,
 )
+from pipeshard.runtime.weight_matmul import product_weights
 
 # The most weight bytes one joined decode session takes: making it pages all of them in from the blobs at once
 # (ONNX Runtime packs every weight before the pages can be let go), so this bounds what joining adds to the load
@@ -142,15 +143,18 @@ class Step:
 
     def __init__(self, folder: Path, device: Device | None = None, book: PlanBook | None = None,
                  threads: int | None = None, optimize: bool = True, prepack: bool = True, verify: bool = False,
-                 all_logits: bool = False, join_decode: bool = True, decode_attention: bool = True) -> None:
-        """Without a `book` every step runs the all-CPU plan; without a `device`, on `CpuDevice`."""
+                 all_logits: bool = False, join_decode: bool = True, decode_attention: bool = True,
+                 weight_matmul: bool = True, fp32_weight_matmul: bool = False) -> None:
+        """Without a `book` every step runs the all-CPU plan; without a `device`, on `CpuDevice`. With
+        `weight_matmul` (and the C extension) CPU sessions read half-precision weights as stored
+        (runtime/weight_matmul.py); with `fp32_weight_matmul` too, float32 ones (no prepacked copies)."""
         self.pack = load_pack(folder, verify=verify)
         model = self.pack.model
         self.max_context = int(model["max_context"])
         self.hidden_size = int(model["hidden_size"])
         self.vocab_size = int(model["vocab_size"])
         self.kv_heads, self.head_dim = int(model["num_key_value_heads"]), int(model["head_dim"])
-        self.dtype = NUMPY_DTYPES[model["dtype"]]
+        self.dtype = compute_dtype(model)  # activations and KV; the weights may be half precision
         self.device = device or CpuDevice()
         units = book.planner.sub_layers if book and book.planner else planning_units(self.pack.sub_layers)
         self.book = book or PlanBook([u["name"] for u in units])
@@ -177,6 +181,8 @@ class Step:
         self.decode_attention = (decode_attention and capi.custom_ops_available() and self.dtype == np.float32
                                  and self.head_dim % 8 == 0)
         self.join_decode = join_decode
+        self.weight_matmul = weight_matmul and capi.custom_ops_available()
+        self.fp32_weight_matmul = self.weight_matmul and fp32_weight_matmul
         self.expert_stats = ExpertStats(int(model.get("num_experts") or 0))
         self._all_logits = all_logits
         self.run_options = rt.run_options()
@@ -294,8 +300,10 @@ class Step:
     def _cpu_stage(self, name: str) -> _Stage:
         if name not in self._cpu_stages:
             entry = self.layout.entries[name]
-            session = self._session(self.pack.path(entry["files"]["onnx"]),
-                                    initializers=self._weights.add(self.pack.folder, entry["weights"]))
+            model: Path | bytes = self.pack.path(entry["files"]["onnx"])
+            if self.weight_matmul and (weights := product_weights(entry["weights"], self.fp32_weight_matmul)):
+                model = join([model], {o["name"] for o in entry["outputs"]}, product_weights=weights).model
+            session = self._session(model, initializers=self._weights.add(self.pack.folder, entry["weights"]))
             self._weights.release_pages()  # the session holds packed copies; weights read unpacked page back in
             capi.release_free_heap()  # the copies packed to find shared weights: not held to the end of loading
             self._cpu_stages[name] = self._stage_of(entry, session, on_device=False)
@@ -386,8 +394,10 @@ class Step:
                                              if sub_layer not in members for name in inputs}
             outputs = {name for name in inside if name in read_outside or name == LOGITS or
                        any(name in stage.present for stage in piece)}
+            products = set().union(*(product_weights(entries[stage.name]["weights"], self.fp32_weight_matmul)
+                                     for stage in piece)) if self.weight_matmul and not on_device else None
             joined = join([self.pack.path(entries[stage.name]["files"][variant]) for stage in piece], outputs,
-                          float_inputs if swap else None)
+                          float_inputs if swap else None, products)
             if len(piece) == 1 and not joined.decode_attention_nodes or not self._buffers_safe(joined):
                 joined_stages += piece
                 continue
@@ -963,6 +973,6 @@ def split_features(token_ids: np.ndarray, image_token_id: int | None, features: 
 def _stored_weight(pack: Pack, entry: dict, name: str) -> np.ndarray:
     """A sub-layer's weight as stored in its blob."""
     weight = next(w for w in entry["weights"] if w["name"] == name)
-    dtype = np.dtype(weight["dtype"])
+    dtype = numpy_dtype(weight["dtype"])
     return np.fromfile(pack.path(weight["file"]), dtype, weight["bytes"] // dtype.itemsize,
                        offset=weight["offset"]).reshape(weight["shape"])

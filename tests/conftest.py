@@ -16,14 +16,15 @@ REPO = Path(__file__).resolve().parents[1]
 CACHE = Path(os.environ.get("PIPESHARD_TEST_CACHE", REPO / "build" / "test-cache"))
 
 
-def _export_once(model: str, folder: Path) -> Path:
-    """Export unless a current export (same schema) is already there."""
+def _export_once(model: str, folder: Path, dtype: str = "fp32") -> Path:
+    """Export unless a current export (same schema and dtype) is already there."""
     from pipeshard.exporter import export_model
     from pipeshard.runtime.exportdir import EXPORT_SCHEMA_VERSION
 
     info = folder / "export.json"
-    if not info.is_file() or json.loads(info.read_text()).get("schema_version") != EXPORT_SCHEMA_VERSION:
-        export_model(model, folder, force=True, quiet=True)
+    current = json.loads(info.read_text()) if info.is_file() else {}
+    if current.get("schema_version") != EXPORT_SCHEMA_VERSION or current.get("dtype", "fp32") != dtype:
+        export_model(model, folder, dtype=dtype, force=True, quiet=True)
     return folder
 
 
@@ -35,6 +36,12 @@ def tiny_llama_export(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def smollm2_export() -> Path:
     return _export_once("smollm2-135m", CACHE / "smollm2-fp32")
+
+
+@pytest.fixture(scope="session", params=["fp16", "bf16"])
+def smollm2_half_export(request) -> Path:
+    """SmolLM2 exported with fp16, then bf16 weights (computed in fp32)."""
+    return _export_once("smollm2-135m", CACHE / f"smollm2-{request.param}", request.param)
 
 
 @pytest.fixture(scope="session")

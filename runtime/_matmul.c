@@ -1,0 +1,394 @@
+/* Products with stored weights for the CPU chain: an ONNX Runtime custom op, `pipeshard.WeightMatMul`, that computes
+ * Y = A B (or A B^T with trans_b = 1) for float A [..., K] and a 2-D weight B stored in float, float16 or bfloat16,
+ * reading B as it is stored and computing in float: each weight converted exactly to float and every sum in float.
+ *
+ * Why: ONNX Runtime's CPU MatMul takes float16 weights only with float16 activations, and bfloat16 not at all; a
+ * graph that casts the weight to float (what an fp16 / bf16 pack holds) gets the cast folded into a float copy of
+ * every weight at load. This op reads the half-precision bytes themselves, so a decode step, bound by the bytes it
+ * reads, reads half of them. runtime/weight_matmul.py swaps it in at session build.
+ *
+ * Two ways through, by the rows of A (M):
+ *   - few rows (a decode step, M <= MAX_STREAM_ROWS): B streams through once, front to back, for all rows, the
+ *     work cut into slices of B's rows (partial sums added at the end) and groups of columns for the intra-op
+ *     threads; a transposed B goes by groups of its rows (dot products).
+ *   - more rows (a prompt): per panel of 2 vectors of columns, B converted into a float panel once and multiplied
+ *     into every tile of TILE_ROWS rows of A (accumulators in registers), one panel per task.
+ * The instruction set is chosen at run time (AVX-512, AVX2 + F16C + FMA, or portable code), each compiled with its
+ * own target attribute, so the extension builds for any x86-64 (and for other CPUs, portable code only).
+ * PIPESHARD_MATMUL_ISA=avx512|avx2|portable forces one (tests check each against numpy). */
+#if defined(__GNUC__) || defined(__clang__) /* the vector code below is GCC's vector extensions */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "_ortapi.h"
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define X86 1
+#endif
+
+enum { WEIGHT_FP32 = 0, WEIGHT_FP16 = 1, WEIGHT_BF16 = 2 };
+enum { INPUT_A, INPUT_B, INPUT_COUNT };
+#define MAX_DIMS 8
+#define MAX_STREAM_ROWS 4  /* rows of A up to which B is streamed once for all of them */
+#define STREAM_DEPTH 8  /* rows of B summed in registers before their sums are added up */
+#define STREAM_WIDTH 1024  /* most columns of one streaming task: its sums stay in the L1 cache */
+#define TASK_BYTES (64 * 1024)  /* least weight bytes per streaming task: fewer, and the hand-off outweighs them */
+#define MAX_TASKS 16
+#define DOT_ROWS_PER_TASK 64  /* rows of a transposed B per task */
+#define STRING_(x) #x
+#define GLUE_STRING(x) STRING_(x)
+
+/* IEEE half to float, exactly (subnormals, infinities and NaNs included). */
+static inline float fp16_to_float(uint16_t half) {
+    const uint32_t sign = (uint32_t)(half & 0x8000u) << 16, exponent = (half >> 10) & 0x1fu, mantissa = half & 0x3ffu;
+    uint32_t bits;
+    if (exponent == 0x1f) {
+        bits = sign | 0x7f800000u | (mantissa << 13);
+    } else if (exponent != 0) {
+        bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+    } else {
+        const float tiny = (float)mantissa * 5.9604644775390625e-8f; /* mantissa * 2^-24: exact */
+        return sign ? -tiny : tiny;
+    }
+    float value;
+    memcpy(&value, &bits, sizeof value);
+    return value;
+}
+
+static inline float bf16_to_float(uint16_t half) {
+    const uint32_t bits = (uint32_t)half << 16;
+    float value;
+    memcpy(&value, &bits, sizeof value);
+    return value;
+}
+
+/* One weight of B as a float (tails narrower than a vector). */
+static inline float weight_at(int type, const void *b, int64_t at) {
+    return type == WEIGHT_FP16 ? fp16_to_float(((const uint16_t *)b)[at])
+           : type == WEIGHT_BF16 ? bf16_to_float(((const uint16_t *)b)[at]) : ((const float *)b)[at];
+}
+
+typedef struct {
+    const char *name;
+    int lanes, panel, tile_rows;
+    void (*stream_rows)(const float *a, int64_t lda, int64_t rows, const void *b, int type, int64_t n, int64_t k0,
+                        int64_t k1, int64_t c0, int64_t c1, float *acc, int64_t ldacc);
+    void (*dot_rows)(const float *a, int64_t lda, int64_t rows, const void *b, int type, int64_t k, int64_t j0,
+                     int64_t j1, float *out, int64_t ldo);
+    void (*pack_panel)(const void *b, int type, int64_t k, int64_t k_stride, int64_t n_stride, int64_t n0,
+                       int64_t cols, float *packed);
+    void (*tile)(const float *a, int64_t lda, const float *packed, int64_t k, float *c, int64_t ldc);
+} Kernels;
+
+#if X86
+#define ISA avx512
+#define ISA_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")))
+#define LANES 16
+#define TILE_ROWS 8
+#define load_fp16(p) ((Floats_avx512)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p))))
+#define load_bf16(p) \
+    ((Floats_avx512)_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16)))
+#include "_matmul_kernels.h"
+#undef ISA
+#undef ISA_TARGET
+#undef LANES
+#undef TILE_ROWS
+#undef load_fp16
+#undef load_bf16
+
+#define ISA avx2
+#define ISA_TARGET __attribute__((target("avx2,fma,f16c")))
+#define LANES 8
+#define TILE_ROWS 6
+#define load_fp16(p) ((Floats_avx2)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p))))
+#define load_bf16(p) \
+    ((Floats_avx2)_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16)))
+#include "_matmul_kernels.h"
+#undef ISA
+#undef ISA_TARGET
+#undef LANES
+#undef TILE_ROWS
+#undef load_fp16
+#undef load_bf16
+#endif
+
+/* Portable: the same loops in vectors the compiler lowers to what the baseline target has, halves converted one by
+ * one. */
+static inline void halves_to_floats(const uint16_t *from, float *to, int count, int bf16) {
+    for (int i = 0; i < count; i++) to[i] = bf16 ? bf16_to_float(from[i]) : fp16_to_float(from[i]);
+}
+#define ISA portable
+#define ISA_TARGET
+#define LANES 8
+#define TILE_ROWS 4
+#define load_fp16(p) load_halves_portable((p), 0)
+#define load_bf16(p) load_halves_portable((p), 1)
+typedef float PortableFloats __attribute__((vector_size(8 * sizeof(float))));
+static inline PortableFloats load_halves_portable(const uint16_t *from, int bf16) {
+    float lanes[8];
+    halves_to_floats(from, lanes, 8, bf16);
+    PortableFloats vector;
+    memcpy(&vector, lanes, sizeof vector);
+    return vector;
+}
+#include "_matmul_kernels.h"
+#undef ISA
+#undef ISA_TARGET
+#undef LANES
+#undef TILE_ROWS
+#undef load_fp16
+#undef load_bf16
+
+/* The instruction set's kernels: forced by PIPESHARD_MATMUL_ISA, else the best this CPU runs. */
+static const Kernels *choose_kernels(void) {
+    const char *forced = getenv("PIPESHARD_MATMUL_ISA");
+#if X86
+    __builtin_cpu_init();
+    const int avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                       __builtin_cpu_supports("avx512vl");
+    const int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+    if (forced && strcmp(forced, "avx512") == 0 && avx512) return &kernels_avx512;
+    if (forced && strcmp(forced, "avx2") == 0 && avx2) return &kernels_avx2;
+    if (forced && strcmp(forced, "portable") == 0) return &kernels_portable;
+    if (avx512) return &kernels_avx512;
+    if (avx2) return &kernels_avx2;
+#else
+    (void)forced;
+#endif
+    return &kernels_portable;
+}
+
+typedef struct {
+    void *const *api;
+    int64_t trans_b;
+    const Kernels *kernels;
+} Kernel;
+
+typedef struct {
+    const void *value;
+    void *data;
+    int64_t dims[MAX_DIMS];
+    size_t rank;
+    int element;
+} Tensor;
+
+static OrtStatus *read_tensor(void *const *api, const void *value, Tensor *tensor) {
+    OrtStatus *status;
+    void *info = NULL;
+    tensor->value = value;
+    if ((status = ((GetTensorDataFn)api[GET_TENSOR_MUTABLE_DATA])(value, &tensor->data))) return status;
+    if ((status = ((GetTypeAndShapeFn)api[GET_TENSOR_TYPE_AND_SHAPE])(value, &info))) return status;
+    status = ((GetElementTypeFn)api[GET_TENSOR_ELEMENT_TYPE])(info, &tensor->element);
+    if (status == NULL) status = ((GetDimensionsCountFn)api[GET_DIMENSIONS_COUNT])(info, &tensor->rank);
+    if (status == NULL && tensor->rank > MAX_DIMS) status = fail(api, ORT_INVALID_ARGUMENT, "WeightMatMul: rank > 8");
+    if (status == NULL) status = ((GetDimensionsFn)api[GET_DIMENSIONS])(info, tensor->dims, tensor->rank);
+    ((ReleaseFn)api[RELEASE_TENSOR_TYPE_AND_SHAPE_INFO])(info);
+    return status;
+}
+
+/* One product, and how its tasks cut it. */
+typedef struct {
+    const Kernels *kernels;
+    const float *a;
+    const void *b;
+    float *out, *partials;
+    int type, transposed;
+    int64_t m, k, n;
+    int64_t slices, slice_rows, groups, group_width;  /* streaming: B's rows in slices, its columns in groups */
+    int failed;
+} Product;
+
+/* Streaming task `index`: slice index / groups of B's rows, columns of group index % groups, every row of A. */
+static void stream_task(void *data, size_t index) {
+    const Product *p = data;
+    const int64_t slice = (int64_t)index / p->groups, group = (int64_t)index % p->groups;
+    const int64_t k0 = slice * p->slice_rows, k1 = k0 + p->slice_rows < p->k ? k0 + p->slice_rows : p->k;
+    const int64_t c0 = group * p->group_width, c1 = c0 + p->group_width < p->n ? c0 + p->group_width : p->n;
+    if (p->partials)
+        p->kernels->stream_rows(p->a, p->k, p->m, p->b, p->type, p->n, k0, k1, c0, c1,
+                                p->partials + (int64_t)index * p->m * p->group_width, p->group_width);
+    else
+        p->kernels->stream_rows(p->a, p->k, p->m, p->b, p->type, p->n, k0, k1, c0, c1, p->out + c0, p->n);
+}
+
+/* Transposed B, task `index`: its rows [index DOT_ROWS_PER_TASK, ...) against every row of A. */
+static void dot_task(void *data, size_t index) {
+    const Product *p = data;
+    const int64_t j0 = (int64_t)index * DOT_ROWS_PER_TASK;
+    const int64_t j1 = j0 + DOT_ROWS_PER_TASK < p->n ? j0 + DOT_ROWS_PER_TASK : p->n;
+    p->kernels->dot_rows(p->a, p->k, p->m, p->b, p->type, p->k, j0, j1, p->out, p->n);
+}
+
+/* Blocked task `index`: columns [index panel, ...) of the output, every row of A, B's panel converted once. */
+static void panel_task(void *data, size_t index) {
+    Product *p = data;
+    const Kernels *kernels = p->kernels;
+    const int64_t panel = kernels->panel, rows = kernels->tile_rows, k = p->k;
+    const int64_t n0 = (int64_t)index * panel, cols = n0 + panel <= p->n ? panel : p->n - n0;
+    float *packed = malloc(sizeof(float) * (size_t)(k * panel + rows * k + rows * panel));
+    if (packed == NULL) {
+        p->failed = 1;
+        return;
+    }
+    float *padded_a = packed + k * panel, *tile_out = padded_a + rows * k;
+    kernels->pack_panel(p->b, p->type, k, p->transposed ? 1 : p->n, p->transposed ? k : 1, n0, cols, packed);
+    for (int64_t r = 0; r < p->m; r += rows) {
+        const int64_t count = r + rows <= p->m ? rows : p->m - r;
+        const float *a = p->a + r * k;
+        if (count < rows) { /* the last rows, zero-padded to a whole tile */
+            memset(padded_a, 0, sizeof(float) * (size_t)(rows * k));
+            memcpy(padded_a, a, sizeof(float) * (size_t)(count * k));
+            a = padded_a;
+        }
+        if (count == rows && cols == panel) {
+            kernels->tile(a, k, packed, k, p->out + r * p->n + n0, p->n);
+            continue;
+        }
+        kernels->tile(a, k, packed, k, tile_out, panel);
+        for (int64_t i = 0; i < count; i++)
+            memcpy(p->out + (r + i) * p->n + n0, tile_out + i * panel, sizeof(float) * (size_t)cols);
+    }
+    free(packed);
+}
+
+static OrtStatus *parallel(void *const *api, void *context, void (*task)(void *, size_t), size_t tasks, void *data) {
+    return ((ParallelForFn)api[KERNEL_CONTEXT_PARALLEL_FOR])(context, task, tasks, tasks, data);
+}
+
+/* Few rows, B [K, N]: slices of B's rows and groups of its columns, each task at least TASK_BYTES of B. */
+static OrtStatus *stream(void *const *api, void *context, Product *p, size_t element_bytes) {
+    p->groups = (p->n + STREAM_WIDTH - 1) / STREAM_WIDTH;
+    p->group_width = ((p->n + p->groups - 1) / p->groups + p->kernels->lanes - 1) / p->kernels->lanes *
+                     p->kernels->lanes;
+    p->groups = (p->n + p->group_width - 1) / p->group_width;
+    const int64_t bytes = p->k * p->n * (int64_t)element_bytes;
+    int64_t slices = bytes / TASK_BYTES / p->groups;
+    if (slices * p->groups > MAX_TASKS) slices = MAX_TASKS / p->groups;
+    slices = slices < 1 ? 1 : slices > p->k ? p->k : slices;
+    p->slice_rows = (p->k + slices - 1) / slices;
+    p->slices = (p->k + p->slice_rows - 1) / p->slice_rows;
+    const int direct = p->slices == 1; /* then each task's sums are its part of the output */
+    const size_t tasks = (size_t)(p->slices * p->groups);
+    p->partials = NULL;
+    if (!direct) {
+        p->partials = malloc(sizeof(float) * tasks * (size_t)(p->m * p->group_width));
+        if (p->partials == NULL) return fail(api, ORT_FAIL, "WeightMatMul: out of memory");
+    }
+    OrtStatus *status = parallel(api, context, stream_task, tasks, p);
+    if (status == NULL && !direct) {
+        for (int64_t r = 0; r < p->m; r++)
+            for (int64_t g = 0; g < p->groups; g++) {
+                const int64_t c0 = g * p->group_width, width = c0 + p->group_width < p->n ? p->group_width : p->n - c0;
+                float *out = p->out + r * p->n + c0;
+                const float *first = p->partials + (g * p->m + r) * p->group_width;
+                memcpy(out, first, sizeof(float) * (size_t)width);
+                for (int64_t s = 1; s < p->slices; s++) {
+                    const float *more = p->partials + ((s * p->groups + g) * p->m + r) * p->group_width;
+                    for (int64_t c = 0; c < width; c++) out[c] += more[c];
+                }
+            }
+    }
+    free(p->partials);
+    return status;
+}
+
+static OrtStatus *compute(void *kernel_state, void *context) {
+    const Kernel *kernel = kernel_state;
+    void *const *api = kernel->api;
+    OrtStatus *status;
+    Tensor in[INPUT_COUNT];
+    for (size_t index = 0; index < INPUT_COUNT; index++) {
+        const void *value = NULL;
+        if ((status = ((GetInputFn)api[KERNEL_CONTEXT_GET_INPUT])(context, index, &value))) return status;
+        if ((status = read_tensor(api, value, &in[index]))) return status;
+    }
+    const Tensor *a = &in[INPUT_A], *b = &in[INPUT_B];
+    if (a->element != FLOAT || a->rank < 1)
+        return fail(api, ORT_INVALID_ARGUMENT, "WeightMatMul: A is not a float tensor of rank >= 1");
+    const int type = b->element == FLOAT16 ? WEIGHT_FP16 : b->element == BFLOAT16 ? WEIGHT_BF16
+                     : b->element == FLOAT ? WEIGHT_FP32 : -1;
+    if (type < 0 || b->rank != 2)
+        return fail(api, ORT_INVALID_ARGUMENT, "WeightMatMul: B is not a 2-D float, float16 or bfloat16 tensor");
+    const int64_t k = a->dims[a->rank - 1], n = kernel->trans_b ? b->dims[0] : b->dims[1];
+    if ((kernel->trans_b ? b->dims[1] : b->dims[0]) != k)
+        return fail(api, ORT_INVALID_ARGUMENT, "WeightMatMul: the inner dimensions of A and B differ");
+    int64_t m = 1, dims[MAX_DIMS];
+    for (size_t i = 0; i + 1 < a->rank; i++) {
+        dims[i] = a->dims[i];
+        m *= a->dims[i];
+    }
+    dims[a->rank - 1] = n;
+    void *output = NULL;
+    if ((status = ((GetOutputFn)api[KERNEL_CONTEXT_GET_OUTPUT])(context, 0, dims, a->rank, &output))) return status;
+    float *out = NULL;
+    if ((status = ((GetTensorDataFn)api[GET_TENSOR_MUTABLE_DATA])(output, (void **)&out))) return status;
+    if (m == 0 || n == 0) return NULL;
+    if (k == 0) {
+        memset(out, 0, sizeof(float) * (size_t)(m * n));
+        return NULL;
+    }
+    Product p = {.kernels = kernel->kernels, .a = a->data, .b = b->data, .out = out, .type = type, .m = m, .k = k,
+                 .n = n};
+    if (m <= MAX_STREAM_ROWS) {
+        if (!kernel->trans_b) return stream(api, context, &p, type == WEIGHT_FP32 ? 4 : 2);
+        return parallel(api, context, dot_task, (size_t)((n + DOT_ROWS_PER_TASK - 1) / DOT_ROWS_PER_TASK), &p);
+    }
+    p.transposed = (int)kernel->trans_b;
+    status = parallel(api, context, panel_task, (size_t)((n + p.kernels->panel - 1) / p.kernels->panel), &p);
+    if (status == NULL && p.failed) status = fail(api, ORT_FAIL, "WeightMatMul: out of memory");
+    return status;
+}
+
+static OrtStatus *create_kernel(const void *op, const void *api_table, const void *info, void **kernel_out) {
+    (void)op;
+    void *const *api = (void *const *)api_table;
+    Kernel *kernel = calloc(1, sizeof(Kernel));
+    if (kernel == NULL) return fail(api, ORT_FAIL, "WeightMatMul: out of memory");
+    kernel->api = api;
+    kernel->kernels = choose_kernels();
+    OrtStatus *no_trans = ((GetAttributeInt64Fn)api[KERNEL_INFO_GET_ATTRIBUTE_INT64])(info, "trans_b", &kernel->trans_b);
+    if (no_trans != NULL) { /* optional, default 0 */
+        ((ReleaseFn)api[RELEASE_STATUS])(no_trans);
+        kernel->trans_b = 0;
+    }
+    *kernel_out = kernel;
+    return NULL;
+}
+
+static void destroy_kernel(void *kernel) { free(kernel); }
+static const char *op_name(const void *op) { (void)op; return "WeightMatMul"; }
+static const char *cpu_provider(const void *op) { (void)op; return "CPUExecutionProvider"; }
+static size_t input_count(const void *op) { (void)op; return INPUT_COUNT; }
+static size_t output_count(const void *op) { (void)op; return 1; }
+static int output_type(const void *op, size_t index) { (void)op; (void)index; return FLOAT; }
+static int input_type(const void *op, size_t index) { (void)op; return index == INPUT_A ? FLOAT : UNDEFINED; }
+static int default_memory(const void *op, size_t index) { (void)op; (void)index; return 0; }
+static int required(const void *op, size_t index) { (void)op; (void)index; return REQUIRED; }
+
+static const CustomOp weight_matmul = {
+    .version = 16,
+    .GetName = op_name,
+    .GetExecutionProviderType = cpu_provider,
+    .GetInputType = input_type,
+    .GetInputTypeCount = input_count,
+    .GetOutputType = output_type,
+    .GetOutputTypeCount = output_count,
+    .KernelDestroy = destroy_kernel,
+    .GetInputCharacteristic = required,
+    .GetOutputCharacteristic = required,
+    .GetInputMemoryType = default_memory,
+    .CreateKernelV2 = create_kernel,
+    .KernelComputeV2 = compute,
+};
+
+/* The op's OrtCustomOp, for OrtApi::CustomOpDomain_Add, and the instruction set it runs here. */
+const void *pipeshard_weight_matmul_op(void) { return &weight_matmul; }
+const char *pipeshard_weight_matmul_isa(void) { return choose_kernels()->name; }
+
+#else
+/* Without GCC's vector extensions (MSVC) there is no op: half-precision weights run ONNX Runtime's cast + MatMul. */
+const void *pipeshard_weight_matmul_op(void) { return 0; }
+const char *pipeshard_weight_matmul_isa(void) { return ""; }
+#endif

@@ -1,0 +1,242 @@
+/* The inner loops of pipeshard.WeightMatMul (runtime/_matmul.c) for one instruction set: included once per set,
+ * with these macros defined:
+ *   ISA          the suffix of the functions' names (avx512, avx2, portable)
+ *   ISA_TARGET   the function attribute that lets the compiler use the set (empty for portable code)
+ *   LANES        floats per vector
+ *   TILE_ROWS    rows of A in one tile of the blocked product (TILE_ROWS x 2 vectors of accumulators)
+ *   load_fp16(p), load_bf16(p)   LANES stored halves at p as one vector of floats
+ * A vector of LANES floats, `Floats`, is GCC's vector extension; the compiler keeps it in registers of the set. */
+
+#define GLUE_(name, isa) name##_##isa
+#define GLUE(name, isa) GLUE_(name, isa)
+#define FLOATS GLUE(Floats, ISA)
+#define PANEL (2 * LANES) /* columns of one packed panel of B */
+
+typedef float FLOATS __attribute__((vector_size(LANES * sizeof(float))));
+
+ISA_TARGET static inline FLOATS GLUE(load_fp32, ISA)(const float *from) {
+    FLOATS lanes;
+    memcpy(&lanes, from, sizeof lanes);
+    return lanes;
+}
+
+ISA_TARGET static inline void GLUE(store, ISA)(float *to, FLOATS lanes) { memcpy(to, &lanes, sizeof lanes); }
+
+ISA_TARGET static inline FLOATS GLUE(broadcast, ISA)(float value) { return value - (FLOATS){0}; } /* x - 0 = x, -0 too */
+
+/* The sum of the lanes, halves added to halves (log2(LANES) dependent adds, not LANES). */
+ISA_TARGET static inline float GLUE(lane_sum, ISA)(FLOATS lanes) {
+    float sums[LANES];
+    memcpy(sums, &lanes, sizeof sums);
+#pragma GCC unroll 8
+    for (int width = LANES / 2; width >= 1; width /= 2)
+#pragma GCC unroll 8
+        for (int i = 0; i < width; i++) sums[i] += sums[i + width];
+    return sums[0];
+}
+
+/* LANES weights of B from element `at`, as floats. */
+#define LOAD_WEIGHTS(type, b, at)                                                                       \
+    ((type) == WEIGHT_FP16   ? load_fp16((const uint16_t *)(b) + (at))                                   \
+     : (type) == WEIGHT_BF16 ? load_bf16((const uint16_t *)(b) + (at))                                   \
+                             : GLUE(load_fp32, ISA)((const float *)(b) + (at)))
+
+/* Rows [k, k + DEPTH) of B times columns [k, k + DEPTH) of the ROWS rows of A, added to acc[r][c - c0] for
+ * columns [c0, c1): the block's rows read side by side, front to back (as many sequential streams), their products
+ * summed in registers and added to `acc` once; with `ahead`, the next block's rows prefetched. DEPTH, ROWS and TYPE are constants where it is inlined, so every
+ * loop over them unrolls and the sums stay in registers. */
+ISA_TARGET static inline __attribute__((always_inline)) void GLUE(stream_block, ISA)(
+        const float *a, int64_t lda, const int ROWS, const void *b, const int TYPE, int64_t n, int64_t k,
+        const int DEPTH, int64_t c0, int64_t c1, float *acc, int64_t ldacc, int ahead) {
+    enum { WIDE = 4 };                    /* vectors of columns per step */
+    const int SPLIT = ROWS == 1 ? 2 : 1;  /* one row: even and odd rows of B in separate sums, for more in flight */
+    FLOATS scale[STREAM_DEPTH][MAX_STREAM_ROWS];
+#pragma GCC unroll 16
+    for (int d = 0; d < DEPTH; d++)
+#pragma GCC unroll 4
+        for (int r = 0; r < ROWS; r++) scale[d][r] = GLUE(broadcast, ISA)(a[r * lda + k + d]);
+    int64_t c = c0;
+    for (; c + WIDE * LANES <= c1; c += WIDE * LANES) {
+        FLOATS sums[MAX_STREAM_ROWS][2][WIDE] = {{{{0}}}};
+        if (TYPE != WEIGHT_FP32 && ahead) /* the next block's rows, fetched while this one is summed (fp32: no gain) */
+#pragma GCC unroll 16
+            for (int d = 0; d < DEPTH; d++)
+#pragma GCC unroll 4
+                for (int line = 0; line < WIDE * LANES * 2; line += 64)
+                    __builtin_prefetch((const char *)b + ((k + d + STREAM_DEPTH) * n + c) * 2 + line);
+#pragma GCC unroll 16
+        for (int d = 0; d < DEPTH; d++) {
+            const int64_t at = (k + d) * n + c;
+#pragma GCC unroll 4
+            for (int j = 0; j < WIDE; j++) {
+                const FLOATS w = LOAD_WEIGHTS(TYPE, b, at + j * LANES);
+#pragma GCC unroll 4
+                for (int r = 0; r < ROWS; r++) sums[r][SPLIT == 2 ? d & 1 : 0][j] += scale[d][r] * w;
+            }
+        }
+#pragma GCC unroll 4
+        for (int r = 0; r < ROWS; r++)
+#pragma GCC unroll 4
+            for (int j = 0; j < WIDE; j++) {
+                float *out = acc + r * ldacc + (c - c0) + j * LANES;
+                GLUE(store, ISA)(out, GLUE(load_fp32, ISA)(out) + (sums[r][0][j] + sums[r][1][j]));
+            }
+    }
+    for (; c + LANES <= c1; c += LANES) {
+        FLOATS sums[MAX_STREAM_ROWS] = {{0}};
+#pragma GCC unroll 16
+        for (int d = 0; d < DEPTH; d++) {
+            const FLOATS w = LOAD_WEIGHTS(TYPE, b, (k + d) * n + c);
+#pragma GCC unroll 4
+            for (int r = 0; r < ROWS; r++) sums[r] += scale[d][r] * w;
+        }
+#pragma GCC unroll 4
+        for (int r = 0; r < ROWS; r++) {
+            float *out = acc + r * ldacc + (c - c0);
+            GLUE(store, ISA)(out, GLUE(load_fp32, ISA)(out) + sums[r]);
+        }
+    }
+    for (; c < c1; c++)
+        for (int d = 0; d < DEPTH; d++) {
+            const float w = weight_at(TYPE, b, (k + d) * n + c);
+            for (int r = 0; r < ROWS; r++) acc[r * ldacc + (c - c0)] += a[r * lda + k + d] * w;
+        }
+}
+
+/* acc[r][c - c0] = sum over k in [k0, k1) of a[r][k] B[k][c], for rows r < ROWS and columns [c0, c1) of a B
+ * stored [K, N] (row stride n): blocks of STREAM_DEPTH rows of B, then the rows left one at a time. */
+ISA_TARGET static inline __attribute__((always_inline)) void GLUE(stream_fixed, ISA)(
+        const float *a, int64_t lda, const int ROWS, const void *b, const int TYPE, int64_t n, int64_t k0,
+        int64_t k1, int64_t c0, int64_t c1, float *acc, int64_t ldacc) {
+    for (int r = 0; r < ROWS; r++) memset(acc + r * ldacc, 0, sizeof(float) * (size_t)(c1 - c0));
+    int64_t k = k0;
+    for (; k + STREAM_DEPTH <= k1; k += STREAM_DEPTH)
+        GLUE(stream_block, ISA)(a, lda, ROWS, b, TYPE, n, k, STREAM_DEPTH, c0, c1, acc, ldacc,
+                                k + 2 * STREAM_DEPTH <= k1);
+    for (; k < k1; k++) GLUE(stream_block, ISA)(a, lda, ROWS, b, TYPE, n, k, 1, c0, c1, acc, ldacc, 0);
+}
+
+/* out[r][j] = a[r] . B[j] for rows r < ROWS and rows j in [j0, j1) of a B stored [N, K] (a transposed product,
+ * like a tied lm_head): four rows of B at a time, each read once, front to back. */
+ISA_TARGET static inline __attribute__((always_inline)) void GLUE(dot_fixed, ISA)(
+        const float *a, int64_t lda, const int ROWS, const void *b, const int TYPE, int64_t k, int64_t j0,
+        int64_t j1, float *out, int64_t ldo) {
+    int64_t j = j0;
+    for (; j + 4 <= j1; j += 4) {
+        FLOATS sums[MAX_STREAM_ROWS][4] = {{{0}}};
+        int64_t d = 0;
+        for (; d + LANES <= k; d += LANES) {
+            FLOATS w[4];
+            if (j + 8 <= j1) /* the next four rows, fetched while these are summed */
+                for (int q = 0; q < 4; q++)
+                    __builtin_prefetch((const char *)b + ((j + 4 + q) * k + d) * (TYPE == WEIGHT_FP32 ? 4 : 2));
+            for (int q = 0; q < 4; q++) w[q] = LOAD_WEIGHTS(TYPE, b, (j + q) * k + d);
+            for (int r = 0; r < ROWS; r++) {
+                const FLOATS x = GLUE(load_fp32, ISA)(a + r * lda + d);
+                for (int q = 0; q < 4; q++) sums[r][q] += x * w[q];
+            }
+        }
+        for (int r = 0; r < ROWS; r++)
+            for (int q = 0; q < 4; q++) {
+                float sum = GLUE(lane_sum, ISA)(sums[r][q]);
+                for (int64_t e = d; e < k; e++) sum += a[r * lda + e] * weight_at(TYPE, b, (j + q) * k + e);
+                out[r * ldo + j + q] = sum;
+            }
+    }
+    for (; j < j1; j++)
+        for (int r = 0; r < ROWS; r++) {
+            FLOATS sum = {0};
+            int64_t d = 0;
+            for (; d + LANES <= k; d += LANES)
+                sum += GLUE(load_fp32, ISA)(a + r * lda + d) * LOAD_WEIGHTS(TYPE, b, j * k + d);
+            float total = GLUE(lane_sum, ISA)(sum);
+            for (; d < k; d++) total += a[r * lda + d] * weight_at(TYPE, b, j * k + d);
+            out[r * ldo + j] = total;
+        }
+}
+
+/* The two above for any rows (1 .. MAX_STREAM_ROWS) and stored type: one specialized copy each. */
+#define BY_ROWS_AND_TYPE(call, ...)                                                                       \
+    switch (type * 8 + (int)rows) {                                                                       \
+    case WEIGHT_FP32 * 8 + 1: call(__VA_ARGS__, 1, WEIGHT_FP32); break;                                   \
+    case WEIGHT_FP32 * 8 + 2: call(__VA_ARGS__, 2, WEIGHT_FP32); break;                                   \
+    case WEIGHT_FP32 * 8 + 3: call(__VA_ARGS__, 3, WEIGHT_FP32); break;                                   \
+    case WEIGHT_FP32 * 8 + 4: call(__VA_ARGS__, 4, WEIGHT_FP32); break;                                   \
+    case WEIGHT_FP16 * 8 + 1: call(__VA_ARGS__, 1, WEIGHT_FP16); break;                                   \
+    case WEIGHT_FP16 * 8 + 2: call(__VA_ARGS__, 2, WEIGHT_FP16); break;                                   \
+    case WEIGHT_FP16 * 8 + 3: call(__VA_ARGS__, 3, WEIGHT_FP16); break;                                   \
+    case WEIGHT_FP16 * 8 + 4: call(__VA_ARGS__, 4, WEIGHT_FP16); break;                                   \
+    case WEIGHT_BF16 * 8 + 1: call(__VA_ARGS__, 1, WEIGHT_BF16); break;                                   \
+    case WEIGHT_BF16 * 8 + 2: call(__VA_ARGS__, 2, WEIGHT_BF16); break;                                   \
+    case WEIGHT_BF16 * 8 + 3: call(__VA_ARGS__, 3, WEIGHT_BF16); break;                                   \
+    case WEIGHT_BF16 * 8 + 4: call(__VA_ARGS__, 4, WEIGHT_BF16); break;                                   \
+    default: break;                                                                                       \
+    }
+#define STREAM_CALL(a, lda, b, n, k0, k1, c0, c1, acc, ldacc, ROWS, TYPE) \
+    GLUE(stream_fixed, ISA)(a, lda, ROWS, b, TYPE, n, k0, k1, c0, c1, acc, ldacc)
+#define DOT_CALL(a, lda, b, k, j0, j1, out, ldo, ROWS, TYPE) \
+    GLUE(dot_fixed, ISA)(a, lda, ROWS, b, TYPE, k, j0, j1, out, ldo)
+
+ISA_TARGET static void GLUE(stream_rows, ISA)(const float *a, int64_t lda, int64_t rows, const void *b, int type,
+                                              int64_t n, int64_t k0, int64_t k1, int64_t c0, int64_t c1,
+                                              float *acc, int64_t ldacc) {
+    BY_ROWS_AND_TYPE(STREAM_CALL, a, lda, b, n, k0, k1, c0, c1, acc, ldacc)
+}
+
+ISA_TARGET static void GLUE(dot_rows, ISA)(const float *a, int64_t lda, int64_t rows, const void *b, int type,
+                                           int64_t k, int64_t j0, int64_t j1, float *out, int64_t ldo) {
+    BY_ROWS_AND_TYPE(DOT_CALL, a, lda, b, k, j0, j1, out, ldo)
+}
+
+/* Columns [n0, n0 + cols) of B (cols <= PANEL; element (k, c) at b[k * k_stride + c * n_stride]) as floats,
+ * packed[k][PANEL], the columns past `cols` zero: the operand of `tile`. */
+ISA_TARGET static void GLUE(pack_panel, ISA)(const void *b, int type, int64_t k, int64_t k_stride, int64_t n_stride,
+                                             int64_t n0, int64_t cols, float *packed) {
+    for (int64_t d = 0; d < k; d++) {
+        float *to = packed + d * PANEL;
+        const int64_t first = d * k_stride + n0 * n_stride;
+        if (n_stride == 1 && cols == PANEL) {
+            GLUE(store, ISA)(to, LOAD_WEIGHTS(type, b, first));
+            GLUE(store, ISA)(to + LANES, LOAD_WEIGHTS(type, b, first + LANES));
+            continue;
+        }
+        int64_t c = 0;
+        for (; c < cols; c++) to[c] = weight_at(type, b, first + c * n_stride);
+        for (; c < PANEL; c++) to[c] = 0.0f;
+    }
+}
+
+/* c[r][0 .. PANEL) = sum over d < k of a[r][d] packed[d][.] for r < TILE_ROWS: TILE_ROWS x 2 vectors of
+ * accumulators in registers, one broadcast of A and two loads of the panel per step. */
+ISA_TARGET static void GLUE(tile, ISA)(const float *a, int64_t lda, const float *packed, int64_t k, float *c,
+                                       int64_t ldc) {
+    FLOATS sums[TILE_ROWS][2] = {{{0}}};
+    for (int64_t d = 0; d < k; d++) {
+        const FLOATS left = GLUE(load_fp32, ISA)(packed + d * PANEL);
+        const FLOATS right = GLUE(load_fp32, ISA)(packed + d * PANEL + LANES);
+        for (int r = 0; r < TILE_ROWS; r++) {
+            const FLOATS x = GLUE(broadcast, ISA)(a[r * lda + d]);
+            sums[r][0] += x * left;
+            sums[r][1] += x * right;
+        }
+    }
+    for (int r = 0; r < TILE_ROWS; r++) {
+        GLUE(store, ISA)(c + r * ldc, sums[r][0]);
+        GLUE(store, ISA)(c + r * ldc + LANES, sums[r][1]);
+    }
+}
+
+static const Kernels GLUE(kernels, ISA) = {
+    .name = GLUE_STRING(ISA), .lanes = LANES, .panel = PANEL, .tile_rows = TILE_ROWS,
+    .stream_rows = GLUE(stream_rows, ISA), .dot_rows = GLUE(dot_rows, ISA), .pack_panel = GLUE(pack_panel, ISA),
+    .tile = GLUE(tile, ISA),
+};
+
+#undef FLOATS
+#undef PANEL
+#undef LOAD_WEIGHTS
+#undef BY_ROWS_AND_TYPE
+#undef STREAM_CALL
+#undef DOT_CALL
+#undef GLUE
+#undef GLUE_

@@ -1,0 +1,34 @@
+"""SmolLM2 with fp16 and bf16 weights: the greedy tokens of transformers over the same half-precision weights
+(computed in fp32), from the export and from its pack on the CPU chain (which reads the weights as stored)."""
+
+import json
+
+import pytest
+import torch
+from prompts import SMOLLM2_PROMPTS
+
+import pipeshard
+from pipeshard.exporter.sources import load_source, resolve_source
+from pipeshard.partitioner.pack import partition
+
+pytestmark = pytest.mark.slow
+TORCH_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+NEW_TOKENS = 32
+
+
+def test_greedy_tokens_match_pytorch_over_the_same_weights_on_three_prompts(smollm2_half_export, tmp_path):
+    dtype = json.loads((smollm2_half_export / "export.json").read_text())["dtype"]
+    reference = load_source(resolve_source("smollm2-135m"), TORCH_DTYPES[dtype]).model.float()
+    partition(smollm2_half_export, tmp_path / "pack")
+    engines = {"export": pipeshard.load(smollm2_half_export), "chain": pipeshard.load(tmp_path / "pack")}
+    eos = set(engines["export"].codec.eos_token_ids)
+    for prompt in SMOLLM2_PROMPTS:
+        ids = engines["export"].generator.prompt_ids(prompt)
+        with torch.no_grad():
+            output = reference.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False)
+        theirs = output[0, len(ids):].tolist()
+        theirs = theirs[: next((i for i, t in enumerate(theirs) if t in eos), len(theirs))]
+        for name, engine in engines.items():
+            (ours,) = engine.generator.generate([ids], pipeshard.api.SamplingSettings(max_new_tokens=NEW_TOKENS))
+            assert ours.tokens == theirs, (dtype, name, prompt)
+        assert len(theirs) >= 5
