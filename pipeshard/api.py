@@ -73,7 +73,8 @@ class Engine:
         for prompt, its_images in zip(prompts, per_prompt, strict=True):
             if its_images:
                 encoded = encode_images(self.vision, list(its_images))
-                prompt = expand_prompt(with_placeholders(prompt, len(encoded), config), encoded, config)
+                prompt = expand_prompt(with_placeholders(prompt, len(encoded), config), [i.tokens for i in encoded],
+                                       config)
                 features += [image.features for image in encoded]
             ids += self._prompt_ids(prompt, chat_template, system)
         return ids, np.concatenate(features) if features else None

@@ -112,8 +112,10 @@ def create_app(state: State):
     async def chat_completions(request):
         body = await body_of(request)
         scheduler = ready()
-        prompt = prompt_ids(state.engine.codec, body, chat=True, vocab_size=scheduler.step.vocab_size)
-        return await complete(request, body, scheduler, prompt, chat=True)
+        prompt, images = prompt_with_images(state.engine.codec, body, chat=True, vocab_size=scheduler.step.vocab_size,
+                                            vision=state.engine.vision)
+        return await complete(request, body, scheduler, prompt, chat=True,
+                              pixel_values=images.pixel_values if images is not None else None)
 
     async def completions(request):
         body = await body_of(request)
@@ -121,7 +123,7 @@ def create_app(state: State):
         ids = prompt_ids(state.engine.codec, body, chat=False, vocab_size=scheduler.step.vocab_size)
         return await complete(request, body, scheduler, ids, chat=False)
 
-    async def complete(request, body: dict, scheduler, prompt: list[int], chat: bool):
+    async def complete(request, body: dict, scheduler, prompt: list[int], chat: bool, pixel_values=None):
         model = body.get("model", state.settings.model_name)
         if model != state.settings.model_name:
             raise RequestError(f"unknown model {model!r}; this server has {state.settings.model_name!r}",
@@ -136,7 +138,8 @@ def create_app(state: State):
         from pipeshard.runtime.scheduler import QueueFull
 
         try:
-            handle = scheduler.submit(prompt, settings, sink=lambda e: loop.call_soon_threadsafe(events.put_nowait, e))
+            handle = scheduler.submit(prompt, settings, sink=lambda e: loop.call_soon_threadsafe(events.put_nowait, e),
+                                      pixel_values=pixel_values)
         except QueueFull as exc:
             raise RequestError(str(exc), 503, kind="server_error") from None
         identifier = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
@@ -266,23 +269,81 @@ def _sse(document: dict) -> str:
 def prompt_ids(codec, body: dict, chat: bool, vocab_size: int) -> list[int]:
     """A request's prompt as token ids: its messages through the chat template (chat), or its prompt as text (the
     tokenizer's special tokens added) or token ids."""
+    return prompt_with_images(codec, body, chat, vocab_size, None)[0]
+
+
+def prompt_with_images(codec, body: dict, chat: bool, vocab_size: int, vision) -> tuple[list[int], object]:
+    """`prompt_ids`, and for a VLM's chat messages with `image_url` parts (data: URLs) the images prepared for the
+    encoder (runtime/vision.py `PreparedImages`, else None); their placeholders expanded into image tokens."""
     if chat:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages or not all(
-                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str | list)
                 for m in messages):
             raise RequestError("'messages' must be a non-empty list of {role, content} objects with text content",
                                param="messages")
         if codec.chat_template is None:
             raise RequestError("this model has no chat template: use /v1/completions", param="messages")
-        return codec.encode(codec.render_messages([{"role": m["role"], "content": m["content"]} for m in messages]))
+        images: list = []
+        rendered = [{"role": m["role"], "content": _message_text(m["content"], images, vision)} for m in messages]
+        text = codec.render_messages(rendered)
+        if not images:
+            return codec.encode(text), None
+        from pipeshard.runtime.vision import expand_prompt, prepare_images
+
+        try:
+            prepared = prepare_images(vision.config, images)
+            return codec.encode(expand_prompt(text, prepared.tokens, vision.config)), prepared
+        except UserError as exc:
+            raise RequestError(str(exc), param="messages") from None
     prompt = body.get("prompt")
     if isinstance(prompt, str) and prompt:
-        return codec.encode(prompt, add_special_tokens=True)
+        return codec.encode(prompt, add_special_tokens=True), None
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
                                                    and 0 <= t < vocab_size for t in prompt):
-        return list(prompt)
+        return list(prompt), None
     raise RequestError("'prompt' must be a non-empty string or a list of token ids", param="prompt")
+
+
+def _message_text(content, images: list, vision) -> str:
+    """A message's text; content parts (OpenAI's `text` and `image_url`) joined, each image a placeholder (its
+    image appended to `images`)."""
+    if isinstance(content, str):
+        return content
+    pieces = []
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text" and isinstance(part.get("text"), str):
+            pieces.append(part["text"])
+        elif kind == "image_url":
+            if vision is None:
+                raise RequestError("this model is a text model: it takes no images", param="messages")
+            images.append(_data_url_image(part.get("image_url")))
+            pieces.append(vision.config["image_token"])
+        else:
+            raise RequestError("a content part must be {type: text, text} or {type: image_url, image_url: {url}}",
+                               param="messages")
+    return "".join(pieces)
+
+
+def _data_url_image(image_url):
+    """The image of a `data:image/...;base64,` URL (this server fetches nothing from the network)."""
+    import base64
+    import binascii
+    import io
+
+    from PIL import Image, UnidentifiedImageError
+
+    url = image_url.get("url") if isinstance(image_url, dict) else None
+    if not isinstance(url, str) or not url.startswith("data:image/") or ";base64," not in url:
+        raise RequestError("'image_url.url' must be a data:image/...;base64, URL (no network fetches)",
+                           param="messages")
+    try:
+        image = Image.open(io.BytesIO(base64.b64decode(url.split(";base64,", 1)[1], validate=True)))
+        image.load()
+    except (binascii.Error, UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as exc:
+        raise RequestError(f"the image in 'image_url' cannot be read ({exc})", param="messages") from None
+    return image
 
 
 def sampling_settings(body: dict, default_max_tokens: int):

@@ -65,7 +65,7 @@ class Conversation:
             if images:
                 from pipeshard.runtime.vision import expand_prompt
 
-                text = expand_prompt(text, images, self.vision.config)
+                text = expand_prompt(text, [image.tokens for image in images], self.vision.config)
                 features = np.concatenate([image.features for image in images])
             ids = codec.encode(text)
             if len(ids) + self.settings.max_new_tokens <= self.context:

@@ -59,6 +59,8 @@ class Request:
     fed: int = 0  # prompt tokens in the slot's KV
     generated: list[int] = field(default_factory=list)
     last_token: int = 0
+    pixel_values: np.ndarray | None = None  # a VLM's images, encoded when the request gets its slot
+    image_features: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         self.rng = np.random.default_rng(self.settings.seed)
@@ -124,17 +126,21 @@ class Scheduler:
         self._thread.start()
 
     # -- any thread -------------------------------------------------------------------------------------------------
-    def submit(self, prompt: list[int], settings: SamplingSettings, sink: Callable[[Event], None] | None = None
-               ) -> RequestStream:
+    def submit(self, prompt: list[int], settings: SamplingSettings, sink: Callable[[Event], None] | None = None,
+               pixel_values: np.ndarray | None = None) -> RequestStream:
         """Queue a request. Raises UserError for what the request itself gets wrong, QueueFull when the queue is at
-        its bound. `sink` (called on the scheduler thread) receives the events instead of the returned stream."""
+        its bound. `sink` (called on the scheduler thread) receives the events instead of the returned stream.
+        `pixel_values`: a VLM prompt's images (runtime/vision.py `prepare_images`), for its expanded image tokens;
+        the encoder runs on the scheduler's thread, which owns the device."""
+        if pixel_values is not None and getattr(self.engine, "vision", None) is None:
+            raise UserError("this model is a text model: it takes no images")
         settings.validate()
         if not prompt:
             raise UserError("the prompt is empty")
         if len(prompt) + 1 > self.context:
             raise UserError(f"the prompt ({len(prompt)} tokens) leaves no room in the context of {self.context} tokens")
         events: queue.SimpleQueue = queue.SimpleQueue()
-        request = Request(next(self._ids), list(prompt), settings, sink or events.put)
+        request = Request(next(self._ids), list(prompt), settings, sink or events.put, pixel_values=pixel_values)
         if self._stopping.is_set():
             raise QueueFull("the server is shutting down")
         try:
@@ -221,6 +227,14 @@ class Scheduler:
             if request.cancelled.is_set():
                 self._finish(request, "cancelled")
                 continue
+            if request.pixel_values is not None:
+                try:
+                    request.image_features = self.engine.vision.encode(request.pixel_values)
+                    request.pixel_values = None
+                except Exception as error:  # the encoder failed (too small a budget): this request ends, not the rest
+                    log.exception("image encoding failed")
+                    self._finish(request, "error", error=str(error))
+                    continue
             request.slot = self._slots.index(None)
             self._slots[request.slot] = request
             request.text = _TextStream(self.codec, request.settings.stop_strings)
@@ -230,7 +244,13 @@ class Scheduler:
         begin = request.fed
         end = min(len(request.prompt), begin + PREFILL_CHUNK)
         ids = np.array([request.prompt[begin:end]], np.int64)
-        logits = self.step.forward(ids, np.ones((1, end), np.int64), np.arange(begin, end)[None], slot=request.slot)
+        features = None
+        if request.image_features is not None:  # the rows of this chunk's image tokens
+            image_token = self.step.image_token_id
+            first = sum(1 for token in request.prompt[:begin] if token == image_token)
+            features = request.image_features[first: first + int(np.count_nonzero(ids == image_token))]
+        logits = self.step.forward(ids, np.ones((1, end), np.int64), np.arange(begin, end)[None], slot=request.slot,
+                                   image_features=features)
         request.fed = end
         self.stats.prompt_tokens += end - begin
         if end == len(request.prompt):
@@ -239,7 +259,8 @@ class Scheduler:
     def _prefill_group(self, prefilling: list[Request]) -> list[Request]:
         """Requests not yet started, in neighbouring slots, whose prompts fit one chunk: prefilled in one step
         (their KV rows are then one range of the cache), up to PREFILL_GROUP_TOKENS padded tokens."""
-        fresh = sorted((r for r in prefilling if r.fed == 0 and len(r.prompt) <= PREFILL_CHUNK), key=lambda r: r.slot)
+        fresh = sorted((r for r in prefilling if r.fed == 0 and len(r.prompt) <= PREFILL_CHUNK
+                        and r.image_features is None), key=lambda r: r.slot)
         group: list[Request] = []
         for request in fresh:
             if group and request.slot != group[-1].slot + 1:

@@ -49,14 +49,14 @@ def with_placeholders(prompt: str, count: int, config: dict) -> str:
     return prompt
 
 
-def expand_prompt(text: str, images: list[EncodedImage], config: dict) -> str:
-    """`text` (rendered, its placeholders in image order) with each placeholder replaced by its image's tokens."""
+def expand_prompt(text: str, runs: list[str], config: dict) -> str:
+    """`text` (rendered, its placeholders in image order) with each placeholder replaced by its image's token run."""
     pieces = text.split(config["image_token"])
-    if len(pieces) - 1 != len(images):
-        raise UserError(f"the prompt has {len(pieces) - 1} image placeholder(s) but {len(images)} image(s)")
+    if len(pieces) - 1 != len(runs):
+        raise UserError(f"the prompt has {len(pieces) - 1} image placeholder(s) but {len(runs)} image(s)")
     expanded = [pieces[0]]
-    for image, piece in zip(images, pieces[1:], strict=True):
-        expanded += [image.tokens, piece]
+    for run, piece in zip(runs, pieces[1:], strict=True):
+        expanded += [run, piece]
     return "".join(expanded)
 
 
@@ -235,14 +235,33 @@ def _resident_bytes(entry: dict) -> int:
     return -(-nbytes // WEIGHT_ALIGNMENT) * WEIGHT_ALIGNMENT
 
 
+@dataclass
+class PreparedImages:
+    """Images preprocessed, not yet encoded: each one's token run, and all their tiles for one encoder run."""
+
+    tokens: list[str]
+    pixel_values: np.ndarray
+    counts: list[int]  # image tokens (feature rows) per image
+
+
+def prepare_images(config: dict, images: list) -> PreparedImages:
+    """Preprocess `images` (paths or PIL images) under a pack's preprocessing config."""
+    prepared = [preprocess([image], config) for image in open_images(images)]
+    return PreparedImages([expand_image_tokens(config["image_token"], inputs, config) for inputs in prepared],
+                          np.concatenate([inputs.pixel_values for inputs in prepared]),
+                          [inputs.image_tokens[0] for inputs in prepared])
+
+
+def encode_prepared(encoder, prepared: PreparedImages) -> list[EncodedImage]:
+    """Run prepared images' tiles through the encoder in one go."""
+    features = encoder.encode(prepared.pixel_values)
+    if len(features) != sum(prepared.counts):
+        raise RuntimeError(f"the vision graph gave {len(features)} feature rows for {sum(prepared.counts)} image "
+                           "tokens")
+    edges = np.cumsum([0, *prepared.counts])
+    return [EncodedImage(tokens, features[edges[i]: edges[i + 1]]) for i, tokens in enumerate(prepared.tokens)]
+
+
 def encode_images(encoder, images: list) -> list[EncodedImage]:
     """Preprocess `images` (paths or PIL images) and run their tiles through the encoder in one go."""
-    config = encoder.config
-    prepared = [preprocess([image], config) for image in open_images(images)]
-    features = encoder.encode(np.concatenate([inputs.pixel_values for inputs in prepared]))
-    counts = [inputs.image_tokens[0] for inputs in prepared]
-    if len(features) != sum(counts):
-        raise RuntimeError(f"the vision graph gave {len(features)} feature rows for {sum(counts)} image tokens")
-    edges = np.cumsum([0, *counts])
-    return [EncodedImage(expand_image_tokens(config["image_token"], inputs, config), features[edges[i]: edges[i + 1]])
-            for i, inputs in enumerate(prepared)]
+    return encode_prepared(encoder, prepare_images(encoder.config, images))

@@ -212,3 +212,37 @@ def test_smolvlm_256m_through_the_real_smollm2_decoder_equals_transformers(tmp_p
                                     max_new_tokens=NEW_TOKENS)
         assert len(result.tokens) == NEW_TOKENS
         assert result.tokens == reference_tokens(reference, result.prompt_tokens, images)
+
+
+def _data_url(path: Path) -> str:
+    import base64
+
+    return "data:image/png;base64," + base64.b64encode(path.read_bytes()).decode()
+
+
+def test_server_takes_images_as_data_urls(vlm_pack, images):
+    """Chat requests with image parts, two at once on the scheduler, get what `generate(images=...)` gives; a URL
+    the server would have to fetch, or bytes that are no image, are a 400 with an error object."""
+    import httpx
+    from test_server import client, server
+
+    engine = pipeshard.load(vlm_pack)
+    expected = [engine.generate(PROMPT, images=[str(p) for p in paths], max_new_tokens=NEW_TOKENS)[0].text
+                for paths in (images[:1], images)]
+    with server(vlm_pack, "--parallel", "2", "--context", "512") as base:
+        chat = client(base)
+
+        def ask(paths):
+            parts = [{"type": "image_url", "image_url": {"url": _data_url(p)}} for p in paths]
+            answer = chat.chat.completions.create(model="pack", max_tokens=NEW_TOKENS, temperature=0, messages=[
+                {"role": "user", "content": [*parts, {"type": "text", "text": PROMPT}]}])
+            return answer.choices[0].message.content
+
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(2) as pool:
+            assert list(pool.map(ask, (images[:1], images))) == expected
+        for url in ("https://example.com/cat.png", "data:image/png;base64,bm90IGFuIGltYWdl"):
+            reply = httpx.post(base + "/v1/chat/completions", json={"model": "pack", "messages": [
+                {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}]})
+            assert reply.status_code == 400 and reply.json()["error"]["param"] == "messages"
