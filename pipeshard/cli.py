@@ -435,6 +435,9 @@ def _command_plan(args: argparse.Namespace) -> int:
     out, plot = _output_path(args.out, "--out"), _output_path(args.plot, "--plot")
     pack = load_pack(args.pack)
     _check_context(args.context, pack.folder)
+    image_sizes = _image_sizes(args.image_size)
+    if image_sizes and "vision" not in pack.manifest:
+        raise UserError(f"--image-size: {pack.folder} is a text model (no vision tower)")
     if args.expert_stats is not None and not Path(args.expert_stats).is_file():
         raise UserError(f"--expert-stats {args.expert_stats} does not exist")
     profile_ref = profile_or_fallback(args.profile)
@@ -455,6 +458,8 @@ def _command_plan(args: argparse.Namespace) -> int:
     planner.budget_bytes = budget
     if args.explain and not args.json:
         print(_explained(planner, planned, args.batch))
+    if image_sizes and not args.json:
+        print(_vision_plan(pack, budget, image_sizes))
     document = plans_document(planner, planned, str(pack.folder), str(profile_ref),
                               sha256_file(pack.folder / "manifest.json"), ladder)
     if out:
@@ -472,6 +477,44 @@ def _command_plan(args: argparse.Namespace) -> int:
         if not args.json:
             print(f"wrote {plot}")
     return 0
+
+
+def _image_sizes(text: str | None) -> list[tuple[int, int]]:
+    """`--image-size 1920x1080,640x480` as (width, height) pairs."""
+    sizes = []
+    for size in (text or "").split(",") if text else []:
+        try:
+            width, height = (int(v) for v in size.lower().split("x"))
+            if width < 1 or height < 1:
+                raise ValueError
+        except ValueError:
+            raise UserError(f"--image-size {size!r}: give WIDTHxHEIGHT in pixels, e.g. 1920x1080") from None
+        sizes.append((width, height))
+    return sizes
+
+
+def _vision_plan(pack, budget: int, sizes: list[tuple[int, int]]) -> str:
+    """A VLM's vision encoder at each image size under the budget: tiles, patches and its predicted device peak
+    streamed the VLMOpt way (the decoder's memory released first), beside a naive port's."""
+    from PIL import Image
+
+    from pipeshard.partitioner.vision_memory import VisionShape, image_patches, naive_peak, vlmopt_peak
+    from pipeshard.runtime.images import preprocess
+
+    vision = pack.manifest["vision"]
+    shape = VisionShape.from_pack(vision)
+    lines = [f"vision encoder at {format_bytes(budget)} (VLMOpt: weights streamed through two slots of "
+             f"{format_bytes(shape.largest_block_bytes)}, the decoder's memory released first):"]
+    for width, height in sizes:
+        tiles = len(preprocess([Image.new("RGB", (width, height))], vision["preprocessing"]).pixel_values)
+        patches, keys = image_patches(shape, width, height, tiles)
+        workspace = budget - 2 * shape.largest_block_bytes
+        streamed = vlmopt_peak(shape, patches, keys, max(workspace, 0))
+        naive = naive_peak(shape, patches, keys, 0)
+        fits = "fits" if streamed.total <= budget else "does not fit: give a larger budget"
+        lines.append(f"  {width}x{height}: {tiles} tiles, {patches:,} patches; VLMOpt {format_bytes(streamed.total)} "
+                     f"({fits}), naive {format_bytes(naive.total)} + the decoder's plan")
+    return "\n".join(lines)
 
 
 def _explained(planner, planned: dict, batch: int) -> str:
@@ -620,6 +663,8 @@ def build_parser() -> argparse.ArgumentParser:
                            "quantized figures; the pack and the runtime stay lossless, and such a plans file won't run")
     plan.add_argument("--expert-stats", default=None, metavar="FILE",
                       help="MoE routing stats (run --save-expert-stats) instead of uniform routing")
+    plan.add_argument("--image-size", default=None, metavar="WxH[,WxH]",
+                      help="VLM: the vision encoder's predicted device memory for images of these sizes")
     plan.set_defaults(handler=_command_plan)
 
     run = commands.add_parser("run", help="generate text from an export folder or a model pack")

@@ -246,3 +246,15 @@ def test_server_takes_images_as_data_urls(vlm_pack, images):
             reply = httpx.post(base + "/v1/chat/completions", json={"model": "pack", "messages": [
                 {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}]})
             assert reply.status_code == 400 and reply.json()["error"]["param"] == "messages"
+
+
+def test_plan_predicts_the_vision_encoder_at_image_sizes(vlm_pack, tiny_pack):
+    done = subprocess.run([sys.executable, "-m", "pipeshard", "plan", str(vlm_pack), "--vram", "50%", "--profile",
+                           "laptop-8gb", "--tiers", "1", "--image-size", "64x48,1280x720"],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    lines = [line for line in done.stdout.splitlines() if line.startswith("  ") and "tiles" in line]
+    assert len(lines) == 2 and all("VLMOpt" in line and "(fits)" in line for line in lines)
+    text_model = subprocess.run([sys.executable, "-m", "pipeshard", "plan", str(tiny_pack), "--vram", "50%",
+                                 "--image-size", "64x48"], capture_output=True, text=True)
+    assert text_model.returncode == 2 and text_model.stderr.startswith("error:") and "text model" in text_model.stderr
