@@ -70,7 +70,7 @@ def _quiet_third_party_output() -> None:
         logging.getLogger(name).setLevel(logging.ERROR)
 
 
-def _export_vision(source, staging: Path, opset: int, dtype: str) -> dict:
+def _export_vision(source, staging: Path, opset: int) -> dict:
     """A VLM's vision graph beside the decoder, checked against PyTorch; its description for export.json."""
     from pipeshard.exporter.image_processing import preprocessing_config
     from pipeshard.exporter.vlm import VISION_FILE, export_vision, vision_description
@@ -115,7 +115,7 @@ def export_model(model: str, out: Path, dtype: str = "fp32", force: bool = False
         progress.update()
 
         progress.set_description("trace + write ONNX")
-        vision = _export_vision(source, staging, opset, dtype) if source.vlm is not None else None
+        vision = _export_vision(source, staging, opset) if source.vlm is not None else None
         export_decoder(source.model, export_config, staging / MODEL_FILE, opset)
         dims = export_config.dims
         fuse_exported_model(staging / MODEL_FILE, dims.num_attention_heads, dims.num_key_value_heads,

@@ -70,8 +70,8 @@ def build_vlm(text_model, tokenizer, vision: dict, scale_factor: int, seed_text:
     import torch
     from transformers import SmolVLMConfig, SmolVLMForConditionalGeneration
 
-    added = tokenizer.add_special_tokens({"additional_special_tokens": image_special_tokens()},
-                                         replace_extra_special_tokens=False)
+    tokenizer.add_special_tokens({"additional_special_tokens": image_special_tokens()},
+                                 replace_extra_special_tokens=False)
     text_config = text_model.config
     vocab = max(len(tokenizer), text_config.vocab_size)
     config = SmolVLMConfig(text_config={**text_config.to_dict(), "vocab_size": vocab}, vision_config=vision,
@@ -105,7 +105,6 @@ def build_vlm(text_model, tokenizer, vision: dict, scale_factor: int, seed_text:
     stray = [k for k in missing if not k.startswith(("model.vision_model.", "model.connector.", "lm_head."))]
     if stray or unexpected:
         raise RuntimeError(f"text weights do not fit the VLM: missing {stray}, unexpected {unexpected}")
-    del added
     return model, tokenizer
 
 

@@ -275,8 +275,7 @@ def partition(export_dir: Path, pack: Path, force: bool = False) -> PartitionRes
     graph = build_graph(model)
     assignment = assign_sub_layers(model, graph, rules)
     hoist_step_invariants(model, graph, assignment)
-    if "vision" in info:
-        keep_embedding_whole(model, graph, assignment)
+    keep_embedding_whole(model, graph, assignment)
     merge_duplicate_prologue_nodes(model, assignment)
     untranspose_tied_weights(model, assignment)
     model, assignment = topologically_sorted(model, assignment)

@@ -15,6 +15,7 @@ from typing import Protocol
 import numpy as np
 
 from pipeshard.errors import UserError
+from pipeshard.runtime.kv import image_rows
 
 
 class ForwardStep(Protocol):
@@ -182,8 +183,7 @@ class Generator:
         features = image_features
         if reused:
             input_ids, position_ids = input_ids[:, reused:], position_ids[:, reused:]
-            if features is not None:
-                features = features[self._image_tokens(prompts[0][:reused]):]
+            features = image_rows(prompts[0], reused, len(prompts[0]), self._image_token(), features)
         elif keep_cache is not None:
             self.cached_tokens, self.cache_capacity = [], keep_cache
             self.step.start(1, keep_cache)
@@ -255,9 +255,8 @@ class Generator:
                     step_token_counts=step_counts,
                 ))
 
-    def _image_tokens(self, ids: list[int]) -> int:
-        image_token = getattr(self.step, "image_token_id", None)
-        return sum(1 for token in ids if token == image_token) if image_token is not None else 0
+    def _image_token(self) -> int | None:
+        return getattr(self.step, "image_token_id", None)
 
     def _reusable_prefix(self, prompt: list[int], total: int, capacity: int,
                          image_features: np.ndarray | None = None) -> int:
@@ -270,13 +269,13 @@ class Generator:
             if cached != token:
                 break
             same += 1
-        images = self._image_tokens(prompt[:same])
+        image_token = self._image_token()
+        images = prompt[:same].count(image_token) if image_token is not None else 0
         if images:
             cached = self.cached_features
             seen = cached is not None and image_features is not None and len(cached) >= images and \
                 len(image_features) >= images and np.array_equal(cached[:images], image_features[:images])
             if not seen:
-                image_token = self.step.image_token_id
                 same = prompt.index(image_token)
         return same
 

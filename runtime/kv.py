@@ -66,3 +66,14 @@ class HostKvCache:
             self.buffers[name] = grown
         self.capacity = capacity
         return True
+
+
+def image_rows(token_ids, begin: int, end: int, image_token_id: int | None, features):
+    """The rows of `features` (one per image token of `token_ids`, in order) that belong to the image tokens of
+    token_ids[begin:end]: what a step feeding that part of a prompt takes; None without features."""
+    if features is None or image_token_id is None:
+        return None
+    ids = np.asarray(token_ids)
+    first = int(np.count_nonzero(ids[:begin] == image_token_id))
+    return features[first: first + int(np.count_nonzero(ids[begin:end] == image_token_id))]
+

@@ -23,6 +23,7 @@ import numpy as np
 
 from pipeshard.errors import UserError
 from pipeshard.runtime.generate import SamplingSettings, _first_stop, _TextStream, choose_next_tokens
+from pipeshard.runtime.kv import image_rows
 
 log = logging.getLogger(__name__)
 PREFILL_CHUNK = 256  # prompt tokens per loop turn while other rows are decoding
@@ -244,11 +245,7 @@ class Scheduler:
         begin = request.fed
         end = min(len(request.prompt), begin + PREFILL_CHUNK)
         ids = np.array([request.prompt[begin:end]], np.int64)
-        features = None
-        if request.image_features is not None:  # the rows of this chunk's image tokens
-            image_token = self.step.image_token_id
-            first = sum(1 for token in request.prompt[:begin] if token == image_token)
-            features = request.image_features[first: first + int(np.count_nonzero(ids == image_token))]
+        features = image_rows(request.prompt, begin, end, self.step.image_token_id, request.image_features)
         logits = self.step.forward(ids, np.ones((1, end), np.int64), np.arange(begin, end)[None], slot=request.slot,
                                    image_features=features)
         request.fed = end

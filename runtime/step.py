@@ -42,7 +42,15 @@ from pipeshard.runtime import capi
 from pipeshard.runtime.devices import CpuDevice, Device
 from pipeshard.runtime.exportdir import NUMPY_DTYPES, compute_dtype, numpy_dtype
 from pipeshard.runtime.joined import JoinedGraph, join
-from pipeshard.runtime.kv import IMAGE_FEATURES, PADDING_BIAS, SEQLENS, TOTAL, HostKvCache, check_step_shape
+from pipeshard.runtime.kv import (
+    IMAGE_FEATURES,
+    PADDING_BIAS,
+    SEQLENS,
+    TOTAL,
+    HostKvCache,
+    check_step_shape,
+    image_rows,
+)
 from pipeshard.runtime.moe import ExpertStats, MoeBlock, chosen_experts, combine
 from pipeshard.runtime.pack import MappedWeights, Pack, load_pack
 from pipeshard.runtime.plansource import PlanBook
@@ -826,12 +834,12 @@ class Step:
             # A prompt longer than the largest tier: chunks of it (bounds activation memory too). A batch's
             # prompts go in one step: GQA on the CPU takes several new tokens after a past only for batch 1.
             past = total - tokens
-            starts = range(0, tokens, largest)
-            features = split_features(input_ids[0], self.image_token_id, image_features, starts)
             pieces = [np.array(self.forward(input_ids[:, begin: begin + largest],
                                             attention_mask[:, : past + min(begin + largest, tokens)],
-                                            position_ids[:, begin: begin + largest], slot, image_features=rows))
-                      for begin, rows in zip(starts, features, strict=True)]
+                                            position_ids[:, begin: begin + largest], slot,
+                                            image_features=image_rows(input_ids[0], begin, begin + largest,
+                                                                      self.image_token_id, image_features)))
+                      for begin in range(0, tokens, largest)]
             return np.concatenate(pieces, axis=1)
         tier = self.book.tier_for(batch * tokens)
         plan = self.book.plan_for(tier)
@@ -958,16 +966,6 @@ class Step:
     def close(self) -> None:
         self._deactivate()
         self.device.close()
-
-
-def split_features(token_ids: np.ndarray, image_token_id: int | None, features: np.ndarray | None,
-                   starts: range) -> list[np.ndarray | None]:
-    """The image features of each chunk of a prompt cut at `starts`: as many rows as the chunk has image tokens."""
-    if features is None or image_token_id is None:
-        return [None] * len(starts)
-    counts = [int(np.count_nonzero(token_ids[begin: begin + starts.step] == image_token_id)) for begin in starts]
-    edges = np.cumsum([0, *counts])
-    return [features[edges[i]: edges[i + 1]] for i in range(len(starts))]
 
 
 def _stored_weight(pack: Pack, entry: dict, name: str) -> np.ndarray:

@@ -258,3 +258,12 @@ def test_plan_predicts_the_vision_encoder_at_image_sizes(vlm_pack, tiny_pack):
     text_model = subprocess.run([sys.executable, "-m", "pipeshard", "plan", str(tiny_pack), "--vram", "50%",
                                  "--image-size", "64x48"], capture_output=True, text=True)
     assert text_model.returncode == 2 and text_model.stderr.startswith("error:") and "text model" in text_model.stderr
+
+
+def test_a_prompt_cut_into_chunks_gives_each_chunk_its_image_rows(vlm_pack, images, tiny_vlm):
+    """Tiers of at most 16 tokens: the two-image prompt's prefill runs in chunks that cut through image runs."""
+    engine = pipeshard.load(vlm_pack, device="sim", vram="60%", profile="laptop-8gb")
+    engine.step.tiers = [1, 16]
+    (result,) = engine.generate(PROMPT, images=[str(p) for p in images], max_new_tokens=NEW_TOKENS)
+    assert len(result.prompt_tokens) > 3 * 16
+    assert result.tokens == reference_tokens(tiny_vlm, result.prompt_tokens, images)[: len(result.tokens)]
