@@ -24,6 +24,7 @@ RESERVE_BYTES = 64 * 1024**2  # kept free for the driver and fragmentation
 STAGING_SLOTS = 2
 DYNAMIC_MOVES = 128  # up to this many candidates, the dynamic search tries each alone (see Planner.dynamic) ...
 DYNAMIC_BLOCKS = 32  # ... beyond it, this many blocks of neighbours
+KV_STREAMING_SHARE = 0.1  # plans streaming KV are tried once all the KV passes this share of the usable budget
 HOST_ONLY_KINDS = ("prologue", "embed")  # cheap, and embed reads only T rows of a large table
 STRATEGIES = ("gpu-only", "static", "dynamic")
 BASELINES = ("monolithic", "cpu", "layers", "offload")
@@ -60,8 +61,9 @@ def planning_units(sub_layers: list[dict], output_chunks: int | None = None) -> 
 @dataclass
 class VramBreakdown:
     pinned_weights: int = 0
-    kv_cache: int = 0
+    kv_cache: int = 0  # the device-resident KV: pinned attentions', and streamed ones' whose KV is not streamed
     staging_slots: int = 0
+    kv_staging: int = 0  # one KV slot beside each staging slot, for the streamed attentions whose KV streams
     expert_slots: int = 0
     workspace: int = 0
     ep_overhead: int = 0
@@ -69,8 +71,8 @@ class VramBreakdown:
 
     @property
     def total(self) -> int:
-        return (self.pinned_weights + self.kv_cache + self.staging_slots + self.expert_slots + self.workspace
-                + self.ep_overhead + self.reserve)
+        return (self.pinned_weights + self.kv_cache + self.staging_slots + self.kv_staging + self.expert_slots
+                + self.workspace + self.ep_overhead + self.reserve)
 
 
 @dataclass
@@ -87,6 +89,7 @@ class Plan:
     copy_hidden_fraction: float = 1.0
     slots: int = STAGING_SLOTS
     prefetch: bool = True
+    kv_streamed: list[str] = field(default_factory=list)  # streamed attentions whose KV streams with their weights
     timeline: list = field(default_factory=list, repr=False)
 
     def counts(self) -> dict[str, int]:
@@ -104,8 +107,8 @@ class Plan:
         """A plan as `to_json` wrote it (plans.json); the derived fields (counts, vram total) are recomputed."""
         fields = {name: document[name] for name in ("strategy", "tier", "placements", "predicted_s", "step_s",
                                                      "tokens_per_s", "budget_bytes")}
-        optional = {name: document[name] for name in ("streamed_bytes", "copy_hidden_fraction", "slots", "prefetch")
-                    if name in document}
+        optional = {name: document[name] for name in ("streamed_bytes", "copy_hidden_fraction", "slots", "prefetch",
+                                                      "kv_streamed") if name in document}
         vram = VramBreakdown(**{k: v for k, v in document["vram"].items() if k != "total"})
         return cls(**fields, **optional, vram=vram)
 
@@ -119,6 +122,7 @@ class Planner:
         self.manifest = manifest
         self.model = manifest["model"]
         self.sub_layers = planning_units(manifest["sub_layers"], output_chunks)
+        self.units = {e["name"]: e for e in self.sub_layers}
         self.profile = profile
         # Planning only (comparisons with quantized figures): every weight takes `assume_bits` bits instead of
         # the pack's dtype, in VRAM, copies and reads; compute rates, activations and KV stay the pack's.
@@ -130,6 +134,8 @@ class Planner:
         self.budget_bytes = budget_bytes
         self.ep_overhead = int(profile["device"].get("ep_overhead_bytes") or 0)
         self.device_memory = profile["device"].get("memory_bytes")
+        # The simulated device computes on the host's cores: its sub-layers slow under copies like the CPU's.
+        self.device_shares_cpu = profile["device"]["kind"] == "sim"
         owned = {}
         for entry in self.sub_layers:
             for weight in entry["weights"]:
@@ -165,18 +171,32 @@ class Planner:
         logits = 4 * tier * self.model["vocab_size"]
         return tier * element * (4 * hidden + 3 * inter) + max(scores, logits)
 
-    def vram(self, placements: dict[str, str], tier: int, slots: int) -> VramBreakdown:
+    def vram(self, placements: dict[str, str], tier: int, slots: int,
+             kv_streamed: frozenset[str] = frozenset()) -> VramBreakdown:
         on_device = [e for e in self.placeable if placements[e["name"]] != CPU]
         streamed = [e for e in on_device if placements[e["name"]] == STREAMED and e["kind"] != "expert"]
         streamed_experts = [e for e in on_device if placements[e["name"]] == STREAMED and e["kind"] == "expert"]
         return VramBreakdown(
             pinned_weights=sum(self.weight_bytes[e["name"]] for e in on_device if placements[e["name"]] == PINNED),
-            kv_cache=sum(self.kv_bytes(e) for e in on_device),
+            kv_cache=sum(self.kv_bytes(e) for e in on_device if e["name"] not in kv_streamed),
             staging_slots=slots * max((self.weight_bytes[e["name"]] for e in streamed), default=0) if streamed else 0,
+            kv_staging=slots * max((self.kv_bytes(e) for e in streamed if e["name"] in kv_streamed), default=0),
             expert_slots=EXPERT_SLOTS * max((self.weight_bytes[e["name"]] for e in streamed_experts), default=0),
             workspace=self.workspace_bytes(tier) if on_device else 0,
             ep_overhead=self.ep_overhead,
         )
+
+    def kv_streaming_modes(self) -> tuple[bool, ...]:
+        """Whether plans are made with resident KV only, or also with the streamed attentions' KV streamed: the
+        latter only where the KV of every attention is a real share of the budget (otherwise it frees little room
+        and only adds copies)."""
+        total_kv = sum(self.kv_bytes(e) for e in self.placeable)
+        usable = self.budget_bytes - self.minimum_budget()
+        return (False, True) if total_kv > KV_STREAMING_SHARE * usable else (False,)
+
+    @staticmethod
+    def streamed_attentions(placements: dict[str, str], sub_layers: list[dict]) -> frozenset[str]:
+        return frozenset(e["name"] for e in sub_layers if e["kind"] == "attn" and placements[e["name"]] == STREAMED)
 
     def minimum_budget(self) -> int:
         """The smallest plan: nothing on the device (static with nothing pinned) still needs the EP."""
@@ -184,21 +204,37 @@ class Planner:
 
     # -- evaluation -------------------------------------------------------------------------------------------------
     def evaluate(self, strategy: str, tier: int, placements: dict[str, str], slots: int = STAGING_SLOTS,
-                 prefetch: bool = True, detail: bool = False) -> Plan:
+                 prefetch: bool = True, detail: bool = False, kv_streaming: bool = False) -> Plan:
+        """The plan of these placements; with `kv_streaming`, every streamed attention's KV lives in host memory
+        and is uploaded with its weights (and its new rows downloaded after it ran): copies instead of VRAM."""
         full = {e["name"]: placements.get(e["name"], CPU) for e in self.sub_layers}
         compute, copies, activation = self._costs(tier)
+        kv_streamed = self.streamed_attentions(full, self.placeable) if kv_streaming else frozenset()
+        if kv_streamed:
+            copies = {**copies, **{name: copies[name] + self._kv_copy_seconds(self.units[name], tier)
+                                   for name in kv_streamed}}
         slowdown = 1.0
         if any(p == STREAMED for p in full.values()):
             factors = self.profile["contention"]["cpu_matmul_slowdown_under_copy"].get(str(self.estimator.threads), {})
             slowdown = _nearest_tier_factor(factors, tier)
         simulation: Simulation = simulate(self.sub_layers, full, compute, copies, activation, slots, prefetch,
-                                          slowdown, detail, self.copy_gates)
-        vram = self.vram(full, tier, slots)
+                                          slowdown, detail, self.copy_gates, self.device_shares_cpu)
+        vram = self.vram(full, tier, slots, kv_streamed)
         streamed_bytes = sum(self.weight_bytes[n] for n, p in full.items() if p == STREAMED)
         return Plan(strategy, tier, full, simulation.per_sub_layer_s, simulation.step_s,
                     tier / simulation.step_s, vram, self.budget_bytes, streamed_bytes,
                     simulation.copy_hidden_s / simulation.copy_busy_s if simulation.copy_busy_s else 1.0,
-                    slots, prefetch, simulation.timeline)
+                    slots, prefetch, sorted(kv_streamed), simulation.timeline)
+
+    def kv_bytes_moved(self, entry: dict, tier: int) -> tuple[int, int]:
+        """A streamed attention's KV traffic per step when its KV streams: (its cache uploaded, the step's new rows
+        downloaded)."""
+        per_token = entry["kv"]["bytes_per_token"]
+        return per_token * self.context * self.batch, per_token * tier
+
+    def _kv_copy_seconds(self, entry: dict, tier: int) -> float:
+        return sum(self.estimator.copy_seconds(nbytes, under_cpu_load=True) for nbytes in self.kv_bytes_moved(entry,
+                                                                                                            tier))
 
     def expected_distinct_experts(self, tokens: int) -> dict[int, float]:
         """Per MoE layer, the expected number of distinct experts `tokens` tokens activate:
@@ -243,17 +279,21 @@ class Planner:
         return plan.vram.total <= self.budget_bytes
 
     # -- policies ---------------------------------------------------------------------------------------------------
-    def _pin_prefix(self, tier: int, base: dict[str, str], slots: int, priority: list[dict] | None = None
-                    ) -> dict[str, str]:
-        """Pin in priority order while the plan still fits (placements not pinned keep `base`). The VRAM of each
-        longer prefix is updated from the previous one (what `vram` would add up anew), so this is linear in the
-        units."""
+    def _pin_prefix(self, tier: int, base: dict[str, str], slots: int, priority: list[dict] | None = None,
+                    kv_streaming: bool = False, room_bytes: int = 0) -> dict[str, str]:
+        """Pin in priority order while the plan still fits with `room_bytes` to spare (placements not pinned keep
+        `base`). The VRAM of each longer prefix is updated from the previous one (what `vram` would add up anew),
+        so this is linear in the units. With `kv_streaming`, streamed attentions keep their KV in host memory
+        (one KV slot beside each staging slot while any is left); a pinned attention's KV is resident."""
         order = priority or self.priority
         placements = dict(base)
         in_order = {e["name"] for e in order}
         weights = self.weight_bytes
-        vram = self.vram(base, tier, slots)
+        kv_streamed = self.streamed_attentions(base, self.placeable) if kv_streaming else frozenset()
+        vram = self.vram(base, tier, slots, kv_streamed)
         pinned, kv = vram.pinned_weights, vram.kv_cache
+        kv_slot = slots * max((self.kv_bytes(self.units[name]) for name in kv_streamed), default=0)
+        kv_streams_left = len(kv_streamed)
         on_device = sum(1 for e in self.placeable if base[e["name"]] != CPU)
         # The staging slots are as large as the largest unit still streamed: the largest outside `order`, or the
         # largest of those after the prefix (suffix maxima over `order`), for ring units and experts apart.
@@ -272,7 +312,7 @@ class Planner:
                 own = weights[entry["name"]] if base[entry["name"]] == STREAMED and \
                     (entry["kind"] == "expert") == is_expert else 0
                 suffix[is_expert][index] = max(suffix[is_expert][index + 1], own)
-        fixed = vram.ep_overhead + vram.reserve
+        fixed = vram.ep_overhead + vram.reserve + room_bytes
         workspace = self.workspace_bytes(tier)
         for index, entry in enumerate(order):
             name = entry["name"]
@@ -282,61 +322,88 @@ class Planner:
             if was == STREAMED:
                 left[is_expert] -= 1
             trial_pinned = pinned + weights[name] - (weights[name] if was == PINNED else 0)
-            trial_kv = kv + (self.kv_bytes(entry) if was == CPU else 0)
+            trial_kv = kv + (self.kv_bytes(entry) if was == CPU or name in kv_streamed else 0)
+            trial_kv_streams = kv_streams_left - (1 if name in kv_streamed else 0)
             trial_on_device = on_device + (1 if was == CPU else 0)
             largest = {x: max(largest_outside[x], suffix[x][index + 1]) for x in (False, True)}
             total = (trial_pinned + trial_kv + (slots * largest[False] if left[False] else 0)
-                     + EXPERT_SLOTS * (largest[True] if left[True] else 0)
+                     + (kv_slot if trial_kv_streams else 0) + EXPERT_SLOTS * (largest[True] if left[True] else 0)
                      + (workspace if trial_on_device else 0) + fixed)
             if total > self.budget_bytes:
                 break
             placements[name] = PINNED
             pinned, kv, on_device, streamed_left = trial_pinned, trial_kv, trial_on_device, left
+            kv_streams_left = trial_kv_streams
         return placements
 
     def gpu_only(self, tier: int) -> Plan | None:
-        """Everything on the GPU: pin by priority, stream the rest through 2 slots (1 if 2 do not fit).
-        Every staging slot is as large as the largest streamed sub-layer, so pinning that one first (a
-        big output layer) can free more memory than it takes: both orders are tried."""
+        """Everything on the GPU: pin by priority, stream the rest through 2 slots (1 if 2 do not fit), their KV
+        resident or (where that cannot fit) streamed with them. Every staging slot is as large as the largest
+        streamed sub-layer, so pinning that one first (a big output layer) can free more memory than it takes:
+        both orders are tried."""
         streamed_all = {e["name"]: STREAMED for e in self.placeable}
         largest = max(self.placeable, key=lambda e: self.weight_bytes[e["name"]])
         largest_first = [largest, *(e for e in self.priority if e is not largest)]
         candidates = []
-        for priority in (self.priority, largest_first):
-            for slots in (STAGING_SLOTS, 1):
-                placements = self._pin_prefix(tier, streamed_all, slots, priority)
-                if self.vram(placements, tier, slots).total <= self.budget_bytes:
-                    candidates.append(self.evaluate("gpu-only", tier, placements, slots=slots))
-                    break
+        for kv_streaming in self.kv_streaming_modes():
+            kv_streamed = self.streamed_attentions(streamed_all, self.placeable) if kv_streaming else frozenset()
+            for priority in (self.priority, largest_first):
+                for slots in (STAGING_SLOTS, 1):
+                    placements = self._pin_prefix(tier, streamed_all, slots, priority, kv_streaming)
+                    still_streamed = kv_streamed & self.streamed_attentions(placements, self.placeable)
+                    if self.vram(placements, tier, slots, still_streamed).total <= self.budget_bytes:
+                        candidates.append(self.evaluate("gpu-only", tier, placements, slots=slots,
+                                                        kv_streaming=kv_streaming))
+                        break
         return min(candidates, key=lambda p: p.step_s) if candidates else None
 
     def static(self, tier: int) -> Plan:
         placements = self._pin_prefix(tier, {e["name"]: CPU for e in self.placeable}, 0)
         return self.evaluate("static", tier, placements, slots=0)
 
+    def _streaming_room(self, slots: int, kv_streaming: bool) -> int:
+        """What moving units to streaming needs on top of the pinned ones: the staging slots (as large as the
+        largest ring unit), the experts' slots, and with `kv_streaming` the KV slots."""
+        ring = [e for e in self.placeable if e["kind"] != "expert"]
+        experts = [e for e in self.placeable if e["kind"] == "expert"]
+        attentions = [e for e in self.placeable if e["kind"] == "attn"]
+        return (slots * max((self.weight_bytes[e["name"]] for e in ring), default=0)
+                + EXPERT_SLOTS * max((self.weight_bytes[e["name"]] for e in experts), default=0)
+                + (slots * max((self.kv_bytes(e) for e in attentions), default=0) if kv_streaming else 0))
+
     def dynamic(self, tier: int) -> Plan | None:
-        """Pin as static (leaving room for the slots); then, in order of the time they would save on the
-        GPU, move the remaining sub-layers from the CPU to streaming, keeping each move that the
-        simulation says helps (one simulation per move: cheap enough to replan between steps). A move is
-        one sub-layer, or with more than DYNAMIC_MOVES candidates (MoE packs of thousands of experts) one of
+        """Pin as static, leaving room for the slots (or not: pins that fill the budget, streaming only what then
+        still fits); then, in order of the time they would save on the GPU, move the remaining sub-layers from
+        the CPU to streaming (their KV resident, or streamed where the budget calls for it), keeping each move
+        that the simulation says helps (one simulation per move: cheap enough to replan between steps). A move
+        is one sub-layer, or with more than DYNAMIC_MOVES candidates (MoE packs of thousands of experts) one of
         DYNAMIC_BLOCKS blocks of neighbours in that order."""
         best_plan = None
-        for slots in (STAGING_SLOTS, 1):
-            placements = self._pin_prefix(tier, {e["name"]: CPU for e in self.placeable}, slots)
-            compute, copies, _ = self._costs(tier)
-            candidates = [n for n, p in placements.items() if p == CPU]
-            candidates.sort(key=lambda n: compute[n]["gpu"] + copies[n] - compute[n]["cpu"])
-            best = self.evaluate("dynamic", tier, placements, slots=slots)
-            moves = len(candidates) if len(candidates) <= DYNAMIC_MOVES else DYNAMIC_BLOCKS
-            for block in _blocks(candidates, moves):
-                trial = {**best.placements, **dict.fromkeys(block, STREAMED)}
-                plan = self.evaluate("dynamic", tier, trial, slots=slots)
-                if self.fits(plan) and plan.step_s < best.step_s * (1 - 1e-9):
-                    best = plan
-            if any(p == STREAMED for p in best.placements.values()) and self.fits(best) and \
-                    (best_plan is None or best.step_s < best_plan.step_s):
-                best_plan = best
+        all_cpu = {e["name"]: CPU for e in self.placeable}
+        compute, copies, _ = self._costs(tier)
+        for kv_streaming in self.kv_streaming_modes():
+            for slots in (STAGING_SLOTS, 1):
+                room = self._streaming_room(slots, kv_streaming)
+                bases = [self._pin_prefix(tier, all_cpu, slots, kv_streaming=kv_streaming, room_bytes=spare)
+                         for spare in (room, 0)]
+                for placements in bases[:1] if bases[0] == bases[1] else bases:
+                    plan = self._dynamic_moves(tier, placements, slots, kv_streaming, compute, copies)
+                    if plan is not None and (best_plan is None or plan.step_s < best_plan.step_s):
+                        best_plan = plan
         return best_plan
+
+    def _dynamic_moves(self, tier: int, placements: dict[str, str], slots: int, kv_streaming: bool,
+                       compute: dict, copies: dict) -> Plan | None:
+        candidates = [n for n, p in placements.items() if p == CPU]
+        candidates.sort(key=lambda n: compute[n]["gpu"] + copies[n] - compute[n]["cpu"])
+        best = self.evaluate("dynamic", tier, placements, slots=slots, kv_streaming=kv_streaming)
+        moves = len(candidates) if len(candidates) <= DYNAMIC_MOVES else DYNAMIC_BLOCKS
+        for block in _blocks(candidates, moves):
+            trial = {**best.placements, **dict.fromkeys(block, STREAMED)}
+            plan = self.evaluate("dynamic", tier, trial, slots=slots, kv_streaming=kv_streaming)
+            if self.fits(plan) and plan.step_s < best.step_s * (1 - 1e-9):
+                best = plan
+        return best if any(p == STREAMED for p in best.placements.values()) and self.fits(best) else None
 
     def exhaustive_dynamic(self, tier: int, slots: int = STAGING_SLOTS) -> Plan:
         """The true optimum of the dynamic split under the same estimator (2^n: small packs only)."""
@@ -397,7 +464,8 @@ class Planner:
 
     def detailed(self, plan: Plan) -> Plan:
         """The same plan re-simulated with its timeline and copy overlap (for reports and plans.json)."""
-        return self.evaluate(plan.strategy, plan.tier, plan.placements, plan.slots, plan.prefetch, detail=True)
+        return self.evaluate(plan.strategy, plan.tier, plan.placements, plan.slots, plan.prefetch, detail=True,
+                             kv_streaming=bool(plan.kv_streamed))
 
     def plan(self, tiers: tuple[int, ...] = DEFAULT_TIERS) -> dict:
         started = time.perf_counter()

@@ -5,8 +5,10 @@ is a copy of T x hidden on the copy engine. A streamed sub-layer first needs its
 into a free slot of a ring of staging slots (a slot frees when the sub-layer that used it
 finishes); copies are issued in chain order as soon as engine and slot allow, so they run ahead of
 compute (prefetch) — or, with `prefetch=False` (the Accelerate-style baseline), only when the
-sub-layer is reached. CPU work that overlaps a copy is slowed by the measured contention. The chain
-is simulated for several consecutive steps and the steady-state step time is the spacing of the
+sub-layer is reached. A streamed attention whose KV streams too copies it with its weights (the
+planner adds it to the unit's copy time, with the download of the step's new rows). CPU work that
+overlaps a copy is slowed by the measured contention. The chain is simulated for several
+consecutive steps and the steady-state step time is the spacing of the
 last two, so the next step's first copies overlap this step's tail.
 """
 
@@ -105,13 +107,15 @@ class Simulation:
 def simulate(sub_layers: list[dict], placements: dict[str, str], compute_s: dict[str, dict[str, float]],
              copy_s: dict[str, float], activation_copy_s: float, slots: int = 2, prefetch: bool = True,
              cpu_slowdown_under_copy: float = 1.0, detail: bool = True,
-             copy_gates: dict[str, str] | None = None) -> Simulation:
+             copy_gates: dict[str, str] | None = None, device_shares_cpu: bool = False) -> Simulation:
     """Steady-state step time of one plan (with `detail`, also its timeline and hidden copy time).
 
     compute_s[name] = {"cpu": seconds, "gpu": seconds}; copy_s[name] = seconds to stream its weights.
     copy_gates[name] = the sub-layer that must finish before `name`'s weights can be copied (a MoE
     expert's router): such units do not use the ring but their own EXPERT_SLOTS slots, their copies
     issued once the gate ran; a MoE layer runs its pinned experts, then CPU ones, then streamed ones.
+    `device_shares_cpu`: the device computes on the host's cores (the simulated device), so its sub-layers slow
+    under a copy as the CPU's do.
     """
     gates = copy_gates or {}
     sub_layers = _experts_by_placement(sub_layers, placements, gates)
@@ -189,8 +193,9 @@ def simulate(sub_layers: list[dict], placements: dict[str, str], compute_s: dict
                     issue_ready_copies(start)
                 start = max(start, copy_end[index])
             duration = compute_s[name][device]
-            if device == "cpu" and any(i.resource == "copy" and i.start_s < start + duration and i.end_s > start
-                                       for i in timeline[-COLLAPSE_AFTER:]):
+            slowed = device == "cpu" or device_shares_cpu
+            if slowed and any(i.resource == "copy" and i.start_s < start + duration and i.end_s > start
+                              for i in timeline[-COLLAPSE_AFTER:]):
                 duration *= cpu_slowdown_under_copy
             end = start + duration
             ended[name] = end

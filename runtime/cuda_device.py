@@ -148,6 +148,12 @@ class CudaDevice(LedgeredDevice):
         self.copied_bytes += source.nbytes
         return CopyTicket(self, event)
 
+    def upload_array(self, target: DeviceBuffer, source: np.ndarray) -> CopyTicket:
+        """A host array (a streamed attention's KV, kept in host memory) into a device buffer on the copy stream,
+        after the buffer's last reader finished; the caller leaves the array as it is until the ticket is waited
+        on. From pageable memory the driver stages the copy (it returns once the bytes left the array)."""
+        return self.upload(target, PinnedSource(source.ctypes.data, source.nbytes))
+
     def upload_now(self, target: DeviceBuffer, source: np.ndarray) -> None:
         """A pinned unit's weights, from the mapped blob (pageable), before the plan's first step."""
         _check(self.rt.cudaMemcpy(target.pointer, source.ctypes.data, source.nbytes,
@@ -171,6 +177,16 @@ class CudaDevice(LedgeredDevice):
         _check(self.rt.cudaStreamSynchronize(self.compute_stream))
         _check(self.rt.cudaMemcpy(target.ctypes.data, source.pointer, target.nbytes,
                                   self.rt.cudaMemcpyKind.cudaMemcpyDeviceToHost))
+
+    def copy_out_rows(self, target: np.ndarray, source: DeviceBuffer, offset: int, rows: int, width: int,
+                      pitch: int) -> None:
+        """`rows` runs of `width` bytes, `pitch` apart from `offset` on, from the device buffer into the same places
+        of the contiguous host array `target`, after the compute stream's work so far (one 2-D copy)."""
+        if offset + (rows - 1) * pitch + width > min(target.nbytes, source.nbytes):
+            raise ValueError("copy_out_rows: the region passes the end of a buffer")
+        _check(self.rt.cudaStreamSynchronize(self.compute_stream))
+        _check(self.rt.cudaMemcpy2D(target.ctypes.data + offset, pitch, source.pointer + offset, pitch, width, rows,
+                                    self.rt.cudaMemcpyKind.cudaMemcpyDeviceToHost))
 
     def close(self) -> None:
         _check(self.rt.cudaStreamSynchronize(self.copy_stream))

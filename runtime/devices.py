@@ -75,10 +75,12 @@ class Device(Protocol):
     def memory_info(self, rt): ...
     def host_source(self, path: Path, offset: int, nbytes: int): ...
     def upload(self, target, source) -> Waitable: ...
+    def upload_array(self, target, source: np.ndarray) -> Waitable: ...
     def upload_now(self, target, source: np.ndarray) -> None: ...
     def released_after_compute(self, buffer) -> None: ...
     def copy_in(self, target, source: np.ndarray) -> None: ...
     def copy_out(self, target: np.ndarray, source) -> None: ...
+    def copy_out_rows(self, target: np.ndarray, source, offset: int, rows: int, width: int, pitch: int) -> None: ...
     def set_budget(self, budget_bytes: int) -> None: ...
     def reserve(self, nbytes: int, purpose: str) -> None: ...
     def unreserve(self, nbytes: int, purpose: str) -> None: ...
@@ -148,6 +150,18 @@ class HostMemoryDevice(LedgeredDevice):
     def copy_out(self, target: np.ndarray, source: np.ndarray) -> None:
         np.copyto(target.reshape(-1).view(np.uint8), source[: target.nbytes])
 
+    def copy_out_rows(self, target: np.ndarray, source: np.ndarray, offset: int, rows: int, width: int,
+                      pitch: int) -> None:
+        """`rows` runs of `width` bytes, `pitch` apart from `offset` on, from the device buffer into the same
+        places of the contiguous host array `target` (the new rows of a streamed KV cache)."""
+        host = target.reshape(-1).view(np.uint8)
+        for region in (host, source):
+            if offset + (rows - 1) * pitch + width > region.nbytes:
+                raise ValueError("copy_out_rows: the region passes the end of a buffer")
+        shape, strides = (rows, width), (pitch, 1)
+        np.copyto(np.lib.stride_tricks.as_strided(host[offset:], shape, strides),
+                  np.lib.stride_tricks.as_strided(source[offset:], shape, strides))
+
 
 class CpuDevice(HostMemoryDevice):
     """No device: every plan it runs places every unit on the CPU."""
@@ -162,6 +176,9 @@ class CpuDevice(HostMemoryDevice):
         done: Future = Future()
         done.set_result(0.0)
         return done
+
+    def upload_array(self, target: np.ndarray, source: np.ndarray) -> Future:
+        return self.upload(target, source.reshape(-1).view(np.uint8))
 
     def close(self) -> None:
         """Nothing to release."""
@@ -188,6 +205,11 @@ class SimDevice(HostMemoryDevice):
             return elapsed
 
         return self._copier.submit(copy)
+
+    def upload_array(self, target: np.ndarray, source: np.ndarray) -> Future:
+        """A host array (a streamed attention's KV) into a device buffer on the copy thread; the caller leaves the
+        array as it is until the copy is waited for."""
+        return self.upload(target, source.reshape(-1).view(np.uint8))
 
     def close(self) -> None:
         self._copier.shutdown(wait=True)

@@ -82,6 +82,7 @@ class StepStats:
     steps: int = 0
     plan_switches: int = 0
     streamed_bytes: int = 0
+    streamed_kv_bytes: int = 0  # KV of streamed attentions uploaded with their weights, and new rows downloaded
     copy_wait_s: float = 0.0
     tiers_used: dict[int, int] = field(default_factory=dict)
 
@@ -100,11 +101,14 @@ class StepReport:
     plan_switches: int
     streamed_weight_bytes: int
     streamed_kv_bytes: int
+    kv_streamed: dict[int, int]  # tier -> streamed attentions whose KV streams with their weights
     copy_wait_s: float  # copy time not hidden behind compute: what steps waited for
     pinned_host_bytes: int  # host memory the device holds for streamed weights (besides the mapped blobs)
 
     def to_json(self) -> dict:
         return {**self.__dict__, "plans": {str(t): s for t, s in self.plans.items()},
+                "kv_streamed": {str(t): n for t, n in self.kv_streamed.items()},
+                "streamed_kv_bytes_per_step": self.streamed_kv_bytes / self.steps if self.steps else 0.0,
                 "predicted_step_s": {str(t): s for t, s in self.predicted_step_s.items()},
                 "placement_counts": {str(t): c for t, c in self.placement_counts.items()}}
 
@@ -202,6 +206,13 @@ class Step:
                               self.head_dim, self.dtype)
         self._kv_device: dict[str, object] = {}
         self._kv_on_device: set[str] = set()
+        # Streamed attentions whose KV streams: the host buffers are the master; beside each staging slot a KV slot
+        # (a device buffer per past of one attention) takes the KV of the unit in it, uploaded with its weights.
+        self._kv_owner = {past: e["name"] for e in layout.in_line if e["kv"] for past in e["kv"]["past"]}
+        self._kv_streamed: frozenset[str] = frozenset()
+        self._kv_slots: list[list] = []
+        self._slot_kv_copy: list[list] = []
+        self._write_columns: np.ndarray | None = None  # per row of the step, the first KV column it writes
         # Device memory of the active plan.
         self.active: Plan | None = None
         self._pinned: dict[str, object] = {}
@@ -282,8 +293,9 @@ class Step:
             predicted_step_s={tier: plan.step_s for tier, plan in sorted(plans.items())},
             placement_counts={tier: plan.counts() for tier, plan in sorted(plans.items())},
             steps=self.stats.steps, plan_switches=self.stats.plan_switches,
-            streamed_weight_bytes=self.stats.streamed_bytes, streamed_kv_bytes=0, copy_wait_s=self.stats.copy_wait_s,
-            pinned_host_bytes=self.device.host_bytes)
+            streamed_weight_bytes=self.stats.streamed_bytes, streamed_kv_bytes=self.stats.streamed_kv_bytes,
+            kv_streamed={tier: len(plan.kv_streamed) for tier, plan in sorted(plans.items())},
+            copy_wait_s=self.stats.copy_wait_s, pinned_host_bytes=self.device.host_bytes)
 
     @property
     def stage_timer(self):
@@ -476,7 +488,7 @@ class Step:
             self._reserved[purpose] = nbytes
 
     def _drain(self) -> None:
-        for copy in self._slot_copy:
+        for copy in [*self._slot_copy, *(c for copies in self._slot_kv_copy for c in copies)]:
             if copy is not None:
                 copy.result()
 
@@ -492,6 +504,7 @@ class Step:
             self.device.free(buffer, "pinned")
         self._pinned.clear()
         self._free_ring()
+        self._free_kv_slots()
         self._free_expert_slots()
         self._free_device_residual()
         for attn in list(self._kv_on_device):
@@ -505,6 +518,42 @@ class Step:
         for buffer in self._ring:
             self.device.free(buffer, "staging")
         self._ring, self._slot_unit, self._slot_copy = [], [], []
+
+    def _free_kv_slots(self) -> None:
+        for buffers in self._kv_slots:
+            for buffer in buffers:
+                self.device.free(buffer, "kv staging")
+        self._kv_slots, self._slot_kv_copy = [], []
+
+    def _alloc_kv_slots(self) -> None:
+        """One KV slot beside each staging slot when the plan streams KV, sized like the host buffers."""
+        if not self._kv_streamed or not self._ring:
+            return
+        pasts = max(len(self.layout.entries[attn]["kv"]["past"]) for attn in self._kv_streamed)
+        nbytes = int(np.prod(self.kv.shape)) * np.dtype(self.dtype).itemsize
+        self._kv_slots = [[self.device.alloc(nbytes, "kv staging") for _ in range(pasts)] for _ in self._ring]
+        self._slot_kv_copy = [[] for _ in self._ring]
+
+    def _upload_kv(self, slot: int, attn: str) -> None:
+        """An attention's KV from the host buffers into the KV slot beside staging slot `slot`."""
+        pasts = self.layout.entries[attn]["kv"]["past"]
+        self._slot_kv_copy[slot] = [self.device.upload_array(self._kv_slots[slot][index], self.kv.buffers[past])
+                                    for index, past in enumerate(pasts)]
+        self.stats.streamed_kv_bytes += sum(self.kv.buffers[past].nbytes for past in pasts)
+
+    def _download_new_kv(self, slot: int, attn: str) -> None:
+        """The KV rows the step wrote into the KV slot, back into the host buffers (the master)."""
+        first, count = self._kv_rows or (0, self.kv.batch)
+        _, heads, capacity, head_dim = self.kv.shape
+        element = np.dtype(self.dtype).itemsize
+        width = self._shape[1] * head_dim * element
+        for index, past in enumerate(self.layout.entries[attn]["kv"]["past"]):
+            for row, column in enumerate(self._write_columns):
+                offset = (((first + row) * heads) * capacity + int(column)) * head_dim * element
+                self.device.copy_out_rows(self.kv.buffers[past], self._kv_slots[slot][index], offset, heads, width,
+                                          capacity * head_dim * element)
+            self.device.released_after_compute(self._kv_slots[slot][index])
+        self.stats.streamed_kv_bytes += count * heads * width * len(self.layout.entries[attn]["kv"]["past"])
 
     def _free_expert_slots(self) -> None:
         for buffer in self._expert_slots:
@@ -551,9 +600,12 @@ class Step:
             self._free_expert_slots()
         slot_bytes = max((self._unit_bytes(n)[2] for n in streamed), default=0)
         slots = min(plan.slots, len(streamed)) if streamed else 0
+        self._free_kv_slots()
         if len(self._ring) != slots or (self._ring and self._ring[0].nbytes != slot_bytes):
             self._free_ring()
-        wanted_attn = {e["name"] for e in self.layout.in_line if e["kind"] == "attn" and placements[e["name"]] != CPU}
+        self._kv_streamed = frozenset(plan.kv_streamed)
+        wanted_attn = {e["name"] for e in self.layout.in_line if e["kind"] == "attn" and placements[e["name"]] != CPU
+                       and e["name"] not in self._kv_streamed}
         for attn in self._kv_on_device - wanted_attn:
             self._move_kv(attn, to_device=False)
         self._reserve("workspace", plan.vram.workspace)
@@ -568,6 +620,7 @@ class Step:
                 self._pinned[name] = buffer
         if not self._ring and slots:
             self._ring = [self.device.alloc(slot_bytes, "staging") for _ in range(slots)]
+        self._alloc_kv_slots()
         if streamed_experts and not self._expert_slots:
             self._expert_slots = [self.device.alloc(expert_slot_bytes, "expert staging") for _ in range(EXPERT_SLOTS)]
         self._streamed = streamed
@@ -600,6 +653,8 @@ class Step:
         source = self._source(name)
         self._slot_copy[slot] = self.device.upload(self._ring[slot], source)
         self.stats.streamed_bytes += source.nbytes
+        if name in self._kv_streamed:
+            self._upload_kv(slot, name)
 
     # -- the program of a plan and batch shape ----------------------------------------------------------------------
     def start(self, batch_size: int, context: int | None = None) -> None:
@@ -609,14 +664,20 @@ class Step:
             self._deactivate()
         for stage in self._every_stage():
             stage.binding.clear()  # lets the old buffers go before the new ones are made; rebound at the next step
+        self._drain()
         for buffer in self._kv_device.values():
             self.device.free(buffer, "kv")
         self._kv_device.clear()
+        self._free_kv_slots()
         self._shared.clear()
         self.kv.reset(batch_size, self.book.context or context)
         for attn in self._kv_on_device:
             for past in self.layout.entries[attn]["kv"]["past"]:
                 self._kv_device[past] = self._device_kv_buffer(self.kv.buffers[past])
+        self._alloc_kv_slots()  # the KV slots of the units already in the ring take the new sequences' KV
+        for slot, unit in enumerate(self._slot_unit if self._kv_slots else ()):
+            if unit in self._kv_streamed:
+                self._upload_kv(slot, unit)
         self._shape = None  # a decode step's values span the KV capacity: remade with the buffers
 
     def _every_stage(self) -> list[_Stage]:
@@ -653,7 +714,11 @@ class Step:
         row_offset = first * int(np.prod(self.kv.shape[1:])) * np.dtype(self.dtype).itemsize
         for past, present in zip(stage.past, stage.present, strict=True):
             if stage.on_device:
-                buffer = self._kv_device[past]
+                owner = self._kv_owner[past]
+                # A streamed KV is bound to a KV slot here to keep the binding's output order, and to the slot
+                # holding it when its weights arrive (_wait_for_slot).
+                buffer = self._kv_slots[0][self.layout.entries[owner]["kv"]["past"].index(past)] \
+                    if owner in self._kv_streamed else self._kv_device[past]
                 self._bind_device(stage, past, buffer, row_offset, self.dtype, kv_shape)
                 self._bind_device(stage, present, buffer, row_offset, self.dtype, kv_shape, output=True)
             else:
@@ -856,6 +921,8 @@ class Step:
         # values ONNX Runtime allocates (the mask bias, a router's outputs).
         shared = self._shared
         shared["attention_mask"] = mask = np.ascontiguousarray(attention_mask, dtype=np.int64)
+        if self._kv_streamed:  # each row writes its new tokens' KV up to its mask's last set column
+            self._write_columns = total - np.argmax(mask[:, ::-1] != 0, axis=1) - tokens
         if self._decoding:  # each row's new token goes after its last one: the mask's last set column
             self._fixed_buffers[SEQLENS][:] = total - 1 - np.argmax(mask[:, ::-1] != 0, axis=1)
             np.copyto(self._decode_bias[:, 0, 0, :total], np.where(mask != 0, 0, self._bias_lowest))
@@ -905,13 +972,26 @@ class Step:
                                "step with the schedule")
         waited = time.perf_counter()
         self._slot_copy[slot].result()
+        for copy in self._slot_kv_copy[slot] if unit in self._kv_streamed else ():
+            copy.result()
         self.stats.copy_wait_s += time.perf_counter() - waited
         self._bind_weights(stage, unit, self._ring[slot])
+        if unit in self._kv_streamed:
+            first, count = self._kv_rows or (0, self.kv.batch)
+            kv_shape = (count, *self.kv.shape[1:])
+            row_offset = first * int(np.prod(self.kv.shape[1:])) * np.dtype(self.dtype).itemsize
+            pasts = self.layout.entries[unit]["kv"]["past"]
+            for past, present, buffer in zip(pasts, self.layout.entries[unit]["kv"]["present"], self._kv_slots[slot],
+                                             strict=True):
+                self._bind_device(stage, past, buffer, row_offset, self.dtype, kv_shape)
+                self._bind_device(stage, present, buffer, row_offset, self.dtype, kv_shape, output=True)
 
     def _release_slot(self) -> None:
         """The slot's user has run: refill it with the streamed unit `slots` places ahead."""
         slot = self._ring_position % len(self._ring)
         self.device.released_after_compute(self._ring[slot])
+        if self._slot_unit[slot] in self._kv_streamed:
+            self._download_new_kv(slot, self._slot_unit[slot])
         if self.active.prefetch:
             following = (self._ring_position + len(self._ring)) % len(self._streamed)
             self._start_copy(slot, self._streamed[following])

@@ -113,6 +113,26 @@ def test_kv_copies_wait_for_compute_and_are_never_served_from_the_pinned_cache(d
     assert cuda.host_bytes == 0
 
 
+def test_streamed_kv_uploads_wait_for_the_slot_and_new_rows_come_back_in_one_2d_copy(device):
+    cuda, runtime = device
+    slot = cuda.alloc(1024, "kv staging")
+    host = np.zeros((1, 2, 16, 8), np.float32)  # [batch, kv heads, capacity, head dim]
+    cuda.released_after_compute(slot)  # the slot's last reader
+    runtime.calls.clear()
+    cuda.upload_array(slot, host).result()
+    names = [name for name, _ in runtime.calls]
+    assert names.index("cudaStreamWaitEvent") < names.index("cudaMemcpyAsync")
+    assert next(args for name, args in runtime.calls if name == "cudaMemcpyAsync")[:3] == (
+        slot.pointer, host.ctypes.data, host.nbytes)
+    runtime.calls.clear()
+    pitch = 16 * 8 * 4
+    cuda.copy_out_rows(host, slot, offset=5 * 8 * 4, rows=2, width=8 * 4, pitch=pitch)
+    assert runtime.calls == [("cudaStreamSynchronize", (cuda.compute_stream,)),
+                             ("cudaMemcpy2D", (host.ctypes.data + 160, pitch, slot.pointer + 160, pitch, 32, 2, 2))]
+    with pytest.raises(ValueError):
+        cuda.copy_out_rows(host, slot, offset=1000, rows=2, width=32, pitch=pitch)
+
+
 def test_events_are_reused_across_thousands_of_copies_and_destroyed_at_close(device, blob):
     cuda, runtime = device
     slots = [cuda.alloc(1024, "staging") for _ in range(2)]

@@ -49,6 +49,21 @@ def test_streaming_plans_really_stream(tiny_pack, minimum, plan):
     assert any(p.strategy == plan and p.counts()["streamed"] > 0 for p in engine.step.plans.values())
 
 
+def test_plans_streaming_the_kv_with_its_attention_are_lossless(tiny_pack, minimum, reference):
+    # Little above the minimum, the KV of 256 tokens cannot stay on the device beside the staging slots: the
+    # streamed attentions' KV lives on the host and travels with their weights (a batch of four at a larger budget).
+    for extra, prompts, expected in ((300_000, PROMPTS[:3], reference["solo"]), (600_000, [PROMPTS], None)):
+        engine = sim(tiny_pack, minimum + extra, "gpu-only")
+        tokens = [[g.tokens for g in engine.generate(p, max_new_tokens=16)] for p in prompts]
+        assert tokens == ([[t] for t in expected] if expected else [reference["batch"]])
+        step = engine.step
+        streaming = [p for p in step.plans.values() if p.kv_streamed]
+        assert streaming and all(p.vram.kv_staging > 0 and p.vram.total <= minimum + extra for p in streaming)
+        report = step.report().to_json()
+        assert report["streamed_kv_bytes"] > 0 and report["streamed_kv_bytes_per_step"] > 0
+        assert step.device.ledger.peak <= minimum + extra
+
+
 def test_ledger_peak_never_exceeds_the_budget_across_budgets(tiny_pack, minimum, reference):
     for extra in (0, 50_000, 150_000, 300_000, 450_000, 600_000, 900_000, 2_000_000):
         for plan in ("auto", "gpu-only", "offload"):
