@@ -15,13 +15,14 @@ def _counts(plan: Plan, placeable: set[str]) -> str:
     for name, place in plan.placements.items():
         if name in placeable:
             counts[place] += 1
-    return f"{counts['pinned']}/{counts['streamed']}/{counts['cpu']}"
+    kv = f" kv{len(plan.kv_streamed)}" if plan.kv_streamed else ""
+    return f"{counts['pinned']}/{counts['streamed']}/{counts['cpu']}{kv}"
 
 
 def plan_table(planner, planned: dict, device_kind: str) -> str:
     """One row per tier: the chosen plan, the others, and the predicted speedup over the baselines."""
     placeable = {e["name"] for e in planner.placeable}
-    header = (f"{'tier':>5} {'plan':<9} {'ms/step':>9} {'tok/s':>9} {'VRAM MiB':>15} {'pin/str/cpu':>12}  "
+    header = (f"{'tier':>5} {'plan':<9} {'ms/step':>9} {'tok/s':>9} {'VRAM MiB':>15} {'pin/str/cpu':>16}  "
               f"{'other plans (ms)':<28} {'vs layers':>9} {'vs offload':>10}")
     lines = [f"budget {planner.budget_bytes / MiB:.0f} MiB (minimum {planner.minimum_budget() / MiB:.0f} MiB), "
              f"context {planner.context}, batch {planner.batch}, {planner.estimator.threads} CPU threads, "
@@ -35,9 +36,10 @@ def plan_table(planner, planned: dict, device_kind: str) -> str:
                   for b in ("layers", "offload")]
         lines.append(f"{entry['tier']:>5} {chosen.strategy:<9} {chosen.step_s * 1e3:>9.2f} {chosen.tokens_per_s:>9.1f} "
                      f"{chosen.vram.total / MiB:>6.0f} of {planner.budget_bytes / MiB:<6.0f} "
-                     f"{_counts(chosen, placeable):>12}  {others:<28} {ratios[0]:>9} {ratios[1]:>10}")
+                     f"{_counts(chosen, placeable):>16}  {others:<28} {ratios[0]:>9} {ratios[1]:>10}")
     lines.append(f"predicted times (roofline estimator + 3-resource simulation) with every attention reading the full "
-                 f"context of {planner.context} tokens; 'vs' = baseline step / chosen step")
+                 f"context of {planner.context} tokens; 'vs' = baseline step / chosen step; kvN: N streamed "
+                 "attentions' KV streams with their weights")
     if planner.routing_share:
         lines += expert_placement_lines(planner, planned)
     return "\n".join(lines)

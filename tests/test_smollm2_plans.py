@@ -39,3 +39,22 @@ def test_plan_is_lossless_at_a_quarter_of_the_model(setup, plan):
     if plan == "gpu-only":  # viable at a quarter of the model: the 108 MiB output layer streams in row chunks
         assert {p.strategy for p in engine.step.plans.values()} == {"gpu-only"}
         assert engine.step.stats.streamed_bytes > 0
+
+
+def test_a_long_context_streams_the_kv_of_streamed_attentions_and_stays_lossless(setup, smollm2_export):
+    """At a 4096-token context the KV of every attention (190 MiB) cannot sit beside a quarter of the model on the
+    device: the planner's plans keep it in host memory for the streamed attentions and stream it with them."""
+    pack, budget, _ = setup
+    prompt = " ".join(f"Note {i}: the river {['rises', 'falls', 'bends', 'rests'][i % 4]} near town {i % 17}."
+                      for i in range(260)) + " Summarize the notes."
+    whole = pipeshard.load(smollm2_export, threads=2)
+    expected = whole.generate(prompt, max_new_tokens=8)[0]
+    assert 3000 < len(expected.prompt_tokens) <= 4096 - 8
+    engine = pipeshard.load(pack, vram=budget, device="sim", profile="laptop-8gb", threads=2, context=4096)
+    assert engine.generate(prompt, max_new_tokens=8)[0].tokens == expected.tokens
+    step = engine.step
+    decode = step.plans[1]
+    assert decode.kv_streamed and decode.vram.kv_staging > 0 and decode.vram.total <= budget
+    report = step.report().to_json()
+    assert report["streamed_kv_bytes"] > 0 and report["kv_streamed"]["1"] == len(decode.kv_streamed)
+    assert step.device.ledger.peak <= budget
