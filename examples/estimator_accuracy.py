@@ -1,71 +1,109 @@
-"""Estimator accuracy on this machine: predicted vs measured CPU time of every sub-layer and step.
+"""Estimator accuracy on this machine: the planner's predicted step time against the measured one.
 
-    pipeshard profile --quick --pack PACK --out build/profile.json
-    python examples/estimator_accuracy.py PACK --profile build/profile.json [--threads 2] [--past 256]
+    pipeshard profile --pack PACK --out build/profile.json
+    python examples/estimator_accuracy.py PACK --profile build/profile.json [--device sim] [--vram 25%,50%]
+                                          [--tiers 1,64] [--context 256] [--threads 2] [--repeat 5]
 
-For each tier T, the pack's own CPU sessions run a step of T new tokens after a prefill of `past`
-tokens (context C = past + T); each sub-layer's run is timed (median of --repeat steps) and set
-beside the estimator's prediction. Prints the mean absolute percentage error (MAPE) per tier, for
-sub-layers and for whole all-CPU steps.
+Rows: the all-CPU chain, and the planner's own plan at each budget on the device. For tier T a step of T new
+tokens runs after a prefill to a context of --context tokens (the context the planner assumes): one-token steps
+are timed as a run of decode steps, larger tiers as one step each after a fresh prefill; medians over --repeat.
+`--sub-layers` also prints, for the chain, each kind's predicted and measured time (each sub-layer timed apart).
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import time
 
 import numpy as np
 
+import pipeshard
 from pipeshard.partitioner.estimator import Estimator
+from pipeshard.partitioner.planner import Planner
 from pipeshard.profiles.db import load_profile
 from pipeshard.profiles.pack_timing import timed_step
-from pipeshard.runtime.step import Step
+
+
+def step_seconds(step, tier: int, context: int, repeat: int, rng) -> float:
+    """Median seconds of a step of `tier` tokens ending at `context` (decode steps for tier 1)."""
+    decode_steps = 16 if tier == 1 else 1
+    past = context - tier * decode_steps
+    samples = []
+    for _ in range(repeat if tier > 1 else max(1, repeat // 2)):
+        ids = rng.integers(0, min(step.vocab_size, 20000), size=(1, context)).astype(np.int64)
+        step.start(1, context)
+        step.forward(ids[:, :past], np.ones((1, past), np.int64), np.arange(past)[None])
+        for index in range(decode_steps):
+            begin = past + index * tier
+            end = begin + tier
+            started = time.perf_counter()
+            step.forward(ids[:, begin:end], np.ones((1, end), np.int64), np.arange(begin, end)[None])
+            samples.append(time.perf_counter() - started)
+    return statistics.median(samples)
+
+
+def sub_layer_lines(step, estimator: Estimator, tier: int, context: int, repeat: int, rng) -> list[str]:
+    """The chain's sub-layers each timed apart, by kind, beside the estimator."""
+    entries = {e["name"]: e for e in step.pack.sub_layers}
+    timed_step(step, context - tier, tier, rng)  # warm-up for this shape
+    runs = [timed_step(step, context - tier, tier, rng)[1] for _ in range(repeat)]
+    lines = []
+    for kind in ("attn", "ffn", "final"):
+        names = [n for n in entries if entries[n]["kind"] == kind]
+        measured = sum(statistics.median(r[n] for r in runs) for n in names)
+        predicted = sum(estimator.compute_seconds(entries[n], 1 if kind == "final" else tier, context, False)
+                        for n in names)
+        lines.append(f"      {kind:6s} predicted {predicted * 1e3:8.2f} ms, measured {measured * 1e3:8.2f} ms "
+                     f"over {len(names)} sub-layers")
+    return lines
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("pack")
     parser.add_argument("--profile", required=True)
+    parser.add_argument("--device", default="sim", choices=("sim", "cuda"))
+    parser.add_argument("--vram", default="25%,50%", help="budgets of the planned rows")
+    parser.add_argument("--tiers", default="1,64")
+    parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--past", type=int, default=256)
-    parser.add_argument("--tiers", default="1,4,16,64,256")
     parser.add_argument("--repeat", type=int, default=5)
-    parser.add_argument("--verbose", action="store_true", help="absolute times per kind")
+    parser.add_argument("--sub-layers", action="store_true", help="the chain's kinds timed apart, too")
     args = parser.parse_args()
-    step = Step(args.pack, threads=args.threads)
-    estimator = Estimator(load_profile(args.profile), step.pack.model, args.threads,
-                          step.pack.manifest["source"]["model_sha256"])
-    entries = {e["name"]: e for e in step.pack.sub_layers}
+    tiers = [int(t) for t in args.tiers.split(",")]
+    profile = load_profile(args.profile)
     rng = np.random.default_rng(0)
-    print(f"{args.pack}, profile {args.profile}, {estimator.threads} threads, past {args.past} tokens")
-    print(f"{'tier':>5} {'sub-layer MAPE':>15} {'by kind (MAPE)':<44} {'step pred ms':>12} {'step meas ms':>12} "
-          f"{'step APE':>9}")
-    for tier in (int(t) for t in args.tiers.split(",")):
-        timed_step(step, args.past, tier, rng)  # warm-up for this shape
-        runs = [timed_step(step, args.past, tier, rng) for _ in range(args.repeat)]
-        measured = {name: statistics.median(r[1][name] for r in runs) for name in entries}
-        measured_total = statistics.median(r[0] for r in runs)
-        context = args.past + tier
-        # A generation step computes the output layer for the last position only (batch 1 here).
-        predicted = {name: estimator.compute_seconds(entry, 1 if entry["kind"] == "final" else tier, context,
-                                                     on_device=False)
-                     for name, entry in entries.items()}
-        errors = {name: abs(predicted[name] - measured[name]) / measured[name] for name in entries}
-        if args.verbose:
-            for kind in ("attn", "ffn", "final"):
-                names = [n for n in entries if entries[n]["kind"] == kind]
-                print(f"      {kind:6s} predicted {sum(predicted[n] for n in names) * 1e3:8.2f} ms, "
-                      f"measured {sum(measured[n] for n in names) * 1e3:8.2f} ms over {len(names)} sub-layers")
-        by_kind = {}
-        for name, error in errors.items():
-            by_kind.setdefault(entries[name]["kind"], []).append(error)
-        kinds = " ".join(f"{kind} {100 * statistics.mean(values):.0f}%" for kind, values in by_kind.items())
-        compute_kinds = [n for n in entries if entries[n]["kind"] in ("attn", "ffn", "final")]
-        mape = 100 * statistics.mean(errors[n] for n in compute_kinds)
-        step_predicted = sum(predicted.values())
-        print(f"{tier:>5} {mape:>14.1f}% {kinds:<44} {step_predicted * 1e3:>12.2f} {measured_total * 1e3:>12.2f} "
-              f"{100 * abs(step_predicted - measured_total) / measured_total:>8.1f}%")
-    print("sub-layer MAPE over attn/ffn/final; step = one all-CPU forward (predicted: sum of sub-layers)")
+    print(f"{args.pack}, profile {args.profile}, {args.threads} threads, context {args.context}, "
+          f"device {args.device}")
+    print(f"{'row':<12} {'tier':>5} {'plan':<22} {'pred ms':>9} {'meas ms':>9} {'pred/meas':>9}")
+    # One engine at a time: an idle engine's ONNX Runtime threads would take cores from the measured one.
+    for budget in [None, *args.vram.split(",")]:
+        engine = pipeshard.load(args.pack, threads=args.threads, vram=budget, context=args.context,
+                                device=args.device if budget else "cpu", profile=args.profile if budget else None)
+        step = engine.step
+        manifest = step.pack.manifest
+        for tier in tiers:
+            if budget is None:
+                plan = None
+                predicted = Planner(manifest, profile, 1 << 40, context=args.context,
+                                    threads=args.threads).baseline("cpu", tier).step_s
+                described = "chain"
+            else:
+                plan = step.book.plan_for(step.book.tier_for(tier))
+                predicted = plan.step_s
+                described = f"{plan.strategy} {'/'.join(str(v) for v in plan.counts().values())}"
+                described += f" kv{len(plan.kv_streamed)}" if plan.kv_streamed else ""
+            step_seconds(step, tier, args.context, 1, rng)  # warm-up: sessions and programs for this shape
+            measured = step_seconds(step, tier, args.context, args.repeat, rng)
+            print(f"{'cpu' if budget is None else 'auto ' + budget:<12} {tier:>5} {described:<22} "
+                  f"{predicted * 1e3:>9.2f} {measured * 1e3:>9.2f} {predicted / measured:>9.2f}", flush=True)
+            if args.sub_layers and plan is None:
+                estimator = Estimator(profile, manifest["model"], args.threads, manifest["source"]["model_sha256"])
+                print("\n".join(sub_layer_lines(step, estimator, tier, args.context, args.repeat, rng)))
+        step.close()
+        del engine, step
+    print("pred/meas: the planner's step time over the measured median (1.00 = exact); plan: pinned/streamed/cpu")
 
 
 if __name__ == "__main__":

@@ -5,7 +5,8 @@ A sub-layer's time is the sum, over its matrix products, of
 (element: the bytes of the weight's stored dtype, whose read bandwidth the profile measures per dtype),
 plus its attention, max(4·heads·head_dim·T·C / achieved attention FLOP/s(T, C), KV bytes / bandwidth),
 plus one hop and a measured per-node cost for each of its graph nodes. The KV bytes are the
-manifest's cost-model traffic per context token. Achieved rates come from the profile's tables: the
+manifest's cost-model traffic per context token. Where the profile timed this very pack (profile --pack) at a
+placement, its times are used instead (docs/profile-db.md). Achieved rates come from the profile's tables: the
 measured shape nearest in log(K·N) (and aspect) is taken, and between measured token counts M the
 rate is interpolated as a power law (linear in log-log; clamped at the ends). CPU sub-layers that
 overlap a copy use the rates measured under copy load. A copy takes bytes / link bandwidth at that size.
@@ -144,29 +145,37 @@ class Estimator:
         factors = profile["contention"].get("cpu_matmul_slowdown_under_copy", {}).get(str(self.threads), {})
         self._cpu_slowdown = max(1.0, factors.get("memory_read", 1.0))
 
-    def _pack_timings(self, profile: dict, model_sha256: str | None) -> dict[str, dict[int, list[tuple[float, float]]]]:
-        """Measured seconds of this very pack's sub-layer kinds (profile --pack), by kind, context and T."""
+    def _pack_timings(self, profile: dict, model_sha256: str | None) -> dict[str, dict]:
+        """Measured seconds of this very pack's sub-layer kinds (profile --pack), by placement, kind, past length
+        and T; kind "step" holds the whole step's time over its parts' (what running them joined saves)."""
         timings = profile.get("pack_timings") or {}
         rows = timings.get("threads", {}).get(str(self.threads), [])
         if not rows or model_sha256 is None or timings.get("model_sha256") != model_sha256:
             return {}
-        table: dict[str, dict[int, list[tuple[float, float]]]] = {}
+        table: dict[str, dict[str, dict[int, list[tuple[float, float]]]]] = {}
         for row in rows:
-            table.setdefault(row["kind"], {}).setdefault(row["C"] - row["T"], []).append((float(row["T"]),
-                                                                                         row["seconds"]))
-        for by_past in table.values():
-            for points in by_past.values():
-                points.sort()
+            value = row["ratio"] if row["kind"] == "step" else row["seconds"]
+            table.setdefault(row.get("placement", "cpu"), {}).setdefault(row["kind"], {}).setdefault(
+                row["C"] - row["T"], []).append((float(row["T"]), value))
+        for by_kind in table.values():
+            for by_past in by_kind.values():
+                for points in by_past.values():
+                    points.sort()
         return table
 
-    def _measured_seconds(self, kind: str, tokens: int, context: int) -> float | None:
-        """Interpolated from the pack's own timings (log-log in T, then in the past length)."""
-        by_past = self.pack_timings.get(kind)
-        if not by_past:
+    def _measured_seconds(self, kind: str, tokens: int, context: int, placement: str) -> float | None:
+        """Interpolated from the pack's own timings at this placement (log-log in T, then in the past length),
+        scaled by how much faster the whole step ran than its parts timed apart."""
+        by_kind = self.pack_timings.get(placement, {})
+        if not by_kind.get(kind):
             return None
-        past = max(context - tokens, 1)
-        per_past = [(float(max(p, 1)), _interpolate_log(points, tokens)) for p, points in sorted(by_past.items())]
-        return _interpolate_log(per_past, past)
+
+        def interpolated(by_past: dict[int, list[tuple[float, float]]]) -> float:
+            past = max(context - tokens, 1)
+            per_past = [(float(max(p, 1)), _interpolate_log(points, tokens)) for p, points in sorted(by_past.items())]
+            return _interpolate_log(per_past, past)
+
+        return interpolated(by_kind[kind]) * (interpolated(by_kind["step"]) if by_kind.get("step") else 1.0)
 
     def _table_dtype(self, table: dict) -> str:
         """The rate table of the products' arithmetic: the model's dtype where it computes in it (an fp16 graph),
@@ -204,10 +213,11 @@ class Estimator:
             row_bytes = self.model["hidden_size"] * (self.weight_bits / 8 if self.weight_bits else ELEMENT_BYTES[next(
                 (WEIGHT_DTYPES.get(w["dtype"], self.dtype) for w in entry["weights"]), self.dtype)])
             return rates.hop_s + tokens * row_bytes / (rates.read_gbps * 1e9)
-        if not on_device or self.profile["device"]["kind"] == "sim":
-            measured = self._measured_seconds(entry["kind"], tokens, context)
-            if measured is not None:
-                return measured * (self._cpu_slowdown if under_copy else 1.0)
+        measured = self._measured_seconds(entry["kind"], tokens, context, "device" if on_device else "cpu")
+        if measured is None and on_device and self.profile["device"]["kind"] == "sim":
+            measured = self._measured_seconds(entry["kind"], tokens, context, "cpu")  # sim computes on the CPU
+        if measured is not None:
+            return measured * (self._cpu_slowdown if under_copy else 1.0)
         table = rates.matmul_loaded if under_copy and rates.matmul_loaded else rates.matmul
         read_gbps = rates.read_gbps_loaded if under_copy else rates.read_gbps
         seconds = rates.hop_s + entry.get("nodes", 0) * rates.op_s

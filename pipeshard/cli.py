@@ -399,6 +399,7 @@ def _command_profile(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from pipeshard.profiles.measure import FULL, PACK_TIERS, QUICK, measure_machine, plan_for_pack
+    from pipeshard.profiles.pack_timing import PLACEMENTS
     from pipeshard.runtime.pack import load_pack
 
     plan = QUICK if args.quick else FULL
@@ -408,7 +409,7 @@ def _command_profile(args: argparse.Namespace) -> int:
     counts = threads or list(range(1, _physical_cores() + 1))
     per_thread = 2 * len(plan.dtypes) * len(plan.shapes) * len(plan.tiers) + \
         len(plan.attention_tokens) * len(plan.attention_contexts) + 1 + \
-        (len(plan.pack_pasts) * len(PACK_TIERS) if args.pack else 0)
+        (len(PLACEMENTS) * len(plan.pack_pasts) * len(PACK_TIERS) if args.pack else 0)
     with tqdm(total=per_thread * len(counts), desc="profile", unit="point", disable=None, leave=False) as bar:
         document = measure_machine(plan, counts, progress=bar.update, use_cuda=False if args.no_cuda else None,
                                    pack=args.pack)

@@ -245,7 +245,8 @@ def measure_machine(plan: Plan, thread_counts: list[int] | None = None, progress
         extra["pack_timings"] = {
             "model_sha256": manifest["source"]["model_sha256"],
             "pasts": list(plan.pack_pasts),
-            "threads": {str(t): time_pack(pack, t, PACK_TIERS, plan.pack_pasts, repeat=3, progress=progress)
+            "threads": {str(t): time_pack(pack, t, PACK_TIERS, plan.pack_pasts, repeat=3, progress=progress,
+                                          device="cuda" if use_cuda else "sim")
                         for t in thread_counts},
         }
     return {

@@ -1,9 +1,13 @@
-"""Timing a pack's own sub-layers on the CPU EP: the estimator's exact rates for that model.
+"""Timing a pack's own sub-layers where plans put them: the estimator's exact rates for that model.
 
-The paper's estimator uses the profiled time when the exact key was measured and a roofline
-otherwise; here the key is (sub-layer kind, new tokens T, context C) of one pack. Each point runs the
-pack's chain for one step of T tokens after a prefill of C - T tokens and takes, per kind, the median
-over that kind's sub-layers, then the median over repeats.
+The paper's estimator uses the profiled time when the exact key was measured and a roofline otherwise; here
+the key is (placement, sub-layer kind, new tokens T, context C) of one pack. Placement `cpu` is the chain's CPU
+sessions (weights prepacked); `device` is every unit pinned on the device the profile measures (on the
+simulated device: weights-as-inputs sessions on the CPU EP, which cannot prepack). Each point runs one step of
+T tokens after a prefill of C - T tokens with every sub-layer timed apart, and takes per kind the median over
+that kind's sub-layers (an output layer in row chunks: the sum of its chunks), then the median over repeats.
+Beside them, per placement and point, the whole step as the runtime runs it (one-token steps join sub-layers
+into few sessions) over the sum of its parts: the estimator scales the parts by it.
 """
 
 from __future__ import annotations
@@ -14,14 +18,23 @@ import time
 import numpy as np
 
 TIMED_KINDS = ("attn", "ffn", "final")
+PLACEMENTS = ("cpu", "device")
+
+
+def _ids(step, count: int, rng) -> np.ndarray:
+    return rng.integers(0, min(step.vocab_size, 20000), size=(1, count)).astype(np.int64)
+
+
+def _prefill(step, ids: np.ndarray, past: int) -> None:
+    step.start(1)
+    if past:
+        step.forward(ids[:, :past], np.ones((1, past), np.int64), np.arange(past)[None])
 
 
 def timed_step(step, past: int, tokens: int, rng) -> tuple[float, dict[str, float]]:
     """Prefill `past` tokens (untimed), then time one step of `tokens` tokens, per stage (seconds)."""
-    ids = rng.integers(0, min(step.vocab_size, 20000), size=(1, past + tokens)).astype(np.int64)
-    step.start(1)
-    if past:
-        step.forward(ids[:, :past], np.ones((1, past), np.int64), np.arange(past)[None])
+    ids = _ids(step, past + tokens, rng)
+    _prefill(step, ids, past)
     stage_seconds: dict[str, float] = {}
     step.stage_timer = stage_seconds.__setitem__
     try:
@@ -33,27 +46,88 @@ def timed_step(step, past: int, tokens: int, rng) -> tuple[float, dict[str, floa
     return total, stage_seconds
 
 
-def time_pack(pack_dir, threads: int, tiers, pasts, repeat: int = 3, progress=lambda: None) -> list[dict]:
-    """Rows {kind, T, C, seconds} for the pack's attention, FFN and output sub-layers."""
-    from pipeshard.runtime.step import Step
+def whole_step(step, past: int, tokens: int, rng) -> float:
+    """Seconds of one step of `tokens` tokens after a prefill of `past`, run as the runtime runs it."""
+    ids = _ids(step, past + tokens, rng)
+    _prefill(step, ids, past)
+    begin = time.perf_counter()
+    step.forward(ids[:, past:], np.ones((1, past + tokens), np.int64), np.arange(past, past + tokens)[None])
+    return time.perf_counter() - begin
 
-    step = Step(pack_dir, threads=threads)
+
+def _time_step_kinds(step, placement: str, tiers, pasts, repeat: int, progress) -> list[dict]:
     step.all_logits = True  # time the output layer over all T, as the cost model counts it
-    kinds = {s["name"]: s["kind"] for s in step.pack.sub_layers}
+    units = step.layout.units
+    kind_of = {e["name"]: e["kind"] for e in step.pack.sub_layers}
+    layer_of = {name: unit.get("chunk_of", name) for name, unit in units.items()}
     rng = np.random.default_rng(0)
     rows = []
     for past in pasts:
         for tokens in tiers:
             timed_step(step, past, tokens, rng)  # warm-up for this shape
+            whole_step(step, past, tokens, rng)
             per_kind: dict[str, list[float]] = {kind: [] for kind in TIMED_KINDS}
+            ratios = []
             for _ in range(repeat):
                 _, stages = timed_step(step, past, tokens, rng)
+                ratios.append(whole_step(step, past, tokens, rng) / sum(stages.values()))
+                by_layer: dict[str, float] = {}
+                for name, seconds in stages.items():
+                    by_layer[layer_of.get(name, name)] = by_layer.get(layer_of.get(name, name), 0.0) + seconds
                 for kind in TIMED_KINDS:
-                    values = [seconds for name, seconds in stages.items() if kinds[name] == kind]
+                    values = [seconds for name, seconds in by_layer.items() if kind_of.get(name) == kind]
                     if values:
                         per_kind[kind].append(statistics.median(values))
             for kind, values in per_kind.items():
                 if values:
-                    rows.append({"kind": kind, "T": tokens, "C": past + tokens, "seconds": statistics.median(values)})
+                    rows.append({"placement": placement, "kind": kind, "T": tokens, "C": past + tokens,
+                                 "seconds": statistics.median(values)})
+            rows.append({"placement": placement, "kind": "step", "T": tokens, "C": past + tokens,
+                         "ratio": statistics.median(ratios)})
             progress()
     return rows
+
+
+def _all_pinned(step, tiers) -> object:
+    """Every placeable unit pinned, with room for the device's activations at the largest tier."""
+    from pipeshard.partitioner.planner import CPU, HOST_ONLY_KINDS, PINNED, Plan, VramBreakdown
+
+    units = step.layout.units
+    placements = {name: CPU if unit["kind"] in HOST_ONLY_KINDS else PINNED for name, unit in units.items()}
+    workspace = 4 * max(tiers) * step.hidden_size * np.dtype(step.dtype).itemsize
+    return Plan("pinned", 0, placements, {}, 0.0, 0.0, VramBreakdown(workspace=workspace, reserve=0), 0, slots=0,
+                prefetch=False)
+
+
+def time_pack(pack_dir, threads: int, tiers, pasts, repeat: int = 3, progress=lambda: None,
+              device: str | None = None) -> list[dict]:
+    """Rows {placement, kind, T, C, seconds} for the pack's attention, FFN and output sub-layers, and {placement,
+    kind: "step", T, C, ratio}: on the CPU, and with `device` ("sim", "cuda") every unit pinned on it, where the
+    whole model fits in its memory."""
+    from pipeshard.runtime.devices import BudgetExceeded, make_device
+    from pipeshard.runtime.plansource import PlanBook
+    from pipeshard.runtime.step import Step
+
+    chain = Step(pack_dir, threads=threads)
+    rows = _time_step_kinds(chain, "cpu", tiers, pasts, repeat, progress)
+    chain.close()
+    if device is None:
+        return rows
+    probe = Step(pack_dir, threads=threads)
+    plan = _all_pinned(probe, tiers)
+    units = list(probe.layout.units)
+    probe.close()
+    try:
+        pinned = Step(pack_dir, device=make_device(device, 1 << 50 if device == "sim" else _free_bytes()),
+                      book=PlanBook(units, fixed=plan), threads=threads)
+    except BudgetExceeded:
+        return rows  # the model does not fit whole: the estimator keeps its rates for the device
+    rows += _time_step_kinds(pinned, "device", tiers, pasts, repeat, progress)
+    pinned.close()
+    return rows
+
+
+def _free_bytes() -> int:
+    from pipeshard.profiles.measure_cuda import CudaRuntime
+
+    return int(CudaRuntime().properties()["free_bytes"] * 0.9)

@@ -215,6 +215,16 @@ class SimDevice(HostMemoryDevice):
         self._copier.shutdown(wait=True)
 
 
+def drop_mapped_range(mapped: np.memmap, offset: int, nbytes: int) -> None:
+    """Let the kernel take back the pages of bytes [offset, offset + nbytes) of a memory-mapped file (a unit
+    uploaded to the device for good): they are then not in host memory beside the device's copy."""
+    mapping = getattr(mapped, "_mmap", None)
+    if mapping is None or not hasattr(mmap, "MADV_DONTNEED") or nbytes <= 0:
+        return
+    start = offset - offset % mmap.PAGESIZE
+    mapping.madvise(mmap.MADV_DONTNEED, start, min(offset + nbytes, len(mapping)) - start)
+
+
 def _drop_mapped_pages(source: np.ndarray) -> None:
     """Let the kernel take back a memory-mapped source's pages once copied (they stay in the page cache): the
     streamed part of the model is then not resident twice, in the mapping and in the CPU sessions."""

@@ -27,14 +27,16 @@ class PlanBook:
     """The plans of one step: tier -> plan, made on first use, dropped when the budget, context or batch change."""
 
     def __init__(self, units: list[str], planner: Planner | None = None, strategy: str = "auto",
-                 tiers: tuple[int, ...] = DEFAULT_TIERS, saved: PlanSet | None = None) -> None:
+                 tiers: tuple[int, ...] = DEFAULT_TIERS, saved: PlanSet | None = None, fixed: Plan | None = None
+                 ) -> None:
         """`saved`: a plans file's ladder: the plans of its largest budget that fits are the step's (their tiers
         its tiers), also after a budget change; the planner is asked only for a budget below every rung, or a
-        context or a batch beyond the file's. Without a planner every step runs the all-CPU plan."""
+        context or a batch beyond the file's. Without a planner every step runs the all-CPU plan, or `fixed` (a
+        profile timing one placement of every unit)."""
         self.planner = planner
         self.strategy = strategy
         self.saved = saved
-        self._cpu = all_cpu_plan(units) if planner is None else None
+        self._fixed = (fixed or all_cpu_plan(units)) if planner is None else None
         rung = saved.rung_for(planner.budget_bytes)[1] if saved and planner else None
         self.tiers = sorted(rung or tiers) if planner else []
         self.plans: dict[int, Plan] = dict(rung or {})
@@ -56,8 +58,8 @@ class PlanBook:
         return self.tiers[min(index, len(self.tiers) - 1)]
 
     def plan_for(self, tier: int) -> Plan:
-        if self._cpu is not None:
-            return self._cpu
+        if self._fixed is not None:
+            return self._fixed
         if tier not in self.plans:
             planner = self.planner
             planner.check_budget()

@@ -39,7 +39,7 @@ import numpy as np
 from pipeshard.partitioner.planner import CPU, HOST_ONLY_KINDS, PINNED, STREAMED, Plan, planning_units
 from pipeshard.partitioner.simulate import EXPERT_RUN_ORDER, EXPERT_SLOTS
 from pipeshard.runtime import capi
-from pipeshard.runtime.devices import CpuDevice, Device
+from pipeshard.runtime.devices import CpuDevice, Device, drop_mapped_range
 from pipeshard.runtime.exportdir import NUMPY_DTYPES, compute_dtype, numpy_dtype
 from pipeshard.runtime.joined import JoinedGraph, join
 from pipeshard.runtime.kv import (
@@ -617,6 +617,8 @@ class Step:
                 source = self._mapped_bytes(name)
                 buffer = self.device.alloc(source.nbytes, "pinned")
                 self.device.upload_now(buffer, source)
+                file, offset, nbytes = self._unit_bytes(name)
+                drop_mapped_range(self._blob(file), offset, nbytes)  # held once: on the device
                 self._pinned[name] = buffer
         if not self._ring and slots:
             self._ring = [self.device.alloc(slot_bytes, "staging") for _ in range(slots)]

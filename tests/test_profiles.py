@@ -134,10 +134,17 @@ def test_profile_with_a_pack_times_its_own_sub_layers_and_the_estimator_uses_the
     timings = load_profile(tmp_path / "db.json")["pack_timings"]
     assert timings["model_sha256"] == manifest["source"]["model_sha256"]
     rows = timings["threads"]["1"]
-    assert {(r["kind"], r["T"], r["C"]) for r in rows} >= {("attn", 16, 48), ("ffn", 1, 9), ("final", 64, 72)}
+    for placement in ("cpu", "device"):  # the chain's CPU sessions, and every unit pinned on the sim device
+        mine = [r for r in rows if r["placement"] == placement]
+        assert {(r["kind"], r["T"], r["C"]) for r in mine} >= {("attn", 16, 48), ("ffn", 1, 9), ("final", 64, 72),
+                                                                 ("step", 1, 9)}
     attn = next(e for e in manifest["sub_layers"] if e["kind"] == "attn")
-    row = next(r for r in rows if (r["kind"], r["T"], r["C"]) == ("attn", 16, 48))
     exact = Estimator(document, manifest["model"], 1, manifest["source"]["model_sha256"])
-    assert exact.compute_seconds(attn, 16, 48, on_device=False) == pytest.approx(row["seconds"])
+    for placement in ("cpu", "device"):
+        row, whole = (next(r for r in rows if (r["placement"], r["kind"], r["T"], r["C"]) == (placement, kind, 16, 48))
+                      for kind in ("attn", "step"))
+        # The kind's time apart, scaled by the whole step's time over its parts' (what joined runs save).
+        assert exact.compute_seconds(attn, 16, 48, on_device=placement == "device") == pytest.approx(
+            row["seconds"] * whole["ratio"])
     roofline = Estimator(document, manifest["model"], 1, "another model")
-    assert roofline.compute_seconds(attn, 16, 48, on_device=False) != pytest.approx(row["seconds"])
+    assert roofline.compute_seconds(attn, 16, 48, on_device=False) != pytest.approx(row["seconds"] * whole["ratio"])
