@@ -168,7 +168,7 @@ class Planner:
         element = self.estimator.element
         hidden, inter = self.model["hidden_size"], self.model["intermediate_size"]
         scores = 4 * self.model["num_attention_heads"] * tier * min(self.context, 1 << 20)
-        logits = 4 * tier * self.model["vocab_size"]
+        logits = 4 * min(tier, self.batch) * self.model["vocab_size"]  # the output layer: each sequence's last
         return tier * element * (4 * hidden + 3 * inter) + max(scores, logits)
 
     def vram(self, placements: dict[str, str], tier: int, slots: int,
@@ -372,9 +372,8 @@ class Planner:
                 + (slots * max((self.kv_bytes(e) for e in attentions), default=0) if kv_streaming else 0))
 
     def dynamic(self, tier: int) -> Plan | None:
-        """Pin as static, leaving room for the slots (or not: pins that fill the budget, streaming only what then
-        still fits); then, in order of the time they would save on the GPU, move the remaining sub-layers from
-        the CPU to streaming (their KV resident, or streamed where the budget calls for it), keeping each move
+        """Pin as static, leaving room for the slots; then, in order of the time they would save on the GPU, move
+        the remaining sub-layers from the CPU to streaming (their KV resident, or streamed where the budget calls for it), keeping each move
         that the simulation says helps (one simulation per move: cheap enough to replan between steps). A move
         is one sub-layer, or with more than DYNAMIC_MOVES candidates (MoE packs of thousands of experts) one of
         DYNAMIC_BLOCKS blocks of neighbours in that order."""
@@ -383,13 +382,11 @@ class Planner:
         compute, copies, _ = self._costs(tier)
         for kv_streaming in self.kv_streaming_modes():
             for slots in (STAGING_SLOTS, 1):
-                room = self._streaming_room(slots, kv_streaming)
-                bases = [self._pin_prefix(tier, all_cpu, slots, kv_streaming=kv_streaming, room_bytes=spare)
-                         for spare in (room, 0)]
-                for placements in bases[:1] if bases[0] == bases[1] else bases:
-                    plan = self._dynamic_moves(tier, placements, slots, kv_streaming, compute, copies)
-                    if plan is not None and (best_plan is None or plan.step_s < best_plan.step_s):
-                        best_plan = plan
+                placements = self._pin_prefix(tier, all_cpu, slots, kv_streaming=kv_streaming,
+                                              room_bytes=self._streaming_room(slots, kv_streaming))
+                plan = self._dynamic_moves(tier, placements, slots, kv_streaming, compute, copies)
+                if plan is not None and (best_plan is None or plan.step_s < best_plan.step_s):
+                    best_plan = plan
         return best_plan
 
     def _dynamic_moves(self, tier: int, placements: dict[str, str], slots: int, kv_streaming: bool,
