@@ -254,7 +254,7 @@ def _prepare_worker(name: str, settings: dict, _commands, replies) -> None:
     settings = BenchSettings(**settings)
     try:
         path = prepare_peer_files(name, _export_dir(settings.pack), _peer_dir(settings),
-                                  log=lambda message: replies.put({"log": message}))
+                                  log=lambda message: replies.put({"log": message}), pack_dir=Path(settings.pack))
         replies.put({"path": str(path)})
     except _LOAD_ERRORS as exc:
         replies.put({"skipped": _reason(exc)})
@@ -493,7 +493,8 @@ def _row(processes: list[tuple[_Worker, dict]], prompt: list[int]) -> dict:
         "prefill_tok_s": _median(rounds, "prefill_tok_s"), "peak_rss_bytes": final["peak_rss_bytes"],
         "baseline_rss_bytes": worker.baseline_rss,
         "tokens": tokens, "deterministic": all(r["tokens"] == tokens for r in runs),
-        "prompt_ids_match": all(w.own_prompt_ids == prompt for w in workers),
+        "prompt_ids_match": None if any(w.own_prompt_ids is None for w in workers)  # fed ids, no tokenizer
+        else all(w.own_prompt_ids == prompt for w in workers),
         "peak_device_bytes": max((r["peak_device_bytes"] for r in runs if "peak_device_bytes" in r), default=None),
         "streamed_bytes_per_run": _median(runs, "streamed_bytes"), "copy_hidden": _median(runs, "copy_hidden"),
         "predicted_decode_step_s": final["facts"].get("predicted_decode_step_s"),
@@ -579,7 +580,7 @@ def bench_table(document: dict) -> str:
             f"{_fmt(row['peak_device_bytes'], '.0f', 2**20, 8)} "
             f"{_fmt(row['streamed_bytes_per_run'], '.1f', 2**20, 10)} {_fmt(row['copy_hidden'], '.0%', 1, 6)} "
             f"{pred:>13s} {_fmt(row['roofline_fraction'], '.0%', 1, 8)}  {agree}"
-            + ("" if row["prompt_ids_match"] else " (own tokenizer: other prompt ids)"))
+            + ("" if row["prompt_ids_match"] is not False else " (own tokenizer: other prompt ids)"))
     reference = document["rows"][0]["reference"] if document["rows"] else "-"
     lines.append(f"x ref: ratio of medians to {reference}; paired: median of the per-round ratios; "
                  f"roofline: decode tok/s / (bandwidth / bytes read per token); /(W+KV): peak RSS above the "
@@ -641,6 +642,8 @@ def validate_bench(document: object) -> dict:
     for index, row in enumerate(document["rows"]):
         for key, kind in _ROW_FIELDS.items():
             value = row.get(key)
+            if key == "prompt_ids_match" and value is None:  # a row fed ids that has no tokenizer of its own
+                continue
             if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
                 raise UserError(f"bench document: rows[{index}].{key} missing or not {kind.__name__}")
         if row["kind"] not in ("plan", "peer"):

@@ -1,6 +1,7 @@
 """Other engines on the same weights, for `pipeshard bench`: onnxruntime-genai, llama.cpp
-(llama-cpp-python) and transformers. Each is optional (`pip install 'pipeshard[bench]'`); a peer
-that is missing is skipped with the line that installs it.
+(llama-cpp-python), transformers, and our own native host (examples/native-host, on the pack itself). Each is
+optional (`pip install 'pipeshard[bench]'`, `make host`); a peer that is missing is skipped with the line that
+installs it.
 
 Their model files are made once from the export's source into a peer folder beside the pack:
 `hf/` (the same fp32 weights as the export, as a transformers folder), `ort-genai/` (its model
@@ -12,8 +13,10 @@ pack of the same source).
 
 from __future__ import annotations
 
+import ctypes
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 import time
@@ -22,9 +25,10 @@ from pathlib import Path
 from pipeshard.errors import UserError
 from pipeshard.fsutil import atomic_output_dir
 
-PEERS = ("ort-genai", "llama.cpp", "llama.cpp-f32", "llama.cpp-f16", "transformers")
+PEERS = ("ort-genai", "llama.cpp", "llama.cpp-f32", "llama.cpp-f16", "transformers", "native")
 PEER_MODULES = {"ort-genai": "onnxruntime_genai", "llama.cpp": "llama_cpp", "llama.cpp-f32": "llama_cpp",
                 "llama.cpp-f16": "llama_cpp", "transformers": "transformers"}
+NATIVE_HOST_BUILD = Path(__file__).resolve().parents[1] / "build" / "native-host"  # where `make host` builds it
 DEQUANTIZED_GGUFS = {"llama.cpp-f32": "f32", "llama.cpp-f16": "f16"}  # peer -> the type its GGUF is rewritten in
 INSTALL_HINT = {
     "ort-genai": "pip install onnxruntime-genai onnx-ir",
@@ -34,13 +38,20 @@ INSTALL_HINT = {
     "transformers": "pip install 'pipeshard[export]'",
 }
 INSTALL_HINT["llama.cpp-f32"] = INSTALL_HINT["llama.cpp-f16"] = INSTALL_HINT["llama.cpp"]
+INSTALL_HINT["native"] = "make host (or set PIPESHARD_HOST_LIBRARY to a built libpipeshard_host.so)"
+
+
+def native_host_library() -> Path:
+    """The native host's shared library: $PIPESHARD_HOST_LIBRARY, else where `make host` puts it."""
+    return Path(os.environ.get("PIPESHARD_HOST_LIBRARY") or NATIVE_HOST_BUILD / "build" / "libpipeshard_host.so")
 
 
 def missing_peer(name: str) -> str | None:
     """Why the peer cannot run here (with the install line), or None."""
     if name not in PEERS:
         raise UserError(f"unknown peer {name!r}; known: {', '.join(PEERS)}")
-    if importlib.util.find_spec(PEER_MODULES[name]) is None:
+    found = native_host_library().is_file() if name == "native" else importlib.util.find_spec(PEER_MODULES[name])
+    if not found:
         return f"{name} is not installed: {INSTALL_HINT[name]}"
     return None
 
@@ -223,6 +234,65 @@ class LlamaCppRunner:
         return _timings(prompt, tokens, started, first, done)
 
 
+class _HostOptions(ctypes.Structure):
+    _fields_ = [("abi_version", ctypes.c_int), ("plans_path", ctypes.c_char_p), ("device", ctypes.c_char_p),
+                ("extensions_library", ctypes.c_char_p), ("threads", ctypes.c_int), ("context", ctypes.c_int),
+                ("vram_budget_bytes", ctypes.c_uint64)]
+
+
+class _HostSampling(ctypes.Structure):
+    _fields_ = [("max_new_tokens", ctypes.c_int), ("temperature", ctypes.c_float), ("top_k", ctypes.c_int),
+                ("top_p", ctypes.c_float), ("repetition_penalty", ctypes.c_float), ("seed", ctypes.c_uint64),
+                ("use_chat_template", ctypes.c_int), ("system_prompt", ctypes.c_char_p)]
+
+
+_TOKEN_CALLBACK = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int64, ctypes.c_char_p, ctypes.c_void_p)
+
+
+class NativeHostRunner:
+    """The native host (examples/native-host) on the pack, all-CPU, through its C ABI (include/pipeshard_host.h),
+    greedy from token ids (no tokenizer loaded). It stops at the end-of-sequence token (its ABI has no switch to
+    hold it off), so its row can end before the others."""
+
+    def __init__(self, pack: Path, threads: int, context: int) -> None:
+        library_path = native_host_library()
+        self.library = library = ctypes.CDLL(str(library_path))
+        library.pipeshard_last_error.restype = ctypes.c_char_p
+        options = _HostOptions()
+        library.pipeshard_default_options(ctypes.byref(options))
+        options.threads, options.context = threads, context  # no extensions library: token ids in and out
+        self.host = ctypes.c_void_p()
+        if library.pipeshard_open(str(pack).encode(), ctypes.byref(options), ctypes.byref(self.host)) != 0:
+            raise UserError(f"the native host cannot open {pack}: {library.pipeshard_last_error(None).decode()}")
+        self.facts = {"engine": "pipeshard native host", "model": str(pack), "library": str(library_path),
+                      "dtype": json.loads((pack / "manifest.json").read_text())["model"]["dtype"]}
+
+    def _check(self, status: int) -> None:
+        if status != 0:
+            raise RuntimeError(self.library.pipeshard_last_error(self.host).decode())
+
+    def prompt_ids(self, text: str) -> None:
+        return None  # it takes the bench's ids; its tokenizer needs the extensions library, not loaded here
+
+    def run(self, prompt: list[int], new_tokens: int) -> dict:
+        sampling = _HostSampling()
+        self.library.pipeshard_default_sampling(ctypes.byref(sampling))
+        sampling.max_new_tokens = new_tokens
+        tokens, times = [], []
+
+        def on_token(token_id: int, _piece: bytes, _user_data) -> int:
+            times.append(time.perf_counter())
+            tokens.append(int(token_id))
+            return 0
+
+        callback = _TOKEN_CALLBACK(on_token)
+        ids = (ctypes.c_int64 * len(prompt))(*prompt)
+        started = time.perf_counter()
+        self._check(self.library.pipeshard_generate_ids(self.host, ids, len(prompt), ctypes.byref(sampling),
+                                                        callback, None))
+        return _timings(prompt, tokens, started, times[0], times[-1])
+
+
 def _gguf_file_type(path: Path) -> str:
     from gguf import GGUFReader, LlamaFileType
 
@@ -236,8 +306,10 @@ def _timings(prompt: list[int], tokens: list[int], started: float, first: float,
             "decode_tok_s": (len(tokens) - 1) / (done - first) if len(tokens) > 1 else 0.0}
 
 
-def prepare_peer_files(name: str, export_dir: Path, peer_dir: Path, log) -> Path:
+def prepare_peer_files(name: str, export_dir: Path, peer_dir: Path, log, pack_dir: Path) -> Path:
     """Make the peer's model files once (heavy: run it in a process of its own); return their path."""
+    if name == "native":
+        return pack_dir
     if name == "transformers":
         return prepare_hf_folder(export_dir, peer_dir)
     if name == "ort-genai":
@@ -256,4 +328,6 @@ def make_peer_runner(name: str, model_path: Path, threads: int, context: int):
         return TransformersRunner(model_path, threads)
     if name == "ort-genai":
         return OrtGenaiRunner(model_path, threads)
+    if name == "native":
+        return NativeHostRunner(model_path, threads, context)
     return LlamaCppRunner(model_path, threads, context)
