@@ -51,6 +51,7 @@ class BenchSettings:
     peer_dir: str | None = None
     processes: int = 1  # worker processes per row
     plans_file: str | None = None  # a saved plans.json the `auto` row runs as it is
+    images: list[str] = field(default_factory=list)  # a VLM pack's prompt images, preprocessed and encoded per run
 
     def check(self) -> None:
         unknown = [p for p in self.plans if plan_of(p)[0] not in PLANS]
@@ -144,8 +145,13 @@ class PlanRunner:
         step, device = self.engine.step, self.device
         stats = getattr(step, "stats", None)
         before = (stats.streamed_bytes, device.copy_seconds, stats.copy_wait_s) if device else None
-        (result,) = self.engine.generator.generate([prompt], SamplingSettings(max_new_tokens=new_tokens))
-        row = {"tokens": result.tokens, "ttft_s": result.ttft_s, "prefill_tok_s": result.prefill_tok_s,
+        started = time.perf_counter()
+        features = self._image_features() if self.settings.images else None
+        encode_s = time.perf_counter() - started
+        (result,) = self.engine.generator.generate([prompt], SamplingSettings(max_new_tokens=new_tokens),
+                                                   image_features=features)
+        ttft_s = encode_s + result.ttft_s  # with images: preprocessing and the encoder are part of the first token
+        row = {"tokens": result.tokens, "ttft_s": ttft_s, "prefill_tok_s": len(prompt) / ttft_s,
                "decode_tok_s": result.decode_tok_s}
         if device:
             streamed, copy_s, wait_s = (stats.streamed_bytes - before[0], device.copy_seconds - before[1],
@@ -154,6 +160,16 @@ class PlanRunner:
                        copy_hidden=max(0.0, 1 - wait_s / copy_s) if copy_s > 0 else None,
                        peak_device_bytes=device.ledger.peak)
         return row
+
+    def _image_features(self):
+        """The bench's images preprocessed and encoded by the engine's vision encoder, as `generate` takes them."""
+        import numpy as np
+
+        from pipeshard.runtime.vision import encode_prepared, prepare_images
+
+        vision = self.engine.vision
+        return np.concatenate([image.features for image in
+                               encode_prepared(vision, prepare_images(vision.config, self.settings.images))])
 
     def final_facts(self) -> dict:
         """Which plan each tier ran and what the planner predicted for a decode step."""
@@ -290,7 +306,7 @@ def _worker(kind: str, name: str, settings: dict, context: int, prompt_text: str
         if kind == "plan":
             runner = PlanRunner(settings, name, context)
         else:
-            runner = make_peer_runner(name, Path(kind.split(":", 1)[1]), settings.threads, context)
+            runner = make_peer_runner(name, Path(kind.split(":", 1)[1]), settings.threads, context, settings.images)
         replies.put({"ready": True, "load_s": time.perf_counter() - started, "baseline_rss_bytes": baseline_rss,
                      "own_prompt_ids":
                      runner.prompt_ids(prompt_text)})
@@ -383,7 +399,10 @@ def run_bench(settings: BenchSettings, progress: Callable[[int, int, str], None]
     settings.check()
     pack = load_pack(Path(settings.pack))
     codec = TextCodec(pack.folder)
-    prompt_text, prompt = bench_prompt(codec, settings.prompt, settings.prompt_tokens)
+    user_text, image_token, image_tokens = _with_image_tokens(pack, settings)
+    prompt_text, prompt = bench_prompt(codec, user_text, settings.prompt_tokens)
+    if image_tokens and prompt.count(codec.tokenizer.token_to_id(image_token)) != image_tokens:
+        raise UserError(f"--prompt-tokens {settings.prompt_tokens} cuts into the images' {image_tokens} tokens")
     kv_context = len(prompt) + settings.new_tokens + 8
     if kv_context > int(pack.model["max_context"]):
         raise UserError(f"{len(prompt)} prompt + {settings.new_tokens} new tokens exceed the model's context "
@@ -450,6 +469,7 @@ def run_bench(settings: BenchSettings, progress: Callable[[int, int, str], None]
             progress(done, total, f"round {round_index}/{settings.repeat} {worker.name}")
             worker.commands.put(("run", prompt, settings.new_tokens))
             result = worker.reply()
+            result["answer_s"] = result["ttft_s"] + (len(result["tokens"]) - 1) / result["decode_tok_s"]
             if round_index:
                 worker.runs.append(result)
             done += 1
@@ -467,6 +487,22 @@ def run_bench(settings: BenchSettings, progress: Callable[[int, int, str], None]
                      "prompt_ids": prompt, "interleaved_rounds": settings.repeat, "warmup_rounds": 1},
         "rows": rows, "skipped": skipped,
     }
+
+
+def _with_image_tokens(pack, settings: BenchSettings) -> tuple[str, str | None, int]:
+    """The user message with the images' token runs where the model takes them (as `Engine.generate` makes it),
+    the image token and how many of them it holds; the message as it is without images."""
+    if not settings.images:
+        return settings.prompt, None, 0
+    vision = pack.manifest.get("vision")
+    if vision is None:
+        raise UserError(f"{settings.pack} is a text model: it takes no --images")
+    from pipeshard.runtime.vision import expand_prompt, prepare_images, with_placeholders
+
+    config = vision["preprocessing"]
+    prepared = prepare_images(config, settings.images)
+    text = expand_prompt(with_placeholders(settings.prompt, len(settings.images), config), prepared.tokens, config)
+    return text, config["image_token"], sum(prepared.counts)
 
 
 def _median(runs: list[dict], key: str) -> float | None:
@@ -490,7 +526,8 @@ def _row(processes: list[tuple[_Worker, dict]], prompt: list[int]) -> dict:
         "decode_tok_s_max": max(decode), "decode_tok_s_runs": decode,
         "decode_tok_s_by_process": [[r["decode_tok_s"] for r in w.runs] for w in workers],
         "prefill_tok_s_runs": [r["prefill_tok_s"] for r in rounds], "ttft_s": _median(rounds, "ttft_s"),
-        "prefill_tok_s": _median(rounds, "prefill_tok_s"), "peak_rss_bytes": final["peak_rss_bytes"],
+        "prefill_tok_s": _median(rounds, "prefill_tok_s"), "answer_s": _median(rounds, "answer_s"),
+        "peak_rss_bytes": final["peak_rss_bytes"],
         "baseline_rss_bytes": worker.baseline_rss,
         "tokens": tokens, "deterministic": all(r["tokens"] == tokens for r in runs),
         "prompt_ids_match": None if any(w.own_prompt_ids is None for w in workers)  # fed ids, no tokenizer
@@ -505,7 +542,8 @@ def _row(processes: list[tuple[_Worker, dict]], prompt: list[int]) -> dict:
 
 def _combine_round(runs: list[dict]) -> dict:
     """A row's processes' runs of one round as one: geometric means of the rates and times."""
-    return {key: statistics.geometric_mean(r[key] for r in runs) for key in ("decode_tok_s", "prefill_tok_s", "ttft_s")}
+    keys = ("decode_tok_s", "prefill_tok_s", "ttft_s", "answer_s")
+    return {key: statistics.geometric_mean(r[key] for r in runs) for key in keys}
 
 
 def minimum_bytes_per_token(pack, context: float) -> float:
@@ -532,7 +570,7 @@ def _compare(rows: list[dict], reference: str, pack, kv_context: int, bandwidth:
                       + pack.manifest["kv_bytes_per_token"] * generation_tokens)
     for row in rows:
         row["reference"] = base["name"]
-        for key in ("decode_tok_s", "prefill_tok_s", "ttft_s"):
+        for key in ("decode_tok_s", "prefill_tok_s", "ttft_s", "answer_s"):
             row[f"{key}_ratio"] = row[key] / base[key] if row[key] and base[key] else None
         for key in ("decode_tok_s", "prefill_tok_s"):  # each round's pair ran back to back: less drift
             row[f"{key}_paired_ratio"] = statistics.median(
@@ -562,7 +600,8 @@ def bench_table(document: dict) -> str:
         f"{bandwidth['median_bytes_per_s'] / 1e9:.1f}) with {bandwidth['threads']} threads"
         + ("; device sim = a simulated accelerator on the CPU, never GPU speed" if sim else ""),
         f"{'row':14s} {'dtype':6s} {'decode tok/s':>20s} {'x ref':>6s} {'paired':>6s} {'prefill':>8s} {'x ref':>6s} "
-        f"{'TTFT ms':>8s} {'RSS MiB':>8s} {'/(W+KV)':>7s} {'dev MiB':>8s} {'stream MiB':>10s} {'hidden':>6s} "
+        f"{'TTFT ms':>8s} {'answer s':>8s} {'x ref':>6s} {'RSS MiB':>8s} {'/(W+KV)':>7s} {'dev MiB':>8s} "
+        f"{'stream MiB':>10s} {'hidden':>6s} "
         f"{'pred/meas ms':>13s} {'roofline':>8s}  tokens",
     ]
     for row in document["rows"]:
@@ -576,6 +615,7 @@ def bench_table(document: dict) -> str:
             f"{name:14s} {row['facts'].get('dtype', '?'):6s} {spread:>20s} {_fmt(row['decode_tok_s_ratio'], '.2f')} "
             f"{_fmt(row['decode_tok_s_paired_ratio'], '.2f')} "
             f"{row['prefill_tok_s']:8.1f} {_fmt(row['prefill_tok_s_ratio'], '.2f')} {row['ttft_s'] * 1e3:8.0f} "
+            f"{row['answer_s']:8.2f} {_fmt(row['answer_s_ratio'], '.2f')} "
             f"{row['peak_rss_bytes'] / 2**20:8.0f} {_fmt(row.get('rss_over_weights_and_kv'), '.2f', 1, 7)} "
             f"{_fmt(row['peak_device_bytes'], '.0f', 2**20, 8)} "
             f"{_fmt(row['streamed_bytes_per_run'], '.1f', 2**20, 10)} {_fmt(row['copy_hidden'], '.0%', 1, 6)} "

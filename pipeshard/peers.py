@@ -68,7 +68,8 @@ def source_gguf(export_dir: Path) -> Path | None:
 
 
 def prepare_hf_folder(export_dir: Path, peer_dir: Path) -> Path:
-    """The export's source as a transformers folder in fp32 (what the export holds), made once."""
+    """The export's source as a transformers folder in fp32 (what the export holds), made once; for a VLM the whole
+    model with its image processor."""
     out = peer_dir / "hf"
     if (out / "config.json").is_file():
         return out
@@ -79,8 +80,10 @@ def prepare_hf_folder(export_dir: Path, peer_dir: Path) -> Path:
     argument, _ = _source_argument(export_dir)
     loaded = load_source(resolve_source(argument), torch.float32)
     with atomic_output_dir(out, force=False) as staging:
-        loaded.model.save_pretrained(staging)
+        (loaded.model if loaded.vlm is None else loaded.vlm).save_pretrained(staging)
         loaded.tokenizer.save_pretrained(staging)
+        if loaded.image_processor is not None:
+            loaded.image_processor.save_pretrained(staging)
     return out
 
 
@@ -138,15 +141,22 @@ def prepare_dequantized_gguf(gguf_path: Path, peer_dir: Path, log, dtype: str = 
 
 # -- runners: each lives in its own bench worker process ------------------------------------------------------------
 class TransformersRunner:
-    """PyTorch eager, the same greedy loop as ours: prefill, then one token per step with the KV cache."""
+    """PyTorch eager, the same greedy loop as ours: prefill, then one token per step with the KV cache. With
+    `images` (a VLM folder), its image processor and vision tower run inside the prefill's time."""
 
-    def __init__(self, hf_folder: Path, threads: int) -> None:
+    def __init__(self, hf_folder: Path, threads: int, images: list[str] = ()) -> None:
         import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoImageProcessor, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
         torch.set_num_threads(threads)
         self.torch = torch
-        self.model = AutoModelForCausalLM.from_pretrained(hf_folder, dtype=torch.float32).eval()
+        self.images = list(images)
+        vlm = "vision_config" in json.loads((Path(hf_folder) / "config.json").read_text())
+        if self.images and not vlm:
+            raise UserError(f"{hf_folder} is a text model: transformers cannot take --images with it")
+        model_class = AutoModelForImageTextToText if vlm else AutoModelForCausalLM
+        self.model = model_class.from_pretrained(hf_folder, dtype=torch.float32).eval()
+        self.image_processor = AutoImageProcessor.from_pretrained(hf_folder, use_fast=False) if self.images else None
         self.tokenizer = AutoTokenizer.from_pretrained(hf_folder)
         self.facts = {"engine": "transformers", "version": sys.modules["transformers"].__version__,
                       "model": str(hf_folder), "dtype": "fp32"}
@@ -158,7 +168,14 @@ class TransformersRunner:
         torch = self.torch
         with torch.inference_mode():
             started = time.perf_counter()
-            output = self.model(torch.tensor([prompt]), use_cache=True)
+            pixels = {}
+            if self.images:
+                from PIL import Image
+
+                processed = self.image_processor(images=[[Image.open(p).convert("RGB") for p in self.images]],
+                                                 return_tensors="pt")
+                pixels = {key: processed[key] for key in ("pixel_values", "pixel_attention_mask")}
+            output = self.model(torch.tensor([prompt]), use_cache=True, **pixels)
             token = int(output.logits[0, -1].argmax())
             first = time.perf_counter()
             tokens, cache = [token], output.past_key_values
@@ -322,10 +339,12 @@ def prepare_peer_files(name: str, export_dir: Path, peer_dir: Path, log, pack_di
     return gguf_path
 
 
-def make_peer_runner(name: str, model_path: Path, threads: int, context: int):
-    """The peer's runner on files made by `prepare_peer_files`."""
+def make_peer_runner(name: str, model_path: Path, threads: int, context: int, images: list[str] = ()):
+    """The peer's runner on files made by `prepare_peer_files`; only transformers takes `images`."""
+    if images and name != "transformers":
+        raise UserError(f"{name} does not run a vision-language model here (--images)")
     if name == "transformers":
-        return TransformersRunner(model_path, threads)
+        return TransformersRunner(model_path, threads, images)
     if name == "ort-genai":
         return OrtGenaiRunner(model_path, threads)
     if name == "native":
