@@ -52,6 +52,13 @@ class BenchSettings:
     processes: int = 1  # worker processes per row
     plans_file: str | None = None  # a saved plans.json the `auto` row runs as it is
     images: list[str] = field(default_factory=list)  # a VLM pack's prompt images, preprocessed and encoded per run
+    sequences: list[int] = field(default_factory=lambda: [1])  # every row once per count: N prompts in one batch
+
+    def rows(self) -> list[tuple[str, str]]:
+        """(kind, name) of every row: each plan and peer once per sequence count, `NAME*N` for N > 1."""
+        return [(kind, name if count == 1 else f"{name}*{count}")
+                for kind, names in (("plan", self.plans), ("peer", self.peers)) for name in names
+                for count in self.sequences]
 
     def check(self) -> None:
         unknown = [p for p in self.plans if plan_of(p)[0] not in PLANS]
@@ -72,16 +79,26 @@ class BenchSettings:
             raise UserError(f"unknown device {self.device!r}; choose cpu, sim or cuda")
         if self.device != "cpu" and self.vram is None and any(plan_of(p)[0] in DEVICE_PLANS for p in self.plans):
             raise UserError(f"--device {self.device} needs a VRAM budget (--vram SIZE or a share such as 25%)")
-        if self.reference is not None and self.reference not in (*self.plans, *self.peers):
-            raise UserError(f"the reference row {self.reference!r} is not among the rows "
-                            f"({', '.join([*self.plans, *self.peers])})")
+        if not self.sequences or min(self.sequences) < 1 or len(set(self.sequences)) < len(self.sequences):
+            raise UserError("--sequences takes distinct counts of at least 1, e.g. 1,8")
+        if self.images and max(self.sequences) > 1:
+            raise UserError("--image runs one sequence: drop --sequences")
+        names = [name for _, name in self.rows()]
+        if self.reference is not None and self.reference not in names:
+            raise UserError(f"the reference row {self.reference!r} is not among the rows ({', '.join(names)})")
 
 
 def plan_of(row: str) -> tuple[str, str | None]:
     """A plan row's plan and pack: `cpu` runs the bench's pack, `cpu@PACK` another one (the same model in
     another dtype, say), in the same interleaved rounds."""
-    plan, _, pack = row.partition("@")
+    plan, _, pack = row_sequences(row)[0].partition("@")
     return plan, pack or None
+
+
+def row_sequences(row: str) -> tuple[str, int]:
+    """A row's name without its `*N` and N, the prompts it generates in one batch (1 without)."""
+    base, mark, count = row.rpartition("*")
+    return (base, int(count)) if mark and count.isdigit() else (row, 1)
 
 
 def first_difference(a: list[int], b: list[int]) -> int | None:
@@ -123,11 +140,12 @@ class PlanRunner:
         request_process_thread_pool(settings.threads)  # as `pipeshard run` does: the worker runs only this
         plan, pack = plan_of(row)
         pack = pack or settings.pack
+        self.sequences = row_sequences(row)[1]
         device = "cpu" if plan in ("cpu", "monolithic") else settings.device
         saved = settings.plans_file if plan == "auto" else None
         self.engine = pipeshard.load(pack, threads=settings.threads, vram=None if saved else settings.vram,
                                      device=device, profile=settings.profile, plan=plan,
-                                     context=None if saved else context, plans=saved)
+                                     context=None if saved else context, plans=saved, batch=self.sequences)
         self.engine.codec.eos_token_ids = []  # every row decodes exactly the asked number of tokens
         self.plan, self.pack = plan, pack
         self.settings = settings
@@ -148,11 +166,12 @@ class PlanRunner:
         started = time.perf_counter()
         features = self._image_features() if self.settings.images else None
         encode_s = time.perf_counter() - started
-        (result,) = self.engine.generator.generate([prompt], SamplingSettings(max_new_tokens=new_tokens),
-                                                   image_features=features)
-        ttft_s = encode_s + result.ttft_s  # with images: preprocessing and the encoder are part of the first token
-        row = {"tokens": result.tokens, "ttft_s": ttft_s, "prefill_tok_s": len(prompt) / ttft_s,
-               "decode_tok_s": result.decode_tok_s}
+        results = self.engine.generator.generate([prompt] * self.sequences,
+                                                 SamplingSettings(max_new_tokens=new_tokens), image_features=features)
+        ttft_s = encode_s + max(r.ttft_s for r in results)  # with images: preprocessing and the encoder count
+        row = {"tokens": results[0].tokens, "ttft_s": ttft_s, "prefill_tok_s": len(prompt) * len(results) / ttft_s,
+               "decode_tok_s": sum(r.decode_tok_s for r in results),  # they decode together: the batch's rate
+               "sequences_agree": all(r.tokens == results[0].tokens for r in results)}
         if device:
             streamed, copy_s, wait_s = (stats.streamed_bytes - before[0], device.copy_seconds - before[1],
                                         stats.copy_wait_s - before[2])
@@ -269,7 +288,7 @@ def _prepare_worker(name: str, settings: dict, _commands, replies) -> None:
     _quiet_worker()
     settings = BenchSettings(**settings)
     try:
-        path = prepare_peer_files(name, _export_dir(settings.pack), _peer_dir(settings),
+        path = prepare_peer_files(row_sequences(name)[0], _export_dir(settings.pack), _peer_dir(settings),
                                   log=lambda message: replies.put({"log": message}), pack_dir=Path(settings.pack))
         replies.put({"path": str(path)})
     except _LOAD_ERRORS as exc:
@@ -306,7 +325,9 @@ def _worker(kind: str, name: str, settings: dict, context: int, prompt_text: str
         if kind == "plan":
             runner = PlanRunner(settings, name, context)
         else:
-            runner = make_peer_runner(name, Path(kind.split(":", 1)[1]), settings.threads, context, settings.images)
+            base, sequences = row_sequences(name)
+            runner = make_peer_runner(base, Path(kind.split(":", 1)[1]), settings.threads, context, settings.images,
+                                      sequences)
         replies.put({"ready": True, "load_s": time.perf_counter() - started, "baseline_rss_bytes": baseline_rss,
                      "own_prompt_ids":
                      runner.prompt_ids(prompt_text)})
@@ -407,14 +428,14 @@ def run_bench(settings: BenchSettings, progress: Callable[[int, int, str], None]
     if kv_context > int(pack.model["max_context"]):
         raise UserError(f"{len(prompt)} prompt + {settings.new_tokens} new tokens exceed the model's context "
                         f"of {pack.model['max_context']}")
-    rows_wanted = [("plan", p) for p in settings.plans] + [("peer", p) for p in settings.peers]
+    rows_wanted = settings.rows()
     skipped = []
     for kind, name in list(rows_wanted):
         reason = None
         if kind == "plan" and plan_of(name)[0] in DEVICE_PLANS and settings.device == "cpu":
             reason = "needs a device: --device sim or cuda with --vram"
         elif kind == "peer":
-            reason = missing_peer(name)
+            reason = missing_peer(row_sequences(name)[0])
         if reason:
             skipped.append({"name": name, "reason": reason})
             log(f"skipped {name}: {reason}")
@@ -431,17 +452,19 @@ def run_bench(settings: BenchSettings, progress: Callable[[int, int, str], None]
         for kind, name in list(rows_wanted):
             progress(done, total, f"loading {name}")
             if kind == "peer":
-                if name not in prepared_paths:
+                base = row_sequences(name)[0]
+                if base not in prepared_paths:
                     preparer = _Worker(context, kind, name, log, _prepare_worker, (name, asdict(settings)))
                     prepared = preparer.reply()
                     preparer.process.join()
-                    if "skipped" in prepared:
-                        skipped.append({"name": name, "reason": prepared["skipped"]})
-                        log(f"skipped {name}: {prepared['skipped']}")
-                        rows_wanted.remove((kind, name))
-                        continue
-                    prepared_paths[name] = prepared["path"]
-                kind = f"peer:{prepared_paths[name]}"
+                    prepared_paths[base] = prepared.get("path") or prepared
+                if isinstance(prepared_paths[base], dict):  # its files could not be made: every row of it goes
+                    reason = prepared_paths[base]["skipped"]
+                    skipped.append({"name": name, "reason": reason})
+                    log(f"skipped {name}: {reason}")
+                    rows_wanted.remove((kind, name))
+                    continue
+                kind = f"peer:{prepared_paths[base]}"
             worker = _Worker(context, kind.split(":", 1)[0], name, log, _worker,
                              (kind, name, asdict(settings), kv_context, prompt_text))
             ready = worker.reply()
@@ -530,6 +553,8 @@ def _row(processes: list[tuple[_Worker, dict]], prompt: list[int]) -> dict:
         "peak_rss_bytes": final["peak_rss_bytes"],
         "baseline_rss_bytes": worker.baseline_rss,
         "tokens": tokens, "deterministic": all(r["tokens"] == tokens for r in runs),
+        "sequences": row_sequences(worker.name)[1],
+        "sequences_agree": all(r.get("sequences_agree", True) for r in runs),
         "prompt_ids_match": None if any(w.own_prompt_ids is None for w in workers)  # fed ids, no tokenizer
         else all(w.own_prompt_ids == prompt for w in workers),
         "peak_device_bytes": max((r["peak_device_bytes"] for r in runs if "peak_device_bytes" in r), default=None),
@@ -565,10 +590,10 @@ def _compare(rows: list[dict], reference: str, pack, kv_context: int, bandwidth:
     generation_tokens = kv_context - 8  # prompt + new tokens
     average_context = generation_tokens - len(base["tokens"]) / 2
     read_per_token = minimum_bytes_per_token(pack, average_context)
-    # What a CPU run must hold at the least: every weight once and the KV cache of the whole generation.
-    weights_and_kv = (pack.manifest["total_weight_bytes"]
-                      + pack.manifest["kv_bytes_per_token"] * generation_tokens)
     for row in rows:
+        # What a CPU run must hold at the least: every weight once and the KV cache of each sequence's generation.
+        weights_and_kv = (pack.manifest["total_weight_bytes"]
+                          + pack.manifest["kv_bytes_per_token"] * generation_tokens * row["sequences"])
         row["reference"] = base["name"]
         for key in ("decode_tok_s", "prefill_tok_s", "ttft_s", "answer_s"):
             row[f"{key}_ratio"] = row[key] / base[key] if row[key] and base[key] else None
@@ -577,7 +602,8 @@ def _compare(rows: list[dict], reference: str, pack, kv_context: int, bandwidth:
                 a / b for a, b in zip(row[f"{key}_runs"], base[f"{key}_runs"], strict=True))
         row["same_tokens_as_reference"] = row["tokens"] == base["tokens"]
         row["first_difference"] = first_difference(row["tokens"], base["tokens"])
-        same_weights = row["facts"].get("dtype") == pack.model["dtype"]
+        # One sequence's decode reads the weights per token; a batch's step shares them, so no roofline for it.
+        same_weights = row["facts"].get("dtype") == pack.model["dtype"] and row["sequences"] == 1
         row["weights_and_kv_bytes"] = weights_and_kv if row["kind"] == "plan" else None
         row["rss_over_weights_and_kv"] = ((row["peak_rss_bytes"] - row["baseline_rss_bytes"]) / weights_and_kv
                                           if row["kind"] == "plan" else None)
@@ -611,6 +637,7 @@ def bench_table(document: dict) -> str:
         device = row["facts"].get("device", "")
         name = row["name"] + (f" [{device}]" if device in ("sim", "cuda") else "")
         agree = "= ref" if row["same_tokens_as_reference"] else f"differ at {row['first_difference']}"
+        agree += "" if row["sequences_agree"] else " (the batch's sequences differ)"
         lines.append(
             f"{name:14s} {row['facts'].get('dtype', '?'):6s} {spread:>20s} {_fmt(row['decode_tok_s_ratio'], '.2f')} "
             f"{_fmt(row['decode_tok_s_paired_ratio'], '.2f')} "

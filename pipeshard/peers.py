@@ -22,6 +22,8 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
+
 from pipeshard.errors import UserError
 from pipeshard.fsutil import atomic_output_dir
 
@@ -144,13 +146,13 @@ class TransformersRunner:
     """PyTorch eager, the same greedy loop as ours: prefill, then one token per step with the KV cache. With
     `images` (a VLM folder), its image processor and vision tower run inside the prefill's time."""
 
-    def __init__(self, hf_folder: Path, threads: int, images: list[str] = ()) -> None:
+    def __init__(self, hf_folder: Path, threads: int, images: list[str] = (), sequences: int = 1) -> None:
         import torch
         from transformers import AutoImageProcessor, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
         torch.set_num_threads(threads)
         self.torch = torch
-        self.images = list(images)
+        self.images, self.sequences = list(images), sequences
         vlm = "vision_config" in json.loads((Path(hf_folder) / "config.json").read_text())
         if self.images and not vlm:
             raise UserError(f"{hf_folder} is a text model: transformers cannot take --images with it")
@@ -175,24 +177,26 @@ class TransformersRunner:
                 processed = self.image_processor(images=[[Image.open(p).convert("RGB") for p in self.images]],
                                                  return_tensors="pt")
                 pixels = {key: processed[key] for key in ("pixel_values", "pixel_attention_mask")}
-            output = self.model(torch.tensor([prompt]), use_cache=True, **pixels)
-            token = int(output.logits[0, -1].argmax())
+            output = self.model(torch.tensor([prompt] * self.sequences), use_cache=True, **pixels)
+            token = output.logits[:, -1:].argmax(-1)
             first = time.perf_counter()
             tokens, cache = [token], output.past_key_values
             while len(tokens) < new_tokens:
-                output = self.model(torch.tensor([[token]]), past_key_values=cache, use_cache=True)
-                token, cache = int(output.logits[0, -1].argmax()), output.past_key_values
+                output = self.model(token, past_key_values=cache, use_cache=True)
+                token, cache = output.logits[:, -1:].argmax(-1), output.past_key_values
                 tokens.append(token)
             done = time.perf_counter()
-        return _timings(prompt, tokens, started, first, done)
+        batch = torch.cat(tokens, dim=1).tolist()
+        return _timings(prompt, batch[0], started, first, done, len(batch), all(t == batch[0] for t in batch))
 
 
 class OrtGenaiRunner:
     """onnxruntime-genai on its own builder's fp32 model, greedy, EOS held off until `new_tokens`."""
 
-    def __init__(self, model_dir: Path, threads: int) -> None:
+    def __init__(self, model_dir: Path, threads: int, sequences: int = 1) -> None:
         import onnxruntime_genai as og
 
+        self.sequences = sequences
         self.og = og
         config = og.Config(str(model_dir))
         config.overlay(json.dumps({"model": {"decoder": {"session_options": {
@@ -208,17 +212,17 @@ class OrtGenaiRunner:
     def run(self, prompt: list[int], new_tokens: int) -> dict:
         params = self.og.GeneratorParams(self.model)
         length = len(prompt) + new_tokens
-        params.set_search_options(do_sample=False, max_length=length, min_length=length)
+        params.set_search_options(do_sample=False, max_length=length, min_length=length, batch_size=self.sequences)
         generator = self.og.Generator(self.model, params)
         started = time.perf_counter()
-        generator.append_tokens(prompt)
+        generator.append_tokens(np.array([prompt] * self.sequences, np.int32))
         generator.generate_next_token()
         first = time.perf_counter()
         while generator.token_count() < length:
             generator.generate_next_token()
         done = time.perf_counter()
-        tokens = [int(t) for t in generator.get_sequence(0)[len(prompt):]]
-        return _timings(prompt, tokens, started, first, done)
+        batch = [[int(t) for t in generator.get_sequence(row)[len(prompt):]] for row in range(self.sequences)]
+        return _timings(prompt, batch[0], started, first, done, len(batch), all(t == batch[0] for t in batch))
 
 
 class LlamaCppRunner:
@@ -318,9 +322,12 @@ def _gguf_file_type(path: Path) -> str:
     return {"F32": "fp32", "F16": "fp16", "BF16": "bf16"}.get(name, name)  # a pack's dtype names where they agree
 
 
-def _timings(prompt: list[int], tokens: list[int], started: float, first: float, done: float) -> dict:
-    return {"tokens": tokens, "ttft_s": first - started, "prefill_tok_s": len(prompt) / (first - started),
-            "decode_tok_s": (len(tokens) - 1) / (done - first) if len(tokens) > 1 else 0.0}
+def _timings(prompt: list[int], tokens: list[int], started: float, first: float, done: float, sequences: int = 1,
+             sequences_agree: bool = True) -> dict:
+    """A run's figures; with a batch, `tokens` are the first sequence's and the rates count every sequence."""
+    return {"tokens": tokens, "ttft_s": first - started, "prefill_tok_s": sequences * len(prompt) / (first - started),
+            "decode_tok_s": sequences * (len(tokens) - 1) / (done - first) if len(tokens) > 1 else 0.0,
+            "sequences_agree": sequences_agree}
 
 
 def prepare_peer_files(name: str, export_dir: Path, peer_dir: Path, log, pack_dir: Path) -> Path:
@@ -339,14 +346,18 @@ def prepare_peer_files(name: str, export_dir: Path, peer_dir: Path, log, pack_di
     return gguf_path
 
 
-def make_peer_runner(name: str, model_path: Path, threads: int, context: int, images: list[str] = ()):
-    """The peer's runner on files made by `prepare_peer_files`; only transformers takes `images`."""
+def make_peer_runner(name: str, model_path: Path, threads: int, context: int, images: list[str] = (),
+                     sequences: int = 1):
+    """The peer's runner on files made by `prepare_peer_files`; only transformers takes `images`, only it and
+    onnxruntime-genai a batch of `sequences`."""
     if images and name != "transformers":
-        raise UserError(f"{name} does not run a vision-language model here (--images)")
+        raise UserError(f"{name} does not run a vision-language model here (--image)")
+    if sequences > 1 and name not in ("transformers", "ort-genai"):
+        raise UserError(f"{name} runs one sequence here (--sequences)")
     if name == "transformers":
-        return TransformersRunner(model_path, threads, images)
+        return TransformersRunner(model_path, threads, images, sequences)
     if name == "ort-genai":
-        return OrtGenaiRunner(model_path, threads)
+        return OrtGenaiRunner(model_path, threads, sequences)
     if name == "native":
         return NativeHostRunner(model_path, threads, context)
     return LlamaCppRunner(model_path, threads, context)
