@@ -492,7 +492,8 @@ def run_bench(settings: BenchSettings, progress: Callable[[int, int, str], None]
             progress(done, total, f"round {round_index}/{settings.repeat} {worker.name}")
             worker.commands.put(("run", prompt, settings.new_tokens))
             result = worker.reply()
-            result["answer_s"] = result["ttft_s"] + (len(result["tokens"]) - 1) / result["decode_tok_s"]
+            decode_s = row_sequences(worker.name)[1] * (len(result["tokens"]) - 1) / result["decode_tok_s"]
+            result["answer_s"] = result["ttft_s"] + decode_s  # a batch's rate counts all of its sequences
             if round_index:
                 worker.runs.append(result)
             done += 1
