@@ -140,6 +140,8 @@ def test_sequences_run_every_row_once_per_count_as_one_batch(tiny_pack, tmp_path
     assert batch["decode_tok_s_ratio"] > 1  # the batch's rate counts its three sequences: a step serves them all
     assert one["roofline_fraction"] > 0 and batch["roofline_fraction"] is None  # a batch shares each weight read
     assert batch["weights_and_kv_bytes"] > one["weights_and_kv_bytes"]
+    # one round: the whole answer is the first token's time plus each sequence's 5 decode steps at the batch's rate / 3
+    assert batch["answer_s"] == pytest.approx(batch["ttft_s"] + 3 * 5 / batch["decode_tok_s"])
 
 
 def test_the_native_host_peer_gives_the_chains_tokens(tiny_pack, tmp_path):
