@@ -423,7 +423,8 @@ def run_bench(settings: BenchSettings, progress: Callable[[int, int, str], None]
     user_text, image_token, image_tokens = _with_image_tokens(pack, settings)
     prompt_text, prompt = bench_prompt(codec, user_text, settings.prompt_tokens)
     if image_tokens and prompt.count(codec.tokenizer.token_to_id(image_token)) != image_tokens:
-        raise UserError(f"--prompt-tokens {settings.prompt_tokens} cuts into the images' {image_tokens} tokens")
+        raise UserError(f"--prompt-tokens {settings.prompt_tokens} leaves no room for the images' "
+                        f"{image_tokens} tokens")
     kv_context = len(prompt) + settings.new_tokens + 8
     if kv_context > int(pack.model["max_context"]):
         raise UserError(f"{len(prompt)} prompt + {settings.new_tokens} new tokens exceed the model's context "
