@@ -4,8 +4,9 @@ memory-bandwidth limit, measured in one run.
 Every row (a plan run by our runtime, or a peer engine) lives in its own worker process, so each has
 its own peak RSS and nothing is shared between engines. The workers are driven one at a time,
 round-robin (A B C A B C ...), the first round a dropped warm-up; medians and the min-max spread are
-reported, with each row's ratio to a reference row. The JSON written by `--json` is documented in
-docs/bench.md and checked by `validate_bench`.
+reported, with each row's ratio to a reference row. The modes change only what a row runs: `--sequences`
+(N prompts in one batch), `--image` (a VLM answer, encoder included), the `native` peer (our C ABI host). The JSON
+written by `--json` is documented in docs/bench.md and checked by `validate_bench`.
 """
 
 from __future__ import annotations
@@ -521,7 +522,7 @@ def _with_image_tokens(pack, settings: BenchSettings) -> tuple[str, str | None, 
         return settings.prompt, None, 0
     vision = pack.manifest.get("vision")
     if vision is None:
-        raise UserError(f"{settings.pack} is a text model: it takes no --images")
+        raise UserError(f"{settings.pack} is a text model: it takes no --image")
     from pipeshard.runtime.vision import expand_prompt, prepare_images, with_placeholders
 
     config = vision["preprocessing"]
