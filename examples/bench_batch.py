@@ -6,6 +6,10 @@ Writes a job of distinct chat prompts, runs it with `--parallel N`, with `--para
 local two-node cluster (`ray.cluster_utils.Cluster`, one core per node, so the two actors share this machine's
 cores as the single process does), each from an empty output, and prints requests, generated tokens, wall time
 and generated tokens/s per run.
+
+The job front end as a user runs it (JSONL in and out, the scheduler's slots, a Ray cluster), which `pipeshard bench`
+cannot be: its rows are engines in worker processes, each run one generation. The engine's own batched step at N
+sequences against one is `pipeshard bench PACK --device cpu --plans cpu --sequences 1,8` (docs/bench.md).
 """
 
 from __future__ import annotations

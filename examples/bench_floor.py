@@ -13,6 +13,9 @@ took ~2x their time alone). A process times `--steps` steps in five blocks and s
 `pipeshard bench` (profiles/bandwidth.py, over the same bytes) after each block, so each figure has its own
 process's roofline: a step's weight bytes over its median time, against the probe's best sample.
 Dense packs only (a MoE step reads the chosen experts only).
+
+Not a `pipeshard bench` row: the floor is a synthetic graph that makes no tokens, and the figure is one decode step's
+time against it at a fixed context, not a generation (the bench's roofline column is the other reference).
 """
 
 from __future__ import annotations

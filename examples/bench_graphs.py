@@ -13,6 +13,9 @@ what differs is the graph alone, e.g. our export against onnxruntime-genai's mod
 The graphs take `input_ids`, `attention_mask`, optionally `position_ids`, `past_key_values.{i}.key/value`
 [batch, kv_heads, capacity, head_dim] and give `logits`, `present.{i}.*`; a KV dimension one graph leaves
 symbolic is taken from the other.
+
+Not a `pipeshard bench` mode: it times bare graphs (any two decoder ONNX files, not packs) in one process, balanced by
+`pipeshard.bench.balanced_ab`, for differences smaller than the few percent a bench worker process carries for life.
 """
 
 from __future__ import annotations

@@ -7,6 +7,11 @@ Starts the server (`--parallel` = the most clients), and per round and client co
 alternating which goes first. Reports aggregate decode tokens/s
 (completion tokens over the wall time), TTFT p50 / p95 of the concurrent requests, and the ratio to sequential;
 medians over rounds.
+
+A load test of the server as clients see it (HTTP, SSE, the scheduler's queue, requests joining between steps), which
+`pipeshard bench` cannot be: its rows are engines in worker processes, each run one generation. The engine's own
+batched step beside onnxruntime-genai's batch is `pipeshard bench PACK --device cpu --plans cpu --peers ort-genai
+--sequences 1,8` (docs/bench.md).
 """
 
 from __future__ import annotations
@@ -76,40 +81,6 @@ def measure(base: str, clients: int, new_tokens: int, concurrent: bool) -> dict:
             "tokens": sum(r[2] for r in results)}
 
 
-def ort_genai_batch(pack: str, peer_dir: Path, clients: int, new_tokens: int, threads: int) -> dict:
-    """onnxruntime-genai's batched greedy generation of the same chat prompts, all in one batch: aggregate tok/s."""
-    import numpy as np
-    import onnxruntime_genai as og
-
-    import pipeshard
-    from pipeshard.peers import prepare_ort_genai
-
-    export_dir = Path(json.loads((Path(pack) / "manifest.json").read_text())["source"]["export"])
-    model_dir = prepare_ort_genai(export_dir, peer_dir, print)
-    codec = pipeshard.load(export_dir).codec
-    prompts = [codec.encode(codec.render_chat(f"Write a short paragraph about {TOPICS[i % len(TOPICS)]}."))
-               for i in range(clients)]
-    config = og.Config(str(model_dir))
-    config.overlay(json.dumps({"model": {"decoder": {"session_options": {
-        "intra_op_num_threads": threads, "inter_op_num_threads": 1}}}}))
-    model = og.Model(config)
-    pad = json.loads((model_dir / "genai_config.json").read_text())["model"]["pad_token_id"]
-    longest = max(len(p) for p in prompts)
-    tokens = np.full((clients, longest), pad, np.int32)
-    for row, ids in enumerate(prompts):
-        tokens[row, longest - len(ids):] = ids  # left-padded, as a batched prompt
-    params = og.GeneratorParams(model)
-    params.set_search_options(do_sample=False, batch_size=clients, max_length=longest + new_tokens)
-    generator = og.Generator(model, params)
-    started = time.perf_counter()
-    generator.append_tokens(tokens)
-    while not generator.is_done():
-        generator.generate_next_token()
-    wall = time.perf_counter() - started
-    generated = sum(len(generator.get_sequence(row)) - longest for row in range(clients))
-    return {"tok_s": generated / wall, "tokens": generated}
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("pack")
@@ -119,9 +90,6 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--port", type=int, default=8877)
     parser.add_argument("--json", default=None, help="write the figures here")
-    parser.add_argument("--ort-genai", default=None, metavar="PEER_DIR",
-                        help="also onnxruntime-genai's batched generation of the same prompts (its model built once "
-                             "in PEER_DIR, as `pipeshard bench --peers ort-genai` does)")
     args = parser.parse_args()
     counts = [int(c) for c in args.clients.split(",")]
     process = start_server(args.pack, max(counts), args.threads, args.port)
@@ -148,19 +116,13 @@ def main() -> None:
     finally:
         process.terminate()
         process.wait(timeout=30)
-    if args.ort_genai:
-        for clients in counts:
-            rows[clients]["ort_genai_batch_tok_s"] = ort_genai_batch(args.pack, Path(args.ort_genai), clients,
-                                                                     args.new_tokens, args.threads)["tok_s"]
     print(f"{args.pack}: {args.new_tokens} new tokens per request, greedy, {args.threads} threads, "
           f"{args.rounds} rounds (medians)")
     print("clients  concurrent tok/s  sequential tok/s  ratio  TTFT p50 ms  TTFT p95 ms  (sequential TTFT p50 ms)")
     for clients, row in rows.items():
         print(f"{clients:7d}  {row['concurrent_tok_s']:16.1f}  {row['sequential_tok_s']:16.1f}  {row['ratio']:5.2f}"
               f"  {row['ttft_p50_s'] * 1000:11.0f}  {row['ttft_p95_s'] * 1000:11.0f}  "
-              f"({row['sequential_ttft_p50_s'] * 1000:.0f})"
-              + (f"  ort-genai batch {row['ort_genai_batch_tok_s']:.1f} tok/s" if "ort_genai_batch_tok_s" in row
-                 else ""))
+              f"({row['sequential_ttft_p50_s'] * 1000:.0f})")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
 

@@ -13,6 +13,10 @@ A, B, B, A (a session made later ran a few percent faster here), prefilled with 
 every round runs one decode step on each of the four at the same context (growing by one per round,
 wrapping after 64); the ratio is B's step time / A's, the median over rounds of each pairing, the two
 pairings combined (geometric mean).
+
+Not a `pipeshard bench` mode: it switches the runtime's internals (joined sessions, the decode attention op) that no
+user option exposes, and times single steps in one process (`pipeshard.bench.balanced_ab`) for differences smaller
+than the few percent a bench worker process carries for life.
 """
 
 from __future__ import annotations

@@ -4,8 +4,9 @@ memory-bandwidth limit, measured in one run.
 Every row (a plan run by our runtime, or a peer engine) lives in its own worker process, so each has
 its own peak RSS and nothing is shared between engines. The workers are driven one at a time,
 round-robin (A B C A B C ...), the first round a dropped warm-up; medians and the min-max spread are
-reported, with each row's ratio to a reference row. The JSON written by `--json` is documented in
-docs/bench.md and checked by `validate_bench`.
+reported, with each row's ratio to a reference row. The modes change only what a row runs: `--sequences`
+(N prompts in one batch), `--image` (a VLM answer, encoder included), the `native` peer (our C ABI host). The JSON
+written by `--json` is documented in docs/bench.md and checked by `validate_bench`.
 """
 
 from __future__ import annotations
@@ -51,6 +52,14 @@ class BenchSettings:
     peer_dir: str | None = None
     processes: int = 1  # worker processes per row
     plans_file: str | None = None  # a saved plans.json the `auto` row runs as it is
+    images: list[str] = field(default_factory=list)  # a VLM pack's prompt images, preprocessed and encoded per run
+    sequences: list[int] = field(default_factory=lambda: [1])  # every row once per count: N prompts in one batch
+
+    def rows(self) -> list[tuple[str, str]]:
+        """(kind, name) of every row: each plan and peer once per sequence count, `NAME*N` for N > 1."""
+        return [(kind, name if count == 1 else f"{name}*{count}")
+                for kind, names in (("plan", self.plans), ("peer", self.peers)) for name in names
+                for count in self.sequences]
 
     def check(self) -> None:
         unknown = [p for p in self.plans if plan_of(p)[0] not in PLANS]
@@ -71,16 +80,26 @@ class BenchSettings:
             raise UserError(f"unknown device {self.device!r}; choose cpu, sim or cuda")
         if self.device != "cpu" and self.vram is None and any(plan_of(p)[0] in DEVICE_PLANS for p in self.plans):
             raise UserError(f"--device {self.device} needs a VRAM budget (--vram SIZE or a share such as 25%)")
-        if self.reference is not None and self.reference not in (*self.plans, *self.peers):
-            raise UserError(f"the reference row {self.reference!r} is not among the rows "
-                            f"({', '.join([*self.plans, *self.peers])})")
+        if not self.sequences or min(self.sequences) < 1 or len(set(self.sequences)) < len(self.sequences):
+            raise UserError("--sequences takes distinct counts of at least 1, e.g. 1,8")
+        if self.images and max(self.sequences) > 1:
+            raise UserError("--image runs one sequence: drop --sequences")
+        names = [name for _, name in self.rows()]
+        if self.reference is not None and self.reference not in names:
+            raise UserError(f"the reference row {self.reference!r} is not among the rows ({', '.join(names)})")
 
 
 def plan_of(row: str) -> tuple[str, str | None]:
     """A plan row's plan and pack: `cpu` runs the bench's pack, `cpu@PACK` another one (the same model in
     another dtype, say), in the same interleaved rounds."""
-    plan, _, pack = row.partition("@")
+    plan, _, pack = row_sequences(row)[0].partition("@")
     return plan, pack or None
+
+
+def row_sequences(row: str) -> tuple[str, int]:
+    """A row's name without its `*N` and N, the prompts it generates in one batch (1 without)."""
+    base, mark, count = row.rpartition("*")
+    return (base, int(count)) if mark and count.isdigit() else (row, 1)
 
 
 def first_difference(a: list[int], b: list[int]) -> int | None:
@@ -122,11 +141,12 @@ class PlanRunner:
         request_process_thread_pool(settings.threads)  # as `pipeshard run` does: the worker runs only this
         plan, pack = plan_of(row)
         pack = pack or settings.pack
+        self.sequences = row_sequences(row)[1]
         device = "cpu" if plan in ("cpu", "monolithic") else settings.device
         saved = settings.plans_file if plan == "auto" else None
         self.engine = pipeshard.load(pack, threads=settings.threads, vram=None if saved else settings.vram,
                                      device=device, profile=settings.profile, plan=plan,
-                                     context=None if saved else context, plans=saved)
+                                     context=None if saved else context, plans=saved, batch=self.sequences)
         self.engine.codec.eos_token_ids = []  # every row decodes exactly the asked number of tokens
         self.plan, self.pack = plan, pack
         self.settings = settings
@@ -144,9 +164,15 @@ class PlanRunner:
         step, device = self.engine.step, self.device
         stats = getattr(step, "stats", None)
         before = (stats.streamed_bytes, device.copy_seconds, stats.copy_wait_s) if device else None
-        (result,) = self.engine.generator.generate([prompt], SamplingSettings(max_new_tokens=new_tokens))
-        row = {"tokens": result.tokens, "ttft_s": result.ttft_s, "prefill_tok_s": result.prefill_tok_s,
-               "decode_tok_s": result.decode_tok_s}
+        started = time.perf_counter()
+        features = self._image_features() if self.settings.images else None
+        encode_s = time.perf_counter() - started
+        results = self.engine.generator.generate([prompt] * self.sequences,
+                                                 SamplingSettings(max_new_tokens=new_tokens), image_features=features)
+        ttft_s = encode_s + max(r.ttft_s for r in results)  # with images: preprocessing and the encoder count
+        row = {"tokens": results[0].tokens, "ttft_s": ttft_s, "prefill_tok_s": len(prompt) * len(results) / ttft_s,
+               "decode_tok_s": sum(r.decode_tok_s for r in results),  # they decode together: the batch's rate
+               "sequences_agree": all(r.tokens == results[0].tokens for r in results)}
         if device:
             streamed, copy_s, wait_s = (stats.streamed_bytes - before[0], device.copy_seconds - before[1],
                                         stats.copy_wait_s - before[2])
@@ -154,6 +180,16 @@ class PlanRunner:
                        copy_hidden=max(0.0, 1 - wait_s / copy_s) if copy_s > 0 else None,
                        peak_device_bytes=device.ledger.peak)
         return row
+
+    def _image_features(self):
+        """The bench's images preprocessed and encoded by the engine's vision encoder, as `generate` takes them."""
+        import numpy as np
+
+        from pipeshard.runtime.vision import encode_prepared, prepare_images
+
+        vision = self.engine.vision
+        return np.concatenate([image.features for image in
+                               encode_prepared(vision, prepare_images(vision.config, self.settings.images))])
 
     def final_facts(self) -> dict:
         """Which plan each tier ran and what the planner predicted for a decode step."""
@@ -253,8 +289,8 @@ def _prepare_worker(name: str, settings: dict, _commands, replies) -> None:
     _quiet_worker()
     settings = BenchSettings(**settings)
     try:
-        path = prepare_peer_files(name, _export_dir(settings.pack), _peer_dir(settings),
-                                  log=lambda message: replies.put({"log": message}))
+        path = prepare_peer_files(row_sequences(name)[0], _export_dir(settings.pack), _peer_dir(settings),
+                                  log=lambda message: replies.put({"log": message}), pack_dir=Path(settings.pack))
         replies.put({"path": str(path)})
     except _LOAD_ERRORS as exc:
         replies.put({"skipped": _reason(exc)})
@@ -290,7 +326,9 @@ def _worker(kind: str, name: str, settings: dict, context: int, prompt_text: str
         if kind == "plan":
             runner = PlanRunner(settings, name, context)
         else:
-            runner = make_peer_runner(name, Path(kind.split(":", 1)[1]), settings.threads, context)
+            base, sequences = row_sequences(name)
+            runner = make_peer_runner(base, Path(kind.split(":", 1)[1]), settings.threads, context, settings.images,
+                                      sequences)
         replies.put({"ready": True, "load_s": time.perf_counter() - started, "baseline_rss_bytes": baseline_rss,
                      "own_prompt_ids":
                      runner.prompt_ids(prompt_text)})
@@ -383,19 +421,23 @@ def run_bench(settings: BenchSettings, progress: Callable[[int, int, str], None]
     settings.check()
     pack = load_pack(Path(settings.pack))
     codec = TextCodec(pack.folder)
-    prompt_text, prompt = bench_prompt(codec, settings.prompt, settings.prompt_tokens)
+    user_text, image_token, image_tokens = _with_image_tokens(pack, settings)
+    prompt_text, prompt = bench_prompt(codec, user_text, settings.prompt_tokens)
+    if image_tokens and prompt.count(codec.tokenizer.token_to_id(image_token)) != image_tokens:
+        raise UserError(f"--prompt-tokens {settings.prompt_tokens} leaves no room for the images' "
+                        f"{image_tokens} tokens")
     kv_context = len(prompt) + settings.new_tokens + 8
     if kv_context > int(pack.model["max_context"]):
         raise UserError(f"{len(prompt)} prompt + {settings.new_tokens} new tokens exceed the model's context "
                         f"of {pack.model['max_context']}")
-    rows_wanted = [("plan", p) for p in settings.plans] + [("peer", p) for p in settings.peers]
+    rows_wanted = settings.rows()
     skipped = []
     for kind, name in list(rows_wanted):
         reason = None
         if kind == "plan" and plan_of(name)[0] in DEVICE_PLANS and settings.device == "cpu":
             reason = "needs a device: --device sim or cuda with --vram"
         elif kind == "peer":
-            reason = missing_peer(name)
+            reason = missing_peer(row_sequences(name)[0])
         if reason:
             skipped.append({"name": name, "reason": reason})
             log(f"skipped {name}: {reason}")
@@ -412,17 +454,19 @@ def run_bench(settings: BenchSettings, progress: Callable[[int, int, str], None]
         for kind, name in list(rows_wanted):
             progress(done, total, f"loading {name}")
             if kind == "peer":
-                if name not in prepared_paths:
+                base = row_sequences(name)[0]
+                if base not in prepared_paths:
                     preparer = _Worker(context, kind, name, log, _prepare_worker, (name, asdict(settings)))
                     prepared = preparer.reply()
                     preparer.process.join()
-                    if "skipped" in prepared:
-                        skipped.append({"name": name, "reason": prepared["skipped"]})
-                        log(f"skipped {name}: {prepared['skipped']}")
-                        rows_wanted.remove((kind, name))
-                        continue
-                    prepared_paths[name] = prepared["path"]
-                kind = f"peer:{prepared_paths[name]}"
+                    prepared_paths[base] = prepared.get("path") or prepared
+                if isinstance(prepared_paths[base], dict):  # its files could not be made: every row of it goes
+                    reason = prepared_paths[base]["skipped"]
+                    skipped.append({"name": name, "reason": reason})
+                    log(f"skipped {name}: {reason}")
+                    rows_wanted.remove((kind, name))
+                    continue
+                kind = f"peer:{prepared_paths[base]}"
             worker = _Worker(context, kind.split(":", 1)[0], name, log, _worker,
                              (kind, name, asdict(settings), kv_context, prompt_text))
             ready = worker.reply()
@@ -450,6 +494,8 @@ def run_bench(settings: BenchSettings, progress: Callable[[int, int, str], None]
             progress(done, total, f"round {round_index}/{settings.repeat} {worker.name}")
             worker.commands.put(("run", prompt, settings.new_tokens))
             result = worker.reply()
+            decode_s = row_sequences(worker.name)[1] * (len(result["tokens"]) - 1) / result["decode_tok_s"]
+            result["answer_s"] = result["ttft_s"] + decode_s  # a batch's rate counts all of its sequences
             if round_index:
                 worker.runs.append(result)
             done += 1
@@ -467,6 +513,22 @@ def run_bench(settings: BenchSettings, progress: Callable[[int, int, str], None]
                      "prompt_ids": prompt, "interleaved_rounds": settings.repeat, "warmup_rounds": 1},
         "rows": rows, "skipped": skipped,
     }
+
+
+def _with_image_tokens(pack, settings: BenchSettings) -> tuple[str, str | None, int]:
+    """The user message with the images' token runs where the model takes them (as `Engine.generate` makes it),
+    the image token and how many of them it holds; the message as it is without images."""
+    if not settings.images:
+        return settings.prompt, None, 0
+    vision = pack.manifest.get("vision")
+    if vision is None:
+        raise UserError(f"{settings.pack} is a text model: it takes no --image")
+    from pipeshard.runtime.vision import expand_prompt, prepare_images, with_placeholders
+
+    config = vision["preprocessing"]
+    prepared = prepare_images(config, settings.images)
+    text = expand_prompt(with_placeholders(settings.prompt, len(settings.images), config), prepared.tokens, config)
+    return text, config["image_token"], sum(prepared.counts)
 
 
 def _median(runs: list[dict], key: str) -> float | None:
@@ -490,10 +552,14 @@ def _row(processes: list[tuple[_Worker, dict]], prompt: list[int]) -> dict:
         "decode_tok_s_max": max(decode), "decode_tok_s_runs": decode,
         "decode_tok_s_by_process": [[r["decode_tok_s"] for r in w.runs] for w in workers],
         "prefill_tok_s_runs": [r["prefill_tok_s"] for r in rounds], "ttft_s": _median(rounds, "ttft_s"),
-        "prefill_tok_s": _median(rounds, "prefill_tok_s"), "peak_rss_bytes": final["peak_rss_bytes"],
+        "prefill_tok_s": _median(rounds, "prefill_tok_s"), "answer_s": _median(rounds, "answer_s"),
+        "peak_rss_bytes": final["peak_rss_bytes"],
         "baseline_rss_bytes": worker.baseline_rss,
         "tokens": tokens, "deterministic": all(r["tokens"] == tokens for r in runs),
-        "prompt_ids_match": all(w.own_prompt_ids == prompt for w in workers),
+        "sequences": row_sequences(worker.name)[1],
+        "sequences_agree": all(r.get("sequences_agree", True) for r in runs),
+        "prompt_ids_match": None if any(w.own_prompt_ids is None for w in workers)  # fed ids, no tokenizer
+        else all(w.own_prompt_ids == prompt for w in workers),
         "peak_device_bytes": max((r["peak_device_bytes"] for r in runs if "peak_device_bytes" in r), default=None),
         "streamed_bytes_per_run": _median(runs, "streamed_bytes"), "copy_hidden": _median(runs, "copy_hidden"),
         "predicted_decode_step_s": final["facts"].get("predicted_decode_step_s"),
@@ -504,7 +570,8 @@ def _row(processes: list[tuple[_Worker, dict]], prompt: list[int]) -> dict:
 
 def _combine_round(runs: list[dict]) -> dict:
     """A row's processes' runs of one round as one: geometric means of the rates and times."""
-    return {key: statistics.geometric_mean(r[key] for r in runs) for key in ("decode_tok_s", "prefill_tok_s", "ttft_s")}
+    keys = ("decode_tok_s", "prefill_tok_s", "ttft_s", "answer_s")
+    return {key: statistics.geometric_mean(r[key] for r in runs) for key in keys}
 
 
 def minimum_bytes_per_token(pack, context: float) -> float:
@@ -526,19 +593,20 @@ def _compare(rows: list[dict], reference: str, pack, kv_context: int, bandwidth:
     generation_tokens = kv_context - 8  # prompt + new tokens
     average_context = generation_tokens - len(base["tokens"]) / 2
     read_per_token = minimum_bytes_per_token(pack, average_context)
-    # What a CPU run must hold at the least: every weight once and the KV cache of the whole generation.
-    weights_and_kv = (pack.manifest["total_weight_bytes"]
-                      + pack.manifest["kv_bytes_per_token"] * generation_tokens)
     for row in rows:
+        # What a CPU run must hold at the least: every weight once and the KV cache of each sequence's generation.
+        weights_and_kv = (pack.manifest["total_weight_bytes"]
+                          + pack.manifest["kv_bytes_per_token"] * generation_tokens * row["sequences"])
         row["reference"] = base["name"]
-        for key in ("decode_tok_s", "prefill_tok_s", "ttft_s"):
+        for key in ("decode_tok_s", "prefill_tok_s", "ttft_s", "answer_s"):
             row[f"{key}_ratio"] = row[key] / base[key] if row[key] and base[key] else None
         for key in ("decode_tok_s", "prefill_tok_s"):  # each round's pair ran back to back: less drift
             row[f"{key}_paired_ratio"] = statistics.median(
                 a / b for a, b in zip(row[f"{key}_runs"], base[f"{key}_runs"], strict=True))
         row["same_tokens_as_reference"] = row["tokens"] == base["tokens"]
         row["first_difference"] = first_difference(row["tokens"], base["tokens"])
-        same_weights = row["facts"].get("dtype") == pack.model["dtype"]
+        # One sequence's decode reads the weights per token; a batch's step shares them, so no roofline for it.
+        same_weights = row["facts"].get("dtype") == pack.model["dtype"] and row["sequences"] == 1
         row["weights_and_kv_bytes"] = weights_and_kv if row["kind"] == "plan" else None
         row["rss_over_weights_and_kv"] = ((row["peak_rss_bytes"] - row["baseline_rss_bytes"]) / weights_and_kv
                                           if row["kind"] == "plan" else None)
@@ -561,7 +629,8 @@ def bench_table(document: dict) -> str:
         f"{bandwidth['median_bytes_per_s'] / 1e9:.1f}) with {bandwidth['threads']} threads"
         + ("; device sim = a simulated accelerator on the CPU, never GPU speed" if sim else ""),
         f"{'row':14s} {'dtype':6s} {'decode tok/s':>20s} {'x ref':>6s} {'paired':>6s} {'prefill':>8s} {'x ref':>6s} "
-        f"{'TTFT ms':>8s} {'RSS MiB':>8s} {'/(W+KV)':>7s} {'dev MiB':>8s} {'stream MiB':>10s} {'hidden':>6s} "
+        f"{'TTFT ms':>8s} {'answer s':>8s} {'x ref':>6s} {'RSS MiB':>8s} {'/(W+KV)':>7s} {'dev MiB':>8s} "
+        f"{'stream MiB':>10s} {'hidden':>6s} "
         f"{'pred/meas ms':>13s} {'roofline':>8s}  tokens",
     ]
     for row in document["rows"]:
@@ -571,15 +640,17 @@ def bench_table(document: dict) -> str:
         device = row["facts"].get("device", "")
         name = row["name"] + (f" [{device}]" if device in ("sim", "cuda") else "")
         agree = "= ref" if row["same_tokens_as_reference"] else f"differ at {row['first_difference']}"
+        agree += "" if row["sequences_agree"] else " (the batch's sequences differ)"
         lines.append(
             f"{name:14s} {row['facts'].get('dtype', '?'):6s} {spread:>20s} {_fmt(row['decode_tok_s_ratio'], '.2f')} "
             f"{_fmt(row['decode_tok_s_paired_ratio'], '.2f')} "
             f"{row['prefill_tok_s']:8.1f} {_fmt(row['prefill_tok_s_ratio'], '.2f')} {row['ttft_s'] * 1e3:8.0f} "
+            f"{row['answer_s']:8.2f} {_fmt(row['answer_s_ratio'], '.2f')} "
             f"{row['peak_rss_bytes'] / 2**20:8.0f} {_fmt(row.get('rss_over_weights_and_kv'), '.2f', 1, 7)} "
             f"{_fmt(row['peak_device_bytes'], '.0f', 2**20, 8)} "
             f"{_fmt(row['streamed_bytes_per_run'], '.1f', 2**20, 10)} {_fmt(row['copy_hidden'], '.0%', 1, 6)} "
             f"{pred:>13s} {_fmt(row['roofline_fraction'], '.0%', 1, 8)}  {agree}"
-            + ("" if row["prompt_ids_match"] else " (own tokenizer: other prompt ids)"))
+            + ("" if row["prompt_ids_match"] is not False else " (own tokenizer: other prompt ids)"))
     reference = document["rows"][0]["reference"] if document["rows"] else "-"
     lines.append(f"x ref: ratio of medians to {reference}; paired: median of the per-round ratios; "
                  f"roofline: decode tok/s / (bandwidth / bytes read per token); /(W+KV): peak RSS above the "
@@ -641,6 +712,8 @@ def validate_bench(document: object) -> dict:
     for index, row in enumerate(document["rows"]):
         for key, kind in _ROW_FIELDS.items():
             value = row.get(key)
+            if key == "prompt_ids_match" and value is None:  # a row fed ids that has no tokenizer of its own
+                continue
             if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
                 raise UserError(f"bench document: rows[{index}].{key} missing or not {kind.__name__}")
         if row["kind"] not in ("plan", "peer"):

@@ -565,6 +565,7 @@ def _command_bench(args: argparse.Namespace) -> int:
                              peers=peers, prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens,
                              threads=args.threads or default_threads(), repeat=args.repeat, reference=args.reference,
                              peer_dir=args.peer_dir, processes=args.processes, plans_file=plans_file,
+                             images=args.image, sequences=_positive_list(args.sequences, "--sequences") or [1],
                              **({"prompt": args.prompt} if args.prompt else {}))
     settings.check()
     if planned:
@@ -739,6 +740,10 @@ def build_parser() -> argparse.ArgumentParser:
                        "SmolLM2) are made once in --peer-dir")
     bench.add_argument("--prompt", default=None, help="user message (chat-templated); default: a fixed question")
     bench.add_argument("--prompt-tokens", type=_count(8), default=None, help="lengthen the prompt to exactly N tokens")
+    bench.add_argument("--sequences", default=None, metavar="N[,N]",
+                       help="each row once per count: N copies of the prompt generated in one batch (e.g. 1,8)")
+    bench.add_argument("--image", action="append", default=[], metavar="PATH",
+                       help="a VLM pack's prompt image (repeatable), preprocessed and encoded in each run's time")
     bench.add_argument("--new-tokens", type=_count(2), default=128)
     bench.add_argument("--threads", type=_threads, default=None, help="CPU threads for every row (default: all cores)")
     bench.add_argument("--repeat", type=_count(1), default=3, help="interleaved rounds after one warm-up round")

@@ -80,6 +80,9 @@ def test_a_missing_or_unusable_peer_is_skipped_not_fatal(tiny_pack, tmp_path, ca
     (["--device", "sim", "--plans", "auto", "--vram", "25"], "give a unit"),
     (["--new-tokens", "1"], "--new-tokens"),
     (["--device", "cpu", "--reference", "transformers", "--peers", "none"], "reference row"),
+    (["--device", "cpu", "--sequences", "1,0"], "--sequences"),
+    (["--device", "cpu", "--plans", "cpu", "--sequences", "1,2", "--image", "a.png"], "one sequence"),
+    (["--device", "cpu", "--plans", "cpu", "--image", "a.png"], "text model"),
 ])
 def test_bad_bench_arguments_are_one_line_errors(tiny_pack, arguments, message, capsys):
     assert main(["bench", str(tiny_pack), *arguments]) == 2
@@ -125,3 +128,57 @@ def test_balanced_ab_cancels_a_creation_order_bias(monkeypatch):
     assert result.pairings[0] == pytest.approx(1.5 * 0.9) and result.pairings[1] == pytest.approx(1.5 / 0.9 ** 1)
     assert result.ratio == pytest.approx(1.5)
     assert len(result.a_times) == len(result.b_times) == 8
+
+
+def test_sequences_run_every_row_once_per_count_as_one_batch(tiny_pack, tmp_path):
+    out = tmp_path / "bench.json"
+    assert main(["bench", str(tiny_pack), "--device", "cpu", "--plans", "cpu", "--peers", "none", "--sequences", "1,3",
+                 "--new-tokens", "6", "--repeat", "1", "--threads", "1", "--json", str(out)]) == 0
+    one, batch = validate_bench(json.loads(out.read_text()))["rows"]
+    assert (one["name"], one["sequences"], batch["name"], batch["sequences"]) == ("cpu", 1, "cpu*3", 3)
+    assert batch["sequences_agree"] and batch["same_tokens_as_reference"] and len(batch["tokens"]) == 6
+    assert batch["decode_tok_s_ratio"] > 1  # the batch's rate counts its three sequences: a step serves them all
+    assert one["roofline_fraction"] > 0 and batch["roofline_fraction"] is None  # a batch shares each weight read
+    assert batch["weights_and_kv_bytes"] > one["weights_and_kv_bytes"]
+    # one round: the whole answer is the first token's time plus each sequence's 5 decode steps at the batch's rate / 3
+    assert batch["answer_s"] == pytest.approx(batch["ttft_s"] + 3 * 5 / batch["decode_tok_s"])
+
+
+def test_the_native_host_peer_gives_the_chains_tokens(tiny_pack, tmp_path):
+    from pipeshard.peers import missing_peer
+
+    if missing_peer("native"):
+        pytest.skip(missing_peer("native"))
+    out = tmp_path / "bench.json"
+    assert main(["bench", str(tiny_pack), "--device", "cpu", "--plans", "cpu", "--peers", "native", "--new-tokens", "6",
+                 "--repeat", "1", "--threads", "1", "--json", str(out)]) == 0
+    chain, native = validate_bench(json.loads(out.read_text()))["rows"]
+    assert native["name"] == "native" and native["facts"]["engine"] == "pipeshard native host"
+    assert native["tokens"] == chain["tokens"] and native["decode_tok_s"] > 0
+    assert native["prompt_ids_match"] is None  # fed the bench's ids, no tokenizer of its own
+
+
+def test_images_are_encoded_in_every_run_and_match_transformers(tmp_path):
+    import numpy as np
+    from PIL import Image
+
+    from pipeshard.exporter import export_model
+    from pipeshard.partitioner.pack import partition
+
+    export_model("tiny:smolvlm", tmp_path / "export", quiet=True)
+    partition(tmp_path / "export", tmp_path / "pack")
+    image = tmp_path / "image.png"
+    Image.fromarray((np.random.default_rng(3).random((61, 90, 3)) * 255).astype(np.uint8)).save(image)
+    out = tmp_path / "bench.json"
+    assert main(["bench", str(tmp_path / "pack"), "--device", "cpu", "--plans", "monolithic,cpu", "--peers",
+                 "transformers", "--reference", "transformers", "--image", str(image), "--new-tokens", "6",
+                 "--repeat", "1", "--threads", "1", "--json", str(out)]) == 0
+    document = validate_bench(json.loads(out.read_text()))
+    assert [row["name"] for row in document["rows"]] == ["monolithic", "cpu", "transformers"]
+    assert all(row["same_tokens_as_reference"] for row in document["rows"])  # transformers ran its own pixels
+    from pipeshard.runtime.vision import prepare_images
+
+    config = json.loads((tmp_path / "pack" / "manifest.json").read_text())["vision"]["preprocessing"]
+    image_id = TextCodec(tmp_path / "pack").tokenizer.token_to_id(config["image_token"])
+    assert document["settings"]["prompt_ids"].count(image_id) == sum(prepare_images(config, [image]).counts) > 0
+    assert all(row["answer_s"] > row["ttft_s"] > 0 for row in document["rows"])

@@ -1,12 +1,11 @@
-"""MoE figures in one run, on a seeded random Qwen3-MoE-like model large enough for memory traffic to
-matter (8 experts, top-2; ~450 MB of experts): the split form (routed experts only, the CPU chain) vs
-the dense monolithic export (every expert for every token, routing weight 0 for the unchosen), decode
-tok/s interleaved; then the distinct experts a layer runs per step at tiers 1, 4, 16 and 64, measured
-vs the planner's expectation: E(1-(1-k/E)^T) for uniform routing, and from measured routing stats.
+"""How many distinct experts a MoE layer runs per step at tiers 1, 4, 16 and 64 on real text, measured, against the
+planner's expectation: E(1-(1-k/E)^T) for uniform routing, and from measured routing stats. On a seeded random
+Qwen3-MoE-like model large enough for memory traffic to matter (8 experts, top-2; ~450 MB of experts), made once
+under --work with its export and pack (a few minutes on 2 cores). Counting, not timing: the decode speed of the split
+form (routed experts only) against the dense monolithic export (every expert for every token) is
+`pipeshard bench build/bench-moe/pack --device cpu --plans monolithic,cpu` (docs/bench.md).
 
-    python examples/bench_moe.py [--work build/bench-moe] [--threads 2] [--repeat 5] [--new-tokens 64]
-
-The model, its export and its pack are made once under --work (a few minutes on 2 cores).
+    python examples/moe_routing.py [--work build/bench-moe] [--threads 2] [--json FILE]
 """
 
 from __future__ import annotations
@@ -32,7 +31,6 @@ CONFIG = {
     "num_hidden_layers": 6, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 64,
     "max_position_embeddings": 2048, "tie_word_embeddings": False,
 }
-PROMPT = "Explain how a mixture-of-experts language model decides which experts read each token."
 TEXT = (Path(__file__).resolve().parents[1] / "README.md").read_text()  # real text for the routing tiers
 TIERS = (1, 4, 16, 64)
 
@@ -49,25 +47,6 @@ def prepare(work: Path) -> tuple[Path, Path]:
     if not (pack / "manifest.json").is_file():
         partition(export, pack, force=True)
     return export, pack
-
-
-def decode_rounds(export: Path, pack: Path, threads: int, repeat: int, new_tokens: int) -> dict:
-    """Both forms loaded side by side, generating in alternation (the first round is a warm-up)."""
-    engines = {"dense monolithic": pipeshard.load(export, threads=threads),
-               "split (routed experts)": pipeshard.load(pack, plan="cpu", threads=threads)}
-    runs: dict[str, list[float]] = {name: [] for name in engines}
-    tokens: dict[str, list[int]] = {}
-    for round_index in range(repeat + 1):
-        order = list(engines) if round_index % 2 == 0 else list(reversed(engines))
-        for name in order:
-            (generation,) = engines[name].generate(PROMPT, max_new_tokens=new_tokens, stop_strings=())
-            tokens[name] = generation.tokens
-            if round_index:
-                runs[name].append(generation.decode_tok_s)
-    dense, split = runs["dense monolithic"], runs["split (routed experts)"]
-    return {"runs": runs, "same_tokens": len(set(map(tuple, tokens.values()))) == 1,
-            "paired_ratio": statistics.median(s / d for s, d in zip(split, dense, strict=True)),
-            "ratio_of_medians": statistics.median(split) / statistics.median(dense)}
 
 
 def distinct_experts(pack: Path, threads: int) -> dict:
@@ -99,11 +78,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--work", default="build/bench-moe")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--repeat", type=int, default=5)
-    parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--json", default=None, metavar="FILE")
     args = parser.parse_args()
-    export, pack = prepare(Path(args.work))
+    _, pack = prepare(Path(args.work))
     pipeshard.use_process_thread_pool(args.threads)  # after the export, whose check makes its own session
     manifest = json.loads((pack / "manifest.json").read_text())
     experts = sum(e["weight_bytes"] for e in manifest["sub_layers"] if e["kind"] == "expert")
@@ -111,14 +88,8 @@ def main() -> None:
           f"{manifest['model']['num_experts']} experts top-{manifest['model']['experts_per_token']}, "
           f"{manifest['total_weight_bytes'] / 2**20:.0f} MiB of weights ({experts / 2**20:.0f} MiB experts), "
           f"{args.threads} threads")
-    decode = decode_rounds(export, pack, args.threads, args.repeat, args.new_tokens)
-    print(f"\ndecode tok/s over {args.new_tokens} new tokens, {args.repeat} interleaved rounds (median, min-max):")
-    for name, values in decode["runs"].items():
-        print(f"  {name:<24} {statistics.median(values):7.1f}  ({min(values):.1f}-{max(values):.1f})")
-    print(f"  split / dense: {decode['paired_ratio']:.2f}x (median of paired rounds), "
-          f"{decode['ratio_of_medians']:.2f}x (ratio of medians); same greedy tokens: {decode['same_tokens']}")
     routing = distinct_experts(pack, args.threads)
-    print("\ndistinct experts per layer and step (of 8), real text:")
+    print("distinct experts per layer and step (of 8), real text:")
     print(f"  {'tier T':>6} {'measured':>9} {'expected, uniform E(1-(1-k/E)^T)':>34} {'expected, from stats':>21}")
     for tier in TIERS:
         print(f"  {tier:>6} {routing['measured'][tier]:>9.2f} {routing['expected_uniform'][tier]:>34.2f} "
@@ -126,7 +97,7 @@ def main() -> None:
     print("  (stats: the per-expert token counts of the T=64 pass, what run --save-expert-stats writes; both"
           " expectations assume the tokens of a step choose their experts independently)")
     if args.json:
-        Path(args.json).write_text(json.dumps({"decode": decode, "routing": routing}, indent=1))
+        Path(args.json).write_text(json.dumps({"routing": routing}, indent=1))
 
 
 if __name__ == "__main__":
