@@ -150,6 +150,7 @@ class PlanRunner:
         self.engine.codec.eos_token_ids = []  # every row decodes exactly the asked number of tokens
         self.plan, self.pack = plan, pack
         self.settings = settings
+        self.context = context
         step = self.engine.step
         self.device = step.device if getattr(step, "planner", None) is not None else None  # None: nothing planned
         self.facts = {"engine": "pipeshard", "plan": plan, "device": self.device.kind if self.device else "cpu",
@@ -203,13 +204,17 @@ class PlanRunner:
                               for tier, strategy in report.plans.items()}
             if 1 in report.plans:
                 facts["predicted_decode_step_s"] = report.predicted_step_s[1]
+            if self.device.kind == "sim":  # its device memory is host memory: the staging slots are in the RSS
+                facts["host_staging_bytes"] = max((p.vram.staging_slots + p.vram.kv_staging + p.vram.expert_slots
+                                                   for p in step.plans.values()), default=0)
             if self.device.kind == "cuda":
                 from pipeshard.profiles.measure_cuda import CudaRuntime
 
                 properties = CudaRuntime().properties()
                 facts["cuda_used_bytes_now"] = properties["memory_bytes"] - properties["free_bytes"]
         elif self.settings.profile:
-            facts["predicted_decode_step_s"] = _baseline_prediction(self.settings, self.plan, self.pack)
+            facts["predicted_decode_step_s"] = _baseline_prediction(self.settings, self.plan, self.pack,
+                                                                    self.context)
         return facts
 
 
@@ -257,13 +262,13 @@ def _pack_dtype(pack: str) -> str:
     return load_pack(Path(pack)).model["dtype"]
 
 
-def _baseline_prediction(settings: BenchSettings, plan: str, pack: str) -> float | None:
-    """The planner's decode-step estimate for the all-CPU rows (from the profile)."""
+def _baseline_prediction(settings: BenchSettings, plan: str, pack: str, context: int) -> float | None:
+    """The planner's decode-step estimate for the all-CPU rows (from the profile), at the run's context."""
     from pipeshard.partitioner.planner import Planner
     from pipeshard.profiles.db import load_profile
     from pipeshard.runtime.pack import load_pack
 
-    planner = Planner(load_pack(Path(pack)).manifest, load_profile(settings.profile), 1 << 40,
+    planner = Planner(load_pack(Path(pack)).manifest, load_profile(settings.profile), 1 << 40, context=context,
                       threads=settings.threads)
     return planner.baseline(plan, 1).step_s
 
@@ -594,9 +599,11 @@ def _compare(rows: list[dict], reference: str, pack, kv_context: int, bandwidth:
     average_context = generation_tokens - len(base["tokens"]) / 2
     read_per_token = minimum_bytes_per_token(pack, average_context)
     for row in rows:
-        # What a CPU run must hold at the least: every weight once and the KV cache of each sequence's generation.
+        # What a run must hold at the least: every weight once, the KV cache of each sequence's generation, and on
+        # the simulated device (whose memory is host memory) the staging slots.
         weights_and_kv = (pack.manifest["total_weight_bytes"]
-                          + pack.manifest["kv_bytes_per_token"] * generation_tokens * row["sequences"])
+                          + pack.manifest["kv_bytes_per_token"] * generation_tokens * row["sequences"]
+                          + row["facts"].get("host_staging_bytes", 0))
         row["reference"] = base["name"]
         for key in ("decode_tok_s", "prefill_tok_s", "ttft_s", "answer_s"):
             row[f"{key}_ratio"] = row[key] / base[key] if row[key] and base[key] else None
@@ -629,7 +636,7 @@ def bench_table(document: dict) -> str:
         f"{bandwidth['median_bytes_per_s'] / 1e9:.1f}) with {bandwidth['threads']} threads"
         + ("; device sim = a simulated accelerator on the CPU, never GPU speed" if sim else ""),
         f"{'row':14s} {'dtype':6s} {'decode tok/s':>20s} {'x ref':>6s} {'paired':>6s} {'prefill':>8s} {'x ref':>6s} "
-        f"{'TTFT ms':>8s} {'answer s':>8s} {'x ref':>6s} {'RSS MiB':>8s} {'/(W+KV)':>7s} {'dev MiB':>8s} "
+        f"{'TTFT ms':>8s} {'answer s':>8s} {'x ref':>6s} {'RSS MiB':>8s} {'/(W+KV+S)':>9s} {'dev MiB':>8s} "
         f"{'stream MiB':>10s} {'hidden':>6s} "
         f"{'pred/meas ms':>13s} {'roofline':>8s}  tokens",
     ]
@@ -646,15 +653,16 @@ def bench_table(document: dict) -> str:
             f"{_fmt(row['decode_tok_s_paired_ratio'], '.2f')} "
             f"{row['prefill_tok_s']:8.1f} {_fmt(row['prefill_tok_s_ratio'], '.2f')} {row['ttft_s'] * 1e3:8.0f} "
             f"{row['answer_s']:8.2f} {_fmt(row['answer_s_ratio'], '.2f')} "
-            f"{row['peak_rss_bytes'] / 2**20:8.0f} {_fmt(row.get('rss_over_weights_and_kv'), '.2f', 1, 7)} "
+            f"{row['peak_rss_bytes'] / 2**20:8.0f} {_fmt(row.get('rss_over_weights_and_kv'), '.2f', 1, 9)} "
             f"{_fmt(row['peak_device_bytes'], '.0f', 2**20, 8)} "
             f"{_fmt(row['streamed_bytes_per_run'], '.1f', 2**20, 10)} {_fmt(row['copy_hidden'], '.0%', 1, 6)} "
             f"{pred:>13s} {_fmt(row['roofline_fraction'], '.0%', 1, 8)}  {agree}"
             + ("" if row["prompt_ids_match"] is not False else " (own tokenizer: other prompt ids)"))
     reference = document["rows"][0]["reference"] if document["rows"] else "-"
     lines.append(f"x ref: ratio of medians to {reference}; paired: median of the per-round ratios; "
-                 f"roofline: decode tok/s / (bandwidth / bytes read per token); /(W+KV): peak RSS above the "
-                 f"worker's before loading (Python, numpy, ONNX Runtime) over weight bytes + KV cache; "
+                 f"roofline: decode tok/s / (bandwidth / bytes read per token); /(W+KV+S): peak RSS above the "
+                 f"worker's before loading (Python, numpy, ONNX Runtime) over weight bytes + KV cache (+ staging slots "
+                 f"on sim, whose device memory is host memory); "
                  f"every row was fed the same {settings['prompt_token_count']} prompt ids")
     for skipped in document["skipped"]:
         lines.append(f"skipped {skipped['name']}: {skipped['reason']}")
