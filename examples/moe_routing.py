@@ -20,7 +20,7 @@ import numpy as np
 import pipeshard
 from pipeshard.exporter import export_model
 from pipeshard.exporter.tiny import build_random_model
-from pipeshard.partitioner.pack import partition
+from pipeshard.partitioner.partition import partition
 from pipeshard.partitioner.planner import Planner
 from pipeshard.profiles.db import load_profile
 from pipeshard.runtime.moe import ExpertStats

@@ -12,7 +12,7 @@ from optimum.exporters.base import ExporterConfig
 from optimum.utils.normalized_config import NormalizedTextConfigWithGQA
 
 from pipeshard.errors import UserError
-from pipeshard.exporter.moe import moe_dims
+from pipeshard.exporter.moe_blocks import moe_dims
 
 # Rotary variants whose tables are fixed functions of the position: the trace computes them exactly.
 # LongRoPE also picks its factors by the step's length (see `_max_context`).
@@ -148,11 +148,11 @@ class Qwen3ExportConfig(DecoderWithPastExportConfig):
 
 
 class Qwen3MoeExportConfig(DecoderWithPastExportConfig):
-    """Qwen3-MoE: Qwen3 attention, a routed expert block per layer (exported per expert, exporter/moe.py)."""
+    """Qwen3-MoE: Qwen3 attention, a routed expert block per layer (exported per expert, exporter/moe_blocks.py)."""
 
 
 class MixtralExportConfig(DecoderWithPastExportConfig):
-    """Mixtral: Mistral attention, a routed expert block per layer (exported per expert, exporter/moe.py)."""
+    """Mixtral: Mistral attention, a routed expert block per layer (exported per expert, exporter/moe_blocks.py)."""
 
 
 class Phi3ExportConfig(DecoderWithPastExportConfig):

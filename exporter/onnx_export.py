@@ -11,7 +11,7 @@ import numpy as np
 
 from pipeshard.exporter.configs import DecoderWithPastExportConfig
 from pipeshard.exporter.fuse import stored_externally
-from pipeshard.exporter.moe import moe_export_form
+from pipeshard.exporter.moe_blocks import moe_export_form
 from pipeshard.exporter.vlm import IMAGE_MERGE, image_merge_module
 from pipeshard.runtime.kv import PAST_PREFIX, present_name
 

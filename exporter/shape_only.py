@@ -87,7 +87,7 @@ def probe_experts(config, element_bytes: int) -> int:
     model (so that repeat_experts can tell the expert count in a shape: the routing weights' width), and enough
     that the router's gate is stored as a weight where the full model's is."""
     from pipeshard.exporter.fuse import stored_externally
-    from pipeshard.exporter.moe import moe_dims
+    from pipeshard.exporter.moe_blocks import moe_dims
 
     moe = moe_dims(config)
     others = {config.hidden_size, config.intermediate_size, config.num_attention_heads, config.vocab_size,
@@ -143,7 +143,7 @@ def export_shape_only(model: str, out: Path, dtype: str = "fp16", force: bool = 
                       probe_layers: int = PROBE_LAYERS) -> ShapeOnlyResult:
     """Write the shape-only pack of MODEL's config to OUT (atomically): manifest.json and config.json."""
     from pipeshard.exporter.export import DTYPES
-    from pipeshard.partitioner.pack import partition
+    from pipeshard.partitioner.partition import partition
     from pipeshard.partitioner.repeat import repeat_experts, repeat_layers
 
     if dtype not in DTYPES:

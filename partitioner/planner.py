@@ -189,10 +189,11 @@ class Planner:
     def kv_streaming_modes(self) -> tuple[bool, ...]:
         """Whether plans are made with resident KV only, or also with the streamed attentions' KV streamed: the
         latter only where the KV of every attention is a real share of the budget (otherwise it frees little room
-        and only adds copies)."""
-        total_kv = sum(self.kv_bytes(e) for e in self.placeable)
+        and only adds copies) and one attention's KV fits in it."""
+        kv = [self.kv_bytes(e) for e in self.placeable if e.get("kv")]
         usable = self.budget_bytes - self.minimum_budget()
-        return (False, True) if total_kv > KV_STREAMING_SHARE * usable else (False,)
+        # ... and where a KV slot can fit at all.
+        return (False, True) if kv and sum(kv) > KV_STREAMING_SHARE * usable and max(kv) < usable else (False,)
 
     @staticmethod
     def streamed_attentions(placements: dict[str, str], sub_layers: list[dict]) -> frozenset[str]:
@@ -373,10 +374,10 @@ class Planner:
 
     def dynamic(self, tier: int) -> Plan | None:
         """Pin as static, leaving room for the slots; then, in order of the time they would save on the GPU, move
-        the remaining sub-layers from the CPU to streaming (their KV resident, or streamed where the budget calls for it), keeping each move
-        that the simulation says helps (one simulation per move: cheap enough to replan between steps). A move
-        is one sub-layer, or with more than DYNAMIC_MOVES candidates (MoE packs of thousands of experts) one of
-        DYNAMIC_BLOCKS blocks of neighbours in that order."""
+        the remaining sub-layers from the CPU to streaming (their KV resident, or streamed where the budget calls
+        for it), keeping each move that the simulation says helps (one simulation per move: cheap enough to
+        replan between steps). A move is one sub-layer, or with more than DYNAMIC_MOVES candidates (MoE packs of
+        thousands of experts) one of DYNAMIC_BLOCKS blocks of neighbours in that order."""
         best_plan = None
         all_cpu = {e["name"]: CPU for e in self.placeable}
         compute, copies, _ = self._costs(tier)

@@ -34,7 +34,7 @@ GEMMA3_RULES: list[tuple[str, str]] = [
     *DECODER_RULES[2:],
 ]
 
-# MoE layers as exporter/moe.py writes them; dense layers of the same model (Qwen3-MoE's
+# MoE layers as exporter/moe_blocks.py writes them; dense layers of the same model (Qwen3-MoE's
 # `mlp_only_layers`) fall through to the decoder rules.
 MOE_RULES: list[tuple[str, str]] = [
     (r"(?:^|\.)layers\.(\d+)\.mlp\.router(\..*)?$", "L{0}.router"),

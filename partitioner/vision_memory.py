@@ -37,7 +37,7 @@ class VisionShape:
 
     @classmethod
     def from_pack(cls, vision: dict) -> VisionShape:
-        """The shape of a pack's `vision` section (partitioner/pack.py)."""
+        """The shape of a pack's `vision` section (partitioner/partition.py)."""
         entries = vision["sub_layers"]
         dtype = {e["dtype"] for entry in entries for e in entry["weights"]}
         return cls(family=vision["family"], hidden_size=vision["hidden_size"],

@@ -367,7 +367,7 @@ def _engine_kind(engine) -> str:
 
 
 def _command_partition(args: argparse.Namespace) -> int:
-    from pipeshard.partitioner.pack import partition
+    from pipeshard.partitioner.partition import partition
 
     result = partition(args.export_dir, args.pack, force=args.force)
     print(f"partitioned {args.export_dir} -> {result.pack}: {result.sub_layers} sub-layers, "
@@ -376,8 +376,8 @@ def _command_partition(args: argparse.Namespace) -> int:
 
 
 def _command_inspect(args: argparse.Namespace) -> int:
-    from pipeshard.runtime.inspect import pack_summary, pack_table
     from pipeshard.runtime.pack import load_pack
+    from pipeshard.runtime.pack_info import pack_summary, pack_table
 
     pack = load_pack(args.pack, verify=args.verify)
     _check_context(args.context, pack.folder)
@@ -398,20 +398,20 @@ def _command_profile(args: argparse.Namespace) -> int:
         return 0
     from tqdm import tqdm
 
-    from pipeshard.profiles.measure import FULL, PACK_TIERS, QUICK, measure_machine, plan_for_pack
+    from pipeshard.profiles.measure import FULL, PACK_TIERS, QUICK, measure_machine, sweep_for_pack
     from pipeshard.profiles.pack_timing import PLACEMENTS
     from pipeshard.runtime.pack import load_pack
 
-    plan = QUICK if args.quick else FULL
+    sweep = QUICK if args.quick else FULL
     if args.pack:
-        plan = plan_for_pack(plan, load_pack(args.pack).manifest)
+        sweep = sweep_for_pack(sweep, load_pack(args.pack).manifest)
     threads = _positive_list(args.threads, "--threads")
     counts = threads or list(range(1, _physical_cores() + 1))
-    per_thread = 2 * len(plan.dtypes) * len(plan.shapes) * len(plan.tiers) + \
-        len(plan.attention_tokens) * len(plan.attention_contexts) + 1 + \
-        (len(PLACEMENTS) * len(plan.pack_pasts) * len(PACK_TIERS) if args.pack else 0)
+    per_thread = 2 * len(sweep.dtypes) * len(sweep.shapes) * len(sweep.tiers) + \
+        len(sweep.attention_tokens) * len(sweep.attention_contexts) + 1 + \
+        (len(PLACEMENTS) * len(sweep.pack_pasts) * len(PACK_TIERS) if args.pack else 0)
     with tqdm(total=per_thread * len(counts), desc="profile", unit="point", disable=None, leave=False) as bar:
-        document = measure_machine(plan, counts, progress=bar.update, use_cuda=False if args.no_cuda else None,
+        document = measure_machine(sweep, counts, progress=bar.update, use_cuda=False if args.no_cuda else None,
                                    pack=args.pack)
     out = args.out or default_profile_path(machine_fingerprint())
     save_profile(document, out)

@@ -36,7 +36,7 @@ PACK_TIERS = (1, 4, 16, 64, 256)  # the pack's own sub-layers are timed at every
 
 
 @dataclass(frozen=True)
-class Plan:
+class Sweep:
     """What a profile run measures."""
 
     tiers: tuple[int, ...]
@@ -52,10 +52,10 @@ class Plan:
     pack_pasts: tuple[int, ...] = (64, 1024)  # contexts at which `--pack` times the pack's own sub-layers
 
 
-QUICK = Plan(tiers=(1, 16, 256), shapes=((576, 1536), (2048, 2048), (4096, 4096)), dtypes=("fp32", "fp16"),
+QUICK = Sweep(tiers=(1, 16, 256), shapes=((576, 1536), (2048, 2048), (4096, 4096)), dtypes=("fp32", "fp16"),
              attention_tokens=(1, 64), attention_contexts=(512, 4096), copy_sizes=(1 * MiB, 16 * MiB, 128 * MiB),
              bandwidth_bytes=256 * MiB, seconds_per_point=0.05, pack_pasts=(32, 512))
-FULL = Plan(tiers=(1, 4, 16, 64, 256, 1024),
+FULL = Sweep(tiers=(1, 4, 16, 64, 256, 1024),
             shapes=((576, 576), (576, 1536), (1536, 576), (2048, 2048), (2048, 8192), (8192, 2048), (4096, 4096),
                     (4096, 14336), (14336, 4096)),
             dtypes=("fp32", "fp16"), attention_tokens=(1, 16, 256), attention_contexts=(256, 1024, 4096, 16384),
@@ -63,11 +63,11 @@ FULL = Plan(tiers=(1, 4, 16, 64, 256, 1024),
             seconds_per_point=0.15)
 
 
-def plan_for_pack(base: Plan, manifest: dict) -> Plan:
+def sweep_for_pack(base: Sweep, manifest: dict) -> Sweep:
     """The pack's own matrix shapes and attention dimensions instead of the generic grid."""
     shapes = sorted({tuple(w["shape"]) for e in manifest["sub_layers"] for w in e["weights"] if len(w["shape"]) == 2})
     model = manifest["model"]
-    return Plan(**{**base.__dict__, "shapes": tuple(shapes), "heads": model["num_attention_heads"],
+    return Sweep(**{**base.__dict__, "shapes": tuple(shapes), "heads": model["num_attention_heads"],
                    "head_dim": model["head_dim"]})
 
 
@@ -110,16 +110,16 @@ def sim_copy_gbps(size_bytes: int, seconds: float) -> float:
     return size_bytes / result[0] / 1e9
 
 
-def _matmul_rows(ort, plan: Plan, threads: int, copy_load, progress) -> tuple[dict, dict]:
+def _matmul_rows(ort, sweep: Sweep, threads: int, copy_load, progress) -> tuple[dict, dict]:
     """MatMul rates idle and under the copy load, each point measured back to back on one session per shape."""
     options = cpu_session_options(threads)
     idle: dict[str, list[dict]] = {}
     loaded: dict[str, list[dict]] = {}
-    for dtype in plan.dtypes:
+    for dtype in sweep.dtypes:
         idle[dtype], loaded[dtype] = [], []
-        for k, n in plan.shapes:
+        for k, n in sweep.shapes:
             session = None
-            for m in plan.tiers:
+            for m in sweep.tiers:
                 x = np.random.default_rng(1).standard_normal((m, k), dtype=np.float32).astype(NUMPY_FLOAT[dtype])
                 outputs = {"Y": ((m, n), NUMPY_FLOAT[dtype])}
                 if session is None:
@@ -129,10 +129,10 @@ def _matmul_rows(ort, plan: Plan, threads: int, copy_load, progress) -> tuple[di
                     session.bind({"X": x}, outputs)
                 for table, load in ((idle, None), (loaded, copy_load)):
                     if load is None:
-                        seconds = median_seconds(session, plan.seconds_per_point)
+                        seconds = median_seconds(session, sweep.seconds_per_point)
                     else:
                         with load():
-                            seconds = median_seconds(session, plan.seconds_per_point)
+                            seconds = median_seconds(session, sweep.seconds_per_point)
                     table[dtype].append({"M": m, "K": k, "N": n, "seconds": seconds,
                                          "gflops": 2 * m * k * n / seconds / 1e9})
                     progress()
@@ -192,9 +192,9 @@ def op_microseconds(ort, threads: int, width: int = 1024, count: int = 32) -> fl
     return max(0.0, median_seconds(session, 0.2, min_runs=50) * 1e6 - hop_microseconds(ort, threads)) / count
 
 
-def measure_machine(plan: Plan, thread_counts: list[int] | None = None, progress=lambda: None,
+def measure_machine(sweep: Sweep, thread_counts: list[int] | None = None, progress=lambda: None,
                     use_cuda: bool | None = None, pack: str | None = None) -> dict:
-    """Run every measurement of `plan`; returns a schema-1 profile document. The CUDA part runs when
+    """Run every measurement of `sweep`; returns a schema-1 profile document. The CUDA part runs when
     the CUDA EP is really usable (or is forced off with use_cuda=False)."""
     from pipeshard.profiles import measure_cuda
 
@@ -205,30 +205,30 @@ def measure_machine(plan: Plan, thread_counts: list[int] | None = None, progress
     copy_load = measure_cuda.H2DLoop if use_cuda else CopyLoop
     cpu_threads: dict[str, dict] = {}
     for threads in thread_counts:
-        idle_matmul, loaded_matmul = _matmul_rows(ort, plan, threads, copy_load, progress)
-        read_idle, read_loaded = matmul_read_gbps(ort, threads, plan.bandwidth_bytes, plan.seconds_per_point,
+        idle_matmul, loaded_matmul = _matmul_rows(ort, sweep, threads, copy_load, progress)
+        read_idle, read_loaded = matmul_read_gbps(ort, threads, sweep.bandwidth_bytes, sweep.seconds_per_point,
                                                   copy_load)
-        copy_idle = sim_copy_gbps(plan.bandwidth_bytes, plan.seconds_per_point)
+        copy_idle = sim_copy_gbps(sweep.bandwidth_bytes, sweep.seconds_per_point)
         cpu_threads[str(threads)] = {
             "matmul": idle_matmul,
             "memory_read_gbps": read_idle,
-            "weight_read_gbps": weight_read_gbps(threads, plan.bandwidth_bytes, plan.seconds_per_point),
+            "weight_read_gbps": weight_read_gbps(threads, sweep.bandwidth_bytes, sweep.seconds_per_point),
             "memory_copy_gbps": copy_idle,
-            "attention": attention_rows(ort, cpu_session_options(threads), ["CPUExecutionProvider"], plan.heads,
-                                        plan.head_dim, plan.attention_tokens, plan.attention_contexts, "fp32",
-                                        plan.seconds_per_point, progress=progress),
+            "attention": attention_rows(ort, cpu_session_options(threads), ["CPUExecutionProvider"], sweep.heads,
+                                        sweep.head_dim, sweep.attention_tokens, sweep.attention_contexts, "fp32",
+                                        sweep.seconds_per_point, progress=progress),
             "hop_us": hop_microseconds(ort, threads),
             "op_us": op_microseconds(ort, threads),
             "under_copy_load": {"matmul": loaded_matmul, "memory_read_gbps": read_loaded},
         }
         progress()
     if use_cuda:
-        device, link, gpu = measure_cuda.measure_cuda(plan, max(thread_counts))
+        device, link, gpu = measure_cuda.measure_cuda(sweep, max(thread_counts))
         link_rows, loaded_link = link["h2d"], link["under_cpu_load"]["h2d"]
     else:
-        link_rows = [{"bytes": size, "gbps": sim_copy_gbps(size, plan.seconds_per_point), "pinned": False}
-                     for size in plan.copy_sizes]
-        loaded_link = _copy_under_cpu_load(ort, plan, max(thread_counts))
+        link_rows = [{"bytes": size, "gbps": sim_copy_gbps(size, sweep.seconds_per_point), "pinned": False}
+                     for size in sweep.copy_sizes]
+        loaded_link = _copy_under_cpu_load(ort, sweep, max(thread_counts))
         gpu = None
         device = {"kind": "sim", "name": "sim (host memory; compute on the CPU EP)",
                   "note": "no usable CUDA EP: the simulated accelerator is measured; not a GPU claim",
@@ -244,8 +244,8 @@ def measure_machine(plan: Plan, thread_counts: list[int] | None = None, progress
         manifest = load_pack(pack).manifest
         extra["pack_timings"] = {
             "model_sha256": manifest["source"]["model_sha256"],
-            "pasts": list(plan.pack_pasts),
-            "threads": {str(t): time_pack(pack, t, PACK_TIERS, plan.pack_pasts, repeat=3, progress=progress,
+            "pasts": list(sweep.pack_pasts),
+            "threads": {str(t): time_pack(pack, t, PACK_TIERS, sweep.pack_pasts, repeat=3, progress=progress,
                                           device="cuda" if use_cuda else "sim")
                         for t in thread_counts},
         }
@@ -255,7 +255,7 @@ def measure_machine(plan: Plan, thread_counts: list[int] | None = None, progress
         "created": now_iso(),
         "fingerprint": fingerprint,
         "fingerprint_id": fingerprint_id(fingerprint),
-        "plan": {"tiers": list(plan.tiers), "shapes": [list(s) for s in plan.shapes], "dtypes": list(plan.dtypes)},
+        "plan": {"tiers": list(sweep.tiers), "shapes": [list(s) for s in sweep.shapes], "dtypes": list(sweep.dtypes)},
         "cpu": {"physical_cores": physical_cores(), "threads": cpu_threads},
         "device": device,
         "link": link,
@@ -264,11 +264,11 @@ def measure_machine(plan: Plan, thread_counts: list[int] | None = None, progress
     }
 
 
-def _copy_under_cpu_load(ort, plan: Plan, threads: int) -> list[dict]:
+def _copy_under_cpu_load(ort, sweep: Sweep, threads: int) -> list[dict]:
     """The copy's bandwidth while CPU matrix products run on `threads` threads."""
-    with cpu_matmul_load(ort, cpu_session_options(threads), *plan.shapes[-1]):
-        return [{"bytes": size, "gbps": sim_copy_gbps(size, plan.seconds_per_point), "pinned": False}
-                for size in plan.copy_sizes]
+    with cpu_matmul_load(ort, cpu_session_options(threads), *sweep.shapes[-1]):
+        return [{"bytes": size, "gbps": sim_copy_gbps(size, sweep.seconds_per_point), "pinned": False}
+                for size in sweep.copy_sizes]
 
 
 def contention_factors(cpu_threads: dict, link_idle: list[dict], link_loaded: list[dict]) -> dict:

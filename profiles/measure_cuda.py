@@ -116,7 +116,7 @@ class H2DLoop:
         self._thread.join()
 
 
-def measure_cuda(plan, cpu_threads: int) -> tuple[dict, dict, dict]:
+def measure_cuda(sweep, cpu_threads: int) -> tuple[dict, dict, dict]:
     """(device section, link section, copy slowdown under CPU load) of the profile DB."""
     from pipeshard.runtime.ort import cpu_session_options
 
@@ -131,30 +131,30 @@ def measure_cuda(plan, cpu_threads: int) -> tuple[dict, dict, dict]:
     overhead = before - cuda.free_bytes()
     launch_us = median_seconds(hop, 0.2, min_runs=200) * 1e6
     matmul: dict[str, list[dict]] = {}
-    for dtype in plan.dtypes:
+    for dtype in sweep.dtypes:
         rows = []
-        for k, n in plan.shapes:
+        for k, n in sweep.shapes:
             model = matmul_model(k, n, dtype)
-            for m in plan.tiers:
+            for m in sweep.tiers:
                 x = np.ones((m, k), NUMPY_FLOAT[dtype])
                 session = BoundSession(ort, model, options, CUDA_PROVIDERS, {"X": x},
                                        {"Y": ((m, n), NUMPY_FLOAT[dtype])}, device="cuda")
-                seconds = median_seconds(session, plan.seconds_per_point)
+                seconds = median_seconds(session, sweep.seconds_per_point)
                 rows.append({"M": m, "K": k, "N": n, "seconds": seconds, "gflops": 2 * m * k * n / seconds / 1e9})
         matmul[dtype] = rows
-    attention = attention_rows(ort, options, CUDA_PROVIDERS, plan.heads, plan.head_dim, plan.attention_tokens,
-                               plan.attention_contexts, "fp16", plan.seconds_per_point, device="cuda")
+    attention = attention_rows(ort, options, CUDA_PROVIDERS, sweep.heads, sweep.head_dim, sweep.attention_tokens,
+                               sweep.attention_contexts, "fp16", sweep.seconds_per_point, device="cuda")
     link = {"kind": "pcie", "h2d": [], "d2h": []}
     for pinned in (True, False):
-        for size in plan.copy_sizes:
+        for size in sweep.copy_sizes:
             for direction, to_device in (("h2d", True), ("d2h", False)):
-                gbps = cuda.copy_gbps(size, pinned, to_device, plan.seconds_per_point)
+                gbps = cuda.copy_gbps(size, pinned, to_device, sweep.seconds_per_point)
                 link[direction].append({"bytes": size, "pinned": pinned, "gbps": gbps})
     # The copy while the CPU computes matrix products on every thread.
-    with cpu_matmul_load(ort, cpu_session_options(cpu_threads), *plan.shapes[-1]):
+    with cpu_matmul_load(ort, cpu_session_options(cpu_threads), *sweep.shapes[-1]):
         link["under_cpu_load"] = {"h2d": [{"bytes": s, "pinned": True,
-                                           "gbps": cuda.copy_gbps(s, True, True, plan.seconds_per_point)}
-                                          for s in plan.copy_sizes]}
+                                           "gbps": cuda.copy_gbps(s, True, True, sweep.seconds_per_point)}
+                                          for s in sweep.copy_sizes]}
     properties = cuda.properties()
     device = {"kind": "cuda", "name": properties["name"], "driver": properties["driver"],
               "memory_bytes": properties["memory_bytes"], "ep_overhead_bytes": int(overhead),

@@ -89,11 +89,14 @@ def _time_step_kinds(step, placement: str, tiers, pasts, repeat: int, progress) 
 
 
 def _all_pinned(step, tiers) -> object:
-    """Every placeable unit pinned, with room for the device's activations at the largest tier."""
+    """Every placeable unit pinned, with room for the device's activations at the largest tier; except an output
+    layer in row chunks, which stays on the CPU: a split with chunks is never joined, and the device's one-token
+    steps are to be timed as plans run them (the estimator takes its CPU rows for it on sim)."""
     from pipeshard.partitioner.planner import CPU, HOST_ONLY_KINDS, PINNED, Plan, VramBreakdown
 
     units = step.layout.units
-    placements = {name: CPU if unit["kind"] in HOST_ONLY_KINDS else PINNED for name, unit in units.items()}
+    placements = {name: CPU if unit["kind"] in HOST_ONLY_KINDS or "chunk_of" in unit else PINNED
+                  for name, unit in units.items()}
     workspace = 4 * max(tiers) * step.hidden_size * np.dtype(step.dtype).itemsize
     return Plan("pinned", 0, placements, {}, 0.0, 0.0, VramBreakdown(workspace=workspace, reserve=0), 0, slots=0,
                 prefetch=False)

@@ -47,7 +47,7 @@ def smollm2_half_export(request) -> Path:
 @pytest.fixture(scope="session")
 def tiny_pack(tiny_llama_export, tmp_path_factory) -> Path:
     """tiny:llama partitioned once; tests only read it (copy it to change it)."""
-    from pipeshard.partitioner.pack import partition
+    from pipeshard.partitioner.partition import partition
 
     folder = tmp_path_factory.mktemp("tiny-pack") / "pack"
     partition(tiny_llama_export, folder)

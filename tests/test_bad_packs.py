@@ -4,7 +4,7 @@
 import pytest
 
 from pipeshard.cli import main
-from pipeshard.partitioner.pack import partition
+from pipeshard.partitioner.partition import partition
 
 
 @pytest.fixture()

@@ -163,7 +163,7 @@ def test_images_are_encoded_in_every_run_and_match_transformers(tmp_path):
     from PIL import Image
 
     from pipeshard.exporter import export_model
-    from pipeshard.partitioner.pack import partition
+    from pipeshard.partitioner.partition import partition
 
     export_model("tiny:smolvlm", tmp_path / "export", quiet=True)
     partition(tmp_path / "export", tmp_path / "pack")

@@ -211,11 +211,11 @@ def test_output_paths_are_checked_or_made_before_the_work(capsys, tiny_pack, tin
 
     import pipeshard.bench
     import pipeshard.exporter.sources
-    import pipeshard.partitioner.pack
+    import pipeshard.partitioner.partition
     from pipeshard.partitioner.planner import Planner
 
     for target, name in ((pipeshard.bench, "run_bench"), (pipeshard, "load"), (Planner, "plan"),
-                         (pipeshard.exporter.sources, "load_source"), (pipeshard.partitioner.pack, "build_graph")):
+                         (pipeshard.exporter.sources, "load_source"), (pipeshard.partitioner.partition, "build_graph")):
         monkeypatch.setattr(target, name, work)
     for argv in ([*plan, "--out", tmp_path / "afile" / "p.json"], [*plan, "--plot", tmp_path / "afile" / "x.png"],
                  ["bench", tiny_pack, "--device", "cpu", "--json", tmp_path / "afile" / "b.json"],

@@ -7,7 +7,7 @@ from conftest import CACHE, _export_once
 
 import pipeshard
 from pipeshard.exporter.sources import load_source, resolve_source
-from pipeshard.partitioner.pack import partition
+from pipeshard.partitioner.partition import partition
 
 pytestmark = pytest.mark.slow
 # A base model (no chat template): plain completions. The last prompt (~700 tokens) is longer than the

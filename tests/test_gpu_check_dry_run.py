@@ -4,7 +4,7 @@ import importlib.util
 import json
 from pathlib import Path
 
-from pipeshard.partitioner.pack import partition
+from pipeshard.partitioner.partition import partition
 
 SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "gpu_check.py"
 

@@ -12,7 +12,7 @@ import pipeshard
 from pipeshard.exporter import export_model
 from pipeshard.exporter.sources import load_source, resolve_source
 from pipeshard.partitioner.estimator import Estimator
-from pipeshard.partitioner.pack import partition
+from pipeshard.partitioner.partition import partition
 from pipeshard.partitioner.planner import Planner
 from pipeshard.profiles.db import load_profile
 from pipeshard.runtime import capi

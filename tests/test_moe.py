@@ -9,7 +9,7 @@ import torch
 
 import pipeshard
 from pipeshard.exporter.tiny import build_tiny_model
-from pipeshard.partitioner.pack import partition
+from pipeshard.partitioner.partition import partition
 from pipeshard.partitioner.planner import Planner
 from pipeshard.profiles.db import load_profile
 from pipeshard.runtime.moe import chosen_experts
@@ -242,8 +242,8 @@ def test_routing_stats_round_trip_through_the_cli(moe_model, tmp_path, capsys):
 
 
 def test_inspect_totals_count_k_experts_per_token(moe_model):
-    from pipeshard.runtime.inspect import pack_summary
     from pipeshard.runtime.pack import load_pack
+    from pipeshard.runtime.pack_info import pack_summary
 
     _, _, pack, manifest, _ = moe_model
     summary = pack_summary(load_pack(pack), context=64)

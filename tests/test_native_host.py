@@ -61,7 +61,7 @@ def test_native_host_ctest_matches_the_python_engine(smollm2_export, tiny_pack, 
 
     import pipeshard
     from pipeshard.exporter.tokenizer_onnx import CHECK_STRINGS
-    from pipeshard.partitioner.pack import partition
+    from pipeshard.partitioner.partition import partition
 
     pack = tmp_path / "pack"
     partition(smollm2_export, pack)

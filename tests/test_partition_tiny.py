@@ -11,7 +11,7 @@ import pipeshard
 from pipeshard.errors import UserError
 from pipeshard.partitioner.costs import analytic_flops, checked_flops
 from pipeshard.partitioner.graph import CutError, SubLayer, verify_cut
-from pipeshard.partitioner.pack import partition
+from pipeshard.partitioner.partition import partition
 from pipeshard.runtime.pack import WEIGHT_ALIGNMENT, load_pack
 
 PROMPTS = ["Hi", "What is the capital of France, and why is it famous?", "Count: 1 2 3"]
@@ -258,7 +258,7 @@ def test_rotary_tables_are_bound_whole_once_instead_of_sliced_every_step(tiny_pa
 def test_only_a_slice_of_a_stored_weight_from_row_zero_is_a_row_prefix():
     from onnx import TensorProto, helper
 
-    from pipeshard.partitioner.pack import row_prefix_outputs
+    from pipeshard.partitioner.partition import row_prefix_outputs
 
     def sliced(start: int, axis: int) -> dict[str, str]:
         table = helper.make_tensor("table", TensorProto.FLOAT, [8, 2], [0.0] * 16)

@@ -6,7 +6,7 @@ import pytest
 
 from pipeshard.cli import main
 from pipeshard.errors import UserError
-from pipeshard.partitioner.pack import partition
+from pipeshard.partitioner.partition import partition
 from pipeshard.partitioner.planner import Planner, plans_document
 from pipeshard.profiles.db import REFERENCE_PROFILES, load_profile
 from pipeshard.runtime.pack import load_pack

@@ -13,14 +13,14 @@ from pipeshard.profiles.measure import QUICK, measure_machine
 from pipeshard.profiles.reference import reference_profile
 from pipeshard.profiles.summary import summarize
 
-TINY_PLAN = replace(QUICK, tiers=(1, 16), shapes=((256, 512),), dtypes=("fp32",), attention_tokens=(1,),
+TINY_SWEEP = replace(QUICK, tiers=(1, 16), shapes=((256, 512),), dtypes=("fp32",), attention_tokens=(1,),
                     attention_contexts=(128,), copy_sizes=(1024 * 1024,), bandwidth_bytes=8 * 1024 * 1024,
                     seconds_per_point=0.01)
 
 
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory):
-    document = measure_machine(TINY_PLAN, [1], use_cuda=False)
+    document = measure_machine(TINY_SWEEP, [1], use_cuda=False)
     path = tmp_path_factory.mktemp("profile") / "db.json"
     save_profile(document, path)
     return path
@@ -122,14 +122,14 @@ def test_quick_profile_finishes_within_two_minutes(tmp_path, capsys):
 
 def test_profile_with_a_pack_times_its_own_sub_layers_and_the_estimator_uses_them(tiny_llama_export, tmp_path):
     from pipeshard.partitioner.estimator import Estimator
-    from pipeshard.partitioner.pack import partition
+    from pipeshard.partitioner.partition import partition
     from pipeshard.runtime.pack import load_pack
 
     pack = tmp_path / "pack"
     partition(tiny_llama_export, pack)
     manifest = load_pack(pack).manifest
-    plan = replace(TINY_PLAN, pack_pasts=(8, 32))
-    document = measure_machine(plan, [1], use_cuda=False, pack=str(pack))
+    sweep = replace(TINY_SWEEP, pack_pasts=(8, 32))
+    document = measure_machine(sweep, [1], use_cuda=False, pack=str(pack))
     save_profile(document, tmp_path / "db.json")
     timings = load_profile(tmp_path / "db.json")["pack_timings"]
     assert timings["model_sha256"] == manifest["source"]["model_sha256"]

@@ -189,7 +189,7 @@ def test_a_client_that_disconnects_mid_stream_frees_its_slot(smollm2_pack):
 
 @pytest.fixture(scope="module")
 def smollm2_pack(smollm2_export, tmp_path_factory):
-    from pipeshard.partitioner.pack import partition
+    from pipeshard.partitioner.partition import partition
 
     pack = tmp_path_factory.mktemp("smollm2-serve") / "pack"
     partition(smollm2_export, pack)

@@ -53,7 +53,7 @@ def test_a_shape_only_pack_has_the_manifest_of_the_pack_made_from_real_weights(s
 def test_a_shape_only_moe_pack_has_the_manifest_of_the_pack_made_from_real_weights(tmp_path):
     from pipeshard.exporter import export_model
     from pipeshard.exporter.shape_only import export_shape_only
-    from pipeshard.partitioner.pack import partition
+    from pipeshard.partitioner.partition import partition
 
     export_model("tiny:moe", tmp_path / "export", quiet=True)
     partition(tmp_path / "export", tmp_path / "pack")

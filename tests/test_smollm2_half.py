@@ -9,7 +9,7 @@ from prompts import SMOLLM2_PROMPTS
 
 import pipeshard
 from pipeshard.exporter.sources import load_source, resolve_source
-from pipeshard.partitioner.pack import partition
+from pipeshard.partitioner.partition import partition
 
 pytestmark = pytest.mark.slow
 TORCH_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}

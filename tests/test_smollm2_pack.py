@@ -9,7 +9,7 @@ import pytest
 from prompts import SMOLLM2_PROMPTS
 
 import pipeshard
-from pipeshard.partitioner.pack import partition
+from pipeshard.partitioner.partition import partition
 from pipeshard.runtime.pack import WEIGHT_ALIGNMENT, load_pack
 
 pytestmark = pytest.mark.slow

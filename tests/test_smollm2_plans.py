@@ -6,7 +6,7 @@ import pytest
 from prompts import SMOLLM2_PROMPTS
 
 import pipeshard
-from pipeshard.partitioner.pack import partition
+from pipeshard.partitioner.partition import partition
 from pipeshard.partitioner.planner import Planner
 from pipeshard.profiles.db import load_profile
 

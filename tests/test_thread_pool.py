@@ -5,7 +5,7 @@ import subprocess
 import sys
 
 import pipeshard
-from pipeshard.partitioner.pack import partition
+from pipeshard.partitioner.partition import partition
 
 SIM_SCRIPT = """
 import sys, pipeshard

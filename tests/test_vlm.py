@@ -39,7 +39,7 @@ def vlm_export(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def vlm_pack(vlm_export, tmp_path_factory) -> Path:
-    from pipeshard.partitioner.pack import partition
+    from pipeshard.partitioner.partition import partition
 
     folder = tmp_path_factory.mktemp("vlm-pack") / "pack"
     partition(vlm_export, folder)
@@ -172,7 +172,7 @@ def test_run_cli_with_images_prints_json(vlm_pack, images):
 
 def test_hf_folder_of_a_vlm_exports_the_same_model(tiny_vlm, images, tmp_path):
     from pipeshard.exporter import export_model
-    from pipeshard.partitioner.pack import partition
+    from pipeshard.partitioner.partition import partition
 
     model, tokenizer, image_processor = tiny_vlm
     folder = tmp_path / "smolvlm-tiny"
@@ -194,7 +194,7 @@ def test_smolvlm_256m_through_the_real_smollm2_decoder_equals_transformers(tmp_p
     from conftest import CACHE, _export_once
 
     from pipeshard.exporter.sources import load_source, resolve_source
-    from pipeshard.partitioner.pack import partition
+    from pipeshard.partitioner.partition import partition
 
     export = _export_once("smolvlm-256m", CACHE / "smolvlm-256m-fp32")
     partition(export, tmp_path / "pack")
