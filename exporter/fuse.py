@@ -607,12 +607,13 @@ def pack_sibling_projections(model: onnx.ModelProto) -> int:
 
 
 def fuse_exported_model(onnx_path: Path, heads: int, kv_heads: int, head_dim: int, dtype: str,
-                        max_context: int, sliding_window: int | None = None, shape_only: bool = False,
+                        max_context: int | None, sliding_window: int | None = None, shape_only: bool = False,
                         stored_dtype: str = "fp32") -> int:
     """Apply the rewrites to an exported model file in place (its external data file rewritten); with a
     half-precision `stored_dtype`, the product and embedding weights are then stored in it (half_weights.py).
     `shape_only`: the file's weights are references (onnx_export's shape-only trace), and what the rewrites
-    compute (the rotary tables) becomes references too: no data file is written."""
+    compute (the rotary tables) becomes references too: no data file is written. No `max_context`: rotary is
+    never moved into GQA (M-RoPE positions are not the cache's)."""
     model = onnx.load(str(onnx_path), load_external_data=not shape_only)
     float_type = {"fp32": TensorProto.FLOAT, "fp16": TensorProto.FLOAT16}[dtype]
     fused = fuse_attention(model, heads, kv_heads, head_dim, float_type, max_context, sliding_window)
