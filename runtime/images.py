@@ -383,3 +383,21 @@ def qwen2_5_vl_vision_inputs(grid_thw: np.ndarray, config: dict) -> dict[str, np
             "rotary_ids": rotary_position_ids(grid_thw, config["merge_size"]),
             "window_rows": window_rows, "window_slots": window_slots,
             "image_rows": image_rows, "image_slots": image_slots}
+
+
+def mrope_batch_positions(prompts: list[list[int]], width: int, image_grids: np.ndarray | None,
+                          config: dict) -> tuple[np.ndarray, np.ndarray]:
+    """M-RoPE positions of a left-padded batch: int64 [3, batch, width] (padding at 0) and each row's delta (a
+    later token at index i of its row has position i + delta on every axis). `image_grids` [images, 3]: the
+    images of every prompt in reading order, prompt by prompt."""
+    grids = iter(np.asarray(image_grids if image_grids is not None else np.zeros((0, 3)), np.int64).tolist())
+    positions = np.zeros((3, len(prompts), width), np.int64)
+    deltas = np.zeros(len(prompts), np.int64)
+    for row, ids in enumerate(prompts):
+        ids = np.asarray(ids, dtype=np.int64)
+        is_image = ids == config["image_token_id"]
+        runs = int(is_image[0]) + int(np.count_nonzero(is_image[1:] & ~is_image[:-1])) if len(ids) else 0
+        its_grids = [next(grids) for _ in range(runs)]
+        positions[:, row, width - len(ids):], deltas[row] = mrope_position_ids(ids, np.array(its_grids).reshape(-1, 3),
+                                                                              config)
+    return positions, deltas
