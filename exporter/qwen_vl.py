@@ -184,7 +184,7 @@ def vision_tower(vlm):
                                            config.patch_size)
             hidden = self.proj(patches).reshape(-1, config.hidden_size)
             hidden = hidden.reshape(-1, unit, config.hidden_size).index_select(0, window_index)
-            return hidden.reshape(-1, config.hidden_size)
+            return hidden.reshape(1, -1, config.hidden_size)  # the residual stream: [1, patches, hidden]
 
     class GroupedAttention(torch.nn.Module):
         """Attention within groups of patches: rows [groups, length] gathers each group (padding masked as keys),
@@ -195,7 +195,7 @@ def vision_tower(vlm):
             self.qkv, self.proj = attention.qkv, attention.proj
 
         def forward(self, hidden, cos, sin, rows, query_extra, key_extra, slots):
-            count = hidden.shape[0]
+            count = hidden.shape[1]
             q, k, v = self.qkv(hidden).reshape(count, 3, heads, head_dim).permute(1, 0, 2, 3).unbind(0)
             q = q * cos + rotate_half(q) * sin
             k = k * cos + rotate_half(k) * sin
@@ -206,7 +206,7 @@ def vision_tower(vlm):
             k = torch.cat([k, key_extra.expand(groups[0], heads, groups[1], KEY_CHANNELS)], dim=-1)
             out = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=head_dim ** -0.5)
             out = out.transpose(1, 2).reshape(-1, config.hidden_size).index_select(0, slots)
-            return self.proj(out)
+            return self.proj(out).unsqueeze(0)
 
     class Block(torch.nn.Module):
         def __init__(self, block) -> None:

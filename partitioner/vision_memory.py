@@ -45,7 +45,10 @@ class VisionShape:
                    num_layers=vision["num_layers"], patch_size=vision["patch_size"],
                    weight_bytes=vision["total_weight_bytes"],
                    largest_block_bytes=max((e.get("blob") or {}).get("bytes", 0) for e in entries),
-                   itemsize=2 if dtype <= {"float16", "bfloat16"} and dtype else 4, tile_size=vision["image_size"])
+                   itemsize=2 if dtype <= {"float16", "bfloat16"} and dtype else 4,
+                   tile_size=vision.get("image_size", 0), merge_size=vision.get("merge_size", 1),
+                   window_patches=(vision.get("window_size") or 0) // vision["patch_size"],
+                   full_attention_layers=len(vision.get("fullatt_block_indexes", ())))
 
 
 @dataclass(frozen=True)

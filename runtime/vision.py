@@ -156,19 +156,14 @@ class PackVision:
         """VLMOpt: two staging slots, tiles in runs whose workspace fits what the budget leaves."""
         ledger, shape, tiles = self.device.ledger, self.shape, len(pixel_values)
         slot_bytes = shape.largest_block_bytes
-        if ledger.used + 2 * slot_bytes + tile_runs(shape, 1, 0)[1] > ledger.budget_bytes and self.release_decoder:
+        if ledger.used + 2 * slot_bytes + self._runs(1, 0)[1] > ledger.budget_bytes and self.release_decoder:
             self._peak_before_release = ledger.peak
             self.release_decoder()  # the decoder's plan comes back at its next step
             self._held = ledger.peak = ledger.used
         free = ledger.budget_bytes - ledger.used - 2 * slot_bytes
         if self.workspace_bytes is not None:
             free = min(free, self.workspace_bytes)
-        if shape.family == "qwen2_vl":  # the patches attend across windows and images: one run of them all
-            keys = int(self._indices["image_rows"].shape[1])
-            peak = vlmopt_peak(shape, tiles, keys, max(free, 0))
-            per_run, reserved = tiles, peak.activations + peak.attention
-        else:
-            per_run, reserved = tile_runs(shape, tiles, max(free, 0))
+        per_run, reserved = self._runs(tiles, max(free, 0))
         if reserved > free:
             raise UserError(f"the VRAM budget leaves {max(free, 0)} bytes for the vision encoder, less than one tile "
                             f"needs ({reserved} bytes)")
@@ -181,6 +176,15 @@ class PackVision:
             self.device.unreserve(reserved, WORKSPACE)
             for slot in slots:
                 self.device.free(slot, WEIGHTS)
+
+    def _runs(self, tiles: int, free: int) -> tuple[int, int]:
+        """How many tiles go through at once and the workspace they reserve within `free` bytes. Qwen2.5-VL's
+        patches attend across windows and whole images: one run of them all, its attention in query tiles."""
+        if self.shape.family != "qwen2_vl":
+            return tile_runs(self.shape, tiles, free)
+        keys = int(self._indices["image_rows"].shape[1])
+        peak = vlmopt_peak(self.shape, len(self._indices["rotary_ids"]), keys, free)
+        return max(tiles, 1), peak.activations + peak.attention
 
     def _encode_naive(self, pixel_values: np.ndarray) -> np.ndarray:
         """Every weight uploaded and resident, every tile at once with all its scores."""
