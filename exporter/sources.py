@@ -12,8 +12,8 @@ from typing import Any
 
 from pipeshard.errors import UserError
 from pipeshard.exporter.configs import SUPPORTED_ARCHITECTURES, check_supported_features
-from pipeshard.exporter.tiny import TINY_CONFIGS, build_tiny_model
 from pipeshard.exporter.qwen_vl import QWEN_VL_ARCHITECTURES, TINY_QWEN_VL_CONFIGS
+from pipeshard.exporter.tiny import TINY_CONFIGS, build_tiny_model
 from pipeshard.exporter.vlm import TINY_VLM_CONFIGS, VLM_ARCHITECTURES, check_vlm_config
 
 # name -> (package, GGUF file in it). A package whose file comes in parts has an `assemble(output_path)` that

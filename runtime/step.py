@@ -237,7 +237,8 @@ class Step:
         vision = self.pack.manifest.get("vision")
         self.image_token_id = int(vision["image_token_id"]) if vision else None
         self._no_features = np.zeros((0, self.hidden_size), self.dtype)
-        self.mrope = mrope_settings(self.pack.manifest["model"].get("position_rows", 1), vision)  # M-RoPE: 3 position rows
+        # An M-RoPE decoder (3 position rows): what its positions are computed from.
+        self.mrope = mrope_settings(self.pack.manifest["model"].get("position_rows", 1), vision)
         self._allocated_outputs: list[tuple] = []
         self._decoding = False
         self._bias_dtype = next((np.dtype(o["dtype"]) for e in layout.in_line if e["kind"] == "prologue"

@@ -286,8 +286,9 @@ def encode_prepared(encoder, prepared: PreparedImages) -> list[EncodedImage]:
         raise RuntimeError(f"the vision graph gave {len(features)} feature rows for {sum(prepared.counts)} image "
                            "tokens")
     edges = np.cumsum([0, *prepared.counts])
-    return [EncodedImage(tokens, features[edges[i]: edges[i + 1]],
-                         None if prepared.grids is None else prepared.grids[i]) for i, tokens in enumerate(prepared.tokens)]
+    grids = [None] * len(prepared.tokens) if prepared.grids is None else list(prepared.grids)
+    return [EncodedImage(tokens, features[edges[i]: edges[i + 1]], grid)
+            for i, (tokens, grid) in enumerate(zip(prepared.tokens, grids, strict=True))]
 
 
 def image_grids(images: list[EncodedImage]) -> np.ndarray | None:
