@@ -261,9 +261,13 @@ def _mask_window(model: onnx.ModelProto, mask: str, sliding_window: int | None) 
         cases += [(np.concatenate([np.zeros((1, 3)), np.ones((1, longer))], axis=1), longer + 3),
                   (np.ones((1, longer), np.int64), 1), (np.ones((1, longer + 4), np.int64), 2)]
     found_masks = []
+    position_input = next((v for v in model.graph.input if v.name == "position_ids"), None)
+    rows = len(position_input.type.tensor_type.shape.dim) if position_input is not None else 2
     for attention_mask, new in cases:
         batch, total = attention_mask.shape
         positions = np.maximum(np.cumsum(attention_mask, axis=1) - 1, 0)[:, total - new:]
+        if rows == 3:  # M-RoPE position_ids [3, batch, new] (text positions: the same on every row)
+            positions = np.broadcast_to(positions, (3, *positions.shape))
         feeds = {"input_ids": np.zeros((batch, new), np.int64), "attention_mask": attention_mask.astype(np.int64),
                  "position_ids": positions.astype(np.int64)}
         try:

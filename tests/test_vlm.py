@@ -394,3 +394,30 @@ def test_qwen_hf_folder_exports_the_same_model(tiny_qwen, images, tmp_path):
     engine = pipeshard.load(tmp_path / "export")
     (result,) = engine.generate(PROMPT, images=[str(p) for p in images], max_new_tokens=NEW_TOKENS)
     assert result.tokens == qwen_reference_tokens(tiny_qwen, result.prompt_tokens, images)
+
+
+def test_qwen_server_takes_images_with_mrope_positions(qwen_pack, images):
+    """The scheduler gives each request its own M-RoPE positions and rope delta: two chat requests with images,
+    queued on one slot, get what `generate(images=...)` gives; more slots are refused in one line."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from test_server import client, server
+
+    from pipeshard.runtime.scheduler import Scheduler
+
+    engine = pipeshard.load(qwen_pack)
+    expected = [engine.generate(PROMPT, images=[str(p) for p in paths], max_new_tokens=NEW_TOKENS)[0].text
+                for paths in (images[:1], images)]
+    with pytest.raises(UserError, match="--parallel 1"):
+        Scheduler(engine, parallel=2)
+    with server(qwen_pack, "--parallel", "1", "--context", "512") as base:
+        chat = client(base)
+
+        def ask(paths):
+            parts = [{"type": "image_url", "image_url": {"url": _data_url(p)}} for p in paths]
+            answer = chat.chat.completions.create(model="pack", max_tokens=NEW_TOKENS, temperature=0, messages=[
+                {"role": "user", "content": [*parts, {"type": "text", "text": PROMPT}]}])
+            return answer.choices[0].message.content
+
+        with ThreadPoolExecutor(2) as pool:
+            assert list(pool.map(ask, (images[:1], images))) == expected
