@@ -246,8 +246,7 @@ def vision_tower(vlm):
             angles = angles.reshape(-1, unit, angles.shape[-1]).index_select(0, window_index)
             angles = torch.cat([angles, angles], dim=-1).reshape(-1, 1, head_dim)
             cos, sin = angles.cos(), angles.sin()
-            query_extra = torch.zeros(1, 1, 1, KEY_CHANNELS, dtype=hidden.dtype)
-            query_extra[..., 0] = 1.0
+            query_extra = torch.cat([hidden.new_ones(1, 1, 1, 1), hidden.new_zeros(1, 1, 1, KEY_CHANNELS - 1)], -1)
             groups = {}
             for kind, rows, slots in (("window", window_rows, window_slots), ("image", image_rows, image_slots)):
                 bias = torch.where(rows >= 0, 0.0, PAD_KEY_SCORE).to(hidden.dtype)
@@ -278,30 +277,37 @@ def _reference_features(vlm, pixel_values, grid_thw):
     return out.pooler_output.float().numpy()
 
 
-def export_vision(vlm, onnx_path: Path, opset: int, preprocessing: dict) -> float:
-    """Export the vision tower to `onnx_path` (weights beside it), dynamic over patches, windows and images;
-    returns the largest difference from transformers' tower on two image grids other than the traced one."""
+def _example(vlm, grids, preprocessing: dict, generator):
+    """Random pixels for images of `grids` and the host's index inputs for them."""
     import numpy as np
-    import onnx
-    import onnxruntime
     import torch
 
-    tower = vision_tower(vlm)
     config = vlm.config.vision_config
     width = config.in_channels * config.temporal_patch_size * config.patch_size ** 2
-    merge = config.spatial_merge_size
-    generator = torch.Generator().manual_seed(0)
+    grids = np.asarray(grids, dtype=np.int64)
+    patches = int((grids[:, 0] * grids[:, 1] * grids[:, 2]).sum())
+    pixels = torch.randn(patches, width, generator=generator)
+    inputs = _vision_inputs(grids, preprocessing)
+    return pixels, grids, {name: torch.from_numpy(inputs[name]) for name in VISION_INDEX_INPUTS}
 
-    def example(grids):
-        grids = np.asarray(grids, dtype=np.int64)
-        patches = int((grids[:, 0] * grids[:, 1] * grids[:, 2]).sum())
-        pixels = torch.randn(patches, width, generator=generator)
-        inputs = _vision_inputs(grids, preprocessing)
-        return pixels, grids, {name: torch.from_numpy(inputs[name]) for name in VISION_INDEX_INPUTS}
 
+def trace_vision(vlm, onnx_path: Path, opset: int, preprocessing: dict, shape_only: bool = False) -> None:
+    """Trace the vision tower's export form into `onnx_path`, dynamic over patches, windows and images (checked:
+    the dynamo exporter silently fixes a dimension it cannot prove dynamic). `shape_only`: the VLM's weights are on
+    the meta device and the file's weights are references to a data file that is not written."""
+    import onnx
+    import torch
+
+    from pipeshard.exporter.onnx_export import _stand_in_weights, _weights_as_references
+
+    tower = vision_tower(vlm)
+    merge = vlm.config.vision_config.spatial_merge_size
     # Traced on two images of different grids (no dimension equals another by chance).
-    pixels, _, indices = example([[1, 6 * merge // 2, 10 * merge // 2], [1, 4 * merge // 2, 4 * merge // 2]])
+    pixels, _, indices = _example(vlm, [[1, 6 * merge // 2, 10 * merge // 2], [1, 4 * merge // 2, 4 * merge // 2]],
+                                  preprocessing, torch.Generator().manual_seed(0))
     args = (pixels, *indices.values())
+    if shape_only:
+        args = tuple(arg.to("meta") for arg in args)
     dim = torch.export.Dim
     dynamic = {"pixel_values": {0: dim("patches")}, "window_index": {0: dim("merged")},
                "reverse_index": {0: dim("merged_")}, "rotary_ids": {0: dim("patches_")},
@@ -310,9 +316,17 @@ def export_vision(vlm, onnx_path: Path, opset: int, preprocessing: dict) -> floa
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")
         program = torch.onnx.export(tower, args, dynamo=True, input_names=["pixel_values", *VISION_INDEX_INPUTS],
-                                    output_names=["image_features"], opset_version=opset, optimize=True,
+                                    output_names=["image_features"], opset_version=opset, optimize=not shape_only,
                                     dynamic_shapes=dynamic, verbose=False)
-    program.save(str(onnx_path), external_data=True)
+    if shape_only:
+        import onnx_ir as ir
+
+        _stand_in_weights(program.model.graph)
+        program.optimize()
+        _weights_as_references(program.model.graph, onnx_path.name + ".data")
+        onnx.save(ir.to_proto(program.model), str(onnx_path))
+    else:
+        program.save(str(onnx_path), external_data=True)
     graph = onnx.load(onnx_path, load_external_data=False).graph
     dims = {v.name: [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim]
             for v in [*graph.input, *graph.output]}
@@ -321,10 +335,22 @@ def export_vision(vlm, onnx_path: Path, opset: int, preprocessing: dict) -> floa
              if not isinstance(shape[0], str) or (name.endswith("_rows") and not isinstance(shape[1], str))}
     if fixed:
         raise RuntimeError(f"the vision graph lost dynamic dimensions: {fixed}")
+
+
+def export_vision(vlm, onnx_path: Path, opset: int, preprocessing: dict) -> float:
+    """Export the vision tower to `onnx_path` (weights beside it); returns the largest difference from
+    transformers' tower on two image grids other than the traced one (one image, and two of other sizes)."""
+    import numpy as np
+    import onnxruntime
+    import torch
+
+    trace_vision(vlm, onnx_path, opset, preprocessing)
+    merge = vlm.config.vision_config.spatial_merge_size
+    generator = torch.Generator().manual_seed(1)
     session = onnxruntime.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"])
     worst = 0.0
     for grids in ([[1, 2 * merge, 3 * merge]], [[1, 8 * merge // 2, 6 * merge // 2], [1, merge, 2 * merge]]):
-        pixels, grid, indices = example(grids)
+        pixels, grid, indices = _example(vlm, grids, preprocessing, generator)
         (ours,) = session.run(None, {"pixel_values": pixels.numpy(),
                                      **{name: value.numpy() for name, value in indices.items()}})
         worst = max(worst, float(np.abs(ours - _reference_features(vlm, pixels, grid)).max()))

@@ -234,7 +234,7 @@ def _copy_shared_weights(model: onnx.ModelProto, assignment: dict[int, str]) -> 
                     node.input[:] = [copy.name if tensor == name else tensor for tensor in node.input]
 
 
-def _vision_section(export_dir: Path, vision: dict, dtype: str, staging: Path) -> dict:
+def _vision_section(export_dir: Path, vision: dict, dtype: str, staging: Path, shape_only: bool = False) -> dict:
     """Cut a VLM's vision graph into its blocks (`vision_embed`, `V{i}.attn`, `V{i}.ffn`, `projector`) and write
     them beside the decoder's sub-layers: the manifest's `vision` section. A block's cost counts T = patches
     through it and C = the patches each attends to; attention scores are the fused op's, never stored."""
@@ -253,13 +253,15 @@ def _vision_section(export_dir: Path, vision: dict, dtype: str, staging: Path) -
     initializers = {i.name: i for i in model.graph.initializer}
     external = {_external(i)["location"] for i in initializers.values() if _external(i)}
     placements, blobs = _write_blobs(sub_layers, _weight_owners(sub_layers, initializers), initializers,
-                                     export_dir / external.pop(), staging) if external else ({}, {})
+                                     None if shape_only else export_dir / external.pop(), staging) \
+        if external else ({}, {})
     dims = {"hidden_size": vision["hidden_size"], "num_attention_heads": vision["num_attention_heads"],
             "head_dim": vision["hidden_size"] // vision["num_attention_heads"]}
     entries = []
     for sub_layer in sub_layers:
-        files = {"onnx": f"{sub_layer.name}.onnx", "weights_as_inputs": f"{sub_layer.name}.inputs.onnx"}
-        for variant, as_inputs in (("onnx", False), ("weights_as_inputs", True)):
+        files = {} if shape_only else {"onnx": f"{sub_layer.name}.onnx",
+                                       "weights_as_inputs": f"{sub_layer.name}.inputs.onnx"}
+        for variant, as_inputs in (("onnx", False), ("weights_as_inputs", True)) if files else ():
             onnx.save(_sub_model(model, sub_layer, infos, initializers, placements, as_inputs),
                       staging / files[variant])
         weights = [{"name": name, "shape": list(initializers[name].dims),
@@ -354,7 +356,7 @@ def partition(export_dir: Path, pack: Path, force: bool = False) -> PartitionRes
                          "bytes": bytes_moved(sub_layer, sub_layer.kind, dims, compute, weight_bytes)},
                 "nodes": len(sub_layer.nodes),
             })
-        vision = _vision_section(export_dir, info["vision"], dtype, staging) if "vision" in info else None
+        vision = _vision_section(export_dir, info["vision"], dtype, staging, shape_only) if "vision" in info else None
         for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                      "chat_template.jinja", "preprocessor_config.json", *TOKENIZER_GRAPHS):
             if (export_dir / name).is_file():

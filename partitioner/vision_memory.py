@@ -119,9 +119,11 @@ def vlmopt_peak(shape: VisionShape, patches: int, keys: int, workspace_bytes: in
         per_run, reserved = tile_runs(shape, patches // keys, workspace_bytes)
         activations = _activations(shape, per_run * keys)
         return VisionPeak(2 * shape.largest_block_bytes, activations, reserved - activations, 0)
-    queries = min(keys, query_tile(workspace_bytes, shape.num_heads, keys))
-    return VisionPeak(2 * shape.largest_block_bytes, _activations(shape, patches),
-                      shape.num_heads * queries * keys * SCORE_BYTES, 0)
+    # Every patch's activations at once (the full-attention blocks see them all); the scores' query tiles take
+    # what the bound leaves beside them.
+    activations = _activations(shape, patches)
+    queries = min(keys, query_tile(max(workspace_bytes - activations, 0), shape.num_heads, keys))
+    return VisionPeak(2 * shape.largest_block_bytes, activations, shape.num_heads * queries * keys * SCORE_BYTES, 0)
 
 
 def qwen2_5_vl_shape(vision: dict, itemsize: int = 2) -> VisionShape:
