@@ -51,6 +51,17 @@ COSMOS_REASON1_7B = {
     "image_token_id": 151655, "vision_start_token_id": 151652, "vision_end_token_id": 151653,
 }
 COSMOS_NAME = "cosmos-reason1-7b"
+# For measuring the encoder's memory on this CPU: Cosmos-Reason1-7B's vision tower dimensions with 4 of its 32
+# blocks (the last one full attention, as every eighth is), one decoder layer of its dimensions, random weights,
+# the byte tokenizer, the checkpoint's pixel bounds.
+QWEN_VL_PROBES: dict[str, dict[str, Any]] = {
+    "cosmos-reason1-7b-probe": {
+        "vision_config": {**COSMOS_REASON1_7B["vision_config"], "depth": 4, "fullatt_block_indexes": [3]},
+        "text_config": {**{k: v for k, v in COSMOS_REASON1_7B["text_config"].items() if k != "vocab_size"},
+                        "num_hidden_layers": 1},
+        "processor": {"min_pixels": 56 * 56, "max_pixels": 16384 * 28 * 28},
+    },
+}
 VISION_SEED = 4321
 KEY_CHANNELS = 8  # keeps the head size a multiple of 8 (what fused kernels want)
 PAD_KEY_SCORE = -30000.0  # within half precision's range; exp() of it times any head's scale is 0
@@ -81,14 +92,14 @@ def _seed(model) -> None:
 
 
 def build_tiny_qwen_vl(name: str):
-    """A seeded tiny Qwen2.5-VL of TINY_QWEN_VL_CONFIGS[name] with the byte tokenizer (plus the image tokens), and
-    its processor's pixel bounds."""
+    """A seeded Qwen2.5-VL of TINY_QWEN_VL_CONFIGS[name] (or QWEN_VL_PROBES[name]) with the byte tokenizer (plus
+    the image tokens), and its processor's pixel bounds."""
     import torch
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
     from pipeshard.exporter.tiny import build_byte_tokenizer
 
-    settings = TINY_QWEN_VL_CONFIGS[name]
+    settings = TINY_QWEN_VL_CONFIGS.get(name) or QWEN_VL_PROBES[name]
     tokenizer = build_byte_tokenizer()
     tokenizer.add_special_tokens({"additional_special_tokens": list(QWEN_IMAGE_TOKENS)},
                                  replace_extra_special_tokens=False)

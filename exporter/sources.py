@@ -12,7 +12,7 @@ from typing import Any
 
 from pipeshard.errors import UserError
 from pipeshard.exporter.configs import SUPPORTED_ARCHITECTURES, check_supported_features
-from pipeshard.exporter.qwen_vl import QWEN_VL_ARCHITECTURES, TINY_QWEN_VL_CONFIGS
+from pipeshard.exporter.qwen_vl import COSMOS_NAME, QWEN_VL_ARCHITECTURES, QWEN_VL_PROBES, TINY_QWEN_VL_CONFIGS
 from pipeshard.exporter.tiny import TINY_CONFIGS, build_tiny_model
 from pipeshard.exporter.vlm import TINY_VLM_CONFIGS, VLM_ARCHITECTURES, check_vlm_config
 
@@ -158,6 +158,12 @@ def resolve_source(model: str) -> SourceSpec:
             known = ", ".join("tiny:" + a for a in [*TINY_CONFIGS, *TINY_VISION])
             raise UserError(f"unknown tiny model {model!r}; known: {known}")
         return SourceSpec("tiny", model, vision=name in TINY_VISION)
+    if model in QWEN_VL_PROBES:
+        return SourceSpec("builtin", model, vision=True)
+    if model == COSMOS_NAME:
+        raise UserError(f"{COSMOS_NAME} is a shape for planning (no weights ship): pipeshard export {COSMOS_NAME} OUT "
+                        f"--shape-only; {next(iter(QWEN_VL_PROBES))} has its vision tower's dimensions with random "
+                        "weights")
     if model in BUILTIN_VLMS:
         text = resolve_source(BUILTIN_VLMS[model])
         return SourceSpec("builtin", model, text.folder, text.gguf_file, vision=True)
@@ -167,7 +173,8 @@ def resolve_source(model: str) -> SourceSpec:
         return SourceSpec("builtin", model, path.parent, path.name)
     path = Path(model)
     if not path.exists():
-        known = ", ".join([*BUILTIN_MODELS, *BUILTIN_VLMS, *("tiny:" + a for a in [*TINY_CONFIGS, *TINY_VISION])])
+        known = ", ".join([*BUILTIN_MODELS, *BUILTIN_VLMS, *QWEN_VL_PROBES,
+                           *("tiny:" + a for a in [*TINY_CONFIGS, *TINY_VISION])])
         raise UserError(f"{model} does not exist (give a model folder, a .gguf file, or one of: {known})")
     if path.is_file():
         architecture = _check_gguf(path)
@@ -192,8 +199,8 @@ def _load_vlm(spec: SourceSpec, dtype) -> LoadedSource:
     from pipeshard.exporter.image_processing import qwen2_vl_image_processor
     from pipeshard.exporter.vlm import build_smolvlm_256m, build_tiny_vlm, image_processor_for, text_decoder
 
-    tiny = spec.name.split(":", 1)[1] if spec.kind == "tiny" else None
-    if tiny in TINY_QWEN_VL_CONFIGS:
+    tiny = spec.name.split(":", 1)[1] if spec.kind == "tiny" else spec.name
+    if tiny in TINY_QWEN_VL_CONFIGS or tiny in QWEN_VL_PROBES:
         vlm, tokenizer, processor = qwen_vl.build_tiny_qwen_vl(tiny)
         image_processor = qwen2_vl_image_processor(vlm.config, **processor)
     elif spec.kind == "tiny":
