@@ -61,8 +61,8 @@ def measured_table(pack: Path, budget: int, workspace: int, threads: int | None,
 
     lines = [f"### {pack.name}: measured on the simulated device's ledger (VLMOpt under a budget of "
              f"{budget / MIB:.0f} MiB, workspace bound {workspace / MIB:.0f} MiB)", "",
-             "| image | tiles (Qwen2.5-VL: patches) | naive: device peak (decoder held) | naive: encoder | VLMOpt: device peak | "
-             "VLMOpt: encoder | encoder, naive / VLMOpt |", "|---|---:|---:|---:|---:|---:|---:|"]
+             "| image | tiles (Qwen2.5-VL: patches) | naive: device peak (decoder held) | naive: encoder | "
+             "VLMOpt: device peak | VLMOpt: encoder | encoder, naive / VLMOpt |", "|---|---:|---:|---:|---:|---:|---:|"]
     roomy = 64 * budget  # the naive port's device: room for everything it holds
     engine = pipeshard.load(pack, device="sim", vram=roomy, profile="laptop-8gb", threads=threads)
     step = engine.step

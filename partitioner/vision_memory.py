@@ -39,7 +39,10 @@ class VisionShape:
     def from_pack(cls, vision: dict) -> VisionShape:
         """The shape of a pack's `vision` section (partitioner/pack.py)."""
         entries = vision["sub_layers"]
-        dtype = {e["dtype"] for entry in entries for e in entry["weights"]}
+        # Activations in the weights' type: half when most weight bytes are (a half-precision trace keeps its norm
+        # weights in fp32, folded from their casts).
+        half = sum(w["bytes"] for e in entries for w in e["weights"] if w["dtype"] in ("float16", "bfloat16"))
+        dtype = {"float16"} if 2 * half > sum(w["bytes"] for e in entries for w in e["weights"]) else {"float32"}
         return cls(family=vision["family"], hidden_size=vision["hidden_size"],
                    intermediate_size=vision["intermediate_size"], num_heads=vision["num_attention_heads"],
                    num_layers=vision["num_layers"], patch_size=vision["patch_size"],
