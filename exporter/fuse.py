@@ -162,15 +162,23 @@ def derive_past_length(model: onnx.ModelProto, kv_heads: int, head_dim: int) -> 
 
 
 def _step_lengths(like: onnx.NodeProto) -> list[onnx.NodeProto]:
-    """seqlens_k (total - 1 for every row: left padding keeps rows the same length) and the total
-    sequence length, as GQA wants them (int32), from `attention_mask`."""
+    """seqlens_k and the total sequence length, as GQA wants them (int32), from `attention_mask`: each row's
+    last set column (total - 1 under left padding; a row shorter than the step, as the scheduler's decode
+    steps have, ends earlier, and its new token goes there)."""
     nodes = [
         helper.make_node("Shape", ["attention_mask"], ["_gqa_mask_shape"]),
         helper.make_node("Cast", ["_gqa_mask_shape"], ["_gqa_mask_shape32"], to=TensorProto.INT32),
         helper.make_node("Gather", ["_gqa_mask_shape32", "_gqa_one"], [TOTAL], axis=0),
         helper.make_node("Sub", [TOTAL, "_gqa_one32"], ["_gqa_last"]),
+        helper.make_node("Slice", ["attention_mask", "_gqa_minus_one_1d", "_gqa_lowest_1d", "_gqa_one_1d",
+                                   "_gqa_minus_one_1d"], ["_gqa_mask_reversed"]),
+        helper.make_node("Cast", ["_gqa_mask_reversed"], ["_gqa_mask_reversed32"], to=TensorProto.INT32),
+        helper.make_node("ArgMax", ["_gqa_mask_reversed32"], ["_gqa_trailing"], axis=1, keepdims=0),
+        helper.make_node("Cast", ["_gqa_trailing"], ["_gqa_trailing32"], to=TensorProto.INT32),
+        helper.make_node("Sub", ["_gqa_last", "_gqa_trailing32"], [SEQLENS]),
         helper.make_node("Slice", ["_gqa_mask_shape", "_gqa_zero_1d", "_gqa_one_1d"], ["_gqa_batch"]),
-        helper.make_node("Expand", ["_gqa_last", "_gqa_batch"], [SEQLENS]),
+        _int64("_gqa_minus_one_1d", [-1]),
+        _int64("_gqa_lowest_1d", [-(2 ** 63)]),
         helper.make_node("Constant", [], ["_gqa_one"], value=helper.make_tensor("v", TensorProto.INT64, [], [1])),
         helper.make_node("Constant", [], ["_gqa_one32"], value=helper.make_tensor("v", TensorProto.INT32, [], [1])),
         _int64("_gqa_zero_1d", [0]),

@@ -116,10 +116,6 @@ class Scheduler:
                             "one session without slots")
         self.engine, self.step, self.codec = engine, step, engine.codec
         self._position_rows = (3,) if getattr(step, "mrope", None) else ()  # M-RoPE: [3, batch, tokens] positions
-        if self._position_rows and parallel > 1:
-            # Its attention takes rotated q, k, v apart (rotary outside GroupQueryAttention), and a batched decode
-            # step then gives a row shorter than the step wrong logits (so do Qwen3's: docs/vlm.md).
-            raise UserError("an M-RoPE model (Qwen2.5-VL) is served one request at a time for now: use --parallel 1")
         self.parallel = parallel
         self.context = min(context or 4096, step.max_context)
         self.stats = SchedulerStats()

@@ -397,20 +397,16 @@ def test_qwen_hf_folder_exports_the_same_model(tiny_qwen, images, tmp_path):
 
 
 def test_qwen_server_takes_images_with_mrope_positions(qwen_pack, images):
-    """The scheduler gives each request its own M-RoPE positions and rope delta: two chat requests with images,
-    queued on one slot, get what `generate(images=...)` gives; more slots are refused in one line."""
+    """The continuous-batching scheduler gives each request its own M-RoPE positions and rope delta: two chat
+    requests with images at once get what `generate(images=...)` gives."""
     from concurrent.futures import ThreadPoolExecutor
 
     from test_server import client, server
 
-    from pipeshard.runtime.scheduler import Scheduler
-
     engine = pipeshard.load(qwen_pack)
     expected = [engine.generate(PROMPT, images=[str(p) for p in paths], max_new_tokens=NEW_TOKENS)[0].text
                 for paths in (images[:1], images)]
-    with pytest.raises(UserError, match="--parallel 1"):
-        Scheduler(engine, parallel=2)
-    with server(qwen_pack, "--parallel", "1", "--context", "512") as base:
+    with server(qwen_pack, "--parallel", "2", "--context", "512") as base:
         chat = client(base)
 
         def ask(paths):
@@ -421,6 +417,30 @@ def test_qwen_server_takes_images_with_mrope_positions(qwen_pack, images):
 
         with ThreadPoolExecutor(2) as pool:
             assert list(pool.map(ask, (images[:1], images))) == expected
+
+
+def test_a_decode_row_shorter_than_the_step_gets_its_own_logits(qwen_pack):
+    """The scheduler's decode steps leave a shorter row's mask ending early: its new token goes after its own last
+    column, not the step's (the graph's seqlens_k are each row's last set column). Decoders whose rotary stays
+    outside GroupQueryAttention (M-RoPE, Qwen3) compute them in the graph at every step."""
+    engine = pipeshard.load(qwen_pack)
+    step = engine.step
+    short, long = (engine.generator.prompt_ids(text) for text in ("Hi.", "A longer prompt than the other one."))
+
+    def positions(start, count, batch=1):
+        return np.broadcast_to(np.arange(start, start + count), (3, batch, count)).copy()
+
+    step.start(1, 128)
+    step.forward(np.array([short]), np.ones((1, len(short)), np.int64), positions(0, len(short)))
+    alone = step.forward(np.array([[5]]), np.ones((1, len(short) + 1), np.int64), positions(len(short), 1))[0, -1]
+    step.start(2, 128)
+    step.forward(np.array([short]), np.ones((1, len(short)), np.int64), positions(0, len(short)), slot=0)
+    step.forward(np.array([long]), np.ones((1, len(long)), np.int64), positions(0, len(long)), slot=1)
+    mask = np.zeros((2, len(long) + 1), np.int64)
+    mask[0, : len(short) + 1] = mask[1, :] = 1
+    rows = np.stack([positions(len(short), 1)[:, 0], positions(len(long), 1)[:, 0]], axis=1)
+    together = step.forward(np.array([[5], [7]]), mask, rows)[0, -1]
+    assert np.abs(together - alone).max() < 1e-4
 
 
 @pytest.mark.slow
