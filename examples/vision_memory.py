@@ -1,7 +1,8 @@
 """Peak device memory of a VLM's vision encoder, VLMOpt against a naive port, at 480p / 720p / 1080p / 1440p.
 
     python examples/vision_memory.py                       # predicted, the Cosmos-Reason1-7B (Qwen2.5-VL-7B) shape
-    python examples/vision_memory.py --pack PACK --measure # + a SmolVLM pack on the simulated device's ledger
+    python examples/vision_memory.py --pack PACK --measure # + a VLM pack on the simulated device's ledger
+    python examples/vision_memory.py --pack PACK --measure --resolutions 480p,720p   # the sizes the CPU runs
 
 The predictions are partitioner/vision_memory.py's. Measured: the pack runs on the simulated device, the naive
 way (every vision weight resident, every score stored, the decoder's plan held) and the VLMOpt way under
@@ -53,14 +54,15 @@ def prediction_table(shape: VisionShape, decoder_bytes: int, workspace: int, tit
     return lines
 
 
-def measured_table(pack: Path, budget: int, workspace: int, threads: int | None) -> list[str]:
+def measured_table(pack: Path, budget: int, workspace: int, threads: int | None,
+                   resolutions: list[str]) -> list[str]:
     import pipeshard
     from pipeshard.runtime.vision import PackVision
 
     lines = [f"### {pack.name}: measured on the simulated device's ledger (VLMOpt under a budget of "
              f"{budget / MIB:.0f} MiB, workspace bound {workspace / MIB:.0f} MiB)", "",
-             "| image | tiles | naive: device peak (decoder held) | naive: encoder | VLMOpt: device peak | "
-             "VLMOpt: encoder | encoder, naive / VLMOpt |", "|---|---:|---:|---:|---:|---:|---:|"]
+             "| image | tiles (Qwen2.5-VL: patches) | naive: device peak (decoder held) | naive: encoder | "
+             "VLMOpt: device peak | VLMOpt: encoder | encoder, naive / VLMOpt |", "|---|---:|---:|---:|---:|---:|---:|"]
     roomy = 64 * budget  # the naive port's device: room for everything it holds
     engine = pipeshard.load(pack, device="sim", vram=roomy, profile="laptop-8gb", threads=threads)
     step = engine.step
@@ -68,6 +70,8 @@ def measured_table(pack: Path, budget: int, workspace: int, threads: int | None)
     streamed = PackVision(step.pack, step.device, threads, release_decoder=step.release_device_memory,
                           workspace_bytes=workspace)
     for name, path in _images().items():
+        if name not in resolutions:
+            continue
         engine.generate("Hello", max_new_tokens=2)  # the decoder's plan is on the device, as in a running game
         naive.peak_device_bytes = streamed.peak_device_bytes = naive.encoder_peak_bytes = 0
         streamed.encoder_peak_bytes = 0
@@ -108,6 +112,7 @@ def main() -> None:
     parser.add_argument("--workspace", default="256MiB", help="VLMOpt's workspace bound (activations + scores)")
     parser.add_argument("--budget", default="768MiB", help="the simulated device's budget for VLMOpt (measured)")
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--resolutions", default=",".join(RESOLUTIONS), help="which of them to measure")
     args = parser.parse_args()
     workspace = parse_size(args.workspace)
     lines = prediction_table(qwen2_5_vl_shape(COSMOS_VISION), COSMOS_DECODER_BYTES, workspace,
@@ -120,7 +125,8 @@ def main() -> None:
         lines += ["", *prediction_table(VisionShape.from_pack(pack.manifest["vision"]),
                                         pack.manifest["total_weight_bytes"], workspace, args.pack.name, tiles)]
         if args.measure:
-            lines += ["", *measured_table(args.pack, parse_size(args.budget), workspace, args.threads)]
+            lines += ["", *measured_table(args.pack, parse_size(args.budget), workspace, args.threads,
+                                          args.resolutions.split(","))]
     print("\n".join(lines))
 
 

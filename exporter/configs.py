@@ -82,6 +82,7 @@ class DecoderWithPastExportConfig(ExporterConfig):
 
     NORMALIZED_CONFIG_CLASS = NormalizedTextConfigWithGQA
     image_token_id: int | None = None  # a VLM's decoder takes `image_features` for its image tokens
+    POSITION_ROWS = 1  # position_ids [batch, sequence]; M-RoPE decoders take [3, batch, sequence]
 
     @property
     def dims(self) -> DecoderDims:
@@ -119,7 +120,7 @@ class DecoderWithPastExportConfig(ExporterConfig):
             axes["image_features"] = {0: "image_tokens"}
         axes |= {
             "attention_mask": {0: "batch", 1: "total_sequence"},
-            "position_ids": {0: "batch", 1: "sequence"},
+            "position_ids": {0: "batch", 1: "sequence"} if self.POSITION_ROWS == 1 else {1: "batch", 2: "sequence"},
         }
         axes.update({name: {0: "batch", 2: "past_sequence"} for name in self.past_names})
         return axes
@@ -164,6 +165,16 @@ class Gemma3TextExportConfig(DecoderWithPastExportConfig):
     (sliding-window) and global layers with their own rotary bases, optional final logit softcapping."""
 
 
+class Qwen2_5_VLTextExportConfig(DecoderWithPastExportConfig):
+    """Qwen2.5-VL's decoder: Qwen2 layers with M-RoPE, rotary angles per (time, row, column) position row
+    (`mrope_section` splits the frequencies among them). Only inside a Qwen2.5-VL export (exporter/qwen_vl.py)."""
+
+    POSITION_ROWS = 3
+
+
+# Decoders that only come inside a vision-language model.
+VLM_DECODERS: dict[str, type[DecoderWithPastExportConfig]] = {"qwen2_5_vl_text": Qwen2_5_VLTextExportConfig}
+
 SUPPORTED_ARCHITECTURES: dict[str, type[DecoderWithPastExportConfig]] = {
     "llama": LlamaExportConfig,
     "mistral": MistralExportConfig,
@@ -179,6 +190,7 @@ SUPPORTED_ARCHITECTURES: dict[str, type[DecoderWithPastExportConfig]] = {
 def export_config_for(config, float_dtype: str, image_token_id: int | None = None) -> DecoderWithPastExportConfig:
     """The export config of a transformers model config (a VLM's decoder: with its image token)."""
     check_supported_features(config, config.model_type)
-    export_config = SUPPORTED_ARCHITECTURES[config.model_type](config, task="text-generation", float_dtype=float_dtype)
+    kind = SUPPORTED_ARCHITECTURES.get(config.model_type) or VLM_DECODERS[config.model_type]
+    export_config = kind(config, task="text-generation", float_dtype=float_dtype)
     export_config.image_token_id = image_token_id
     return export_config

@@ -72,14 +72,19 @@ def _quiet_third_party_output() -> None:
 
 def _export_vision(source, staging: Path, opset: int) -> dict:
     """A VLM's vision graph beside the decoder, checked against PyTorch; its description for export.json."""
+    from pipeshard.exporter import qwen_vl, vlm
     from pipeshard.exporter.image_processing import preprocessing_config
-    from pipeshard.exporter.vlm import VISION_FILE, export_vision, vision_description
 
-    difference = export_vision(source.vlm, staging / VISION_FILE, opset)
+    preprocessing = preprocessing_config(source.image_processor, source.vlm.config)
+    if qwen_vl.is_qwen_vl(source.vlm.config.model_type):
+        difference = qwen_vl.export_vision(source.vlm, staging / vlm.VISION_FILE, opset, preprocessing)
+        description = qwen_vl.vision_description(source.vlm)
+    else:
+        difference = vlm.export_vision(source.vlm, staging / vlm.VISION_FILE, opset)
+        description = vlm.vision_description(source.vlm)
     if not difference <= LOGIT_TOLERANCE:
         raise RuntimeError(f"exported image features differ from PyTorch by {difference:.3g}")
-    return {**vision_description(source.vlm), "max_difference_vs_pytorch": difference,
-            "preprocessing": preprocessing_config(source.image_processor, source.vlm.config)}
+    return {**description, "max_difference_vs_pytorch": difference, "preprocessing": preprocessing}
 
 
 def export_model(model: str, out: Path, dtype: str = "fp32", force: bool = False, opset: int | None = None,
@@ -118,9 +123,10 @@ def export_model(model: str, out: Path, dtype: str = "fp32", force: bool = False
         vision = _export_vision(source, staging, opset) if source.vlm is not None else None
         export_decoder(source.model, export_config, staging / MODEL_FILE, opset)
         dims = export_config.dims
+        # M-RoPE positions are not a token's place in the cache: rotary stays apart from GQA there.
         fuse_exported_model(staging / MODEL_FILE, dims.num_attention_heads, dims.num_key_value_heads,
-                            dims.head_dim, COMPUTE_DTYPE, dims.max_context, dims.sliding_window or None,
-                            stored_dtype=dtype)
+                            dims.head_dim, COMPUTE_DTYPE, dims.max_context if export_config.POSITION_ROWS == 1
+                            else None, dims.sliding_window or None, stored_dtype=dtype)
         progress.update()
 
         progress.set_description("validate against PyTorch")
@@ -154,6 +160,7 @@ def export_model(model: str, out: Path, dtype: str = "fp32", force: bool = False
             "kv_cache": KV_CACHE,
             "model_file": MODEL_FILE,
             "inputs": list(export_config.inputs),
+            "position_rows": export_config.POSITION_ROWS,
             "outputs": list(export_config.outputs),
             "max_logit_difference_vs_pytorch": difference,
             "onnx_tokenizer_check": tokenizer_check,

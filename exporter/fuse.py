@@ -162,15 +162,23 @@ def derive_past_length(model: onnx.ModelProto, kv_heads: int, head_dim: int) -> 
 
 
 def _step_lengths(like: onnx.NodeProto) -> list[onnx.NodeProto]:
-    """seqlens_k (total - 1 for every row: left padding keeps rows the same length) and the total
-    sequence length, as GQA wants them (int32), from `attention_mask`."""
+    """seqlens_k and the total sequence length, as GQA wants them (int32), from `attention_mask`: each row's
+    last set column (total - 1 under left padding; a row shorter than the step, as the scheduler's decode
+    steps have, ends earlier, and its new token goes there)."""
     nodes = [
         helper.make_node("Shape", ["attention_mask"], ["_gqa_mask_shape"]),
         helper.make_node("Cast", ["_gqa_mask_shape"], ["_gqa_mask_shape32"], to=TensorProto.INT32),
         helper.make_node("Gather", ["_gqa_mask_shape32", "_gqa_one"], [TOTAL], axis=0),
         helper.make_node("Sub", [TOTAL, "_gqa_one32"], ["_gqa_last"]),
+        helper.make_node("Slice", ["attention_mask", "_gqa_minus_one_1d", "_gqa_lowest_1d", "_gqa_one_1d",
+                                   "_gqa_minus_one_1d"], ["_gqa_mask_reversed"]),
+        helper.make_node("Cast", ["_gqa_mask_reversed"], ["_gqa_mask_reversed32"], to=TensorProto.INT32),
+        helper.make_node("ArgMax", ["_gqa_mask_reversed32"], ["_gqa_trailing"], axis=1, keepdims=0),
+        helper.make_node("Cast", ["_gqa_trailing"], ["_gqa_trailing32"], to=TensorProto.INT32),
+        helper.make_node("Sub", ["_gqa_last", "_gqa_trailing32"], [SEQLENS]),
         helper.make_node("Slice", ["_gqa_mask_shape", "_gqa_zero_1d", "_gqa_one_1d"], ["_gqa_batch"]),
-        helper.make_node("Expand", ["_gqa_last", "_gqa_batch"], [SEQLENS]),
+        _int64("_gqa_minus_one_1d", [-1]),
+        _int64("_gqa_lowest_1d", [-(2 ** 63)]),
         helper.make_node("Constant", [], ["_gqa_one"], value=helper.make_tensor("v", TensorProto.INT64, [], [1])),
         helper.make_node("Constant", [], ["_gqa_one32"], value=helper.make_tensor("v", TensorProto.INT32, [], [1])),
         _int64("_gqa_zero_1d", [0]),
@@ -261,9 +269,13 @@ def _mask_window(model: onnx.ModelProto, mask: str, sliding_window: int | None) 
         cases += [(np.concatenate([np.zeros((1, 3)), np.ones((1, longer))], axis=1), longer + 3),
                   (np.ones((1, longer), np.int64), 1), (np.ones((1, longer + 4), np.int64), 2)]
     found_masks = []
+    position_input = next((v for v in model.graph.input if v.name == "position_ids"), None)
+    rows = len(position_input.type.tensor_type.shape.dim) if position_input is not None else 2
     for attention_mask, new in cases:
         batch, total = attention_mask.shape
         positions = np.maximum(np.cumsum(attention_mask, axis=1) - 1, 0)[:, total - new:]
+        if rows == 3:  # M-RoPE position_ids [3, batch, new] (text positions: the same on every row)
+            positions = np.broadcast_to(positions, (3, *positions.shape))
         feeds = {"input_ids": np.zeros((batch, new), np.int64), "attention_mask": attention_mask.astype(np.int64),
                  "position_ids": positions.astype(np.int64)}
         try:
@@ -607,12 +619,13 @@ def pack_sibling_projections(model: onnx.ModelProto) -> int:
 
 
 def fuse_exported_model(onnx_path: Path, heads: int, kv_heads: int, head_dim: int, dtype: str,
-                        max_context: int, sliding_window: int | None = None, shape_only: bool = False,
+                        max_context: int | None, sliding_window: int | None = None, shape_only: bool = False,
                         stored_dtype: str = "fp32") -> int:
     """Apply the rewrites to an exported model file in place (its external data file rewritten); with a
     half-precision `stored_dtype`, the product and embedding weights are then stored in it (half_weights.py).
     `shape_only`: the file's weights are references (onnx_export's shape-only trace), and what the rewrites
-    compute (the rotary tables) becomes references too: no data file is written."""
+    compute (the rotary tables) becomes references too: no data file is written. No `max_context`: rotary is
+    never moved into GQA (M-RoPE positions are not the cache's)."""
     model = onnx.load(str(onnx_path), load_external_data=not shape_only)
     float_type = {"fp32": TensorProto.FLOAT, "fp16": TensorProto.FLOAT16}[dtype]
     fused = fuse_attention(model, heads, kv_heads, head_dim, float_type, max_context, sliding_window)

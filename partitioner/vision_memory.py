@@ -39,13 +39,19 @@ class VisionShape:
     def from_pack(cls, vision: dict) -> VisionShape:
         """The shape of a pack's `vision` section (partitioner/partition.py)."""
         entries = vision["sub_layers"]
-        dtype = {e["dtype"] for entry in entries for e in entry["weights"]}
+        # Activations in the weights' type: half when most weight bytes are (a half-precision trace keeps its norm
+        # weights in fp32, folded from their casts).
+        half = sum(w["bytes"] for e in entries for w in e["weights"] if w["dtype"] in ("float16", "bfloat16"))
+        dtype = {"float16"} if 2 * half > sum(w["bytes"] for e in entries for w in e["weights"]) else {"float32"}
         return cls(family=vision["family"], hidden_size=vision["hidden_size"],
                    intermediate_size=vision["intermediate_size"], num_heads=vision["num_attention_heads"],
                    num_layers=vision["num_layers"], patch_size=vision["patch_size"],
                    weight_bytes=vision["total_weight_bytes"],
                    largest_block_bytes=max((e.get("blob") or {}).get("bytes", 0) for e in entries),
-                   itemsize=2 if dtype <= {"float16", "bfloat16"} and dtype else 4, tile_size=vision["image_size"])
+                   itemsize=2 if dtype <= {"float16", "bfloat16"} and dtype else 4,
+                   tile_size=vision.get("image_size", 0), merge_size=vision.get("merge_size", 1),
+                   window_patches=(vision.get("window_size") or 0) // vision["patch_size"],
+                   full_attention_layers=len(vision.get("fullatt_block_indexes", ())))
 
 
 @dataclass(frozen=True)
@@ -116,9 +122,11 @@ def vlmopt_peak(shape: VisionShape, patches: int, keys: int, workspace_bytes: in
         per_run, reserved = tile_runs(shape, patches // keys, workspace_bytes)
         activations = _activations(shape, per_run * keys)
         return VisionPeak(2 * shape.largest_block_bytes, activations, reserved - activations, 0)
-    queries = min(keys, query_tile(workspace_bytes, shape.num_heads, keys))
-    return VisionPeak(2 * shape.largest_block_bytes, _activations(shape, patches),
-                      shape.num_heads * queries * keys * SCORE_BYTES, 0)
+    # Every patch's activations at once (the full-attention blocks see them all); the scores' query tiles take
+    # what the bound leaves beside them.
+    activations = _activations(shape, patches)
+    queries = min(keys, query_tile(max(workspace_bytes - activations, 0), shape.num_heads, keys))
+    return VisionPeak(2 * shape.largest_block_bytes, activations, shape.num_heads * queries * keys * SCORE_BYTES, 0)
 
 
 def qwen2_5_vl_shape(vision: dict, itemsize: int = 2) -> VisionShape:

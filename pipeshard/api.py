@@ -56,28 +56,30 @@ class Engine:
 
     def _with_images(self, prompts: str | list[str], images: list | None, chat_template: bool,
                      system: str | None):
-        """The prompts' token ids and the features of their image tokens (None without images). `images`: for
-        one prompt, its images (paths or PIL images); for a batch, a list per prompt."""
+        """The prompts' token ids, the features of their image tokens and the images' patch grids (None without
+        images; grids only for M-RoPE models). `images`: for one prompt, its images (paths or PIL images); for a
+        batch, a list per prompt."""
         if not images:
-            return self._prompt_ids(prompts, chat_template, system), None
+            return self._prompt_ids(prompts, chat_template, system), None, None
         if self.vision is None:
             raise UserError(f"{self.source} is a text model: it takes no images")
-        from pipeshard.runtime.vision import encode_images, expand_prompt, with_placeholders
+        from pipeshard.runtime.vision import encode_images, expand_prompt, image_grids, with_placeholders
 
         batch = isinstance(prompts, list)
         prompts, per_prompt = (prompts, images) if batch else ([prompts], [images])
         if len(per_prompt) != len(prompts):
             raise UserError(f"{len(prompts)} prompts but images for {len(per_prompt)}")
         config = self.vision.config
-        ids, features = [], []
+        ids, features, every_image = [], [], []
         for prompt, its_images in zip(prompts, per_prompt, strict=True):
             if its_images:
                 encoded = encode_images(self.vision, list(its_images))
                 prompt = expand_prompt(with_placeholders(prompt, len(encoded), config), [i.tokens for i in encoded],
                                        config)
                 features += [image.features for image in encoded]
+                every_image += encoded
             ids += self._prompt_ids(prompt, chat_template, system)
-        return ids, np.concatenate(features) if features else None
+        return ids, np.concatenate(features) if features else None, image_grids(every_image)
 
     def generate(self, prompts: str | list[str], chat_template: bool = True, system: str | None = None,
                  images: list | None = None, **sampling) -> list[Generation]:
@@ -85,8 +87,8 @@ class Engine:
         `images`: the prompt's (paths or PIL images), or for a batch a list per prompt; placeholders in a prompt
         say where they go (by default, before its text)."""
         self._check_not_served()
-        ids, features = self._with_images(prompts, images, chat_template, system)
-        return self.generator.generate(ids, SamplingSettings(**sampling), image_features=features)
+        ids, features, grids = self._with_images(prompts, images, chat_template, system)
+        return self.generator.generate(ids, SamplingSettings(**sampling), image_features=features, image_grids=grids)
 
     def set_vram_budget(self, size: str | int) -> None:
         """Replan for a new VRAM budget between steps (a game took memory back, or gave it)."""
@@ -110,8 +112,9 @@ class Engine:
                **sampling) -> Iterator[StreamEvent]:
         """Like generate, yielding text pieces as they are produced."""
         self._check_not_served()
-        ids, features = self._with_images(prompts, images, chat_template, system)
-        return self.generator.stream(ids, SamplingSettings(**sampling), results, image_features=features)
+        ids, features, grids = self._with_images(prompts, images, chat_template, system)
+        return self.generator.stream(ids, SamplingSettings(**sampling), results, image_features=features,
+                                     image_grids=grids)
 
 
 def load(path: str | Path, threads: int | None = None, verify: bool = False, vram: str | int | None = None,

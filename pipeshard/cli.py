@@ -513,8 +513,11 @@ def _vision_plan(pack, budget: int, sizes: list[tuple[int, int]]) -> str:
         streamed = vlmopt_peak(shape, patches, keys, max(workspace, 0))
         naive = naive_peak(shape, patches, keys, 0)
         fits = "fits" if streamed.total <= budget else "does not fit: give a larger budget"
-        lines.append(f"  {width}x{height}: {tiles} tiles, {patches:,} patches; VLMOpt {format_bytes(streamed.total)} "
-                     f"({fits}), naive {format_bytes(naive.total)} + the decoder's plan")
+        counted = f"{patches:,} patches" if shape.family == "qwen2_vl" else f"{tiles} tiles, {patches:,} patches"
+        least = vlmopt_peak(shape, patches, keys, 0).total  # query tiles of 64: the least it can take
+        lines.append(f"  {width}x{height}: {counted}; VLMOpt {format_bytes(streamed.total)} ({fits}; at least "
+                     f"{format_bytes(least)}), naive {format_bytes(naive.total)} + the decoder's plan "
+                     f"({naive.total / least:.1f}x the least)")
     return "\n".join(lines)
 
 

@@ -115,7 +115,8 @@ def create_app(state: State):
         prompt, images = prompt_with_images(state.engine.codec, body, chat=True, vocab_size=scheduler.step.vocab_size,
                                             vision=state.engine.vision)
         return await complete(request, body, scheduler, prompt, chat=True,
-                              pixel_values=images.pixel_values if images is not None else None)
+                              pixel_values=images.pixel_values if images is not None else None,
+                              image_grids=images.grids if images is not None else None)
 
     async def completions(request):
         body = await body_of(request)
@@ -123,7 +124,8 @@ def create_app(state: State):
         ids = prompt_ids(state.engine.codec, body, chat=False, vocab_size=scheduler.step.vocab_size)
         return await complete(request, body, scheduler, ids, chat=False)
 
-    async def complete(request, body: dict, scheduler, prompt: list[int], chat: bool, pixel_values=None):
+    async def complete(request, body: dict, scheduler, prompt: list[int], chat: bool, pixel_values=None,
+                       image_grids=None):
         model = body.get("model", state.settings.model_name)
         if model != state.settings.model_name:
             raise RequestError(f"unknown model {model!r}; this server has {state.settings.model_name!r}",
@@ -139,7 +141,7 @@ def create_app(state: State):
 
         try:
             handle = scheduler.submit(prompt, settings, sink=lambda e: loop.call_soon_threadsafe(events.put_nowait, e),
-                                      pixel_values=pixel_values)
+                                      pixel_values=pixel_values, image_grids=image_grids)
         except QueueFull as exc:
             raise RequestError(str(exc), 503, kind="server_error") from None
         identifier = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
@@ -318,8 +320,10 @@ def _message_text(content, images: list, vision) -> str:
         elif kind == "image_url":
             if vision is None:
                 raise RequestError("this model is a text model: it takes no images", param="messages")
+            from pipeshard.runtime.images import image_placeholder
+
             images.append(_data_url_image(part.get("image_url")))
-            pieces.append(vision.config["image_token"])
+            pieces.append(image_placeholder(vision.config))  # Qwen2.5-VL's fenced by its vision start / end
         else:
             raise RequestError("a content part must be {type: text, text} or {type: image_url, image_url: {url}}",
                                param="messages")

@@ -39,12 +39,12 @@ class Conversation:
             encoded = encode_images(self.vision, images)
             text = with_placeholders(text, len(encoded), self.vision.config)
         self.messages.append({"role": "user", "content": text, "images": encoded})
-        prompt_ids, features = self._fitting_prompt()
+        prompt_ids, features, grids = self._fitting_prompt()
         pieces: list[str] = []
         results: list[Generation] = []
         try:
             for event in self.generator.stream([prompt_ids], self.settings, results, keep_cache=self.context,
-                                               image_features=features):
+                                               image_features=features, image_grids=grids):
                 pieces.append(event.text)
                 yield event.text
         finally:
@@ -54,22 +54,22 @@ class Conversation:
                 self.generator.cached_tokens = []
 
     def _fitting_prompt(self):
-        """The history's token ids (its images' tokens expanded) and those images' features, or None."""
+        """The history's token ids (its images' tokens expanded), those images' features and grids (or None)."""
         codec = self.generator.codec
         while True:
             system = [{"role": "system", "content": self.system}] if self.system else []
             text = codec.render_messages(system + [{"role": m["role"], "content": m["content"]}
                                                    for m in self.messages])
             images = [image for m in self.messages for image in m.get("images", ())]
-            features = None
+            features = grids = None
             if images:
-                from pipeshard.runtime.vision import expand_prompt
+                from pipeshard.runtime.vision import expand_prompt, image_grids
 
                 text = expand_prompt(text, [image.tokens for image in images], self.vision.config)
-                features = np.concatenate([image.features for image in images])
+                features, grids = np.concatenate([image.features for image in images]), image_grids(images)
             ids = codec.encode(text)
             if len(ids) + self.settings.max_new_tokens <= self.context:
-                return ids, features
+                return ids, features, grids
             if len(self.messages) <= 1:
                 self.messages.clear()
                 raise UserError(f"this message ({len(ids)} tokens with the template) and --max-new-tokens "

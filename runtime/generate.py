@@ -135,24 +135,26 @@ class Generator:
         return ids
 
     def generate(self, prompts: list[list[int]], settings: SamplingSettings,
-                 image_features: np.ndarray | None = None) -> list[Generation]:
+                 image_features: np.ndarray | None = None, image_grids: np.ndarray | None = None) -> list[Generation]:
         """Generate for a batch of tokenized prompts; returns one Generation per prompt."""
         results: list[Generation] = []
         # Nobody reads the pieces here: the text is decoded once at the end, unless stop strings must be
         # watched for as it grows.
         for _ in self.stream(prompts, settings, results, pieces=bool(settings.stop_strings),
-                             image_features=image_features):
+                             image_features=image_features, image_grids=image_grids):
             pass
         return results
 
     def stream(self, prompts: list[list[int]], settings: SamplingSettings,
                results: list[Generation] | None = None, pieces: bool = True,
-               keep_cache: int | None = None, image_features: np.ndarray | None = None) -> Iterator[StreamEvent]:
+               keep_cache: int | None = None, image_features: np.ndarray | None = None,
+               image_grids: np.ndarray | None = None) -> Iterator[StreamEvent]:
         """Yield text pieces as tokens are chosen (none with `pieces=False`: then stop strings are only cut
         from the final text); fill `results` (if given) when done. `keep_cache` (one prompt only): a KV cache of
         that many tokens is kept between calls, and a prompt that begins with tokens it already holds (the turns
         of a chat seen before, their images' features the same) feeds only the rest. `image_features`: a VLM's
-        rows for the prompts' image tokens, in reading order (prompt by prompt)."""
+        rows for the prompts' image tokens, in reading order (prompt by prompt); `image_grids` [images, 3] their
+        patch grids, which an M-RoPE decoder's positions need."""
         settings.validate()
         if keep_cache is not None and len(prompts) != 1:
             raise ValueError("keep_cache takes one prompt")
@@ -179,10 +181,16 @@ class Generator:
         full_mask[:, longest:] = 1
         attention_mask = full_mask[:, :longest]
         position_ids = np.maximum(np.cumsum(attention_mask, axis=1) - 1, 0)
+        text_positions = position_ids
+        deltas = None
+        if getattr(self.step, "mrope", None):  # M-RoPE: image tokens take their grid's positions
+            from pipeshard.runtime.images import mrope_batch_positions
+
+            position_ids, deltas = mrope_batch_positions(prompts, longest, image_grids, self.step.mrope)
         reused = self._reusable_prefix(prompts[0], total, keep_cache, image_features) if keep_cache is not None else 0
         features = image_features
         if reused:
-            input_ids, position_ids = input_ids[:, reused:], position_ids[:, reused:]
+            input_ids, position_ids = input_ids[:, reused:], position_ids[..., reused:]
             features = image_rows(prompts[0], reused, len(prompts[0]), self._image_token(), features)
         elif keep_cache is not None:
             self.cached_tokens, self.cache_capacity = [], keep_cache
@@ -233,7 +241,9 @@ class Generator:
             input_ids = np.where([r is None for r in stop_reason], next_tokens, self.codec.pad_token_id)
             input_ids = input_ids.astype(np.int64).reshape(batch, 1)
             attention_mask = full_mask[:, :attention_mask.shape[1] + 1]
-            position_ids = position_ids[:, -1:] + 1
+            text_positions = text_positions[:, -1:] + 1
+            position_ids = text_positions if deltas is None else \
+                np.broadcast_to(text_positions + deltas[:, None], (3, batch, 1)).copy()
         finished = time.perf_counter()
         for row, stream in enumerate(texts):
             if rest := stream.flush():

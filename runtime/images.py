@@ -351,3 +351,53 @@ def mrope_position_ids(input_ids: np.ndarray, image_grid_thw: np.ndarray, config
     positions = np.concatenate(pieces, axis=1).astype(np.int64) if pieces else np.zeros((3, 0), np.int64)
     delta = int(positions.max()) + 1 - len(ids) if len(ids) else 0
     return positions, delta
+
+
+def attention_groups(bounds: np.ndarray, length: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Groups of patches that attend together (group g: rows bounds[g] .. bounds[g + 1]), padded to one length
+    (`length`, else the longest group): rows int64 [groups, length], each slot's patch or -1 for padding, and
+    slots int64 [patches], each patch's place in the flattened groups (where its output is gathered from)."""
+    bounds = np.asarray(bounds, dtype=np.int64)
+    lengths = np.diff(bounds)
+    width = int(length or lengths.max())
+    if lengths.max() > width:
+        raise ValueError(f"a group of {lengths.max()} patches is longer than the padded length {width}")
+    offsets = np.arange(width)
+    rows = np.where(offsets[None, :] < lengths[:, None], bounds[:-1, None] + offsets[None, :], -1)
+    group_of = np.repeat(np.arange(len(lengths)), lengths)
+    slots = group_of * width + np.arange(bounds[-1]) - bounds[:-1][group_of]
+    return rows.astype(np.int64), slots.astype(np.int64)
+
+
+def qwen2_5_vl_vision_inputs(grid_thw: np.ndarray, config: dict) -> dict[str, np.ndarray]:
+    """Everything Qwen2.5-VL's vision graph takes besides the pixels, for images of these grids: the window
+    order of the merged patches and its inverse, each patch's 2-D rotary position (in pixel_values' order), and
+    the attention groups in window order: windows padded to the window's size, whole images (full attention)
+    padded to the largest."""
+    grid_thw = np.asarray(grid_thw, dtype=np.int64)
+    window_index, window_bounds = vision_window_index(grid_thw, config)
+    window_side = config["window_size"] // config["patch_size"]
+    window_rows, window_slots = attention_groups(window_bounds, window_side * window_side)
+    image_rows, image_slots = attention_groups(cu_seqlens(grid_thw))
+    return {"window_index": window_index, "reverse_index": np.argsort(window_index).astype(np.int64),
+            "rotary_ids": rotary_position_ids(grid_thw, config["merge_size"]),
+            "window_rows": window_rows, "window_slots": window_slots,
+            "image_rows": image_rows, "image_slots": image_slots}
+
+
+def mrope_batch_positions(prompts: list[list[int]], width: int, image_grids: np.ndarray | None,
+                          config: dict) -> tuple[np.ndarray, np.ndarray]:
+    """M-RoPE positions of a left-padded batch: int64 [3, batch, width] (padding at 0) and each row's delta (a
+    later token at index i of its row has position i + delta on every axis). `image_grids` [images, 3]: the
+    images of every prompt in reading order, prompt by prompt."""
+    grids = iter(np.asarray(image_grids if image_grids is not None else np.zeros((0, 3)), np.int64).tolist())
+    positions = np.zeros((3, len(prompts), width), np.int64)
+    deltas = np.zeros(len(prompts), np.int64)
+    for row, ids in enumerate(prompts):
+        ids = np.asarray(ids, dtype=np.int64)
+        is_image = ids == config["image_token_id"]
+        runs = int(is_image[0]) + int(np.count_nonzero(is_image[1:] & ~is_image[:-1])) if len(ids) else 0
+        its_grids = [next(grids) for _ in range(runs)]
+        positions[:, row, width - len(ids):], deltas[row] = mrope_position_ids(ids, np.array(its_grids).reshape(-1, 3),
+                                                                              config)
+    return positions, deltas

@@ -68,6 +68,19 @@ class HostKvCache:
         return True
 
 
+MROPE_ROWS = 3  # an M-RoPE decoder's position_ids are [3, batch, new tokens]: time, row, column
+
+
+def mrope_settings(position_rows: int, vision: dict | None) -> dict | None:
+    """What an M-RoPE decoder's positions are computed from (the vision tower's merge size and image token), or
+    None for a decoder of plain positions ([batch, new tokens])."""
+    if position_rows == 1:
+        return None
+    if position_rows != MROPE_ROWS or not vision:
+        raise ValueError(f"position ids of {position_rows} rows without a vision tower are not known")
+    return {"merge_size": int(vision["merge_size"]), "image_token_id": int(vision["image_token_id"])}
+
+
 def image_rows(token_ids, begin: int, end: int, image_token_id: int | None, features):
     """The rows of `features` (one per image token of `token_ids`, in order) that belong to the image tokens of
     token_ids[begin:end]: what a step feeding that part of a prompt takes; None without features."""

@@ -8,7 +8,14 @@ import numpy as np
 
 from pipeshard.runtime import capi
 from pipeshard.runtime.exportdir import compute_dtype, read_export_info
-from pipeshard.runtime.kv import IMAGE_FEATURES, PAST_PREFIX, HostKvCache, check_step_shape, present_name
+from pipeshard.runtime.kv import (
+    IMAGE_FEATURES,
+    PAST_PREFIX,
+    HostKvCache,
+    check_step_shape,
+    mrope_settings,
+    present_name,
+)
 
 
 class MonolithicStep:
@@ -33,6 +40,7 @@ class MonolithicStep:
         self.takes_images = IMAGE_FEATURES in self.info["inputs"]
         self.image_token_id = int(self.info["vision"]["image_token_id"]) if self.takes_images else None
         self._no_features = np.zeros((0, int(dims["hidden_size"])), self.kv.dtype)
+        self.mrope = mrope_settings(int(self.info.get("position_rows", 1)), self.info.get("vision"))
 
     def start(self, batch_size: int, context: int | None = None) -> None:
         self.binding.clear()  # lets the old KV buffers go before the new ones are made

@@ -62,6 +62,9 @@ class Request:
     last_token: int = 0
     pixel_values: np.ndarray | None = None  # a VLM's images, encoded when the request gets its slot
     image_features: np.ndarray | None = None
+    image_grids: np.ndarray | None = None  # their patch grids (the vision graph and M-RoPE positions need them)
+    positions: np.ndarray | None = None  # an M-RoPE decoder's prompt positions [3, prompt tokens]
+    rope_delta: int = 0  # and what a later token adds to its index
 
     def __post_init__(self) -> None:
         self.rng = np.random.default_rng(self.settings.seed)
@@ -112,6 +115,7 @@ class Scheduler:
             raise UserError("serving needs a model pack (pipeshard partition EXPORT PACK): an export folder runs as "
                             "one session without slots")
         self.engine, self.step, self.codec = engine, step, engine.codec
+        self._position_rows = (3,) if getattr(step, "mrope", None) else ()  # M-RoPE: [3, batch, tokens] positions
         self.parallel = parallel
         self.context = min(context or 4096, step.max_context)
         self.stats = SchedulerStats()
@@ -128,11 +132,12 @@ class Scheduler:
 
     # -- any thread -------------------------------------------------------------------------------------------------
     def submit(self, prompt: list[int], settings: SamplingSettings, sink: Callable[[Event], None] | None = None,
-               pixel_values: np.ndarray | None = None) -> RequestStream:
+               pixel_values: np.ndarray | None = None, image_grids: np.ndarray | None = None) -> RequestStream:
         """Queue a request. Raises UserError for what the request itself gets wrong, QueueFull when the queue is at
         its bound. `sink` (called on the scheduler thread) receives the events instead of the returned stream.
         `pixel_values`: a VLM prompt's images (runtime/vision.py `prepare_images`), for its expanded image tokens;
-        the encoder runs on the scheduler's thread, which owns the device."""
+        the encoder runs on the scheduler's thread, which owns the device; `image_grids` their patch grids
+        (Qwen2.5-VL)."""
         if pixel_values is not None and getattr(self.engine, "vision", None) is None:
             raise UserError("this model is a text model: it takes no images")
         settings.validate()
@@ -141,7 +146,16 @@ class Scheduler:
         if len(prompt) + 1 > self.context:
             raise UserError(f"the prompt ({len(prompt)} tokens) leaves no room in the context of {self.context} tokens")
         events: queue.SimpleQueue = queue.SimpleQueue()
-        request = Request(next(self._ids), list(prompt), settings, sink or events.put, pixel_values=pixel_values)
+        request = Request(next(self._ids), list(prompt), settings, sink or events.put, pixel_values=pixel_values,
+                          image_grids=image_grids)
+        if getattr(self.step, "mrope", None):
+            from pipeshard.runtime.images import mrope_batch_positions
+
+            try:
+                positions, deltas = mrope_batch_positions([request.prompt], len(prompt), image_grids, self.step.mrope)
+            except (ValueError, StopIteration) as error:
+                raise UserError(f"the prompt's image tokens do not match its images: {error}") from None
+            request.positions, request.rope_delta = positions[:, 0], int(deltas[0])
         if self._stopping.is_set():
             raise QueueFull("the server is shutting down")
         try:
@@ -230,7 +244,7 @@ class Scheduler:
                 continue
             if request.pixel_values is not None:
                 try:
-                    request.image_features = self.engine.vision.encode(request.pixel_values)
+                    request.image_features = self.engine.vision.encode(request.pixel_values, request.image_grids)
                     request.pixel_values = None
                 except Exception as error:  # the encoder failed (too small a budget): this request ends, not the rest
                     log.exception("image encoding failed")
@@ -246,7 +260,8 @@ class Scheduler:
         end = min(len(request.prompt), begin + PREFILL_CHUNK)
         ids = np.array([request.prompt[begin:end]], np.int64)
         features = image_rows(request.prompt, begin, end, self.step.image_token_id, request.image_features)
-        logits = self.step.forward(ids, np.ones((1, end), np.int64), np.arange(begin, end)[None], slot=request.slot,
+        positions = np.arange(begin, end)[None] if request.positions is None else request.positions[:, None, begin:end]
+        logits = self.step.forward(ids, np.ones((1, end), np.int64), positions, slot=request.slot,
                                    image_features=features)
         request.fed = end
         self.stats.prompt_tokens += end - begin
@@ -276,7 +291,7 @@ class Scheduler:
         for row, request in enumerate(group):
             ids[row, : len(request.prompt)] = request.prompt
             mask[row, : len(request.prompt)] = 1
-        positions = np.broadcast_to(np.arange(width), (len(group), width)).copy()
+        positions = np.broadcast_to(np.arange(width), (*self._position_rows, len(group), width)).copy()
         last = np.array([len(r.prompt) - 1 for r in group])
         logits = self.step.forward(ids, mask, positions, slot=group[0].slot, last_positions=last)
         for row, request in enumerate(group):
@@ -294,14 +309,14 @@ class Scheduler:
         input_ids = np.full((batch, 1), self.codec.pad_token_id, np.int64)
         mask = np.zeros((batch, width), np.int64)
         mask[:, 0] = 1
-        positions = np.zeros((batch, 1), np.int64)
+        positions = np.zeros((*self._position_rows, batch, 1), np.int64)
         for request in filling:
             mask[request.slot, : request.fed + 1] = 1
-            positions[request.slot, 0] = request.fed
+            positions[..., request.slot, 0] = request.fed
         for request in rows:
             input_ids[request.slot, 0] = request.last_token
             mask[request.slot, : request.length + 1] = 1
-            positions[request.slot, 0] = request.length
+            positions[..., request.slot, 0] = request.length + request.rope_delta
         logits = self.step.forward(input_ids, mask, positions)[:, -1, :]
         self.stats.steps += 1
         for request in rows:

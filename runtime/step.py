@@ -44,12 +44,14 @@ from pipeshard.runtime.exportdir import NUMPY_DTYPES, compute_dtype, numpy_dtype
 from pipeshard.runtime.joined import JoinedGraph, join
 from pipeshard.runtime.kv import (
     IMAGE_FEATURES,
+    MROPE_ROWS,
     PADDING_BIAS,
     SEQLENS,
     TOTAL,
     HostKvCache,
     check_step_shape,
     image_rows,
+    mrope_settings,
 )
 from pipeshard.runtime.moe import ExpertStats, MoeBlock, chosen_experts, combine
 from pipeshard.runtime.pack import MappedWeights, Pack, load_pack
@@ -246,6 +248,8 @@ class Step:
         vision = self.pack.manifest.get("vision")
         self.image_token_id = int(vision["image_token_id"]) if vision else None
         self._no_features = np.zeros((0, self.hidden_size), self.dtype)
+        # An M-RoPE decoder (3 position rows): what its positions are computed from.
+        self.mrope = mrope_settings(self.pack.manifest["model"].get("position_rows", 1), vision)
         self._allocated_outputs: list[tuple] = []
         self._decoding = False
         self._bias_dtype = next((np.dtype(o["dtype"]) for e in layout.in_line if e["kind"] == "prologue"
@@ -782,6 +786,8 @@ class Step:
         sizes = {"batch": shape[0], "sequence": shape[1]}
         self._residual = [np.empty((*shape, self.hidden_size), self.dtype) for _ in range(2)]
         self._tokens = {name: np.empty(shape, np.int64) for name in TOKEN_INPUTS}
+        if self.mrope:
+            self._tokens["position_ids"] = np.empty((MROPE_ROWS, *shape), np.int64)
         self._fixed_buffers = {name: np.empty([sizes.get(d, d) for d in o["shape"]], np.dtype(o["dtype"]))
                                for name, o in self.layout.fixed.items()}
         logit_rows = shape[1] if self.all_logits else 1
@@ -903,7 +909,7 @@ class Step:
             past = total - tokens
             pieces = [np.array(self.forward(input_ids[:, begin: begin + largest],
                                             attention_mask[:, : past + min(begin + largest, tokens)],
-                                            position_ids[:, begin: begin + largest], slot,
+                                            position_ids[..., begin: begin + largest], slot,
                                             image_features=image_rows(input_ids[0], begin, begin + largest,
                                                                       self.image_token_id, image_features)))
                       for begin in range(0, tokens, largest)]

@@ -18,10 +18,16 @@ import numpy as np
 from PIL import Image
 
 from pipeshard.errors import UserError
-from pipeshard.partitioner.vision_memory import VisionShape, naive_workspace, tile_runs
+from pipeshard.partitioner.vision_memory import VisionShape, naive_workspace, tile_runs, vlmopt_peak
 from pipeshard.runtime import capi
 from pipeshard.runtime.exportdir import NUMPY_DTYPES
-from pipeshard.runtime.images import expand_image_tokens, image_placeholder, load_image, preprocess
+from pipeshard.runtime.images import (
+    expand_image_tokens,
+    image_placeholder,
+    load_image,
+    preprocess,
+    qwen2_5_vl_vision_inputs,
+)
 from pipeshard.runtime.pack import WEIGHT_ALIGNMENT
 
 PIXEL_VALUES, IMAGE_FEATURES = "pixel_values", "image_features"
@@ -34,6 +40,7 @@ class EncodedImage:
 
     tokens: str
     features: np.ndarray
+    grid_thw: np.ndarray | None = None  # qwen2_vl: int64 [3], the image's patches along t, h, w
 
 
 def with_placeholders(prompt: str, count: int, config: dict) -> str:
@@ -75,9 +82,11 @@ class ExportVision:
         self._session = self._rt.session(Path(folder) / self.description["file"], threads)
         self._run_options = self._rt.run_options()
 
-    def encode(self, pixel_values: np.ndarray) -> np.ndarray:
+    def encode(self, pixel_values: np.ndarray, grid_thw: np.ndarray | None = None) -> np.ndarray:
         binding = self._session.binding()
         binding.bind_input(PIXEL_VALUES, np.ascontiguousarray(pixel_values, np.float32))
+        for name, value in index_inputs(self.config, grid_thw).items():
+            binding.bind_input(name, value)
         binding.bind_output_to_cpu(IMAGE_FEATURES)
         capi.run(self._session, binding, self._run_options)
         return binding.outputs()[0].numpy()
@@ -110,6 +119,7 @@ class PackVision:
         self._held = self._peak_before_release = 0
         self.streamed_bytes = 0
         self.dtype = NUMPY_DTYPES[pack.model["dtype"]]
+        self._indices: dict[str, np.ndarray] = {}  # qwen2_vl: the window order, rotary ids and groups
 
     @property
     def on_device(self) -> bool:
@@ -125,8 +135,10 @@ class PackVision:
             self._sessions[entry["name"]] = session
         return self._sessions[entry["name"]]
 
-    def encode(self, pixel_values: np.ndarray) -> np.ndarray:
+    def encode(self, pixel_values: np.ndarray, grid_thw: np.ndarray | None = None) -> np.ndarray:
+        """Image features of the tiles (idefics3) or patches of images of `grid_thw` (qwen2_vl)."""
         pixel_values = np.ascontiguousarray(pixel_values, self.dtype)
+        self._indices = index_inputs(self.config, grid_thw)
         if not self.on_device:
             return self._run_all(pixel_values, None)
         ledger = self.device.ledger
@@ -144,14 +156,14 @@ class PackVision:
         """VLMOpt: two staging slots, tiles in runs whose workspace fits what the budget leaves."""
         ledger, shape, tiles = self.device.ledger, self.shape, len(pixel_values)
         slot_bytes = shape.largest_block_bytes
-        if ledger.used + 2 * slot_bytes + tile_runs(shape, 1, 0)[1] > ledger.budget_bytes and self.release_decoder:
+        if ledger.used + 2 * slot_bytes + self._runs(1, 0)[1] > ledger.budget_bytes and self.release_decoder:
             self._peak_before_release = ledger.peak
             self.release_decoder()  # the decoder's plan comes back at its next step
             self._held = ledger.peak = ledger.used
         free = ledger.budget_bytes - ledger.used - 2 * slot_bytes
         if self.workspace_bytes is not None:
             free = min(free, self.workspace_bytes)
-        per_run, reserved = tile_runs(shape, tiles, max(free, 0))
+        per_run, reserved = self._runs(tiles, max(free, 0))
         if reserved > free:
             raise UserError(f"the VRAM budget leaves {max(free, 0)} bytes for the vision encoder, less than one tile "
                             f"needs ({reserved} bytes)")
@@ -165,10 +177,22 @@ class PackVision:
             for slot in slots:
                 self.device.free(slot, WEIGHTS)
 
+    def _runs(self, tiles: int, free: int) -> tuple[int, int]:
+        """How many tiles go through at once and the workspace they reserve within `free` bytes. Qwen2.5-VL's
+        patches attend across windows and whole images: one run of them all, its attention in query tiles."""
+        if self.shape.family != "qwen2_vl":
+            return tile_runs(self.shape, tiles, free)
+        keys = int(self._indices["image_rows"].shape[1])
+        peak = vlmopt_peak(self.shape, len(self._indices["rotary_ids"]), keys, free)
+        return max(tiles, 1), peak.activations + peak.attention
+
     def _encode_naive(self, pixel_values: np.ndarray) -> np.ndarray:
         """Every weight uploaded and resident, every tile at once with all its scores."""
-        keys = (self.shape.tile_size // self.shape.patch_size) ** 2
-        reserved = naive_workspace(self.shape, len(pixel_values) * keys, keys)
+        if self.shape.family == "qwen2_vl":
+            reserved = naive_workspace(self.shape, len(pixel_values), int(self._indices["image_rows"].shape[1]))
+        else:
+            keys = (self.shape.tile_size // self.shape.patch_size) ** 2
+            reserved = naive_workspace(self.shape, len(pixel_values) * keys, keys)
         weights = self.device.alloc(sum(_resident_bytes(entry) for entry in self.entries), WEIGHTS)
         self.device.reserve(reserved, WORKSPACE)
         try:
@@ -193,7 +217,7 @@ class PackVision:
     def _run_all(self, pixel_values: np.ndarray, slots: list | None, resident: bool = False) -> np.ndarray:
         """Every block over these tiles. With two slots, block i + 1's weights copy while block i computes; with
         the weights `resident` in one buffer, each block reads its part of it."""
-        values: dict[str, object] = {PIXEL_VALUES: pixel_values}
+        values: dict[str, object] = {PIXEL_VALUES: pixel_values, **self._indices}
         streamed = slots is not None and not resident
         copies = [self._upload(self.entries[0], slots[0])] if streamed else []
         offset = 0
@@ -242,24 +266,45 @@ class PreparedImages:
     tokens: list[str]
     pixel_values: np.ndarray
     counts: list[int]  # image tokens (feature rows) per image
+    grids: np.ndarray | None = None  # qwen2_vl: int64 [images, 3]
 
 
 def prepare_images(config: dict, images: list) -> PreparedImages:
     """Preprocess `images` (paths or PIL images) under a pack's preprocessing config."""
     prepared = [preprocess([image], config) for image in open_images(images)]
+    grids = [inputs.image_grid_thw for inputs in prepared if inputs.image_grid_thw is not None]
     return PreparedImages([expand_image_tokens(config["image_token"], inputs, config) for inputs in prepared],
                           np.concatenate([inputs.pixel_values for inputs in prepared]),
-                          [inputs.image_tokens[0] for inputs in prepared])
+                          [inputs.image_tokens[0] for inputs in prepared],
+                          np.concatenate(grids) if grids else None)
 
 
 def encode_prepared(encoder, prepared: PreparedImages) -> list[EncodedImage]:
     """Run prepared images' tiles through the encoder in one go."""
-    features = encoder.encode(prepared.pixel_values)
+    features = encoder.encode(prepared.pixel_values, prepared.grids)
     if len(features) != sum(prepared.counts):
         raise RuntimeError(f"the vision graph gave {len(features)} feature rows for {sum(prepared.counts)} image "
                            "tokens")
     edges = np.cumsum([0, *prepared.counts])
-    return [EncodedImage(tokens, features[edges[i]: edges[i + 1]]) for i, tokens in enumerate(prepared.tokens)]
+    grids = [None] * len(prepared.tokens) if prepared.grids is None else list(prepared.grids)
+    return [EncodedImage(tokens, features[edges[i]: edges[i + 1]], grid)
+            for i, (tokens, grid) in enumerate(zip(prepared.tokens, grids, strict=True))]
+
+
+def image_grids(images: list[EncodedImage]) -> np.ndarray | None:
+    """The patch grids of encoded images [images, 3] (what an M-RoPE decoder's positions need), or None."""
+    grids = [image.grid_thw for image in images if image.grid_thw is not None]
+    return np.stack(grids) if grids else None
+
+
+def index_inputs(config: dict, grid_thw: np.ndarray | None) -> dict[str, np.ndarray]:
+    """The vision graph's inputs besides the pixels: none for idefics3; Qwen2.5-VL's window order, rotary ids
+    and attention groups for images of `grid_thw`."""
+    if config["family"] != "qwen2_vl":
+        return {}
+    if grid_thw is None:
+        raise ValueError("a Qwen2.5-VL vision graph needs the images' patch grids")
+    return qwen2_5_vl_vision_inputs(grid_thw, config)
 
 
 def encode_images(encoder, images: list) -> list[EncodedImage]:
