@@ -2,11 +2,14 @@
 
     pipeshard profile --pack PACK --out build/profile.json
     python examples/estimator_accuracy.py PACK --profile build/profile.json [--device sim] [--vram 25%,50%]
-                                          [--tiers 1,64] [--context 256] [--threads 2] [--repeat 5]
+                                          [--tiers 1,64] [--plans auto,gpu-only] [--context 256] [--repeat 5]
+                                          [--rounds 3] [--threads 2]
 
-Rows: the all-CPU chain, and the planner's own plan at each budget on the device. For tier T a step of T new
-tokens runs after a prefill to a context of --context tokens (the context the planner assumes): one-token steps
-are timed as a run of decode steps, larger tiers as one step each after a fresh prefill; medians over --repeat.
+Rows: the all-CPU chain, and at each budget on the device the planner's own plan (or those --plans names). For
+tier T a step of T new tokens runs after a prefill to a context of --context tokens (the context the planner
+assumes): one-token steps are timed as a run of decode steps, larger tiers as one step each after a fresh
+prefill; medians over --repeat, then the median (and the spread) over --rounds, the rows interleaved (this machine
+is noisy).
 `--sub-layers` also prints, for the chain, each kind's predicted and measured time (each sub-layer timed apart).
 """
 
@@ -66,9 +69,11 @@ def main() -> None:
     parser.add_argument("--device", default="sim", choices=("sim", "cuda"))
     parser.add_argument("--vram", default="25%,50%", help="budgets of the planned rows")
     parser.add_argument("--tiers", default="1,64")
+    parser.add_argument("--plans", default="auto", help="plans run at each budget (auto: the planner's choice)")
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=3, help="every row this many times, interleaved")
     parser.add_argument("--sub-layers", action="store_true", help="the chain's kinds timed apart, too")
     args = parser.parse_args()
     tiers = [int(t) for t in args.tiers.split(",")]
@@ -76,33 +81,39 @@ def main() -> None:
     rng = np.random.default_rng(0)
     print(f"{args.pack}, profile {args.profile}, {args.threads} threads, context {args.context}, "
           f"device {args.device}")
-    print(f"{'row':<12} {'tier':>5} {'plan':<22} {'pred ms':>9} {'meas ms':>9} {'pred/meas':>9}")
-    # One engine at a time: an idle engine's ONNX Runtime threads would take cores from the measured one.
-    for budget in [None, *args.vram.split(",")]:
-        engine = pipeshard.load(args.pack, threads=args.threads, vram=budget, context=args.context,
-                                device=args.device if budget else "cpu", profile=args.profile if budget else None)
-        step = engine.step
-        manifest = step.pack.manifest
-        for tier in tiers:
-            if budget is None:
-                plan = None
-                predicted = Planner(manifest, profile, 1 << 40, context=args.context,
-                                    threads=args.threads).baseline("cpu", tier).step_s
-                described = "chain"
-            else:
-                plan = step.book.plan_for(step.book.tier_for(tier))
-                predicted = plan.step_s
-                described = f"{plan.strategy} {'/'.join(str(v) for v in plan.counts().values())}"
-                described += f" kv{len(plan.kv_streamed)}" if plan.kv_streamed else ""
-            step_seconds(step, tier, args.context, 1, rng)  # warm-up: sessions and programs for this shape
-            measured = step_seconds(step, tier, args.context, args.repeat, rng)
-            print(f"{'cpu' if budget is None else 'auto ' + budget:<12} {tier:>5} {described:<22} "
-                  f"{predicted * 1e3:>9.2f} {measured * 1e3:>9.2f} {predicted / measured:>9.2f}", flush=True)
-            if args.sub_layers and plan is None:
-                estimator = Estimator(profile, manifest["model"], args.threads, manifest["source"]["model_sha256"])
-                print("\n".join(sub_layer_lines(step, estimator, tier, args.context, args.repeat, rng)))
-        step.close()
-        del engine, step
+    print(f"{'row':<12} {'tier':>5} {'plan':<22} {'pred ms':>9} {'meas ms':>9} {'spread':>13} {'pred/meas':>9}")
+    rows: dict[tuple[str, int], dict] = {}
+    for _ in range(args.rounds):
+        # One engine at a time: an idle engine's ONNX Runtime threads would take cores from the measured one.
+        planned = [(budget, name) for budget in args.vram.split(",") for name in args.plans.split(",")]
+        for budget, plan_name in [(None, "cpu"), *planned]:
+            engine = pipeshard.load(args.pack, threads=args.threads, vram=budget, context=args.context, plan=plan_name,
+                                    device=args.device if budget else "cpu", profile=args.profile if budget else None)
+            step = engine.step
+            manifest = step.pack.manifest
+            for tier in tiers:
+                row = rows.setdefault(("cpu" if budget is None else f"{plan_name} {budget}", tier), {"measured": []})
+                if budget is None:
+                    row["predicted"] = Planner(manifest, profile, 1 << 40, context=args.context,
+                                               threads=args.threads).baseline("cpu", tier).step_s
+                    row["plan"] = "chain"
+                else:
+                    plan = step.book.plan_for(step.book.tier_for(tier))
+                    row["predicted"] = plan.step_s
+                    row["plan"] = f"{plan.strategy} {'/'.join(str(v) for v in plan.counts().values())}"
+                    row["plan"] += f" kv{len(plan.kv_streamed)}" if plan.kv_streamed else ""
+                step_seconds(step, tier, args.context, 1, rng)  # warm-up: sessions and programs for this shape
+                row["measured"].append(step_seconds(step, tier, args.context, args.repeat, rng))
+                if args.sub_layers and budget is None:
+                    estimator = Estimator(profile, manifest["model"], args.threads, manifest["source"]["model_sha256"])
+                    print("\n".join(sub_layer_lines(step, estimator, tier, args.context, args.repeat, rng)))
+            step.close()
+            del engine, step
+    for (name, tier), row in rows.items():
+        measured = statistics.median(row["measured"])
+        spread = f"{min(row['measured']) * 1e3:.1f}-{max(row['measured']) * 1e3:.1f}"
+        print(f"{name:<12} {tier:>5} {row['plan']:<22} {row['predicted'] * 1e3:>9.2f} {measured * 1e3:>9.2f} "
+              f"{spread:>13} {row['predicted'] / measured:>9.2f}")
     print("pred/meas: the planner's step time over the measured median (1.00 = exact); plan: pinned/streamed/cpu")
 
 

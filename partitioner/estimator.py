@@ -142,6 +142,9 @@ class Estimator:
         self.link_rows = sorted((r["bytes"], r["gbps"]) for r in link["h2d"] if r.get("pinned", True) or
                                 not any(x.get("pinned") for x in link["h2d"]))
         self.copy_slowdown = profile["contention"].get("copy_slowdown_under_cpu_matmul", 1.0)
+        # The pack's own streaming run on the simulated device: its copies beside its compute (pack_timing).
+        copies = self.pack_timings.get("streamed", {}).get("copy", {})
+        self.streamed_copy_rows = sorted(point for points in copies.values() for point in points)
         factors = profile["contention"].get("cpu_matmul_slowdown_under_copy", {}).get(str(self.threads), {})
         self._cpu_slowdown = max(1.0, factors.get("memory_read", 1.0))
 
@@ -154,7 +157,7 @@ class Estimator:
             return {}
         table: dict[str, dict[str, dict[int, list[tuple[float, float]]]]] = {}
         for row in rows:
-            value = row["ratio"] if row["kind"] == "step" else row["seconds"]
+            value = row["ratio"] if row["kind"] == "step" else row["gbps"] if row["kind"] == "copy" else row["seconds"]
             table.setdefault(row.get("placement", "cpu"), {}).setdefault(row["kind"], {}).setdefault(
                 row["C"] - row["T"], []).append((float(row["T"]), value))
         for by_kind in table.values():
@@ -238,9 +241,12 @@ class Estimator:
             seconds += max(flops / (rates.attention.gflops(tokens, context) * 1e9), kv_bytes / (read_gbps * 1e9))
         return seconds
 
-    def copy_seconds(self, size_bytes: int, under_cpu_load: bool = False) -> float:
-        """Host-to-device copy of `size_bytes`."""
+    def copy_seconds(self, size_bytes: int, under_cpu_load: bool = False, tokens: int = 1) -> float:
+        """Host-to-device copy of `size_bytes` (beside compute of `tokens`-token steps: at the rate the pack's
+        streaming run achieved on the simulated device, where it was timed)."""
         if size_bytes <= 0:
             return 0.0
+        if under_cpu_load and self.streamed_copy_rows:
+            return size_bytes / (_interpolate_log(self.streamed_copy_rows, tokens) * 1e9)
         gbps = _interpolate_log([(float(b), g) for b, g in self.link_rows], size_bytes)
         return size_bytes / (gbps * 1e9) * (self.copy_slowdown if under_cpu_load else 1.0)

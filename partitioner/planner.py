@@ -234,8 +234,8 @@ class Planner:
         return per_token * self.context * self.batch, per_token * tier
 
     def _kv_copy_seconds(self, entry: dict, tier: int) -> float:
-        return sum(self.estimator.copy_seconds(nbytes, under_cpu_load=True) for nbytes in self.kv_bytes_moved(entry,
-                                                                                                            tier))
+        return sum(self.estimator.copy_seconds(nbytes, under_cpu_load=True, tokens=tier)
+                   for nbytes in self.kv_bytes_moved(entry, tier))
 
     def expected_distinct_experts(self, tokens: int) -> dict[int, float]:
         """Per MoE layer, the expected number of distinct experts `tokens` tokens activate:
@@ -269,8 +269,10 @@ class Planner:
             compute = {e["name"]: {device: share[e["name"]] * estimator.compute_seconds(
                 e, tokens[e["name"]], self.context, device == "gpu") for device in ("cpu", "gpu")}
                 for e in self.sub_layers}
-            copies = {e["name"]: share[e["name"]] * estimator.copy_seconds(self.weight_bytes[e["name"]],
-                                                                           under_cpu_load=True)
+            # A row chunk's bytes are its own (its share is of the layer's compute); an expert is copied only in
+            # the steps that chose it.
+            copies = {e["name"]: (share[e["name"]] if e["name"] in self.routing_share else 1.0)
+                      * estimator.copy_seconds(self.weight_bytes[e["name"]], under_cpu_load=True, tokens=tier)
                       for e in self.sub_layers}
             activation = estimator.copy_seconds(tier * self.model["hidden_size"] * estimator.element)
             self._cost_cache[tier] = (compute, copies, activation)

@@ -8,9 +8,11 @@ adds the device sweeps, the PCIe link and the EP's memory overhead.
 from __future__ import annotations
 
 import logging
+import tempfile
 import threading
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 
 import numpy as np
 
@@ -96,18 +98,35 @@ class CopyLoop:
 
 
 def sim_copy_gbps(size_bytes: int, seconds: float) -> float:
-    """Bandwidth of a memcpy of `size_bytes` on another thread (the sim prefetcher's copy)."""
+    """Bandwidth of a memcpy of `size_bytes` on another thread."""
     source = np.ones(size_bytes, dtype=np.uint8)
     target = np.empty_like(source)
     result: list[float] = []
-
-    def copy() -> None:
-        result.append(median_seconds(lambda: np.copyto(target, source), seconds))
-
-    worker = threading.Thread(target=copy)
+    worker = threading.Thread(target=lambda: result.append(median_seconds(lambda: np.copyto(target, source),
+                                                                          seconds)))
     worker.start()
     worker.join()
     return size_bytes / result[0] / 1e9
+
+
+def sim_upload_gbps(size_bytes: int, seconds: float, blob: Path | None = None) -> float:
+    """Bandwidth of the sim device's own upload of a streamed unit: from a memory-mapped file on its copy thread,
+    the file's pages let go after each copy (so each copy maps them in again from the page cache, as a unit's does
+    in a run). `blob`: a pack's weight file to copy from (how fast the page cache gives back a file depends on how
+    it was written); else a file written here."""
+    from pipeshard.runtime.devices import SimDevice
+
+    device = SimDevice(1 << 60)
+    target = np.empty(size_bytes, dtype=np.uint8)
+    with tempfile.TemporaryDirectory() as folder:
+        if blob is None:
+            blob = Path(folder) / "unit.bin"
+            np.ones(size_bytes, dtype=np.uint8).tofile(blob)
+        source = device.host_source(blob, 0, size_bytes)
+        try:
+            return size_bytes / median_seconds(lambda: device.upload(target, source).result(), seconds) / 1e9
+        finally:
+            device.close()
 
 
 def _matmul_rows(ort, sweep: Sweep, threads: int, copy_load, progress) -> tuple[dict, dict]:
@@ -226,9 +245,10 @@ def measure_machine(sweep: Sweep, thread_counts: list[int] | None = None, progre
         device, link, gpu = measure_cuda.measure_cuda(sweep, max(thread_counts))
         link_rows, loaded_link = link["h2d"], link["under_cpu_load"]["h2d"]
     else:
-        link_rows = [{"bytes": size, "gbps": sim_copy_gbps(size, sweep.seconds_per_point), "pinned": False}
-                     for size in sweep.copy_sizes]
-        loaded_link = _copy_under_cpu_load(ort, sweep, max(thread_counts))
+        blob, sizes = _largest_blob(pack, sweep.copy_sizes)
+        link_rows = [{"bytes": size, "gbps": sim_upload_gbps(size, sweep.seconds_per_point, blob), "pinned": False}
+                     for size in sizes]
+        loaded_link = _copy_under_cpu_load(ort, sweep, max(thread_counts), blob, sizes)
         gpu = None
         device = {"kind": "sim", "name": "sim (host memory; compute on the CPU EP)",
                   "note": "no usable CUDA EP: the simulated accelerator is measured; not a GPU claim",
@@ -264,11 +284,24 @@ def measure_machine(sweep: Sweep, thread_counts: list[int] | None = None, progre
     }
 
 
-def _copy_under_cpu_load(ort, sweep: Sweep, threads: int) -> list[dict]:
-    """The copy's bandwidth while CPU matrix products run on `threads` threads."""
+def _copy_under_cpu_load(ort, sweep: Sweep, threads: int, blob: Path | None, sizes: list[int]) -> list[dict]:
+    """The sim device's upload bandwidth while CPU matrix products run on `threads` threads."""
     with cpu_matmul_load(ort, cpu_session_options(threads), *sweep.shapes[-1]):
-        return [{"bytes": size, "gbps": sim_copy_gbps(size, sweep.seconds_per_point), "pinned": False}
-                for size in sweep.copy_sizes]
+        return [{"bytes": size, "gbps": sim_upload_gbps(size, sweep.seconds_per_point, blob), "pinned": False}
+                for size in sizes]
+
+
+def _largest_blob(pack: str | None, copy_sizes: tuple[int, ...]) -> tuple[Path | None, list[int]]:
+    """The pack's largest weight file to time the sim device's uploads from, and the sizes that fit in it (its own
+    size in place of larger ones); without a pack, none and the sweep's sizes."""
+    if pack is None:
+        return None, list(copy_sizes)
+    blobs = sorted(Path(pack).glob("*.weights"), key=lambda p: p.stat().st_size)
+    if not blobs:
+        return None, list(copy_sizes)
+    largest = blobs[-1]
+    size = largest.stat().st_size
+    return largest, sorted({min(s, size) for s in copy_sizes})
 
 
 def contention_factors(cpu_threads: dict, link_idle: list[dict], link_loaded: list[dict]) -> dict:

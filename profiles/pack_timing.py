@@ -7,7 +7,9 @@ simulated device: weights-as-inputs sessions on the CPU EP, which cannot prepack
 T tokens after a prefill of C - T tokens with every sub-layer timed apart, and takes per kind the median over
 that kind's sub-layers (an output layer in row chunks: the sum of its chunks), then the median over repeats.
 Beside them, per placement and point, the whole step as the runtime runs it (one-token steps join sub-layers
-into few sessions) over the sum of its parts: the estimator scales the parts by it.
+into few sessions) over the sum of its parts: the estimator scales the parts by it. On the simulated device, whose
+copies share the cores with its compute, also the upload rate a run streaming every unit achieves (`streamed`,
+`copy`): the estimator's rate for copies beside compute there.
 """
 
 from __future__ import annotations
@@ -102,11 +104,43 @@ def _all_pinned(step, tiers) -> object:
                 prefetch=False)
 
 
+def _copy_rate_while_streaming(pack_dir, threads: int, device: str, tiers, past: int, repeat: int) -> list[dict]:
+    """Rows {placement: "streamed", kind: "copy", T, gbps}: the upload rate a run that streams every unit through
+    two staging slots achieves while its sub-layers compute (what copies cost beside compute on this device)."""
+    from pipeshard.partitioner.planner import CPU, HOST_ONLY_KINDS, STAGING_SLOTS, STREAMED, Plan, VramBreakdown
+    from pipeshard.runtime.devices import make_device
+    from pipeshard.runtime.plansource import PlanBook
+    from pipeshard.runtime.step import Step
+
+    probe = Step(pack_dir, threads=threads)
+    units = probe.layout.units
+    placements = {name: CPU if unit["kind"] in HOST_ONLY_KINDS else STREAMED for name, unit in units.items()}
+    workspace = 4 * max(tiers) * probe.hidden_size * np.dtype(probe.dtype).itemsize
+    probe.close()
+    plan = Plan("streamed", 0, placements, {}, 0.0, 0.0, VramBreakdown(workspace=workspace, reserve=0), 0,
+                slots=STAGING_SLOTS)
+    step = Step(pack_dir, device=make_device(device, 1 << 50), book=PlanBook(list(units), fixed=plan),
+                threads=threads)
+    rng = np.random.default_rng(0)
+    rows = []
+    for tokens in tiers:
+        whole_step(step, past, tokens, rng)  # warm-up
+        copied, seconds = step.device.copied_bytes, step.device.copy_seconds
+        for _ in range(repeat):
+            whole_step(step, past, tokens, rng)
+        moved, spent = step.device.copied_bytes - copied, step.device.copy_seconds - seconds
+        if moved and spent > 0:
+            rows.append({"placement": "streamed", "kind": "copy", "T": tokens, "C": past + tokens,
+                         "gbps": moved / spent / 1e9})
+    step.close()
+    return rows
+
+
 def time_pack(pack_dir, threads: int, tiers, pasts, repeat: int = 3, progress=lambda: None,
               device: str | None = None) -> list[dict]:
     """Rows {placement, kind, T, C, seconds} for the pack's attention, FFN and output sub-layers, and {placement,
     kind: "step", T, C, ratio}: on the CPU, and with `device` ("sim", "cuda") every unit pinned on it, where the
-    whole model fits in its memory."""
+    whole model fits in its memory; on sim also the copy rate of a run streaming every unit."""
     from pipeshard.runtime.devices import BudgetExceeded, make_device
     from pipeshard.runtime.plansource import PlanBook
     from pipeshard.runtime.step import Step
@@ -127,6 +161,8 @@ def time_pack(pack_dir, threads: int, tiers, pasts, repeat: int = 3, progress=la
         return rows  # the model does not fit whole: the estimator keeps its rates for the device
     rows += _time_step_kinds(pinned, "device", tiers, pasts, repeat, progress)
     pinned.close()
+    if device == "sim":  # a GPU's copy engine does not share the cores: its profiled link rows hold there
+        rows += _copy_rate_while_streaming(pack_dir, threads, device, tiers, min(pasts), repeat)
     return rows
 
 

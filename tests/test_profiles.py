@@ -146,5 +146,9 @@ def test_profile_with_a_pack_times_its_own_sub_layers_and_the_estimator_uses_the
         # The kind's time apart, scaled by the whole step's time over its parts' (what joined runs save).
         assert exact.compute_seconds(attn, 16, 48, on_device=placement == "device") == pytest.approx(
             row["seconds"] * whole["ratio"])
+    # The copies of a run streaming every unit on sim (they share the cores with its compute): the rate copies
+    # beside compute are charged at.
+    copy = next(r for r in rows if (r["placement"], r["kind"], r["T"]) == ("streamed", "copy", 1))
+    assert exact.copy_seconds(10**6, under_cpu_load=True, tokens=1) == pytest.approx(1e6 / (copy["gbps"] * 1e9))
     roofline = Estimator(document, manifest["model"], 1, "another model")
     assert roofline.compute_seconds(attn, 16, 48, on_device=False) != pytest.approx(row["seconds"] * whole["ratio"])
