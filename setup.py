@@ -8,8 +8,17 @@ import sys
 
 from setuptools import Extension, setup
 
-FLAGS = [] if sys.platform == "win32" else ["-O3"]  # MSVC builds the run loop only (the ops are GCC / Clang C)
-setup(ext_modules=[Extension("pipeshard.runtime._runloop", ["runtime/_runloop.c", "runtime/_attention.c",
-                                                           "runtime/_matmul.c"],
-                             depends=["runtime/_ortapi.h", "runtime/_matmul_kernels.h"], extra_compile_args=FLAGS,
-                             optional=True)])
+FLAGS = (
+    [] if sys.platform == "win32" else ["-O3"]
+)  # MSVC builds the run loop only (the ops are GCC / Clang C)
+setup(
+    ext_modules=[
+        Extension(
+            "pipeshard.runtime._runloop",
+            ["runtime/_runloop.c", "runtime/_attention.c", "runtime/_matmul.c"],
+            depends=["runtime/_ortapi.h", "runtime/_matmul_kernels.h"],
+            extra_compile_args=FLAGS,
+            optional=True,
+        )
+    ]
+)

@@ -38,27 +38,52 @@ def main() -> None:
     job = folder / "job.jsonl"
     with open(job, "w") as lines:
         for i in range(args.prompts):
-            lines.write(json.dumps({"custom_id": f"q{i}", "messages": [{"role": "user", "content":
-                        f"Write one sentence about {TOPICS[i % len(TOPICS)]} (number {i})."}],
-                        "max_tokens": args.new_tokens}) + "\n")
+            lines.write(
+                json.dumps(
+                    {
+                        "custom_id": f"q{i}",
+                        "messages": [
+                            {
+                                "role": "user",
+                                "content": f"Write one sentence about {TOPICS[i % len(TOPICS)]} (number {i}).",
+                            }
+                        ],
+                        "max_tokens": args.new_tokens,
+                    }
+                )
+                + "\n"
+            )
     rows = []
     for label, parallel in ((f"--parallel {args.parallel}", args.parallel), ("--parallel 1", 1)):
         engine = pipeshard.load(args.pack, threads=args.threads, batch=parallel)
         started = time.perf_counter()
-        summary = run_batch(engine, job, folder / f"out-{parallel}.jsonl", "pack", parallel, args.new_tokens,
-                            progress=False)
+        summary = run_batch(
+            engine, job, folder / f"out-{parallel}.jsonl", "pack", parallel, args.new_tokens, progress=False
+        )
         rows.append((label, summary, time.perf_counter() - started))
     from ray.cluster_utils import Cluster
 
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "object_store_memory": 200 * 2**20})
+    cluster = Cluster(
+        initialize_head=True, head_node_args={"num_cpus": 1, "object_store_memory": 200 * 2**20}
+    )
     try:
         cluster.add_node(num_cpus=1, object_store_memory=200 * 2**20)
         cluster.wait_for_nodes()
         started = time.perf_counter()
-        summary = run_batch_ray(cluster.address, Path(args.pack).resolve(), job, folder / "out-ray.jsonl", "pack",
-                                args.parallel, args.new_tokens, {"threads": 1, "batch": args.parallel},
-                                progress=False)
-        rows.append((f"--ray (2 nodes x 1 core), --parallel {args.parallel}", summary, time.perf_counter() - started))
+        summary = run_batch_ray(
+            cluster.address,
+            Path(args.pack).resolve(),
+            job,
+            folder / "out-ray.jsonl",
+            "pack",
+            args.parallel,
+            args.new_tokens,
+            {"threads": 1, "batch": args.parallel},
+            progress=False,
+        )
+        rows.append(
+            (f"--ray (2 nodes x 1 core), --parallel {args.parallel}", summary, time.perf_counter() - started)
+        )
     finally:
         import ray
 
@@ -67,8 +92,10 @@ def main() -> None:
     print(f"{args.pack}: {args.prompts} chat prompts, up to {args.new_tokens} new tokens each, greedy")
     print(f"{'run':48s} {'requests':>8s} {'generated':>9s} {'wall s':>7s} {'tok/s':>7s}")
     for label, summary, wall in rows:
-        print(f"{label:48s} {summary.requests:8d} {summary.generated_tokens:9d} {wall:7.1f} "
-              f"{summary.generated_tokens / wall:7.1f}")
+        print(
+            f"{label:48s} {summary.requests:8d} {summary.generated_tokens:9d} {wall:7.1f} "
+            f"{summary.generated_tokens / wall:7.1f}"
+        )
 
 
 if __name__ == "__main__":

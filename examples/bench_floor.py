@@ -77,21 +77,34 @@ def floor_model(products: list[dict], folder: Path) -> Path:
         weight = (rng.standard_normal(product["shape"]) * 0.02).astype(np.float32)
         initializers.append(numpy_helper.from_array(weight, f"weight{index}"))
         attributes = {"transB": 1} if product["trans_b"] else {}
-        nodes.append(helper.make_node(product["op"], [tensor, f"weight{index}"], [f"product{index}"], **attributes))
+        nodes.append(
+            helper.make_node(product["op"], [tensor, f"weight{index}"], [f"product{index}"], **attributes)
+        )
         width, tensor = product["n"], f"product{index}"
-    initializers += [numpy_helper.from_array(np.array([0], np.int64), "zero"),
-                     numpy_helper.from_array(np.array([1], np.int64), "one")]
-    graph = helper.make_graph(nodes, "matmul_floor",
-                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, products[0]["k"]])],
-                              [helper.make_tensor_value_info(tensor, TensorProto.FLOAT, [1, width])], initializers)
+    initializers += [
+        numpy_helper.from_array(np.array([0], np.int64), "zero"),
+        numpy_helper.from_array(np.array([1], np.int64), "one"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "matmul_floor",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, products[0]["k"]])],
+        [helper.make_tensor_value_info(tensor, TensorProto.FLOAT, [1, width])],
+        initializers,
+    )
     path = folder / "floor.onnx"
-    save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path),
-         save_as_external_data=True, location="floor.weights")
+    save(
+        helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]),
+        str(path),
+        save_as_external_data=True,
+        location="floor.weights",
+    )
     return path
 
 
-def measure(kind: str, pack_folder: str, floor_path: str, threads: int, prompt: int, steps: int,
-            weight_bytes: int) -> dict:
+def measure(
+    kind: str, pack_folder: str, floor_path: str, threads: int, prompt: int, steps: int, weight_bytes: int
+) -> dict:
     """One process's figure: the median step time of the floor or the chain, and the best of the probe's samples
     taken between blocks of steps."""
     from pipeshard.profiles.bandwidth import BandwidthProbe
@@ -100,7 +113,9 @@ def measure(kind: str, pack_folder: str, floor_path: str, threads: int, prompt: 
     use_process_thread_pool(threads)
     if kind == "floor":
         ort = import_onnxruntime()
-        session = ort.InferenceSession(floor_path, cpu_session_options(threads), providers=["CPUExecutionProvider"])
+        session = ort.InferenceSession(
+            floor_path, cpu_session_options(threads), providers=["CPUExecutionProvider"]
+        )
         binding = session.io_binding()
         first = session.get_inputs()[0]
         binding.bind_cpu_input(first.name, np.ones(first.shape, np.float32))
@@ -115,13 +130,16 @@ def measure(kind: str, pack_folder: str, floor_path: str, threads: int, prompt: 
 
         chain = Step(Path(pack_folder), threads=threads)
         chain.start(1, prompt + WRAP + 1)
-        chain.forward(np.full((1, prompt), 7, np.int64), np.ones((1, prompt), np.int64), np.arange(prompt)[None])
+        chain.forward(
+            np.full((1, prompt), 7, np.int64), np.ones((1, prompt), np.int64), np.arange(prompt)[None]
+        )
         masks = [np.ones((1, prompt + 1 + i), np.int64) for i in range(WRAP)]
         positions = [np.array([[mask.shape[1] - 1]], np.int64) for mask in masks]
         token = np.array([[5]], np.int64)
 
         def step(index: int) -> None:
             chain.forward(token, masks[index % WRAP], positions[index % WRAP])
+
     for index in range(10):  # warm: first runs pack weights and fault pages in
         step(index)
     probe = BandwidthProbe(threads, weight_bytes)
@@ -143,13 +161,26 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--prompt-tokens", type=int, default=256)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--measure", choices=("floor", "chain"), help=argparse.SUPPRESS)  # a child process's part
+    parser.add_argument(
+        "--measure", choices=("floor", "chain"), help=argparse.SUPPRESS
+    )  # a child process's part
     parser.add_argument("--floor-path", help=argparse.SUPPRESS)
     parser.add_argument("--weight-bytes", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.measure:
-        print(json.dumps(measure(args.measure, args.pack, args.floor_path, args.threads, args.prompt_tokens,
-                                 args.steps, args.weight_bytes)))
+        print(
+            json.dumps(
+                measure(
+                    args.measure,
+                    args.pack,
+                    args.floor_path,
+                    args.threads,
+                    args.prompt_tokens,
+                    args.steps,
+                    args.weight_bytes,
+                )
+            )
+        )
         return
     from pipeshard.errors import UserError
     from pipeshard.runtime.exportdir import NUMPY_DTYPES
@@ -171,21 +202,39 @@ def main() -> None:
         floor_path = floor_model(products, Path(folder))
         for pair in range(args.pairs):
             for kind in ("floor", "chain") if pair % 2 == 0 else ("chain", "floor"):
-                command = [sys.executable, __file__, args.pack, "--measure", kind, "--floor-path", str(floor_path),
-                           "--weight-bytes", str(weight_bytes), "--threads", str(args.threads),
-                           "--prompt-tokens", str(args.prompt_tokens), "--steps", str(args.steps)]
+                command = [
+                    sys.executable,
+                    __file__,
+                    args.pack,
+                    "--measure",
+                    kind,
+                    "--floor-path",
+                    str(floor_path),
+                    "--weight-bytes",
+                    str(weight_bytes),
+                    "--threads",
+                    str(args.threads),
+                    "--prompt-tokens",
+                    str(args.prompt_tokens),
+                    "--steps",
+                    str(args.steps),
+                ]
                 printed = subprocess.run(command, check=True, capture_output=True, text=True).stdout
                 results[kind].append(json.loads(printed.strip().splitlines()[-1]))
             floor, chain = results["floor"][-1], results["chain"][-1]
-            print(f"pair {pair + 1}: floor {floor['step_s'] * 1e3:6.2f} ms "
-                  f"({_share(floor, weight_bytes)} of its probe)  "
-                  f"chain {chain['step_s'] * 1e3:6.2f} ms ({_share(chain, weight_bytes)})  "
-                  f"chain / floor time {chain['step_s'] / floor['step_s']:.3f}")
+            print(
+                f"pair {pair + 1}: floor {floor['step_s'] * 1e3:6.2f} ms "
+                f"({_share(floor, weight_bytes)} of its probe)  "
+                f"chain {chain['step_s'] * 1e3:6.2f} ms ({_share(chain, weight_bytes)})  "
+                f"chain / floor time {chain['step_s'] / floor['step_s']:.3f}"
+            )
     ratios = [c["step_s"] / f["step_s"] for f, c in zip(results["floor"], results["chain"], strict=True)]
-    print(f"median over {args.pairs} pairs: chain / floor time {statistics.median(ratios):.3f} "
-          f"(range {min(ratios):.3f}-{max(ratios):.3f}); of the probe's best: floor "
-          f"{statistics.median(_shares(results['floor'], weight_bytes)):.0%}, chain "
-          f"{statistics.median(_shares(results['chain'], weight_bytes)):.0%}")
+    print(
+        f"median over {args.pairs} pairs: chain / floor time {statistics.median(ratios):.3f} "
+        f"(range {min(ratios):.3f}-{max(ratios):.3f}); of the probe's best: floor "
+        f"{statistics.median(_shares(results['floor'], weight_bytes)):.0%}, chain "
+        f"{statistics.median(_shares(results['chain'], weight_bytes)):.0%}"
+    )
 
 
 def _refuse(message: str) -> None:

@@ -34,7 +34,9 @@ def kv_dims(paths: list[str]) -> tuple[int, int]:
     found: dict[int, int] = {}
     for path in paths:
         graph = onnx.load(path, load_external_data=False).graph
-        dims = next(i.type.tensor_type.shape.dim for i in graph.input if i.name.startswith("past_key_values."))
+        dims = next(
+            i.type.tensor_type.shape.dim for i in graph.input if i.name.startswith("past_key_values.")
+        )
         found.update({axis: dims[axis].dim_value for axis in (1, 3) if dims[axis].HasField("dim_value")})
     return found[1], found[3]
 
@@ -53,11 +55,14 @@ def decode_step(path: str, context: int, kv_heads: int, head_dim: int) -> tuple:
         if name.startswith("past_key_values."):
             buffer = np.zeros((1, kv_heads, context + 64, head_dim), np.float32)
             kept.append(buffer)
-            present = "present." + name[len("past_key_values."):]
+            present = "present." + name[len("past_key_values.") :]
             binding.bind_input(name, "cpu", 0, np.float32, list(buffer.shape), buffer.ctypes.data)
             binding.bind_output(present, "cpu", 0, np.float32, list(buffer.shape), buffer.ctypes.data)
-    feeds = {"input_ids": np.array([[5]], np.int64), "attention_mask": np.ones((1, context), np.int64),
-             "position_ids": np.array([[context - 1]], np.int64)}
+    feeds = {
+        "input_ids": np.array([[5]], np.int64),
+        "attention_mask": np.ones((1, context), np.int64),
+        "position_ids": np.array([[context - 1]], np.int64),
+    }
     for name, value in feeds.items():
         if name in inputs:
             binding.bind_cpu_input(name, value)

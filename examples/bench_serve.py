@@ -25,14 +25,47 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-TOPICS = ["the sea", "mountains", "a city at night", "rain", "a library", "trains", "the moon", "a garden",
-          "winter", "a market", "bridges", "the desert", "music", "a forest", "clocks", "rivers"]
+TOPICS = [
+    "the sea",
+    "mountains",
+    "a city at night",
+    "rain",
+    "a library",
+    "trains",
+    "the moon",
+    "a garden",
+    "winter",
+    "a market",
+    "bridges",
+    "the desert",
+    "music",
+    "a forest",
+    "clocks",
+    "rivers",
+]
 
 
 def start_server(pack: str, parallel: int, threads: int, port: int) -> subprocess.Popen:
-    process = subprocess.Popen([sys.executable, "-m", "pipeshard.cli", "serve", pack, "--port", str(port),
-                                "--parallel", str(parallel), "--threads", str(threads), "--context", "512"],
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "pipeshard.cli",
+            "serve",
+            pack,
+            "--port",
+            str(port),
+            "--parallel",
+            str(parallel),
+            "--threads",
+            str(threads),
+            "--context",
+            "512",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     import httpx
 
     for _ in range(600):
@@ -50,8 +83,14 @@ def one_request(base: str, prompt: str, new_tokens: int) -> tuple[float, float, 
     """(seconds to the first token, seconds in all, completion tokens) of one streamed chat request."""
     import httpx
 
-    body = {"model": "pack", "messages": [{"role": "user", "content": prompt}], "max_tokens": new_tokens,
-            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": "pack",
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": new_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     started = time.perf_counter()
     first, tokens = None, 0
     with httpx.stream("POST", base + "/v1/chat/completions", json=body, timeout=600) as answer:
@@ -76,9 +115,12 @@ def measure(base: str, clients: int, new_tokens: int, concurrent: bool) -> dict:
         results = [one_request(base, p, new_tokens) for p in prompts]
     wall = time.perf_counter() - started
     ttfts = sorted(r[0] for r in results)
-    return {"tok_s": sum(r[2] for r in results) / wall, "ttft_p50": statistics.median(ttfts),
-            "ttft_p95": ttfts[min(len(ttfts) - 1, round(0.95 * (len(ttfts) - 1)))],
-            "tokens": sum(r[2] for r in results)}
+    return {
+        "tok_s": sum(r[2] for r in results) / wall,
+        "ttft_p50": statistics.median(ttfts),
+        "ttft_p95": ttfts[min(len(ttfts) - 1, round(0.95 * (len(ttfts) - 1)))],
+        "tokens": sum(r[2] for r in results),
+    }
 
 
 def main() -> None:
@@ -101,14 +143,18 @@ def main() -> None:
             rounds = []
             for round_index in range(args.rounds):
                 order = (True, False) if round_index % 2 == 0 else (False, True)
-                measured = {concurrent: measure(base, clients, args.new_tokens, concurrent) for concurrent in order}
+                measured = {
+                    concurrent: measure(base, clients, args.new_tokens, concurrent) for concurrent in order
+                }
                 rounds.append(measured)
             together = [r[True] for r in rounds]
             alone = [r[False] for r in rounds]
             rows[clients] = {
                 "concurrent_tok_s": statistics.median(r["tok_s"] for r in together),
                 "sequential_tok_s": statistics.median(r["tok_s"] for r in alone),
-                "ratio": statistics.median(t["tok_s"] / a["tok_s"] for t, a in zip(together, alone, strict=True)),
+                "ratio": statistics.median(
+                    t["tok_s"] / a["tok_s"] for t, a in zip(together, alone, strict=True)
+                ),
                 "ttft_p50_s": statistics.median(r["ttft_p50"] for r in together),
                 "ttft_p95_s": statistics.median(r["ttft_p95"] for r in together),
                 "sequential_ttft_p50_s": statistics.median(r["ttft_p50"] for r in alone),
@@ -116,13 +162,19 @@ def main() -> None:
     finally:
         process.terminate()
         process.wait(timeout=30)
-    print(f"{args.pack}: {args.new_tokens} new tokens per request, greedy, {args.threads} threads, "
-          f"{args.rounds} rounds (medians)")
-    print("clients  concurrent tok/s  sequential tok/s  ratio  TTFT p50 ms  TTFT p95 ms  (sequential TTFT p50 ms)")
+    print(
+        f"{args.pack}: {args.new_tokens} new tokens per request, greedy, {args.threads} threads, "
+        f"{args.rounds} rounds (medians)"
+    )
+    print(
+        "clients  concurrent tok/s  sequential tok/s  ratio  TTFT p50 ms  TTFT p95 ms  (sequential TTFT p50 ms)"
+    )
     for clients, row in rows.items():
-        print(f"{clients:7d}  {row['concurrent_tok_s']:16.1f}  {row['sequential_tok_s']:16.1f}  {row['ratio']:5.2f}"
-              f"  {row['ttft_p50_s'] * 1000:11.0f}  {row['ttft_p95_s'] * 1000:11.0f}  "
-              f"({row['sequential_ttft_p50_s'] * 1000:.0f})")
+        print(
+            f"{clients:7d}  {row['concurrent_tok_s']:16.1f}  {row['sequential_tok_s']:16.1f}  {row['ratio']:5.2f}"
+            f"  {row['ttft_p50_s'] * 1000:11.0f}  {row['ttft_p95_s'] * 1000:11.0f}  "
+            f"({row['sequential_ttft_p50_s'] * 1000:.0f})"
+        )
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
 

@@ -49,10 +49,16 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=600)
     parser.add_argument("--prompt-tokens", type=int, default=256)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--plain-attention", choices=("a", "b", "both"),
-                        help="which chains attend with GroupQueryAttention at decode too (not pipeshard's op)")
-    parser.add_argument("--split-decode", choices=("a", "b", "both"),
-                        help="which chains decode through one session per sub-layer (not joined ones)")
+    parser.add_argument(
+        "--plain-attention",
+        choices=("a", "b", "both"),
+        help="which chains attend with GroupQueryAttention at decode too (not pipeshard's op)",
+    )
+    parser.add_argument(
+        "--split-decode",
+        choices=("a", "b", "both"),
+        help="which chains decode through one session per sub-layer (not joined ones)",
+    )
     args = parser.parse_args()
     use_process_thread_pool(args.threads)
     prompt = args.prompt_tokens
@@ -65,15 +71,27 @@ def main() -> None:
         return option in (side.lower(), "both") and is_pack(Path(folders[side]))
 
     def make(side: str):
-        engine = make_engine(folders[side], args.threads, decode_attention=not chosen(args.plain_attention, side),
-                             join_decode=not chosen(args.split_decode, side))
+        engine = make_engine(
+            folders[side],
+            args.threads,
+            decode_attention=not chosen(args.plain_attention, side),
+            join_decode=not chosen(args.split_decode, side),
+        )
         engine.start(1, prompt + WRAP + 1)
-        engine.forward(np.full((1, prompt), 7, np.int64), np.ones((1, prompt), np.int64), np.arange(prompt)[None])
+        engine.forward(
+            np.full((1, prompt), 7, np.int64), np.ones((1, prompt), np.int64), np.arange(prompt)[None]
+        )
         return lambda step: engine.forward(token, masks[step % WRAP], positions[step % WRAP])
 
     def label(side: str) -> str:
-        notes = [note for option, note in ((args.plain_attention, "GroupQueryAttention"),
-                                           (args.split_decode, "a session per sub-layer")) if chosen(option, side)]
+        notes = [
+            note
+            for option, note in (
+                (args.plain_attention, "GroupQueryAttention"),
+                (args.split_decode, "a session per sub-layer"),
+            )
+            if chosen(option, side)
+        ]
         return folders[side] + (f" ({', '.join(notes)})" if notes else "")
 
     print(balanced_ab(make, args.steps).report(label("A"), label("B"), args.steps, "decode step"))

@@ -55,10 +55,14 @@ def sub_layer_lines(step, estimator: Estimator, tier: int, context: int, repeat:
     for kind in ("attn", "ffn", "final"):
         names = [n for n in entries if entries[n]["kind"] == kind]
         measured = sum(statistics.median(r[n] for r in runs) for n in names)
-        predicted = sum(estimator.compute_seconds(entries[n], 1 if kind == "final" else tier, context, False)
-                        for n in names)
-        lines.append(f"      {kind:6s} predicted {predicted * 1e3:8.2f} ms, measured {measured * 1e3:8.2f} ms "
-                     f"over {len(names)} sub-layers")
+        predicted = sum(
+            estimator.compute_seconds(entries[n], 1 if kind == "final" else tier, context, False)
+            for n in names
+        )
+        lines.append(
+            f"      {kind:6s} predicted {predicted * 1e3:8.2f} ms, measured {measured * 1e3:8.2f} ms "
+            f"over {len(names)} sub-layers"
+        )
     return lines
 
 
@@ -69,7 +73,9 @@ def main() -> None:
     parser.add_argument("--device", default="sim", choices=("sim", "cuda"))
     parser.add_argument("--vram", default="25%,50%", help="budgets of the planned rows")
     parser.add_argument("--tiers", default="1,64")
-    parser.add_argument("--plans", default="auto", help="plans run at each budget (auto: the planner's choice)")
+    parser.add_argument(
+        "--plans", default="auto", help="plans run at each budget (auto: the planner's choice)"
+    )
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeat", type=int, default=5)
@@ -79,42 +85,66 @@ def main() -> None:
     tiers = [int(t) for t in args.tiers.split(",")]
     profile = load_profile(args.profile)
     rng = np.random.default_rng(0)
-    print(f"{args.pack}, profile {args.profile}, {args.threads} threads, context {args.context}, "
-          f"device {args.device}")
-    print(f"{'row':<12} {'tier':>5} {'plan':<22} {'pred ms':>9} {'meas ms':>9} {'spread':>13} {'pred/meas':>9}")
+    print(
+        f"{args.pack}, profile {args.profile}, {args.threads} threads, context {args.context}, "
+        f"device {args.device}"
+    )
+    print(
+        f"{'row':<12} {'tier':>5} {'plan':<22} {'pred ms':>9} {'meas ms':>9} {'spread':>13} {'pred/meas':>9}"
+    )
     rows: dict[tuple[str, int], dict] = {}
     for _ in range(args.rounds):
         # One engine at a time: an idle engine's ONNX Runtime threads would take cores from the measured one.
         planned = [(budget, name) for budget in args.vram.split(",") for name in args.plans.split(",")]
         for budget, plan_name in [(None, "cpu"), *planned]:
-            engine = pipeshard.load(args.pack, threads=args.threads, vram=budget, context=args.context, plan=plan_name,
-                                    device=args.device if budget else "cpu", profile=args.profile if budget else None)
+            engine = pipeshard.load(
+                args.pack,
+                threads=args.threads,
+                vram=budget,
+                context=args.context,
+                plan=plan_name,
+                device=args.device if budget else "cpu",
+                profile=args.profile if budget else None,
+            )
             step = engine.step
             manifest = step.pack.manifest
             for tier in tiers:
-                row = rows.setdefault(("cpu" if budget is None else f"{plan_name} {budget}", tier), {"measured": []})
+                row = rows.setdefault(
+                    ("cpu" if budget is None else f"{plan_name} {budget}", tier), {"measured": []}
+                )
                 if budget is None:
-                    row["predicted"] = Planner(manifest, profile, 1 << 40, context=args.context,
-                                               threads=args.threads).baseline("cpu", tier).step_s
+                    row["predicted"] = (
+                        Planner(manifest, profile, 1 << 40, context=args.context, threads=args.threads)
+                        .baseline("cpu", tier)
+                        .step_s
+                    )
                     row["plan"] = "chain"
                 else:
                     plan = step.book.plan_for(step.book.tier_for(tier))
                     row["predicted"] = plan.step_s
                     row["plan"] = f"{plan.strategy} {'/'.join(str(v) for v in plan.counts().values())}"
                     row["plan"] += f" kv{len(plan.kv_streamed)}" if plan.kv_streamed else ""
-                step_seconds(step, tier, args.context, 1, rng)  # warm-up: sessions and programs for this shape
+                step_seconds(
+                    step, tier, args.context, 1, rng
+                )  # warm-up: sessions and programs for this shape
                 row["measured"].append(step_seconds(step, tier, args.context, args.repeat, rng))
                 if args.sub_layers and budget is None:
-                    estimator = Estimator(profile, manifest["model"], args.threads, manifest["source"]["model_sha256"])
+                    estimator = Estimator(
+                        profile, manifest["model"], args.threads, manifest["source"]["model_sha256"]
+                    )
                     print("\n".join(sub_layer_lines(step, estimator, tier, args.context, args.repeat, rng)))
             step.close()
             del engine, step
     for (name, tier), row in rows.items():
         measured = statistics.median(row["measured"])
         spread = f"{min(row['measured']) * 1e3:.1f}-{max(row['measured']) * 1e3:.1f}"
-        print(f"{name:<12} {tier:>5} {row['plan']:<22} {row['predicted'] * 1e3:>9.2f} {measured * 1e3:>9.2f} "
-              f"{spread:>13} {row['predicted'] / measured:>9.2f}")
-    print("pred/meas: the planner's step time over the measured median (1.00 = exact); plan: pinned/streamed/cpu")
+        print(
+            f"{name:<12} {tier:>5} {row['plan']:<22} {row['predicted'] * 1e3:>9.2f} {measured * 1e3:>9.2f} "
+            f"{spread:>13} {row['predicted'] / measured:>9.2f}"
+        )
+    print(
+        "pred/meas: the planner's step time over the measured median (1.00 = exact); plan: pinned/streamed/cpu"
+    )
 
 
 if __name__ == "__main__":

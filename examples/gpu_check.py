@@ -34,8 +34,12 @@ def environment(device: str) -> dict:
     from pipeshard.profiles.kernels import hop_model
     from pipeshard.profiles.measure_cuda import CUDA_PROVIDERS
 
-    found = {"python": platform.python_version(), "onnxruntime": onnxruntime.__version__,
-             "available_providers": onnxruntime.get_available_providers(), "device": device}
+    found = {
+        "python": platform.python_version(),
+        "onnxruntime": onnxruntime.__version__,
+        "available_providers": onnxruntime.get_available_providers(),
+        "device": device,
+    }
     if device == "cuda":
         if hasattr(onnxruntime, "preload_dlls"):
             onnxruntime.preload_dlls()
@@ -74,20 +78,35 @@ def main(argv: list[str] | None = None) -> dict:
         document = measure_machine(QUICK, use_cuda=args.device == "cuda")
         profile = str(out.with_suffix(".profile.json"))
         save_profile(document, Path(profile))
-        report["profile"] = {"path": profile, "seconds": time.perf_counter() - started,
-                             "device": document["device"], "link_h2d": document["link"]["h2d"]}
+        report["profile"] = {
+            "path": profile,
+            "seconds": time.perf_counter() - started,
+            "device": document["device"],
+            "link_h2d": document["link"]["h2d"],
+        }
     report["ok"] = True
     for key, pack in (("bench", args.pack), ("moe_bench", args.moe_pack)):
         if pack is None:
             continue
-        settings = BenchSettings(pack=pack, device=args.device, vram=f"{args.fraction * 100:g}%", profile=profile,
-                                 plans=["cpu", *PLANS], reference="cpu", new_tokens=args.new_tokens, prompt=PROMPT,
-                                 repeat=args.repeat, threads=2)
+        settings = BenchSettings(
+            pack=pack,
+            device=args.device,
+            vram=f"{args.fraction * 100:g}%",
+            profile=profile,
+            plans=["cpu", *PLANS],
+            reference="cpu",
+            new_tokens=args.new_tokens,
+            prompt=PROMPT,
+            repeat=args.repeat,
+            threads=2,
+        )
         bench = run_bench(settings, log=lambda line: print(line, file=sys.stderr))
         report[key] = bench
         planned = [r for r in bench["rows"] if r["name"] in PLANS]
         report["ok"] &= len(planned) == len(PLANS) and all(
-            r["same_tokens_as_reference"] and r["peak_device_bytes"] <= r["facts"]["budget_bytes"] for r in planned)
+            r["same_tokens_as_reference"] and r["peak_device_bytes"] <= r["facts"]["budget_bytes"]
+            for r in planned
+        )
         print(bench_table(bench))
     out.write_text(json.dumps(report, indent=1, default=str))
     print(f"wrote {out}; ok: {report['ok']}")

@@ -26,10 +26,20 @@ from pipeshard.profiles.db import load_profile
 from pipeshard.runtime.moe import ExpertStats
 
 CONFIG = {
-    "model_type": "qwen3_moe", "hidden_size": 512, "intermediate_size": 1024, "moe_intermediate_size": 768,
-    "num_experts": 8, "num_experts_per_tok": 2, "norm_topk_prob": True, "decoder_sparse_step": 1,
-    "num_hidden_layers": 6, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 64,
-    "max_position_embeddings": 2048, "tie_word_embeddings": False,
+    "model_type": "qwen3_moe",
+    "hidden_size": 512,
+    "intermediate_size": 1024,
+    "moe_intermediate_size": 768,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "norm_topk_prob": True,
+    "decoder_sparse_step": 1,
+    "num_hidden_layers": 6,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 64,
+    "max_position_embeddings": 2048,
+    "tie_word_embeddings": False,
 }
 TEXT = (Path(__file__).resolve().parents[1] / "README.md").read_text()  # real text for the routing tiers
 TIERS = (1, 4, 16, 64)
@@ -68,10 +78,15 @@ def distinct_experts(pack: Path, threads: int) -> dict:
     manifest = json.loads((pack / "manifest.json").read_text())
     uniform = Planner(manifest, load_profile("laptop-8gb"), 1 << 40)
     measured_routing = Planner(manifest, load_profile("laptop-8gb"), 1 << 40, expert_stats=stats)
-    return {"measured": measured,
-            "expected_uniform": {t: statistics.mean(uniform.expected_distinct_experts(t).values()) for t in TIERS},
-            "expected_from_stats": {t: statistics.mean(measured_routing.expected_distinct_experts(t).values())
-                                    for t in TIERS}}
+    return {
+        "measured": measured,
+        "expected_uniform": {
+            t: statistics.mean(uniform.expected_distinct_experts(t).values()) for t in TIERS
+        },
+        "expected_from_stats": {
+            t: statistics.mean(measured_routing.expected_distinct_experts(t).values()) for t in TIERS
+        },
+    }
 
 
 def main() -> None:
@@ -84,18 +99,26 @@ def main() -> None:
     pipeshard.use_process_thread_pool(args.threads)  # after the export, whose check makes its own session
     manifest = json.loads((pack / "manifest.json").read_text())
     experts = sum(e["weight_bytes"] for e in manifest["sub_layers"] if e["kind"] == "expert")
-    print(f"model: {manifest['model']['architecture']}, {manifest['model']['num_layers']} layers, "
-          f"{manifest['model']['num_experts']} experts top-{manifest['model']['experts_per_token']}, "
-          f"{manifest['total_weight_bytes'] / 2**20:.0f} MiB of weights ({experts / 2**20:.0f} MiB experts), "
-          f"{args.threads} threads")
+    print(
+        f"model: {manifest['model']['architecture']}, {manifest['model']['num_layers']} layers, "
+        f"{manifest['model']['num_experts']} experts top-{manifest['model']['experts_per_token']}, "
+        f"{manifest['total_weight_bytes'] / 2**20:.0f} MiB of weights ({experts / 2**20:.0f} MiB experts), "
+        f"{args.threads} threads"
+    )
     routing = distinct_experts(pack, args.threads)
     print("distinct experts per layer and step (of 8), real text:")
-    print(f"  {'tier T':>6} {'measured':>9} {'expected, uniform E(1-(1-k/E)^T)':>34} {'expected, from stats':>21}")
+    print(
+        f"  {'tier T':>6} {'measured':>9} {'expected, uniform E(1-(1-k/E)^T)':>34} {'expected, from stats':>21}"
+    )
     for tier in TIERS:
-        print(f"  {tier:>6} {routing['measured'][tier]:>9.2f} {routing['expected_uniform'][tier]:>34.2f} "
-              f"{routing['expected_from_stats'][tier]:>21.2f}")
-    print("  (stats: the per-expert token counts of the T=64 pass, what run --save-expert-stats writes; both"
-          " expectations assume the tokens of a step choose their experts independently)")
+        print(
+            f"  {tier:>6} {routing['measured'][tier]:>9.2f} {routing['expected_uniform'][tier]:>34.2f} "
+            f"{routing['expected_from_stats'][tier]:>21.2f}"
+        )
+    print(
+        "  (stats: the per-expert token counts of the T=64 pass, what run --save-expert-stats writes; both"
+        " expectations assume the tokens of a step choose their experts independently)"
+    )
     if args.json:
         Path(args.json).write_text(json.dumps({"routing": routing}, indent=1))
 

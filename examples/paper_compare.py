@@ -59,8 +59,20 @@ def ensure_pack(model: PaperModel, folder: Path) -> Path:
     """The model's shape-only pack, exported once."""
     pack = folder / model.config
     if not (pack / "manifest.json").is_file():
-        subprocess.run([sys.executable, "-m", "pipeshard", "export", str(CONFIGS / f"{model.config}.json"), str(pack),
-                        "--shape-only", "--dtype", "fp16"], check=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pipeshard",
+                "export",
+                str(CONFIGS / f"{model.config}.json"),
+                str(pack),
+                "--shape-only",
+                "--dtype",
+                "fp16",
+            ],
+            check=True,
+        )
     return pack
 
 
@@ -83,7 +95,9 @@ def plans_of_tier(planner, tier: int) -> dict:
     """The planner's choice for a tier (what Planner.plan_tier chooses: the fastest of its three strategies) and
     the `layers` baseline, without the timelines and the `offload` baseline plan_tier also makes."""
     planner.check_budget()
-    strategies = [p for p in (planner.gpu_only(tier), planner.static(tier), planner.dynamic(tier)) if p is not None]
+    strategies = [
+        p for p in (planner.gpu_only(tier), planner.static(tier), planner.dynamic(tier)) if p is not None
+    ]
     return {"ours": min(strategies, key=lambda p: p.step_s), "layers": planner.baseline("layers", tier)}
 
 
@@ -94,10 +108,14 @@ def predict(planner, prompt_tokens: int) -> dict:
     row = {}
     for key in ("ours", "layers"):
         decode_plan, prefill_plan = decode[key], prefill[key]
-        row[key] = {"tok_s": decode_plan.tokens_per_s, "ttft_ms": chunks * prefill_plan.step_s * 1000,
-                    "decode": decode_plan.strategy, "prefill": prefill_plan.strategy,
-                    "attn_on_gpu": where_attention_runs(decode_plan),
-                    "streamed_mib": decode_plan.streamed_bytes / MiB}
+        row[key] = {
+            "tok_s": decode_plan.tokens_per_s,
+            "ttft_ms": chunks * prefill_plan.step_s * 1000,
+            "decode": decode_plan.strategy,
+            "prefill": prefill_plan.strategy,
+            "attn_on_gpu": where_attention_runs(decode_plan),
+            "streamed_mib": decode_plan.streamed_bytes / MiB,
+        }
     return row
 
 
@@ -108,30 +126,42 @@ def explain(context: str, budget: str, row: dict, predicted: float, paper: float
     attn, total = (int(x) for x in mine["attn_on_gpu"].split("/"))
     group = row["query_heads_per_kv_head"]
     if kind == "TTFT" and predicted < paper and mine["prefill"] == "static":
-        return (f"TTFT: at {budget} no plan of ours streams the model through the GPU for a 1024-token chunk, so "
-                "its FFNs (experts) run on the CPU: GPU-only needs two staging slots as large as the largest unit "
-                f"({row['largest_unit_mib']:.0f} MiB) beside the chunk's workspace, and the dynamic search starts "
-                "from a pinned prefix that leaves no room for a staging slot; the paper streams every layer "
-                "through the GPU at prefill (its FULL_SHARD / SHARD_ATTN_PRIO with one slot)")
+        return (
+            f"TTFT: at {budget} no plan of ours streams the model through the GPU for a 1024-token chunk, so "
+            "its FFNs (experts) run on the CPU: GPU-only needs two staging slots as large as the largest unit "
+            f"({row['largest_unit_mib']:.0f} MiB) beside the chunk's workspace, and the dynamic search starts "
+            "from a pinned prefix that leaves no room for a staging slot; the paper streams every layer "
+            "through the GPU at prefill (its FULL_SHARD / SHARD_ATTN_PRIO with one slot)"
+        )
     if kind == "TTFT" and predicted > paper:
-        return ("TTFT: our `layers` baseline computes the prompt chunks of its CPU layers on the CPU, while "
-                "llama.cpp's -ngl copies the weights of CPU-resident layers to the GPU for large batches (its "
-                "operation offload), so the paper's baseline prefill is far faster than our `layers` model")
+        return (
+            "TTFT: our `layers` baseline computes the prompt chunks of its CPU layers on the CPU, while "
+            "llama.cpp's -ngl copies the weights of CPU-resident layers to the GPU for large batches (its "
+            "operation offload), so the paper's baseline prefill is far faster than our `layers` model"
+        )
     if kind == "TTFT":
-        return ("TTFT: our `layers` prefill is predicted close to our plan's; the measured llama.cpp baseline "
-                "pays what the roofline does not (its per-layer transfers and synchronisation)")
+        return (
+            "TTFT: our `layers` prefill is predicted close to our plan's; the measured llama.cpp baseline "
+            "pays what the roofline does not (its per-layer transfers and synchronisation)"
+        )
     if predicted < paper and attn < total:
-        return (f"tok/s: at {context} the KV of {total - attn} of {total} attentions does not fit {budget} beside "
-                "the weights, so our plan computes those attentions on the CPU, as `layers` does; the paper keeps "
-                "the KV in host memory and streams it to the GPU with the weights (KV streaming, issue 25)")
+        return (
+            f"tok/s: at {context} the KV of {total - attn} of {total} attentions does not fit {budget} beside "
+            "the weights, so our plan computes those attentions on the CPU, as `layers` does; the paper keeps "
+            "the KV in host memory and streams it to the GPU with the weights (KV streaming, issue 25)"
+        )
     if predicted < paper:
-        return ("tok/s: our `layers` decode is predicted nearer our plan than the paper measured its baseline: the "
-                "measured llama.cpp -ngl pays CPU costs the estimator does not model (its per-layer "
-                "synchronisation and graph splits), and at long contexts its CPU attention kernels")
-    return (f"tok/s: our `layers` decode is predicted slower than the paper's measured baseline: the estimator "
-            "charges CPU attention at the profile's multi-head rate, up to "
-            f"{group}x this model's grouped-query KV traffic ({group} query heads per KV head), and each CPU "
-            "sub-layer (expert) a session hop, costs llama.cpp's CPU kernels do not pay")
+        return (
+            "tok/s: our `layers` decode is predicted nearer our plan than the paper measured its baseline: the "
+            "measured llama.cpp -ngl pays CPU costs the estimator does not model (its per-layer "
+            "synchronisation and graph splits), and at long contexts its CPU attention kernels"
+        )
+    return (
+        f"tok/s: our `layers` decode is predicted slower than the paper's measured baseline: the estimator "
+        "charges CPU attention at the profile's multi-head rate, up to "
+        f"{group}x this model's grouped-query KV traffic ({group} query heads per KV head), and each CPU "
+        "sub-layer (expert) a session hop, costs llama.cpp's CPU kernels do not pay"
+    )
 
 
 def compare(packs: Path) -> tuple[list[dict], dict]:
@@ -146,22 +176,39 @@ def compare(packs: Path) -> tuple[list[dict], dict]:
         pack = load_pack(ensure_pack(model, packs))
         started = time.perf_counter()
         for context, tokens in CONTEXTS.items():
-            planner = Planner(pack.manifest, profile, 0, context=tokens, batch=1, threads=THREADS,
-                              assume_bits=model.assume_bits)
+            planner = Planner(
+                pack.manifest,
+                profile,
+                0,
+                context=tokens,
+                batch=1,
+                threads=THREADS,
+                assume_bits=model.assume_bits,
+            )
             for key, published in table4.items():
                 if key[0] != model.table4 or key[1] != context:
                     continue
                 planner.budget_bytes = int(published["VramMB"]) * MiB
                 row = predict(planner, model.prompt_tokens[context])
                 speedups = figure2[(model.figure2, context, published["Vram"])]
-                rows.append({"model": model, "context": context, "vram": published["Vram"], **row,
-                             "paper_tok_s": float(published["TPS"]), "paper_ttft_ms": float(published["TTFT(msec)"]),
-                             "paper_tps_speedup": float(speedups["TPSSpeedup"]),
-                             "paper_ttft_speedup": float(speedups["TTFTSpeedup"]),
-                             "units": len(planner.sub_layers), "model_gib": planner.model_bytes / 1024**3,
-                             "largest_unit_mib": max(planner.weight_bytes[e["name"]] for e in planner.placeable) / MiB,
-                             "query_heads_per_kv_head": pack.model["num_attention_heads"]
-                             // pack.model["num_key_value_heads"]})
+                rows.append(
+                    {
+                        "model": model,
+                        "context": context,
+                        "vram": published["Vram"],
+                        **row,
+                        "paper_tok_s": float(published["TPS"]),
+                        "paper_ttft_ms": float(published["TTFT(msec)"]),
+                        "paper_tps_speedup": float(speedups["TPSSpeedup"]),
+                        "paper_ttft_speedup": float(speedups["TTFTSpeedup"]),
+                        "units": len(planner.sub_layers),
+                        "model_gib": planner.model_bytes / 1024**3,
+                        "largest_unit_mib": max(planner.weight_bytes[e["name"]] for e in planner.placeable)
+                        / MiB,
+                        "query_heads_per_kv_head": pack.model["num_attention_heads"]
+                        // pack.model["num_key_value_heads"],
+                    }
+                )
         seconds[model.config] = time.perf_counter() - started
     return rows, seconds
 
@@ -208,33 +255,45 @@ def render(rows: list[dict], seconds: dict, command: str) -> str:
     ]
     for model in MODELS:
         mine = [r for r in rows if r["model"] is model]
-        lines += [f"## {model.figure2} ({model.precision}"
-                  + (f", planned at {model.assume_bits:g} bits/weight" if model.assume_bits else "")
-                  + f": {mine[0]['model_gib']:.1f} GiB of weights, {mine[0]['units']} planning units; "
-                  f"{seconds[model.config]:.0f} s to plan its {len(mine)} rows x 2 tiers)", ""]
+        lines += [
+            f"## {model.figure2} ({model.precision}"
+            + (f", planned at {model.assume_bits:g} bits/weight" if model.assume_bits else "")
+            + f": {mine[0]['model_gib']:.1f} GiB of weights, {mine[0]['units']} planning units; "
+            f"{seconds[model.config]:.0f} s to plan its {len(mine)} rows x 2 tiers)",
+            "",
+        ]
         notes: list[str] = []
         for context in CONTEXTS:
-            lines += [f"**{context} context**", "",
-                      "| VRAM | ours tok/s | ours TTFT ms | plans (decode/prefill), attn on GPU | layers tok/s | "
-                      "layers TTFT ms | speedup tok/s | speedup TTFT | paper tok/s | paper TTFT ms | "
-                      "paper speedup tok/s | paper speedup TTFT |",
-                      "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+            lines += [
+                f"**{context} context**",
+                "",
+                "| VRAM | ours tok/s | ours TTFT ms | plans (decode/prefill), attn on GPU | layers tok/s | "
+                "layers TTFT ms | speedup tok/s | speedup TTFT | paper tok/s | paper TTFT ms | "
+                "paper speedup tok/s | paper speedup TTFT |",
+                "|---|---|---|---|---|---|---|---|---|---|---|---|",
+            ]
             for r in (r for r in mine if r["context"] == context):
                 ours, base = r["ours"], r["layers"]
                 tps_speedup = ours["tok_s"] / base["tok_s"]
                 ttft_speedup = base["ttft_ms"] / ours["ttft_ms"]
                 marks = []
-                for kind, predicted, paper in (("tok/s", tps_speedup, r["paper_tps_speedup"]),
-                                               ("TTFT", ttft_speedup, r["paper_ttft_speedup"])):
+                for kind, predicted, paper in (
+                    ("tok/s", tps_speedup, r["paper_tps_speedup"]),
+                    ("TTFT", ttft_speedup, r["paper_ttft_speedup"]),
+                ):
                     if max(predicted / paper, paper / predicted) > 2:
-                        notes.append(f"[{len(notes) + 1}] {context}, {r['vram']}: "
-                                     + explain(context, r["vram"] + "B", r, predicted, paper, kind) + ".")
+                        notes.append(
+                            f"[{len(notes) + 1}] {context}, {r['vram']}: "
+                            + explain(context, r["vram"] + "B", r, predicted, paper, kind)
+                            + "."
+                        )
                         marks.append(f"[{len(notes)}]")
                 lines.append(
                     f"| {r['vram']} | {ours['tok_s']:.1f} | {ours['ttft_ms']:.0f} | {ours['decode']} / "
                     f"{ours['prefill']}, {ours['attn_on_gpu']} | {base['tok_s']:.1f} | {base['ttft_ms']:.0f} | "
                     f"{tps_speedup:.2f}x | {ttft_speedup:.2f}x | {r['paper_tok_s']:.1f} | {r['paper_ttft_ms']:.0f} | "
-                    f"{r['paper_tps_speedup']:.2f}x | {r['paper_ttft_speedup']:.2f}x {' '.join(marks)} |")
+                    f"{r['paper_tps_speedup']:.2f}x | {r['paper_ttft_speedup']:.2f}x {' '.join(marks)} |"
+                )
             lines.append("")
         if notes:
             lines += ["Notes:", "", *(f"- {note}" for note in notes), ""]
@@ -243,7 +302,9 @@ def render(rows: list[dict], seconds: dict, command: str) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--packs", default=str(REPO / "build" / "paper"), help="where the shape-only packs are kept")
+    parser.add_argument(
+        "--packs", default=str(REPO / "build" / "paper"), help="where the shape-only packs are kept"
+    )
     parser.add_argument("--out", default=str(REPO / "docs" / "paper-comparison.md"))
     parser.add_argument("--json", default=None, help="also write the rows as JSON here")
     args = parser.parse_args()

@@ -35,8 +35,14 @@ def main() -> int:
     pack = load_pack(args.pack)
     loaded_s = time.perf_counter() - started
     started = time.perf_counter()
-    planner = Planner(pack.manifest, load_profile("desktop-rtx5090"), int(args.vram * GiB), context=args.context,
-                      threads=16, assume_bits=args.assume_bits)
+    planner = Planner(
+        pack.manifest,
+        load_profile("desktop-rtx5090"),
+        int(args.vram * GiB),
+        context=args.context,
+        threads=16,
+        assume_bits=args.assume_bits,
+    )
     setup_s = time.perf_counter() - started
     planned = planner.plan(DEFAULT_TIERS)
     replans = []
@@ -45,15 +51,29 @@ def main() -> int:
         started = time.perf_counter()
         planner.plan_tier(1)
         replans.append(time.perf_counter() - started)
-    print(json.dumps({
-        "pack": args.pack, "units": len(planner.sub_layers), "budget_gib": args.vram, "context": args.context,
-        "manifest_load_s": round(loaded_s, 3), "planner_setup_s": round(setup_s, 3),
-        "plan_all_tiers_s": round(planned["planning_s"], 3), "tiers": list(DEFAULT_TIERS),
-        "chosen": {str(e["tier"]): e["chosen"].strategy for e in planned["tiers"]},
-        "replan_tier1_s": {"median": round(statistics.median(replans), 4), "min": round(min(replans), 4),
-                           "max": round(max(replans), 4), "runs": len(replans)},
-        "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
-    }, indent=1))
+    print(
+        json.dumps(
+            {
+                "pack": args.pack,
+                "units": len(planner.sub_layers),
+                "budget_gib": args.vram,
+                "context": args.context,
+                "manifest_load_s": round(loaded_s, 3),
+                "planner_setup_s": round(setup_s, 3),
+                "plan_all_tiers_s": round(planned["planning_s"], 3),
+                "tiers": list(DEFAULT_TIERS),
+                "chosen": {str(e["tier"]): e["chosen"].strategy for e in planned["tiers"]},
+                "replan_tier1_s": {
+                    "median": round(statistics.median(replans), 4),
+                    "min": round(min(replans), 4),
+                    "max": round(max(replans), 4),
+                    "runs": len(replans),
+                },
+                "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
+            },
+            indent=1,
+        )
+    )
     return 0
 
 

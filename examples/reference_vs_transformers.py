@@ -61,11 +61,15 @@ def main() -> None:
         rate, tokens = transformers_decode_tok_s(model, prompt_ids, args.new_tokens)
         theirs.append(rate)
     same = result.tokens == tokens
-    print(f"prompt {len(prompt_ids)} tokens, {args.new_tokens} new tokens, {args.threads} threads, "
-          f"{args.repeat} interleaved runs; identical tokens: {same}")
+    print(
+        f"prompt {len(prompt_ids)} tokens, {args.new_tokens} new tokens, {args.threads} threads, "
+        f"{args.repeat} interleaved runs; identical tokens: {same}"
+    )
     for name, rates in (("pipeshard reference (ORT CPU)", ours), ("transformers eager", theirs)):
-        print(f"  {name:32s} median {statistics.median(rates):6.1f} tok/s  "
-              f"(min {min(rates):.1f}, max {max(rates):.1f})")
+        print(
+            f"  {name:32s} median {statistics.median(rates):6.1f} tok/s  "
+            f"(min {min(rates):.1f}, max {max(rates):.1f})"
+        )
     print(f"  ratio pipeshard / transformers: {statistics.median(ours) / statistics.median(theirs):.2f}x")
 
 

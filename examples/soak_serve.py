@@ -52,10 +52,32 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=8878)
     args = parser.parse_args()
     base = f"http://127.0.0.1:{args.port}"
-    process = subprocess.Popen([sys.executable, "-m", "pipeshard.cli", "serve", args.pack, "--port", str(args.port),
-                                "--device", "sim", "--vram", "25%", "--profile", args.profile, "--parallel", "4",
-                                "--queue", "8", "--context", "512"], stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True)
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "pipeshard.cli",
+            "serve",
+            args.pack,
+            "--port",
+            str(args.port),
+            "--device",
+            "sim",
+            "--vram",
+            "25%",
+            "--profile",
+            args.profile,
+            "--parallel",
+            "4",
+            "--queue",
+            "8",
+            "--context",
+            "512",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     for _ in range(600):
         try:
             if httpx.get(base + "/health", timeout=1).status_code == 200:
@@ -76,12 +98,30 @@ def main() -> None:
 
     def client(seed: int) -> None:
         rng = random.Random(seed)
-        words = ["tell", "me", "about", "the", "sea", "a", "story", "why", "how", "numbers", "colors", "please"]
+        words = [
+            "tell",
+            "me",
+            "about",
+            "the",
+            "sea",
+            "a",
+            "story",
+            "why",
+            "how",
+            "numbers",
+            "colors",
+            "please",
+        ]
         while time.monotonic() < stop_at:
             text = " ".join(rng.choice(words) for _ in range(rng.randint(1, 40)))
             chat = rng.random() < 0.5
-            body = {"model": "pack", "max_tokens": rng.randint(1, 48), "stream": rng.random() < 0.6,
-                    "temperature": rng.choice([0, 0, 0.8]), "seed": rng.randint(0, 9)}
+            body = {
+                "model": "pack",
+                "max_tokens": rng.randint(1, 48),
+                "stream": rng.random() < 0.6,
+                "temperature": rng.choice([0, 0, 0.8]),
+                "seed": rng.randint(0, 9),
+            }
             body.update({"messages": [{"role": "user", "content": text}]} if chat else {"prompt": text})
             url = base + ("/v1/chat/completions" if chat else "/v1/completions")
             try:
@@ -100,14 +140,18 @@ def main() -> None:
                             done = done or line == "data: [DONE]"
                             if drop and chunks >= 2:
                                 break
-                    count("dropped" if drop and not done else "ok" if done else "failed",
-                          None if done or drop else "stream ended without [DONE]")
+                    count(
+                        "dropped" if drop and not done else "ok" if done else "failed",
+                        None if done or drop else "stream ended without [DONE]",
+                    )
                 else:
                     answer = httpx.post(url, json=body, timeout=120)
                     if answer.status_code == 503:
                         count("busy_503")
-                    elif answer.status_code == 200 and \
-                            answer.json()["usage"]["completion_tokens"] <= body["max_tokens"]:
+                    elif (
+                        answer.status_code == 200
+                        and answer.json()["usage"]["completion_tokens"] <= body["max_tokens"]
+                    ):
                         count("ok")
                     else:
                         count("failed", f"{answer.status_code} {answer.text[:200]}")
@@ -118,9 +162,13 @@ def main() -> None:
         rng = random.Random(99)
         while time.monotonic() < stop_at:
             time.sleep(rng.uniform(2, 6))
-            answer = httpx.post(base + "/v1/budget", json={"vram": rng.choice(["25%", "40%", "60%"])}, timeout=60)
-            count("budget_changes" if answer.status_code == 200 else "failed",
-                  None if answer.status_code == 200 else answer.text[:200])
+            answer = httpx.post(
+                base + "/v1/budget", json={"vram": rng.choice(["25%", "40%", "60%"])}, timeout=60
+            )
+            count(
+                "budget_changes" if answer.status_code == 200 else "failed",
+                None if answer.status_code == 200 else answer.text[:200],
+            )
 
     rss: list[float] = []
 
@@ -141,19 +189,32 @@ def main() -> None:
     process.wait(timeout=30)
     quarter = max(1, len(rss) // 4)
     report = {
-        "seconds": args.seconds, **counts, "failures": failures,
-        "slots_free": final["pipeshard_slots_free"], "slots_total": final["pipeshard_slots_total"],
-        "queued": final["pipeshard_requests_queued"], "running": final["pipeshard_requests_running"],
+        "seconds": args.seconds,
+        **counts,
+        "failures": failures,
+        "slots_free": final["pipeshard_slots_free"],
+        "slots_total": final["pipeshard_slots_total"],
+        "queued": final["pipeshard_requests_queued"],
+        "running": final["pipeshard_requests_running"],
         "requests_total": final["pipeshard_requests_total"],
         "cancelled_total": final["pipeshard_requests_cancelled_total"],
-        "device_used_bytes": final["pipeshard_device_used_bytes"], "budget_bytes": final["pipeshard_vram_budget_bytes"],
+        "device_used_bytes": final["pipeshard_device_used_bytes"],
+        "budget_bytes": final["pipeshard_vram_budget_bytes"],
         "device_peak_bytes": final["pipeshard_device_peak_bytes"],
-        "rss_mib_by_quarter": [round(statistics.median(rss[i * quarter:(i + 1) * quarter]), 1) for i in range(4)]
-        if len(rss) >= 4 else rss,
+        "rss_mib_by_quarter": [
+            round(statistics.median(rss[i * quarter : (i + 1) * quarter]), 1) for i in range(4)
+        ]
+        if len(rss) >= 4
+        else rss,
     }
     print(json.dumps(report, indent=1))
-    checks = [counts["failed"] == 0, report["slots_free"] == report["slots_total"], report["queued"] == 0,
-              report["running"] == 0, report["device_used_bytes"] <= report["budget_bytes"]]
+    checks = [
+        counts["failed"] == 0,
+        report["slots_free"] == report["slots_total"],
+        report["queued"] == 0,
+        report["running"] == 0,
+        report["device_used_bytes"] <= report["budget_bytes"],
+    ]
     sys.exit(0 if all(checks) else 1)
 
 

@@ -34,7 +34,9 @@ class DecoderDims:
     num_experts: int = 0  # MoE only: experts per layer, routed per token, and each expert's FFN width
     experts_per_token: int = 0
     expert_intermediate_size: int = 0
-    sliding_window: int = 0  # keys a sliding-window layer attends to (0: none, or none shorter than max_context)
+    sliding_window: int = (
+        0  # keys a sliding-window layer attends to (0: none, or none shorter than max_context)
+    )
 
 
 def rope_parameter_sets(config) -> list[dict]:
@@ -50,8 +52,10 @@ def check_supported_features(config, where: str) -> None:
     for parameters in rope_parameter_sets(config):
         rope_type = parameters.get("rope_type", "default")
         if rope_type not in STATIC_ROPE_TYPES:
-            raise UserError(f"{where}: rope_scaling of type {rope_type!r} is not supported "
-                            f"(supported: {', '.join(STATIC_ROPE_TYPES)})")
+            raise UserError(
+                f"{where}: rope_scaling of type {rope_type!r} is not supported "
+                f"(supported: {', '.join(STATIC_ROPE_TYPES)})"
+            )
     if getattr(config, "attn_logit_softcapping", None):
         raise UserError(f"{where}: attention logit softcapping (attn_logit_softcapping) is not supported")
     if getattr(config, "use_bidirectional_attention", False):
@@ -64,9 +68,11 @@ def _max_context(config) -> int:
     an export stays within the original length, where the short factors hold (the runtime refuses more)."""
     for parameters in rope_parameter_sets(config):
         if parameters.get("rope_type") == "longrope" and parameters.get("long_factor") != parameters.get(
-                "short_factor"):
+            "short_factor"
+        ):
             original = parameters.get("original_max_position_embeddings") or getattr(
-                config, "original_max_position_embeddings", None)
+                config, "original_max_position_embeddings", None
+            )
             return min(original or config.max_position_embeddings, config.max_position_embeddings)
     return config.max_position_embeddings
 
@@ -107,7 +113,9 @@ class DecoderWithPastExportConfig(ExporterConfig):
 
     @property
     def past_names(self) -> list[str]:
-        return [f"past_key_values.{i}.{kind}" for i in range(self.dims.num_layers) for kind in ("key", "value")]
+        return [
+            f"past_key_values.{i}.{kind}" for i in range(self.dims.num_layers) for kind in ("key", "value")
+        ]
 
     @property
     def present_names(self) -> list[str]:
@@ -120,7 +128,9 @@ class DecoderWithPastExportConfig(ExporterConfig):
             axes["image_features"] = {0: "image_tokens"}
         axes |= {
             "attention_mask": {0: "batch", 1: "total_sequence"},
-            "position_ids": {0: "batch", 1: "sequence"} if self.POSITION_ROWS == 1 else {1: "batch", 2: "sequence"},
+            "position_ids": {0: "batch", 1: "sequence"}
+            if self.POSITION_ROWS == 1
+            else {1: "batch", 2: "sequence"},
         }
         axes.update({name: {0: "batch", 2: "past_sequence"} for name in self.past_names})
         return axes
@@ -187,7 +197,9 @@ SUPPORTED_ARCHITECTURES: dict[str, type[DecoderWithPastExportConfig]] = {
 }
 
 
-def export_config_for(config, float_dtype: str, image_token_id: int | None = None) -> DecoderWithPastExportConfig:
+def export_config_for(
+    config, float_dtype: str, image_token_id: int | None = None
+) -> DecoderWithPastExportConfig:
     """The export config of a transformers model config (a VLM's decoder: with its image token)."""
     check_supported_features(config, config.model_type)
     kind = SUPPORTED_ARCHITECTURES.get(config.model_type) or VLM_DECODERS[config.model_type]

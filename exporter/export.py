@@ -23,8 +23,17 @@ DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 COMPUTE_DTYPE = "fp32"
 LOGIT_TOLERANCE = 1e-3
 MODEL_FILE = "model.onnx"
-TOOL_PACKAGES = ["pipeshard", "torch", "transformers", "optimum", "onnx", "onnxscript", "onnxruntime",
-                 "onnxruntime-extensions", "gguf"]
+TOOL_PACKAGES = [
+    "pipeshard",
+    "torch",
+    "transformers",
+    "optimum",
+    "onnx",
+    "onnxscript",
+    "onnxruntime",
+    "onnxruntime-extensions",
+    "gguf",
+]
 
 
 @dataclass
@@ -51,8 +60,14 @@ def _versions() -> dict[str, str]:
 def _stages(total: int, quiet: bool):
     from tqdm import tqdm
 
-    return tqdm(total=total, desc="export", unit="stage", disable=True if quiet else None, leave=False,
-                bar_format="{desc}: {n_fmt}/{total_fmt} stages |{bar:20}| {elapsed}")
+    return tqdm(
+        total=total,
+        desc="export",
+        unit="stage",
+        disable=True if quiet else None,
+        leave=False,
+        bar_format="{desc}: {n_fmt}/{total_fmt} stages |{bar:20}| {elapsed}",
+    )
 
 
 def _quiet_third_party_output() -> None:
@@ -65,8 +80,13 @@ def _quiet_third_party_output() -> None:
 
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
-    for name in ("torch.onnx", "torch.onnx._internal.exporter._registration", "torch._dynamo", "torch.export",
-                 "onnxscript"):
+    for name in (
+        "torch.onnx",
+        "torch.onnx._internal.exporter._registration",
+        "torch._dynamo",
+        "torch.export",
+        "onnxscript",
+    ):
         logging.getLogger(name).setLevel(logging.ERROR)
 
 
@@ -87,8 +107,14 @@ def _export_vision(source, staging: Path, opset: int) -> dict:
     return {**description, "max_difference_vs_pytorch": difference, "preprocessing": preprocessing}
 
 
-def export_model(model: str, out: Path, dtype: str = "fp32", force: bool = False, opset: int | None = None,
-                 quiet: bool = False) -> ExportResult:
+def export_model(
+    model: str,
+    out: Path,
+    dtype: str = "fp32",
+    force: bool = False,
+    opset: int | None = None,
+    quiet: bool = False,
+) -> ExportResult:
     """Export MODEL to OUT (atomically): ONNX decoder, weights, config, tokenizer files, export.json."""
     if dtype not in DTYPES:
         raise UserError(f"unknown dtype {dtype!r}; choose one of: {', '.join(DTYPES)}")
@@ -124,15 +150,24 @@ def export_model(model: str, out: Path, dtype: str = "fp32", force: bool = False
         export_decoder(source.model, export_config, staging / MODEL_FILE, opset)
         dims = export_config.dims
         # M-RoPE positions are not a token's place in the cache: rotary stays apart from GQA there.
-        fuse_exported_model(staging / MODEL_FILE, dims.num_attention_heads, dims.num_key_value_heads,
-                            dims.head_dim, COMPUTE_DTYPE, dims.max_context if export_config.POSITION_ROWS == 1
-                            else None, dims.sliding_window or None, stored_dtype=dtype)
+        fuse_exported_model(
+            staging / MODEL_FILE,
+            dims.num_attention_heads,
+            dims.num_key_value_heads,
+            dims.head_dim,
+            COMPUTE_DTYPE,
+            dims.max_context if export_config.POSITION_ROWS == 1 else None,
+            dims.sliding_window or None,
+            stored_dtype=dtype,
+        )
         progress.update()
 
         progress.set_description("validate against PyTorch")
         difference = max_logit_difference(source.model, export_config, staging / MODEL_FILE)
         if not difference <= LOGIT_TOLERANCE:
-            raise RuntimeError(f"exported logits differ from PyTorch by {difference:.3g} (> {LOGIT_TOLERANCE})")
+            raise RuntimeError(
+                f"exported logits differ from PyTorch by {difference:.3g} (> {LOGIT_TOLERANCE})"
+            )
         progress.update()
 
         progress.set_description("tokenizer")
@@ -165,10 +200,11 @@ def export_model(model: str, out: Path, dtype: str = "fp32", force: bool = False
             "max_logit_difference_vs_pytorch": difference,
             "onnx_tokenizer_check": tokenizer_check,
             "tools": _versions(),
-            "files": {name: {"bytes": size, "sha256": sha256_file(staging / name)} for name, size in files.items()},
+            "files": {
+                name: {"bytes": size, "sha256": sha256_file(staging / name)} for name, size in files.items()
+            },
         }
         write_json_atomic(staging / "export.json", document)
         progress.update()
     os.sync()
     return ExportResult(out, files, time.perf_counter() - started, difference)
-

@@ -96,10 +96,14 @@ def _is_reference(tensor: TensorProto) -> bool:
 def _concatenated(tensors: list[TensorProto], axis: int, name: str) -> TensorProto:
     """The tensors joined along `axis`; for references (a shape-only export), a reference of the joined shape."""
     if not any(_is_reference(t) for t in tensors):
-        return numpy_helper.from_array(np.concatenate([numpy_helper.to_array(t) for t in tensors], axis=axis), name)
+        return numpy_helper.from_array(
+            np.concatenate([numpy_helper.to_array(t) for t in tensors], axis=axis), name
+        )
     dims = list(tensors[0].dims)
     dims[axis] = sum(t.dims[axis] for t in tensors)
-    location = next(e.value for t in tensors if _is_reference(t) for e in t.external_data if e.key == "location")
+    location = next(
+        e.value for t in tensors if _is_reference(t) for e in t.external_data if e.key == "location"
+    )
     return weight_reference(name, tensors[0].data_type, dims, location)
 
 
@@ -123,8 +127,13 @@ def _metadata_from(target: onnx.NodeProto, source: onnx.NodeProto) -> onnx.NodeP
 
 
 def _int64(name: str, values: list[int]) -> onnx.NodeProto:
-    return helper.make_node("Constant", [], [name], name=name,
-                            value=helper.make_tensor(name + "_value", TensorProto.INT64, [len(values)], values))
+    return helper.make_node(
+        "Constant",
+        [],
+        [name],
+        name=name,
+        value=helper.make_tensor(name + "_value", TensorProto.INT64, [len(values)], values),
+    )
 
 
 def derive_past_length(model: onnx.ModelProto, kv_heads: int, head_dim: int) -> int:
@@ -144,8 +153,12 @@ def derive_past_length(model: onnx.ModelProto, kv_heads: int, head_dim: int) -> 
             helper.make_node("Sub", [prefix + "total", prefix + "new"], [prefix + "past"]),
             _int64(prefix + "heads", [kv_heads]),
             _int64(prefix + "head_dim", [head_dim]),
-            helper.make_node("Concat", [prefix + "batch", prefix + "heads", prefix + "past", prefix + "head_dim"],
-                             [prefix + "full"], axis=0),
+            helper.make_node(
+                "Concat",
+                [prefix + "batch", prefix + "heads", prefix + "past", prefix + "head_dim"],
+                [prefix + "full"],
+                axis=0,
+            ),
             _int64(prefix + "start", [attributes.get("start", 0)]),
             _int64(prefix + "end", [attributes.get("end", 4)]),
             helper.make_node("Slice", [prefix + "full", prefix + "start", prefix + "end"], [node.output[0]]),
@@ -170,17 +183,24 @@ def _step_lengths(like: onnx.NodeProto) -> list[onnx.NodeProto]:
         helper.make_node("Cast", ["_gqa_mask_shape"], ["_gqa_mask_shape32"], to=TensorProto.INT32),
         helper.make_node("Gather", ["_gqa_mask_shape32", "_gqa_one"], [TOTAL], axis=0),
         helper.make_node("Sub", [TOTAL, "_gqa_one32"], ["_gqa_last"]),
-        helper.make_node("Slice", ["attention_mask", "_gqa_minus_one_1d", "_gqa_lowest_1d", "_gqa_one_1d",
-                                   "_gqa_minus_one_1d"], ["_gqa_mask_reversed"]),
+        helper.make_node(
+            "Slice",
+            ["attention_mask", "_gqa_minus_one_1d", "_gqa_lowest_1d", "_gqa_one_1d", "_gqa_minus_one_1d"],
+            ["_gqa_mask_reversed"],
+        ),
         helper.make_node("Cast", ["_gqa_mask_reversed"], ["_gqa_mask_reversed32"], to=TensorProto.INT32),
         helper.make_node("ArgMax", ["_gqa_mask_reversed32"], ["_gqa_trailing"], axis=1, keepdims=0),
         helper.make_node("Cast", ["_gqa_trailing"], ["_gqa_trailing32"], to=TensorProto.INT32),
         helper.make_node("Sub", ["_gqa_last", "_gqa_trailing32"], [SEQLENS]),
         helper.make_node("Slice", ["_gqa_mask_shape", "_gqa_zero_1d", "_gqa_one_1d"], ["_gqa_batch"]),
         _int64("_gqa_minus_one_1d", [-1]),
-        _int64("_gqa_lowest_1d", [-(2 ** 63)]),
-        helper.make_node("Constant", [], ["_gqa_one"], value=helper.make_tensor("v", TensorProto.INT64, [], [1])),
-        helper.make_node("Constant", [], ["_gqa_one32"], value=helper.make_tensor("v", TensorProto.INT32, [], [1])),
+        _int64("_gqa_lowest_1d", [-(2**63)]),
+        helper.make_node(
+            "Constant", [], ["_gqa_one"], value=helper.make_tensor("v", TensorProto.INT64, [], [1])
+        ),
+        helper.make_node(
+            "Constant", [], ["_gqa_one32"], value=helper.make_tensor("v", TensorProto.INT32, [], [1])
+        ),
         _int64("_gqa_zero_1d", [0]),
         _int64("_gqa_one_1d", [1]),
         _int64("_gqa_two_1d", [2]),
@@ -192,8 +212,9 @@ def _step_lengths(like: onnx.NodeProto) -> list[onnx.NodeProto]:
     return nodes
 
 
-def _to_3d(graph: _Graph, transposed_input: str, added: list[onnx.NodeProto], like: onnx.NodeProto,
-           width: int) -> str:
+def _to_3d(
+    graph: _Graph, transposed_input: str, added: list[onnx.NodeProto], like: onnx.NodeProto, width: int
+) -> str:
     """The [batch, seq, heads * head_dim] form of a tensor that the exporter reshaped to
     [batch, seq, heads, head_dim] (and maybe normalised per head) before transposing."""
     producer = graph.producer.get(transposed_input)
@@ -211,23 +232,34 @@ def _to_3d(graph: _Graph, transposed_input: str, added: list[onnx.NodeProto], li
     return name
 
 
-def _rotated_3d(graph: _Graph, rotary: onnx.NodeProto, heads: int, head_dim: int,
-                added: list[onnx.NodeProto]) -> str:
+def _rotated_3d(
+    graph: _Graph, rotary: onnx.NodeProto, heads: int, head_dim: int, added: list[onnx.NodeProto]
+) -> str:
     transpose = graph.made_by(rotary.input[0], "Transpose")
     flat = _to_3d(graph, transpose.input[0], added, rotary, heads * head_dim)
     name = f"{rotary.output[0]}_3d"
     attributes = {a.name: helper.get_attribute_value(a) for a in rotary.attribute}
-    node = helper.make_node("RotaryEmbedding", [flat, *rotary.input[1:]], [name], name=name,
-                            interleaved=attributes.get("interleaved", 0), num_heads=heads,
-                            **({"rotary_embedding_dim": attributes["rotary_embedding_dim"]}
-                               if attributes.get("rotary_embedding_dim") else {}))
+    node = helper.make_node(
+        "RotaryEmbedding",
+        [flat, *rotary.input[1:]],
+        [name],
+        name=name,
+        interleaved=attributes.get("interleaved", 0),
+        num_heads=heads,
+        **(
+            {"rotary_embedding_dim": attributes["rotary_embedding_dim"]}
+            if attributes.get("rotary_embedding_dim")
+            else {}
+        ),
+    )
     added.append(_metadata_from(node, rotary))
     graph.widths[name] = heads * head_dim
     return name
 
 
-def _gqa_input(graph: _Graph, tensor: str, heads: int, head_dim: int, added: list[onnx.NodeProto],
-               like: onnx.NodeProto) -> str:
+def _gqa_input(
+    graph: _Graph, tensor: str, heads: int, head_dim: int, added: list[onnx.NodeProto], like: onnx.NodeProto
+) -> str:
     """The [batch, seq, heads * head_dim] form of a [batch, heads, seq, head_dim] attention input:
     rotary re-applied on the 3-D projection when it is the RotaryEmbedding op, the transpose undone
     when there is one, else an explicit Transpose + Reshape (fp16 exports decompose the rotary)."""
@@ -262,29 +294,40 @@ def _mask_window(model: onnx.ModelProto, mask: str, sliding_window: int | None) 
     on steps with a past, some longer than the sliding window: -1 for "causal and not padding", the window W for
     "causal, within the last W keys and not padding" (GQA's `local_window_size`), None for anything else (kept
     as the exporter's bias)."""
-    cases = [(np.array([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]]), 6), (np.ones((1, 9), np.int64), 1),
-             (np.ones((1, 9), np.int64), 3)]
+    cases = [
+        (np.array([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]]), 6),
+        (np.ones((1, 9), np.int64), 1),
+        (np.ones((1, 9), np.int64), 3),
+    ]
     if sliding_window:
         longer = sliding_window + 5
-        cases += [(np.concatenate([np.zeros((1, 3)), np.ones((1, longer))], axis=1), longer + 3),
-                  (np.ones((1, longer), np.int64), 1), (np.ones((1, longer + 4), np.int64), 2)]
+        cases += [
+            (np.concatenate([np.zeros((1, 3)), np.ones((1, longer))], axis=1), longer + 3),
+            (np.ones((1, longer), np.int64), 1),
+            (np.ones((1, longer + 4), np.int64), 2),
+        ]
     found_masks = []
     position_input = next((v for v in model.graph.input if v.name == "position_ids"), None)
     rows = len(position_input.type.tensor_type.shape.dim) if position_input is not None else 2
     for attention_mask, new in cases:
         batch, total = attention_mask.shape
-        positions = np.maximum(np.cumsum(attention_mask, axis=1) - 1, 0)[:, total - new:]
+        positions = np.maximum(np.cumsum(attention_mask, axis=1) - 1, 0)[:, total - new :]
         if rows == 3:  # M-RoPE position_ids [3, batch, new] (text positions: the same on every row)
             positions = np.broadcast_to(positions, (3, *positions.shape))
-        feeds = {"input_ids": np.zeros((batch, new), np.int64), "attention_mask": attention_mask.astype(np.int64),
-                 "position_ids": positions.astype(np.int64)}
+        feeds = {
+            "input_ids": np.zeros((batch, new), np.int64),
+            "attention_mask": attention_mask.astype(np.int64),
+            "position_ids": positions.astype(np.int64),
+        }
         try:
             (found,) = _evaluate(model, [mask], feeds)
         except Exception:  # noqa: BLE001 - the mask needs more than the step inputs: not the plain kind
             return None
         found_masks.append((found, attention_mask.astype(bool), total, new))
     for window in (-1, sliding_window) if sliding_window else (-1,):
-        if all(_is_plain_mask(found, attend, total, new, window) for found, attend, total, new in found_masks):
+        if all(
+            _is_plain_mask(found, attend, total, new, window) for found, attend, total, new in found_masks
+        ):
             return window
     return None
 
@@ -303,15 +346,20 @@ def _padding_bias(float_type: int, like: onnx.NodeProto) -> tuple[str, list[onnx
     lowest = float(np.finfo(helper.tensor_dtype_to_np_dtype(float_type)).min)
     bias = PADDING_BIAS
     nodes = [
-        helper.make_node("Constant", [], [bias + "_zero"], value=helper.make_tensor("v", float_type, [], [0.0])),
-        helper.make_node("Constant", [], [bias + "_lowest"], value=helper.make_tensor("v", float_type, [], [lowest])),
+        helper.make_node(
+            "Constant", [], [bias + "_zero"], value=helper.make_tensor("v", float_type, [], [0.0])
+        ),
+        helper.make_node(
+            "Constant", [], [bias + "_lowest"], value=helper.make_tensor("v", float_type, [], [lowest])
+        ),
         helper.make_node("Cast", ["attention_mask"], [bias + "_attend"], to=TensorProto.BOOL),
         helper.make_node("Where", [bias + "_attend", bias + "_zero", bias + "_lowest"], [bias + "_rows"]),
         _int64(bias + "_axes", [1, 2]),
         helper.make_node("Unsqueeze", [bias + "_rows", bias + "_axes"], [bias + "_4d"]),
         helper.make_node("Shape", ["input_ids"], [bias + "_new"], start=1, end=2),
-        helper.make_node("Concat", ["_gqa_batch", "_gqa_one_1d", bias + "_new", "_gqa_total_1d"], [bias + "_shape"],
-                         axis=0),
+        helper.make_node(
+            "Concat", ["_gqa_batch", "_gqa_one_1d", bias + "_new", "_gqa_total_1d"], [bias + "_shape"], axis=0
+        ),
         helper.make_node("Expand", [bias + "_4d", bias + "_shape"], [bias]),
     ]
     for node in nodes:
@@ -326,8 +374,12 @@ def _additive_bias(graph: _Graph, mask: str, float_type: int) -> tuple[str, list
     lowest = float(np.finfo(helper.tensor_dtype_to_np_dtype(float_type)).min)
     bias = f"{mask}_bias"
     nodes = [
-        helper.make_node("Constant", [], [bias + "_zero"], value=helper.make_tensor("v", float_type, [], [0.0])),
-        helper.make_node("Constant", [], [bias + "_lowest"], value=helper.make_tensor("v", float_type, [], [lowest])),
+        helper.make_node(
+            "Constant", [], [bias + "_zero"], value=helper.make_tensor("v", float_type, [], [0.0])
+        ),
+        helper.make_node(
+            "Constant", [], [bias + "_lowest"], value=helper.make_tensor("v", float_type, [], [lowest])
+        ),
         helper.make_node("Where", [mask, bias + "_zero", bias + "_lowest"], [bias]),
     ]
     like = graph.producer.get(mask)
@@ -342,8 +394,11 @@ def _projection(graph: _Graph, tensor: str) -> tuple[onnx.NodeProto, str | None]
     """The MatMul (by an initializer weight) and the bias added after it, if any (Qwen2's q/k/v), that became
     `tensor` through Reshape and Transpose(0, 2, 1, 3)."""
     transpose = graph.producer.get(tensor)
-    if transpose is None or transpose.op_type != "Transpose" or \
-            next((list(a.ints) for a in transpose.attribute if a.name == "perm"), None) != [0, 2, 1, 3]:
+    if (
+        transpose is None
+        or transpose.op_type != "Transpose"
+        or next((list(a.ints) for a in transpose.attribute if a.name == "perm"), None) != [0, 2, 1, 3]
+    ):
         return None
     reshape = graph.producer.get(transpose.input[0])
     if reshape is None or reshape.op_type != "Reshape":
@@ -367,8 +422,16 @@ def _plain_rotary(node: onnx.NodeProto | None, head_dim: int) -> bool:
     return not attributes.get("interleaved") and attributes.get("rotary_embedding_dim", 0) in (0, head_dim)
 
 
-def _packed_qkv(graph: _Graph, q: str, k: str, v: str, heads: int, kv_heads: int, head_dim: int,
-                added: list[onnx.NodeProto]) -> tuple[str, list[tuple[str, str]]] | None:
+def _packed_qkv(
+    graph: _Graph,
+    q: str,
+    k: str,
+    v: str,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    added: list[onnx.NodeProto],
+) -> tuple[str, list[tuple[str, str]]] | None:
     """One MatMul over [Wq | Wk | Wv] (plus [bq | bk | bv] where all three have biases) when q and k are plainly
     rotated projections of the same input as v;
     returns the packed qkv and the (cos, sin) pairs q and k were rotated with, or None where the pattern
@@ -397,8 +460,9 @@ def _packed_qkv(graph: _Graph, q: str, k: str, v: str, heads: int, kv_heads: int
         bias = _concatenated([graph.initializers[b] for b in biases], 0, f"{name}_bias")
         graph.model.graph.initializer.append(bias)
         graph.initializers[bias.name] = bias
-        added.append(_metadata_from(helper.make_node("Add", [product, bias.name], [name], name=name),
-                                    projections[0]))
+        added.append(
+            _metadata_from(helper.make_node("Add", [product, bias.name], [name], name=name), projections[0])
+        )
         graph.widths[product] = sum(widths)
     graph.widths[name] = sum(widths)
     return name, [tuple(rotate_q.input[1:3]), tuple(rotate_k.input[1:3])]
@@ -424,48 +488,68 @@ def _evaluate(model: onnx.ModelProto, outputs: list[str], feeds: dict[str, np.nd
     nodes = [n for n in model.graph.node if id(n) in needed]
     used = {t for n in nodes for t in n.input}
     graph = helper.make_graph(
-        nodes, "evaluate", [v for v in model.graph.input if v.name in inputs],
+        nodes,
+        "evaluate",
+        [v for v in model.graph.input if v.name in inputs],
         [helper.make_empty_tensor_value_info(name) for name in outputs],
-        [initializers[name] for name in used if name in initializers])
+        [initializers[name] for name in used if name in initializers],
+    )
     sub_model = helper.make_model(graph, opset_imports=model.opset_import, ir_version=model.ir_version)
     options = onnxruntime.SessionOptions()
     options.log_severity_level = 3
-    session = onnxruntime.InferenceSession(sub_model.SerializeToString(), options,
-                                           providers=["CPUExecutionProvider"])
+    session = onnxruntime.InferenceSession(
+        sub_model.SerializeToString(), options, providers=["CPUExecutionProvider"]
+    )
     return session.run(outputs, {name: feeds[name] for name in inputs})
 
 
-def _rotary_caches(graph: _Graph, sources: list[tuple[str, str]], max_context: int, float_type: int,
-                   like: onnx.NodeProto) -> list[onnx.NodeProto]:
+def _rotary_caches(
+    graph: _Graph, sources: list[tuple[str, str]], max_context: int, float_type: int, like: onnx.NodeProto
+) -> list[onnx.NodeProto]:
     """Tables of the exporter's rotary cos/sin for positions 0 .. max_context - 1 (its own subgraphs run on
     those positions, so any rope scaling it applies is in them; the exporter computes them once per use,
     and every use must agree), and per step their first `total` rows, in the scope of `like` (the mask's)."""
     positions = np.arange(max_context, dtype=np.int64)[None]
-    feeds = {"position_ids": positions, "input_ids": np.zeros_like(positions),
-             "attention_mask": np.ones_like(positions)}
+    feeds = {
+        "position_ids": positions,
+        "input_ids": np.zeros_like(positions),
+        "attention_mask": np.ones_like(positions),
+    }
     values = _evaluate(graph.model, [name for pair in sources for name in pair], feeds)
     tables = values[:2]
     for index, value in enumerate(values):
         if not np.array_equal(value, tables[index % 2]):
-            raise UserError(f"attention rewrite: the rotary tables of {sources[index // 2]} differ from those of "
-                            f"{sources[0]}")
+            raise UserError(
+                f"attention rewrite: the rotary tables of {sources[index // 2]} differ from those of "
+                f"{sources[0]}"
+            )
     nodes = []
     numpy_type = helper.tensor_dtype_to_np_dtype(float_type)
     for table, step_name in zip(tables, ROTARY_CACHES, strict=True):
         table_name = f"{step_name}_table"
         graph.model.graph.initializer.append(
-            numpy_helper.from_array(table.reshape(max_context, -1).astype(numpy_type), table_name))
-        nodes.append(helper.make_node("Slice", [table_name, "_gqa_zero_1d", "_gqa_total_1d", "_gqa_zero_1d"],
-                                      [step_name]))
+            numpy_helper.from_array(table.reshape(max_context, -1).astype(numpy_type), table_name)
+        )
+        nodes.append(
+            helper.make_node(
+                "Slice", [table_name, "_gqa_zero_1d", "_gqa_total_1d", "_gqa_zero_1d"], [step_name]
+            )
+        )
     for node in nodes:
         node.name = node.name or node.output[0]
         _metadata_from(node, like)
     return nodes
 
 
-def fuse_attention(model: onnx.ModelProto, heads: int, kv_heads: int, head_dim: int,
-                   float_type: int = TensorProto.FLOAT, max_context: int | None = None,
-                   sliding_window: int | None = None) -> int:
+def fuse_attention(
+    model: onnx.ModelProto,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    float_type: int = TensorProto.FLOAT,
+    max_context: int | None = None,
+    sliding_window: int | None = None,
+) -> int:
     """Rewrite every exported attention into GroupQueryAttention; returns how many were rewritten.
     With `max_context`, plainly rotated attentions get packed q/k/v and GQA's own rotary. An attention whose
     mask is the sliding window of the model's config gets GQA's local window over the whole in-place cache."""
@@ -489,7 +573,9 @@ def fuse_attention(model: onnx.ModelProto, heads: int, kv_heads: int, head_dim: 
             if windows[mask] is None:
                 biases[mask], nodes = _additive_bias(graph, mask, float_type)
                 prologue += nodes
-            elif PADDING_BIAS in biases.values():  # another mask of the same kind: one padding bias serves all
+            elif (
+                PADDING_BIAS in biases.values()
+            ):  # another mask of the same kind: one padding bias serves all
                 biases[mask] = PADDING_BIAS
             else:
                 biases[mask], nodes = _padding_bias(float_type, graph.producer.get(mask) or attention)
@@ -497,8 +583,9 @@ def fuse_attention(model: onnx.ModelProto, heads: int, kv_heads: int, head_dim: 
         k_concat, v_concat = _concat_of(graph, k), _concat_of(graph, v)
         attention_output = attention.output[0]
         (out_transpose,) = graph.consumers[attention_output]
-        if out_transpose.op_type == "Reshape" and _dims_of(model, out_transpose.output[0]) == \
-                _dims_of(model, attention_output):  # a reshape to the same shape (Phi-3's): nothing to keep
+        if out_transpose.op_type == "Reshape" and _dims_of(model, out_transpose.output[0]) == _dims_of(
+            model, attention_output
+        ):  # a reshape to the same shape (Phi-3's): nothing to keep
             removed.append(out_transpose)
             (out_transpose,) = graph.consumers[out_transpose.output[0]]
         if out_transpose.op_type != "Transpose":
@@ -507,25 +594,37 @@ def fuse_attention(model: onnx.ModelProto, heads: int, kv_heads: int, head_dim: 
         attributes = {a.name: helper.get_attribute_value(a) for a in attention.attribute}
         if attributes.get("is_causal") or attributes.get("qk_matmul_output_mode"):
             raise UserError(f"attention rewrite: {attention.name} has attributes GQA does not take")
-        packed = _packed_qkv(graph, q, k_concat.input[1], v_concat.input[1], heads, kv_heads, head_dim, added) \
-            if max_context else None
+        packed = (
+            _packed_qkv(graph, q, k_concat.input[1], v_concat.input[1], heads, kv_heads, head_dim, added)
+            if max_context
+            else None
+        )
         if packed:
             qkv, pairs = packed
             rotary_sources += [pair for pair in pairs if pair not in rotary_sources]
             new_inputs, rotary = [qkv, "", ""], ROTARY_CACHES
         else:
-            new_inputs, rotary = [_gqa_input(graph, q, heads, head_dim, added, attention),
-                                  _gqa_input(graph, k_concat.input[1], kv_heads, head_dim, added, attention),
-                                  _gqa_input(graph, v_concat.input[1], kv_heads, head_dim, added, attention)], ("", "")
+            new_inputs, rotary = (
+                [
+                    _gqa_input(graph, q, heads, head_dim, added, attention),
+                    _gqa_input(graph, k_concat.input[1], kv_heads, head_dim, added, attention),
+                    _gqa_input(graph, v_concat.input[1], kv_heads, head_dim, added, attention),
+                ],
+                ("", ""),
+            )
         gqa = helper.make_node(
             "GroupQueryAttention",
             [*new_inputs, k_concat.input[0], v_concat.input[0], SEQLENS, TOTAL, *rotary, "", biases[mask]],
             [out_reshape.output[0], k_concat.output[0], v_concat.output[0]],
-            name=f"{attention.name or attention.output[0]}_gqa", domain="com.microsoft",
-            num_heads=heads, kv_num_heads=kv_heads, **({"do_rotary": 1} if packed else {}),
+            name=f"{attention.name or attention.output[0]}_gqa",
+            domain="com.microsoft",
+            num_heads=heads,
+            kv_num_heads=kv_heads,
+            **({"do_rotary": 1} if packed else {}),
             **({"scale": float(attributes["scale"])} if "scale" in attributes else {}),
             **({"softcap": float(attributes["softcap"])} if attributes.get("softcap") else {}),
-            **({"local_window_size": windows[mask]} if (windows[mask] or 0) > 0 else {}))
+            **({"local_window_size": windows[mask]} if (windows[mask] or 0) > 0 else {}),
+        )
         added.append(_metadata_from(gqa, attention))
         removed += [attention, out_transpose, out_reshape, k_concat, v_concat]
     batch, sequence = _dims_of(model, "input_ids")
@@ -601,11 +700,22 @@ def pack_sibling_projections(model: onnx.ModelProto) -> int:
         widths = [int(w.dims[1]) for w in weights]
         name = f"{members[0].output[0]}_packed"
         weight = _concatenated(weights, 1, f"{name}_weight")
-        graph.model.graph.initializer.extend([weight, numpy_helper.from_array(np.array(widths, np.int64),
-                                                                              f"{name}_widths")])
-        matmul = _metadata_from(helper.make_node("MatMul", [activation, weight.name], [name], name=name), members[0])
-        split = _metadata_from(helper.make_node("Split", [name, f"{name}_widths"], [n.output[0] for n in members],
-                                                name=f"{name}_split", axis=-1), members[0])
+        graph.model.graph.initializer.extend(
+            [weight, numpy_helper.from_array(np.array(widths, np.int64), f"{name}_widths")]
+        )
+        matmul = _metadata_from(
+            helper.make_node("MatMul", [activation, weight.name], [name], name=name), members[0]
+        )
+        split = _metadata_from(
+            helper.make_node(
+                "Split",
+                [name, f"{name}_widths"],
+                [n.output[0] for n in members],
+                name=f"{name}_split",
+                axis=-1,
+            ),
+            members[0],
+        )
         *leading, _ = _dims_of(model, members[0].output[0])
         _declare(model, name, weight.data_type, [*leading, sum(widths)])
         at = min(list(graph.nodes).index(n) for n in members)
@@ -618,9 +728,17 @@ def pack_sibling_projections(model: onnx.ModelProto) -> int:
     return packed
 
 
-def fuse_exported_model(onnx_path: Path, heads: int, kv_heads: int, head_dim: int, dtype: str,
-                        max_context: int | None, sliding_window: int | None = None, shape_only: bool = False,
-                        stored_dtype: str = "fp32") -> int:
+def fuse_exported_model(
+    onnx_path: Path,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    dtype: str,
+    max_context: int | None,
+    sliding_window: int | None = None,
+    shape_only: bool = False,
+    stored_dtype: str = "fp32",
+) -> int:
     """Apply the rewrites to an exported model file in place (its external data file rewritten); with a
     half-precision `stored_dtype`, the product and embedding weights are then stored in it (half_weights.py).
     `shape_only`: the file's weights are references (onnx_export's shape-only trace), and what the rewrites
@@ -637,11 +755,17 @@ def fuse_exported_model(onnx_path: Path, heads: int, kv_heads: int, head_dim: in
         initializers = model.graph.initializer
         for index, tensor in enumerate(initializers):
             if not _is_reference(tensor) and stored_externally(len(tensor.raw_data)):
-                initializers[index].CopyFrom(weight_reference(tensor.name, tensor.data_type, list(tensor.dims),
-                                                              data.name))
+                initializers[index].CopyFrom(
+                    weight_reference(tensor.name, tensor.data_type, list(tensor.dims), data.name)
+                )
         onnx.save(model, str(onnx_path))
         return fused
     data.unlink(missing_ok=True)  # onnx appends to an existing data file
-    onnx.save(model, str(onnx_path), save_as_external_data=True, location=data.name,
-              size_threshold=EXTERNAL_THRESHOLD_BYTES)
+    onnx.save(
+        model,
+        str(onnx_path),
+        save_as_external_data=True,
+        location=data.name,
+        size_threshold=EXTERNAL_THRESHOLD_BYTES,
+    )
     return fused

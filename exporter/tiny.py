@@ -13,8 +13,14 @@ CHATML_TEMPLATE = (
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 # The dimensions the architecture test models share (their own features are what differs).
-_SMALL_DENSE = {"hidden_size": 64, "intermediate_size": 160, "num_hidden_layers": 3, "num_attention_heads": 4,
-                "num_key_value_heads": 2, "max_position_embeddings": 512}
+_SMALL_DENSE = {
+    "hidden_size": 64,
+    "intermediate_size": 160,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 512,
+}
 
 TINY_CONFIGS: dict[str, dict[str, Any]] = {
     "llama": {
@@ -80,8 +86,14 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
     "llama3": {
         "model_type": "llama",
         **_SMALL_DENSE,
-        "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-                            "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+        "rope_parameters": {
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
         "tie_word_embeddings": True,
     },
     # Qwen 2.5: q/k/v biases (packed with the weights for GQA's own rotary).
@@ -97,9 +109,13 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
         **_SMALL_DENSE,
         "original_max_position_embeddings": 128,
         "partial_rotary_factor": 0.75,
-        "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
-                            "short_factor": [1.0 + 0.1 * i for i in range(6)],
-                            "long_factor": [2.0 + 0.5 * i for i in range(6)]},
+        "rope_parameters": {
+            "rope_type": "longrope",
+            "rope_theta": 10000.0,
+            "partial_rotary_factor": 0.75,
+            "short_factor": [1.0 + 0.1 * i for i in range(6)],
+            "long_factor": [2.0 + 0.5 * i for i in range(6)],
+        },
         "tie_word_embeddings": True,
     },
     # Gemma 3: local (window 16) and global layers with their own rotary bases, one KV head, a query scalar
@@ -117,8 +133,10 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
         "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
         "query_pre_attn_scalar": 24,
         "final_logit_softcapping": 30.0,
-        "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
-                            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
+        "rope_parameters": {
+            "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        },
         "tie_word_embeddings": True,
     },
 }
@@ -161,9 +179,14 @@ def tiny_config(settings: dict[str, Any], tokenizer=None):
 
     tokenizer = tokenizer or build_byte_tokenizer()
     settings = dict(settings)
-    return AutoConfig.for_model(settings.pop("model_type"), vocab_size=len(tokenizer),
-                                bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                                pad_token_id=tokenizer.pad_token_id, **settings)
+    return AutoConfig.for_model(
+        settings.pop("model_type"),
+        vocab_size=len(tokenizer),
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        **settings,
+    )
 
 
 def build_random_model(settings: dict[str, Any]):

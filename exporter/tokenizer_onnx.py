@@ -29,7 +29,11 @@ CHECK_STRINGS = [
 
 def _byte_to_unicode() -> dict[int, str]:
     """GPT-2's reversible map from bytes to printable characters (byte-level BPE vocabularies)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
     mapping = {byte: chr(byte) for byte in printable}
     extra = 0
     for byte in range(256):
@@ -53,8 +57,9 @@ def _model(node: onnx.NodeProto, inputs, outputs) -> onnx.ModelProto:
     refuse the newest IR a current onnx package stamps by default."""
     graph = helper.make_graph([node], node.op_type, inputs, outputs)
     opsets = [helper.make_operatorsetid("", 17), helper.make_operatorsetid(EXTENSIONS_DOMAIN, 1)]
-    return helper.make_model(graph, opset_imports=opsets,
-                             ir_version=helper.find_min_ir_version_for(opsets, ignore_unknown=True))
+    return helper.make_model(
+        graph, opset_imports=opsets, ir_version=helper.find_min_ir_version_for(opsets, ignore_unknown=True)
+    )
 
 
 def build_tokenizer_models(
@@ -63,7 +68,10 @@ def build_tokenizer_models(
     """(encoder: string[N] -> int64 ids[N, L], decoder: int64 ids -> string) for a byte-level BPE."""
     encoder = _model(
         helper.make_node(
-            "HfJsonTokenizer", ["text"], ["input_ids"], domain=EXTENSIONS_DOMAIN,
+            "HfJsonTokenizer",
+            ["text"],
+            ["input_ids"],
+            domain=EXTENSIONS_DOMAIN,
             tokenizer_vocab=tokenizer_json.read_text(encoding="utf-8"),
             tokenizer_config=_extensions_tokenizer_config(tokenizer_config_json),
         ),
@@ -77,7 +85,10 @@ def build_tokenizer_models(
     special_ids = [entry["id"] for entry in spec.get("added_tokens", []) if entry.get("special")]
     decoder = _model(
         helper.make_node(
-            "BpeDecoder", ["ids"], ["text"], domain=EXTENSIONS_DOMAIN,
+            "BpeDecoder",
+            ["ids"],
+            ["text"],
+            domain=EXTENSIONS_DOMAIN,
             id_vocab="\n".join(id_to_token.get(i, "") for i in range(max(id_to_token) + 1)),
             byte_decoder="\n".join(f"{ord(char)}\t{byte}" for byte, char in _byte_to_unicode().items()),
             added_tokens="\n".join(f"{i}\t{text}" for i, text in added.items()),
@@ -134,6 +145,8 @@ def write_tokenizer_models(folder: Path) -> dict:
     if check["matched"] != check["strings"]:
         for name in (ENCODER_FILE, DECODER_FILE):
             (folder / name).unlink()
-        check["skipped"] = f"the ONNX tokenizer matched {check['matched']} of {check['strings']} check strings"
+        check["skipped"] = (
+            f"the ONNX tokenizer matched {check['matched']} of {check['strings']} check strings"
+        )
         log.warning("warning: no ONNX tokenizer written: %s", check["skipped"])
     return check

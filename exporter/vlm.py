@@ -27,17 +27,37 @@ TINY_VLM_CONFIGS: dict[str, dict[str, Any]] = {
     "smolvlm": {
         "model_type": "smolvlm",
         "scale_factor": 2,
-        "vision_config": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-                          "num_attention_heads": 2, "image_size": 32, "patch_size": 8},
-        "text_config": {"model_type": "llama", "hidden_size": 64, "intermediate_size": 160, "num_hidden_layers": 3,
-                        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512,
-                        "rope_theta": 10000.0, "tie_word_embeddings": True},
+        "vision_config": {
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "image_size": 32,
+            "patch_size": 8,
+        },
+        "text_config": {
+            "model_type": "llama",
+            "hidden_size": 64,
+            "intermediate_size": 160,
+            "num_hidden_layers": 3,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "max_position_embeddings": 512,
+            "rope_theta": 10000.0,
+            "tie_word_embeddings": True,
+        },
         "processor": {"longest_edge": 64, "tile": 32},
     },
 }
 # SmolVLM-256M's vision tower and connector: SigLIP-B/16 over 512 px tiles, pixel shuffle by 4 -> 64 tokens a tile.
-SMOLVLM_256M_VISION = {"hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12,
-                       "num_attention_heads": 12, "image_size": 512, "patch_size": 16}
+SMOLVLM_256M_VISION = {
+    "hidden_size": 768,
+    "intermediate_size": 3072,
+    "num_hidden_layers": 12,
+    "num_attention_heads": 12,
+    "image_size": 512,
+    "patch_size": 16,
+}
 SMOLVLM_256M_PROCESSOR = {"longest_edge": 2048, "tile": 512}
 VISION_SEED = 4321
 
@@ -61,7 +81,7 @@ def _seeded_vision(model) -> None:
         for name, parameter in model.named_parameters():
             if name.startswith(("model.vision_model.", "model.connector.")) and parameter.dim() >= 2:
                 fan_in = parameter[0].numel()
-                parameter.normal_(0.0, 1.0 / fan_in ** 0.5)
+                parameter.normal_(0.0, 1.0 / fan_in**0.5)
 
 
 def build_vlm(text_model, tokenizer, vision: dict, scale_factor: int, seed_text: bool):
@@ -70,21 +90,29 @@ def build_vlm(text_model, tokenizer, vision: dict, scale_factor: int, seed_text:
     import torch
     from transformers import SmolVLMConfig, SmolVLMForConditionalGeneration
 
-    tokenizer.add_special_tokens({"additional_special_tokens": image_special_tokens()},
-                                 replace_extra_special_tokens=False)
+    tokenizer.add_special_tokens(
+        {"additional_special_tokens": image_special_tokens()}, replace_extra_special_tokens=False
+    )
     text_config = text_model.config
     vocab = max(len(tokenizer), text_config.vocab_size)
-    config = SmolVLMConfig(text_config={**text_config.to_dict(), "vocab_size": vocab}, vision_config=vision,
-                           scale_factor=scale_factor, image_token_id=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN),
-                           tie_word_embeddings=bool(text_config.tie_word_embeddings),
-                           pad_token_id=tokenizer.pad_token_id)
+    config = SmolVLMConfig(
+        text_config={**text_config.to_dict(), "vocab_size": vocab},
+        vision_config=vision,
+        scale_factor=scale_factor,
+        image_token_id=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN),
+        tie_word_embeddings=bool(text_config.tie_word_embeddings),
+        pad_token_id=tokenizer.pad_token_id,
+    )
     torch.manual_seed(VISION_SEED)
     model = SmolVLMForConditionalGeneration(config).eval()
     _seeded_vision(model)
     old_rows = text_config.vocab_size
     with torch.no_grad():
-        state = {f"model.text_model.{k[len('model.'):]}": v for k, v in text_model.state_dict().items()
-                 if k.startswith("model.")}
+        state = {
+            f"model.text_model.{k[len('model.') :]}": v
+            for k, v in text_model.state_dict().items()
+            if k.startswith("model.")
+        }
         embed = state["model.text_model.embed_tokens.weight"]
         if vocab > old_rows:  # new rows for the image tokens, at the table's own scale
             generator = torch.Generator().manual_seed(VISION_SEED)
@@ -127,8 +155,9 @@ def build_tiny_vlm(name: str):
 
     settings = TINY_VLM_CONFIGS[name]
     text_model, tokenizer = build_random_model(dict(settings["text_config"]))
-    model, tokenizer = build_vlm(text_model, tokenizer, settings["vision_config"], settings["scale_factor"],
-                                 seed_text=True)
+    model, tokenizer = build_vlm(
+        text_model, tokenizer, settings["vision_config"], settings["scale_factor"], seed_text=True
+    )
     return model, tokenizer, settings["processor"]
 
 
@@ -143,8 +172,9 @@ def image_processor_for(processor: dict):
     reference the runtime's own preprocessing is checked against)."""
     from transformers import Idefics3ImageProcessorPil
 
-    return Idefics3ImageProcessorPil(size={"longest_edge": processor["longest_edge"]},
-                                  max_image_size={"longest_edge": processor["tile"]})
+    return Idefics3ImageProcessorPil(
+        size={"longest_edge": processor["longest_edge"]}, max_image_size={"longest_edge": processor["tile"]}
+    )
 
 
 def text_decoder(vlm):
@@ -155,8 +185,11 @@ def text_decoder(vlm):
     config = vlm.config.text_config
     config.tie_word_embeddings = bool(vlm.config.tie_word_embeddings)
     decoder = AutoModelForCausalLM.from_config(config, dtype=vlm.dtype)
-    state = {f"model.{k[len('model.text_model.'):]}": v for k, v in vlm.state_dict().items()
-             if k.startswith("model.text_model.")}
+    state = {
+        f"model.{k[len('model.text_model.') :]}": v
+        for k, v in vlm.state_dict().items()
+        if k.startswith("model.text_model.")
+    }
     state["lm_head.weight"] = vlm.lm_head.weight
     with torch.no_grad():
         decoder.load_state_dict(state, strict=True)
@@ -196,8 +229,14 @@ def vision_tower(vlm):
             # Whole tiles only (the preprocessing makes no padded ones): every patch attends to every other, so
             # the encoder runs without a mask, which would otherwise cross every block.
             tower = self.vision_model
-            patches = torch.ones((pixel_values.shape[0], pixel_values.shape[2] // tower.patch_size,
-                                  pixel_values.shape[3] // tower.patch_size), dtype=torch.bool)
+            patches = torch.ones(
+                (
+                    pixel_values.shape[0],
+                    pixel_values.shape[2] // tower.patch_size,
+                    pixel_values.shape[3] // tower.patch_size,
+                ),
+                dtype=torch.bool,
+            )
             hidden = tower.embeddings(pixel_values=pixel_values, patch_attention_mask=patches)
             hidden = tower.post_layernorm(tower.encoder(inputs_embeds=hidden).last_hidden_state)
             features = self.connector(hidden)
@@ -220,13 +259,23 @@ def export_vision(vlm, onnx_path: Path, opset: int) -> float:
     traced = torch.randn(3, 3, size, size, generator=generator).to(vlm.dtype)
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")
-        program = torch.onnx.export(tower, (traced,), dynamo=True, input_names=["pixel_values"],
-                                    output_names=["image_features"], opset_version=opset, optimize=True,
-                                    dynamic_shapes={"pixel_values": {0: torch.export.Dim("tiles")}}, verbose=False)
+        program = torch.onnx.export(
+            tower,
+            (traced,),
+            dynamo=True,
+            input_names=["pixel_values"],
+            output_names=["image_features"],
+            opset_version=opset,
+            optimize=True,
+            dynamic_shapes={"pixel_values": {0: torch.export.Dim("tiles")}},
+            verbose=False,
+        )
     program.save(str(onnx_path), external_data=True)
     graph = onnx.load(onnx_path, load_external_data=False).graph
-    dims = {v.name: [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim]
-            for v in [*graph.input, *graph.output]}
+    dims = {
+        v.name: [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim]
+        for v in [*graph.input, *graph.output]
+    }
     # The dynamo exporter silently fixes a dimension it cannot prove dynamic: a fixed tile count would fail later.
     if not isinstance(dims["pixel_values"][0], str) or not isinstance(dims["image_features"][0], str):
         raise RuntimeError(f"the vision graph lost its dynamic tile dimension: {dims}")
@@ -242,16 +291,23 @@ def export_vision(vlm, onnx_path: Path, opset: int) -> float:
 def vision_description(vlm) -> dict:
     """What export.json says of the vision graph: its file, dims and the image token."""
     vision = vlm.config.vision_config
-    tokens_per_tile = (vision.image_size // vision.patch_size) ** 2 // vlm.config.scale_factor ** 2
-    return {"file": VISION_FILE, "family": "idefics3", "inputs": {"pixel_values": ["tiles", 3, vision.image_size,
-                                                                                  vision.image_size]},
-            "outputs": {"image_features": ["image_tokens", vlm.config.text_config.hidden_size]},
-            "hidden_size": vision.hidden_size, "num_layers": vision.num_hidden_layers,
-            "num_attention_heads": vision.num_attention_heads, "intermediate_size": vision.intermediate_size,
-            "image_size": vision.image_size, "patch_size": vision.patch_size,
-            "patches_per_tile": (vision.image_size // vision.patch_size) ** 2,
-            "tokens_per_tile": tokens_per_tile, "scale_factor": vlm.config.scale_factor,
-            "image_token_id": int(vlm.config.image_token_id)}
+    tokens_per_tile = (vision.image_size // vision.patch_size) ** 2 // vlm.config.scale_factor**2
+    return {
+        "file": VISION_FILE,
+        "family": "idefics3",
+        "inputs": {"pixel_values": ["tiles", 3, vision.image_size, vision.image_size]},
+        "outputs": {"image_features": ["image_tokens", vlm.config.text_config.hidden_size]},
+        "hidden_size": vision.hidden_size,
+        "num_layers": vision.num_hidden_layers,
+        "num_attention_heads": vision.num_attention_heads,
+        "intermediate_size": vision.intermediate_size,
+        "image_size": vision.image_size,
+        "patch_size": vision.patch_size,
+        "patches_per_tile": (vision.image_size // vision.patch_size) ** 2,
+        "tokens_per_tile": tokens_per_tile,
+        "scale_factor": vlm.config.scale_factor,
+        "image_token_id": int(vlm.config.image_token_id),
+    }
 
 
 def check_vlm_config(config, where: str) -> None:
@@ -260,5 +316,7 @@ def check_vlm_config(config, where: str) -> None:
         return
     text_type = getattr(config.text_config, "model_type", None)
     if text_type != "llama":
-        raise UserError(f"{where}: a {config.model_type} model with a {text_type!r} decoder is not supported "
-                        "(supported: llama)")
+        raise UserError(
+            f"{where}: a {config.model_type} model with a {text_type!r} decoder is not supported "
+            "(supported: llama)"
+        )

@@ -23,8 +23,12 @@ MATMUL_OPS = {"MatMul", "Gemm"}
 
 def analytic_flops(kind: str, dims: dict) -> Coefficients:
     """FLOPs from the model dimensions alone (2 per multiply-add)."""
-    hidden, heads, kv_heads, head_dim = dims["hidden_size"], dims["num_attention_heads"], \
-        dims["num_key_value_heads"], dims["head_dim"]
+    hidden, heads, kv_heads, head_dim = (
+        dims["hidden_size"],
+        dims["num_attention_heads"],
+        dims["num_key_value_heads"],
+        dims["head_dim"],
+    )
     if kind == "attn":
         projections = 2 * hidden * heads * head_dim * 2 + 2 * hidden * kv_heads * head_dim * 2
         return {"T": float(projections), "TC": float(4 * heads * head_dim)}
@@ -46,7 +50,11 @@ def counted_flops(sub_layer: SubLayer, model: onnx.ModelProto, dims: dict) -> Co
     produced = {out: node for node in model.graph.node for out in node.output}
 
     def weight_dims(tensor: str) -> list[int] | None:
-        while tensor not in initializers and tensor in produced and produced[tensor].op_type in WEIGHT_PASSTHROUGH_OPS:
+        while (
+            tensor not in initializers
+            and tensor in produced
+            and produced[tensor].op_type in WEIGHT_PASSTHROUGH_OPS
+        ):
             tensor = produced[tensor].input[0]
         return initializers.get(tensor)
 
@@ -80,8 +88,11 @@ def bytes_moved(sub_layer: SubLayer, kind: str, dims: dict, dtype: str, weight_b
         return {"T": float(2 * hidden * element)}  # a Gather reads only the rows it needs
     if kind == "prologue":
         return {}
-    activations = 2 * hidden * element + (dims["vocab_size"] * element if kind == "final" else 0) + \
-        (dims.get("num_experts", 0) * element if kind in ("router", "expert") else 0)  # routing weights
+    activations = (
+        2 * hidden * element
+        + (dims["vocab_size"] * element if kind == "final" else 0)
+        + (dims.get("num_experts", 0) * element if kind in ("router", "expert") else 0)
+    )  # routing weights
     cost = {"const": float(weight_bytes), "T": float(activations + kv_per_token)}
     if kv_per_token:
         # The fused GroupQueryAttention reads each KV head's past once (a group's query heads share

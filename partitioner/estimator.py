@@ -21,7 +21,11 @@ from dataclasses import dataclass
 from pipeshard.errors import UserError
 
 ELEMENT_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
-WEIGHT_DTYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}  # manifest weight dtype -> short name
+WEIGHT_DTYPES = {
+    "float32": "fp32",
+    "float16": "fp16",
+    "bfloat16": "bf16",
+}  # manifest weight dtype -> short name
 
 
 def _interpolate_log(points: list[tuple[float, float]], x: float) -> float:
@@ -52,7 +56,9 @@ class RateTable:
 
     def nearest_shape(self, k: int, n: int) -> tuple[int, int]:
         def distance(shape: tuple[int, int]) -> float:
-            return abs(math.log(shape[0] * shape[1] / (k * n))) + 0.25 * abs(math.log(shape[0] / shape[1] * n / k))
+            return abs(math.log(shape[0] * shape[1] / (k * n))) + 0.25 * abs(
+                math.log(shape[0] / shape[1] * n / k)
+            )
 
         return min(self.by_shape, key=distance)
 
@@ -101,13 +107,21 @@ class DeviceRates:
 class Estimator:
     """Seconds per sub-layer (CPU or device) and per copy, for one pack, profile and thread count."""
 
-    def __init__(self, profile: dict, model: dict, threads: int | None = None, model_sha256: str | None = None,
-                 weight_bits: float | None = None) -> None:
+    def __init__(
+        self,
+        profile: dict,
+        model: dict,
+        threads: int | None = None,
+        model_sha256: str | None = None,
+        weight_bits: float | None = None,
+    ) -> None:
         self.profile = profile
         self.dtype = model["dtype"]  # the weights' (a half-precision pack computes in float32)
         self.element = ELEMENT_BYTES[model.get("compute_dtype", self.dtype)]  # activations and KV
         self.weight_bits = weight_bits  # planning only: every weight read as this many bits
-        self.weight_scale = weight_bits / 8 / ELEMENT_BYTES[self.dtype] if weight_bits else 1.0  # of stored bytes
+        self.weight_scale = (
+            weight_bits / 8 / ELEMENT_BYTES[self.dtype] if weight_bits else 1.0
+        )  # of stored bytes
         self.model = model
         cpu_threads = profile["cpu"]["threads"]
         available = sorted(int(t) for t in cpu_threads)
@@ -128,19 +142,30 @@ class Estimator:
         )
         device = profile["device"]
         if device["kind"] == "sim" or not device.get("matmul"):
-            self.device = DeviceRates(self.cpu.matmul, None, self.cpu.attention, self.cpu.read_gbps,
-                                      self.cpu.read_gbps, device.get("launch_us", cpu["hop_us"]) * 1e-6)
+            self.device = DeviceRates(
+                self.cpu.matmul,
+                None,
+                self.cpu.attention,
+                self.cpu.read_gbps,
+                self.cpu.read_gbps,
+                device.get("launch_us", cpu["hop_us"]) * 1e-6,
+            )
         else:
             self.device = DeviceRates(
-                matmul=RateTable(device["matmul"][self._table_dtype(device["matmul"])]), matmul_loaded=None,
+                matmul=RateTable(device["matmul"][self._table_dtype(device["matmul"])]),
+                matmul_loaded=None,
                 attention=AttentionTable(device["attention"]),
                 read_gbps=device.get("memory_read_gbps") or 500.0,
                 read_gbps_loaded=device.get("memory_read_gbps") or 500.0,
-                hop_s=device.get("launch_us", 10.0) * 1e-6)
+                hop_s=device.get("launch_us", 10.0) * 1e-6,
+            )
         self.pack_timings = self._pack_timings(profile, model_sha256)
         link = profile["link"]
-        self.link_rows = sorted((r["bytes"], r["gbps"]) for r in link["h2d"] if r.get("pinned", True) or
-                                not any(x.get("pinned") for x in link["h2d"]))
+        self.link_rows = sorted(
+            (r["bytes"], r["gbps"])
+            for r in link["h2d"]
+            if r.get("pinned", True) or not any(x.get("pinned") for x in link["h2d"])
+        )
         self.copy_slowdown = profile["contention"].get("copy_slowdown_under_cpu_matmul", 1.0)
         # The pack's own streaming run on the simulated device: its copies beside its compute (pack_timing).
         copies = self.pack_timings.get("streamed", {}).get("copy", {})
@@ -157,9 +182,16 @@ class Estimator:
             return {}
         table: dict[str, dict[str, dict[int, list[tuple[float, float]]]]] = {}
         for row in rows:
-            value = row["ratio"] if row["kind"] == "step" else row["gbps"] if row["kind"] == "copy" else row["seconds"]
+            value = (
+                row["ratio"]
+                if row["kind"] == "step"
+                else row["gbps"]
+                if row["kind"] == "copy"
+                else row["seconds"]
+            )
             table.setdefault(row.get("placement", "cpu"), {}).setdefault(row["kind"], {}).setdefault(
-                row["C"] - row["T"], []).append((float(row["T"]), value))
+                row["C"] - row["T"], []
+            ).append((float(row["T"]), value))
         for by_kind in table.values():
             for by_past in by_kind.values():
                 for points in by_past.values():
@@ -175,7 +207,9 @@ class Estimator:
 
         def interpolated(by_past: dict[int, list[tuple[float, float]]]) -> float:
             past = max(context - tokens, 1)
-            per_past = [(float(max(p, 1)), _interpolate_log(points, tokens)) for p, points in sorted(by_past.items())]
+            per_past = [
+                (float(max(p, 1)), _interpolate_log(points, tokens)) for p, points in sorted(by_past.items())
+            ]
             return _interpolate_log(per_past, past)
 
         return interpolated(by_kind[kind]) * (interpolated(by_kind["step"]) if by_kind.get("step") else 1.0)
@@ -206,19 +240,27 @@ class Estimator:
         measured = (rates.weight_read_gbps or {}).get(dtype)
         return measured * read_gbps / rates.read_gbps if measured else read_gbps
 
-    def compute_seconds(self, entry: dict, tokens: int, context: int, on_device: bool,
-                        under_copy: bool = False) -> float:
+    def compute_seconds(
+        self, entry: dict, tokens: int, context: int, on_device: bool, under_copy: bool = False
+    ) -> float:
         """Time of sub-layer `entry` for T=tokens new tokens at context C on the CPU or the device."""
         rates = self.device if on_device else self.cpu
         if entry["kind"] in ("prologue",):
             return rates.hop_s
         if entry["kind"] == "embed":
-            row_bytes = self.model["hidden_size"] * (self.weight_bits / 8 if self.weight_bits else ELEMENT_BYTES[next(
-                (WEIGHT_DTYPES.get(w["dtype"], self.dtype) for w in entry["weights"]), self.dtype)])
+            row_bytes = self.model["hidden_size"] * (
+                self.weight_bits / 8
+                if self.weight_bits
+                else ELEMENT_BYTES[
+                    next((WEIGHT_DTYPES.get(w["dtype"], self.dtype) for w in entry["weights"]), self.dtype)
+                ]
+            )
             return rates.hop_s + tokens * row_bytes / (rates.read_gbps * 1e9)
         measured = self._measured_seconds(entry["kind"], tokens, context, "device" if on_device else "cpu")
         if measured is None and on_device and self.profile["device"]["kind"] == "sim":
-            measured = self._measured_seconds(entry["kind"], tokens, context, "cpu")  # sim computes on the CPU
+            measured = self._measured_seconds(
+                entry["kind"], tokens, context, "cpu"
+            )  # sim computes on the CPU
         if measured is not None:
             return measured * (self._cpu_slowdown if under_copy else 1.0)
         table = rates.matmul_loaded if under_copy and rates.matmul_loaded else rates.matmul
@@ -233,12 +275,16 @@ class Estimator:
             else:
                 narrower = self.element / ELEMENT_BYTES[dtype]  # > 1: half-precision weights computed in fp32
                 compute = 2.0 * tokens * k * n / (table.gflops(tokens, k, n, narrower) * 1e9)
-                memory = k * n * ELEMENT_BYTES[dtype] / (self._weight_read_gbps(rates, dtype, under_copy) * 1e9)
+                memory = (
+                    k * n * ELEMENT_BYTES[dtype] / (self._weight_read_gbps(rates, dtype, under_copy) * 1e9)
+                )
             seconds += max(compute, memory)
         if entry["kind"] == "attn":
             flops = 4.0 * self.model["num_attention_heads"] * self.model["head_dim"] * tokens * context
             kv_bytes = entry["cost"]["bytes"].get("C", entry["kv"]["bytes_per_token"]) * context
-            seconds += max(flops / (rates.attention.gflops(tokens, context) * 1e9), kv_bytes / (read_gbps * 1e9))
+            seconds += max(
+                flops / (rates.attention.gflops(tokens, context) * 1e9), kv_bytes / (read_gbps * 1e9)
+            )
         return seconds
 
     def copy_seconds(self, size_bytes: int, under_cpu_load: bool = False, tokens: int = 1) -> float:

@@ -125,8 +125,11 @@ def assign_sub_layers(model: onnx.ModelProto, graph: nx.DiGraph, rules) -> dict[
                 continue
         elif sub_layer.endswith("." + GLUE):
             layer_prefix = sub_layer[: -len(GLUE)]
-            owners = [assignment[p] for p in graph.predecessors(index)
-                      if assignment.get(p, "").startswith(layer_prefix)]
+            owners = [
+                assignment[p]
+                for p in graph.predecessors(index)
+                if assignment.get(p, "").startswith(layer_prefix)
+            ]
             if not owners:
                 unmatched.append(index)
                 continue
@@ -147,9 +150,12 @@ def _int_constant(name: str, values: list[int]) -> onnx.NodeProto:
     return helper.make_node("Constant", [], [name], value=tensor)
 
 
-def hoist_step_invariants(model: onnx.ModelProto, graph: nx.DiGraph, assignment: dict[int, str],
-                          step_inputs: frozenset[str] = frozenset({"input_ids", "attention_mask", "position_ids"})
-                          ) -> None:
+def hoist_step_invariants(
+    model: onnx.ModelProto,
+    graph: nx.DiGraph,
+    assignment: dict[int, str],
+    step_inputs: frozenset[str] = frozenset({"input_ids", "attention_mask", "position_ids"}),
+) -> None:
     """Move into the prologue every node of a compute sub-layer that reads nothing but the step's
     inputs, prologue values and inline constants (in topological order, so whole chains move): no
     weights, no KV, nothing of the residual stream. Such a value is the same in every layer. The
@@ -158,16 +164,21 @@ def hoist_step_invariants(model: onnx.ModelProto, graph: nx.DiGraph, assignment:
     each layer computes again (the rotary cos/sin of every attention, twice: once for q, once for k):
     `merge_duplicate_prologue_nodes` then computes them once per step instead of 60 times. A vision tower's
     `step_inputs` are its index inputs (Qwen2.5-VL's window order, rotary ids and attention groups)."""
-    inline = {i.name for i in model.graph.initializer
-              if i.data_location != onnx.TensorProto.EXTERNAL and math.prod(i.dims) <= SMALL_CONSTANT_ELEMENTS}
+    inline = {
+        i.name
+        for i in model.graph.initializer
+        if i.data_location != onnx.TensorProto.EXTERNAL and math.prod(i.dims) <= SMALL_CONSTANT_ELEMENTS
+    }
     producer_of = graph.graph["producer"]
     for index in nx.topological_sort(graph):
         node = model.graph.node[index]
         # The embedding stays whole: a VLM's image merge reads the token ids, but its values are per step.
         if assignment[index] in (PROLOGUE, "embed") or not node.input:
             continue
-        if all(not t or t in step_inputs or t in inline or assignment.get(producer_of.get(t)) == PROLOGUE
-               for t in node.input):
+        if all(
+            not t or t in step_inputs or t in inline or assignment.get(producer_of.get(t)) == PROLOGUE
+            for t in node.input
+        ):
             assignment[index] = PROLOGUE
 
 
@@ -198,8 +209,12 @@ def merge_duplicate_prologue_nodes(model: onnx.ModelProto, assignment: dict[int,
                 node.input[position] = renamed[tensor]
         if assignment[index] != PROLOGUE:
             continue
-        key = (node.domain, node.op_type, tuple(node.input),
-               tuple(a.SerializeToString(deterministic=True) for a in node.attribute))
+        key = (
+            node.domain,
+            node.op_type,
+            tuple(node.input),
+            tuple(a.SerializeToString(deterministic=True) for a in node.attribute),
+        )
         if key in first:
             renamed.update(zip(node.output, first[key].output, strict=True))
             dropped.add(index)
@@ -244,15 +259,21 @@ def untranspose_tied_weights(model: onnx.ModelProto, assignment: dict[int, str])
         transpose = nodes[producer[node.input[1]]]
         perm = [a.ints for a in transpose.attribute if a.name == "perm"]
         weight = initializers.get(_stored_weight_of(nodes, producer, transpose.input[0]))
-        if transpose.op_type != "Transpose" or weight is None or len(weight.dims) != 2 or \
-                (perm and list(perm[0]) != [1, 0]):
+        if (
+            transpose.op_type != "Transpose"
+            or weight is None
+            or len(weight.dims) != 2
+            or (perm and list(perm[0]) != [1, 0])
+        ):
             continue
         rows, columns = weight.dims  # W is [out_features, in_features]
         prefix = f"_gemm_{index}_"
         replacement = [
             helper.make_node("Shape", [node.input[0]], [prefix + "lead"], start=0, end=-1),
             _int_constant(prefix + "out_features", [-1]),  # any number of rows of W (row chunks)
-            helper.make_node("Concat", [prefix + "lead", prefix + "out_features"], [prefix + "out_shape"], axis=0),
+            helper.make_node(
+                "Concat", [prefix + "lead", prefix + "out_features"], [prefix + "out_shape"], axis=0
+            ),
             _int_constant(prefix + "flat", [-1, columns]),
             helper.make_node("Reshape", [node.input[0], prefix + "flat"], [prefix + "x2d"]),
             helper.make_node("Gemm", [prefix + "x2d", transpose.input[0]], [prefix + "y2d"], transB=1),
@@ -270,7 +291,9 @@ def untranspose_tied_weights(model: onnx.ModelProto, assignment: dict[int, str])
     _drop_nodes(model, assignment, unused)
 
 
-def topologically_sorted(model: onnx.ModelProto, assignment: dict[int, str]) -> tuple[onnx.ModelProto, dict[int, str]]:
+def topologically_sorted(
+    model: onnx.ModelProto, assignment: dict[int, str]
+) -> tuple[onnx.ModelProto, dict[int, str]]:
     """Reorder nodes topologically (after rewrites appended helpers), carrying the assignment along."""
     graph = build_graph(model)
     order = list(nx.lexicographical_topological_sort(graph))
@@ -314,8 +337,9 @@ def cut(model: onnx.ModelProto, assignment: dict[int, str]) -> list[SubLayer]:
     return [sub_layers[name] for name in execution_order(set(sub_layers))]
 
 
-def moe_blocks(sub_layers: list[SubLayer], model: onnx.ModelProto, shapes: dict[str, list],
-               hidden_size: int) -> list[dict]:
+def moe_blocks(
+    sub_layers: list[SubLayer], model: onnx.ModelProto, shapes: dict[str, list], hidden_size: int
+) -> list[dict]:
     """Each MoE layer's router, experts and combine, checked to be what the runtime does itself: the
     combine adds every expert's (already routing-weighted) output to the residual the router read.
     The router gives two tensors to every expert: the normed hidden states and the routing weights."""
@@ -324,8 +348,10 @@ def moe_blocks(sub_layers: list[SubLayer], model: onnx.ModelProto, shapes: dict[
     for combine in (s for s in sub_layers if s.kind == "combine"):
         layer = combine.layer
         router = by_name.get(f"L{layer}.router")
-        experts = sorted((s for s in sub_layers if s.kind == "expert" and s.layer == layer),
-                         key=lambda s: expert_index(s.name))
+        experts = sorted(
+            (s for s in sub_layers if s.kind == "expert" and s.layer == layer),
+            key=lambda s: expert_index(s.name),
+        )
         problems = []
         if router is None or not experts:
             problems.append("no router or no experts")
@@ -347,11 +373,21 @@ def moe_blocks(sub_layers: list[SubLayer], model: onnx.ModelProto, shapes: dict[
         hidden = [t for t in router.outputs if (shapes.get(t) or [None])[-1] == hidden_size]
         routing = [t for t in router.outputs if t not in hidden]
         if len(hidden) != 1 or len(routing) != 1:
-            raise CutError(f"MoE layer {layer}: the router's outputs {router.outputs} are not hidden states + routing")
-        blocks.append({"layer": layer, "router": router.name, "experts": [s.name for s in experts],
-                       "hidden": hidden[0], "routing": routing[0], "residual": residual[0],
-                       "expert_outputs": [o[0] for o in expert_outputs],
-                       "output": combine.outputs[0]})
+            raise CutError(
+                f"MoE layer {layer}: the router's outputs {router.outputs} are not hidden states + routing"
+            )
+        blocks.append(
+            {
+                "layer": layer,
+                "router": router.name,
+                "experts": [s.name for s in experts],
+                "hidden": hidden[0],
+                "routing": routing[0],
+                "residual": residual[0],
+                "expert_outputs": [o[0] for o in expert_outputs],
+                "output": combine.outputs[0],
+            }
+        )
     return blocks
 
 
@@ -364,8 +400,12 @@ def moe_internal_tensors(blocks: list[dict], sub_layers: list[SubLayer]) -> set[
     return internal
 
 
-def verify_cut(sub_layers: list[SubLayer], shapes: dict[str, list], hidden_size: int,
-               moe_internal: frozenset[str] = frozenset()) -> None:
+def verify_cut(
+    sub_layers: list[SubLayer],
+    shapes: dict[str, list],
+    hidden_size: int,
+    moe_internal: frozenset[str] = frozenset(),
+) -> None:
     """Between compute sub-layers only the residual stream [batch, tokens, hidden] may cross, plus
     each attention's own KV, the prologue's shared values, and inside a MoE block the router's
     outputs and the experts' outputs; anything else is an error."""
@@ -387,7 +427,9 @@ def verify_cut(sub_layers: list[SubLayer], shapes: dict[str, list], hidden_size:
                 wide.append(f"{tensor} {shape} ({source} -> {sub_layer.name})")
         for tensor in sub_layer.outputs:
             if tensor.startswith(PRESENT_PREFIX) and (sub_layer.kind, sub_layer.layer) != (
-                "attn", int(tensor.split(".")[1])):
+                "attn",
+                int(tensor.split(".")[1]),
+            ):
                 wide.append(f"{tensor} (written by {sub_layer.name})")
     residual_readers: dict[str, list[str]] = {}
     for sub_layer in sub_layers:

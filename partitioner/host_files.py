@@ -47,8 +47,11 @@ def prerendered_chat_template(folder: Path) -> dict | None:
         return None
     try:
         user = _split(codec, [("user", _MARKERS[0])], [("user", _OTHER_MARKERS[0])])
-        with_system = _split(codec, [("system", _MARKERS[1]), ("user", _MARKERS[0])],
-                             [("system", _OTHER_MARKERS[1]), ("user", _OTHER_MARKERS[0])])
+        with_system = _split(
+            codec,
+            [("system", _MARKERS[1]), ("user", _MARKERS[0])],
+            [("system", _OTHER_MARKERS[1]), ("user", _OTHER_MARKERS[0])],
+        )
     except (UserError, ValueError):
         return None
     return {
@@ -71,7 +74,9 @@ def _split(codec, messages: list[tuple[str, str]], others: list[tuple[str, str]]
         pieces.append(before)
     pieces.append(rest)
     other = codec.render_messages([{"role": role, "content": content} for role, content in others])
-    rebuilt = pieces[0] + "".join(content + piece for (_, content), piece in zip(others, pieces[1:], strict=True))
+    rebuilt = pieces[0] + "".join(
+        content + piece for (_, content), piece in zip(others, pieces[1:], strict=True)
+    )
     if rebuilt != other:
         raise ValueError("the template's text depends on the messages")
     return pieces

@@ -22,7 +22,13 @@ from onnx import helper, numpy_helper
 from pipeshard import __version__
 from pipeshard.errors import UserError
 from pipeshard.fsutil import atomic_output_dir, check_output_dir, sha256_file, write_json_atomic
-from pipeshard.partitioner.costs import DTYPE_BYTES, bytes_moved, checked_flops, counted_flops, kv_bytes_per_token
+from pipeshard.partitioner.costs import (
+    DTYPE_BYTES,
+    bytes_moved,
+    checked_flops,
+    counted_flops,
+    kv_bytes_per_token,
+)
 from pipeshard.partitioner.graph import (
     PROLOGUE,
     VISION_PROLOGUE,
@@ -53,9 +59,14 @@ from pipeshard.runtime.kv import PAST_PREFIX, PRESENT_PREFIX
 from pipeshard.runtime.pack import MANIFEST_NAME, PACK_SCHEMA_VERSION, WEIGHT_ALIGNMENT
 
 log = logging.getLogger(__name__)
-ONNX_DTYPE_NAMES = {onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.FLOAT16: "float16",
-                    onnx.TensorProto.BFLOAT16: "bfloat16", onnx.TensorProto.INT64: "int64",
-                    onnx.TensorProto.BOOL: "bool", onnx.TensorProto.INT32: "int32"}
+ONNX_DTYPE_NAMES = {
+    onnx.TensorProto.FLOAT: "float32",
+    onnx.TensorProto.FLOAT16: "float16",
+    onnx.TensorProto.BFLOAT16: "bfloat16",
+    onnx.TensorProto.INT64: "int64",
+    onnx.TensorProto.BOOL: "bool",
+    onnx.TensorProto.INT32: "int32",
+}
 
 
 @dataclass
@@ -78,7 +89,10 @@ def _value_infos(model: onnx.ModelProto) -> dict[str, onnx.ValueInfoProto]:
 
 
 def _dims(info: onnx.ValueInfoProto) -> list:
-    return [d.dim_value if d.HasField("dim_value") else d.dim_param or "?" for d in info.type.tensor_type.shape.dim]
+    return [
+        d.dim_value if d.HasField("dim_value") else d.dim_param or "?"
+        for d in info.type.tensor_type.shape.dim
+    ]
 
 
 def _with_last_dim(info: onnx.ValueInfoProto, name: str) -> onnx.ValueInfoProto:
@@ -87,8 +101,11 @@ def _with_last_dim(info: onnx.ValueInfoProto, name: str) -> onnx.ValueInfoProto:
 
 
 def _describe(info: onnx.ValueInfoProto) -> dict:
-    return {"name": info.name, "shape": _dims(info),
-            "dtype": ONNX_DTYPE_NAMES.get(info.type.tensor_type.elem_type, str(info.type.tensor_type.elem_type))}
+    return {
+        "name": info.name,
+        "shape": _dims(info),
+        "dtype": ONNX_DTYPE_NAMES.get(info.type.tensor_type.elem_type, str(info.type.tensor_type.elem_type)),
+    }
 
 
 def _external(initializer: onnx.TensorProto) -> dict[str, str] | None:
@@ -108,7 +125,9 @@ def _weight_owners(sub_layers: list[SubLayer], initializers: dict[str, onnx.Tens
     return owners
 
 
-def _write_blobs(sub_layers, owners, initializers, source_data: Path | None, staging: Path) -> tuple[dict, dict]:
+def _write_blobs(
+    sub_layers, owners, initializers, source_data: Path | None, staging: Path
+) -> tuple[dict, dict]:
     """Copy each owned weight from the export's data file into its sub-layer's blob, aligned. With no
     `source_data` (a shape-only export) only the layout is made: the same offsets and sizes, no files and no
     digests."""
@@ -132,15 +151,20 @@ def _write_blobs(sub_layers, owners, initializers, source_data: Path | None, sta
                 entry = _external(initializers[name])
                 start, length = int(entry.get("offset", 0)), int(entry["length"])
                 if blob is not None:
-                    chunk = source[start:start + length]
+                    chunk = source[start : start + length]
                     if len(chunk) != length:
-                        raise UserError(f"{source_data} is truncated: weight {name} ends past the end of the file")
+                        raise UserError(
+                            f"{source_data} is truncated: weight {name} ends past the end of the file"
+                        )
                     blob.write(chunk)
                     digest.update(chunk)
                 placements[name] = {"file": blob_name, "offset": offset, "bytes": length}
                 offset += length
-        blobs[sub_layer.name] = {"file": blob_name, "bytes": offset,
-                                 "sha256": digest.hexdigest() if blob is not None else None}
+        blobs[sub_layer.name] = {
+            "file": blob_name,
+            "bytes": offset,
+            "sha256": digest.hexdigest() if blob is not None else None,
+        }
     return placements, blobs
 
 
@@ -151,13 +175,22 @@ def row_chunkable_weight(model: onnx.ModelProto, sub_layer, initializers) -> str
     if sub_layer.kind != "final":
         return None
     nodes = [model.graph.node[i] for i in sub_layer.nodes]
-    casts = {n.input[0]: n.output[0] for n in nodes if n.op_type == "Cast"}  # half-precision weights read as float
+    casts = {
+        n.input[0]: n.output[0] for n in nodes if n.op_type == "Cast"
+    }  # half-precision weights read as float
     for name in sub_layer.initializers:
         read_as = casts.get(name, name)
         users = [n for n in nodes if read_as in n.input]
-        if len(initializers[name].dims) == 2 and users and all(
-                n.op_type == "Gemm" and list(n.input).index(read_as) == 1 and
-                any(a.name == "transB" and a.i == 1 for a in n.attribute) for n in users):
+        if (
+            len(initializers[name].dims) == 2
+            and users
+            and all(
+                n.op_type == "Gemm"
+                and list(n.input).index(read_as) == 1
+                and any(a.name == "transB" and a.i == 1 for a in n.attribute)
+                for n in users
+            )
+        ):
             return name
     return None
 
@@ -168,22 +201,38 @@ def row_prefix_outputs(model: onnx.ModelProto, sub_layer, initializers) -> dict[
     weight: a consumer that takes longer tables (GroupQueryAttention's caches) can be given W itself,
     once, instead of the per-step slice."""
     nodes = [model.graph.node[i] for i in sub_layer.nodes]
-    constants = {n.output[0]: numpy_helper.to_array(n.attribute[0].t).tolist() for n in nodes
-                 if n.op_type == "Constant" and n.attribute and n.attribute[0].name == "value"}
-    constants.update({name: numpy_helper.to_array(i).tolist() for name, i in initializers.items()
-                      if i.data_type == onnx.TensorProto.INT64 and not _external(i) and len(i.dims) == 1})
+    constants = {
+        n.output[0]: numpy_helper.to_array(n.attribute[0].t).tolist()
+        for n in nodes
+        if n.op_type == "Constant" and n.attribute and n.attribute[0].name == "value"
+    }
+    constants.update(
+        {
+            name: numpy_helper.to_array(i).tolist()
+            for name, i in initializers.items()
+            if i.data_type == onnx.TensorProto.INT64 and not _external(i) and len(i.dims) == 1
+        }
+    )
 
     def value(node: onnx.NodeProto, index: int):
         return constants.get(node.input[index]) if len(node.input) > index and node.input[index] else None
 
-    return {node.output[0]: node.input[0] for node in nodes
-            if node.op_type == "Slice" and node.output[0] in sub_layer.outputs
-            and node.input[0] in sub_layer.initializers and _external(initializers[node.input[0]])
-            and value(node, 1) == [0] and value(node, 3) == [0] and value(node, 4) in (None, [1])}
+    return {
+        node.output[0]: node.input[0]
+        for node in nodes
+        if node.op_type == "Slice"
+        and node.output[0] in sub_layer.outputs
+        and node.input[0] in sub_layer.initializers
+        and _external(initializers[node.input[0]])
+        and value(node, 1) == [0]
+        and value(node, 3) == [0]
+        and value(node, 4) in (None, [1])
+    }
 
 
-def _sub_model(model, sub_layer, infos, initializers, placements, weights_as_inputs: bool,
-               row_chunks: str | None = None) -> onnx.ModelProto:
+def _sub_model(
+    model, sub_layer, infos, initializers, placements, weights_as_inputs: bool, row_chunks: str | None = None
+) -> onnx.ModelProto:
     nodes = [model.graph.node[i] for i in sub_layer.nodes]
     inputs = [infos[name] for name in sub_layer.inputs]
     outputs = [infos[name] for name in sub_layer.outputs]
@@ -202,13 +251,21 @@ def _sub_model(model, sub_layer, infos, initializers, placements, weights_as_inp
             stub.CopyFrom(original)
             del stub.external_data[:]
             place = placements[name]
-            for key, value in (("location", place["file"]), ("offset", str(place["offset"])),
-                               ("length", str(place["bytes"]))):
+            for key, value in (
+                ("location", place["file"]),
+                ("offset", str(place["offset"])),
+                ("length", str(place["bytes"])),
+            ):
                 stub.external_data.add(key=key, value=value)
             stored.append(stub)
     graph = helper.make_graph(nodes, sub_layer.name, inputs, outputs, initializer=stored)
-    sub_model = helper.make_model(graph, opset_imports=list(model.opset_import), ir_version=model.ir_version,
-                                  producer_name="pipeshard", producer_version=__version__)
+    sub_model = helper.make_model(
+        graph,
+        opset_imports=list(model.opset_import),
+        ir_version=model.ir_version,
+        producer_name="pipeshard",
+        producer_version=__version__,
+    )
     sub_model.functions.extend(model.functions)
     return sub_model
 
@@ -234,14 +291,18 @@ def _copy_shared_weights(model: onnx.ModelProto, assignment: dict[int, str]) -> 
                     node.input[:] = [copy.name if tensor == name else tensor for tensor in node.input]
 
 
-def _vision_section(export_dir: Path, vision: dict, dtype: str, staging: Path, shape_only: bool = False) -> dict:
+def _vision_section(
+    export_dir: Path, vision: dict, dtype: str, staging: Path, shape_only: bool = False
+) -> dict:
     """Cut a VLM's vision graph into its blocks (`vision_embed`, `V{i}.attn`, `V{i}.ffn`, `projector`) and write
     them beside the decoder's sub-layers: the manifest's `vision` section. A block's cost counts T = patches
     through it and C = the patches each attends to; attention scores are the fused op's, never stored."""
     model = onnx.load(export_dir / vision["file"], load_external_data=False)
     graph = build_graph(model)
     assignment = assign_sub_layers(model, graph, VISION_RULES_BY_FAMILY[vision.get("family", "idefics3")])
-    hoist_step_invariants(model, graph, assignment, frozenset(v.name for v in model.graph.input) - {"pixel_values"})
+    hoist_step_invariants(
+        model, graph, assignment, frozenset(v.name for v in model.graph.input) - {"pixel_values"}
+    )
     model, assignment = topologically_sorted(model, assignment)
     _copy_shared_weights(model, assignment)
     sub_layers = cut(model, assignment)
@@ -252,36 +313,74 @@ def _vision_section(export_dir: Path, vision: dict, dtype: str, staging: Path, s
             sub_layer.name = VISION_PROLOGUE
     initializers = {i.name: i for i in model.graph.initializer}
     external = {_external(i)["location"] for i in initializers.values() if _external(i)}
-    placements, blobs = _write_blobs(sub_layers, _weight_owners(sub_layers, initializers), initializers,
-                                     None if shape_only else export_dir / external.pop(), staging) \
-        if external else ({}, {})
-    dims = {"hidden_size": vision["hidden_size"], "num_attention_heads": vision["num_attention_heads"],
-            "head_dim": vision["hidden_size"] // vision["num_attention_heads"]}
+    placements, blobs = (
+        _write_blobs(
+            sub_layers,
+            _weight_owners(sub_layers, initializers),
+            initializers,
+            None if shape_only else export_dir / external.pop(),
+            staging,
+        )
+        if external
+        else ({}, {})
+    )
+    dims = {
+        "hidden_size": vision["hidden_size"],
+        "num_attention_heads": vision["num_attention_heads"],
+        "head_dim": vision["hidden_size"] // vision["num_attention_heads"],
+    }
     entries = []
     for sub_layer in sub_layers:
-        files = {} if shape_only else {"onnx": f"{sub_layer.name}.onnx",
-                                       "weights_as_inputs": f"{sub_layer.name}.inputs.onnx"}
+        files = (
+            {}
+            if shape_only
+            else {"onnx": f"{sub_layer.name}.onnx", "weights_as_inputs": f"{sub_layer.name}.inputs.onnx"}
+        )
         for variant, as_inputs in (("onnx", False), ("weights_as_inputs", True)) if files else ():
-            onnx.save(_sub_model(model, sub_layer, infos, initializers, placements, as_inputs),
-                      staging / files[variant])
-        weights = [{"name": name, "shape": list(initializers[name].dims),
-                    "dtype": ONNX_DTYPE_NAMES[initializers[name].data_type], **placements[name]}
-                   for name in sub_layer.initializers if name in placements]
+            onnx.save(
+                _sub_model(model, sub_layer, infos, initializers, placements, as_inputs),
+                staging / files[variant],
+            )
+        weights = [
+            {
+                "name": name,
+                "shape": list(initializers[name].dims),
+                "dtype": ONNX_DTYPE_NAMES[initializers[name].data_type],
+                **placements[name],
+            }
+            for name in sub_layer.initializers
+            if name in placements
+        ]
         weight_bytes = sum(w["bytes"] for w in weights)
-        entries.append({
-            "name": sub_layer.name, "kind": sub_layer.kind, "layer": sub_layer.layer, "files": files,
-            "blob": blobs.get(sub_layer.name), "weights": weights, "weight_bytes": weight_bytes,
-            "inputs": [_describe(infos[t]) for t in sub_layer.inputs],
-            "outputs": [_describe(infos[t]) for t in sub_layer.outputs],
-            "cost": {"flops": counted_flops(sub_layer, model, dims),
-                     "bytes": {"const": float(weight_bytes),
-                               "T": float(2 * vision["hidden_size"] * DTYPE_BYTES[dtype])}},
-            "nodes": len(sub_layer.nodes),
-        })
+        entries.append(
+            {
+                "name": sub_layer.name,
+                "kind": sub_layer.kind,
+                "layer": sub_layer.layer,
+                "files": files,
+                "blob": blobs.get(sub_layer.name),
+                "weights": weights,
+                "weight_bytes": weight_bytes,
+                "inputs": [_describe(infos[t]) for t in sub_layer.inputs],
+                "outputs": [_describe(infos[t]) for t in sub_layer.outputs],
+                "cost": {
+                    "flops": counted_flops(sub_layer, model, dims),
+                    "bytes": {
+                        "const": float(weight_bytes),
+                        "T": float(2 * vision["hidden_size"] * DTYPE_BYTES[dtype]),
+                    },
+                },
+                "nodes": len(sub_layer.nodes),
+            }
+        )
     described = {k: v for k, v in vision.items() if k not in ("file", "max_difference_vs_pytorch")}
-    return {**described, "graph_inputs": [_describe(v) for v in model.graph.input],
-            "graph_outputs": [_describe(v) for v in model.graph.output],
-            "total_weight_bytes": sum(b["bytes"] for b in blobs.values()), "sub_layers": entries}
+    return {
+        **described,
+        "graph_inputs": [_describe(v) for v in model.graph.input],
+        "graph_outputs": [_describe(v) for v in model.graph.output],
+        "total_weight_bytes": sum(b["bytes"] for b in blobs.values()),
+        "sub_layers": entries,
+    }
 
 
 def partition(export_dir: Path, pack: Path, force: bool = False) -> PartitionResult:
@@ -292,8 +391,10 @@ def partition(export_dir: Path, pack: Path, force: bool = False) -> PartitionRes
     check_output_dir(Path(pack), force)
     rules = RULES_BY_ARCHITECTURE.get(info["architecture"])
     if rules is None:
-        raise UserError(f"no partition rules for architecture {info['architecture']!r}; "
-                        f"known: {', '.join(sorted(RULES_BY_ARCHITECTURE))}")
+        raise UserError(
+            f"no partition rules for architecture {info['architecture']!r}; "
+            f"known: {', '.join(sorted(RULES_BY_ARCHITECTURE))}"
+        )
     dims, dtype = info["dims"], info["dtype"]
     compute = info.get("compute_dtype", dtype)  # activations and KV (half-precision weights compute in fp32)
     model = onnx.load(export_dir / info["model_file"], load_external_data=False)
@@ -308,8 +409,7 @@ def partition(export_dir: Path, pack: Path, force: bool = False) -> PartitionRes
     infos = _value_infos(model)
     shapes = {name: _dims(v) for name, v in infos.items()}
     blocks = moe_blocks(sub_layers, model, shapes, dims["hidden_size"])
-    verify_cut(sub_layers, shapes, dims["hidden_size"],
-               frozenset(moe_internal_tensors(blocks, sub_layers)))
+    verify_cut(sub_layers, shapes, dims["hidden_size"], frozenset(moe_internal_tensors(blocks, sub_layers)))
     sub_layers = [s for s in sub_layers if s.kind != "combine"]  # the runtime combines the routed experts
     initializers = {i.name: i for i in model.graph.initializer}
     external = {_external(i)["location"] for i in initializers.values() if _external(i)}
@@ -319,9 +419,13 @@ def partition(export_dir: Path, pack: Path, force: bool = False) -> PartitionRes
 
     shape_only = bool(info.get("shape_only"))  # weights are references to a file that does not exist
     with atomic_output_dir(Path(pack), force) as staging:
-        placements, blobs = (_write_blobs(sub_layers, owners, initializers,
-                                          None if shape_only else export_dir / external.pop(), staging)
-                             if external else ({}, {}))
+        placements, blobs = (
+            _write_blobs(
+                sub_layers, owners, initializers, None if shape_only else export_dir / external.pop(), staging
+            )
+            if external
+            else ({}, {})
+        )
         entries = []
         for sub_layer in sub_layers:
             files = {"onnx": f"{sub_layer.name}.onnx", "weights_as_inputs": f"{sub_layer.name}.inputs.onnx"}
@@ -329,36 +433,73 @@ def partition(export_dir: Path, pack: Path, force: bool = False) -> PartitionRes
             if shape_only:
                 files = {}
             for variant, as_inputs in (("onnx", False), ("weights_as_inputs", True)) if files else ():
-                onnx.save(_sub_model(model, sub_layer, infos, initializers, placements, as_inputs, chunkable),
-                          staging / files[variant])
-            weights = [{"name": name, "shape": list(initializers[name].dims),
-                        "dtype": ONNX_DTYPE_NAMES[initializers[name].data_type], **placements[name]}
-                       for name in sub_layer.initializers if name in placements]
+                onnx.save(
+                    _sub_model(model, sub_layer, infos, initializers, placements, as_inputs, chunkable),
+                    staging / files[variant],
+                )
+            weights = [
+                {
+                    "name": name,
+                    "shape": list(initializers[name].dims),
+                    "dtype": ONNX_DTYPE_NAMES[initializers[name].data_type],
+                    **placements[name],
+                }
+                for name in sub_layer.initializers
+                if name in placements
+            ]
             weight_bytes = sum(w["bytes"] for w in weights)
             tables = row_prefix_outputs(model, sub_layer, initializers)
             kv = None
             if sub_layer.kind == "attn":
-                kv = {"past": [t for t in sub_layer.inputs if t.startswith(PAST_PREFIX)],
-                      "present": [t for t in sub_layer.outputs if t.startswith(PRESENT_PREFIX)],
-                      "bytes_per_token": kv_bytes_per_token(dims, compute)}
-            entries.append({
-                "name": sub_layer.name, "kind": sub_layer.kind, "layer": sub_layer.layer,
-                "files": files, "blob": blobs.get(sub_layer.name), "weights": weights, "weight_bytes": weight_bytes,
-                "inputs": [_describe(infos[t]) for t in sub_layer.inputs],
-                "outputs": [{**_describe(infos[t]), **({"rows_of": tables[t]} if t in tables else {})}
-                            for t in sub_layer.outputs],
-                "kv": kv,
-                **({"expert": expert_index(sub_layer.name)} if sub_layer.kind == "expert" else {}),
-                "row_chunks": {"weight": chunkable, "rows": int(initializers[chunkable].dims[0]),
-                               "row_bytes": placements[chunkable]["bytes"] // int(initializers[chunkable].dims[0])}
-                if chunkable and chunkable in placements else None,
-                "cost": {"flops": checked_flops(sub_layer, model, dims),
-                         "bytes": bytes_moved(sub_layer, sub_layer.kind, dims, compute, weight_bytes)},
-                "nodes": len(sub_layer.nodes),
-            })
-        vision = _vision_section(export_dir, info["vision"], dtype, staging, shape_only) if "vision" in info else None
-        for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-                     "chat_template.jinja", "preprocessor_config.json", *TOKENIZER_GRAPHS):
+                kv = {
+                    "past": [t for t in sub_layer.inputs if t.startswith(PAST_PREFIX)],
+                    "present": [t for t in sub_layer.outputs if t.startswith(PRESENT_PREFIX)],
+                    "bytes_per_token": kv_bytes_per_token(dims, compute),
+                }
+            entries.append(
+                {
+                    "name": sub_layer.name,
+                    "kind": sub_layer.kind,
+                    "layer": sub_layer.layer,
+                    "files": files,
+                    "blob": blobs.get(sub_layer.name),
+                    "weights": weights,
+                    "weight_bytes": weight_bytes,
+                    "inputs": [_describe(infos[t]) for t in sub_layer.inputs],
+                    "outputs": [
+                        {**_describe(infos[t]), **({"rows_of": tables[t]} if t in tables else {})}
+                        for t in sub_layer.outputs
+                    ],
+                    "kv": kv,
+                    **({"expert": expert_index(sub_layer.name)} if sub_layer.kind == "expert" else {}),
+                    "row_chunks": {
+                        "weight": chunkable,
+                        "rows": int(initializers[chunkable].dims[0]),
+                        "row_bytes": placements[chunkable]["bytes"] // int(initializers[chunkable].dims[0]),
+                    }
+                    if chunkable and chunkable in placements
+                    else None,
+                    "cost": {
+                        "flops": checked_flops(sub_layer, model, dims),
+                        "bytes": bytes_moved(sub_layer, sub_layer.kind, dims, compute, weight_bytes),
+                    },
+                    "nodes": len(sub_layer.nodes),
+                }
+            )
+        vision = (
+            _vision_section(export_dir, info["vision"], dtype, staging, shape_only)
+            if "vision" in info
+            else None
+        )
+        for name in (
+            "config.json",
+            "generation_config.json",
+            "tokenizer.json",
+            "tokenizer_config.json",
+            "chat_template.jinja",
+            "preprocessor_config.json",
+            *TOKENIZER_GRAPHS,
+        ):
             if (export_dir / name).is_file():
                 if name in TOKENIZER_GRAPHS:
                     write_tokenizer_graph(export_dir / name, staging / name)
@@ -371,38 +512,50 @@ def partition(export_dir: Path, pack: Path, force: bool = False) -> PartitionRes
             "schema_version": PACK_SCHEMA_VERSION,
             "pipeshard_version": __version__,
             "model": {
-                "architecture": info["architecture"], "dtype": dtype, "compute_dtype": compute,
-                "num_layers": dims["num_layers"], "hidden_size": dims["hidden_size"],
+                "architecture": info["architecture"],
+                "dtype": dtype,
+                "compute_dtype": compute,
+                "num_layers": dims["num_layers"],
+                "hidden_size": dims["hidden_size"],
                 "intermediate_size": dims["intermediate_size"],
                 "num_attention_heads": dims["num_attention_heads"],
-                "num_key_value_heads": dims["num_key_value_heads"], "head_dim": dims["head_dim"],
-                "vocab_size": dims["vocab_size"], "max_context": dims["max_context"],
+                "num_key_value_heads": dims["num_key_value_heads"],
+                "head_dim": dims["head_dim"],
+                "vocab_size": dims["vocab_size"],
+                "max_context": dims["max_context"],
                 "tie_word_embeddings": info.get("tie_word_embeddings", False),
-                "num_experts": dims.get("num_experts", 0), "experts_per_token": dims.get("experts_per_token", 0),
+                "num_experts": dims.get("num_experts", 0),
+                "experts_per_token": dims.get("experts_per_token", 0),
                 "expert_intermediate_size": dims.get("expert_intermediate_size", 0),
                 "sliding_window": dims.get("sliding_window", 0),
                 "position_rows": info.get("position_rows", 1),  # 3: M-RoPE, position_ids [3, batch, tokens]
             },
-            "source": {"export": str(export_dir.absolute()),
-                       "model_sha256": sha256_file(export_dir / info["model_file"])},
+            "source": {
+                "export": str(export_dir.absolute()),
+                "model_sha256": sha256_file(export_dir / info["model_file"]),
+            },
             "weight_alignment": WEIGHT_ALIGNMENT,
             "graph_inputs": [_describe(v) for v in model.graph.input],
             "graph_outputs": [_describe(v) for v in model.graph.output],
             "kv_bytes_per_token": sum(e["kv"]["bytes_per_token"] for e in entries if e["kv"]),
             "total_weight_bytes": sum(b["bytes"] for b in blobs.values()),
             "cost_model": "flops and bytes per step = const + T*new_tokens + C*context + TC*new_tokens*context; "
-                          "for an expert, T = the tokens routed to it",
+            "for an expert, T = the tokens routed to it",
             "sub_layers": entries,
             "moe_blocks": blocks,
             **({"vision": vision} if vision else {}),
             # For native hosts (docs/native-host.md): the oldest ONNX Runtime these files are checked with, and
             # the chat template rendered in advance (null: the template needs a template engine).
-            "host": {"min_onnxruntime": MIN_ONNXRUNTIME,
-                     "chat_template": CHAT_TEMPLATE_FILE if chat_template is not None else None},
+            "host": {
+                "min_onnxruntime": MIN_ONNXRUNTIME,
+                "chat_template": CHAT_TEMPLATE_FILE if chat_template is not None else None,
+            },
             # Every file but the weight blobs (their digests are in the entries), for `inspect --verify`.
-            "files": {path.name: {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
-                      for path in sorted(staging.iterdir()) if path.is_file() and not path.name.endswith(".weights")
-                      and not shape_only},
+            "files": {
+                path.name: {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
+                for path in sorted(staging.iterdir())
+                if path.is_file() and not path.name.endswith(".weights") and not shape_only
+            },
         }
         if shape_only:
             manifest["shape_only"] = True

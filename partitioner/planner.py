@@ -22,9 +22,13 @@ PLANS_SCHEMA_VERSION = 2  # 2: the pack's digest (pack_sha256), plans as the run
 DEFAULT_TIERS = (1, 4, 16, 64, 256, 1024)
 RESERVE_BYTES = 64 * 1024**2  # kept free for the driver and fragmentation
 STAGING_SLOTS = 2
-DYNAMIC_MOVES = 128  # up to this many candidates, the dynamic search tries each alone (see Planner.dynamic) ...
+DYNAMIC_MOVES = (
+    128  # up to this many candidates, the dynamic search tries each alone (see Planner.dynamic) ...
+)
 DYNAMIC_BLOCKS = 32  # ... beyond it, this many blocks of neighbours
-KV_STREAMING_SHARE = 0.1  # plans streaming KV are tried once all the KV passes this share of the usable budget
+KV_STREAMING_SHARE = (
+    0.1  # plans streaming KV are tried once all the KV passes this share of the usable budget
+)
 HOST_ONLY_KINDS = ("prologue", "embed")  # cheap, and embed reads only T rows of a large table
 STRATEGIES = ("gpu-only", "static", "dynamic")
 BASELINES = ("monolithic", "cpu", "layers", "offload")
@@ -39,29 +43,45 @@ def planning_units(sub_layers: list[dict], output_chunks: int | None = None) -> 
     apart (manifest `row_chunks`) becomes units `final#j` of consecutive rows, each no larger than the
     largest other sub-layer (or `output_chunks` of them). A chunk can be pinned, streamed through a
     staging slot no larger than the other sub-layers need, or computed on the CPU, like any sub-layer."""
-    largest_other = max((e["weight_bytes"] for e in sub_layers
-                         if not e.get("row_chunks") and e["kind"] not in HOST_ONLY_KINDS), default=0)
+    largest_other = max(
+        (
+            e["weight_bytes"]
+            for e in sub_layers
+            if not e.get("row_chunks") and e["kind"] not in HOST_ONLY_KINDS
+        ),
+        default=0,
+    )
     units = []
     for entry in sub_layers:
         chunks = entry.get("row_chunks")
-        count = output_chunks or (math.ceil(chunks["rows"] * chunks["row_bytes"] / max(largest_other, 1))
-                                  if chunks else 1)
+        count = output_chunks or (
+            math.ceil(chunks["rows"] * chunks["row_bytes"] / max(largest_other, 1)) if chunks else 1
+        )
         if not chunks or count <= 1:
             units.append(entry)
             continue
         per_chunk = math.ceil(chunks["rows"] / count)
         for start in range(0, chunks["rows"], per_chunk):
             stop = min(start + per_chunk, chunks["rows"])
-            units.append({**entry, "name": f"{entry['name']}#{start // per_chunk}", "chunk_of": entry["name"],
-                          "rows": [start, stop], "weight_bytes": (stop - start) * chunks["row_bytes"],
-                          "share": (stop - start) / chunks["rows"]})
+            units.append(
+                {
+                    **entry,
+                    "name": f"{entry['name']}#{start // per_chunk}",
+                    "chunk_of": entry["name"],
+                    "rows": [start, stop],
+                    "weight_bytes": (stop - start) * chunks["row_bytes"],
+                    "share": (stop - start) / chunks["rows"],
+                }
+            )
     return units
 
 
 @dataclass
 class VramBreakdown:
     pinned_weights: int = 0
-    kv_cache: int = 0  # the device-resident KV: pinned attentions', and streamed ones' whose KV is not streamed
+    kv_cache: int = (
+        0  # the device-resident KV: pinned attentions', and streamed ones' whose KV is not streamed
+    )
     staging_slots: int = 0
     kv_staging: int = 0  # one KV slot beside each staging slot, for the streamed attentions whose KV streams
     expert_slots: int = 0
@@ -71,8 +91,16 @@ class VramBreakdown:
 
     @property
     def total(self) -> int:
-        return (self.pinned_weights + self.kv_cache + self.staging_slots + self.kv_staging + self.expert_slots
-                + self.workspace + self.ep_overhead + self.reserve)
+        return (
+            self.pinned_weights
+            + self.kv_cache
+            + self.staging_slots
+            + self.kv_staging
+            + self.expert_slots
+            + self.workspace
+            + self.ep_overhead
+            + self.reserve
+        )
 
 
 @dataclass
@@ -89,11 +117,15 @@ class Plan:
     copy_hidden_fraction: float = 1.0
     slots: int = STAGING_SLOTS
     prefetch: bool = True
-    kv_streamed: list[str] = field(default_factory=list)  # streamed attentions whose KV streams with their weights
+    kv_streamed: list[str] = field(
+        default_factory=list
+    )  # streamed attentions whose KV streams with their weights
     timeline: list = field(default_factory=list, repr=False)
 
     def counts(self) -> dict[str, int]:
-        return {kind: sum(1 for p in self.placements.values() if p == kind) for kind in (PINNED, STREAMED, CPU)}
+        return {
+            kind: sum(1 for p in self.placements.values() if p == kind) for kind in (PINNED, STREAMED, CPU)
+        }
 
     def to_json(self) -> dict:
         document = asdict(self)
@@ -105,10 +137,23 @@ class Plan:
     @classmethod
     def from_json(cls, document: dict) -> Plan:
         """A plan as `to_json` wrote it (plans.json); the derived fields (counts, vram total) are recomputed."""
-        fields = {name: document[name] for name in ("strategy", "tier", "placements", "predicted_s", "step_s",
-                                                     "tokens_per_s", "budget_bytes")}
-        optional = {name: document[name] for name in ("streamed_bytes", "copy_hidden_fraction", "slots", "prefetch",
-                                                      "kv_streamed") if name in document}
+        fields = {
+            name: document[name]
+            for name in (
+                "strategy",
+                "tier",
+                "placements",
+                "predicted_s",
+                "step_s",
+                "tokens_per_s",
+                "budget_bytes",
+            )
+        }
+        optional = {
+            name: document[name]
+            for name in ("streamed_bytes", "copy_hidden_fraction", "slots", "prefetch", "kv_streamed")
+            if name in document
+        }
         vram = VramBreakdown(**{k: v for k, v in document["vram"].items() if k != "total"})
         return cls(**fields, **optional, vram=vram)
 
@@ -116,9 +161,18 @@ class Plan:
 class Planner:
     """Makes plans for one pack, profile, budget, context and batch; replanning is cheap (no I/O)."""
 
-    def __init__(self, manifest: dict, profile: dict, budget_bytes: int, context: int = 4096, batch: int = 1,
-                 threads: int | None = None, output_chunks: int | None = None,
-                 expert_stats: dict | None = None, assume_bits: float | None = None) -> None:
+    def __init__(
+        self,
+        manifest: dict,
+        profile: dict,
+        budget_bytes: int,
+        context: int = 4096,
+        batch: int = 1,
+        threads: int | None = None,
+        output_chunks: int | None = None,
+        expert_stats: dict | None = None,
+        assume_bits: float | None = None,
+    ) -> None:
         self.manifest = manifest
         self.model = manifest["model"]
         self.sub_layers = planning_units(manifest["sub_layers"], output_chunks)
@@ -127,8 +181,13 @@ class Planner:
         # Planning only (comparisons with quantized figures): every weight takes `assume_bits` bits instead of
         # the pack's dtype, in VRAM, copies and reads; compute rates, activations and KV stay the pack's.
         self.assume_bits = assume_bits
-        self.estimator = Estimator(profile, self.model, threads, manifest.get("source", {}).get("model_sha256"),
-                                   weight_bits=assume_bits)
+        self.estimator = Estimator(
+            profile,
+            self.model,
+            threads,
+            manifest.get("source", {}).get("model_sha256"),
+            weight_bits=assume_bits,
+        )
         self.context = context
         self.batch = batch
         self.budget_bytes = budget_bytes
@@ -141,22 +200,33 @@ class Planner:
             for weight in entry["weights"]:
                 owned[(weight["file"], weight["offset"])] = weight["bytes"]
         scale = self.estimator.weight_scale
-        self.weight_bytes = {e["name"]: round(scale * (e["weight_bytes"] if "chunk_of" in e else
-                                                       sum(w["bytes"] for w in e["weights"])))
-                             for e in self.sub_layers}
+        self.weight_bytes = {
+            e["name"]: round(
+                scale * (e["weight_bytes"] if "chunk_of" in e else sum(w["bytes"] for w in e["weights"]))
+            )
+            for e in self.sub_layers
+        }
         self.model_bytes = round(scale * sum(owned.values()))
         self.placeable = [e for e in self.sub_layers if e["kind"] not in HOST_ONLY_KINDS]
         self.routing_share = expert_routing_shares(manifest, expert_stats)
         # Streamed experts can be copied only once their router has run.
-        self.copy_gates = {expert: block["router"] for block in manifest.get("moe_blocks", [])
-                           for expert in block["experts"]}
+        self.copy_gates = {
+            expert: block["router"] for block in manifest.get("moe_blocks", []) for expert in block["experts"]
+        }
         # Canonical pin priority: attention (with its KV) first, then FFN in layer order, then the output
         # layer; in a MoE model the routers, the output layer, then the experts, most popular first.
         order = {"attn": 0, "router": 1, "ffn": 2, "final": 3}
         if self.routing_share:
             order.update(final=2, expert=3)
-        self.priority = sorted(self.placeable, key=lambda e: (order.get(e["kind"], 2), -self.routing_share.get(
-            e["name"], 0.0), e["layer"] or 0, e.get("expert", 0)))
+        self.priority = sorted(
+            self.placeable,
+            key=lambda e: (
+                order.get(e["kind"], 2),
+                -self.routing_share.get(e["name"], 0.0),
+                e["layer"] or 0,
+                e.get("expert", 0),
+            ),
+        )
         self._cost_cache: dict[int, tuple[dict, dict, float]] = {}
 
     # -- accounting -------------------------------------------------------------------------------------------------
@@ -168,20 +238,31 @@ class Planner:
         element = self.estimator.element
         hidden, inter = self.model["hidden_size"], self.model["intermediate_size"]
         scores = 4 * self.model["num_attention_heads"] * tier * min(self.context, 1 << 20)
-        logits = 4 * min(tier, self.batch) * self.model["vocab_size"]  # the output layer: each sequence's last
+        logits = (
+            4 * min(tier, self.batch) * self.model["vocab_size"]
+        )  # the output layer: each sequence's last
         return tier * element * (4 * hidden + 3 * inter) + max(scores, logits)
 
-    def vram(self, placements: dict[str, str], tier: int, slots: int,
-             kv_streamed: frozenset[str] = frozenset()) -> VramBreakdown:
+    def vram(
+        self, placements: dict[str, str], tier: int, slots: int, kv_streamed: frozenset[str] = frozenset()
+    ) -> VramBreakdown:
         on_device = [e for e in self.placeable if placements[e["name"]] != CPU]
         streamed = [e for e in on_device if placements[e["name"]] == STREAMED and e["kind"] != "expert"]
-        streamed_experts = [e for e in on_device if placements[e["name"]] == STREAMED and e["kind"] == "expert"]
+        streamed_experts = [
+            e for e in on_device if placements[e["name"]] == STREAMED and e["kind"] == "expert"
+        ]
         return VramBreakdown(
-            pinned_weights=sum(self.weight_bytes[e["name"]] for e in on_device if placements[e["name"]] == PINNED),
+            pinned_weights=sum(
+                self.weight_bytes[e["name"]] for e in on_device if placements[e["name"]] == PINNED
+            ),
             kv_cache=sum(self.kv_bytes(e) for e in on_device if e["name"] not in kv_streamed),
-            staging_slots=slots * max((self.weight_bytes[e["name"]] for e in streamed), default=0) if streamed else 0,
-            kv_staging=slots * max((self.kv_bytes(e) for e in streamed if e["name"] in kv_streamed), default=0),
-            expert_slots=EXPERT_SLOTS * max((self.weight_bytes[e["name"]] for e in streamed_experts), default=0),
+            staging_slots=slots * max((self.weight_bytes[e["name"]] for e in streamed), default=0)
+            if streamed
+            else 0,
+            kv_staging=slots
+            * max((self.kv_bytes(e) for e in streamed if e["name"] in kv_streamed), default=0),
+            expert_slots=EXPERT_SLOTS
+            * max((self.weight_bytes[e["name"]] for e in streamed_experts), default=0),
             workspace=self.workspace_bytes(tier) if on_device else 0,
             ep_overhead=self.ep_overhead,
         )
@@ -193,39 +274,80 @@ class Planner:
         kv = [self.kv_bytes(e) for e in self.placeable if e.get("kv")]
         usable = self.budget_bytes - self.minimum_budget()
         # ... and where a KV slot can fit at all.
-        return (False, True) if kv and sum(kv) > KV_STREAMING_SHARE * usable and max(kv) < usable else (False,)
+        return (
+            (False, True) if kv and sum(kv) > KV_STREAMING_SHARE * usable and max(kv) < usable else (False,)
+        )
 
     @staticmethod
     def streamed_attentions(placements: dict[str, str], sub_layers: list[dict]) -> frozenset[str]:
-        return frozenset(e["name"] for e in sub_layers if e["kind"] == "attn" and placements[e["name"]] == STREAMED)
+        return frozenset(
+            e["name"] for e in sub_layers if e["kind"] == "attn" and placements[e["name"]] == STREAMED
+        )
 
     def minimum_budget(self) -> int:
         """The smallest plan: nothing on the device (static with nothing pinned) still needs the EP."""
         return VramBreakdown(ep_overhead=self.ep_overhead).total
 
     # -- evaluation -------------------------------------------------------------------------------------------------
-    def evaluate(self, strategy: str, tier: int, placements: dict[str, str], slots: int = STAGING_SLOTS,
-                 prefetch: bool = True, detail: bool = False, kv_streaming: bool = False) -> Plan:
+    def evaluate(
+        self,
+        strategy: str,
+        tier: int,
+        placements: dict[str, str],
+        slots: int = STAGING_SLOTS,
+        prefetch: bool = True,
+        detail: bool = False,
+        kv_streaming: bool = False,
+    ) -> Plan:
         """The plan of these placements; with `kv_streaming`, every streamed attention's KV lives in host memory
         and is uploaded with its weights (and its new rows downloaded after it ran): copies instead of VRAM."""
         full = {e["name"]: placements.get(e["name"], CPU) for e in self.sub_layers}
         compute, copies, activation = self._costs(tier)
         kv_streamed = self.streamed_attentions(full, self.placeable) if kv_streaming else frozenset()
         if kv_streamed:
-            copies = {**copies, **{name: copies[name] + self._kv_copy_seconds(self.units[name], tier)
-                                   for name in kv_streamed}}
+            copies = {
+                **copies,
+                **{
+                    name: copies[name] + self._kv_copy_seconds(self.units[name], tier) for name in kv_streamed
+                },
+            }
         slowdown = 1.0
         if any(p == STREAMED for p in full.values()):
-            factors = self.profile["contention"]["cpu_matmul_slowdown_under_copy"].get(str(self.estimator.threads), {})
+            factors = self.profile["contention"]["cpu_matmul_slowdown_under_copy"].get(
+                str(self.estimator.threads), {}
+            )
             slowdown = _nearest_tier_factor(factors, tier)
-        simulation: Simulation = simulate(self.sub_layers, full, compute, copies, activation, slots, prefetch,
-                                          slowdown, detail, self.copy_gates, self.device_shares_cpu)
+        simulation: Simulation = simulate(
+            self.sub_layers,
+            full,
+            compute,
+            copies,
+            activation,
+            slots,
+            prefetch,
+            slowdown,
+            detail,
+            self.copy_gates,
+            self.device_shares_cpu,
+        )
         vram = self.vram(full, tier, slots, kv_streamed)
         streamed_bytes = sum(self.weight_bytes[n] for n, p in full.items() if p == STREAMED)
-        return Plan(strategy, tier, full, simulation.per_sub_layer_s, simulation.step_s,
-                    tier / simulation.step_s, vram, self.budget_bytes, streamed_bytes,
-                    simulation.copy_hidden_s / simulation.copy_busy_s if simulation.copy_busy_s else 1.0,
-                    slots, prefetch, sorted(kv_streamed), simulation.timeline)
+        return Plan(
+            strategy,
+            tier,
+            full,
+            simulation.per_sub_layer_s,
+            simulation.step_s,
+            tier / simulation.step_s,
+            vram,
+            self.budget_bytes,
+            streamed_bytes,
+            simulation.copy_hidden_s / simulation.copy_busy_s if simulation.copy_busy_s else 1.0,
+            slots,
+            prefetch,
+            sorted(kv_streamed),
+            simulation.timeline,
+        )
 
     def kv_bytes_moved(self, entry: dict, tier: int) -> tuple[int, int]:
         """A streamed attention's KV traffic per step when its KV streams: (its cache uploaded, the step's new rows
@@ -234,8 +356,10 @@ class Planner:
         return per_token * self.context * self.batch, per_token * tier
 
     def _kv_copy_seconds(self, entry: dict, tier: int) -> float:
-        return sum(self.estimator.copy_seconds(nbytes, under_cpu_load=True, tokens=tier)
-                   for nbytes in self.kv_bytes_moved(entry, tier))
+        return sum(
+            self.estimator.copy_seconds(nbytes, under_cpu_load=True, tokens=tier)
+            for nbytes in self.kv_bytes_moved(entry, tier)
+        )
 
     def expected_distinct_experts(self, tokens: int) -> dict[int, float]:
         """Per MoE layer, the expected number of distinct experts `tokens` tokens activate:
@@ -256,7 +380,9 @@ class Planner:
         if tier not in self._cost_cache:
             estimator = self.estimator
             # The output layer computes only each sequence's last position (what generation reads).
-            tokens = {e["name"]: min(tier, self.batch) if e["kind"] == "final" else tier for e in self.sub_layers}
+            tokens = {
+                e["name"]: min(tier, self.batch) if e["kind"] == "final" else tier for e in self.sub_layers
+            }
             # An expert runs only in steps where some token chose it, over the tokens that did: its
             # expected time is P(chosen by any of T tokens) x its time over the tokens routed to it then.
             share = {}
@@ -266,14 +392,21 @@ class Planner:
                     p = self.routing_share[e["name"]]
                     share[e["name"]] = 1.0 - (1.0 - p) ** tier
                     tokens[e["name"]] = tier * p / share[e["name"]] if share[e["name"]] > 0 else 0.0
-            compute = {e["name"]: {device: share[e["name"]] * estimator.compute_seconds(
-                e, tokens[e["name"]], self.context, device == "gpu") for device in ("cpu", "gpu")}
-                for e in self.sub_layers}
+            compute = {
+                e["name"]: {
+                    device: share[e["name"]]
+                    * estimator.compute_seconds(e, tokens[e["name"]], self.context, device == "gpu")
+                    for device in ("cpu", "gpu")
+                }
+                for e in self.sub_layers
+            }
             # A row chunk's bytes are its own (its share is of the layer's compute); an expert is copied only in
             # the steps that chose it.
-            copies = {e["name"]: (share[e["name"]] if e["name"] in self.routing_share else 1.0)
-                      * estimator.copy_seconds(self.weight_bytes[e["name"]], under_cpu_load=True, tokens=tier)
-                      for e in self.sub_layers}
+            copies = {
+                e["name"]: (share[e["name"]] if e["name"] in self.routing_share else 1.0)
+                * estimator.copy_seconds(self.weight_bytes[e["name"]], under_cpu_load=True, tokens=tier)
+                for e in self.sub_layers
+            }
             activation = estimator.copy_seconds(tier * self.model["hidden_size"] * estimator.element)
             self._cost_cache[tier] = (compute, copies, activation)
         return self._cost_cache[tier]
@@ -282,8 +415,15 @@ class Planner:
         return plan.vram.total <= self.budget_bytes
 
     # -- policies ---------------------------------------------------------------------------------------------------
-    def _pin_prefix(self, tier: int, base: dict[str, str], slots: int, priority: list[dict] | None = None,
-                    kv_streaming: bool = False, room_bytes: int = 0) -> dict[str, str]:
+    def _pin_prefix(
+        self,
+        tier: int,
+        base: dict[str, str],
+        slots: int,
+        priority: list[dict] | None = None,
+        kv_streaming: bool = False,
+        room_bytes: int = 0,
+    ) -> dict[str, str]:
         """Pin in priority order while the plan still fits with `room_bytes` to spare (placements not pinned keep
         `base`). The VRAM of each longer prefix is updated from the previous one (what `vram` would add up anew),
         so this is linear in the units. With `kv_streaming`, streamed attentions keep their KV in host memory
@@ -312,8 +452,11 @@ class Planner:
         for index in range(len(order) - 1, -1, -1):
             entry = order[index]
             for is_expert in (False, True):
-                own = weights[entry["name"]] if base[entry["name"]] == STREAMED and \
-                    (entry["kind"] == "expert") == is_expert else 0
+                own = (
+                    weights[entry["name"]]
+                    if base[entry["name"]] == STREAMED and (entry["kind"] == "expert") == is_expert
+                    else 0
+                )
                 suffix[is_expert][index] = max(suffix[is_expert][index + 1], own)
         fixed = vram.ep_overhead + vram.reserve + room_bytes
         workspace = self.workspace_bytes(tier)
@@ -329,9 +472,15 @@ class Planner:
             trial_kv_streams = kv_streams_left - (1 if name in kv_streamed else 0)
             trial_on_device = on_device + (1 if was == CPU else 0)
             largest = {x: max(largest_outside[x], suffix[x][index + 1]) for x in (False, True)}
-            total = (trial_pinned + trial_kv + (slots * largest[False] if left[False] else 0)
-                     + (kv_slot if trial_kv_streams else 0) + EXPERT_SLOTS * (largest[True] if left[True] else 0)
-                     + (workspace if trial_on_device else 0) + fixed)
+            total = (
+                trial_pinned
+                + trial_kv
+                + (slots * largest[False] if left[False] else 0)
+                + (kv_slot if trial_kv_streams else 0)
+                + EXPERT_SLOTS * (largest[True] if left[True] else 0)
+                + (workspace if trial_on_device else 0)
+                + fixed
+            )
             if total > self.budget_bytes:
                 break
             placements[name] = PINNED
@@ -349,14 +498,19 @@ class Planner:
         largest_first = [largest, *(e for e in self.priority if e is not largest)]
         candidates = []
         for kv_streaming in self.kv_streaming_modes():
-            kv_streamed = self.streamed_attentions(streamed_all, self.placeable) if kv_streaming else frozenset()
+            kv_streamed = (
+                self.streamed_attentions(streamed_all, self.placeable) if kv_streaming else frozenset()
+            )
             for priority in (self.priority, largest_first):
                 for slots in (STAGING_SLOTS, 1):
                     placements = self._pin_prefix(tier, streamed_all, slots, priority, kv_streaming)
                     still_streamed = kv_streamed & self.streamed_attentions(placements, self.placeable)
                     if self.vram(placements, tier, slots, still_streamed).total <= self.budget_bytes:
-                        candidates.append(self.evaluate("gpu-only", tier, placements, slots=slots,
-                                                        kv_streaming=kv_streaming))
+                        candidates.append(
+                            self.evaluate(
+                                "gpu-only", tier, placements, slots=slots, kv_streaming=kv_streaming
+                            )
+                        )
                         break
         return min(candidates, key=lambda p: p.step_s) if candidates else None
 
@@ -370,9 +524,11 @@ class Planner:
         ring = [e for e in self.placeable if e["kind"] != "expert"]
         experts = [e for e in self.placeable if e["kind"] == "expert"]
         attentions = [e for e in self.placeable if e["kind"] == "attn"]
-        return (slots * max((self.weight_bytes[e["name"]] for e in ring), default=0)
-                + EXPERT_SLOTS * max((self.weight_bytes[e["name"]] for e in experts), default=0)
-                + (slots * max((self.kv_bytes(e) for e in attentions), default=0) if kv_streaming else 0))
+        return (
+            slots * max((self.weight_bytes[e["name"]] for e in ring), default=0)
+            + EXPERT_SLOTS * max((self.weight_bytes[e["name"]] for e in experts), default=0)
+            + (slots * max((self.kv_bytes(e) for e in attentions), default=0) if kv_streaming else 0)
+        )
 
     def dynamic(self, tier: int) -> Plan | None:
         """Pin as static, leaving room for the slots; then, in order of the time they would save on the GPU, move
@@ -385,15 +541,27 @@ class Planner:
         compute, copies, _ = self._costs(tier)
         for kv_streaming in self.kv_streaming_modes():
             for slots in (STAGING_SLOTS, 1):
-                placements = self._pin_prefix(tier, all_cpu, slots, kv_streaming=kv_streaming,
-                                              room_bytes=self._streaming_room(slots, kv_streaming))
+                placements = self._pin_prefix(
+                    tier,
+                    all_cpu,
+                    slots,
+                    kv_streaming=kv_streaming,
+                    room_bytes=self._streaming_room(slots, kv_streaming),
+                )
                 plan = self._dynamic_moves(tier, placements, slots, kv_streaming, compute, copies)
                 if plan is not None and (best_plan is None or plan.step_s < best_plan.step_s):
                     best_plan = plan
         return best_plan
 
-    def _dynamic_moves(self, tier: int, placements: dict[str, str], slots: int, kv_streaming: bool,
-                       compute: dict, copies: dict) -> Plan | None:
+    def _dynamic_moves(
+        self,
+        tier: int,
+        placements: dict[str, str],
+        slots: int,
+        kv_streaming: bool,
+        compute: dict,
+        copies: dict,
+    ) -> Plan | None:
         candidates = [n for n, p in placements.items() if p == CPU]
         candidates.sort(key=lambda n: compute[n]["gpu"] + copies[n] - compute[n]["cpu"])
         best = self.evaluate("dynamic", tier, placements, slots=slots, kv_streaming=kv_streaming)
@@ -450,22 +618,38 @@ class Planner:
     # -- per tier ---------------------------------------------------------------------------------------------------
     def check_budget(self) -> None:
         if self.budget_bytes < self.minimum_budget():
-            raise UserError(f"VRAM budget {self.budget_bytes / 1024**2:.0f} MiB is below the minimum of any plan: "
-                            f"{self.minimum_budget() / 1024**2:.0f} MiB (EP overhead + reserve)")
+            raise UserError(
+                f"VRAM budget {self.budget_bytes / 1024**2:.0f} MiB is below the minimum of any plan: "
+                f"{self.minimum_budget() / 1024**2:.0f} MiB (EP overhead + reserve)"
+            )
 
     def plan_tier(self, tier: int) -> dict:
         self.check_budget()
-        candidates = [self.detailed(p) for p in (self.gpu_only(tier), self.static(tier), self.dynamic(tier))
-                      if p is not None]
+        candidates = [
+            self.detailed(p)
+            for p in (self.gpu_only(tier), self.static(tier), self.dynamic(tier))
+            if p is not None
+        ]
         candidates.sort(key=lambda p: p.step_s)
         baselines = {name: self.baseline(name, tier) for name in ("layers", "offload")}
-        return {"tier": tier, "chosen": candidates[0], "alternatives": candidates[1:],
-                "baselines": {k: self.detailed(v) for k, v in baselines.items() if v is not None}}
+        return {
+            "tier": tier,
+            "chosen": candidates[0],
+            "alternatives": candidates[1:],
+            "baselines": {k: self.detailed(v) for k, v in baselines.items() if v is not None},
+        }
 
     def detailed(self, plan: Plan) -> Plan:
         """The same plan re-simulated with its timeline and copy overlap (for reports and plans.json)."""
-        return self.evaluate(plan.strategy, plan.tier, plan.placements, plan.slots, plan.prefetch, detail=True,
-                             kv_streaming=bool(plan.kv_streamed))
+        return self.evaluate(
+            plan.strategy,
+            plan.tier,
+            plan.placements,
+            plan.slots,
+            plan.prefetch,
+            detail=True,
+            kv_streaming=bool(plan.kv_streamed),
+        )
 
     def plan(self, tiers: tuple[int, ...] = DEFAULT_TIERS) -> dict:
         started = time.perf_counter()
@@ -477,7 +661,7 @@ def _blocks(names: list[str], most: int) -> list[list[str]]:
     """`names` cut into at most `most` consecutive blocks of near-equal size (one name each when they are few)."""
     count = min(len(names), most)
     bounds = [round(i * len(names) / count) for i in range(count + 1)] if count else [0]
-    return [names[bounds[i]:bounds[i + 1]] for i in range(count)]
+    return [names[bounds[i] : bounds[i + 1]] for i in range(count)]
 
 
 def expert_routing_shares(manifest: dict, stats: dict | None) -> dict[str, float]:
@@ -492,8 +676,11 @@ def expert_routing_shares(manifest: dict, stats: dict | None) -> dict[str, float
         routed = sum(measured["tokens"]) if measured else 0
         for index, name in enumerate(block["experts"]):
             # Each token goes to top_k experts: measured token counts sum to top_k x tokens.
-            shares[name] = top_k * (measured["tokens"][index] + 1) / (routed + num_experts) if routed \
+            shares[name] = (
+                top_k * (measured["tokens"][index] + 1) / (routed + num_experts)
+                if routed
                 else top_k / num_experts
+            )
     return shares
 
 
@@ -504,22 +691,35 @@ def _nearest_tier_factor(factors: dict[str, float], tier: int) -> float:
     return max(1.0, factors[str(min(tiers, key=lambda t: abs(t - tier)))])
 
 
-def plans_document(planner: Planner, planned: dict, pack: str, profile_name: str, pack_sha256: str,
-                   ladder: list[tuple[int, dict]] | None = None) -> dict:
+def plans_document(
+    planner: Planner,
+    planned: dict,
+    pack: str,
+    profile_name: str,
+    pack_sha256: str,
+    ladder: list[tuple[int, dict]] | None = None,
+) -> dict:
     """plans.json (schema 2, docs/plans.md). `ladder`: (budget, planned) of every budget planned, largest first;
     the top-level tiers are the first's (the largest budget)."""
+
     def tier_json(entry: dict) -> dict:
-        return {"tier": entry["tier"], "chosen": entry["chosen"].to_json(),
-                "alternatives": [p.to_json() for p in entry["alternatives"]],
-                "baselines": {k: v.to_json() for k, v in entry["baselines"].items()}}
+        return {
+            "tier": entry["tier"],
+            "chosen": entry["chosen"].to_json(),
+            "alternatives": [p.to_json() for p in entry["alternatives"]],
+            "baselines": {k: v.to_json() for k, v in entry["baselines"].items()},
+        }
 
     return {
         "schema_version": PLANS_SCHEMA_VERSION,
         "pipeshard_version": __version__,
         "pack": pack,
         "pack_sha256": pack_sha256,
-        "profile": {"name": profile_name, "source": planner.profile["source"],
-                    "fingerprint_id": planner.profile["fingerprint_id"]},
+        "profile": {
+            "name": profile_name,
+            "source": planner.profile["source"],
+            "fingerprint_id": planner.profile["fingerprint_id"],
+        },
         "budget_bytes": planner.budget_bytes,
         "context": planner.context,
         "batch": planner.batch,
@@ -528,6 +728,8 @@ def plans_document(planner: Planner, planned: dict, pack: str, profile_name: str
         **({"assumed_bits_per_weight": planner.assume_bits} if planner.assume_bits else {}),
         "minimum_budget_bytes": planner.minimum_budget(),
         "tiers": [tier_json(e) for e in planned["tiers"]],
-        "ladder": [{"budget_bytes": budget, "tiers": [tier_json(e) for e in rung["tiers"]]}
-                   for budget, rung in (ladder or [(planner.budget_bytes, planned)])],
+        "ladder": [
+            {"budget_bytes": budget, "tiers": [tier_json(e) for e in rung["tiers"]]}
+            for budget, rung in (ladder or [(planner.budget_bytes, planned)])
+        ],
     }

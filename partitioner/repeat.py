@@ -44,7 +44,7 @@ def repeat_layers(manifest: dict, num_layers: int) -> dict:
     def tensor(name: str, layer: int) -> str:
         for prefix in ("past_key_values.", "present."):
             if name.startswith(f"{prefix}{last}."):
-                return f"{prefix}{layer}." + name[len(f"{prefix}{last}."):]
+                return f"{prefix}{layer}." + name[len(f"{prefix}{last}.") :]
         if name == residual_in:
             return tensor(residual_out, layer - 1)
         if name in local and layer != last:
@@ -56,7 +56,7 @@ def repeat_layers(manifest: dict, num_layers: int) -> dict:
         return name.replace(marker, f"layers.{layer}.", 1) if marker in name else f"{name}@L{layer}"
 
     def unit(name: str, layer: int) -> str:
-        return f"L{layer}." + name[len(f"L{last}."):] if name.startswith(f"L{last}.") else name
+        return f"L{layer}." + name[len(f"L{last}.") :] if name.startswith(f"L{last}.") else name
 
     def copied(entry: dict, layer: int) -> dict:
         new = copy.deepcopy(entry)
@@ -84,14 +84,25 @@ def repeat_layers(manifest: dict, num_layers: int) -> dict:
     template_block = next((b for b in blocks if b["layer"] == last), None)
     if template_block is not None:
         for layer in range(traced, num_layers):
-            blocks.append({"layer": layer, "router": unit(template_block["router"], layer),
-                           "experts": [unit(x, layer) for x in template_block["experts"]],
-                           **{key: tensor(template_block[key], layer)
-                              for key in ("residual", "hidden", "routing", "output")},
-                           "expert_outputs": [tensor(t, layer) for t in template_block["expert_outputs"]]})
+            blocks.append(
+                {
+                    "layer": layer,
+                    "router": unit(template_block["router"], layer),
+                    "experts": [unit(x, layer) for x in template_block["experts"]],
+                    **{
+                        key: tensor(template_block[key], layer)
+                        for key in ("residual", "hidden", "routing", "output")
+                    },
+                    "expert_outputs": [tensor(t, layer) for t in template_block["expert_outputs"]],
+                }
+            )
     for side in ("graph_inputs", "graph_outputs"):
-        kv = [t for t in result[side] if t["name"].startswith((f"past_key_values.{last}.", f"present.{last}."))]
-        result[side] += [{**t, "name": tensor(t["name"], layer)} for layer in range(traced, num_layers) for t in kv]
+        kv = [
+            t for t in result[side] if t["name"].startswith((f"past_key_values.{last}.", f"present.{last}."))
+        ]
+        result[side] += [
+            {**t, "name": tensor(t["name"], layer)} for layer in range(traced, num_layers) for t in kv
+        ]
     result["model"]["num_layers"] = num_layers
     result["kv_bytes_per_token"] = sum(e["kv"]["bytes_per_token"] for e in result["sub_layers"] if e["kv"])
     result["total_weight_bytes"] = sum(e["blob"]["bytes"] for e in result["sub_layers"] if e["blob"])
@@ -131,9 +142,14 @@ def repeat_experts(manifest: dict, num_experts: int) -> dict:
                 expert["blob"]["file"] = f"{expert['name']}.weights"
             marker = f".experts.{index}."
             for w in expert["weights"]:
-                w["name"] = w["name"].replace(marker, f".experts.{j}.", 1) if marker in w["name"] else \
-                    f"{w['name']}@E{j}"
-                w["file"] = f"{expert['name']}.weights" if w["file"] == f"{last['name']}.weights" else w["file"]
+                w["name"] = (
+                    w["name"].replace(marker, f".experts.{j}.", 1)
+                    if marker in w["name"]
+                    else f"{w['name']}@E{j}"
+                )
+                w["file"] = (
+                    f"{expert['name']}.weights" if w["file"] == f"{last['name']}.weights" else w["file"]
+                )
             for t in expert["outputs"]:
                 t["name"] = f"{t['name']}@E{j}" if t["name"] in own else t["name"]
             new_experts.append(expert)
@@ -160,8 +176,10 @@ def repeat_experts(manifest: dict, num_experts: int) -> dict:
         if entry["blob"]:
             entry["blob"]["bytes"] = offset
         entry["weight_bytes"] = sum(w["bytes"] for w in entry["weights"])
-        entry["cost"] = {"flops": analytic_flops(entry["kind"], dims),
-                         "bytes": bytes_moved(None, entry["kind"], dims, model["dtype"], entry["weight_bytes"])}
+        entry["cost"] = {
+            "flops": analytic_flops(entry["kind"], dims),
+            "bytes": bytes_moved(None, entry["kind"], dims, model["dtype"], entry["weight_bytes"]),
+        }
     result["sub_layers"] = entries
     result["model"]["num_experts"] = num_experts
     result["total_weight_bytes"] = sum(e["blob"]["bytes"] for e in entries if e["blob"])

@@ -22,24 +22,35 @@ def _counts(plan: Plan, placeable: set[str]) -> str:
 def plan_table(planner, planned: dict, device_kind: str) -> str:
     """One row per tier: the chosen plan, the others, and the predicted speedup over the baselines."""
     placeable = {e["name"] for e in planner.placeable}
-    header = (f"{'tier':>5} {'plan':<9} {'ms/step':>9} {'tok/s':>9} {'VRAM MiB':>15} {'pin/str/cpu':>16}  "
-              f"{'other plans (ms)':<28} {'vs layers':>9} {'vs offload':>10}")
-    lines = [f"budget {planner.budget_bytes / MiB:.0f} MiB (minimum {planner.minimum_budget() / MiB:.0f} MiB), "
-             f"context {planner.context}, batch {planner.batch}, {planner.estimator.threads} CPU threads, "
-             f"device {device_kind}, model {planner.model_bytes / MiB:.0f} MiB"
-             + (f" (weights sized at {planner.assume_bits:g} bits: planning only)" if planner.assume_bits else ""),
-             header, "-" * len(header)]
+    header = (
+        f"{'tier':>5} {'plan':<9} {'ms/step':>9} {'tok/s':>9} {'VRAM MiB':>15} {'pin/str/cpu':>16}  "
+        f"{'other plans (ms)':<28} {'vs layers':>9} {'vs offload':>10}"
+    )
+    lines = [
+        f"budget {planner.budget_bytes / MiB:.0f} MiB (minimum {planner.minimum_budget() / MiB:.0f} MiB), "
+        f"context {planner.context}, batch {planner.batch}, {planner.estimator.threads} CPU threads, "
+        f"device {device_kind}, model {planner.model_bytes / MiB:.0f} MiB"
+        + (f" (weights sized at {planner.assume_bits:g} bits: planning only)" if planner.assume_bits else ""),
+        header,
+        "-" * len(header),
+    ]
     for entry in planned["tiers"]:
         chosen: Plan = entry["chosen"]
         others = ", ".join(f"{p.strategy} {p.step_s * 1e3:.2f}" for p in entry["alternatives"]) or "-"
-        ratios = [f"{entry['baselines'][b].step_s / chosen.step_s:.2f}x" if b in entry["baselines"] else "n/a"
-                  for b in ("layers", "offload")]
-        lines.append(f"{entry['tier']:>5} {chosen.strategy:<9} {chosen.step_s * 1e3:>9.2f} {chosen.tokens_per_s:>9.1f} "
-                     f"{chosen.vram.total / MiB:>6.0f} of {planner.budget_bytes / MiB:<6.0f} "
-                     f"{_counts(chosen, placeable):>16}  {others:<28} {ratios[0]:>9} {ratios[1]:>10}")
-    lines.append(f"predicted times (roofline estimator + 3-resource simulation) with every attention reading the full "
-                 f"context of {planner.context} tokens; 'vs' = baseline step / chosen step; kvN: N streamed "
-                 "attentions' KV streams with their weights")
+        ratios = [
+            f"{entry['baselines'][b].step_s / chosen.step_s:.2f}x" if b in entry["baselines"] else "n/a"
+            for b in ("layers", "offload")
+        ]
+        lines.append(
+            f"{entry['tier']:>5} {chosen.strategy:<9} {chosen.step_s * 1e3:>9.2f} {chosen.tokens_per_s:>9.1f} "
+            f"{chosen.vram.total / MiB:>6.0f} of {planner.budget_bytes / MiB:<6.0f} "
+            f"{_counts(chosen, placeable):>16}  {others:<28} {ratios[0]:>9} {ratios[1]:>10}"
+        )
+    lines.append(
+        f"predicted times (roofline estimator + 3-resource simulation) with every attention reading the full "
+        f"context of {planner.context} tokens; 'vs' = baseline step / chosen step; kvN: N streamed "
+        "attentions' KV streams with their weights"
+    )
     if planner.routing_share:
         lines += expert_placement_lines(planner, planned)
     return "\n".join(lines)
@@ -83,24 +94,46 @@ def plot_timelines(planned: dict, tiers: list[int], path: Path, title: str) -> N
         rows = {"cpu": 2, "gpu": 1, "copy": 0}
         for interval in plan.timeline:
             kind = interval.sub_layer.split(".")[-1].split(" ")[0].split("#")[0]
-            color = colors.get(kind, colors["other"]) if interval.resource != "copy" else (
-                "tab:red" if " input" not in interval.sub_layer and interval.sub_layer != "logits" else "tab:pink")
-            axis.barh(rows[interval.resource], (interval.end_s - interval.start_s) * 1e3,
-                      left=interval.start_s * 1e3, color=color, edgecolor="black", linewidth=0.2)
+            color = (
+                colors.get(kind, colors["other"])
+                if interval.resource != "copy"
+                else (
+                    "tab:red"
+                    if " input" not in interval.sub_layer and interval.sub_layer != "logits"
+                    else "tab:pink"
+                )
+            )
+            axis.barh(
+                rows[interval.resource],
+                (interval.end_s - interval.start_s) * 1e3,
+                left=interval.start_s * 1e3,
+                color=color,
+                edgecolor="black",
+                linewidth=0.2,
+            )
         axis.set_yticks([0, 1, 2], ["copy", "GPU", "CPU"])
-        axis.set_title(f"T={tier}: {plan.strategy}, {plan.step_s * 1e3:.2f} ms/step predicted, "
-                       f"{plan.copy_hidden_fraction:.0%} of copy time overlaps compute", fontsize=9)
+        axis.set_title(
+            f"T={tier}: {plan.strategy}, {plan.step_s * 1e3:.2f} ms/step predicted, "
+            f"{plan.copy_hidden_fraction:.0%} of copy time overlaps compute",
+            fontsize=9,
+        )
         axis.set_xlabel("ms")
     from matplotlib.patches import Patch
 
-    labels = [(colors["attn"], "attention (+ its KV)"), (colors["ffn"], "FFN"), (colors["final"], "output layer"),
-              (colors["other"], "other sub-layers (embed, experts)"),
-              ("tab:red", "copy engine: weights streamed to the GPU"),
-              ("tab:pink", "copy engine: activations / logits crossing devices")]
+    labels = [
+        (colors["attn"], "attention (+ its KV)"),
+        (colors["ffn"], "FFN"),
+        (colors["final"], "output layer"),
+        (colors["other"], "other sub-layers (embed, experts)"),
+        ("tab:red", "copy engine: weights streamed to the GPU"),
+        ("tab:pink", "copy engine: activations / logits crossing devices"),
+    ]
     legend = [Patch(facecolor=color, label=label) for color, label in labels]
     figure.legend(handles=legend, loc="lower center", ncol=3, fontsize=8, frameon=False)
-    figure.suptitle(title + "\nrows: CPU and GPU compute, the copy engine's transfers (predicted steady-state step)",
-                    fontsize=10)
+    figure.suptitle(
+        title + "\nrows: CPU and GPU compute, the copy engine's transfers (predicted steady-state step)",
+        fontsize=10,
+    )
     figure.tight_layout(rect=(0, 0.08, 1, 1))
     figure.savefig(path, dpi=110)
     plt.close(figure)

@@ -30,7 +30,10 @@ DECODER_RULES: list[tuple[str, str]] = [
 # FFN in `pre_feedforward_layernorm` / `post_feedforward_layernorm`.
 GEMMA3_RULES: list[tuple[str, str]] = [
     (r"(?:^|\.)layers\.(\d+)\.(input_layernorm|self_attn|post_attention_layernorm)(\..*)?$", "L{0}.attn"),
-    (r"(?:^|\.)layers\.(\d+)\.(pre_feedforward_layernorm|mlp|post_feedforward_layernorm)(\..*)?$", "L{0}.ffn"),
+    (
+        r"(?:^|\.)layers\.(\d+)\.(pre_feedforward_layernorm|mlp|post_feedforward_layernorm)(\..*)?$",
+        "L{0}.ffn",
+    ),
     *DECODER_RULES[2:],
 ]
 

@@ -25,7 +25,9 @@ EXPERT_RUN_ORDER = {PINNED: 0, CPU: 1, STREAMED: 2}  # streamed experts last: th
 COLLAPSE_AFTER = 8  # see _collapsed_runs: the contention check's window of recent intervals
 
 
-def _experts_by_placement(sub_layers: list[dict], placements: dict[str, str], gates: dict[str, str]) -> list[dict]:
+def _experts_by_placement(
+    sub_layers: list[dict], placements: dict[str, str], gates: dict[str, str]
+) -> list[dict]:
     """Within each run of gated units (a MoE layer's experts), pinned first, then CPU, then streamed:
     the runtime's order, so the streamed experts' copies overlap the others' compute."""
     ordered: list[dict] = []
@@ -40,8 +42,12 @@ def _experts_by_placement(sub_layers: list[dict], placements: dict[str, str], ga
     return ordered
 
 
-def _collapsed_runs(sub_layers: list[dict], placements: dict[str, str], compute_s: dict[str, dict[str, float]],
-                    gates: dict[str, str]) -> list[tuple[dict, list[str]]]:
+def _collapsed_runs(
+    sub_layers: list[dict],
+    placements: dict[str, str],
+    compute_s: dict[str, dict[str, float]],
+    gates: dict[str, str],
+) -> list[tuple[dict, list[str]]]:
     """The chain as (unit, []) steps, except that within a long run of one MoE layer's experts placed alike (not
     streamed) and taking the same time, the units after the first COLLAPSE_AFTER are one step (unit, [names]).
     Such units run back to back on one device; only the first few can overlap a copy issued before the run
@@ -55,9 +61,12 @@ def _collapsed_runs(sub_layers: list[dict], placements: dict[str, str], compute_
         end = index + 1
         if name in gates and placements[name] != STREAMED:
             device = "cpu" if placements[name] == CPU else "gpu"
-            while end < len(sub_layers) and gates.get(sub_layers[end]["name"]) == gates[name] and \
-                    placements[sub_layers[end]["name"]] == placements[name] and \
-                    compute_s[sub_layers[end]["name"]][device] == compute_s[name][device]:
+            while (
+                end < len(sub_layers)
+                and gates.get(sub_layers[end]["name"]) == gates[name]
+                and placements[sub_layers[end]["name"]] == placements[name]
+                and compute_s[sub_layers[end]["name"]][device] == compute_s[name][device]
+            ):
                 end += 1
         single = min(end, index + COLLAPSE_AFTER)
         runs += [(e, []) for e in sub_layers[index:single]]
@@ -104,10 +113,19 @@ class Simulation:
     copy_hidden_s: float = 0.0
 
 
-def simulate(sub_layers: list[dict], placements: dict[str, str], compute_s: dict[str, dict[str, float]],
-             copy_s: dict[str, float], activation_copy_s: float, slots: int = 2, prefetch: bool = True,
-             cpu_slowdown_under_copy: float = 1.0, detail: bool = True,
-             copy_gates: dict[str, str] | None = None, device_shares_cpu: bool = False) -> Simulation:
+def simulate(
+    sub_layers: list[dict],
+    placements: dict[str, str],
+    compute_s: dict[str, dict[str, float]],
+    copy_s: dict[str, float],
+    activation_copy_s: float,
+    slots: int = 2,
+    prefetch: bool = True,
+    cpu_slowdown_under_copy: float = 1.0,
+    detail: bool = True,
+    copy_gates: dict[str, str] | None = None,
+    device_shares_cpu: bool = False,
+) -> Simulation:
     """Steady-state step time of one plan (with `detail`, also its timeline and hidden copy time).
 
     compute_s[name] = {"cpu": seconds, "gpu": seconds}; copy_s[name] = seconds to stream its weights.
@@ -165,7 +183,9 @@ def simulate(sub_layers: list[dict], placements: dict[str, str], compute_s: dict
             name = entry["name"]
             place = placements[name]
             device = "cpu" if place == CPU else "gpu"
-            if repeats:  # more units like the one before, on the same device: back to back, nothing to wait for
+            if (
+                repeats
+            ):  # more units like the one before, on the same device: back to back, nothing to wait for
                 start = free[device]
                 for other in repeats:
                     per_sub_layer[other] = compute_s[other][device]
@@ -181,7 +201,7 @@ def simulate(sub_layers: list[dict], placements: dict[str, str], compute_s: dict
             if place == STREAMED and name in gates:
                 group = gated_streamed[gates[name]]
                 position = position_in_group[name]
-                for ahead in group[position:position + EXPERT_SLOTS]:
+                for ahead in group[position : position + EXPERT_SLOTS]:
                     if ahead not in gated_copy_end:
                         behind = position_in_group[ahead] - EXPERT_SLOTS
                         slot_free = gated_compute_end[group[behind]] if behind >= 0 else 0.0
@@ -194,8 +214,10 @@ def simulate(sub_layers: list[dict], placements: dict[str, str], compute_s: dict
                 start = max(start, copy_end[index])
             duration = compute_s[name][device]
             slowed = device == "cpu" or device_shares_cpu
-            if slowed and any(i.resource == "copy" and i.start_s < start + duration and i.end_s > start
-                              for i in timeline[-COLLAPSE_AFTER:]):
+            if slowed and any(
+                i.resource == "copy" and i.start_s < start + duration and i.end_s > start
+                for i in timeline[-COLLAPSE_AFTER:]
+            ):
                 duration *= cpu_slowdown_under_copy
             end = start + duration
             ended[name] = end
@@ -225,5 +247,7 @@ def simulate(sub_layers: list[dict], placements: dict[str, str], compute_s: dict
             start, end = max(i.start_s, window_start), min(i.end_s, window_end)
             copy_busy += end - start
             hidden += overlap(start, end)
-    shifted = [Interval(i.resource, i.sub_layer, i.start_s - window_start, i.end_s - window_start) for i in in_window]
+    shifted = [
+        Interval(i.resource, i.sub_layer, i.start_s - window_start, i.end_s - window_start) for i in in_window
+    ]
     return Simulation(window_end - window_start, per_sub_layer, shifted, copy_busy, min(hidden, copy_busy))

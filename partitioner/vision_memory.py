@@ -42,16 +42,24 @@ class VisionShape:
         # Activations in the weights' type: half when most weight bytes are (a half-precision trace keeps its norm
         # weights in fp32, folded from their casts).
         half = sum(w["bytes"] for e in entries for w in e["weights"] if w["dtype"] in ("float16", "bfloat16"))
-        dtype = {"float16"} if 2 * half > sum(w["bytes"] for e in entries for w in e["weights"]) else {"float32"}
-        return cls(family=vision["family"], hidden_size=vision["hidden_size"],
-                   intermediate_size=vision["intermediate_size"], num_heads=vision["num_attention_heads"],
-                   num_layers=vision["num_layers"], patch_size=vision["patch_size"],
-                   weight_bytes=vision["total_weight_bytes"],
-                   largest_block_bytes=max((e.get("blob") or {}).get("bytes", 0) for e in entries),
-                   itemsize=2 if dtype <= {"float16", "bfloat16"} and dtype else 4,
-                   tile_size=vision.get("image_size", 0), merge_size=vision.get("merge_size", 1),
-                   window_patches=(vision.get("window_size") or 0) // vision["patch_size"],
-                   full_attention_layers=len(vision.get("fullatt_block_indexes", ())))
+        dtype = (
+            {"float16"} if 2 * half > sum(w["bytes"] for e in entries for w in e["weights"]) else {"float32"}
+        )
+        return cls(
+            family=vision["family"],
+            hidden_size=vision["hidden_size"],
+            intermediate_size=vision["intermediate_size"],
+            num_heads=vision["num_attention_heads"],
+            num_layers=vision["num_layers"],
+            patch_size=vision["patch_size"],
+            weight_bytes=vision["total_weight_bytes"],
+            largest_block_bytes=max((e.get("blob") or {}).get("bytes", 0) for e in entries),
+            itemsize=2 if dtype <= {"float16", "bfloat16"} and dtype else 4,
+            tile_size=vision.get("image_size", 0),
+            merge_size=vision.get("merge_size", 1),
+            window_patches=(vision.get("window_size") or 0) // vision["patch_size"],
+            full_attention_layers=len(vision.get("fullatt_block_indexes", ())),
+        )
 
 
 @dataclass(frozen=True)
@@ -88,9 +96,12 @@ def image_patches(shape: VisionShape, width: int, height: int, tiles: int = 0) -
         per_tile = (shape.tile_size // shape.patch_size) ** 2
         return tiles * per_tile, per_tile
     unit = shape.patch_size * shape.merge_size
-    patches = max(unit, round(width / unit) * unit) // shape.patch_size * \
-        (max(unit, round(height / unit) * unit) // shape.patch_size)
-    return patches, patches if shape.full_attention_layers else shape.window_patches ** 2
+    patches = (
+        max(unit, round(width / unit) * unit)
+        // shape.patch_size
+        * (max(unit, round(height / unit) * unit) // shape.patch_size)
+    )
+    return patches, patches if shape.full_attention_layers else shape.window_patches**2
 
 
 def naive_workspace(shape: VisionShape, patches: int, keys: int) -> int:
@@ -102,8 +113,9 @@ def naive_peak(shape: VisionShape, patches: int, keys: int, decoder_bytes: int) 
     """Everything resident, every score stored (groups of `keys` patches attending together), the decoder
     already loaded."""
     activations = _activations(shape, patches)
-    return VisionPeak(shape.weight_bytes, activations, naive_workspace(shape, patches, keys) - activations,
-                      decoder_bytes)
+    return VisionPeak(
+        shape.weight_bytes, activations, naive_workspace(shape, patches, keys) - activations, decoder_bytes
+    )
 
 
 def tile_runs(shape: VisionShape, tiles: int, workspace_bytes: int) -> tuple[int, int]:
@@ -126,7 +138,9 @@ def vlmopt_peak(shape: VisionShape, patches: int, keys: int, workspace_bytes: in
     # what the bound leaves beside them.
     activations = _activations(shape, patches)
     queries = min(keys, query_tile(max(workspace_bytes - activations, 0), shape.num_heads, keys))
-    return VisionPeak(2 * shape.largest_block_bytes, activations, shape.num_heads * queries * keys * SCORE_BYTES, 0)
+    return VisionPeak(
+        2 * shape.largest_block_bytes, activations, shape.num_heads * queries * keys * SCORE_BYTES, 0
+    )
 
 
 def qwen2_5_vl_shape(vision: dict, itemsize: int = 2) -> VisionShape:
@@ -138,12 +152,24 @@ def qwen2_5_vl_shape(vision: dict, itemsize: int = 2) -> VisionShape:
     norms = 2 * hidden
     merged = hidden * vision.get("spatial_merge_size", 2) ** 2
     merger = merged * merged + merged * vision["out_hidden_size"] + merged + vision["out_hidden_size"]
-    patch = vision.get("in_channels", 3) * vision.get("temporal_patch_size", 2) * vision["patch_size"] ** 2 * hidden
+    patch = (
+        vision.get("in_channels", 3)
+        * vision.get("temporal_patch_size", 2)
+        * vision["patch_size"] ** 2
+        * hidden
+    )
     blocks = vision["depth"] * (attention + ffn + norms)
-    return VisionShape(family="qwen2_vl", hidden_size=hidden, intermediate_size=inter,
-                       num_heads=vision["num_heads"], num_layers=vision["depth"], patch_size=vision["patch_size"],
-                       weight_bytes=(blocks + merger + patch) * itemsize,
-                       largest_block_bytes=max(attention, ffn, merger) * itemsize, itemsize=itemsize,
-                       merge_size=vision.get("spatial_merge_size", 2),
-                       window_patches=vision["window_size"] // vision["patch_size"],
-                       full_attention_layers=len(vision.get("fullatt_block_indexes", [])))
+    return VisionShape(
+        family="qwen2_vl",
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_heads=vision["num_heads"],
+        num_layers=vision["depth"],
+        patch_size=vision["patch_size"],
+        weight_bytes=(blocks + merger + patch) * itemsize,
+        largest_block_bytes=max(attention, ffn, merger) * itemsize,
+        itemsize=itemsize,
+        merge_size=vision.get("spatial_merge_size", 2),
+        window_patches=vision["window_size"] // vision["patch_size"],
+        full_attention_layers=len(vision.get("fullatt_block_indexes", [])),
+    )

@@ -50,12 +50,15 @@ class Engine:
         if self.scheduler is not None:
             raise UserError("this engine's step belongs to its scheduler (engine.serve): use engine.submit")
 
-    def _prompt_ids(self, prompts: str | list[str], chat_template: bool, system: str | None) -> list[list[int]]:
+    def _prompt_ids(
+        self, prompts: str | list[str], chat_template: bool, system: str | None
+    ) -> list[list[int]]:
         prompts = [prompts] if isinstance(prompts, str) else list(prompts)
         return [self.generator.prompt_ids(p, chat_template, system) for p in prompts]
 
-    def _with_images(self, prompts: str | list[str], images: list | None, chat_template: bool,
-                     system: str | None):
+    def _with_images(
+        self, prompts: str | list[str], images: list | None, chat_template: bool, system: str | None
+    ):
         """The prompts' token ids, the features of their image tokens and the images' patch grids (None without
         images; grids only for M-RoPE models). `images`: for one prompt, its images (paths or PIL images); for a
         batch, a list per prompt."""
@@ -74,29 +77,40 @@ class Engine:
         for prompt, its_images in zip(prompts, per_prompt, strict=True):
             if its_images:
                 encoded = encode_images(self.vision, list(its_images))
-                prompt = expand_prompt(with_placeholders(prompt, len(encoded), config), [i.tokens for i in encoded],
-                                       config)
+                prompt = expand_prompt(
+                    with_placeholders(prompt, len(encoded), config), [i.tokens for i in encoded], config
+                )
                 features += [image.features for image in encoded]
                 every_image += encoded
             ids += self._prompt_ids(prompt, chat_template, system)
         return ids, np.concatenate(features) if features else None, image_grids(every_image)
 
-    def generate(self, prompts: str | list[str], chat_template: bool = True, system: str | None = None,
-                 images: list | None = None, **sampling) -> list[Generation]:
+    def generate(
+        self,
+        prompts: str | list[str],
+        chat_template: bool = True,
+        system: str | None = None,
+        images: list | None = None,
+        **sampling,
+    ) -> list[Generation]:
         """Generate for one prompt or a batch; keyword arguments are SamplingSettings fields. A VLM takes
         `images`: the prompt's (paths or PIL images), or for a batch a list per prompt; placeholders in a prompt
         say where they go (by default, before its text)."""
         self._check_not_served()
         ids, features, grids = self._with_images(prompts, images, chat_template, system)
-        return self.generator.generate(ids, SamplingSettings(**sampling), image_features=features, image_grids=grids)
+        return self.generator.generate(
+            ids, SamplingSettings(**sampling), image_features=features, image_grids=grids
+        )
 
     def set_vram_budget(self, size: str | int) -> None:
         """Replan for a new VRAM budget between steps (a game took memory back, or gave it)."""
         from pipeshard.units import resolve_budget
 
         if getattr(self.step, "planner", None) is None:
-            raise UserError("this engine runs without a device: start it from a pack with a device and a budget "
-                            "(--device sim|cuda --vram SIZE)")
+            raise UserError(
+                "this engine runs without a device: start it from a pack with a device and a budget "
+                "(--device sim|cuda --vram SIZE)"
+            )
         planner = self.step.planner
         self.step.set_budget(resolve_budget(size, planner.minimum_budget(), planner.model_bytes))
 
@@ -107,19 +121,36 @@ class Engine:
         stats = getattr(self.step, "expert_stats", None)
         return stats.to_json() if stats is not None and stats.steps else None
 
-    def stream(self, prompts: str | list[str], chat_template: bool = True, system: str | None = None,
-               results: list[Generation] | None = None, images: list | None = None,
-               **sampling) -> Iterator[StreamEvent]:
+    def stream(
+        self,
+        prompts: str | list[str],
+        chat_template: bool = True,
+        system: str | None = None,
+        results: list[Generation] | None = None,
+        images: list | None = None,
+        **sampling,
+    ) -> Iterator[StreamEvent]:
         """Like generate, yielding text pieces as they are produced."""
         self._check_not_served()
         ids, features, grids = self._with_images(prompts, images, chat_template, system)
-        return self.generator.stream(ids, SamplingSettings(**sampling), results, image_features=features,
-                                     image_grids=grids)
+        return self.generator.stream(
+            ids, SamplingSettings(**sampling), results, image_features=features, image_grids=grids
+        )
 
 
-def load(path: str | Path, threads: int | None = None, verify: bool = False, vram: str | int | None = None,
-         device: str = "auto", profile: str | None = None, plan: str = "auto", context: int | None = None,
-         batch: int = 1, expert_stats: str | Path | None = None, plans: str | Path | None = None) -> Engine:
+def load(
+    path: str | Path,
+    threads: int | None = None,
+    verify: bool = False,
+    vram: str | int | None = None,
+    device: str = "auto",
+    profile: str | None = None,
+    plan: str = "auto",
+    context: int | None = None,
+    batch: int = 1,
+    expert_stats: str | Path | None = None,
+    plans: str | Path | None = None,
+) -> Engine:
     """Load an export folder (one session over the whole graph) or a model pack.
 
     A pack runs as the all-CPU chain unless a device with a VRAM budget is given: then the planner
@@ -143,11 +174,15 @@ def load(path: str | Path, threads: int | None = None, verify: bool = False, vra
         raise UserError(f"unknown plan {plan!r}; choose {', '.join(PLANS)}")
     if not is_pack(folder):
         if not (folder / "export.json").is_file():
-            raise UserError(f"{folder} is neither a pipeshard export folder (export.json) nor a model pack "
-                            "(manifest.json)")
+            raise UserError(
+                f"{folder} is neither a pipeshard export folder (export.json) nor a model pack "
+                "(manifest.json)"
+            )
         if device not in ("auto", "cpu") or vram is not None or plan not in ("auto", "monolithic"):
-            raise UserError(f"{folder} is an export folder, which runs as one session on the CPU; --device, "
-                            "--vram and --plan need a model pack (pipeshard partition EXPORT PACK)")
+            raise UserError(
+                f"{folder} is an export folder, which runs as one session on the CPU; --device, "
+                "--vram and --plan need a model pack (pipeshard partition EXPORT PACK)"
+            )
         if verify:
             verify_export(folder)
         return _engine(lambda: MonolithicStep(folder, threads=threads), folder, threads)
@@ -156,12 +191,16 @@ def load(path: str | Path, threads: int | None = None, verify: bool = False, vra
         from pipeshard.profiles.measure_cuda import cuda_usable
 
         if not cuda_usable():
-            raise UserError("--device cuda: no usable CUDA execution provider here (onnxruntime-gpu with CUDA 13 "
-                            "and a GPU); --device sim simulates one on the CPU")
+            raise UserError(
+                "--device cuda: no usable CUDA execution provider here (onnxruntime-gpu with CUDA 13 "
+                "and a GPU); --device sim simulates one on the CPU"
+            )
     if plan == "monolithic":
         export = Path(load_pack(folder).manifest["source"]["export"])
         if not (export / "export.json").is_file():
-            raise UserError(f"--plan monolithic needs the export the pack was made from ({export}), which is gone")
+            raise UserError(
+                f"--plan monolithic needs the export the pack was made from ({export}), which is gone"
+            )
         return _engine(lambda: MonolithicStep(export, threads=threads), folder, threads)
     if plans is not None and (device in ("auto", "cpu") or plan != "auto"):
         raise UserError("--plans runs a saved plans file on a device: give --device sim|cuda, and no --plan")
@@ -169,8 +208,10 @@ def load(path: str | Path, threads: int | None = None, verify: bool = False, vra
         from pipeshard.profiles.measure_cuda import cuda_usable
 
         if vram is not None and not cuda_usable():
-            raise UserError("--vram needs a device, and there is no usable CUDA here: --device sim simulates one "
-                            "on the CPU")
+            raise UserError(
+                "--vram needs a device, and there is no usable CUDA here: --device sim simulates one "
+                "on the CPU"
+            )
         device = "cuda" if vram is not None else "cpu"
     if device == "cpu" or plan == "cpu":
         if plan not in ("auto", "cpu"):
@@ -178,8 +219,13 @@ def load(path: str | Path, threads: int | None = None, verify: bool = False, vra
         return _engine(lambda: Step(folder, threads=threads, verify=verify), folder, threads)
     if vram is None and plans is None:
         raise UserError(f"--device {device} needs a VRAM budget (--vram SIZE)")
-    return _engine(lambda: planned_step(folder, device, vram, profile, plan, threads, context, batch, verify,
-                                        expert_stats, plans), folder, threads)
+    return _engine(
+        lambda: planned_step(
+            folder, device, vram, profile, plan, threads, context, batch, verify, expert_stats, plans
+        ),
+        folder,
+        threads,
+    )
 
 
 def verify_export(folder: Path) -> None:
@@ -240,14 +286,27 @@ def profile_or_fallback(profile: str | Path | None) -> str | Path:
     own = default_profile_path(machine_fingerprint())
     if own.exists():
         return own
-    log.warning("warning: this machine has no profile yet, so the plans use the reference profile %s "
-                "(`pipeshard profile --quick` measures this one in about a minute)", FALLBACK_PROFILE)
+    log.warning(
+        "warning: this machine has no profile yet, so the plans use the reference profile %s "
+        "(`pipeshard profile --quick` measures this one in about a minute)",
+        FALLBACK_PROFILE,
+    )
     return FALLBACK_PROFILE
 
 
-def planned_step(folder: Path, device: str, vram, profile: str | None, plan: str, threads: int | None,
-                 context: int | None, batch: int, verify: bool, expert_stats: str | Path | None = None,
-                 plans: str | Path | None = None):
+def planned_step(
+    folder: Path,
+    device: str,
+    vram,
+    profile: str | None,
+    plan: str,
+    threads: int | None,
+    context: int | None,
+    batch: int,
+    verify: bool,
+    expert_stats: str | Path | None = None,
+    plans: str | Path | None = None,
+):
     """A step on a device: the saved plans of `plans`, or plans made from the profile for the budget."""
     from pipeshard.partitioner.planner import Planner
     from pipeshard.profiles.db import load_profile
@@ -268,20 +327,30 @@ def planned_step(folder: Path, device: str, vram, profile: str | None, plan: str
 
         saved = read_plans(Path(plans), pack, [u["name"] for u in planning_units(manifest["sub_layers"])])
         if context is not None and context != saved.context:
-            raise UserError(f"{plans} was made for a context of {saved.context} tokens, not --context {context}")
+            raise UserError(
+                f"{plans} was made for a context of {saved.context} tokens, not --context {context}"
+            )
         context, batch = saved.context, saved.batch
         if profile is None and _loadable_profile(saved.profile):
             profile = saved.profile
-    planner = Planner(manifest, load_profile(profile_or_fallback(profile)), 0,
-                      context=context or min(4096, manifest["model"]["max_context"]), batch=batch, threads=threads,
-                      expert_stats=read_expert_stats(expert_stats))
+    planner = Planner(
+        manifest,
+        load_profile(profile_or_fallback(profile)),
+        0,
+        context=context or min(4096, manifest["model"]["max_context"]),
+        batch=batch,
+        threads=threads,
+        expert_stats=read_expert_stats(expert_stats),
+    )
     if saved is not None and vram is None:
         planner.budget_bytes = saved.largest
     else:
         planner.budget_bytes = resolve_budget(vram, planner.minimum_budget(), planner.model_bytes)
     if saved is not None and saved.rung_for(planner.budget_bytes) is None:
-        raise UserError(f"{plans} was made for budgets of {min(saved.rungs) / 1024**2:.0f} MiB and more, over the "
-                        f"--vram of {planner.budget_bytes / 1024**2:.0f} MiB: make plans for this budget")
+        raise UserError(
+            f"{plans} was made for budgets of {min(saved.rungs) / 1024**2:.0f} MiB and more, over the "
+            f"--vram of {planner.budget_bytes / 1024**2:.0f} MiB: make plans for this budget"
+        )
     planner.check_budget()
     book = PlanBook([u["name"] for u in planner.sub_layers], planner, strategy=plan, saved=saved)
     return Step(folder, make_device(device, planner.budget_bytes), book, threads=threads)

@@ -46,7 +46,9 @@ def read_jobs(path: Path) -> list[Job]:
                 continue
             job = _job(number, text)
             if job.custom_id in seen:
-                raise UserError(f"{path}: custom_id {job.custom_id!r} on lines {seen[job.custom_id]} and {number}")
+                raise UserError(
+                    f"{path}: custom_id {job.custom_id!r} on lines {seen[job.custom_id]} and {number}"
+                )
             seen[job.custom_id] = number
             jobs.append(job)
     return jobs
@@ -61,12 +63,18 @@ def _job(number: int, text: str) -> Job:
         return Job(number, f"line-{number}", False, error=f"line {number} is not a JSON object")
     custom_id = record.get("custom_id", f"line-{number}")
     if not isinstance(custom_id, str) or not custom_id:
-        return Job(number, f"line-{number}", False, error=f"line {number}: custom_id must be a non-empty string")
+        return Job(
+            number, f"line-{number}", False, error=f"line {number}: custom_id must be a non-empty string"
+        )
     if "body" in record or "url" in record:
         url, body = record.get("url"), record.get("body")
         if url not in (CHAT_URL, COMPLETIONS_URL) or not isinstance(body, dict):
-            return Job(number, custom_id, True, error=f"line {number}: url must be {CHAT_URL} or {COMPLETIONS_URL} "
-                                                      "with a JSON object body")
+            return Job(
+                number,
+                custom_id,
+                True,
+                error=f"line {number}: url must be {CHAT_URL} or {COMPLETIONS_URL} with a JSON object body",
+            )
         if record.get("method", "POST") != "POST":
             return Job(number, custom_id, True, error=f"line {number}: method must be POST")
         return Job(number, custom_id, True, chat=url == CHAT_URL, body=body)
@@ -76,7 +84,9 @@ def _job(number: int, text: str) -> Job:
 
         body = {k: v for k, v in record.items() if k in ("messages", "prompt", *SAMPLING_FIELDS)}
         return Job(number, custom_id, False, chat=chat, body=body, passthrough=record)
-    return Job(number, custom_id, False, error=f"line {number}: needs messages or prompt (or an OpenAI Batch body)")
+    return Job(
+        number, custom_id, False, error=f"line {number}: needs messages or prompt (or an OpenAI Batch body)"
+    )
 
 
 def finished_ids(path: Path) -> set[str]:
@@ -128,9 +138,11 @@ class Summary:
 
     def line(self) -> str:
         rate = self.generated_tokens / self.wall_s if self.wall_s else 0.0
-        return (f"{self.requests} requests ({self.skipped} already done, {self.failed} failed), "
-                f"{self.prompt_tokens} prompt + {self.generated_tokens} generated tokens in {self.wall_s:.1f} s: "
-                f"{rate:.1f} generated tok/s")
+        return (
+            f"{self.requests} requests ({self.skipped} already done, {self.failed} failed), "
+            f"{self.prompt_tokens} prompt + {self.generated_tokens} generated tokens in {self.wall_s:.1f} s: "
+            f"{rate:.1f} generated tok/s"
+        )
 
 
 def result_record(job: Job, model: str, text: str | None, end, error: str | None) -> dict:
@@ -139,18 +151,36 @@ def result_record(job: Job, model: str, text: str | None, end, error: str | None
 
     if job.openai_form:
         if error is not None:
-            return {"id": f"batch_req_{uuid.uuid4().hex[:24]}", "custom_id": job.custom_id,
-                    "response": {"status_code": 400, "request_id": uuid.uuid4().hex, "body": {"error": {
-                        "message": error, "type": "invalid_request_error"}}}, "error": None}
+            return {
+                "id": f"batch_req_{uuid.uuid4().hex[:24]}",
+                "custom_id": job.custom_id,
+                "response": {
+                    "status_code": 400,
+                    "request_id": uuid.uuid4().hex,
+                    "body": {"error": {"message": error, "type": "invalid_request_error"}},
+                },
+                "error": None,
+            }
         identifier = ("chatcmpl-" if job.chat else "cmpl-") + uuid.uuid4().hex[:24]
-        return {"id": f"batch_req_{uuid.uuid4().hex[:24]}", "custom_id": job.custom_id,
-                "response": {"status_code": 200, "request_id": uuid.uuid4().hex,
-                             "body": completion_document(job.chat, identifier, model, text, end)}, "error": None}
+        return {
+            "id": f"batch_req_{uuid.uuid4().hex[:24]}",
+            "custom_id": job.custom_id,
+            "response": {
+                "status_code": 200,
+                "request_id": uuid.uuid4().hex,
+                "body": completion_document(job.chat, identifier, model, text, end),
+            },
+            "error": None,
+        }
     record = {**job.passthrough, "custom_id": job.custom_id}
     if error is not None:
         return {**record, "error": error}
-    return {**record, "output": text, "finish_reason": "length" if end.finish_reason == "length" else "stop",
-            "usage": {"prompt_tokens": end.prompt_tokens, "completion_tokens": end.completion_tokens}}
+    return {
+        **record,
+        "output": text,
+        "finish_reason": "length" if end.finish_reason == "length" else "stop",
+        "usage": {"prompt_tokens": end.prompt_tokens, "completion_tokens": end.completion_tokens},
+    }
 
 
 def run_jobs(engine, jobs: list[Job], model: str, parallel: int, default_max_tokens: int, on_record) -> None:
@@ -174,13 +204,16 @@ def run_jobs(engine, jobs: list[Job], model: str, parallel: int, default_max_tok
             pieces.append(event.text)
             if event.finish_reason is None:
                 return
-            if event.finish_reason != "cancelled":  # a cancelled one (the job interrupted) is redone on a rerun
+            if (
+                event.finish_reason != "cancelled"
+            ):  # a cancelled one (the job interrupted) is redone on a rerun
                 error = event.error if event.finish_reason == "error" else None
                 on_record(job, result_record(job, model, "".join(pieces), event, error), event)
             in_flight.release()
             with finished:
                 outstanding[0] -= 1
                 finished.notify_all()
+
         return sink
 
     for job in jobs:
@@ -212,8 +245,15 @@ def run_jobs(engine, jobs: list[Job], model: str, parallel: int, default_max_tok
         finished.wait_for(lambda: outstanding[0] == 0)
 
 
-def run_batch(engine, source: Path, target: Path, model: str, parallel: int, default_max_tokens: int,
-              progress: bool = True) -> Summary:
+def run_batch(
+    engine,
+    source: Path,
+    target: Path,
+    model: str,
+    parallel: int,
+    default_max_tokens: int,
+    progress: bool = True,
+) -> Summary:
     """Run every job of `source` not yet in `target`, appending results as they finish."""
     started = time.perf_counter()
     jobs = read_jobs(source)
@@ -244,8 +284,11 @@ def run_batch(engine, source: Path, target: Path, model: str, parallel: int, def
 
 
 def _count(summary: Summary, record: dict, end) -> None:
-    if record.get("error") or record.get("response", {}).get("status_code", 200) != 200 or \
-            (end is not None and end.finish_reason == "error"):
+    if (
+        record.get("error")
+        or record.get("response", {}).get("status_code", 200) != 200
+        or (end is not None and end.finish_reason == "error")
+    ):
         summary.failed += 1
     if end is not None:
         summary.prompt_tokens += end.prompt_tokens
@@ -255,7 +298,9 @@ def _count(summary: Summary, record: dict, end) -> None:
 class RayWorker:
     """A Ray Data actor: loads the pack once on its node and runs batches of job lines through its scheduler."""
 
-    def __init__(self, pack: str, load_options: dict, model: str, parallel: int, default_max_tokens: int) -> None:
+    def __init__(
+        self, pack: str, load_options: dict, model: str, parallel: int, default_max_tokens: int
+    ) -> None:
         import ray
 
         import pipeshard
@@ -265,13 +310,17 @@ class RayWorker:
         self.node_id = ray.get_runtime_context().get_node_id()
 
     def __call__(self, batch: dict) -> dict:
-        jobs = [_job(int(number), str(text)) for number, text in zip(batch["line"], batch["text"], strict=True)]
+        jobs = [
+            _job(int(number), str(text)) for number, text in zip(batch["line"], batch["text"], strict=True)
+        ]
         records: list[str] = []
         lock = threading.Lock()
 
         def on_record(job: Job, record: dict, end) -> None:
-            record["metadata"] = {"node_id": self.node_id, "tokens": [end.prompt_tokens, end.completion_tokens]
-                                  if end is not None else [0, 0]}
+            record["metadata"] = {
+                "node_id": self.node_id,
+                "tokens": [end.prompt_tokens, end.completion_tokens] if end is not None else [0, 0],
+            }
             with lock:
                 records.append(json.dumps(record, ensure_ascii=False))
 
@@ -279,8 +328,17 @@ class RayWorker:
         return {"record": records}
 
 
-def run_batch_ray(address: str, pack: Path, source: Path, target: Path, model: str, parallel: int,
-                  default_max_tokens: int, load_options: dict, progress: bool = True) -> Summary:
+def run_batch_ray(
+    address: str,
+    pack: Path,
+    source: Path,
+    target: Path,
+    model: str,
+    parallel: int,
+    default_max_tokens: int,
+    load_options: dict,
+    progress: bool = True,
+) -> Summary:
     """The same job on a Ray cluster: Ray Data spreads the pending lines over one actor per node (each loads the
     pack once and runs its scheduler); the driver appends the results to `target` as batches come back."""
     try:
@@ -300,8 +358,10 @@ def run_batch_ray(address: str, pack: Path, source: Path, target: Path, model: s
         try:
             ray.init(address=address, log_to_driver=False, include_dashboard=False)
         except (ConnectionError, RuntimeError, ValueError) as exc:
-            raise UserError(f"--ray {address}: no Ray cluster to join there ({str(exc).splitlines()[0][:200]}); "
-                            "start one with `ray start --head`, or give its address") from None
+            raise UserError(
+                f"--ray {address}: no Ray cluster to join there ({str(exc).splitlines()[0][:200]}); "
+                "start one with `ray start --head`, or give its address"
+            ) from None
     writer = ResultWriter(target)
     bar = _progress(len(jobs), summary.skipped) if progress else None
     try:
@@ -309,10 +369,13 @@ def run_batch_ray(address: str, pack: Path, source: Path, target: Path, model: s
         # Each actor takes a whole node's cores (its engine uses them all), so there is one per node.
         cores = min(node["Resources"].get("CPU", 1.0) for node in nodes)
         rows = ray.data.from_items([{"line": job.line, "text": texts[job.line - 1]} for job in pending])
-        results = rows.map_batches(RayWorker, fn_constructor_args=(str(pack), load_options, model, parallel,
-                                                                   default_max_tokens),
-                                   batch_size=4 * parallel, num_cpus=cores,
-                                   compute=ray.data.ActorPoolStrategy(size=len(nodes)))
+        results = rows.map_batches(
+            RayWorker,
+            fn_constructor_args=(str(pack), load_options, model, parallel, default_max_tokens),
+            batch_size=4 * parallel,
+            num_cpus=cores,
+            compute=ray.data.ActorPoolStrategy(size=len(nodes)),
+        )
         for batch in results.iter_batches(batch_size=None):
             for line in batch["record"]:
                 record = json.loads(line)
@@ -336,5 +399,11 @@ def run_batch_ray(address: str, pack: Path, source: Path, target: Path, model: s
 def _progress(total: int, already: int):
     from tqdm import tqdm
 
-    return tqdm(total=total, initial=already, unit="req", file=sys.stderr, disable=not sys.stderr.isatty(),
-                smoothing=0.1)
+    return tqdm(
+        total=total,
+        initial=already,
+        unit="req",
+        file=sys.stderr,
+        disable=not sys.stderr.isatty(),
+        smoothing=0.1,
+    )

@@ -29,10 +29,14 @@ BENCH_SCHEMA_VERSION = 1
 PLANS = ("auto", "monolithic", "cpu", "layers", "offload", "gpu-only", "static", "dynamic")  # the rows' order
 DEVICE_PLANS = DEVICE_PLAN_NAMES
 BANDWIDTH_SAMPLES_BEFORE, BANDWIDTH_SAMPLES_PER_ROUND = 6, 2  # each sample reads what a decode step reads
-DEFAULT_PROMPT = ("Explain how a steam engine works, from the boiler to the wheels, and why it changed the way "
-                  "people travelled and worked in the nineteenth century.")
-_PADDING = (" Add the history of the railway, the factories it powered, the coal it burned and the cities that grew "
-            "around the stations.")
+DEFAULT_PROMPT = (
+    "Explain how a steam engine works, from the boiler to the wheels, and why it changed the way "
+    "people travelled and worked in the nineteenth century."
+)
+_PADDING = (
+    " Add the history of the railway, the factories it powered, the coal it burned and the cities that grew "
+    "around the stations."
+)
 
 
 @dataclass
@@ -52,14 +56,21 @@ class BenchSettings:
     peer_dir: str | None = None
     processes: int = 1  # worker processes per row
     plans_file: str | None = None  # a saved plans.json the `auto` row runs as it is
-    images: list[str] = field(default_factory=list)  # a VLM pack's prompt images, preprocessed and encoded per run
-    sequences: list[int] = field(default_factory=lambda: [1])  # every row once per count: N prompts in one batch
+    images: list[str] = field(
+        default_factory=list
+    )  # a VLM pack's prompt images, preprocessed and encoded per run
+    sequences: list[int] = field(
+        default_factory=lambda: [1]
+    )  # every row once per count: N prompts in one batch
 
     def rows(self) -> list[tuple[str, str]]:
         """(kind, name) of every row: each plan and peer once per sequence count, `NAME*N` for N > 1."""
-        return [(kind, name if count == 1 else f"{name}*{count}")
-                for kind, names in (("plan", self.plans), ("peer", self.peers)) for name in names
-                for count in self.sequences]
+        return [
+            (kind, name if count == 1 else f"{name}*{count}")
+            for kind, names in (("plan", self.plans), ("peer", self.peers))
+            for name in names
+            for count in self.sequences
+        ]
 
     def check(self) -> None:
         unknown = [p for p in self.plans if plan_of(p)[0] not in PLANS]
@@ -67,7 +78,9 @@ class BenchSettings:
             raise UserError(f"unknown plan {unknown[0]!r}; known: {', '.join(PLANS)}")
         for name in self.plans:
             plan, pack = plan_of(name)
-            if pack is not None and (plan not in ("cpu", "monolithic") or not Path(pack, "manifest.json").is_file()):
+            if pack is not None and (
+                plan not in ("cpu", "monolithic") or not Path(pack, "manifest.json").is_file()
+            ):
                 raise UserError(f"plan {name!r}: PLAN@PACK takes cpu or monolithic and a model pack folder")
         for peer in self.peers:
             if peer not in PEERS:
@@ -78,15 +91,23 @@ class BenchSettings:
             raise UserError("--prompt-tokens must be at least 8 (the chat template alone takes some)")
         if self.device not in ("cpu", "sim", "cuda"):
             raise UserError(f"unknown device {self.device!r}; choose cpu, sim or cuda")
-        if self.device != "cpu" and self.vram is None and any(plan_of(p)[0] in DEVICE_PLANS for p in self.plans):
-            raise UserError(f"--device {self.device} needs a VRAM budget (--vram SIZE or a share such as 25%)")
+        if (
+            self.device != "cpu"
+            and self.vram is None
+            and any(plan_of(p)[0] in DEVICE_PLANS for p in self.plans)
+        ):
+            raise UserError(
+                f"--device {self.device} needs a VRAM budget (--vram SIZE or a share such as 25%)"
+            )
         if not self.sequences or min(self.sequences) < 1 or len(set(self.sequences)) < len(self.sequences):
             raise UserError("--sequences takes distinct counts of at least 1, e.g. 1,8")
         if self.images and max(self.sequences) > 1:
             raise UserError("--image runs one sequence: drop --sequences")
         names = [name for _, name in self.rows()]
         if self.reference is not None and self.reference not in names:
-            raise UserError(f"the reference row {self.reference!r} is not among the rows ({', '.join(names)})")
+            raise UserError(
+                f"the reference row {self.reference!r} is not among the rows ({', '.join(names)})"
+            )
 
 
 def plan_of(row: str) -> tuple[str, str | None]:
@@ -123,10 +144,10 @@ def bench_prompt(codec, text: str, tokens: int | None) -> tuple[str, list[int]]:
         ids = codec.encode(rendered)
     empty = codec.encode(codec.render_chat(""))
     shared = first_difference(ids, empty)
-    suffix = empty[len(empty) if shared is None else shared:]
-    if len(empty) >= tokens or ids[len(ids) - len(suffix):] != suffix:
+    suffix = empty[len(empty) if shared is None else shared :]
+    if len(empty) >= tokens or ids[len(ids) - len(suffix) :] != suffix:
         raise UserError(f"cannot make a chat prompt of {tokens} tokens with this template")
-    ids = ids[:tokens - len(suffix)] + suffix
+    ids = ids[: tokens - len(suffix)] + suffix
     return codec.decode(ids, skip_special_tokens=False), ids
 
 
@@ -144,17 +165,32 @@ class PlanRunner:
         self.sequences = row_sequences(row)[1]
         device = "cpu" if plan in ("cpu", "monolithic") else settings.device
         saved = settings.plans_file if plan == "auto" else None
-        self.engine = pipeshard.load(pack, threads=settings.threads, vram=None if saved else settings.vram,
-                                     device=device, profile=settings.profile, plan=plan,
-                                     context=None if saved else context, plans=saved, batch=self.sequences)
+        self.engine = pipeshard.load(
+            pack,
+            threads=settings.threads,
+            vram=None if saved else settings.vram,
+            device=device,
+            profile=settings.profile,
+            plan=plan,
+            context=None if saved else context,
+            plans=saved,
+            batch=self.sequences,
+        )
         self.engine.codec.eos_token_ids = []  # every row decodes exactly the asked number of tokens
         self.plan, self.pack = plan, pack
         self.settings = settings
         self.context = context
         step = self.engine.step
-        self.device = step.device if getattr(step, "planner", None) is not None else None  # None: nothing planned
-        self.facts = {"engine": "pipeshard", "plan": plan, "device": self.device.kind if self.device else "cpu",
-                      "dtype": _pack_dtype(pack), "pack": str(pack)}
+        self.device = (
+            step.device if getattr(step, "planner", None) is not None else None
+        )  # None: nothing planned
+        self.facts = {
+            "engine": "pipeshard",
+            "plan": plan,
+            "device": self.device.kind if self.device else "cpu",
+            "dtype": _pack_dtype(pack),
+            "pack": str(pack),
+        }
 
     def prompt_ids(self, text: str) -> list[int]:
         return self.engine.codec.encode(text)
@@ -168,18 +204,30 @@ class PlanRunner:
         started = time.perf_counter()
         features = self._image_features() if self.settings.images else None
         encode_s = time.perf_counter() - started
-        results = self.engine.generator.generate([prompt] * self.sequences,
-                                                 SamplingSettings(max_new_tokens=new_tokens), image_features=features)
+        results = self.engine.generator.generate(
+            [prompt] * self.sequences, SamplingSettings(max_new_tokens=new_tokens), image_features=features
+        )
         ttft_s = encode_s + max(r.ttft_s for r in results)  # with images: preprocessing and the encoder count
-        row = {"tokens": results[0].tokens, "ttft_s": ttft_s, "prefill_tok_s": len(prompt) * len(results) / ttft_s,
-               "decode_tok_s": sum(r.decode_tok_s for r in results),  # they decode together: the batch's rate
-               "sequences_agree": all(r.tokens == results[0].tokens for r in results)}
+        row = {
+            "tokens": results[0].tokens,
+            "ttft_s": ttft_s,
+            "prefill_tok_s": len(prompt) * len(results) / ttft_s,
+            "decode_tok_s": sum(r.decode_tok_s for r in results),  # they decode together: the batch's rate
+            "sequences_agree": all(r.tokens == results[0].tokens for r in results),
+        }
         if device:
-            streamed, copy_s, wait_s = (stats.streamed_bytes - before[0], device.copy_seconds - before[1],
-                                        stats.copy_wait_s - before[2])
-            row.update(streamed_bytes=streamed, copy_s=copy_s, copy_wait_s=wait_s,
-                       copy_hidden=max(0.0, 1 - wait_s / copy_s) if copy_s > 0 else None,
-                       peak_device_bytes=device.ledger.peak)
+            streamed, copy_s, wait_s = (
+                stats.streamed_bytes - before[0],
+                device.copy_seconds - before[1],
+                stats.copy_wait_s - before[2],
+            )
+            row.update(
+                streamed_bytes=streamed,
+                copy_s=copy_s,
+                copy_wait_s=wait_s,
+                copy_hidden=max(0.0, 1 - wait_s / copy_s) if copy_s > 0 else None,
+                peak_device_bytes=device.ledger.peak,
+            )
         return row
 
     def _image_features(self):
@@ -189,8 +237,12 @@ class PlanRunner:
         from pipeshard.runtime.vision import encode_prepared, prepare_images
 
         vision = self.engine.vision
-        return np.concatenate([image.features for image in
-                               encode_prepared(vision, prepare_images(vision.config, self.settings.images))])
+        return np.concatenate(
+            [
+                image.features
+                for image in encode_prepared(vision, prepare_images(vision.config, self.settings.images))
+            ]
+        )
 
     def final_facts(self) -> dict:
         """Which plan each tier ran and what the planner predicted for a decode step."""
@@ -199,22 +251,35 @@ class PlanRunner:
         if self.device is not None:
             report = step.report()
             facts["budget_bytes"] = report.budget_bytes
-            facts["tiers"] = {str(tier): {"strategy": strategy, "counts": report.placement_counts[tier],
-                                          "predicted_step_s": report.predicted_step_s[tier]}
-                              for tier, strategy in report.plans.items()}
+            facts["tiers"] = {
+                str(tier): {
+                    "strategy": strategy,
+                    "counts": report.placement_counts[tier],
+                    "predicted_step_s": report.predicted_step_s[tier],
+                }
+                for tier, strategy in report.plans.items()
+            }
             if 1 in report.plans:
                 facts["predicted_decode_step_s"] = report.predicted_step_s[1]
-            if self.device.kind == "sim":  # its device memory is host memory: the staging slots are in the RSS
-                facts["host_staging_bytes"] = max((p.vram.staging_slots + p.vram.kv_staging + p.vram.expert_slots
-                                                   for p in step.plans.values()), default=0)
+            if (
+                self.device.kind == "sim"
+            ):  # its device memory is host memory: the staging slots are in the RSS
+                facts["host_staging_bytes"] = max(
+                    (
+                        p.vram.staging_slots + p.vram.kv_staging + p.vram.expert_slots
+                        for p in step.plans.values()
+                    ),
+                    default=0,
+                )
             if self.device.kind == "cuda":
                 from pipeshard.profiles.measure_cuda import CudaRuntime
 
                 properties = CudaRuntime().properties()
                 facts["cuda_used_bytes_now"] = properties["memory_bytes"] - properties["free_bytes"]
         elif self.settings.profile:
-            facts["predicted_decode_step_s"] = _baseline_prediction(self.settings, self.plan, self.pack,
-                                                                    self.context)
+            facts["predicted_decode_step_s"] = _baseline_prediction(
+                self.settings, self.plan, self.pack, self.context
+            )
         return facts
 
 
@@ -231,10 +296,14 @@ class BalancedAB:
         return math.sqrt(self.pairings[0] * self.pairings[1])
 
     def report(self, a: str, b: str, rounds: int, unit: str) -> str:
-        lines = [f"{name} {label}: {statistics.median(t) * 1e3:.2f} ms/{unit} (min {min(t) * 1e3:.2f})"
-                 for name, label, t in (("A", a, self.a_times), ("B", b, self.b_times))]
-        lines.append(f"B / A {unit} time, {rounds} rounds: {self.ratio:.3f} (B made second: {self.pairings[0]:.3f}, "
-                     f"B made first: {self.pairings[1]:.3f})")
+        lines = [
+            f"{name} {label}: {statistics.median(t) * 1e3:.2f} ms/{unit} (min {min(t) * 1e3:.2f})"
+            for name, label, t in (("A", a, self.a_times), ("B", b, self.b_times))
+        ]
+        lines.append(
+            f"B / A {unit} time, {rounds} rounds: {self.ratio:.3f} (B made second: {self.pairings[0]:.3f}, "
+            f"B made first: {self.pairings[1]:.3f})"
+        )
         return "\n".join(lines)
 
 
@@ -251,8 +320,9 @@ def balanced_ab(make: Callable[[str], Callable[[int], object]], rounds: int) -> 
             started = time.perf_counter()
             runners[name](round_index)
             times[name].append(time.perf_counter() - started)
-    first, second = (statistics.median(b / a for a, b in zip(times["A" + k], times["B" + k], strict=True))
-                     for k in "12")
+    first, second = (
+        statistics.median(b / a for a, b in zip(times["A" + k], times["B" + k], strict=True)) for k in "12"
+    )
     return BalancedAB(times["A1"] + times["A2"], times["B1"] + times["B2"], (first, second))
 
 
@@ -268,8 +338,13 @@ def _baseline_prediction(settings: BenchSettings, plan: str, pack: str, context:
     from pipeshard.profiles.db import load_profile
     from pipeshard.runtime.pack import load_pack
 
-    planner = Planner(load_pack(Path(pack)).manifest, load_profile(settings.profile), 1 << 40, context=context,
-                      threads=settings.threads)
+    planner = Planner(
+        load_pack(Path(pack)).manifest,
+        load_profile(settings.profile),
+        1 << 40,
+        context=context,
+        threads=settings.threads,
+    )
     return planner.baseline(plan, 1).step_s
 
 
@@ -282,8 +357,13 @@ def _quiet_worker() -> None:
 
     logging.disable(logging.WARNING)
     warnings.filterwarnings("ignore")
-    os.environ.update(TRANSFORMERS_VERBOSITY="error", HF_HUB_DISABLE_PROGRESS_BARS="1", HF_HUB_OFFLINE="1",
-                      TRANSFORMERS_OFFLINE="1", TQDM_DISABLE="1")
+    os.environ.update(
+        TRANSFORMERS_VERBOSITY="error",
+        HF_HUB_DISABLE_PROGRESS_BARS="1",
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        TQDM_DISABLE="1",
+    )
 
 
 _LOAD_ERRORS = (UserError, ImportError, OSError, ValueError, RuntimeError)  # a peer that cannot run here
@@ -294,8 +374,13 @@ def _prepare_worker(name: str, settings: dict, _commands, replies) -> None:
     _quiet_worker()
     settings = BenchSettings(**settings)
     try:
-        path = prepare_peer_files(row_sequences(name)[0], _export_dir(settings.pack), _peer_dir(settings),
-                                  log=lambda message: replies.put({"log": message}), pack_dir=Path(settings.pack))
+        path = prepare_peer_files(
+            row_sequences(name)[0],
+            _export_dir(settings.pack),
+            _peer_dir(settings),
+            log=lambda message: replies.put({"log": message}),
+            pack_dir=Path(settings.pack),
+        )
         replies.put({"path": str(path)})
     except _LOAD_ERRORS as exc:
         replies.put({"skipped": _reason(exc)})
@@ -332,11 +417,17 @@ def _worker(kind: str, name: str, settings: dict, context: int, prompt_text: str
             runner = PlanRunner(settings, name, context)
         else:
             base, sequences = row_sequences(name)
-            runner = make_peer_runner(base, Path(kind.split(":", 1)[1]), settings.threads, context, settings.images,
-                                      sequences)
-        replies.put({"ready": True, "load_s": time.perf_counter() - started, "baseline_rss_bytes": baseline_rss,
-                     "own_prompt_ids":
-                     runner.prompt_ids(prompt_text)})
+            runner = make_peer_runner(
+                base, Path(kind.split(":", 1)[1]), settings.threads, context, settings.images, sequences
+            )
+        replies.put(
+            {
+                "ready": True,
+                "load_s": time.perf_counter() - started,
+                "baseline_rss_bytes": baseline_rss,
+                "own_prompt_ids": runner.prompt_ids(prompt_text),
+            }
+        )
     except skippable as exc:
         replies.put({"skipped": _reason(exc)})
         return
@@ -386,10 +477,14 @@ def _peer_dir(settings: BenchSettings) -> Path:
 class _Worker:
     """A child process running `target(*arguments, commands, replies)`; `kind` is plan or peer."""
 
-    def __init__(self, context, kind: str, name: str, log: Callable[[str], None], target, arguments: tuple) -> None:
+    def __init__(
+        self, context, kind: str, name: str, log: Callable[[str], None], target, arguments: tuple
+    ) -> None:
         self.kind, self.name = kind, name
         self.commands, self.replies = context.Queue(), context.Queue()
-        self.process = context.Process(target=target, daemon=True, args=(*arguments, self.commands, self.replies))
+        self.process = context.Process(
+            target=target, daemon=True, args=(*arguments, self.commands, self.replies)
+        )
         self.process.start()
         self.log = log
         self.runs: list[dict] = []
@@ -415,8 +510,11 @@ class _Worker:
 
 
 # -- the driver -----------------------------------------------------------------------------------------------------
-def run_bench(settings: BenchSettings, progress: Callable[[int, int, str], None] = lambda done, total, label: None,
-              log: Callable[[str], None] = print) -> dict:
+def run_bench(
+    settings: BenchSettings,
+    progress: Callable[[int, int, str], None] = lambda done, total, label: None,
+    log: Callable[[str], None] = print,
+) -> dict:
     """Measure every row, interleaved; return the bench document (docs/bench.md)."""
     from pipeshard.profiles.bandwidth import BandwidthProbe
     from pipeshard.profiles.db import machine_fingerprint
@@ -429,12 +527,15 @@ def run_bench(settings: BenchSettings, progress: Callable[[int, int, str], None]
     user_text, image_token, image_tokens = _with_image_tokens(pack, settings)
     prompt_text, prompt = bench_prompt(codec, user_text, settings.prompt_tokens)
     if image_tokens and prompt.count(codec.tokenizer.token_to_id(image_token)) != image_tokens:
-        raise UserError(f"--prompt-tokens {settings.prompt_tokens} leaves no room for the images' "
-                        f"{image_tokens} tokens")
+        raise UserError(
+            f"--prompt-tokens {settings.prompt_tokens} leaves no room for the images' {image_tokens} tokens"
+        )
     kv_context = len(prompt) + settings.new_tokens + 8
     if kv_context > int(pack.model["max_context"]):
-        raise UserError(f"{len(prompt)} prompt + {settings.new_tokens} new tokens exceed the model's context "
-                        f"of {pack.model['max_context']}")
+        raise UserError(
+            f"{len(prompt)} prompt + {settings.new_tokens} new tokens exceed the model's context "
+            f"of {pack.model['max_context']}"
+        )
     rows_wanted = settings.rows()
     skipped = []
     for kind, name in list(rows_wanted):
@@ -465,15 +566,23 @@ def run_bench(settings: BenchSettings, progress: Callable[[int, int, str], None]
                     prepared = preparer.reply()
                     preparer.process.join()
                     prepared_paths[base] = prepared.get("path") or prepared
-                if isinstance(prepared_paths[base], dict):  # its files could not be made: every row of it goes
+                if isinstance(
+                    prepared_paths[base], dict
+                ):  # its files could not be made: every row of it goes
                     reason = prepared_paths[base]["skipped"]
                     skipped.append({"name": name, "reason": reason})
                     log(f"skipped {name}: {reason}")
                     rows_wanted.remove((kind, name))
                     continue
                 kind = f"peer:{prepared_paths[base]}"
-            worker = _Worker(context, kind.split(":", 1)[0], name, log, _worker,
-                             (kind, name, asdict(settings), kv_context, prompt_text))
+            worker = _Worker(
+                context,
+                kind.split(":", 1)[0],
+                name,
+                log,
+                _worker,
+                (kind, name, asdict(settings), kv_context, prompt_text),
+            )
             ready = worker.reply()
             done += 1
             if "skipped" in ready:
@@ -481,7 +590,9 @@ def run_bench(settings: BenchSettings, progress: Callable[[int, int, str], None]
                 log(f"skipped {name}: {ready['skipped']}")
                 worker.process.join(timeout=30)
                 rows_wanted.remove(next(row for row in rows_wanted if row[1] == name))
-                for loaded in [w for w in workers if w.name == name]:  # the row goes whole: no fewer processes
+                for loaded in [
+                    w for w in workers if w.name == name
+                ]:  # the row goes whole: no fewer processes
                     loaded.stop()
                     workers.remove(loaded)
                 continue
@@ -491,7 +602,9 @@ def run_bench(settings: BenchSettings, progress: Callable[[int, int, str], None]
     if not workers:
         raise UserError("no row could run: " + "; ".join(f"{s['name']}: {s['reason']}" for s in skipped))
     total = done + len(workers) * (settings.repeat + 1)
-    probe = BandwidthProbe(settings.threads, minimum_bytes_per_token(pack, len(prompt) + settings.new_tokens / 2))
+    probe = BandwidthProbe(
+        settings.threads, minimum_bytes_per_token(pack, len(prompt) + settings.new_tokens / 2)
+    )
     probe.sample(BANDWIDTH_SAMPLES_BEFORE)
     for round_index in range(settings.repeat + 1):  # round 0 warms up and is dropped
         shift = round_index % len(workers)
@@ -509,14 +622,24 @@ def run_bench(settings: BenchSettings, progress: Callable[[int, int, str], None]
     progress(total, total, "done")
     finals = [worker.stop() for worker in workers]
     names = list(dict.fromkeys(worker.name for worker in workers))
-    rows = [_row([(w, f) for w, f in zip(workers, finals, strict=True) if w.name == name], prompt) for name in names]
+    rows = [
+        _row([(w, f) for w, f in zip(workers, finals, strict=True) if w.name == name], prompt)
+        for name in names
+    ]
     _compare(rows, settings.reference, pack, kv_context, bandwidth)
     return {
         "schema_version": BENCH_SCHEMA_VERSION,
         "machine": {**machine_fingerprint(), "read_bandwidth": bandwidth},
-        "settings": {**asdict(settings), "prompt_text": prompt_text, "prompt_token_count": len(prompt),
-                     "prompt_ids": prompt, "interleaved_rounds": settings.repeat, "warmup_rounds": 1},
-        "rows": rows, "skipped": skipped,
+        "settings": {
+            **asdict(settings),
+            "prompt_text": prompt_text,
+            "prompt_token_count": len(prompt),
+            "prompt_ids": prompt,
+            "interleaved_rounds": settings.repeat,
+            "warmup_rounds": 1,
+        },
+        "rows": rows,
+        "skipped": skipped,
     }
 
 
@@ -532,7 +655,9 @@ def _with_image_tokens(pack, settings: BenchSettings) -> tuple[str, str | None, 
 
     config = vision["preprocessing"]
     prepared = prepare_images(config, settings.images)
-    text = expand_prompt(with_placeholders(settings.prompt, len(settings.images), config), prepared.tokens, config)
+    text = expand_prompt(
+        with_placeholders(settings.prompt, len(settings.images), config), prepared.tokens, config
+    )
     return text, config["image_token"], sum(prepared.counts)
 
 
@@ -546,27 +671,42 @@ def _row(processes: list[tuple[_Worker, dict]], prompt: list[int]) -> dict:
     runs of a round ran within one pass over all workers); memory from the process that held the most."""
     workers = [worker for worker, _ in processes]
     runs = [run for worker in workers for run in worker.runs]
-    rounds = [_combine_round([worker.runs[index] for worker in workers]) for index in range(len(workers[0].runs))]
+    rounds = [
+        _combine_round([worker.runs[index] for worker in workers]) for index in range(len(workers[0].runs))
+    ]
     decode = [r["decode_tok_s"] for r in rounds]
     tokens = runs[0]["tokens"]
     worker, final = max(processes, key=lambda pair: pair[1]["peak_rss_bytes"] - pair[0].baseline_rss)
     row = {
-        "name": worker.name, "kind": worker.kind, "facts": final["facts"],
-        "load_s": statistics.median(w.load_s for w in workers), "processes": len(workers),
-        "runs": len(rounds), "decode_tok_s": statistics.median(decode), "decode_tok_s_min": min(decode),
-        "decode_tok_s_max": max(decode), "decode_tok_s_runs": decode,
+        "name": worker.name,
+        "kind": worker.kind,
+        "facts": final["facts"],
+        "load_s": statistics.median(w.load_s for w in workers),
+        "processes": len(workers),
+        "runs": len(rounds),
+        "decode_tok_s": statistics.median(decode),
+        "decode_tok_s_min": min(decode),
+        "decode_tok_s_max": max(decode),
+        "decode_tok_s_runs": decode,
         "decode_tok_s_by_process": [[r["decode_tok_s"] for r in w.runs] for w in workers],
-        "prefill_tok_s_runs": [r["prefill_tok_s"] for r in rounds], "ttft_s": _median(rounds, "ttft_s"),
-        "prefill_tok_s": _median(rounds, "prefill_tok_s"), "answer_s": _median(rounds, "answer_s"),
+        "prefill_tok_s_runs": [r["prefill_tok_s"] for r in rounds],
+        "ttft_s": _median(rounds, "ttft_s"),
+        "prefill_tok_s": _median(rounds, "prefill_tok_s"),
+        "answer_s": _median(rounds, "answer_s"),
         "peak_rss_bytes": final["peak_rss_bytes"],
         "baseline_rss_bytes": worker.baseline_rss,
-        "tokens": tokens, "deterministic": all(r["tokens"] == tokens for r in runs),
+        "tokens": tokens,
+        "deterministic": all(r["tokens"] == tokens for r in runs),
         "sequences": row_sequences(worker.name)[1],
         "sequences_agree": all(r.get("sequences_agree", True) for r in runs),
-        "prompt_ids_match": None if any(w.own_prompt_ids is None for w in workers)  # fed ids, no tokenizer
+        "prompt_ids_match": None
+        if any(w.own_prompt_ids is None for w in workers)  # fed ids, no tokenizer
         else all(w.own_prompt_ids == prompt for w in workers),
-        "peak_device_bytes": max((r["peak_device_bytes"] for r in runs if "peak_device_bytes" in r), default=None),
-        "streamed_bytes_per_run": _median(runs, "streamed_bytes"), "copy_hidden": _median(runs, "copy_hidden"),
+        "peak_device_bytes": max(
+            (r["peak_device_bytes"] for r in runs if "peak_device_bytes" in r), default=None
+        ),
+        "streamed_bytes_per_run": _median(runs, "streamed_bytes"),
+        "copy_hidden": _median(runs, "copy_hidden"),
         "predicted_decode_step_s": final["facts"].get("predicted_decode_step_s"),
     }
     row["measured_decode_step_s"] = 1 / row["decode_tok_s"] if row["decode_tok_s"] else None
@@ -587,8 +727,11 @@ def minimum_bytes_per_token(pack, context: float) -> float:
 
     model = pack.model
     chosen_share = model["experts_per_token"] / model["num_experts"] if model.get("num_experts") else 1.0
-    weights = sum(evaluate_cost({k: v for k, v in e["cost"]["bytes"].items() if k in ("const", "T")}, 1, 0)
-                  * (chosen_share if e["kind"] == "expert" else 1.0) for e in pack.sub_layers)
+    weights = sum(
+        evaluate_cost({k: v for k, v in e["cost"]["bytes"].items() if k in ("const", "T")}, 1, 0)
+        * (chosen_share if e["kind"] == "expert" else 1.0)
+        for e in pack.sub_layers
+    )
     return weights + pack.manifest["kv_bytes_per_token"] * context
 
 
@@ -601,22 +744,28 @@ def _compare(rows: list[dict], reference: str, pack, kv_context: int, bandwidth:
     for row in rows:
         # What a run must hold at the least: every weight once, the KV cache of each sequence's generation, and on
         # the simulated device (whose memory is host memory) the staging slots.
-        weights_and_kv = (pack.manifest["total_weight_bytes"]
-                          + pack.manifest["kv_bytes_per_token"] * generation_tokens * row["sequences"]
-                          + row["facts"].get("host_staging_bytes", 0))
+        weights_and_kv = (
+            pack.manifest["total_weight_bytes"]
+            + pack.manifest["kv_bytes_per_token"] * generation_tokens * row["sequences"]
+            + row["facts"].get("host_staging_bytes", 0)
+        )
         row["reference"] = base["name"]
         for key in ("decode_tok_s", "prefill_tok_s", "ttft_s", "answer_s"):
             row[f"{key}_ratio"] = row[key] / base[key] if row[key] and base[key] else None
         for key in ("decode_tok_s", "prefill_tok_s"):  # each round's pair ran back to back: less drift
             row[f"{key}_paired_ratio"] = statistics.median(
-                a / b for a, b in zip(row[f"{key}_runs"], base[f"{key}_runs"], strict=True))
+                a / b for a, b in zip(row[f"{key}_runs"], base[f"{key}_runs"], strict=True)
+            )
         row["same_tokens_as_reference"] = row["tokens"] == base["tokens"]
         row["first_difference"] = first_difference(row["tokens"], base["tokens"])
         # One sequence's decode reads the weights per token; a batch's step shares them, so no roofline for it.
         same_weights = row["facts"].get("dtype") == pack.model["dtype"] and row["sequences"] == 1
         row["weights_and_kv_bytes"] = weights_and_kv if row["kind"] == "plan" else None
-        row["rss_over_weights_and_kv"] = ((row["peak_rss_bytes"] - row["baseline_rss_bytes"]) / weights_and_kv
-                                          if row["kind"] == "plan" else None)
+        row["rss_over_weights_and_kv"] = (
+            (row["peak_rss_bytes"] - row["baseline_rss_bytes"]) / weights_and_kv
+            if row["kind"] == "plan"
+            else None
+        )
         row["bytes_read_per_token"] = read_per_token if same_weights else None
         row["roofline_tok_s"] = bandwidth["best_bytes_per_s"] / read_per_token if same_weights else None
         row["roofline_fraction"] = row["decode_tok_s"] / row["roofline_tok_s"] if same_weights else None
@@ -657,13 +806,16 @@ def bench_table(document: dict) -> str:
             f"{_fmt(row['peak_device_bytes'], '.0f', 2**20, 8)} "
             f"{_fmt(row['streamed_bytes_per_run'], '.1f', 2**20, 10)} {_fmt(row['copy_hidden'], '.0%', 1, 6)} "
             f"{pred:>13s} {_fmt(row['roofline_fraction'], '.0%', 1, 8)}  {agree}"
-            + ("" if row["prompt_ids_match"] is not False else " (own tokenizer: other prompt ids)"))
+            + ("" if row["prompt_ids_match"] is not False else " (own tokenizer: other prompt ids)")
+        )
     reference = document["rows"][0]["reference"] if document["rows"] else "-"
-    lines.append(f"x ref: ratio of medians to {reference}; paired: median of the per-round ratios; "
-                 f"roofline: decode tok/s / (bandwidth / bytes read per token); /(W+KV+S): peak RSS above the "
-                 f"worker's before loading (Python, numpy, ONNX Runtime) over weight bytes + KV cache (+ staging slots "
-                 f"on sim, whose device memory is host memory); "
-                 f"every row was fed the same {settings['prompt_token_count']} prompt ids")
+    lines.append(
+        f"x ref: ratio of medians to {reference}; paired: median of the per-round ratios; "
+        f"roofline: decode tok/s / (bandwidth / bytes read per token); /(W+KV+S): peak RSS above the "
+        f"worker's before loading (Python, numpy, ONNX Runtime) over weight bytes + KV cache (+ staging slots "
+        f"on sim, whose device memory is host memory); "
+        f"every row was fed the same {settings['prompt_token_count']} prompt ids"
+    )
     for skipped in document["skipped"]:
         lines.append(f"skipped {skipped['name']}: {skipped['reason']}")
     return "\n".join(lines)
@@ -683,19 +835,25 @@ def plot_bench(document: dict, path: Path) -> None:
     rows = document["rows"]
     names = [r["name"] for r in rows]
     medians = [r["decode_tok_s"] for r in rows]
-    errors = [[r["decode_tok_s"] - r["decode_tok_s_min"] for r in rows],
-              [r["decode_tok_s_max"] - r["decode_tok_s"] for r in rows]]
+    errors = [
+        [r["decode_tok_s"] - r["decode_tok_s_min"] for r in rows],
+        [r["decode_tok_s_max"] - r["decode_tok_s"] for r in rows],
+    ]
     colors = ["tab:blue" if r["kind"] == "plan" else "tab:gray" for r in rows]
     figure, axes = plt.subplots(figsize=(max(6, len(rows) * 0.9), 4))
     axes.bar(names, medians, yerr=errors, color=colors, capsize=4)
     roofline = next((r["roofline_tok_s"] for r in rows if r["roofline_tok_s"]), None)
     if roofline:
-        axes.axhline(roofline, color="tab:red", linestyle="--", label=f"bandwidth roofline {roofline:.0f} tok/s")
+        axes.axhline(
+            roofline, color="tab:red", linestyle="--", label=f"bandwidth roofline {roofline:.0f} tok/s"
+        )
         axes.legend()
     settings = document["settings"]
     axes.set_ylabel("decode tok/s (median, min-max)")
-    axes.set_title(f"{Path(settings['pack']).name}: {settings['new_tokens']} new tokens, {settings['threads']} threads"
-                   + (" (sim rows: simulated device)" if any(r["facts"].get("device") == "sim" for r in rows) else ""))
+    axes.set_title(
+        f"{Path(settings['pack']).name}: {settings['new_tokens']} new tokens, {settings['threads']} threads"
+        + (" (sim rows: simulated device)" if any(r["facts"].get("device") == "sim" for r in rows) else "")
+    )
     axes.tick_params(axis="x", rotation=30)
     figure.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -703,9 +861,21 @@ def plot_bench(document: dict, path: Path) -> None:
     plt.close(figure)
 
 
-_ROW_FIELDS = {"name": str, "kind": str, "decode_tok_s": float, "decode_tok_s_min": float, "decode_tok_s_max": float,
-               "ttft_s": float, "prefill_tok_s": float, "peak_rss_bytes": int, "tokens": list, "runs": int,
-               "same_tokens_as_reference": bool, "prompt_ids_match": bool, "facts": dict}
+_ROW_FIELDS = {
+    "name": str,
+    "kind": str,
+    "decode_tok_s": float,
+    "decode_tok_s_min": float,
+    "decode_tok_s_max": float,
+    "ttft_s": float,
+    "prefill_tok_s": float,
+    "peak_rss_bytes": int,
+    "tokens": list,
+    "runs": int,
+    "same_tokens_as_reference": bool,
+    "prompt_ids_match": bool,
+    "facts": dict,
+}
 
 
 def validate_bench(document: object) -> dict:
@@ -748,4 +918,5 @@ def progress_bar(stream=None) -> Callable[[int, int, str], None]:
         if done >= total:
             bar[0].close()
             bar[0] = None
+
     return update

@@ -17,7 +17,9 @@ from pipeshard.errors import UserError
 from pipeshard.fsutil import make_parent
 from pipeshard.units import format_bytes
 
-VRAM_HELP = "VRAM budget: a size (2GiB, 512MiB) or a share of the model's weights on top of the minimum (25%%)"
+VRAM_HELP = (
+    "VRAM budget: a size (2GiB, 512MiB) or a share of the model's weights on top of the minimum (25%%)"
+)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -39,6 +41,7 @@ def _finite_float(text: str) -> float:
 
 def _count(minimum: int):
     """An argparse type: an integer of at least `minimum`."""
+
     def parse(text: str) -> int:
         try:
             value = int(text)
@@ -47,6 +50,7 @@ def _count(minimum: int):
         if value < minimum:
             raise argparse.ArgumentTypeError(f"{value} is below {minimum}")
         return value
+
     return parse
 
 
@@ -61,7 +65,9 @@ def _threads(text: str) -> int:
     value = _count(1)(text)
     cores = os.cpu_count() or 1
     if value > cores:
-        raise argparse.ArgumentTypeError(f"{value} threads on a machine with {cores} cores would only slow it down")
+        raise argparse.ArgumentTypeError(
+            f"{value} threads on a machine with {cores} cores would only slow it down"
+        )
     return value
 
 
@@ -121,17 +127,22 @@ def _command_export(args: argparse.Namespace) -> int:
         if args.opset is not None:
             raise UserError("--opset does not apply to --shape-only (its pack holds no ONNX files)")
         result = export_shape_only(args.model, args.out, dtype=args.dtype, force=args.force)
-        print(f"shape-only pack of {args.model} -> {result.pack}: {result.sub_layers} sub-layers, "
-              f"{format_bytes(result.weight_bytes)} of weights described (none stored), {result.seconds:.1f} s; "
-              "inspect and plan it, it cannot run")
+        print(
+            f"shape-only pack of {args.model} -> {result.pack}: {result.sub_layers} sub-layers, "
+            f"{format_bytes(result.weight_bytes)} of weights described (none stored), {result.seconds:.1f} s; "
+            "inspect and plan it, it cannot run"
+        )
         return 0
     from pipeshard.exporter import export_model
 
-    result = export_model(args.model, args.out, dtype=args.dtype, force=args.force, opset=args.opset,
-                          quiet=args.quiet)
+    result = export_model(
+        args.model, args.out, dtype=args.dtype, force=args.force, opset=args.opset, quiet=args.quiet
+    )
     total = sum(result.files.values())
-    print(f"exported {args.model} -> {result.out}: {len(result.files)} files, {format_bytes(total)}, "
-          f"{result.seconds:.1f} s, max |logit - PyTorch| {result.max_logit_difference:.2e}")
+    print(
+        f"exported {args.model} -> {result.out}: {len(result.files)} files, {format_bytes(total)}, "
+        f"{result.seconds:.1f} s, max |logit - PyTorch| {result.max_logit_difference:.2e}"
+    )
     return 0
 
 
@@ -139,9 +150,13 @@ def _check_generation_options(args: argparse.Namespace) -> None:
     """What `run` and `chat` can refuse before loading anything: nothing given is silently ignored."""
     _check_vram(args.vram)
     if args.plan == "monolithic" and (args.device not in ("auto", "cpu") or args.vram is not None):
-        raise UserError("--plan monolithic runs the whole export as one CPU session: drop --device and --vram")
+        raise UserError(
+            "--plan monolithic runs the whole export as one CPU session: drop --device and --vram"
+        )
     if args.device == "cpu" and args.vram is not None:
-        raise UserError("--device cpu runs every sub-layer on the CPU: drop --vram, or give --device sim|cuda")
+        raise UserError(
+            "--device cpu runs every sub-layer on the CPU: drop --vram, or give --device sim|cuda"
+        )
     _check_context(args.context, Path(args.path))
     for option, value in (("--expert-stats", args.expert_stats), ("--plans", args.plans)):
         if value is not None and not Path(value).is_file():
@@ -162,16 +177,28 @@ def _command_serve(args: argparse.Namespace) -> int:
 
     _check_generation_options(args)
     if args.plan == "monolithic" or not (Path(args.path) / "manifest.json").is_file():
-        raise UserError(f"{args.path}: serving needs a model pack with slots (pipeshard partition EXPORT PACK), not "
-                        "an export folder or --plan monolithic")
+        raise UserError(
+            f"{args.path}: serving needs a model pack with slots (pipeshard partition EXPORT PACK), not "
+            "an export folder or --plan monolithic"
+        )
     if args.api_key is not None:
         args.api_key = _text(args.api_key, "--api-key")
     name = args.name or Path(args.path).resolve().name
 
     def load():
-        return pipeshard.load(args.path, threads=args.threads, verify=args.verify, vram=args.vram, device=args.device,
-                              profile=args.profile, plan=args.plan, context=args.context, batch=args.parallel,
-                              expert_stats=args.expert_stats, plans=args.plans)
+        return pipeshard.load(
+            args.path,
+            threads=args.threads,
+            verify=args.verify,
+            vram=args.vram,
+            device=args.device,
+            profile=args.profile,
+            plan=args.plan,
+            context=args.context,
+            batch=args.parallel,
+            expert_stats=args.expert_stats,
+            plans=args.plans,
+        )
 
     settings = ServerSettings(name, args.api_key, args.max_tokens)
     return serve(load, settings, args.host, args.port, args.parallel, args.queue, args.context)
@@ -189,15 +216,32 @@ def _command_batch(args: argparse.Namespace) -> int:
         raise UserError(f"{source} does not exist")
     target = _output_path(args.output, "OUTPUT")
     read_jobs(source)  # duplicate custom_ids are refused before the model loads
-    options = dict(threads=args.threads, verify=args.verify, vram=args.vram, device=args.device, profile=args.profile,
-                   plan=args.plan, context=args.context, batch=args.parallel, expert_stats=args.expert_stats,
-                   plans=args.plans)
+    options = dict(
+        threads=args.threads,
+        verify=args.verify,
+        vram=args.vram,
+        device=args.device,
+        profile=args.profile,
+        plan=args.plan,
+        context=args.context,
+        batch=args.parallel,
+        expert_stats=args.expert_stats,
+        plans=args.plans,
+    )
     model = Path(args.path).resolve().name
     if args.ray is not None:
         from pipeshard.batch import run_batch_ray
 
-        summary = run_batch_ray(args.ray, Path(args.path).resolve(), source, target, model, args.parallel,
-                                args.max_new_tokens, options)
+        summary = run_batch_ray(
+            args.ray,
+            Path(args.path).resolve(),
+            source,
+            target,
+            model,
+            args.parallel,
+            args.max_new_tokens,
+            options,
+        )
     else:
         engine = pipeshard.load(args.path, **options)
         summary = run_batch(engine, source, target, model, args.parallel, args.max_new_tokens)
@@ -212,18 +256,42 @@ def _command_run(args: argparse.Namespace) -> int:
     _check_generation_options(args)
     images = _images(args.image)
     save_stats = _output_path(args.save_expert_stats, "--save-expert-stats")
-    if save_stats and (args.plan == "monolithic" or not (Path(args.path) / "manifest.json").is_file()
-                       or not _model_facts(Path(args.path)).get("num_experts")):
+    if save_stats and (
+        args.plan == "monolithic"
+        or not (Path(args.path) / "manifest.json").is_file()
+        or not _model_facts(Path(args.path)).get("num_experts")
+    ):
         raise UserError("--save-expert-stats needs a MoE model run from its pack (not --plan monolithic)")
-    engine = pipeshard.load(args.path, threads=args.threads, verify=args.verify, vram=args.vram, device=args.device,
-                            profile=args.profile, plan=args.plan, context=args.context, expert_stats=args.expert_stats,
-                            plans=args.plans)
-    sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                    top_p=args.top_p, repetition_penalty=args.repetition_penalty, seed=args.seed,
-                    stop_strings=tuple(_text(stop, "--stop") for stop in args.stop))
+    engine = pipeshard.load(
+        args.path,
+        threads=args.threads,
+        verify=args.verify,
+        vram=args.vram,
+        device=args.device,
+        profile=args.profile,
+        plan=args.plan,
+        context=args.context,
+        expert_stats=args.expert_stats,
+        plans=args.plans,
+    )
+    sampling = dict(
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        repetition_penalty=args.repetition_penalty,
+        seed=args.seed,
+        stop_strings=tuple(_text(stop, "--stop") for stop in args.stop),
+    )
     results = []
-    events = engine.stream(prompt, chat_template=not args.no_chat_template, system=args.system,
-                           results=results, images=images, **sampling)
+    events = engine.stream(
+        prompt,
+        chat_template=not args.no_chat_template,
+        system=args.system,
+        results=results,
+        images=images,
+        **sampling,
+    )
     for event in events:
         if not args.json:
             print(event.text, end="", flush=True)
@@ -233,16 +301,28 @@ def _command_run(args: argparse.Namespace) -> int:
 
         write_json_atomic(save_stats, engine.expert_stats())
     if args.json:
-        print(json.dumps({
-            "text": result.text, "tokens": result.tokens, "prompt_tokens": len(result.prompt_tokens),
-            "stop_reason": result.stop_reason, "ttft_s": result.ttft_s, "decode_tok_s": result.decode_tok_s,
-            "prefill_tok_s": result.prefill_tok_s, **_vision_facts(engine, images),
-        }))
+        print(
+            json.dumps(
+                {
+                    "text": result.text,
+                    "tokens": result.tokens,
+                    "prompt_tokens": len(result.prompt_tokens),
+                    "stop_reason": result.stop_reason,
+                    "ttft_s": result.ttft_s,
+                    "decode_tok_s": result.decode_tok_s,
+                    "prefill_tok_s": result.prefill_tok_s,
+                    **_vision_facts(engine, images),
+                }
+            )
+        )
     else:
         print(flush=True)
-        print(f"[{len(result.prompt_tokens)} prompt tokens, {len(result.tokens)} generated, "
-              f"TTFT {result.ttft_s * 1000:.0f} ms, decode {result.decode_tok_s:.1f} tok/s, "
-              f"stop: {result.stop_reason}{_device_note(engine)}]", file=sys.stderr)
+        print(
+            f"[{len(result.prompt_tokens)} prompt tokens, {len(result.tokens)} generated, "
+            f"TTFT {result.ttft_s * 1000:.0f} ms, decode {result.decode_tok_s:.1f} tok/s, "
+            f"stop: {result.stop_reason}{_device_note(engine)}]",
+            file=sys.stderr,
+        )
     return 0
 
 
@@ -266,12 +346,21 @@ def _device_note(engine) -> str:
     if getattr(engine.step, "planner", None) is None:
         return ""
     report = engine.step.report()
-    peak = f", peak device memory {report.peak_device_bytes / 1024**2:.0f} MiB of " \
-        f"{report.budget_bytes / 1024**2:.0f} MiB" if report.peak_device_bytes else ""
-    tiers = "; plans " + ", ".join(f"T={tier}: {strategy}" for tier, strategy in report.plans.items()) \
-        if report.plans else "; no plan chosen yet (each tier's is made at its first step)"
-    return (f"; device {report.device}{' (simulated: not GPU speed)' if report.device == 'sim' else ''}"
-            f"{peak}{tiers}; streamed {report.streamed_weight_bytes / 1024**2:.1f} MiB")
+    peak = (
+        f", peak device memory {report.peak_device_bytes / 1024**2:.0f} MiB of "
+        f"{report.budget_bytes / 1024**2:.0f} MiB"
+        if report.peak_device_bytes
+        else ""
+    )
+    tiers = (
+        "; plans " + ", ".join(f"T={tier}: {strategy}" for tier, strategy in report.plans.items())
+        if report.plans
+        else "; no plan chosen yet (each tier's is made at its first step)"
+    )
+    return (
+        f"; device {report.device}{' (simulated: not GPU speed)' if report.device == 'sim' else ''}"
+        f"{peak}{tiers}; streamed {report.streamed_weight_bytes / 1024**2:.1f} MiB"
+    )
 
 
 def _command_chat(args: argparse.Namespace) -> int:
@@ -282,17 +371,29 @@ def _command_chat(args: argparse.Namespace) -> int:
     _check_generation_options(args)
     settings = SamplingSettings(max_new_tokens=args.max_new_tokens)
     settings.validate()
-    engine = pipeshard.load(args.path, threads=args.threads, vram=args.vram, device=args.device,
-                            profile=args.profile, plan=args.plan, context=args.context, expert_stats=args.expert_stats,
-                            plans=args.plans)
+    engine = pipeshard.load(
+        args.path,
+        threads=args.threads,
+        vram=args.vram,
+        device=args.device,
+        profile=args.profile,
+        plan=args.plan,
+        context=args.context,
+        expert_stats=args.expert_stats,
+        plans=args.plans,
+    )
     if not engine.codec.chat_template:
-        raise UserError(f"{args.path}: this model has no chat template, and chat needs one (plain completions: "
-                        "pipeshard run PATH PROMPT --no-chat-template)")
+        raise UserError(
+            f"{args.path}: this model has no chat template, and chat needs one (plain completions: "
+            "pipeshard run PATH PROMPT --no-chat-template)"
+        )
     context = min(args.context or 4096, engine.step.max_context)
     conversation = Conversation(engine.generator, settings, context, system=args.system, vision=engine.vision)
     pending_images: list = []
-    print("pipeshard chat: /budget SIZE changes the VRAM budget, /plan shows the active plan, /reset forgets the "
-          f"conversation,{' /image PATH adds an image to the next message,' if engine.vision else ''} /quit ends")
+    print(
+        "pipeshard chat: /budget SIZE changes the VRAM budget, /plan shows the active plan, /reset forgets the "
+        f"conversation,{' /image PATH adds an image to the next message,' if engine.vision else ''} /quit ends"
+    )
     while True:
         try:
             line = _text(input("> "), "that line").strip()
@@ -307,7 +408,7 @@ def _command_chat(args: argparse.Namespace) -> int:
         if line in ("/quit", "/exit"):
             return 0
         if line == "/budget" or line.startswith("/budget "):
-            size = line[len("/budget"):].strip()
+            size = line[len("/budget") :].strip()
             try:
                 if not size:
                     raise UserError("usage: /budget SIZE (2GiB, 512MiB or a share such as 25%)")
@@ -329,7 +430,7 @@ def _command_chat(args: argparse.Namespace) -> int:
             try:
                 if engine.vision is None:
                     raise UserError("this model is a text model: it takes no images")
-                path = line[len("/image"):].strip()
+                path = line[len("/image") :].strip()
                 if not path:
                     raise UserError("usage: /image PATH")
                 pending_images += _images([path])
@@ -338,8 +439,10 @@ def _command_chat(args: argparse.Namespace) -> int:
                 print(f"error: {exc}", file=sys.stderr)
             continue
         if line.startswith("/"):
-            print(f"error: unknown command {line.split()[0]} (/budget SIZE, /plan, /reset, /image PATH, /quit)",
-                  file=sys.stderr)
+            print(
+                f"error: unknown command {line.split()[0]} (/budget SIZE, /plan, /reset, /image PATH, /quit)",
+                file=sys.stderr,
+            )
             continue
         dropped = conversation.dropped_turns
         answer = conversation.ask(line, pending_images)
@@ -355,23 +458,31 @@ def _command_chat(args: argparse.Namespace) -> int:
             continue
         print()
         if conversation.dropped_turns > dropped:
-            print(f"[history cut: the {conversation.dropped_turns - dropped} oldest turn(s) no longer fit the "
-                  f"context of {context} tokens]", file=sys.stderr)
+            print(
+                f"[history cut: the {conversation.dropped_turns - dropped} oldest turn(s) no longer fit the "
+                f"context of {context} tokens]",
+                file=sys.stderr,
+            )
 
 
 def _engine_kind(engine) -> str:
     from pipeshard.runtime.monolithic import MonolithicStep
 
-    return "one session over the whole export (no device)" if isinstance(engine.step, MonolithicStep) \
+    return (
+        "one session over the whole export (no device)"
+        if isinstance(engine.step, MonolithicStep)
         else "all-CPU chain (no device)"
+    )
 
 
 def _command_partition(args: argparse.Namespace) -> int:
     from pipeshard.partitioner.partition import partition
 
     result = partition(args.export_dir, args.pack, force=args.force)
-    print(f"partitioned {args.export_dir} -> {result.pack}: {result.sub_layers} sub-layers, "
-          f"{format_bytes(result.weight_bytes)} of weight blobs, {result.seconds:.1f} s")
+    print(
+        f"partitioned {args.export_dir} -> {result.pack}: {result.sub_layers} sub-layers, "
+        f"{format_bytes(result.weight_bytes)} of weight blobs, {result.seconds:.1f} s"
+    )
     return 0
 
 
@@ -407,12 +518,16 @@ def _command_profile(args: argparse.Namespace) -> int:
         sweep = sweep_for_pack(sweep, load_pack(args.pack).manifest)
     threads = _positive_list(args.threads, "--threads")
     counts = threads or list(range(1, _physical_cores() + 1))
-    per_thread = 2 * len(sweep.dtypes) * len(sweep.shapes) * len(sweep.tiers) + \
-        len(sweep.attention_tokens) * len(sweep.attention_contexts) + 1 + \
-        (len(PLACEMENTS) * len(sweep.pack_pasts) * len(PACK_TIERS) if args.pack else 0)
+    per_thread = (
+        2 * len(sweep.dtypes) * len(sweep.shapes) * len(sweep.tiers)
+        + len(sweep.attention_tokens) * len(sweep.attention_contexts)
+        + 1
+        + (len(PLACEMENTS) * len(sweep.pack_pasts) * len(PACK_TIERS) if args.pack else 0)
+    )
     with tqdm(total=per_thread * len(counts), desc="profile", unit="point", disable=None, leave=False) as bar:
-        document = measure_machine(sweep, counts, progress=bar.update, use_cuda=False if args.no_cuda else None,
-                                   pack=args.pack)
+        document = measure_machine(
+            sweep, counts, progress=bar.update, use_cuda=False if args.no_cuda else None, pack=args.pack
+        )
     out = args.out or default_profile_path(machine_fingerprint())
     save_profile(document, out)
     print(summarize(document, str(out)))
@@ -445,12 +560,23 @@ def _command_plan(args: argparse.Namespace) -> int:
     profile = load_profile(profile_ref)
     context = args.context or min(4096, pack.model["max_context"])
     if args.assume_bits is not None and not 0 < args.assume_bits <= 32:
-        raise UserError(f"--assume-bits {args.assume_bits}: give bits per weight between 0 and 32 (4.5 for Q4_0)")
-    planner = Planner(pack.manifest, profile, 0, context=context, batch=args.batch, threads=args.threads,
-                      expert_stats=read_expert_stats(args.expert_stats), assume_bits=args.assume_bits)
+        raise UserError(
+            f"--assume-bits {args.assume_bits}: give bits per weight between 0 and 32 (4.5 for Q4_0)"
+        )
+    planner = Planner(
+        pack.manifest,
+        profile,
+        0,
+        context=context,
+        batch=args.batch,
+        threads=args.threads,
+        expert_stats=read_expert_stats(args.expert_stats),
+        assume_bits=args.assume_bits,
+    )
     ladder = []  # (budget, plans), largest budget first: a host picks the largest that fits its budget now
-    for budget in sorted({resolve_budget(v, planner.minimum_budget(), planner.model_bytes) for v in budgets},
-                         reverse=True):
+    for budget in sorted(
+        {resolve_budget(v, planner.minimum_budget(), planner.model_bytes) for v in budgets}, reverse=True
+    ):
         planner.budget_bytes = budget
         ladder.append((budget, planner.plan(tuple(tiers))))
         if not args.json:
@@ -461,8 +587,14 @@ def _command_plan(args: argparse.Namespace) -> int:
         print(_explained(planner, planned, args.batch))
     if image_sizes and not args.json:
         print(_vision_plan(pack, budget, image_sizes))
-    document = plans_document(planner, planned, str(pack.folder), str(profile_ref),
-                              sha256_file(pack.folder / "manifest.json"), ladder)
+    document = plans_document(
+        planner,
+        planned,
+        str(pack.folder),
+        str(profile_ref),
+        sha256_file(pack.folder / "manifest.json"),
+        ladder,
+    )
     if out:
         write_json_atomic(out, document)
     if args.json:
@@ -471,10 +603,14 @@ def _command_plan(args: argparse.Namespace) -> int:
         print(f"wrote {out}")
     if plot:
         plot_tiers = [t for t in (1, 64) if t in tiers] or tiers[:2]
-        plot_timelines(planned, plot_tiers, plot,
-                       f"{pack.model['architecture']} {Path(pack.manifest['source']['export']).name} "
-                       f"(pack {pack.folder.name}), budget {format_bytes(budget)}, context "
-                       f"{context}, profile {profile.get('name', Path(str(profile_ref)).name)}")
+        plot_timelines(
+            planned,
+            plot_tiers,
+            plot,
+            f"{pack.model['architecture']} {Path(pack.manifest['source']['export']).name} "
+            f"(pack {pack.folder.name}), budget {format_bytes(budget)}, context "
+            f"{context}, profile {profile.get('name', Path(str(profile_ref)).name)}",
+        )
         if not args.json:
             print(f"wrote {plot}")
     return 0
@@ -504,8 +640,10 @@ def _vision_plan(pack, budget: int, sizes: list[tuple[int, int]]) -> str:
 
     vision = pack.manifest["vision"]
     shape = VisionShape.from_pack(vision)
-    lines = [f"vision encoder at {format_bytes(budget)} (VLMOpt: weights streamed through two slots of "
-             f"{format_bytes(shape.largest_block_bytes)}, the decoder's memory released first):"]
+    lines = [
+        f"vision encoder at {format_bytes(budget)} (VLMOpt: weights streamed through two slots of "
+        f"{format_bytes(shape.largest_block_bytes)}, the decoder's memory released first):"
+    ]
     for width, height in sizes:
         tiles = len(preprocess([Image.new("RGB", (width, height))], vision["preprocessing"]).pixel_values)
         patches, keys = image_patches(shape, width, height, tiles)
@@ -513,11 +651,15 @@ def _vision_plan(pack, budget: int, sizes: list[tuple[int, int]]) -> str:
         streamed = vlmopt_peak(shape, patches, keys, max(workspace, 0))
         naive = naive_peak(shape, patches, keys, 0)
         fits = "fits" if streamed.total <= budget else "does not fit: give a larger budget"
-        counted = f"{patches:,} patches" if shape.family == "qwen2_vl" else f"{tiles} tiles, {patches:,} patches"
+        counted = (
+            f"{patches:,} patches" if shape.family == "qwen2_vl" else f"{tiles} tiles, {patches:,} patches"
+        )
         least = vlmopt_peak(shape, patches, keys, 0).total  # query tiles of 64: the least it can take
-        lines.append(f"  {width}x{height}: {counted}; VLMOpt {format_bytes(streamed.total)} ({fits}; at least "
-                     f"{format_bytes(least)}), naive {format_bytes(naive.total)} + the decoder's plan "
-                     f"({naive.total / least:.1f}x the least)")
+        lines.append(
+            f"  {width}x{height}: {counted}; VLMOpt {format_bytes(streamed.total)} ({fits}; at least "
+            f"{format_bytes(least)}), naive {format_bytes(naive.total)} + the decoder's plan "
+            f"({naive.total / least:.1f}x the least)"
+        )
     return "\n".join(lines)
 
 
@@ -526,8 +668,10 @@ def _explained(planner, planned: dict, batch: int) -> str:
     from pipeshard.runtime.schedule import Layout, describe, schedule
 
     layout = Layout(planner.manifest, planner.sub_layers)
-    lines = [f"schedules at {format_bytes(planner.budget_bytes)} (one-token steps run each CPU split's sub-layers "
-             "as joined sessions of up to 64 MiB of weights):"]
+    lines = [
+        f"schedules at {format_bytes(planner.budget_bytes)} (one-token steps run each CPU split's sub-layers "
+        "as joined sessions of up to 64 MiB of weights):"
+    ]
     for entry in planned["tiers"]:
         tokens = max(1, entry["tier"] // batch)
         plan = entry["chosen"]
@@ -538,7 +682,15 @@ def _explained(planner, planned: dict, batch: int) -> str:
 
 def _command_bench(args: argparse.Namespace) -> int:
     from pipeshard.api import profile_or_fallback
-    from pipeshard.bench import DEVICE_PLANS, PLANS, BenchSettings, bench_table, plot_bench, progress_bar, run_bench
+    from pipeshard.bench import (
+        DEVICE_PLANS,
+        PLANS,
+        BenchSettings,
+        bench_table,
+        plot_bench,
+        progress_bar,
+        run_bench,
+    )
     from pipeshard.fsutil import write_json_atomic
     from pipeshard.peers import PEERS
     from pipeshard.runtime.ort import default_threads
@@ -551,9 +703,16 @@ def _command_bench(args: argparse.Namespace) -> int:
     elif args.plans:
         plans = [p.strip() for p in args.plans.split(",") if p.strip()]
     else:
-        plans = ["monolithic", "cpu"] + ([] if args.device == "cpu" else [p for p in PLANS if p in DEVICE_PLANS])
-    peers = [] if args.peers == "none" else list(PEERS) if args.peers == "all" else \
-        [p.strip() for p in args.peers.split(",") if p.strip()]
+        plans = ["monolithic", "cpu"] + (
+            [] if args.device == "cpu" else [p for p in PLANS if p in DEVICE_PLANS]
+        )
+    peers = (
+        []
+        if args.peers == "none"
+        else list(PEERS)
+        if args.peers == "all"
+        else [p.strip() for p in args.peers.split(",") if p.strip()]
+    )
     json_out, plot_out = _output_path(args.json, "--json"), _output_path(args.plot, "--plot")
     planned = args.device != "cpu" and any(p in DEVICE_PLANS for p in plans)
     vram = args.vram or ("25%" if planned else None)
@@ -562,14 +721,29 @@ def _command_bench(args: argparse.Namespace) -> int:
         raise UserError(f"{args.pack} is not a model pack (no manifest.json)")
     maximum = _model_facts(Path(args.pack))["max_context"]
     if (args.prompt_tokens or 0) + args.new_tokens > maximum:
-        raise UserError(f"--prompt-tokens + --new-tokens ({(args.prompt_tokens or 0) + args.new_tokens}) exceed the "
-                        f"model's context of {maximum} tokens")
-    settings = BenchSettings(pack=args.pack, device=args.device, vram=vram, profile=args.profile, plans=plans,
-                             peers=peers, prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens,
-                             threads=args.threads or default_threads(), repeat=args.repeat, reference=args.reference,
-                             peer_dir=args.peer_dir, processes=args.processes, plans_file=plans_file,
-                             images=args.image, sequences=_positive_list(args.sequences, "--sequences") or [1],
-                             **({"prompt": args.prompt} if args.prompt else {}))
+        raise UserError(
+            f"--prompt-tokens + --new-tokens ({(args.prompt_tokens or 0) + args.new_tokens}) exceed the "
+            f"model's context of {maximum} tokens"
+        )
+    settings = BenchSettings(
+        pack=args.pack,
+        device=args.device,
+        vram=vram,
+        profile=args.profile,
+        plans=plans,
+        peers=peers,
+        prompt_tokens=args.prompt_tokens,
+        new_tokens=args.new_tokens,
+        threads=args.threads or default_threads(),
+        repeat=args.repeat,
+        reference=args.reference,
+        peer_dir=args.peer_dir,
+        processes=args.processes,
+        plans_file=plans_file,
+        images=args.image,
+        sequences=_positive_list(args.sequences, "--sequences") or [1],
+        **({"prompt": args.prompt} if args.prompt else {}),
+    )
     settings.check()
     if planned:
         settings.profile = profile_or_fallback(args.profile)
@@ -590,7 +764,9 @@ def _positive_list(text: str | None, option: str) -> list[int] | None:
     try:
         values = [int(part) for part in text.split(",")]
     except ValueError:
-        raise UserError(f"{option} must be a comma-separated list of positive integers, not {text!r}") from None
+        raise UserError(
+            f"{option} must be a comma-separated list of positive integers, not {text!r}"
+        ) from None
     if not values or any(value < 1 for value in values):
         raise UserError(f"{option} must be a comma-separated list of positive integers, not {text!r}")
     return values
@@ -608,19 +784,31 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress details")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
-    export = commands.add_parser("export", help="export a model to an ONNX folder (like optimum-cli export onnx)")
-    export.add_argument("model", help="HF model folder, .gguf file, smollm2-135m, gemma3-270m, smolvlm-256m (a VLM), "
-                                      "or tiny:ARCH (llama, llama3, mistral, qwen2, qwen3, phi3, gemma3, moe, "
-                                      "mixtral, smolvlm)")
+    export = commands.add_parser(
+        "export", help="export a model to an ONNX folder (like optimum-cli export onnx)"
+    )
+    export.add_argument(
+        "model",
+        help="HF model folder, .gguf file, smollm2-135m, gemma3-270m, smolvlm-256m (a VLM), "
+        "or tiny:ARCH (llama, llama3, mistral, qwen2, qwen3, phi3, gemma3, moe, "
+        "mixtral, smolvlm)",
+    )
     export.add_argument("out", help="output folder")
-    export.add_argument("--dtype", default="fp32", help="the weights' type: fp32 (default), fp16 or bf16 "
-                                                        "(half-precision weights are stored so, computed in fp32)")
+    export.add_argument(
+        "--dtype",
+        default="fp32",
+        help="the weights' type: fp32 (default), fp16 or bf16 "
+        "(half-precision weights are stored so, computed in fp32)",
+    )
     export.add_argument("--opset", type=_opset, default=None, help="ONNX opset, 18 to 23 (default 23)")
     export.add_argument("--force", action="store_true", help="replace OUT if it exists")
     export.add_argument("--quiet", action="store_true", help="no progress bar")
-    export.add_argument("--shape-only", action="store_true",
-                        help="from the config alone (MODEL: a config.json, a folder holding one, or tiny:ARCH): "
-                             "write a pack for inspect and plan, with every shape, byte count and cost and no weights")
+    export.add_argument(
+        "--shape-only",
+        action="store_true",
+        help="from the config alone (MODEL: a config.json, a folder holding one, or tiny:ARCH): "
+        "write a pack for inspect and plan, with every shape, byte count and cost and no weights",
+    )
     export.set_defaults(handler=_command_export)
 
     partition = commands.add_parser("partition", help="cut an export into sub-layers and write a model pack")
@@ -631,45 +819,86 @@ def build_parser() -> argparse.ArgumentParser:
 
     inspect = commands.add_parser("inspect", help="table of a pack's sub-layers: weights, FLOPs, bytes, KV")
     inspect.add_argument("pack")
-    inspect.add_argument("--context", type=_count(1), default=None,
-                         help="context length C for the cost columns (default: 1024, or the model's maximum if less)")
+    inspect.add_argument(
+        "--context",
+        type=_count(1),
+        default=None,
+        help="context length C for the cost columns (default: 1024, or the model's maximum if less)",
+    )
     inspect.add_argument("--verify", action="store_true", help="check every blob's sha256")
     inspect.add_argument("--json", action="store_true")
     inspect.set_defaults(handler=_command_inspect)
 
     profile = commands.add_parser("profile", help="measure this machine once and write the profile DB")
     profile.add_argument("--quick", action="store_true", help="a smaller sweep (under 2 minutes on 2 cores)")
-    profile.add_argument("--out", default=None, help="DB file (default: the user cache dir, keyed by machine)")
+    profile.add_argument(
+        "--out", default=None, help="DB file (default: the user cache dir, keyed by machine)"
+    )
     profile.add_argument("--pack", default=None, help="measure exactly this pack's matrix shapes")
-    profile.add_argument("--threads", default=None, help="thread counts, e.g. 1,2 (default: 1 .. physical cores)")
+    profile.add_argument(
+        "--threads", default=None, help="thread counts, e.g. 1,2 (default: 1 .. physical cores)"
+    )
     profile.add_argument("--no-cuda", action="store_true", help="skip the CUDA part even if CUDA is usable")
-    profile.add_argument("--show", default=None, metavar="FILE|NAME",
-                         help="print the summary of a DB or reference profile (laptop-8gb, desktop-24gb, laptop-4gb, "
-                              "desktop-rtx5090)")
+    profile.add_argument(
+        "--show",
+        default=None,
+        metavar="FILE|NAME",
+        help="print the summary of a DB or reference profile (laptop-8gb, desktop-24gb, laptop-4gb, "
+        "desktop-rtx5090)",
+    )
     profile.set_defaults(handler=_command_profile)
 
     plan = commands.add_parser("plan", help="plans per token tier under a VRAM budget (plans.json)")
     plan.add_argument("pack")
-    plan.add_argument("--vram", required=True,
-                      help=VRAM_HELP + "; several, comma-separated, make a budget ladder a host picks from")
-    plan.add_argument("--profile", default=None, help="profile DB file or reference name (default: this machine's)")
-    plan.add_argument("--context", type=_count(1), default=None,
-                      help="context length the KV cache is sized for (default: 4096, or the model's maximum if less)")
+    plan.add_argument(
+        "--vram",
+        required=True,
+        help=VRAM_HELP + "; several, comma-separated, make a budget ladder a host picks from",
+    )
+    plan.add_argument(
+        "--profile", default=None, help="profile DB file or reference name (default: this machine's)"
+    )
+    plan.add_argument(
+        "--context",
+        type=_count(1),
+        default=None,
+        help="context length the KV cache is sized for (default: 4096, or the model's maximum if less)",
+    )
     plan.add_argument("--batch", type=_count(1), default=1, help="sequences per batch")
-    plan.add_argument("--tiers", default=None, help="token tiers, e.g. 1,4,16,64 (default 1,4,16,64,256,1024)")
-    plan.add_argument("--threads", type=_count(1), default=None, help="CPU threads (default: the most profiled)")
+    plan.add_argument(
+        "--tiers", default=None, help="token tiers, e.g. 1,4,16,64 (default 1,4,16,64,256,1024)"
+    )
+    plan.add_argument(
+        "--threads", type=_count(1), default=None, help="CPU threads (default: the most profiled)"
+    )
     plan.add_argument("--out", default=None, help="write plans.json here")
     plan.add_argument("--json", action="store_true", help="print plans.json instead of the table")
     plan.add_argument("--plot", default=None, metavar="FILE.png", help="timeline of tiers 1 and 64")
-    plan.add_argument("--explain", action="store_true",
-                      help="print how each tier's plan runs: its splits, their waits, copies and host actions")
-    plan.add_argument("--assume-bits", type=_finite_float, default=None, metavar="BITS",
-                      help="planning only: size every weight at BITS bits (4.5 = llama.cpp Q4_0) to compare with "
-                           "quantized figures; the pack and the runtime stay lossless, and such a plans file won't run")
-    plan.add_argument("--expert-stats", default=None, metavar="FILE",
-                      help="MoE routing stats (run --save-expert-stats) instead of uniform routing")
-    plan.add_argument("--image-size", default=None, metavar="WxH[,WxH]",
-                      help="VLM: the vision encoder's predicted device memory for images of these sizes")
+    plan.add_argument(
+        "--explain",
+        action="store_true",
+        help="print how each tier's plan runs: its splits, their waits, copies and host actions",
+    )
+    plan.add_argument(
+        "--assume-bits",
+        type=_finite_float,
+        default=None,
+        metavar="BITS",
+        help="planning only: size every weight at BITS bits (4.5 = llama.cpp Q4_0) to compare with "
+        "quantized figures; the pack and the runtime stay lossless, and such a plans file won't run",
+    )
+    plan.add_argument(
+        "--expert-stats",
+        default=None,
+        metavar="FILE",
+        help="MoE routing stats (run --save-expert-stats) instead of uniform routing",
+    )
+    plan.add_argument(
+        "--image-size",
+        default=None,
+        metavar="WxH[,WxH]",
+        help="VLM: the vision encoder's predicted device memory for images of these sizes",
+    )
     plan.set_defaults(handler=_command_plan)
 
     run = commands.add_parser("run", help="generate text from an export folder or a model pack")
@@ -688,10 +917,19 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--no-chat-template", action="store_true", help="feed the prompt as raw text")
     run.add_argument("--threads", type=_threads, default=None, help="CPU threads (default: all cores)")
     run.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
-    run.add_argument("--save-expert-stats", default=None, metavar="FILE",
-                     help="MoE: write the measured routing (for plan/run --expert-stats)")
-    run.add_argument("--image", action="append", default=[], metavar="PATH",
-                     help="VLM: an image for the prompt (repeatable; `<image>` in the prompt says where, else first)")
+    run.add_argument(
+        "--save-expert-stats",
+        default=None,
+        metavar="FILE",
+        help="MoE: write the measured routing (for plan/run --expert-stats)",
+    )
+    run.add_argument(
+        "--image",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="VLM: an image for the prompt (repeatable; `<image>` in the prompt says where, else first)",
+    )
     run.set_defaults(handler=_command_run)
 
     chat = commands.add_parser("chat", help="interactive chat on a pack (/budget SIZE, /plan)")
@@ -704,13 +942,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = commands.add_parser("serve", help="OpenAI-compatible HTTP server with continuous batching")
     serve.add_argument("path", help="model pack")
-    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine)")
+    serve.add_argument(
+        "--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine)"
+    )
     serve.add_argument("--port", type=_port, default=8080)
     serve.add_argument("--parallel", type=_count(1), default=4, help="requests decoded together (KV slots)")
     serve.add_argument("--queue", type=_count(1), default=64, help="requests waiting for a slot before 503")
-    serve.add_argument("--max-tokens", type=_count(1), default=256, help="new tokens when a request gives none")
+    serve.add_argument(
+        "--max-tokens", type=_count(1), default=256, help="new tokens when a request gives none"
+    )
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
-    serve.add_argument("--name", default=None, help="the model's name in the API (default: the pack's folder name)")
+    serve.add_argument(
+        "--name", default=None, help="the model's name in the API (default: the pack's folder name)"
+    )
     serve.add_argument("--threads", type=_threads, default=None)
     serve.add_argument("--verify", action="store_true", help="check the pack's sha256 sums before serving")
     _add_device_options(serve)
@@ -718,44 +962,90 @@ def build_parser() -> argparse.ArgumentParser:
 
     batch = commands.add_parser("batch", help="a JSONL job (OpenAI Batch or plain lines), resumable")
     batch.add_argument("path", help="model pack")
-    batch.add_argument("input", help="JSONL: OpenAI Batch lines (custom_id, url, body) or {prompt|messages, ...}")
+    batch.add_argument(
+        "input", help="JSONL: OpenAI Batch lines (custom_id, url, body) or {prompt|messages, ...}"
+    )
     batch.add_argument("output", help="JSONL results, appended; a rerun skips the custom_ids it holds")
     batch.add_argument("--parallel", type=_count(1), default=8, help="requests decoded together")
-    batch.add_argument("--max-new-tokens", type=_count(1), default=256, help="when a request gives no max_tokens")
+    batch.add_argument(
+        "--max-new-tokens", type=_count(1), default=256, help="when a request gives no max_tokens"
+    )
     batch.add_argument("--threads", type=_threads, default=None)
     batch.add_argument("--verify", action="store_true", help="check the pack's sha256 sums first")
-    batch.add_argument("--ray", default=None, metavar="ADDRESS|auto",
-                       help="run on a Ray cluster: an actor per node loads the pack (pipeshard[ray])")
+    batch.add_argument(
+        "--ray",
+        default=None,
+        metavar="ADDRESS|auto",
+        help="run on a Ray cluster: an actor per node loads the pack (pipeshard[ray])",
+    )
     _add_device_options(batch)
     batch.set_defaults(handler=_command_batch, system=None)
 
-    bench = commands.add_parser("bench", help="our plans beside the peers and the bandwidth limit, interleaved")
+    bench = commands.add_parser(
+        "bench", help="our plans beside the peers and the bandwidth limit, interleaved"
+    )
     bench.add_argument("pack")
     bench.add_argument("--vram", default=None, help=VRAM_HELP + " (default 25%% with a device)")
     bench.add_argument("--device", default="sim", help="sim (default; a simulated accelerator), cuda or cpu")
     bench.add_argument("--profile", default=None, help="profile DB file or reference name (for planned rows)")
-    bench.add_argument("--plans", default=None,
-                       help="comma-separated plans (default: all with a device, monolithic,cpu with --device cpu), "
-                            "cpu@PACK for another pack's all-CPU row (the model in another dtype), "
-                            "or a saved plans.json, which the auto row runs as it is")
-    bench.add_argument("--peers", default="none", help="comma-separated peers, all or none (default): ort-genai, "
-                       "llama.cpp, llama.cpp-f32, llama.cpp-f16, transformers; their model files (about 1 GB for "
-                       "SmolLM2) are made once in --peer-dir")
-    bench.add_argument("--prompt", default=None, help="user message (chat-templated); default: a fixed question")
-    bench.add_argument("--prompt-tokens", type=_count(8), default=None, help="lengthen the prompt to exactly N tokens")
-    bench.add_argument("--sequences", default=None, metavar="N[,N]",
-                       help="each row once per count: N copies of the prompt generated in one batch (e.g. 1,8)")
-    bench.add_argument("--image", action="append", default=[], metavar="PATH",
-                       help="a VLM pack's prompt image (repeatable), preprocessed and encoded in each run's time")
+    bench.add_argument(
+        "--plans",
+        default=None,
+        help="comma-separated plans (default: all with a device, monolithic,cpu with --device cpu), "
+        "cpu@PACK for another pack's all-CPU row (the model in another dtype), "
+        "or a saved plans.json, which the auto row runs as it is",
+    )
+    bench.add_argument(
+        "--peers",
+        default="none",
+        help="comma-separated peers, all or none (default): ort-genai, "
+        "llama.cpp, llama.cpp-f32, llama.cpp-f16, transformers; their model files (about 1 GB for "
+        "SmolLM2) are made once in --peer-dir",
+    )
+    bench.add_argument(
+        "--prompt", default=None, help="user message (chat-templated); default: a fixed question"
+    )
+    bench.add_argument(
+        "--prompt-tokens", type=_count(8), default=None, help="lengthen the prompt to exactly N tokens"
+    )
+    bench.add_argument(
+        "--sequences",
+        default=None,
+        metavar="N[,N]",
+        help="each row once per count: N copies of the prompt generated in one batch (e.g. 1,8)",
+    )
+    bench.add_argument(
+        "--image",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="a VLM pack's prompt image (repeatable), preprocessed and encoded in each run's time",
+    )
     bench.add_argument("--new-tokens", type=_count(2), default=128)
-    bench.add_argument("--threads", type=_threads, default=None, help="CPU threads for every row (default: all cores)")
-    bench.add_argument("--repeat", type=_count(1), default=3, help="interleaved rounds after one warm-up round")
-    bench.add_argument("--processes", type=_count(1), default=1,
-                       help="worker processes per row, each running every round (averages where each landed)")
-    bench.add_argument("--reference", default=None, help="the row ratios are taken against (default: monolithic)")
-    bench.add_argument("--peer-dir", default=None, help="where peer model files are made (default: PACK.peers)")
-    bench.add_argument("--json", default=None, metavar="FILE", help="write the bench document (docs/bench.md)")
-    bench.add_argument("--plot", default=None, metavar="FILE.png", help="bar chart of decode tok/s with spread")
+    bench.add_argument(
+        "--threads", type=_threads, default=None, help="CPU threads for every row (default: all cores)"
+    )
+    bench.add_argument(
+        "--repeat", type=_count(1), default=3, help="interleaved rounds after one warm-up round"
+    )
+    bench.add_argument(
+        "--processes",
+        type=_count(1),
+        default=1,
+        help="worker processes per row, each running every round (averages where each landed)",
+    )
+    bench.add_argument(
+        "--reference", default=None, help="the row ratios are taken against (default: monolithic)"
+    )
+    bench.add_argument(
+        "--peer-dir", default=None, help="where peer model files are made (default: PACK.peers)"
+    )
+    bench.add_argument(
+        "--json", default=None, metavar="FILE", help="write the bench document (docs/bench.md)"
+    )
+    bench.add_argument(
+        "--plot", default=None, metavar="FILE.png", help="bar chart of decode tok/s with spread"
+    )
     bench.set_defaults(handler=_command_bench)
     return parser
 
@@ -763,16 +1053,29 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_device_options(command: argparse.ArgumentParser) -> None:
     command.add_argument("--vram", default=None, help=VRAM_HELP)
     command.add_argument("--device", default="auto", help="auto (cuda if usable, else cpu), cuda, sim or cpu")
-    command.add_argument("--plan", default="auto",
-                         help="auto, gpu-only, static, dynamic, cpu, monolithic, layers or offload")
+    command.add_argument(
+        "--plan", default="auto", help="auto, gpu-only, static, dynamic, cpu, monolithic, layers or offload"
+    )
     command.add_argument("--profile", default=None, help="profile DB file or reference name")
-    command.add_argument("--context", type=_count(1), default=None,
-                         help="KV cache context (default: 4096, or the model's maximum if less)")
-    command.add_argument("--expert-stats", default=None, metavar="FILE",
-                         help="MoE routing stats to plan with instead of uniform routing")
-    command.add_argument("--plans", default=None, metavar="FILE",
-                         help="run a saved plans.json (pipeshard plan --out) as it is; the planner only replans "
-                              "when the budget changes")
+    command.add_argument(
+        "--context",
+        type=_count(1),
+        default=None,
+        help="KV cache context (default: 4096, or the model's maximum if less)",
+    )
+    command.add_argument(
+        "--expert-stats",
+        default=None,
+        metavar="FILE",
+        help="MoE routing stats to plan with instead of uniform routing",
+    )
+    command.add_argument(
+        "--plans",
+        default=None,
+        metavar="FILE",
+        help="run a saved plans.json (pipeshard plan --out) as it is; the planner only replans "
+        "when the budget changes",
+    )
 
 
 class _StderrHandler(logging.StreamHandler):

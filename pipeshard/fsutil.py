@@ -92,7 +92,7 @@ def make_parent(path: Path, what: str) -> None:
 def _remove_abandoned_staging(out: Path) -> None:
     """Staging folders beside `out` whose process is gone (killed before it could clean up)."""
     for staging in out.parent.glob(f".{out.name}.partial-*"):
-        owner = staging.name[len(f".{out.name}.partial-"):].split("-", 1)[0]
+        owner = staging.name[len(f".{out.name}.partial-") :].split("-", 1)[0]
         if owner.isdigit() and not _process_alive(int(owner)):
             shutil.rmtree(staging, ignore_errors=True)
 

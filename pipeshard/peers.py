@@ -28,15 +28,25 @@ from pipeshard.errors import UserError
 from pipeshard.fsutil import atomic_output_dir
 
 PEERS = ("ort-genai", "llama.cpp", "llama.cpp-f32", "llama.cpp-f16", "transformers", "native")
-PEER_MODULES = {"ort-genai": "onnxruntime_genai", "llama.cpp": "llama_cpp", "llama.cpp-f32": "llama_cpp",
-                "llama.cpp-f16": "llama_cpp", "transformers": "transformers"}
-NATIVE_HOST_BUILD = Path(__file__).resolve().parents[1] / "build" / "native-host"  # where `make host` builds it
-DEQUANTIZED_GGUFS = {"llama.cpp-f32": "f32", "llama.cpp-f16": "f16"}  # peer -> the type its GGUF is rewritten in
+PEER_MODULES = {
+    "ort-genai": "onnxruntime_genai",
+    "llama.cpp": "llama_cpp",
+    "llama.cpp-f32": "llama_cpp",
+    "llama.cpp-f16": "llama_cpp",
+    "transformers": "transformers",
+}
+NATIVE_HOST_BUILD = (
+    Path(__file__).resolve().parents[1] / "build" / "native-host"
+)  # where `make host` builds it
+DEQUANTIZED_GGUFS = {
+    "llama.cpp-f32": "f32",
+    "llama.cpp-f16": "f16",
+}  # peer -> the type its GGUF is rewritten in
 INSTALL_HINT = {
     "ort-genai": "pip install onnxruntime-genai onnx-ir",
-    "llama.cpp": "CMAKE_ARGS='-DCMAKE_C_FLAGS=\"-mno-amx-tile -mno-amx-int8 -mno-amx-bf16\" "
-                 "-DCMAKE_CXX_FLAGS=\"-mno-amx-tile -mno-amx-int8 -mno-amx-bf16\"' "
-                 "pip install --no-cache-dir llama-cpp-python",
+    "llama.cpp": 'CMAKE_ARGS=\'-DCMAKE_C_FLAGS="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16" '
+    '-DCMAKE_CXX_FLAGS="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"\' '
+    "pip install --no-cache-dir llama-cpp-python",
     "transformers": "pip install 'pipeshard[export]'",
 }
 INSTALL_HINT["llama.cpp-f32"] = INSTALL_HINT["llama.cpp-f16"] = INSTALL_HINT["llama.cpp"]
@@ -45,14 +55,18 @@ INSTALL_HINT["native"] = "make host (or set PIPESHARD_HOST_LIBRARY to a built li
 
 def native_host_library() -> Path:
     """The native host's shared library: $PIPESHARD_HOST_LIBRARY, else where `make host` puts it."""
-    return Path(os.environ.get("PIPESHARD_HOST_LIBRARY") or NATIVE_HOST_BUILD / "build" / "libpipeshard_host.so")
+    return Path(
+        os.environ.get("PIPESHARD_HOST_LIBRARY") or NATIVE_HOST_BUILD / "build" / "libpipeshard_host.so"
+    )
 
 
 def missing_peer(name: str) -> str | None:
     """Why the peer cannot run here (with the install line), or None."""
     if name not in PEERS:
         raise UserError(f"unknown peer {name!r}; known: {', '.join(PEERS)}")
-    found = native_host_library().is_file() if name == "native" else importlib.util.find_spec(PEER_MODULES[name])
+    found = (
+        native_host_library().is_file() if name == "native" else importlib.util.find_spec(PEER_MODULES[name])
+    )
     if not found:
         return f"{name} is not installed: {INSTALL_HINT[name]}"
     return None
@@ -97,11 +111,26 @@ def prepare_ort_genai(export_dir: Path, peer_dir: Path, log) -> Path:
     hf = prepare_hf_folder(export_dir, peer_dir)
     log(f"building the onnxruntime-genai model from {hf} (once)")
     with atomic_output_dir(out, force=False) as staging:
-        command = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf), "-o", str(staging),
-                   "-p", "fp32", "-e", "cpu", "-c", str(peer_dir / "ort-genai-cache")]
+        command = [
+            sys.executable,
+            "-m",
+            "onnxruntime_genai.models.builder",
+            "-i",
+            str(hf),
+            "-o",
+            str(staging),
+            "-p",
+            "fp32",
+            "-e",
+            "cpu",
+            "-c",
+            str(peer_dir / "ort-genai-cache"),
+        ]
         done = subprocess.run(command, capture_output=True, text=True)
         if done.returncode != 0:
-            raise UserError(f"onnxruntime-genai's model builder failed: {done.stderr.strip().splitlines()[-1:]}")
+            raise UserError(
+                f"onnxruntime-genai's model builder failed: {done.stderr.strip().splitlines()[-1:]}"
+            )
     return out
 
 
@@ -129,8 +158,11 @@ def prepare_dequantized_gguf(gguf_path: Path, peer_dir: Path, log, dtype: str = 
         writer.add_key_value(field.name, field.contents(), field.types[0], sub_type=sub_type)
     writer.add_file_type(0 if dtype == "f32" else 1)  # all F32, or mostly F16
     for tensor in reader.tensors:
-        data = dequantize(tensor.data, tensor.tensor_type) if tensor.tensor_type != GGMLQuantizationType.F32 \
+        data = (
+            dequantize(tensor.data, tensor.tensor_type)
+            if tensor.tensor_type != GGMLQuantizationType.F32
             else np.asarray(tensor.data)
+        )
         half = dtype == "f16" and data.ndim >= 2
         writer.add_tensor(tensor.name, np.ascontiguousarray(data, dtype=np.float16 if half else np.float32))
     writer.write_header_to_file()
@@ -148,7 +180,12 @@ class TransformersRunner:
 
     def __init__(self, hf_folder: Path, threads: int, images: list[str] = (), sequences: int = 1) -> None:
         import torch
-        from transformers import AutoImageProcessor, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
+        from transformers import (
+            AutoImageProcessor,
+            AutoModelForCausalLM,
+            AutoModelForImageTextToText,
+            AutoTokenizer,
+        )
 
         torch.set_num_threads(threads)
         self.torch = torch
@@ -158,10 +195,16 @@ class TransformersRunner:
             raise UserError(f"{hf_folder} is a text model: transformers cannot take --images with it")
         model_class = AutoModelForImageTextToText if vlm else AutoModelForCausalLM
         self.model = model_class.from_pretrained(hf_folder, dtype=torch.float32).eval()
-        self.image_processor = AutoImageProcessor.from_pretrained(hf_folder, use_fast=False) if self.images else None
+        self.image_processor = (
+            AutoImageProcessor.from_pretrained(hf_folder, use_fast=False) if self.images else None
+        )
         self.tokenizer = AutoTokenizer.from_pretrained(hf_folder)
-        self.facts = {"engine": "transformers", "version": sys.modules["transformers"].__version__,
-                      "model": str(hf_folder), "dtype": "fp32"}
+        self.facts = {
+            "engine": "transformers",
+            "version": sys.modules["transformers"].__version__,
+            "model": str(hf_folder),
+            "dtype": "fp32",
+        }
 
     def prompt_ids(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
@@ -174,8 +217,9 @@ class TransformersRunner:
             if self.images:
                 from PIL import Image
 
-                processed = self.image_processor(images=[[Image.open(p).convert("RGB") for p in self.images]],
-                                                 return_tensors="pt")
+                processed = self.image_processor(
+                    images=[[Image.open(p).convert("RGB") for p in self.images]], return_tensors="pt"
+                )
                 pixels = {key: processed[key] for key in ("pixel_values", "pixel_attention_mask")}
             output = self.model(torch.tensor([prompt] * self.sequences), use_cache=True, **pixels)
             token = output.logits[:, -1:].argmax(-1)
@@ -199,12 +243,25 @@ class OrtGenaiRunner:
         self.sequences = sequences
         self.og = og
         config = og.Config(str(model_dir))
-        config.overlay(json.dumps({"model": {"decoder": {"session_options": {
-            "intra_op_num_threads": threads, "inter_op_num_threads": 1}}}}))
+        config.overlay(
+            json.dumps(
+                {
+                    "model": {
+                        "decoder": {
+                            "session_options": {"intra_op_num_threads": threads, "inter_op_num_threads": 1}
+                        }
+                    }
+                }
+            )
+        )
         self.model = og.Model(config)
         self.tokenizer = og.Tokenizer(self.model)
-        self.facts = {"engine": "onnxruntime-genai", "version": og.__version__, "model": str(model_dir),
-                      "dtype": "fp32"}
+        self.facts = {
+            "engine": "onnxruntime-genai",
+            "version": og.__version__,
+            "model": str(model_dir),
+            "dtype": "fp32",
+        }
 
     def prompt_ids(self, text: str) -> list[int]:
         return [int(t) for t in self.tokenizer.encode(text)]
@@ -212,7 +269,9 @@ class OrtGenaiRunner:
     def run(self, prompt: list[int], new_tokens: int) -> dict:
         params = self.og.GeneratorParams(self.model)
         length = len(prompt) + new_tokens
-        params.set_search_options(do_sample=False, max_length=length, min_length=length, batch_size=self.sequences)
+        params.set_search_options(
+            do_sample=False, max_length=length, min_length=length, batch_size=self.sequences
+        )
         generator = self.og.Generator(self.model, params)
         started = time.perf_counter()
         generator.append_tokens(np.array([prompt] * self.sequences, np.int32))
@@ -221,7 +280,9 @@ class OrtGenaiRunner:
         while generator.token_count() < length:
             generator.generate_next_token()
         done = time.perf_counter()
-        batch = [[int(t) for t in generator.get_sequence(row)[len(prompt):]] for row in range(self.sequences)]
+        batch = [
+            [int(t) for t in generator.get_sequence(row)[len(prompt) :]] for row in range(self.sequences)
+        ]
         return _timings(prompt, batch[0], started, first, done, len(batch), all(t == batch[0] for t in batch))
 
 
@@ -231,10 +292,20 @@ class LlamaCppRunner:
     def __init__(self, gguf_path: Path, threads: int, context: int) -> None:
         import llama_cpp
 
-        self.llm = llama_cpp.Llama(model_path=str(gguf_path), n_ctx=context, n_threads=threads,
-                                   n_threads_batch=threads, n_batch=512, verbose=False)
-        self.facts = {"engine": "llama.cpp (llama-cpp-python)", "version": llama_cpp.__version__,
-                      "model": str(gguf_path), "dtype": _gguf_file_type(gguf_path)}
+        self.llm = llama_cpp.Llama(
+            model_path=str(gguf_path),
+            n_ctx=context,
+            n_threads=threads,
+            n_threads_batch=threads,
+            n_batch=512,
+            verbose=False,
+        )
+        self.facts = {
+            "engine": "llama.cpp (llama-cpp-python)",
+            "version": llama_cpp.__version__,
+            "model": str(gguf_path),
+            "dtype": _gguf_file_type(gguf_path),
+        }
 
     def prompt_ids(self, text: str) -> list[int]:
         return list(self.llm.tokenize(text.encode(), add_bos=False, special=True))
@@ -256,15 +327,28 @@ class LlamaCppRunner:
 
 
 class _HostOptions(ctypes.Structure):
-    _fields_ = [("abi_version", ctypes.c_int), ("plans_path", ctypes.c_char_p), ("device", ctypes.c_char_p),
-                ("extensions_library", ctypes.c_char_p), ("threads", ctypes.c_int), ("context", ctypes.c_int),
-                ("vram_budget_bytes", ctypes.c_uint64)]
+    _fields_ = [
+        ("abi_version", ctypes.c_int),
+        ("plans_path", ctypes.c_char_p),
+        ("device", ctypes.c_char_p),
+        ("extensions_library", ctypes.c_char_p),
+        ("threads", ctypes.c_int),
+        ("context", ctypes.c_int),
+        ("vram_budget_bytes", ctypes.c_uint64),
+    ]
 
 
 class _HostSampling(ctypes.Structure):
-    _fields_ = [("max_new_tokens", ctypes.c_int), ("temperature", ctypes.c_float), ("top_k", ctypes.c_int),
-                ("top_p", ctypes.c_float), ("repetition_penalty", ctypes.c_float), ("seed", ctypes.c_uint64),
-                ("use_chat_template", ctypes.c_int), ("system_prompt", ctypes.c_char_p)]
+    _fields_ = [
+        ("max_new_tokens", ctypes.c_int),
+        ("temperature", ctypes.c_float),
+        ("top_k", ctypes.c_int),
+        ("top_p", ctypes.c_float),
+        ("repetition_penalty", ctypes.c_float),
+        ("seed", ctypes.c_uint64),
+        ("use_chat_template", ctypes.c_int),
+        ("system_prompt", ctypes.c_char_p),
+    ]
 
 
 _TOKEN_CALLBACK = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int64, ctypes.c_char_p, ctypes.c_void_p)
@@ -284,9 +368,15 @@ class NativeHostRunner:
         options.threads, options.context = threads, context  # no extensions library: token ids in and out
         self.host = ctypes.c_void_p()
         if library.pipeshard_open(str(pack).encode(), ctypes.byref(options), ctypes.byref(self.host)) != 0:
-            raise UserError(f"the native host cannot open {pack}: {library.pipeshard_last_error(None).decode()}")
-        self.facts = {"engine": "pipeshard native host", "model": str(pack), "library": str(library_path),
-                      "dtype": json.loads((pack / "manifest.json").read_text())["model"]["dtype"]}
+            raise UserError(
+                f"the native host cannot open {pack}: {library.pipeshard_last_error(None).decode()}"
+            )
+        self.facts = {
+            "engine": "pipeshard native host",
+            "model": str(pack),
+            "library": str(library_path),
+            "dtype": json.loads((pack / "manifest.json").read_text())["model"]["dtype"],
+        }
 
     def _check(self, status: int) -> None:
         if status != 0:
@@ -309,8 +399,11 @@ class NativeHostRunner:
         callback = _TOKEN_CALLBACK(on_token)
         ids = (ctypes.c_int64 * len(prompt))(*prompt)
         started = time.perf_counter()
-        self._check(self.library.pipeshard_generate_ids(self.host, ids, len(prompt), ctypes.byref(sampling),
-                                                        callback, None))
+        self._check(
+            self.library.pipeshard_generate_ids(
+                self.host, ids, len(prompt), ctypes.byref(sampling), callback, None
+            )
+        )
         return _timings(prompt, tokens, started, times[0], times[-1])
 
 
@@ -319,15 +412,28 @@ def _gguf_file_type(path: Path) -> str:
 
     field = GGUFReader(path).fields.get("general.file_type")
     name = LlamaFileType(field.contents()).name.removeprefix("MOSTLY_").removeprefix("ALL_") if field else "?"
-    return {"F32": "fp32", "F16": "fp16", "BF16": "bf16"}.get(name, name)  # a pack's dtype names where they agree
+    return {"F32": "fp32", "F16": "fp16", "BF16": "bf16"}.get(
+        name, name
+    )  # a pack's dtype names where they agree
 
 
-def _timings(prompt: list[int], tokens: list[int], started: float, first: float, done: float, sequences: int = 1,
-             sequences_agree: bool = True) -> dict:
+def _timings(
+    prompt: list[int],
+    tokens: list[int],
+    started: float,
+    first: float,
+    done: float,
+    sequences: int = 1,
+    sequences_agree: bool = True,
+) -> dict:
     """A run's figures; with a batch, `tokens` are the first sequence's and the rates count every sequence."""
-    return {"tokens": tokens, "ttft_s": first - started, "prefill_tok_s": sequences * len(prompt) / (first - started),
-            "decode_tok_s": sequences * (len(tokens) - 1) / (done - first) if len(tokens) > 1 else 0.0,
-            "sequences_agree": sequences_agree}
+    return {
+        "tokens": tokens,
+        "ttft_s": first - started,
+        "prefill_tok_s": sequences * len(prompt) / (first - started),
+        "decode_tok_s": sequences * (len(tokens) - 1) / (done - first) if len(tokens) > 1 else 0.0,
+        "sequences_agree": sequences_agree,
+    }
 
 
 def prepare_peer_files(name: str, export_dir: Path, peer_dir: Path, log, pack_dir: Path) -> Path:
@@ -346,8 +452,9 @@ def prepare_peer_files(name: str, export_dir: Path, peer_dir: Path, log, pack_di
     return gguf_path
 
 
-def make_peer_runner(name: str, model_path: Path, threads: int, context: int, images: list[str] = (),
-                     sequences: int = 1):
+def make_peer_runner(
+    name: str, model_path: Path, threads: int, context: int, images: list[str] = (), sequences: int = 1
+):
     """The peer's runner on files made by `prepare_peer_files`; only transformers takes `images`, only it and
     onnxruntime-genai a batch of `sequences`."""
     if images and name != "transformers":

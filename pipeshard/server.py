@@ -23,15 +23,24 @@ from pipeshard.errors import UserError
 log = logging.getLogger(__name__)
 MAX_BODY_BYTES = 1 << 20
 # The request fields `sampling_settings` reads (besides n and the ignored penalties).
-SAMPLING_FIELDS = ("max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed", "stop",
-                   "repetition_penalty")
+SAMPLING_FIELDS = (
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "stop",
+    "repetition_penalty",
+)
 
 
 class RequestError(Exception):
     """What a client got wrong: answered with an OpenAI error object and this status."""
 
-    def __init__(self, message: str, status: int = 400, param: str | None = None,
-                 kind: str = "invalid_request_error") -> None:
+    def __init__(
+        self, message: str, status: int = 400, param: str | None = None, kind: str = "invalid_request_error"
+    ) -> None:
         super().__init__(message)
         self.status, self.param, self.kind = status, param, kind
 
@@ -60,13 +69,19 @@ def create_app(state: State):
     from starlette.routing import Route
 
     def error_response(error: RequestError) -> JSONResponse:
-        return JSONResponse({"error": {"message": str(error), "type": error.kind, "param": error.param,
-                                       "code": None}}, status_code=error.status)
+        return JSONResponse(
+            {"error": {"message": str(error), "type": error.kind, "param": error.param, "code": None}},
+            status_code=error.status,
+        )
 
     async def body_of(request) -> dict:
-        if state.settings.api_key and request.headers.get("authorization") != f"Bearer {state.settings.api_key}":
-            raise RequestError("invalid or missing API key (Authorization: Bearer KEY)", 401,
-                               kind="authentication_error")
+        if (
+            state.settings.api_key
+            and request.headers.get("authorization") != f"Bearer {state.settings.api_key}"
+        ):
+            raise RequestError(
+                "invalid or missing API key (Authorization: Bearer KEY)", 401, kind="authentication_error"
+            )
         size = request.headers.get("content-length")
         if size is not None and size.isdigit() and int(size) > MAX_BODY_BYTES:
             raise RequestError(f"request body over {MAX_BODY_BYTES} bytes", 413)
@@ -85,8 +100,13 @@ def create_app(state: State):
 
     def ready():
         if state.scheduler is None:
-            raise RequestError("the model is still loading" if state.load_error is None else
-                               f"the model failed to load: {state.load_error}", 503, kind="server_error")
+            raise RequestError(
+                "the model is still loading"
+                if state.load_error is None
+                else f"the model failed to load: {state.load_error}",
+                503,
+                kind="server_error",
+            )
         return state.scheduler
 
     def handler(function):
@@ -97,26 +117,51 @@ def create_app(state: State):
                 return error_response(error)
             except UserError as error:
                 return error_response(RequestError(str(error)))
+
         return wrapped
 
     async def health(request):
         if state.scheduler is None:
-            return JSONResponse({"status": "loading" if state.load_error is None else "error",
-                                 "error": state.load_error}, status_code=503)
+            return JSONResponse(
+                {"status": "loading" if state.load_error is None else "error", "error": state.load_error},
+                status_code=503,
+            )
         return JSONResponse({"status": "ok"})
 
     async def models(request):
-        return JSONResponse({"object": "list", "data": [{"id": state.settings.model_name, "object": "model",
-                                                         "created": int(state.started), "owned_by": "pipeshard"}]})
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": state.settings.model_name,
+                        "object": "model",
+                        "created": int(state.started),
+                        "owned_by": "pipeshard",
+                    }
+                ],
+            }
+        )
 
     async def chat_completions(request):
         body = await body_of(request)
         scheduler = ready()
-        prompt, images = prompt_with_images(state.engine.codec, body, chat=True, vocab_size=scheduler.step.vocab_size,
-                                            vision=state.engine.vision)
-        return await complete(request, body, scheduler, prompt, chat=True,
-                              pixel_values=images.pixel_values if images is not None else None,
-                              image_grids=images.grids if images is not None else None)
+        prompt, images = prompt_with_images(
+            state.engine.codec,
+            body,
+            chat=True,
+            vocab_size=scheduler.step.vocab_size,
+            vision=state.engine.vision,
+        )
+        return await complete(
+            request,
+            body,
+            scheduler,
+            prompt,
+            chat=True,
+            pixel_values=images.pixel_values if images is not None else None,
+            image_grids=images.grids if images is not None else None,
+        )
 
     async def completions(request):
         body = await body_of(request)
@@ -124,38 +169,59 @@ def create_app(state: State):
         ids = prompt_ids(state.engine.codec, body, chat=False, vocab_size=scheduler.step.vocab_size)
         return await complete(request, body, scheduler, ids, chat=False)
 
-    async def complete(request, body: dict, scheduler, prompt: list[int], chat: bool, pixel_values=None,
-                       image_grids=None):
+    async def complete(
+        request, body: dict, scheduler, prompt: list[int], chat: bool, pixel_values=None, image_grids=None
+    ):
         model = body.get("model", state.settings.model_name)
         if model != state.settings.model_name:
-            raise RequestError(f"unknown model {model!r}; this server has {state.settings.model_name!r}",
-                               param="model", kind="invalid_request_error")
+            raise RequestError(
+                f"unknown model {model!r}; this server has {state.settings.model_name!r}",
+                param="model",
+                kind="invalid_request_error",
+            )
         settings = sampling_settings(body, state.settings.default_max_tokens)
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
             raise RequestError("'stream' must be true or false", param="stream")
-        include_usage = isinstance(body.get("stream_options"), dict) and body["stream_options"].get("include_usage")
+        include_usage = isinstance(body.get("stream_options"), dict) and body["stream_options"].get(
+            "include_usage"
+        )
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
         from pipeshard.runtime.scheduler import QueueFull
 
         try:
-            handle = scheduler.submit(prompt, settings, sink=lambda e: loop.call_soon_threadsafe(events.put_nowait, e),
-                                      pixel_values=pixel_values, image_grids=image_grids)
+            handle = scheduler.submit(
+                prompt,
+                settings,
+                sink=lambda e: loop.call_soon_threadsafe(events.put_nowait, e),
+                pixel_values=pixel_values,
+                image_grids=image_grids,
+            )
         except QueueFull as exc:
             raise RequestError(str(exc), 503, kind="server_error") from None
         identifier = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
 
         def usage(event) -> dict:
-            return {"prompt_tokens": event.prompt_tokens, "completion_tokens": event.completion_tokens,
-                    "total_tokens": event.prompt_tokens + event.completion_tokens}
+            return {
+                "prompt_tokens": event.prompt_tokens,
+                "completion_tokens": event.completion_tokens,
+                "total_tokens": event.prompt_tokens + event.completion_tokens,
+            }
 
         def choice(text: str, finish: str | None, delta: bool) -> dict:
             if not chat:
                 return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
-            content = {"role": "assistant", "content": text} if not delta else ({"content": text} if text else {})
-            return {"index": 0, ("delta" if delta else "message"): content, "logprobs": None, "finish_reason": finish}
+            content = (
+                {"role": "assistant", "content": text} if not delta else ({"content": text} if text else {})
+            )
+            return {
+                "index": 0,
+                ("delta" if delta else "message"): content,
+                "logprobs": None,
+                "finish_reason": finish,
+            }
 
         def finish_reason(event) -> str:
             return "length" if event.finish_reason == "length" else "stop"
@@ -185,27 +251,56 @@ def create_app(state: State):
             chunk_kind = "chat.completion.chunk" if chat else "text_completion"
             try:
                 if chat:
-                    first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                             "finish_reason": None}
-                    yield _sse({"id": identifier, "object": chunk_kind, "created": created, "model": model,
-                                "choices": [first]})
+                    first = {
+                        "index": 0,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                    yield _sse(
+                        {
+                            "id": identifier,
+                            "object": chunk_kind,
+                            "created": created,
+                            "model": model,
+                            "choices": [first],
+                        }
+                    )
                 while True:
                     event = await events.get()
                     done = event.finish_reason is not None
                     if event.text or done:
-                        yield _sse({"id": identifier, "object": chunk_kind, "created": created, "model": model,
-                                    "choices": [choice(event.text, finish_reason(event) if done else None, True)]})
+                        yield _sse(
+                            {
+                                "id": identifier,
+                                "object": chunk_kind,
+                                "created": created,
+                                "model": model,
+                                "choices": [choice(event.text, finish_reason(event) if done else None, True)],
+                            }
+                        )
                     if done:
                         if include_usage:
-                            yield _sse({"id": identifier, "object": chunk_kind, "created": created, "model": model,
-                                        "choices": [], "usage": usage(event)})
+                            yield _sse(
+                                {
+                                    "id": identifier,
+                                    "object": chunk_kind,
+                                    "created": created,
+                                    "model": model,
+                                    "choices": [],
+                                    "usage": usage(event),
+                                }
+                            )
                         yield "data: [DONE]\n\n"
                         return
             finally:
                 handle.cancel()  # the client went away, or the answer is done: either way the slot is free
 
-        return StreamingResponse(sse(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return StreamingResponse(
+            sse(),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
 
     async def tokenize(request):
         body = await body_of(request)
@@ -213,16 +308,23 @@ def create_app(state: State):
         content = body.get("content")
         if not isinstance(content, str):
             raise RequestError("'content' must be a string", param="content")
-        return JSONResponse({"tokens": state.engine.codec.encode(content, add_special_tokens=bool(
-            body.get("add_special", False)))})
+        return JSONResponse(
+            {
+                "tokens": state.engine.codec.encode(
+                    content, add_special_tokens=bool(body.get("add_special", False))
+                )
+            }
+        )
 
     async def detokenize(request):
         body = await body_of(request)
         ready()
         tokens = body.get("tokens")
         codec = state.engine.codec
-        if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool)
-                                                   and 0 <= t < state.engine.step.vocab_size for t in tokens):
+        if not isinstance(tokens, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < state.engine.step.vocab_size
+            for t in tokens
+        ):
             raise RequestError("'tokens' must be a list of token ids", param="tokens")
         return JSONResponse({"content": codec.decode(tokens)})
 
@@ -234,7 +336,9 @@ def create_app(state: State):
             raise RequestError("'vram' must be a size such as \"600MiB\" or a number of bytes", param="vram")
         step = scheduler.step
         if step.planner is None:
-            raise RequestError("this server runs without a device: start it with --device sim|cuda --vram SIZE")
+            raise RequestError(
+                "this server runs without a device: start it with --device sim|cuda --vram SIZE"
+            )
         from pipeshard.units import resolve_budget
 
         size = resolve_budget(vram, step.planner.minimum_budget(), step.planner.model_bytes)
@@ -244,24 +348,41 @@ def create_app(state: State):
     async def metrics(request):
         return PlainTextResponse(prometheus_text(state), media_type="text/plain; version=0.0.4")
 
-    routes = [Route("/health", handler(health)), Route("/v1/models", handler(models)),
-              Route("/v1/chat/completions", handler(chat_completions), methods=["POST"]),
-              Route("/v1/completions", handler(completions), methods=["POST"]),
-              Route("/tokenize", handler(tokenize), methods=["POST"]),
-              Route("/detokenize", handler(detokenize), methods=["POST"]),
-              Route("/v1/budget", handler(budget), methods=["POST"]), Route("/metrics", handler(metrics))]
+    routes = [
+        Route("/health", handler(health)),
+        Route("/v1/models", handler(models)),
+        Route("/v1/chat/completions", handler(chat_completions), methods=["POST"]),
+        Route("/v1/completions", handler(completions), methods=["POST"]),
+        Route("/tokenize", handler(tokenize), methods=["POST"]),
+        Route("/detokenize", handler(detokenize), methods=["POST"]),
+        Route("/v1/budget", handler(budget), methods=["POST"]),
+        Route("/metrics", handler(metrics)),
+    ]
     return Starlette(routes=routes)
 
 
-def completion_document(chat: bool, identifier: str, model: str, text: str, end, created: int | None = None) -> dict:
+def completion_document(
+    chat: bool, identifier: str, model: str, text: str, end, created: int | None = None
+) -> dict:
     """A whole answer as OpenAI's chat.completion or text_completion object (`end`: the request's last event)."""
     finish = "length" if end.finish_reason == "length" else "stop"
-    choice = {"index": 0, "message": {"role": "assistant", "content": text}} if chat else {"index": 0, "text": text}
-    return {"id": identifier, "object": "chat.completion" if chat else "text_completion",
-            "created": int(time.time()) if created is None else created, "model": model,
-            "choices": [{**choice, "logprobs": None, "finish_reason": finish}],
-            "usage": {"prompt_tokens": end.prompt_tokens, "completion_tokens": end.completion_tokens,
-                      "total_tokens": end.prompt_tokens + end.completion_tokens}}
+    choice = (
+        {"index": 0, "message": {"role": "assistant", "content": text}}
+        if chat
+        else {"index": 0, "text": text}
+    )
+    return {
+        "id": identifier,
+        "object": "chat.completion" if chat else "text_completion",
+        "created": int(time.time()) if created is None else created,
+        "model": model,
+        "choices": [{**choice, "logprobs": None, "finish_reason": finish}],
+        "usage": {
+            "prompt_tokens": end.prompt_tokens,
+            "completion_tokens": end.completion_tokens,
+            "total_tokens": end.prompt_tokens + end.completion_tokens,
+        },
+    }
 
 
 def _sse(document: dict) -> str:
@@ -279,15 +400,26 @@ def prompt_with_images(codec, body: dict, chat: bool, vocab_size: int, vision) -
     encoder (runtime/vision.py `PreparedImages`, else None); their placeholders expanded into image tokens."""
     if chat:
         messages = body.get("messages")
-        if not isinstance(messages, list) or not messages or not all(
-                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str | list)
-                for m in messages):
-            raise RequestError("'messages' must be a non-empty list of {role, content} objects with text content",
-                               param="messages")
+        if (
+            not isinstance(messages, list)
+            or not messages
+            or not all(
+                isinstance(m, dict)
+                and isinstance(m.get("role"), str)
+                and isinstance(m.get("content"), str | list)
+                for m in messages
+            )
+        ):
+            raise RequestError(
+                "'messages' must be a non-empty list of {role, content} objects with text content",
+                param="messages",
+            )
         if codec.chat_template is None:
             raise RequestError("this model has no chat template: use /v1/completions", param="messages")
         images: list = []
-        rendered = [{"role": m["role"], "content": _message_text(m["content"], images, vision)} for m in messages]
+        rendered = [
+            {"role": m["role"], "content": _message_text(m["content"], images, vision)} for m in messages
+        ]
         text = codec.render_messages(rendered)
         if not images:
             return codec.encode(text), None
@@ -301,8 +433,11 @@ def prompt_with_images(codec, body: dict, chat: bool, vocab_size: int, vision) -
     prompt = body.get("prompt")
     if isinstance(prompt, str) and prompt:
         return codec.encode(prompt, add_special_tokens=True), None
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
-                                                   and 0 <= t < vocab_size for t in prompt):
+    if (
+        isinstance(prompt, list)
+        and prompt
+        and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in prompt)
+    ):
         return list(prompt), None
     raise RequestError("'prompt' must be a non-empty string or a list of token ids", param="prompt")
 
@@ -325,8 +460,10 @@ def _message_text(content, images: list, vision) -> str:
             images.append(_data_url_image(part.get("image_url")))
             pieces.append(image_placeholder(vision.config))  # Qwen2.5-VL's fenced by its vision start / end
         else:
-            raise RequestError("a content part must be {type: text, text} or {type: image_url, image_url: {url}}",
-                               param="messages")
+            raise RequestError(
+                "a content part must be {type: text, text} or {type: image_url, image_url: {url}}",
+                param="messages",
+            )
     return "".join(pieces)
 
 
@@ -340,8 +477,9 @@ def _data_url_image(image_url):
 
     url = image_url.get("url") if isinstance(image_url, dict) else None
     if not isinstance(url, str) or not url.startswith("data:image/") or ";base64," not in url:
-        raise RequestError("'image_url.url' must be a data:image/...;base64, URL (no network fetches)",
-                           param="messages")
+        raise RequestError(
+            "'image_url.url' must be a data:image/...;base64, URL (no network fetches)", param="messages"
+        )
     try:
         image = Image.open(io.BytesIO(base64.b64decode(url.split(";base64,", 1)[1], validate=True)))
         image.load()
@@ -358,16 +496,22 @@ def sampling_settings(body: dict, default_max_tokens: int):
         value = body.get(name, default)
         if value is None:
             return default
-        if isinstance(value, bool) or not isinstance(value, int | float) or (integer and not isinstance(value, int)) \
-                or not math.isfinite(value) or not low <= value <= high:
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int | float)
+            or (integer and not isinstance(value, int))
+            or not math.isfinite(value)
+            or not low <= value <= high
+        ):
             kind = "an integer" if integer else "a number"
             raise RequestError(f"'{name}' must be {kind} in [{low}, {high}]", param=name)
         return value
 
     if body.get("n", 1) != 1:
         raise RequestError("'n' must be 1 (one choice per request)", param="n")
-    max_tokens = number("max_completion_tokens", None, 1, 1 << 20, integer=True) or \
-        number("max_tokens", default_max_tokens, 1, 1 << 20, integer=True)
+    max_tokens = number("max_completion_tokens", None, 1, 1 << 20, integer=True) or number(
+        "max_tokens", default_max_tokens, 1, 1 << 20, integer=True
+    )
     stop = body.get("stop")
     if stop is None:
         stops: tuple[str, ...] = ()
@@ -382,10 +526,15 @@ def sampling_settings(body: dict, default_max_tokens: int):
         raise RequestError("'seed' must be an integer", param="seed")
     for ignored in ("frequency_penalty", "presence_penalty"):
         number(ignored, 0.0, -2.0, 2.0)
-    return SamplingSettings(max_new_tokens=max_tokens, temperature=number("temperature", 1.0, 0.0, 2.0),
-                            top_k=number("top_k", 0, 0, 1 << 20, integer=True), top_p=number("top_p", 1.0, 1e-9, 1.0),
-                            repetition_penalty=number("repetition_penalty", 1.0, 1e-3, 10.0), seed=seed,
-                            stop_strings=stops)
+    return SamplingSettings(
+        max_new_tokens=max_tokens,
+        temperature=number("temperature", 1.0, 0.0, 2.0),
+        top_k=number("top_k", 0, 0, 1 << 20, integer=True),
+        top_p=number("top_p", 1.0, 1e-9, 1.0),
+        repetition_penalty=number("repetition_penalty", 1.0, 1e-3, 10.0),
+        seed=seed,
+        stop_strings=stops,
+    )
 
 
 def prometheus_text(state: State) -> str:
@@ -394,28 +543,44 @@ def prometheus_text(state: State) -> str:
     scheduler = state.scheduler
     if scheduler is not None:
         stats = scheduler.stats
-        lines += [f"pipeshard_requests_running {stats.running}", f"pipeshard_requests_queued {scheduler.queued}",
-                  f"pipeshard_slots_free {scheduler.free_slots}", f"pipeshard_slots_total {scheduler.parallel}",
-                  f"pipeshard_requests_total {stats.requests_done}",
-                  f"pipeshard_requests_cancelled_total {stats.requests_cancelled}",
-                  f"pipeshard_prompt_tokens_total {stats.prompt_tokens}",
-                  f"pipeshard_generated_tokens_total {stats.generated_tokens}",
-                  f"pipeshard_decode_steps_total {stats.steps}",
-                  f"pipeshard_generated_tokens_per_busy_second "
-                  f"{stats.generated_tokens / stats.busy_s if stats.busy_s else 0.0:.3f}"]
+        lines += [
+            f"pipeshard_requests_running {stats.running}",
+            f"pipeshard_requests_queued {scheduler.queued}",
+            f"pipeshard_slots_free {scheduler.free_slots}",
+            f"pipeshard_slots_total {scheduler.parallel}",
+            f"pipeshard_requests_total {stats.requests_done}",
+            f"pipeshard_requests_cancelled_total {stats.requests_cancelled}",
+            f"pipeshard_prompt_tokens_total {stats.prompt_tokens}",
+            f"pipeshard_generated_tokens_total {stats.generated_tokens}",
+            f"pipeshard_decode_steps_total {stats.steps}",
+            f"pipeshard_generated_tokens_per_busy_second "
+            f"{stats.generated_tokens / stats.busy_s if stats.busy_s else 0.0:.3f}",
+        ]
         report = scheduler.step.report()
-        lines += [f'pipeshard_device_info{{device="{report.device}"}} 1',
-                  f"pipeshard_vram_budget_bytes {report.budget_bytes}",
-                  f"pipeshard_device_peak_bytes {report.peak_device_bytes}",
-                  f"pipeshard_device_used_bytes {scheduler.step.device.ledger.used}",
-                  f"pipeshard_streamed_weight_bytes_total {report.streamed_weight_bytes}",
-                  f"pipeshard_plan_switches_total {report.plan_switches}"]
-        lines += [f'pipeshard_plan{{tier="{tier}",strategy="{strategy}"}} 1' for tier, strategy in report.plans.items()]
+        lines += [
+            f'pipeshard_device_info{{device="{report.device}"}} 1',
+            f"pipeshard_vram_budget_bytes {report.budget_bytes}",
+            f"pipeshard_device_peak_bytes {report.peak_device_bytes}",
+            f"pipeshard_device_used_bytes {scheduler.step.device.ledger.used}",
+            f"pipeshard_streamed_weight_bytes_total {report.streamed_weight_bytes}",
+            f"pipeshard_plan_switches_total {report.plan_switches}",
+        ]
+        lines += [
+            f'pipeshard_plan{{tier="{tier}",strategy="{strategy}"}} 1'
+            for tier, strategy in report.plans.items()
+        ]
     return "\n".join(lines) + "\n"
 
 
-def serve(engine_loader, settings: ServerSettings, host: str, port: int, parallel: int, queue_size: int,
-          context: int | None) -> int:
+def serve(
+    engine_loader,
+    settings: ServerSettings,
+    host: str,
+    port: int,
+    parallel: int,
+    queue_size: int,
+    context: int | None,
+) -> int:
     """Listen at once (/health says 503 while loading), load the engine on a thread, serve until Ctrl-C."""
     import uvicorn
 
@@ -426,9 +591,14 @@ def serve(engine_loader, settings: ServerSettings, host: str, port: int, paralle
     def load() -> None:
         try:
             state.engine = engine_loader()
-            state.scheduler = Scheduler(state.engine, parallel=parallel, queue_size=queue_size, context=context)
-            print(f"pipeshard serve: http://{host}:{port}/v1 ready (model {settings.model_name}, {parallel} slots, "
-                  f"context {state.scheduler.context} tokens)", flush=True)
+            state.scheduler = Scheduler(
+                state.engine, parallel=parallel, queue_size=queue_size, context=context
+            )
+            print(
+                f"pipeshard serve: http://{host}:{port}/v1 ready (model {settings.model_name}, {parallel} slots, "
+                f"context {state.scheduler.context} tokens)",
+                flush=True,
+            )
         except UserError as error:
             state.load_error = str(error)
             print(f"error: {error}", flush=True)

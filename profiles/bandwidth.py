@@ -25,9 +25,14 @@ class BandwidthProbe:
         ort = import_onnxruntime()
         self.threads, self.k = threads, READ_K
         self.n = max(16, round(read_bytes / (4 * READ_K) / 16) * 16)
-        self.session = BoundSession(ort, matmul_model(self.k, self.n, "fp32"), cpu_session_options(threads),
-                                    ["CPUExecutionProvider"], {"X": np.ones((1, self.k), np.float32)},
-                                    {"Y": ((1, self.n), np.float32)})
+        self.session = BoundSession(
+            ort,
+            matmul_model(self.k, self.n, "fp32"),
+            cpu_session_options(threads),
+            ["CPUExecutionProvider"],
+            {"X": np.ones((1, self.k), np.float32)},
+            {"Y": ((1, self.n), np.float32)},
+        )
         self.session()  # first run: prepacking and page faults
         self.times: list[float] = []
 
@@ -39,8 +44,11 @@ class BandwidthProbe:
 
     def result(self) -> dict:
         weight_bytes = self.k * self.n * 4
-        return {"kernel": f"MatMul [1,{self.k}]x[{self.k},{self.n}] fp32, CPU EP", "threads": self.threads,
-                "bytes": weight_bytes, "samples": len(self.times),
-                "best_bytes_per_s": weight_bytes / min(self.times),
-                "median_bytes_per_s": weight_bytes / float(np.median(self.times))}
-
+        return {
+            "kernel": f"MatMul [1,{self.k}]x[{self.k},{self.n}] fp32, CPU EP",
+            "threads": self.threads,
+            "bytes": weight_bytes,
+            "samples": len(self.times),
+            "best_bytes_per_s": weight_bytes / min(self.times),
+            "median_bytes_per_s": weight_bytes / float(np.median(self.times)),
+        }

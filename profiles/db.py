@@ -31,8 +31,17 @@ REFERENCE_PROFILES = ("laptop-8gb", "desktop-24gb", "laptop-4gb", "desktop-rtx50
 STALE_AFTER_DAYS = 180
 
 # field -> type, checked on load; nested checks below.
-REQUIRED_TOP = {"schema_version": int, "source": str, "created": str, "fingerprint": dict,
-                "fingerprint_id": str, "cpu": dict, "device": dict, "link": dict, "contention": dict}
+REQUIRED_TOP = {
+    "schema_version": int,
+    "source": str,
+    "created": str,
+    "fingerprint": dict,
+    "fingerprint_id": str,
+    "cpu": dict,
+    "device": dict,
+    "link": dict,
+    "contention": dict,
+}
 RATE_TABLE_FIELDS = ("M", "K", "N", "seconds", "gflops")
 
 
@@ -90,7 +99,9 @@ def machine_fingerprint(gpu: dict | None = None) -> dict:
 
 def fingerprint_id(fingerprint: dict) -> str:
     """A short stable hash of the hardware part of a fingerprint (software versions excluded)."""
-    hardware = {k: fingerprint.get(k) for k in ("cpu_model", "logical_cpus", "ram_bytes", "gpu", "gpu_driver")}
+    hardware = {
+        k: fingerprint.get(k) for k in ("cpu_model", "logical_cpus", "ram_bytes", "gpu", "gpu_driver")
+    }
     return hashlib.sha256(json.dumps(hardware, sort_keys=True).encode()).hexdigest()[:12]
 
 
@@ -110,8 +121,10 @@ def validate(document: object, where: str) -> dict:
     if not isinstance(document, dict):
         raise UserError(f"{where}: not a JSON object")
     if document.get("schema_version") != PROFILE_SCHEMA_VERSION:
-        raise UserError(f"{where}: field 'schema_version' is {document.get('schema_version')!r}, "
-                        f"expected {PROFILE_SCHEMA_VERSION}")
+        raise UserError(
+            f"{where}: field 'schema_version' is {document.get('schema_version')!r}, "
+            f"expected {PROFILE_SCHEMA_VERSION}"
+        )
     for field, kind in REQUIRED_TOP.items():
         if not isinstance(document.get(field), kind):
             raise UserError(f"{where}: field '{field}' is missing or not a {kind.__name__}")
@@ -138,8 +151,9 @@ def _validate_matmul(table: object, where: str) -> None:
     if not isinstance(table, dict):
         raise UserError(f"{where}' must be an object of dtype -> rows")
     for dtype, rows in table.items():
-        if not isinstance(rows, list) or not all(isinstance(r, dict) and all(f in r for f in RATE_TABLE_FIELDS)
-                                                for r in rows):
+        if not isinstance(rows, list) or not all(
+            isinstance(r, dict) and all(f in r for f in RATE_TABLE_FIELDS) for r in rows
+        ):
             raise UserError(f"{where}.{dtype}' rows need {', '.join(RATE_TABLE_FIELDS)}")
 
 
@@ -166,8 +180,10 @@ def load_profile(name_or_path: str | Path, check_machine: bool = True) -> dict:
     else:
         path = Path(name_or_path)
         if not path.exists():
-            raise UserError(f"unknown profile {str(name_or_path)!r}: not a file, and not one of the reference "
-                            f"profiles ({', '.join(REFERENCE_PROFILES)})")
+            raise UserError(
+                f"unknown profile {str(name_or_path)!r}: not a file, and not one of the reference "
+                f"profiles ({', '.join(REFERENCE_PROFILES)})"
+            )
     try:
         document = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError) as exc:
@@ -185,13 +201,19 @@ def staleness(document: dict) -> list[str]:
     """Why a measured DB may not describe this machine and software any more."""
     warnings = []
     here = machine_fingerprint()
-    if document.get("fingerprint_id") != fingerprint_id(here) and \
-            document["fingerprint"].get("cpu_model") != here["cpu_model"]:
-        warnings.append(f"measured on another machine ({document['fingerprint'].get('cpu_model')}); "
-                        "plans made from it may not fit this one")
+    if (
+        document.get("fingerprint_id") != fingerprint_id(here)
+        and document["fingerprint"].get("cpu_model") != here["cpu_model"]
+    ):
+        warnings.append(
+            f"measured on another machine ({document['fingerprint'].get('cpu_model')}); "
+            "plans made from it may not fit this one"
+        )
     if document["fingerprint"].get("onnxruntime") != here["onnxruntime"]:
-        warnings.append(f"measured with onnxruntime {document['fingerprint'].get('onnxruntime')}, "
-                        f"this is {here['onnxruntime']}: re-run `pipeshard profile`")
+        warnings.append(
+            f"measured with onnxruntime {document['fingerprint'].get('onnxruntime')}, "
+            f"this is {here['onnxruntime']}: re-run `pipeshard profile`"
+        )
     try:
         age = datetime.now(UTC) - datetime.fromisoformat(document["created"])
         if age.days > STALE_AFTER_DAYS:

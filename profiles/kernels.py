@@ -18,11 +18,18 @@ NUMPY_FLOAT = {"fp32": np.float32, "fp16": np.float16}
 def matmul_model(k: int, n: int, dtype: str) -> onnx.ModelProto:
     """Y[M, N] = X[M, K] @ W[K, N] with W a (random) initializer, as a sub-layer's weights are."""
     weight = numpy_helper.from_array(
-        (np.random.default_rng(0).standard_normal((k, n), dtype=np.float32) * 0.02).astype(NUMPY_FLOAT[dtype]), "W")
+        (np.random.default_rng(0).standard_normal((k, n), dtype=np.float32) * 0.02).astype(
+            NUMPY_FLOAT[dtype]
+        ),
+        "W",
+    )
     graph = helper.make_graph(
-        [helper.make_node("MatMul", ["X", "W"], ["Y"])], "matmul",
+        [helper.make_node("MatMul", ["X", "W"], ["Y"])],
+        "matmul",
         [helper.make_tensor_value_info("X", ONNX_FLOAT[dtype], ["M", k])],
-        [helper.make_tensor_value_info("Y", ONNX_FLOAT[dtype], ["M", n])], initializer=[weight])
+        [helper.make_tensor_value_info("Y", ONNX_FLOAT[dtype], ["M", n])],
+        initializer=[weight],
+    )
     return helper.make_model(graph, opset_imports=[helper.make_operatorsetid("", 21)])
 
 
@@ -33,14 +40,23 @@ def weight_matmul_model(k: int, n: int, dtype: str) -> onnx.ModelProto:
     if dtype == "fp16":
         weight = numpy_helper.from_array(values.astype(np.float16), "W")
     else:  # bf16: the high half of each float32
-        weight = helper.make_tensor("W", TensorProto.BFLOAT16, [k, n],
-                                    (values.view(np.uint32) >> 16).astype("<u2").tobytes(), raw=True)
+        weight = helper.make_tensor(
+            "W",
+            TensorProto.BFLOAT16,
+            [k, n],
+            (values.view(np.uint32) >> 16).astype("<u2").tobytes(),
+            raw=True,
+        )
     graph = helper.make_graph(
-        [helper.make_node("WeightMatMul", ["X", "W"], ["Y"], domain="pipeshard")], "weight_matmul",
+        [helper.make_node("WeightMatMul", ["X", "W"], ["Y"], domain="pipeshard")],
+        "weight_matmul",
         [helper.make_tensor_value_info("X", TensorProto.FLOAT, ["M", k])],
-        [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["M", n])], initializer=[weight])
-    return helper.make_model(graph, opset_imports=[helper.make_operatorsetid("", 21),
-                                                   helper.make_operatorsetid("pipeshard", 1)])
+        [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["M", n])],
+        initializer=[weight],
+    )
+    return helper.make_model(
+        graph, opset_imports=[helper.make_operatorsetid("", 21), helper.make_operatorsetid("pipeshard", 1)]
+    )
 
 
 def attention_model(heads: int, head_dim: int, dtype: str) -> onnx.ModelProto:
@@ -50,18 +66,32 @@ def attention_model(heads: int, head_dim: int, dtype: str) -> onnx.ModelProto:
     width = heads * head_dim
     float_type = ONNX_FLOAT[dtype]
     inputs = [helper.make_tensor_value_info(name, float_type, [1, "T", width]) for name in ("Q", "K", "V")]
-    inputs += [helper.make_tensor_value_info(name, float_type, [1, heads, "C", head_dim]) for name in ("PK", "PV")]
-    inputs += [helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, [1]),
-               helper.make_tensor_value_info("total", TensorProto.INT32, []),
-               helper.make_tensor_value_info("bias", float_type, [1, 1, "T", "C"])]
+    inputs += [
+        helper.make_tensor_value_info(name, float_type, [1, heads, "C", head_dim]) for name in ("PK", "PV")
+    ]
+    inputs += [
+        helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, [1]),
+        helper.make_tensor_value_info("total", TensorProto.INT32, []),
+        helper.make_tensor_value_info("bias", float_type, [1, 1, "T", "C"]),
+    ]
     outputs = [helper.make_tensor_value_info("Y", float_type, [1, "T", width])]
-    outputs += [helper.make_tensor_value_info(name, float_type, [1, heads, "C", head_dim]) for name in ("K2", "V2")]
-    node = helper.make_node("GroupQueryAttention", ["Q", "K", "V", "PK", "PV", "seqlens_k", "total", "", "", "",
-                                                    "bias"], ["Y", "K2", "V2"], domain="com.microsoft",
-                            num_heads=heads, kv_num_heads=heads, scale=float(head_dim) ** -0.5)
+    outputs += [
+        helper.make_tensor_value_info(name, float_type, [1, heads, "C", head_dim]) for name in ("K2", "V2")
+    ]
+    node = helper.make_node(
+        "GroupQueryAttention",
+        ["Q", "K", "V", "PK", "PV", "seqlens_k", "total", "", "", "", "bias"],
+        ["Y", "K2", "V2"],
+        domain="com.microsoft",
+        num_heads=heads,
+        kv_num_heads=heads,
+        scale=float(head_dim) ** -0.5,
+    )
     graph = helper.make_graph([node], "attention", inputs, outputs)
-    return helper.make_model(graph, opset_imports=[helper.make_operatorsetid("", 21),
-                                                   helper.make_operatorsetid("com.microsoft", 1)])
+    return helper.make_model(
+        graph,
+        opset_imports=[helper.make_operatorsetid("", 21), helper.make_operatorsetid("com.microsoft", 1)],
+    )
 
 
 def attention_feeds(heads: int, head_dim: int, tokens: int, context: int, dtype: str):
@@ -69,12 +99,19 @@ def attention_feeds(heads: int, head_dim: int, tokens: int, context: int, dtype:
     rng = np.random.default_rng(2)
     float_type = NUMPY_FLOAT[dtype]
     context = max(context, tokens)
-    new = {name: rng.standard_normal((1, tokens, heads * head_dim), dtype=np.float32).astype(float_type)
-           for name in ("Q", "K", "V")}
-    past = {name: rng.standard_normal((1, heads, context, head_dim), dtype=np.float32).astype(float_type)
-            for name in ("PK", "PV")}
-    lengths = {"seqlens_k": np.array([context - 1], np.int32), "total": np.array(context, np.int32),
-               "bias": np.zeros((1, 1, tokens, context), float_type)}
+    new = {
+        name: rng.standard_normal((1, tokens, heads * head_dim), dtype=np.float32).astype(float_type)
+        for name in ("Q", "K", "V")
+    }
+    past = {
+        name: rng.standard_normal((1, heads, context, head_dim), dtype=np.float32).astype(float_type)
+        for name in ("PK", "PV")
+    }
+    lengths = {
+        "seqlens_k": np.array([context - 1], np.int32),
+        "total": np.array(context, np.int32),
+        "bias": np.zeros((1, 1, tokens, context), float_type),
+    }
     outputs = {"Y": ((1, tokens, heads * head_dim), float_type)}
     return {**new, **past, **lengths}, outputs, {"K2": "PK", "V2": "PV"}
 
@@ -82,22 +119,31 @@ def attention_feeds(heads: int, head_dim: int, tokens: int, context: int, dtype:
 def hop_model(width: int) -> onnx.ModelProto:
     """The smallest useful session: one Add on a residual-sized vector."""
     graph = helper.make_graph(
-        [helper.make_node("Add", ["X", "X"], ["Y"])], "hop",
+        [helper.make_node("Add", ["X", "X"], ["Y"])],
+        "hop",
         [helper.make_tensor_value_info("X", TensorProto.FLOAT, [1, 1, width])],
-        [helper.make_tensor_value_info("Y", TensorProto.FLOAT, [1, 1, width])])
+        [helper.make_tensor_value_info("Y", TensorProto.FLOAT, [1, 1, width])],
+    )
     return helper.make_model(graph, opset_imports=[helper.make_operatorsetid("", 21)])
 
 
 def op_chain_model(width: int, count: int) -> onnx.ModelProto:
     """`count` small element-wise ops in a row: the per-node cost a sub-layer pays beyond its math."""
-    nodes = [helper.make_node("Add" if i % 2 else "Mul", [f"t{i}", f"t{i}"], [f"t{i + 1}"]) for i in range(count)]
+    nodes = [
+        helper.make_node("Add" if i % 2 else "Mul", [f"t{i}", f"t{i}"], [f"t{i + 1}"]) for i in range(count)
+    ]
     graph = helper.make_graph(
-        nodes, "ops", [helper.make_tensor_value_info("t0", TensorProto.FLOAT, [1, 1, width])],
-        [helper.make_tensor_value_info(f"t{count}", TensorProto.FLOAT, [1, 1, width])])
+        nodes,
+        "ops",
+        [helper.make_tensor_value_info("t0", TensorProto.FLOAT, [1, 1, width])],
+        [helper.make_tensor_value_info(f"t{count}", TensorProto.FLOAT, [1, 1, width])],
+    )
     return helper.make_model(graph, opset_imports=[helper.make_operatorsetid("", 21)])
 
 
-def median_seconds(run: Callable[[], None], min_seconds: float, min_runs: int = 3, max_runs: int = 2000) -> float:
+def median_seconds(
+    run: Callable[[], None], min_seconds: float, min_runs: int = 3, max_runs: int = 2000
+) -> float:
     """Median wall time of `run` after one warm-up call, repeated for at least `min_seconds`."""
     run()
     times: list[float] = []
@@ -112,9 +158,17 @@ def median_seconds(run: Callable[[], None], min_seconds: float, min_runs: int = 
 class BoundSession:
     """A session with its inputs and outputs bound once to numpy buffers (raw IO binding)."""
 
-    def __init__(self, ort, model: onnx.ModelProto, options, providers, inputs: dict[str, np.ndarray],
-                 output_shapes: dict[str, tuple[tuple[int, ...], np.dtype]], device: str = "cpu",
-                 aliases: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        ort,
+        model: onnx.ModelProto,
+        options,
+        providers,
+        inputs: dict[str, np.ndarray],
+        output_shapes: dict[str, tuple[tuple[int, ...], np.dtype]],
+        device: str = "cpu",
+        aliases: dict[str, str] | None = None,
+    ) -> None:
         self.session = ort.InferenceSession(model.SerializeToString(), options, providers=providers)
         self.binding = self.session.io_binding()
         self._ort = ort
@@ -124,8 +178,12 @@ class BoundSession:
         self._raw = self.binding._iobinding
         self._run = self.session._sess.run_with_iobinding
 
-    def bind(self, inputs: dict[str, np.ndarray], output_shapes: dict[str, tuple[tuple[int, ...], np.dtype]],
-             aliases: dict[str, str] | None = None) -> None:
+    def bind(
+        self,
+        inputs: dict[str, np.ndarray],
+        output_shapes: dict[str, tuple[tuple[int, ...], np.dtype]],
+        aliases: dict[str, str] | None = None,
+    ) -> None:
         """(Re)bind inputs and preallocated outputs, e.g. for another token count M. An output named in
         `aliases` is written in place into the memory of the input it maps to (a KV cache)."""
         ort, device = self._ort, self.device
@@ -148,19 +206,39 @@ class BoundSession:
         self._run(self._raw, self.run_options)
 
 
-def attention_rows(ort, options, providers, heads: int, head_dim: int, tokens: tuple[int, ...],
-                   contexts: tuple[int, ...], dtype: str, seconds_per_point: float, device: str = "cpu",
-                   progress=lambda: None) -> list[dict]:
+def attention_rows(
+    ort,
+    options,
+    providers,
+    heads: int,
+    head_dim: int,
+    tokens: tuple[int, ...],
+    contexts: tuple[int, ...],
+    dtype: str,
+    seconds_per_point: float,
+    device: str = "cpu",
+    progress=lambda: None,
+) -> list[dict]:
     """The attention kernel timed at every (T, C): the profile's `attention` table rows."""
     model = attention_model(heads, head_dim, dtype)
     rows = []
     for t in tokens:
         for c in contexts:
             inputs, outputs, aliases = attention_feeds(heads, head_dim, t, c, dtype)
-            session = BoundSession(ort, model, options, providers, inputs, outputs, device=device, aliases=aliases)
+            session = BoundSession(
+                ort, model, options, providers, inputs, outputs, device=device, aliases=aliases
+            )
             seconds = median_seconds(session, seconds_per_point)
-            rows.append({"T": t, "C": c, "heads": heads, "head_dim": head_dim, "seconds": seconds,
-                         "gflops": 4 * heads * head_dim * t * c / seconds / 1e9})
+            rows.append(
+                {
+                    "T": t,
+                    "C": c,
+                    "heads": heads,
+                    "head_dim": head_dim,
+                    "seconds": seconds,
+                    "gflops": 4 * heads * head_dim * t * c / seconds / 1e9,
+                }
+            )
             progress()
     return rows
 
@@ -168,8 +246,14 @@ def attention_rows(ort, options, providers, heads: int, head_dim: int, tokens: t
 @contextlib.contextmanager
 def cpu_matmul_load(ort, options, k: int, n: int) -> Iterator[None]:
     """Keep the CPU busy with [64, k] x [k, n] MatMuls on a background thread while the block runs."""
-    session = BoundSession(ort, matmul_model(k, n, "fp32"), options, ["CPUExecutionProvider"],
-                           {"X": np.ones((64, k), np.float32)}, {"Y": ((64, n), np.float32)})
+    session = BoundSession(
+        ort,
+        matmul_model(k, n, "fp32"),
+        options,
+        ["CPUExecutionProvider"],
+        {"X": np.ones((64, k), np.float32)},
+        {"Y": ((64, n), np.float32)},
+    )
     stop = threading.Event()
 
     def compute() -> None:

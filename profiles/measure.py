@@ -54,23 +54,53 @@ class Sweep:
     pack_pasts: tuple[int, ...] = (64, 1024)  # contexts at which `--pack` times the pack's own sub-layers
 
 
-QUICK = Sweep(tiers=(1, 16, 256), shapes=((576, 1536), (2048, 2048), (4096, 4096)), dtypes=("fp32", "fp16"),
-             attention_tokens=(1, 64), attention_contexts=(512, 4096), copy_sizes=(1 * MiB, 16 * MiB, 128 * MiB),
-             bandwidth_bytes=256 * MiB, seconds_per_point=0.05, pack_pasts=(32, 512))
-FULL = Sweep(tiers=(1, 4, 16, 64, 256, 1024),
-            shapes=((576, 576), (576, 1536), (1536, 576), (2048, 2048), (2048, 8192), (8192, 2048), (4096, 4096),
-                    (4096, 14336), (14336, 4096)),
-            dtypes=("fp32", "fp16"), attention_tokens=(1, 16, 256), attention_contexts=(256, 1024, 4096, 16384),
-            copy_sizes=(256 * 1024, 1 * MiB, 4 * MiB, 16 * MiB, 64 * MiB, 256 * MiB), bandwidth_bytes=512 * MiB,
-            seconds_per_point=0.15)
+QUICK = Sweep(
+    tiers=(1, 16, 256),
+    shapes=((576, 1536), (2048, 2048), (4096, 4096)),
+    dtypes=("fp32", "fp16"),
+    attention_tokens=(1, 64),
+    attention_contexts=(512, 4096),
+    copy_sizes=(1 * MiB, 16 * MiB, 128 * MiB),
+    bandwidth_bytes=256 * MiB,
+    seconds_per_point=0.05,
+    pack_pasts=(32, 512),
+)
+FULL = Sweep(
+    tiers=(1, 4, 16, 64, 256, 1024),
+    shapes=(
+        (576, 576),
+        (576, 1536),
+        (1536, 576),
+        (2048, 2048),
+        (2048, 8192),
+        (8192, 2048),
+        (4096, 4096),
+        (4096, 14336),
+        (14336, 4096),
+    ),
+    dtypes=("fp32", "fp16"),
+    attention_tokens=(1, 16, 256),
+    attention_contexts=(256, 1024, 4096, 16384),
+    copy_sizes=(256 * 1024, 1 * MiB, 4 * MiB, 16 * MiB, 64 * MiB, 256 * MiB),
+    bandwidth_bytes=512 * MiB,
+    seconds_per_point=0.15,
+)
 
 
 def sweep_for_pack(base: Sweep, manifest: dict) -> Sweep:
     """The pack's own matrix shapes and attention dimensions instead of the generic grid."""
-    shapes = sorted({tuple(w["shape"]) for e in manifest["sub_layers"] for w in e["weights"] if len(w["shape"]) == 2})
+    shapes = sorted(
+        {tuple(w["shape"]) for e in manifest["sub_layers"] for w in e["weights"] if len(w["shape"]) == 2}
+    )
     model = manifest["model"]
-    return Sweep(**{**base.__dict__, "shapes": tuple(shapes), "heads": model["num_attention_heads"],
-                   "head_dim": model["head_dim"]})
+    return Sweep(
+        **{
+            **base.__dict__,
+            "shapes": tuple(shapes),
+            "heads": model["num_attention_heads"],
+            "head_dim": model["head_dim"],
+        }
+    )
 
 
 class CopyLoop:
@@ -102,8 +132,9 @@ def sim_copy_gbps(size_bytes: int, seconds: float) -> float:
     source = np.ones(size_bytes, dtype=np.uint8)
     target = np.empty_like(source)
     result: list[float] = []
-    worker = threading.Thread(target=lambda: result.append(median_seconds(lambda: np.copyto(target, source),
-                                                                          seconds)))
+    worker = threading.Thread(
+        target=lambda: result.append(median_seconds(lambda: np.copyto(target, source), seconds))
+    )
     worker.start()
     worker.join()
     return size_bytes / result[0] / 1e9
@@ -139,11 +170,16 @@ def _matmul_rows(ort, sweep: Sweep, threads: int, copy_load, progress) -> tuple[
         for k, n in sweep.shapes:
             session = None
             for m in sweep.tiers:
-                x = np.random.default_rng(1).standard_normal((m, k), dtype=np.float32).astype(NUMPY_FLOAT[dtype])
+                x = (
+                    np.random.default_rng(1)
+                    .standard_normal((m, k), dtype=np.float32)
+                    .astype(NUMPY_FLOAT[dtype])
+                )
                 outputs = {"Y": ((m, n), NUMPY_FLOAT[dtype])}
                 if session is None:
-                    session = BoundSession(ort, matmul_model(k, n, dtype), options, ["CPUExecutionProvider"],
-                                           {"X": x}, outputs)
+                    session = BoundSession(
+                        ort, matmul_model(k, n, dtype), options, ["CPUExecutionProvider"], {"X": x}, outputs
+                    )
                 else:
                     session.bind({"X": x}, outputs)
                 for table, load in ((idle, None), (loaded, copy_load)):
@@ -152,8 +188,9 @@ def _matmul_rows(ort, sweep: Sweep, threads: int, copy_load, progress) -> tuple[
                     else:
                         with load():
                             seconds = median_seconds(session, sweep.seconds_per_point)
-                    table[dtype].append({"M": m, "K": k, "N": n, "seconds": seconds,
-                                         "gflops": 2 * m * k * n / seconds / 1e9})
+                    table[dtype].append(
+                        {"M": m, "K": k, "N": n, "seconds": seconds, "gflops": 2 * m * k * n / seconds / 1e9}
+                    )
                     progress()
     return idle, loaded
 
@@ -162,14 +199,18 @@ def matmul_read_gbps(ort, threads: int, size_bytes: int, seconds: float, copy_lo
     """Bytes per second an M=1 MatMul streams from a weight of `size_bytes` (the decode roofline),
     idle and under the copy load."""
     side = int(np.sqrt(size_bytes / 4))
-    session = BoundSession(ort, matmul_model(side, side, "fp32"), cpu_session_options(threads),
-                           ["CPUExecutionProvider"], {"X": np.ones((1, side), np.float32)},
-                           {"Y": ((1, side), np.float32)})
+    session = BoundSession(
+        ort,
+        matmul_model(side, side, "fp32"),
+        cpu_session_options(threads),
+        ["CPUExecutionProvider"],
+        {"X": np.ones((1, side), np.float32)},
+        {"Y": ((1, side), np.float32)},
+    )
     idle = side * side * 4 / median_seconds(session, seconds) / 1e9
     with copy_load():
         loaded = side * side * 4 / median_seconds(session, seconds) / 1e9
     return idle, loaded
-
 
 
 def weight_read_gbps(threads: int, size_bytes: int, seconds: float) -> dict[str, float]:
@@ -197,8 +238,14 @@ def weight_read_gbps(threads: int, size_bytes: int, seconds: float) -> dict[str,
 def hop_microseconds(ort, threads: int, width: int = 4096) -> float:
     """Fixed cost of one session run with IO binding (raw call, reused RunOptions)."""
     x = np.ones((1, 1, width), np.float32)
-    session = BoundSession(ort, hop_model(width), cpu_session_options(threads),
-                           ["CPUExecutionProvider"], {"X": x}, {"Y": (x.shape, np.float32)})
+    session = BoundSession(
+        ort,
+        hop_model(width),
+        cpu_session_options(threads),
+        ["CPUExecutionProvider"],
+        {"X": x},
+        {"Y": (x.shape, np.float32)},
+    )
     return median_seconds(session, 0.2, min_runs=200) * 1e6
 
 
@@ -206,13 +253,24 @@ def op_microseconds(ort, threads: int, width: int = 1024, count: int = 32) -> fl
     """Cost of one more small node in a session (graph-level overhead beyond the hop)."""
     x = np.ones((1, 1, width), np.float32)
     options = cpu_session_options(threads, optimize=False)  # keep the chain: no fusion
-    session = BoundSession(ort, op_chain_model(width, count), options, ["CPUExecutionProvider"], {"t0": x},
-                           {f"t{count}": (x.shape, np.float32)})
+    session = BoundSession(
+        ort,
+        op_chain_model(width, count),
+        options,
+        ["CPUExecutionProvider"],
+        {"t0": x},
+        {f"t{count}": (x.shape, np.float32)},
+    )
     return max(0.0, median_seconds(session, 0.2, min_runs=50) * 1e6 - hop_microseconds(ort, threads)) / count
 
 
-def measure_machine(sweep: Sweep, thread_counts: list[int] | None = None, progress=lambda: None,
-                    use_cuda: bool | None = None, pack: str | None = None) -> dict:
+def measure_machine(
+    sweep: Sweep,
+    thread_counts: list[int] | None = None,
+    progress=lambda: None,
+    use_cuda: bool | None = None,
+    pack: str | None = None,
+) -> dict:
     """Run every measurement of `sweep`; returns a schema-1 profile document. The CUDA part runs when
     the CUDA EP is really usable (or is forced off with use_cuda=False)."""
     from pipeshard.profiles import measure_cuda
@@ -225,17 +283,27 @@ def measure_machine(sweep: Sweep, thread_counts: list[int] | None = None, progre
     cpu_threads: dict[str, dict] = {}
     for threads in thread_counts:
         idle_matmul, loaded_matmul = _matmul_rows(ort, sweep, threads, copy_load, progress)
-        read_idle, read_loaded = matmul_read_gbps(ort, threads, sweep.bandwidth_bytes, sweep.seconds_per_point,
-                                                  copy_load)
+        read_idle, read_loaded = matmul_read_gbps(
+            ort, threads, sweep.bandwidth_bytes, sweep.seconds_per_point, copy_load
+        )
         copy_idle = sim_copy_gbps(sweep.bandwidth_bytes, sweep.seconds_per_point)
         cpu_threads[str(threads)] = {
             "matmul": idle_matmul,
             "memory_read_gbps": read_idle,
             "weight_read_gbps": weight_read_gbps(threads, sweep.bandwidth_bytes, sweep.seconds_per_point),
             "memory_copy_gbps": copy_idle,
-            "attention": attention_rows(ort, cpu_session_options(threads), ["CPUExecutionProvider"], sweep.heads,
-                                        sweep.head_dim, sweep.attention_tokens, sweep.attention_contexts, "fp32",
-                                        sweep.seconds_per_point, progress=progress),
+            "attention": attention_rows(
+                ort,
+                cpu_session_options(threads),
+                ["CPUExecutionProvider"],
+                sweep.heads,
+                sweep.head_dim,
+                sweep.attention_tokens,
+                sweep.attention_contexts,
+                "fp32",
+                sweep.seconds_per_point,
+                progress=progress,
+            ),
             "hop_us": hop_microseconds(ort, threads),
             "op_us": op_microseconds(ort, threads),
             "under_copy_load": {"matmul": loaded_matmul, "memory_read_gbps": read_loaded},
@@ -246,15 +314,28 @@ def measure_machine(sweep: Sweep, thread_counts: list[int] | None = None, progre
         link_rows, loaded_link = link["h2d"], link["under_cpu_load"]["h2d"]
     else:
         blob, sizes = _largest_blob(pack, sweep.copy_sizes)
-        link_rows = [{"bytes": size, "gbps": sim_upload_gbps(size, sweep.seconds_per_point, blob), "pinned": False}
-                     for size in sizes]
+        link_rows = [
+            {"bytes": size, "gbps": sim_upload_gbps(size, sweep.seconds_per_point, blob), "pinned": False}
+            for size in sizes
+        ]
         loaded_link = _copy_under_cpu_load(ort, sweep, max(thread_counts), blob, sizes)
         gpu = None
-        device = {"kind": "sim", "name": "sim (host memory; compute on the CPU EP)",
-                  "note": "no usable CUDA EP: the simulated accelerator is measured; not a GPU claim",
-                  "memory_bytes": None, "ep_overhead_bytes": 0, "matmul": {}, "attention": [],
-                  "launch_us": cpu_threads[str(max(thread_counts))]["hop_us"]}
-        link = {"kind": "sim-memcpy", "h2d": link_rows, "d2h": link_rows, "under_cpu_load": {"h2d": loaded_link}}
+        device = {
+            "kind": "sim",
+            "name": "sim (host memory; compute on the CPU EP)",
+            "note": "no usable CUDA EP: the simulated accelerator is measured; not a GPU claim",
+            "memory_bytes": None,
+            "ep_overhead_bytes": 0,
+            "matmul": {},
+            "attention": [],
+            "launch_us": cpu_threads[str(max(thread_counts))]["hop_us"],
+        }
+        link = {
+            "kind": "sim-memcpy",
+            "h2d": link_rows,
+            "d2h": link_rows,
+            "under_cpu_load": {"h2d": loaded_link},
+        }
     fingerprint = machine_fingerprint(gpu)
     extra = {}
     if pack is not None:
@@ -265,9 +346,18 @@ def measure_machine(sweep: Sweep, thread_counts: list[int] | None = None, progre
         extra["pack_timings"] = {
             "model_sha256": manifest["source"]["model_sha256"],
             "pasts": list(sweep.pack_pasts),
-            "threads": {str(t): time_pack(pack, t, PACK_TIERS, sweep.pack_pasts, repeat=3, progress=progress,
-                                          device="cuda" if use_cuda else "sim")
-                        for t in thread_counts},
+            "threads": {
+                str(t): time_pack(
+                    pack,
+                    t,
+                    PACK_TIERS,
+                    sweep.pack_pasts,
+                    repeat=3,
+                    progress=progress,
+                    device="cuda" if use_cuda else "sim",
+                )
+                for t in thread_counts
+            },
         }
     return {
         "schema_version": 1,
@@ -275,7 +365,11 @@ def measure_machine(sweep: Sweep, thread_counts: list[int] | None = None, progre
         "created": now_iso(),
         "fingerprint": fingerprint,
         "fingerprint_id": fingerprint_id(fingerprint),
-        "plan": {"tiers": list(sweep.tiers), "shapes": [list(s) for s in sweep.shapes], "dtypes": list(sweep.dtypes)},
+        "plan": {
+            "tiers": list(sweep.tiers),
+            "shapes": [list(s) for s in sweep.shapes],
+            "dtypes": list(sweep.dtypes),
+        },
         "cpu": {"physical_cores": physical_cores(), "threads": cpu_threads},
         "device": device,
         "link": link,
@@ -287,8 +381,10 @@ def measure_machine(sweep: Sweep, thread_counts: list[int] | None = None, progre
 def _copy_under_cpu_load(ort, sweep: Sweep, threads: int, blob: Path | None, sizes: list[int]) -> list[dict]:
     """The sim device's upload bandwidth while CPU matrix products run on `threads` threads."""
     with cpu_matmul_load(ort, cpu_session_options(threads), *sweep.shapes[-1]):
-        return [{"bytes": size, "gbps": sim_upload_gbps(size, sweep.seconds_per_point, blob), "pinned": False}
-                for size in sizes]
+        return [
+            {"bytes": size, "gbps": sim_upload_gbps(size, sweep.seconds_per_point, blob), "pinned": False}
+            for size in sizes
+        ]
 
 
 def _largest_blob(pack: str | None, copy_sizes: tuple[int, ...]) -> tuple[Path | None, list[int]]:
@@ -313,6 +409,11 @@ def contention_factors(cpu_threads: dict, link_idle: list[dict], link_loaded: li
             for idle, loaded in zip(rows, rates["under_copy_load"]["matmul"][dtype], strict=True):
                 by_tier.setdefault(str(idle["M"]), []).append(loaded["seconds"] / idle["seconds"])
         matmul[threads] = {tier: float(np.median(values)) for tier, values in by_tier.items()}
-        matmul[threads]["memory_read"] = rates["memory_read_gbps"] / rates["under_copy_load"]["memory_read_gbps"]
+        matmul[threads]["memory_read"] = (
+            rates["memory_read_gbps"] / rates["under_copy_load"]["memory_read_gbps"]
+        )
     copy = [idle["gbps"] / loaded["gbps"] for idle, loaded in zip(link_idle, link_loaded, strict=True)]
-    return {"cpu_matmul_slowdown_under_copy": matmul, "copy_slowdown_under_cpu_matmul": float(np.median(copy))}
+    return {
+        "cpu_matmul_slowdown_under_copy": matmul,
+        "copy_slowdown_under_cpu_matmul": float(np.median(copy)),
+    }

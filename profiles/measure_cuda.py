@@ -63,7 +63,12 @@ class CudaRuntime:
         driver = _check(self.rt.cudaDriverGetVersion())
         free, total = _check(self.rt.cudaMemGetInfo())
         name = props.name.decode() if isinstance(props.name, bytes) else str(props.name)
-        return {"name": name.strip("\x00"), "driver": str(driver), "memory_bytes": int(total), "free_bytes": int(free)}
+        return {
+            "name": name.strip("\x00"),
+            "driver": str(driver),
+            "memory_bytes": int(total),
+            "free_bytes": int(free),
+        }
 
     def free_bytes(self) -> int:
         return int(_check(self.rt.cudaMemGetInfo())[0])
@@ -77,7 +82,11 @@ class CudaRuntime:
             host_array = np.ones(size, np.uint8)
             host = host_array.ctypes.data
         stream = _check(rt.cudaStreamCreate())
-        kind = rt.cudaMemcpyKind.cudaMemcpyHostToDevice if to_device else rt.cudaMemcpyKind.cudaMemcpyDeviceToHost
+        kind = (
+            rt.cudaMemcpyKind.cudaMemcpyHostToDevice
+            if to_device
+            else rt.cudaMemcpyKind.cudaMemcpyDeviceToHost
+        )
         source, target = (host, device) if to_device else (device, host)
 
         def copy() -> None:
@@ -125,8 +134,15 @@ def measure_cuda(sweep, cpu_threads: int) -> tuple[dict, dict, dict]:
     before = cuda.free_bytes()
     options = ort.SessionOptions()
     options.log_severity_level = 3
-    hop = BoundSession(ort, hop_model(4096), options, CUDA_PROVIDERS, {"X": np.ones((1, 1, 4096), np.float32)},
-                       {"Y": ((1, 1, 4096), np.float32)}, device="cuda")
+    hop = BoundSession(
+        ort,
+        hop_model(4096),
+        options,
+        CUDA_PROVIDERS,
+        {"X": np.ones((1, 1, 4096), np.float32)},
+        {"Y": ((1, 1, 4096), np.float32)},
+        device="cuda",
+    )
     hop()
     overhead = before - cuda.free_bytes()
     launch_us = median_seconds(hop, 0.2, min_runs=200) * 1e6
@@ -137,13 +153,32 @@ def measure_cuda(sweep, cpu_threads: int) -> tuple[dict, dict, dict]:
             model = matmul_model(k, n, dtype)
             for m in sweep.tiers:
                 x = np.ones((m, k), NUMPY_FLOAT[dtype])
-                session = BoundSession(ort, model, options, CUDA_PROVIDERS, {"X": x},
-                                       {"Y": ((m, n), NUMPY_FLOAT[dtype])}, device="cuda")
+                session = BoundSession(
+                    ort,
+                    model,
+                    options,
+                    CUDA_PROVIDERS,
+                    {"X": x},
+                    {"Y": ((m, n), NUMPY_FLOAT[dtype])},
+                    device="cuda",
+                )
                 seconds = median_seconds(session, sweep.seconds_per_point)
-                rows.append({"M": m, "K": k, "N": n, "seconds": seconds, "gflops": 2 * m * k * n / seconds / 1e9})
+                rows.append(
+                    {"M": m, "K": k, "N": n, "seconds": seconds, "gflops": 2 * m * k * n / seconds / 1e9}
+                )
         matmul[dtype] = rows
-    attention = attention_rows(ort, options, CUDA_PROVIDERS, sweep.heads, sweep.head_dim, sweep.attention_tokens,
-                               sweep.attention_contexts, "fp16", sweep.seconds_per_point, device="cuda")
+    attention = attention_rows(
+        ort,
+        options,
+        CUDA_PROVIDERS,
+        sweep.heads,
+        sweep.head_dim,
+        sweep.attention_tokens,
+        sweep.attention_contexts,
+        "fp16",
+        sweep.seconds_per_point,
+        device="cuda",
+    )
     link = {"kind": "pcie", "h2d": [], "d2h": []}
     for pinned in (True, False):
         for size in sweep.copy_sizes:
@@ -152,11 +187,21 @@ def measure_cuda(sweep, cpu_threads: int) -> tuple[dict, dict, dict]:
                 link[direction].append({"bytes": size, "pinned": pinned, "gbps": gbps})
     # The copy while the CPU computes matrix products on every thread.
     with cpu_matmul_load(ort, cpu_session_options(cpu_threads), *sweep.shapes[-1]):
-        link["under_cpu_load"] = {"h2d": [{"bytes": s, "pinned": True,
-                                           "gbps": cuda.copy_gbps(s, True, True, sweep.seconds_per_point)}
-                                          for s in sweep.copy_sizes]}
+        link["under_cpu_load"] = {
+            "h2d": [
+                {"bytes": s, "pinned": True, "gbps": cuda.copy_gbps(s, True, True, sweep.seconds_per_point)}
+                for s in sweep.copy_sizes
+            ]
+        }
     properties = cuda.properties()
-    device = {"kind": "cuda", "name": properties["name"], "driver": properties["driver"],
-              "memory_bytes": properties["memory_bytes"], "ep_overhead_bytes": int(overhead),
-              "matmul": matmul, "attention": attention, "launch_us": launch_us}
+    device = {
+        "kind": "cuda",
+        "name": properties["name"],
+        "driver": properties["driver"],
+        "memory_bytes": properties["memory_bytes"],
+        "ep_overhead_bytes": int(overhead),
+        "matmul": matmul,
+        "attention": attention,
+        "launch_us": launch_us,
+    }
     return device, link, properties

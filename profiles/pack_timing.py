@@ -41,7 +41,9 @@ def timed_step(step, past: int, tokens: int, rng) -> tuple[float, dict[str, floa
     step.stage_timer = stage_seconds.__setitem__
     try:
         begin = time.perf_counter()
-        step.forward(ids[:, past:], np.ones((1, past + tokens), np.int64), np.arange(past, past + tokens)[None])
+        step.forward(
+            ids[:, past:], np.ones((1, past + tokens), np.int64), np.arange(past, past + tokens)[None]
+        )
         total = time.perf_counter() - begin
     finally:
         step.stage_timer = None
@@ -82,10 +84,24 @@ def _time_step_kinds(step, placement: str, tiers, pasts, repeat: int, progress) 
                         per_kind[kind].append(statistics.median(values))
             for kind, values in per_kind.items():
                 if values:
-                    rows.append({"placement": placement, "kind": kind, "T": tokens, "C": past + tokens,
-                                 "seconds": statistics.median(values)})
-            rows.append({"placement": placement, "kind": "step", "T": tokens, "C": past + tokens,
-                         "ratio": statistics.median(ratios)})
+                    rows.append(
+                        {
+                            "placement": placement,
+                            "kind": kind,
+                            "T": tokens,
+                            "C": past + tokens,
+                            "seconds": statistics.median(values),
+                        }
+                    )
+            rows.append(
+                {
+                    "placement": placement,
+                    "kind": "step",
+                    "T": tokens,
+                    "C": past + tokens,
+                    "ratio": statistics.median(ratios),
+                }
+            )
             progress()
     return rows
 
@@ -97,17 +113,38 @@ def _all_pinned(step, tiers) -> object:
     from pipeshard.partitioner.planner import CPU, HOST_ONLY_KINDS, PINNED, Plan, VramBreakdown
 
     units = step.layout.units
-    placements = {name: CPU if unit["kind"] in HOST_ONLY_KINDS or "chunk_of" in unit else PINNED
-                  for name, unit in units.items()}
+    placements = {
+        name: CPU if unit["kind"] in HOST_ONLY_KINDS or "chunk_of" in unit else PINNED
+        for name, unit in units.items()
+    }
     workspace = 4 * max(tiers) * step.hidden_size * np.dtype(step.dtype).itemsize
-    return Plan("pinned", 0, placements, {}, 0.0, 0.0, VramBreakdown(workspace=workspace, reserve=0), 0, slots=0,
-                prefetch=False)
+    return Plan(
+        "pinned",
+        0,
+        placements,
+        {},
+        0.0,
+        0.0,
+        VramBreakdown(workspace=workspace, reserve=0),
+        0,
+        slots=0,
+        prefetch=False,
+    )
 
 
-def _copy_rate_while_streaming(pack_dir, threads: int, device: str, tiers, past: int, repeat: int) -> list[dict]:
+def _copy_rate_while_streaming(
+    pack_dir, threads: int, device: str, tiers, past: int, repeat: int
+) -> list[dict]:
     """Rows {placement: "streamed", kind: "copy", T, gbps}: the upload rate a run that streams every unit through
     two staging slots achieves while its sub-layers compute (what copies cost beside compute on this device)."""
-    from pipeshard.partitioner.planner import CPU, HOST_ONLY_KINDS, STAGING_SLOTS, STREAMED, Plan, VramBreakdown
+    from pipeshard.partitioner.planner import (
+        CPU,
+        HOST_ONLY_KINDS,
+        STAGING_SLOTS,
+        STREAMED,
+        Plan,
+        VramBreakdown,
+    )
     from pipeshard.runtime.devices import make_device
     from pipeshard.runtime.plansource import PlanBook
     from pipeshard.runtime.step import Step
@@ -117,10 +154,20 @@ def _copy_rate_while_streaming(pack_dir, threads: int, device: str, tiers, past:
     placements = {name: CPU if unit["kind"] in HOST_ONLY_KINDS else STREAMED for name, unit in units.items()}
     workspace = 4 * max(tiers) * probe.hidden_size * np.dtype(probe.dtype).itemsize
     probe.close()
-    plan = Plan("streamed", 0, placements, {}, 0.0, 0.0, VramBreakdown(workspace=workspace, reserve=0), 0,
-                slots=STAGING_SLOTS)
-    step = Step(pack_dir, device=make_device(device, 1 << 50), book=PlanBook(list(units), fixed=plan),
-                threads=threads)
+    plan = Plan(
+        "streamed",
+        0,
+        placements,
+        {},
+        0.0,
+        0.0,
+        VramBreakdown(workspace=workspace, reserve=0),
+        0,
+        slots=STAGING_SLOTS,
+    )
+    step = Step(
+        pack_dir, device=make_device(device, 1 << 50), book=PlanBook(list(units), fixed=plan), threads=threads
+    )
     rng = np.random.default_rng(0)
     rows = []
     for tokens in tiers:
@@ -130,14 +177,22 @@ def _copy_rate_while_streaming(pack_dir, threads: int, device: str, tiers, past:
             whole_step(step, past, tokens, rng)
         moved, spent = step.device.copied_bytes - copied, step.device.copy_seconds - seconds
         if moved and spent > 0:
-            rows.append({"placement": "streamed", "kind": "copy", "T": tokens, "C": past + tokens,
-                         "gbps": moved / spent / 1e9})
+            rows.append(
+                {
+                    "placement": "streamed",
+                    "kind": "copy",
+                    "T": tokens,
+                    "C": past + tokens,
+                    "gbps": moved / spent / 1e9,
+                }
+            )
     step.close()
     return rows
 
 
-def time_pack(pack_dir, threads: int, tiers, pasts, repeat: int = 3, progress=lambda: None,
-              device: str | None = None) -> list[dict]:
+def time_pack(
+    pack_dir, threads: int, tiers, pasts, repeat: int = 3, progress=lambda: None, device: str | None = None
+) -> list[dict]:
     """Rows {placement, kind, T, C, seconds} for the pack's attention, FFN and output sub-layers, and {placement,
     kind: "step", T, C, ratio}: on the CPU, and with `device` ("sim", "cuda") every unit pinned on it, where the
     whole model fits in its memory; on sim also the copy rate of a run streaming every unit."""
@@ -155,8 +210,12 @@ def time_pack(pack_dir, threads: int, tiers, pasts, repeat: int = 3, progress=la
     units = list(probe.layout.units)
     probe.close()
     try:
-        pinned = Step(pack_dir, device=make_device(device, 1 << 50 if device == "sim" else _free_bytes()),
-                      book=PlanBook(units, fixed=plan), threads=threads)
+        pinned = Step(
+            pack_dir,
+            device=make_device(device, 1 << 50 if device == "sim" else _free_bytes()),
+            book=PlanBook(units, fixed=plan),
+            threads=threads,
+        )
     except BudgetExceeded:
         return rows  # the model does not fit whole: the estimator keeps its rates for the device
     rows += _time_step_kinds(pinned, "device", tiers, pasts, repeat, progress)

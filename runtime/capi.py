@@ -52,8 +52,11 @@ _SIGNATURES = {  # name: (OrtApi index, argument types, result type); OrtStatus*
     "CustomOpDomain_Add": (27, (_P, _P), _P),
     "AddCustomOpDomain": (28, (_P, _P), _P),
     "CreateRunOptions": (39, (_PP,), _P),
-    "CreateTensorWithDataAsOrtValue": (49, (_P, _P, ctypes.c_size_t, ctypes.POINTER(ctypes.c_int64),
-                                            ctypes.c_size_t, ctypes.c_int, _PP), _P),
+    "CreateTensorWithDataAsOrtValue": (
+        49,
+        (_P, _P, ctypes.c_size_t, ctypes.POINTER(ctypes.c_int64), ctypes.c_size_t, ctypes.c_int, _PP),
+        _P,
+    ),
     "GetTensorMutableData": (51, (_P, _PP), _P),
     "GetTensorElementType": (60, (_P, ctypes.POINTER(ctypes.c_int)), _P),
     "GetDimensionsCount": (61, (_P, ctypes.POINTER(ctypes.c_size_t)), _P),
@@ -97,12 +100,28 @@ _SIGNATURES = {  # name: (OrtApi index, argument types, result type); OrtStatus*
     "CreateSessionFromArrayWithPrepackedWeightsContainer": (169, (_P, _P, ctypes.c_size_t, _P, _P, _PP), _P),
     "SessionOptionsAppendExecutionProvider_CUDA_V2": (204, (_P, _P), _P),
     "CreateCUDAProviderOptions": (205, (_PP,), _P),
-    "UpdateCUDAProviderOptions": (206, (_P, ctypes.POINTER(ctypes.c_char_p), ctypes.POINTER(ctypes.c_char_p),
-                                        ctypes.c_size_t), _P),
+    "UpdateCUDAProviderOptions": (
+        206,
+        (_P, ctypes.POINTER(ctypes.c_char_p), ctypes.POINTER(ctypes.c_char_p), ctypes.c_size_t),
+        _P,
+    ),
     "ReleaseCUDAProviderOptions": (208, (_P,), None),
 }
-_ELEMENT_TYPES = {1: np.float32, 2: np.uint8, 3: np.int8, 4: np.uint16, 5: np.int16, 6: np.int32, 7: np.int64,
-                  9: np.bool_, 10: np.float16, 11: np.float64, 12: np.uint32, 13: np.uint64, 16: BFLOAT16}
+_ELEMENT_TYPES = {
+    1: np.float32,
+    2: np.uint8,
+    3: np.int8,
+    4: np.uint16,
+    5: np.int16,
+    6: np.int32,
+    7: np.int64,
+    9: np.bool_,
+    10: np.float16,
+    11: np.float64,
+    12: np.uint32,
+    13: np.uint64,
+    16: BFLOAT16,
+}
 _ELEMENT_TYPE_OF = {np.dtype(t): code for code, t in _ELEMENT_TYPES.items()}
 _DEVICE_ALLOCATOR, _ARENA_ALLOCATOR, _MEM_TYPE_DEFAULT = 0, 1, 0
 _ENABLE_ALL, _DISABLE_ALL = 99, 0
@@ -145,8 +164,10 @@ class _Library:
 
 
 class _ApiBase(ctypes.Structure):
-    _fields_ = [("GetApi", ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_uint32)),
-                ("GetVersionString", ctypes.CFUNCTYPE(ctypes.c_char_p))]
+    _fields_ = [
+        ("GetApi", ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_uint32)),
+        ("GetVersionString", ctypes.CFUNCTYPE(ctypes.c_char_p)),
+    ]
 
 
 def library_path() -> Path:
@@ -160,8 +181,10 @@ def library_path() -> Path:
         found = sorted(folder.glob(pattern))
         if found:
             return found[0]
-    raise UserError(f"ONNX Runtime's shared library (libonnxruntime) is not in {folder}: pipeshard's CPU engines "
-                    "run through its C API; reinstall onnxruntime from its wheel")
+    raise UserError(
+        f"ONNX Runtime's shared library (libonnxruntime) is not in {folder}: pipeshard's CPU engines "
+        "run through its C API; reinstall onnxruntime from its wheel"
+    )
 
 
 class Runtime:
@@ -194,26 +217,45 @@ class Runtime:
         allocated; made once, kept for the process."""
         key = (name, device_id)
         if key not in self._memory_infos:
-            self._memory_infos[key] = self.lib.make(self.lib.CreateMemoryInfo, name.encode(), _DEVICE_ALLOCATOR,
-                                                    device_id, _MEM_TYPE_DEFAULT)
+            self._memory_infos[key] = self.lib.make(
+                self.lib.CreateMemoryInfo, name.encode(), _DEVICE_ALLOCATOR, device_id, _MEM_TYPE_DEFAULT
+            )
         return self._memory_infos[key]
 
-    def session(self, model: Path | bytes, threads: int | None = None, optimize: bool = True, prepack: bool = True,
-                shared: SharedWeights | None = None, weights_folder: Path | None = None,
-                initializers: dict[str, np.ndarray] | None = None, cuda_options: dict[str, str] | None = None
-                ) -> Session:
+    def session(
+        self,
+        model: Path | bytes,
+        threads: int | None = None,
+        optimize: bool = True,
+        prepack: bool = True,
+        shared: SharedWeights | None = None,
+        weights_folder: Path | None = None,
+        initializers: dict[str, np.ndarray] | None = None,
+        cuda_options: dict[str, str] | None = None,
+    ) -> Session:
         """A session over a model file, or over a serialized model whose external data lie in `weights_folder`.
         `initializers`: arrays used in place of the model's initializers of those names (not copied; kept while
         the session lives); sessions made with the same `shared` and the same arrays prepack them once.
         `cuda_options`: run on the CUDA EP with these provider options (nodes it lacks fall back to the CPU)."""
         try:
-            return Session(self, model, threads or self.threads, optimize, prepack, shared, weights_folder,
-                           initializers or {}, cuda_options)
+            return Session(
+                self,
+                model,
+                threads or self.threads,
+                optimize,
+                prepack,
+                shared,
+                weights_folder,
+                initializers or {},
+                cuda_options,
+            )
         except OrtError as error:
             if not isinstance(model, Path):
                 raise
-            raise UserError(f"{model}: ONNX Runtime cannot load it ({str(error).splitlines()[0][:300]}); "
-                            "`pipeshard inspect PACK --verify` checks a pack's files") from None
+            raise UserError(
+                f"{model}: ONNX Runtime cannot load it ({str(error).splitlines()[0][:300]}); "
+                "`pipeshard inspect PACK --verify` checks a pack's files"
+            ) from None
 
     def custom_op_domain(self) -> ctypes.c_void_p | None:
         """The `pipeshard` op domain (DecodeAttention, runtime/_attention.c; WeightMatMul, runtime/_matmul.c),
@@ -243,8 +285,9 @@ class Runtime:
             raise ValueError(f"cannot bind a {dtype} tensor")
         dims = (ctypes.c_int64 * len(shape))(*shape)
         nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-        return self.lib.make(self.lib.CreateTensorWithDataAsOrtValue, memory, address, nbytes, dims, len(shape),
-                             element)
+        return self.lib.make(
+            self.lib.CreateTensorWithDataAsOrtValue, memory, address, nbytes, dims, len(shape), element
+        )
 
 
 _runtime: Runtime | None = None
@@ -266,9 +309,18 @@ class Session:
     thread count it runs on the shared pool; with another, on a pool of its own that does not spin (dozens of
     spinning pools would fight over the cores: ORT-NOTES, "Thread pools")."""
 
-    def __init__(self, rt: Runtime, model: Path | bytes, threads: int, optimize: bool, prepack: bool,
-                 shared: SharedWeights | None, weights_folder: Path | None,
-                 initializers: dict[str, np.ndarray], cuda_options: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        rt: Runtime,
+        model: Path | bytes,
+        threads: int,
+        optimize: bool,
+        prepack: bool,
+        shared: SharedWeights | None,
+        weights_folder: Path | None,
+        initializers: dict[str, np.ndarray],
+        cuda_options: dict[str, str] | None = None,
+    ) -> None:
         lib = rt.lib
         self.runtime = rt
         options = lib.make(lib.CreateSessionOptions)
@@ -285,7 +337,9 @@ class Session:
                 lib.check(lib.AddSessionConfigEntry(options, b"session.intra_op.allow_spinning", b"0"))
             lib.check(lib.DisableMemPattern(options))
             lib.check(lib.SetSessionLogSeverityLevel(options, _LOG_ERROR))
-            lib.check(lib.SetSessionGraphOptimizationLevel(options, _ENABLE_ALL if optimize else _DISABLE_ALL))
+            lib.check(
+                lib.SetSessionGraphOptimizationLevel(options, _ENABLE_ALL if optimize else _DISABLE_ALL)
+            )
             lib.check(lib.AddSessionConfigEntry(options, b"session.use_env_allocators", b"1"))
             if not prepack:
                 lib.check(lib.AddSessionConfigEntry(options, b"session.disable_prepacking", b"1"))
@@ -294,15 +348,26 @@ class Session:
             container = shared.pointer if shared is not None else None
             if isinstance(model, bytes):
                 if weights_folder is not None:
-                    lib.check(lib.AddSessionConfigEntry(options, _EXTERNAL_DATA_FOLDER, str(weights_folder).encode()))
+                    lib.check(
+                        lib.AddSessionConfigEntry(
+                            options, _EXTERNAL_DATA_FOLDER, str(weights_folder).encode()
+                        )
+                    )
                 if (domain := rt.custom_op_domain()) is not None:
                     lib.check(lib.AddCustomOpDomain(options, domain))
-                self.pointer = lib.make(lib.CreateSessionFromArrayWithPrepackedWeightsContainer, rt.env, model,
-                                        len(model), options, container)
+                self.pointer = lib.make(
+                    lib.CreateSessionFromArrayWithPrepackedWeightsContainer,
+                    rt.env,
+                    model,
+                    len(model),
+                    options,
+                    container,
+                )
             else:
                 encoded = str(model) if sys.platform == "win32" else str(model).encode()
-                self.pointer = lib.make(lib.CreateSessionWithPrepackedWeightsContainer, rt.env, encoded, options,
-                                        container)
+                self.pointer = lib.make(
+                    lib.CreateSessionWithPrepackedWeightsContainer, rt.env, encoded, options, container
+                )
         except BaseException:
             for value in values:
                 lib.ReleaseValue(value)
@@ -311,8 +376,12 @@ class Session:
             lib.ReleaseSessionOptions(options)
         # The finalizer's arguments outlive the session in any order of collection: the container, the values
         # over the given initializers, and the arrays they point into.
-        self._finalizer = weakref.finalize(self, _release_session, lib, self.pointer, shared, values, initializers)
-        self._finalizer.atexit = False  # the process's end frees it; ONNX Runtime's statics may be gone by then
+        self._finalizer = weakref.finalize(
+            self, _release_session, lib, self.pointer, shared, values, initializers
+        )
+        self._finalizer.atexit = (
+            False  # the process's end frees it; ONNX Runtime's statics may be gone by then
+        )
 
     def binding(self) -> Binding:
         return Binding(self)
@@ -330,8 +399,9 @@ def _append_cuda(lib: _Library, options: ctypes.c_void_p, cuda_options: dict[str
         lib.ReleaseCUDAProviderOptions(provider)
 
 
-def _release_session(lib: _Library, pointer: ctypes.c_void_p, shared: SharedWeights | None, values: list,
-                     initializers: dict) -> None:
+def _release_session(
+    lib: _Library, pointer: ctypes.c_void_p, shared: SharedWeights | None, values: list, initializers: dict
+) -> None:
     lib.ReleaseSession(pointer)
     for value in values:
         lib.ReleaseValue(value)
@@ -354,7 +424,9 @@ class Binding:
         self.session = session
         self.lib = lib = session.runtime.lib
         self.pointer = lib.make(lib.CreateIoBinding, session.pointer)
-        self._bound: dict[tuple[str, str], object] = {}  # (side, name): the array or value whose memory is bound
+        self._bound: dict[
+            tuple[str, str], object
+        ] = {}  # (side, name): the array or value whose memory is bound
         # The session is an argument of the finalizer, so it outlives the binding even when both are collected
         # in one cycle (the order of finalizers in a cycle is not defined).
         self._finalizer = weakref.finalize(self, _release_binding, lib, self.pointer, session)
@@ -369,12 +441,22 @@ class Binding:
     def bind_input_at(self, name: str, memory, address: int, dtype, shape, owner) -> None:
         """Bind a tensor at an address in host or device memory (`memory`: its memory info; `owner`: the buffer,
         kept while bound)."""
-        self._bind_value(self.lib.BindInput, "in", name, self.session.runtime.tensor_at(memory, address, dtype, shape),
-                         owner)
+        self._bind_value(
+            self.lib.BindInput,
+            "in",
+            name,
+            self.session.runtime.tensor_at(memory, address, dtype, shape),
+            owner,
+        )
 
     def bind_output_at(self, name: str, memory, address: int, dtype, shape, owner) -> None:
-        self._bind_value(self.lib.BindOutput, "out", name,
-                         self.session.runtime.tensor_at(memory, address, dtype, shape), owner)
+        self._bind_value(
+            self.lib.BindOutput,
+            "out",
+            name,
+            self.session.runtime.tensor_at(memory, address, dtype, shape),
+            owner,
+        )
 
     def _bind(self, function, side: str, name: str, array: np.ndarray) -> None:
         self._bind_value(function, side, name, self.session.runtime.tensor(array), array)
@@ -408,7 +490,9 @@ class Binding:
         lib = self.lib
         values, count = ctypes.POINTER(ctypes.c_void_p)(), ctypes.c_size_t()
         allocator = self.session.runtime.allocator
-        lib.check(lib.GetBoundOutputValues(self.pointer, allocator, ctypes.byref(values), ctypes.byref(count)))
+        lib.check(
+            lib.GetBoundOutputValues(self.pointer, allocator, ctypes.byref(values), ctypes.byref(count))
+        )
         try:
             return [Value(lib, ctypes.c_void_p(values[i])) for i in range(count.value)]
         finally:
@@ -465,8 +549,9 @@ class Block:
     extension one call runs them all (the interpreter is not re-entered between runs); without it, or with a
     `timer` (called with each run's sub-layer name and seconds), one ctypes call per run."""
 
-    def __init__(self, rt: Runtime, runs: list[tuple[str, Session, Binding]], run_options: RunOptions,
-                 timer=None) -> None:
+    def __init__(
+        self, rt: Runtime, runs: list[tuple[str, Session, Binding]], run_options: RunOptions, timer=None
+    ) -> None:
         self.lib = rt.lib
         self.names = [name for name, _, _ in runs]
         self._owners = (runs, run_options)
@@ -475,8 +560,13 @@ class Block:
         self._options = run_options.pointer
         self.timer = timer
         self.native = timer is None and _runloop is not None
-        self._arguments = (rt.lib.run_with_binding_address, ctypes.addressof(self._sessions),
-                           ctypes.addressof(self._bindings), len(runs), run_options.pointer.value)
+        self._arguments = (
+            rt.lib.run_with_binding_address,
+            ctypes.addressof(self._sessions),
+            ctypes.addressof(self._bindings),
+            len(runs),
+            run_options.pointer.value,
+        )
 
     def __call__(self) -> None:
         if self.native:

@@ -43,13 +43,21 @@ class Conversation:
         pieces: list[str] = []
         results: list[Generation] = []
         try:
-            for event in self.generator.stream([prompt_ids], self.settings, results, keep_cache=self.context,
-                                               image_features=features, image_grids=grids):
+            for event in self.generator.stream(
+                [prompt_ids],
+                self.settings,
+                results,
+                keep_cache=self.context,
+                image_features=features,
+                image_grids=grids,
+            ):
                 pieces.append(event.text)
                 yield event.text
         finally:
             self.last = results[0] if results else None
-            self.messages.append({"role": "assistant", "content": self.last.text if self.last else "".join(pieces)})
+            self.messages.append(
+                {"role": "assistant", "content": self.last.text if self.last else "".join(pieces)}
+            )
             if not results:
                 self.generator.cached_tokens = []
 
@@ -58,8 +66,9 @@ class Conversation:
         codec = self.generator.codec
         while True:
             system = [{"role": "system", "content": self.system}] if self.system else []
-            text = codec.render_messages(system + [{"role": m["role"], "content": m["content"]}
-                                                   for m in self.messages])
+            text = codec.render_messages(
+                system + [{"role": m["role"], "content": m["content"]} for m in self.messages]
+            )
             images = [image for m in self.messages for image in m.get("images", ())]
             features = grids = None
             if images:
@@ -72,7 +81,9 @@ class Conversation:
                 return ids, features, grids
             if len(self.messages) <= 1:
                 self.messages.clear()
-                raise UserError(f"this message ({len(ids)} tokens with the template) and --max-new-tokens "
-                                f"({self.settings.max_new_tokens}) do not fit the context of {self.context} tokens")
+                raise UserError(
+                    f"this message ({len(ids)} tokens with the template) and --max-new-tokens "
+                    f"({self.settings.max_new_tokens}) do not fit the context of {self.context} tokens"
+                )
             del self.messages[:2]  # the oldest user turn and its answer
             self.dropped_turns += 1

@@ -77,8 +77,11 @@ class CudaDevice(LedgeredDevice):
         _check(self.rt.cudaSetDevice(device_id))
         self.copy_stream = _check(self.rt.cudaStreamCreate())
         self.compute_stream = _check(self.rt.cudaStreamCreate())
-        self.cuda_options = {"device_id": str(device_id), "user_compute_stream": str(int(self.compute_stream)),
-                             "do_copy_in_default_stream": "0"}
+        self.cuda_options = {
+            "device_id": str(device_id),
+            "user_compute_stream": str(int(self.compute_stream)),
+            "do_copy_in_default_stream": "0",
+        }
         self._sources: list[PinnedSource] = []
         self._slot_released: dict[int, object] = {}  # buffer pointer -> its release event
         self._free_events: list = []
@@ -125,7 +128,9 @@ class CudaDevice(LedgeredDevice):
 
     @staticmethod
     def _read_into(path: Path, offset: int, source: PinnedSource) -> None:
-        view = np.ctypeslib.as_array((np.ctypeslib.ctypes.c_uint8 * source.nbytes).from_address(source.pointer))
+        view = np.ctypeslib.as_array(
+            (np.ctypeslib.ctypes.c_uint8 * source.nbytes).from_address(source.pointer)
+        )
         with open(path, "rb") as file:
             file.seek(offset)
             if file.readinto(memoryview(view)) != source.nbytes:
@@ -141,8 +146,15 @@ class CudaDevice(LedgeredDevice):
         released = self._slot_released.get(target.pointer)
         if released is not None:
             _check(self.rt.cudaStreamWaitEvent(self.copy_stream, released, 0))
-        _check(self.rt.cudaMemcpyAsync(target.pointer, source.pointer, source.nbytes,
-                                       self.rt.cudaMemcpyKind.cudaMemcpyHostToDevice, self.copy_stream))
+        _check(
+            self.rt.cudaMemcpyAsync(
+                target.pointer,
+                source.pointer,
+                source.nbytes,
+                self.rt.cudaMemcpyKind.cudaMemcpyHostToDevice,
+                self.copy_stream,
+            )
+        )
         event = self._event()
         _check(self.rt.cudaEventRecord(event, self.copy_stream))
         self.copied_bytes += source.nbytes
@@ -156,8 +168,14 @@ class CudaDevice(LedgeredDevice):
 
     def upload_now(self, target: DeviceBuffer, source: np.ndarray) -> None:
         """A pinned unit's weights, from the mapped blob (pageable), before the plan's first step."""
-        _check(self.rt.cudaMemcpy(target.pointer, source.ctypes.data, source.nbytes,
-                                  self.rt.cudaMemcpyKind.cudaMemcpyHostToDevice))
+        _check(
+            self.rt.cudaMemcpy(
+                target.pointer,
+                source.ctypes.data,
+                source.nbytes,
+                self.rt.cudaMemcpyKind.cudaMemcpyHostToDevice,
+            )
+        )
         self.copied_bytes += source.nbytes
 
     def released_after_compute(self, buffer: DeviceBuffer) -> None:
@@ -170,23 +188,45 @@ class CudaDevice(LedgeredDevice):
     def copy_in(self, target: DeviceBuffer, source: np.ndarray) -> None:
         """Host data that changes (KV, activations) to the device, after the compute stream's work so far."""
         _check(self.rt.cudaStreamSynchronize(self.compute_stream))
-        _check(self.rt.cudaMemcpy(target.pointer, source.ctypes.data, source.nbytes,
-                                  self.rt.cudaMemcpyKind.cudaMemcpyHostToDevice))
+        _check(
+            self.rt.cudaMemcpy(
+                target.pointer,
+                source.ctypes.data,
+                source.nbytes,
+                self.rt.cudaMemcpyKind.cudaMemcpyHostToDevice,
+            )
+        )
 
     def copy_out(self, target: np.ndarray, source: DeviceBuffer) -> None:
         _check(self.rt.cudaStreamSynchronize(self.compute_stream))
-        _check(self.rt.cudaMemcpy(target.ctypes.data, source.pointer, target.nbytes,
-                                  self.rt.cudaMemcpyKind.cudaMemcpyDeviceToHost))
+        _check(
+            self.rt.cudaMemcpy(
+                target.ctypes.data,
+                source.pointer,
+                target.nbytes,
+                self.rt.cudaMemcpyKind.cudaMemcpyDeviceToHost,
+            )
+        )
 
-    def copy_out_rows(self, target: np.ndarray, source: DeviceBuffer, offset: int, rows: int, width: int,
-                      pitch: int) -> None:
+    def copy_out_rows(
+        self, target: np.ndarray, source: DeviceBuffer, offset: int, rows: int, width: int, pitch: int
+    ) -> None:
         """`rows` runs of `width` bytes, `pitch` apart from `offset` on, from the device buffer into the same places
         of the contiguous host array `target`, after the compute stream's work so far (one 2-D copy)."""
         if offset + (rows - 1) * pitch + width > min(target.nbytes, source.nbytes):
             raise ValueError("copy_out_rows: the region passes the end of a buffer")
         _check(self.rt.cudaStreamSynchronize(self.compute_stream))
-        _check(self.rt.cudaMemcpy2D(target.ctypes.data + offset, pitch, source.pointer + offset, pitch, width, rows,
-                                    self.rt.cudaMemcpyKind.cudaMemcpyDeviceToHost))
+        _check(
+            self.rt.cudaMemcpy2D(
+                target.ctypes.data + offset,
+                pitch,
+                source.pointer + offset,
+                pitch,
+                width,
+                rows,
+                self.rt.cudaMemcpyKind.cudaMemcpyDeviceToHost,
+            )
+        )
 
     def close(self) -> None:
         _check(self.rt.cudaStreamSynchronize(self.copy_stream))

@@ -38,11 +38,14 @@ def _covered(fields: list[wire.Field], float_inputs: set[str]) -> bool:
     inputs += [""] * (11 - len(inputs))
     attributes = wire.node_attributes(fields)
     rotary = attributes.get("do_rotary", 0) == 1
-    return (len(inputs) == 11 and len(wire.strings(fields, wire.NODE_OUTPUT)) == 3
-            and all(not inputs[i] for i in _ABSENT_INPUTS)
-            and rotary == bool(inputs[_COS_CACHE]) == bool(inputs[_SIN_CACHE])
-            and all(attributes.get(name, default) == default for name, default in _DEFAULT_ATTRIBUTES.items())
-            and inputs[_PAST_KEY] in float_inputs)
+    return (
+        len(inputs) == 11
+        and len(wire.strings(fields, wire.NODE_OUTPUT)) == 3
+        and all(not inputs[i] for i in _ABSENT_INPUTS)
+        and rotary == bool(inputs[_COS_CACHE]) == bool(inputs[_SIN_CACHE])
+        and all(attributes.get(name, default) == default for name, default in _DEFAULT_ATTRIBUTES.items())
+        and inputs[_PAST_KEY] in float_inputs
+    )
 
 
 def decode_attention_node(node: bytes, float_inputs: set[str]) -> bytes | None:
@@ -50,5 +53,15 @@ def decode_attention_node(node: bytes, float_inputs: set[str]) -> bytes | None:
     fields = wire.parse(node)
     if not _is_attention(fields) or not _covered(fields, float_inputs):
         return None
-    return wire.serialize([(n, k, (DECODE_OP if n == wire.NODE_OP_TYPE else CUSTOM_DOMAIN).encode()
-                            if n in (wire.NODE_OP_TYPE, wire.NODE_DOMAIN) else v) for n, k, v in fields])
+    return wire.serialize(
+        [
+            (
+                n,
+                k,
+                (DECODE_OP if n == wire.NODE_OP_TYPE else CUSTOM_DOMAIN).encode()
+                if n in (wire.NODE_OP_TYPE, wire.NODE_DOMAIN)
+                else v,
+            )
+            for n, k, v in fields
+        ]
+    )

@@ -44,8 +44,10 @@ class Ledger:
     def charge(self, nbytes: int, purpose: str) -> None:
         with self._lock:
             if self.used + nbytes > self.budget_bytes:
-                raise BudgetExceeded(f"{purpose}: {nbytes} bytes would bring device memory to {self.used + nbytes}, "
-                                     f"over the budget of {self.budget_bytes}")
+                raise BudgetExceeded(
+                    f"{purpose}: {nbytes} bytes would bring device memory to {self.used + nbytes}, "
+                    f"over the budget of {self.budget_bytes}"
+                )
             self.used += nbytes
             self.peak = max(self.peak, self.used)
             self.by_purpose[purpose] = self.by_purpose.get(purpose, 0) + nbytes
@@ -80,7 +82,9 @@ class Device(Protocol):
     def released_after_compute(self, buffer) -> None: ...
     def copy_in(self, target, source: np.ndarray) -> None: ...
     def copy_out(self, target: np.ndarray, source) -> None: ...
-    def copy_out_rows(self, target: np.ndarray, source, offset: int, rows: int, width: int, pitch: int) -> None: ...
+    def copy_out_rows(
+        self, target: np.ndarray, source, offset: int, rows: int, width: int, pitch: int
+    ) -> None: ...
     def set_budget(self, budget_bytes: int) -> None: ...
     def reserve(self, nbytes: int, purpose: str) -> None: ...
     def unreserve(self, nbytes: int, purpose: str) -> None: ...
@@ -101,7 +105,9 @@ class LedgeredDevice:
 
     def set_budget(self, budget_bytes: int) -> None:
         if self.ledger.used > budget_bytes:
-            raise BudgetExceeded(f"{self.ledger.used} bytes still in use, more than the new budget {budget_bytes}")
+            raise BudgetExceeded(
+                f"{self.ledger.used} bytes still in use, more than the new budget {budget_bytes}"
+            )
         self.ledger.budget_bytes = budget_bytes
 
     def reserve(self, nbytes: int, purpose: str) -> None:
@@ -150,8 +156,9 @@ class HostMemoryDevice(LedgeredDevice):
     def copy_out(self, target: np.ndarray, source: np.ndarray) -> None:
         np.copyto(target.reshape(-1).view(np.uint8), source[: target.nbytes])
 
-    def copy_out_rows(self, target: np.ndarray, source: np.ndarray, offset: int, rows: int, width: int,
-                      pitch: int) -> None:
+    def copy_out_rows(
+        self, target: np.ndarray, source: np.ndarray, offset: int, rows: int, width: int, pitch: int
+    ) -> None:
         """`rows` runs of `width` bytes, `pitch` apart from `offset` on, from the device buffer into the same
         places of the contiguous host array `target` (the new rows of a streamed KV cache)."""
         host = target.reshape(-1).view(np.uint8)
@@ -159,8 +166,10 @@ class HostMemoryDevice(LedgeredDevice):
             if offset + (rows - 1) * pitch + width > region.nbytes:
                 raise ValueError("copy_out_rows: the region passes the end of a buffer")
         shape, strides = (rows, width), (pitch, 1)
-        np.copyto(np.lib.stride_tricks.as_strided(host[offset:], shape, strides),
-                  np.lib.stride_tricks.as_strided(source[offset:], shape, strides))
+        np.copyto(
+            np.lib.stride_tricks.as_strided(host[offset:], shape, strides),
+            np.lib.stride_tricks.as_strided(source[offset:], shape, strides),
+        )
 
 
 class CpuDevice(HostMemoryDevice):
@@ -195,6 +204,7 @@ class SimDevice(HostMemoryDevice):
 
     def upload(self, target: np.ndarray, source: np.ndarray) -> Future:
         """Copy host bytes into a device buffer on the copy thread; returns a waitable."""
+
         def copy() -> float:
             started = time.perf_counter()
             np.copyto(target[: source.nbytes], source)
@@ -243,8 +253,10 @@ def make_device(kind: str, budget_bytes: int) -> Device:
         from pipeshard.profiles.measure_cuda import cuda_usable
 
         if not cuda_usable():
-            raise UserError("--device cuda: no usable CUDA execution provider (install pipeshard[gpu] with CUDA 13 "
-                            "and cuDNN 9, and check `nvidia-smi`); use --device sim or cpu")
+            raise UserError(
+                "--device cuda: no usable CUDA execution provider (install pipeshard[gpu] with CUDA 13 "
+                "and cuDNN 9, and check `nvidia-smi`); use --device sim or cpu"
+            )
         from pipeshard.runtime.cuda_device import CudaDevice
 
         return CudaDevice(budget_bytes)

@@ -10,14 +10,23 @@ import numpy as np
 from pipeshard.errors import UserError
 
 EXPORT_SCHEMA_VERSION = 2  # 2: attention is GroupQueryAttention over one in-place KV buffer
-KV_CACHE = {"layout": "shared-buffer", "attention": "com.microsoft.GroupQueryAttention",
-            "shape": ["batch", "kv_heads", "capacity", "head_dim"]}
+KV_CACHE = {
+    "layout": "shared-buffer",
+    "attention": "com.microsoft.GroupQueryAttention",
+    "shape": ["batch", "kv_heads", "capacity", "head_dim"],
+}
 # numpy has no bfloat16: its bits travel as this 2-byte type, which the C-API runtime passes to ONNX Runtime as
 # bfloat16 (runtime/capi.py)
 BFLOAT16 = np.dtype([("bfloat16", "<u2")])
 # numpy types of the dtype names exports and packs use (model dtype; ONNX names of weights)
-NUMPY_DTYPES = {"fp32": np.dtype(np.float32), "fp16": np.dtype(np.float16), "bf16": BFLOAT16,
-                "float32": np.dtype(np.float32), "float16": np.dtype(np.float16), "bfloat16": BFLOAT16}
+NUMPY_DTYPES = {
+    "fp32": np.dtype(np.float32),
+    "fp16": np.dtype(np.float16),
+    "bf16": BFLOAT16,
+    "float32": np.dtype(np.float32),
+    "float16": np.dtype(np.float16),
+    "bfloat16": BFLOAT16,
+}
 
 
 def numpy_dtype(name: str) -> np.dtype:
@@ -29,6 +38,8 @@ def compute_dtype(model: dict) -> np.dtype:
     """The type of a model's activations and KV cache: its `compute_dtype` (half-precision weights computed in
     float32), else its `dtype` (exports made before weights and activations could differ)."""
     return NUMPY_DTYPES[model.get("compute_dtype", model["dtype"])]
+
+
 REQUIRED_FIELDS = ("architecture", "dims", "dtype", "model_file", "inputs", "outputs")
 
 
@@ -50,8 +61,10 @@ def read_export_info(folder: Path) -> dict:
     path = Path(folder) / "export.json"
     info = read_json(path, "pipeshard export folder")
     if info.get("schema_version") != EXPORT_SCHEMA_VERSION:
-        raise UserError(f"{path}: unsupported schema_version {info.get('schema_version')!r} "
-                        f"(this pipeshard reads {EXPORT_SCHEMA_VERSION}; export the model again)")
+        raise UserError(
+            f"{path}: unsupported schema_version {info.get('schema_version')!r} "
+            f"(this pipeshard reads {EXPORT_SCHEMA_VERSION}; export the model again)"
+        )
     for field in REQUIRED_FIELDS:
         if field not in info:
             raise UserError(f"{path}: missing field {field!r}")
@@ -62,6 +75,8 @@ def read_export_info(folder: Path) -> dict:
         if not path.is_file():
             raise UserError(f"{path} is missing (listed in export.json)")
         if path.stat().st_size != listed["bytes"]:
-            raise UserError(f"{path} has {path.stat().st_size} bytes, export.json says {listed['bytes']} "
-                            "(truncated or replaced)")
+            raise UserError(
+                f"{path} has {path.stat().st_size} bytes, export.json says {listed['bytes']} "
+                "(truncated or replaced)"
+            )
     return info

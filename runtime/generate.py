@@ -26,8 +26,13 @@ class ForwardStep(Protocol):
     def start(self, batch_size: int, context: int | None = None) -> None:
         """Forget every cached token and prepare for `batch_size` sequences of up to `context` tokens."""
 
-    def forward(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray,
-                image_features: np.ndarray | None = None) -> np.ndarray:
+    def forward(
+        self,
+        input_ids: np.ndarray,
+        attention_mask: np.ndarray,
+        position_ids: np.ndarray,
+        image_features: np.ndarray | None = None,
+    ) -> np.ndarray:
         """Logits for int64 ids [batch, T], mask [batch, past + T], positions [batch, T]: [batch, T, vocab], or
         [batch, 1, vocab] (the last new token only) for steps that skip the rest — generation needs no more.
         The array may be the step's own buffer, overwritten by the next forward: copy what you keep. A VLM's
@@ -83,8 +88,9 @@ class Generation:
     step_token_counts: list[int] = field(default_factory=list)
 
 
-def choose_next_tokens(logits: np.ndarray, history: list[list[int]], settings: SamplingSettings,
-                       rng: np.random.Generator) -> np.ndarray:
+def choose_next_tokens(
+    logits: np.ndarray, history: list[list[int]], settings: SamplingSettings, rng: np.random.Generator
+) -> np.ndarray:
     """Pick one token per row of `logits` [batch, vocab] by the sampling settings."""
     if settings.temperature == 0 and settings.repetition_penalty == 1.0:
         return logits.argmax(axis=-1)  # greedy: the model's own dtype has the same argmax, and no copy
@@ -94,8 +100,9 @@ def choose_next_tokens(logits: np.ndarray, history: list[list[int]], settings: S
             if seen:
                 ids = np.unique(np.asarray(seen))
                 values = logits[row, ids]
-                logits[row, ids] = np.where(values > 0, values / settings.repetition_penalty,
-                                            values * settings.repetition_penalty)
+                logits[row, ids] = np.where(
+                    values > 0, values / settings.repetition_penalty, values * settings.repetition_penalty
+                )
     if settings.temperature == 0:
         return logits.argmax(axis=-1)
     logits /= settings.temperature
@@ -128,27 +135,47 @@ class Generator:
         self.cached_features: np.ndarray | None = None  # the image features of the kept cache's image tokens
 
     def prompt_ids(self, prompt: str, chat_template: bool = True, system: str | None = None) -> list[int]:
-        ids = self.codec.encode(self.codec.render_chat(prompt, system)) if chat_template else \
-            self.codec.encode(prompt, add_special_tokens=True)
+        ids = (
+            self.codec.encode(self.codec.render_chat(prompt, system))
+            if chat_template
+            else self.codec.encode(prompt, add_special_tokens=True)
+        )
         if not ids:
             raise UserError("the prompt is empty")
         return ids
 
-    def generate(self, prompts: list[list[int]], settings: SamplingSettings,
-                 image_features: np.ndarray | None = None, image_grids: np.ndarray | None = None) -> list[Generation]:
+    def generate(
+        self,
+        prompts: list[list[int]],
+        settings: SamplingSettings,
+        image_features: np.ndarray | None = None,
+        image_grids: np.ndarray | None = None,
+    ) -> list[Generation]:
         """Generate for a batch of tokenized prompts; returns one Generation per prompt."""
         results: list[Generation] = []
         # Nobody reads the pieces here: the text is decoded once at the end, unless stop strings must be
         # watched for as it grows.
-        for _ in self.stream(prompts, settings, results, pieces=bool(settings.stop_strings),
-                             image_features=image_features, image_grids=image_grids):
+        for _ in self.stream(
+            prompts,
+            settings,
+            results,
+            pieces=bool(settings.stop_strings),
+            image_features=image_features,
+            image_grids=image_grids,
+        ):
             pass
         return results
 
-    def stream(self, prompts: list[list[int]], settings: SamplingSettings,
-               results: list[Generation] | None = None, pieces: bool = True,
-               keep_cache: int | None = None, image_features: np.ndarray | None = None,
-               image_grids: np.ndarray | None = None) -> Iterator[StreamEvent]:
+    def stream(
+        self,
+        prompts: list[list[int]],
+        settings: SamplingSettings,
+        results: list[Generation] | None = None,
+        pieces: bool = True,
+        keep_cache: int | None = None,
+        image_features: np.ndarray | None = None,
+        image_grids: np.ndarray | None = None,
+    ) -> Iterator[StreamEvent]:
         """Yield text pieces as tokens are chosen (none with `pieces=False`: then stop strings are only cut
         from the final text); fill `results` (if given) when done. `keep_cache` (one prompt only): a KV cache of
         that many tokens is kept between calls, and a prompt that begins with tokens it already holds (the turns
@@ -167,8 +194,10 @@ class Generator:
                 f"of {self.step.max_context} tokens"
             )
         if keep_cache is not None and longest + settings.max_new_tokens > keep_cache:
-            raise UserError(f"prompt ({longest} tokens) + --max-new-tokens ({settings.max_new_tokens}) exceeds the "
-                            f"context of {keep_cache} tokens")
+            raise UserError(
+                f"prompt ({longest} tokens) + --max-new-tokens ({settings.max_new_tokens}) exceeds the "
+                f"context of {keep_cache} tokens"
+            )
         batch = len(prompts)
         rng = np.random.default_rng(settings.seed)
         total = longest + settings.max_new_tokens
@@ -176,8 +205,8 @@ class Generator:
         # One mask for the whole generation; each step sees its first `longest + step` columns.
         full_mask = np.zeros((batch, total), dtype=np.int64)
         for row, ids in enumerate(prompts):
-            input_ids[row, longest - len(ids):] = ids
-            full_mask[row, longest - len(ids):] = 1
+            input_ids[row, longest - len(ids) :] = ids
+            full_mask[row, longest - len(ids) :] = 1
         full_mask[:, longest:] = 1
         attention_mask = full_mask[:, :longest]
         position_ids = np.maximum(np.cumsum(attention_mask, axis=1) - 1, 0)
@@ -187,7 +216,11 @@ class Generator:
             from pipeshard.runtime.images import mrope_batch_positions
 
             position_ids, deltas = mrope_batch_positions(prompts, longest, image_grids, self.step.mrope)
-        reused = self._reusable_prefix(prompts[0], total, keep_cache, image_features) if keep_cache is not None else 0
+        reused = (
+            self._reusable_prefix(prompts[0], total, keep_cache, image_features)
+            if keep_cache is not None
+            else 0
+        )
         features = image_features
         if reused:
             input_ids, position_ids = input_ids[:, reused:], position_ids[..., reused:]
@@ -240,10 +273,13 @@ class Generator:
                 break
             input_ids = np.where([r is None for r in stop_reason], next_tokens, self.codec.pad_token_id)
             input_ids = input_ids.astype(np.int64).reshape(batch, 1)
-            attention_mask = full_mask[:, :attention_mask.shape[1] + 1]
+            attention_mask = full_mask[:, : attention_mask.shape[1] + 1]
             text_positions = text_positions[:, -1:] + 1
-            position_ids = text_positions if deltas is None else \
-                np.broadcast_to(text_positions + deltas[:, None], (3, batch, 1)).copy()
+            position_ids = (
+                text_positions
+                if deltas is None
+                else np.broadcast_to(text_positions + deltas[:, None], (3, batch, 1)).copy()
+            )
         finished = time.perf_counter()
         for row, stream in enumerate(texts):
             if rest := stream.flush():
@@ -253,23 +289,26 @@ class Generator:
             text = self.codec.decode(generated[row])
             stop_at = _first_stop(text, settings.stop_strings)
             if results is not None:
-                results.append(Generation(
-                    prompt_tokens=list(ids),
-                    tokens=generated[row],
-                    text=text if stop_at is None else text[:stop_at],
-                    stop_reason=stop_reason[row] or "length",
-                    ttft_s=first_token_at - started,
-                    decode_tok_s=decode_steps / (finished - first_token_at) if decode_steps else 0.0,
-                    prefill_tok_s=len(ids) / (first_token_at - started),
-                    steps=len(step_counts),
-                    step_token_counts=step_counts,
-                ))
+                results.append(
+                    Generation(
+                        prompt_tokens=list(ids),
+                        tokens=generated[row],
+                        text=text if stop_at is None else text[:stop_at],
+                        stop_reason=stop_reason[row] or "length",
+                        ttft_s=first_token_at - started,
+                        decode_tok_s=decode_steps / (finished - first_token_at) if decode_steps else 0.0,
+                        prefill_tok_s=len(ids) / (first_token_at - started),
+                        steps=len(step_counts),
+                        step_token_counts=step_counts,
+                    )
+                )
 
     def _image_token(self) -> int | None:
         return getattr(self.step, "image_token_id", None)
 
-    def _reusable_prefix(self, prompt: list[int], total: int, capacity: int,
-                         image_features: np.ndarray | None = None) -> int:
+    def _reusable_prefix(
+        self, prompt: list[int], total: int, capacity: int, image_features: np.ndarray | None = None
+    ) -> int:
         """How many of the prompt's first tokens the kept cache holds (at least one token is always fed); image
         tokens count only where the cache saw the same features for them."""
         if capacity != self.cache_capacity or total > capacity:
@@ -283,8 +322,13 @@ class Generator:
         images = prompt[:same].count(image_token) if image_token is not None else 0
         if images:
             cached = self.cached_features
-            seen = cached is not None and image_features is not None and len(cached) >= images and \
-                len(image_features) >= images and np.array_equal(cached[:images], image_features[:images])
+            seen = (
+                cached is not None
+                and image_features is not None
+                and len(cached) >= images
+                and len(image_features) >= images
+                and np.array_equal(cached[:images], image_features[:images])
+            )
             if not seen:
                 same = prompt.index(image_token)
         return same
@@ -309,32 +353,39 @@ class _TextStream:
     def add(self, token: int) -> tuple[str, bool]:
         """The text this token releases (maybe ''), and whether a stop string has now appeared."""
         self.tokens.append(token)
-        before = self.codec.decode(self.tokens[self.prefix:self.read])
-        window = self.codec.decode(self.tokens[self.prefix:])
+        before = self.codec.decode(self.tokens[self.prefix : self.read])
+        window = self.codec.decode(self.tokens[self.prefix :])
         if len(window) <= len(before) or window.endswith("\ufffd"):
             return "", False
         self.prefix, self.read = self.read, len(self.tokens)
-        self.text += window[len(before):]
+        self.text += window[len(before) :]
         searched_from = max(0, self.emitted - self.longest_stop)
         stop_at = _first_stop(self.text[searched_from:], self.stop_strings)
         if stop_at is not None:
-            self.text = self.text[:searched_from + stop_at]
+            self.text = self.text[: searched_from + stop_at]
             return self.flush(), True
         held = _stop_prefix_length(self.text, self.stop_strings)
-        released = self.text[self.emitted:len(self.text) - held]
+        released = self.text[self.emitted : len(self.text) - held]
         self.emitted += len(released)
         return released, False
 
     def flush(self) -> str:
-        released = self.text[self.emitted:]
+        released = self.text[self.emitted :]
         self.emitted = len(self.text)
         return released
 
 
 def _stop_prefix_length(text: str, stop_strings: tuple[str, ...]) -> int:
     """How many characters at the end of `text` are the beginning of a stop string."""
-    return max((size for stop in stop_strings for size in range(min(len(stop) - 1, len(text)), 0, -1)
-                if text.endswith(stop[:size])), default=0)
+    return max(
+        (
+            size
+            for stop in stop_strings
+            for size in range(min(len(stop) - 1, len(text)), 0, -1)
+            if text.endswith(stop[:size])
+        ),
+        default=0,
+    )
 
 
 def _first_stop(text: str, stop_strings: tuple[str, ...]) -> int | None:

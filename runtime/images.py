@@ -95,7 +95,10 @@ def expand_image_tokens(text: str, inputs: ImageInputs, config: dict) -> str:
             f"but {len(inputs.image_tokens)} image(s) were given"
         )
     if config["family"] == "idefics3":
-        runs = [_idefics3_image_text(rows, cols, config) for rows, cols in zip(inputs.rows, inputs.cols, strict=True)]
+        runs = [
+            _idefics3_image_text(rows, cols, config)
+            for rows, cols in zip(inputs.rows, inputs.cols, strict=True)
+        ]
     else:
         runs = [config["image_token"] * count for count in inputs.image_tokens]
     expanded = [pieces[0]]
@@ -197,7 +200,7 @@ def _preprocess_idefics3(images: list[Image.Image], config: dict) -> ImageInputs
         image_rows, image_cols = image.height // tile, image.width // tile
         for row in range(image_rows):
             for col in range(image_cols):
-                tiles.append(pixels[:, row * tile:(row + 1) * tile, col * tile:(col + 1) * tile])
+                tiles.append(pixels[:, row * tile : (row + 1) * tile, col * tile : (col + 1) * tile])
         tiles.append(_rescale_and_normalize(_resize(image, tile, tile, config), config))
         rows.append(image_rows)
         cols.append(image_cols)
@@ -214,7 +217,9 @@ def _idefics3_image_text(rows: int, cols: int, config: dict) -> str:
         return global_view
     row_texts = []
     for row in range(rows):
-        tiles = [fake + config["row_col_token"].format(row=row + 1, col=col + 1) + image_run for col in range(cols)]
+        tiles = [
+            fake + config["row_col_token"].format(row=row + 1, col=col + 1) + image_run for col in range(cols)
+        ]
         row_texts.append("".join(tiles) + "\n")
     return "".join(row_texts) + "\n" + global_view
 
@@ -314,7 +319,9 @@ def vision_window_index(grid_thw: np.ndarray, config: dict) -> tuple[np.ndarray,
     return np.concatenate(window_index).astype(np.int64), bounds_array[keep]
 
 
-def mrope_position_ids(input_ids: np.ndarray, image_grid_thw: np.ndarray, config: dict) -> tuple[np.ndarray, int]:
+def mrope_position_ids(
+    input_ids: np.ndarray, image_grid_thw: np.ndarray, config: dict
+) -> tuple[np.ndarray, int]:
     """Qwen2-VL's decoder positions (M-RoPE) for one prompt's ids: int64 [3, tokens] of (time, row, column).
 
     Text counts up on all three axes; each run of image tokens takes its merged grid's coordinates, offset by
@@ -379,14 +386,20 @@ def qwen2_5_vl_vision_inputs(grid_thw: np.ndarray, config: dict) -> dict[str, np
     window_side = config["window_size"] // config["patch_size"]
     window_rows, window_slots = attention_groups(window_bounds, window_side * window_side)
     image_rows, image_slots = attention_groups(cu_seqlens(grid_thw))
-    return {"window_index": window_index, "reverse_index": np.argsort(window_index).astype(np.int64),
-            "rotary_ids": rotary_position_ids(grid_thw, config["merge_size"]),
-            "window_rows": window_rows, "window_slots": window_slots,
-            "image_rows": image_rows, "image_slots": image_slots}
+    return {
+        "window_index": window_index,
+        "reverse_index": np.argsort(window_index).astype(np.int64),
+        "rotary_ids": rotary_position_ids(grid_thw, config["merge_size"]),
+        "window_rows": window_rows,
+        "window_slots": window_slots,
+        "image_rows": image_rows,
+        "image_slots": image_slots,
+    }
 
 
-def mrope_batch_positions(prompts: list[list[int]], width: int, image_grids: np.ndarray | None,
-                          config: dict) -> tuple[np.ndarray, np.ndarray]:
+def mrope_batch_positions(
+    prompts: list[list[int]], width: int, image_grids: np.ndarray | None, config: dict
+) -> tuple[np.ndarray, np.ndarray]:
     """M-RoPE positions of a left-padded batch: int64 [3, batch, width] (padding at 0) and each row's delta (a
     later token at index i of its row has position i + delta on every axis). `image_grids` [images, 3]: the
     images of every prompt in reading order, prompt by prompt."""
@@ -398,6 +411,7 @@ def mrope_batch_positions(prompts: list[list[int]], width: int, image_grids: np.
         is_image = ids == config["image_token_id"]
         runs = int(is_image[0]) + int(np.count_nonzero(is_image[1:] & ~is_image[:-1])) if len(ids) else 0
         its_grids = [next(grids) for _ in range(runs)]
-        positions[:, row, width - len(ids):], deltas[row] = mrope_position_ids(ids, np.array(its_grids).reshape(-1, 3),
-                                                                              config)
+        positions[:, row, width - len(ids) :], deltas[row] = mrope_position_ids(
+            ids, np.array(its_grids).reshape(-1, 3), config
+        )
     return positions, deltas

@@ -56,26 +56,45 @@ class JoinedGraph:
         return all(index in ancestors for index, (inputs, _) in enumerate(self.nodes) if read in inputs)
 
 
-def join(paths: Iterable[Path], outputs: set[str], float_inputs: set[str] | None = None,
-         product_weights: set[str] | None = None) -> JoinedGraph:
+def join(
+    paths: Iterable[Path],
+    outputs: set[str],
+    float_inputs: set[str] | None = None,
+    product_weights: set[str] | None = None,
+) -> JoinedGraph:
     """The sub-layer models at `paths`, in that order, as one: graph outputs are the sub-layers' outputs named in
     `outputs`. With `float_inputs` (the float32 tensors among the sub-layers' inputs), covered GroupQueryAttention
     nodes are swapped for DecodeAttention; products of the weights in `product_weights` for WeightMatMul
     (runtime/weight_matmul.py)."""
     models = [wire.parse(Path(path).read_bytes()) for path in paths]
     graphs = [wire.parse(_only(model, _MODEL_GRAPH)) for model in models]
-    produced = {output for graph in graphs for number, _, value in graph if number == _GRAPH_NODE
-                for output in wire.strings(wire.parse(value), _NODE_OUTPUT)}
+    produced = {
+        output
+        for graph in graphs
+        for number, _, value in graph
+        if number == _GRAPH_NODE
+        for output in wire.strings(wire.parse(value), _NODE_OUTPUT)
+    }
     first = graphs[0]
-    joined: list[wire.Field] = [field for field in first if field[0] not in
-                                (_GRAPH_NODE, _GRAPH_INITIALIZER, _GRAPH_INPUT, _GRAPH_OUTPUT, _GRAPH_VALUE_INFO)]
-    seen: dict[int, set[str]] = {_GRAPH_INITIALIZER: set(), _GRAPH_INPUT: set(), _GRAPH_OUTPUT: set(),
-                                 _GRAPH_VALUE_INFO: set()}
+    joined: list[wire.Field] = [
+        field
+        for field in first
+        if field[0] not in (_GRAPH_NODE, _GRAPH_INITIALIZER, _GRAPH_INPUT, _GRAPH_OUTPUT, _GRAPH_VALUE_INFO)
+    ]
+    seen: dict[int, set[str]] = {
+        _GRAPH_INITIALIZER: set(),
+        _GRAPH_INPUT: set(),
+        _GRAPH_OUTPUT: set(),
+        _GRAPH_VALUE_INFO: set(),
+    }
     swapped = 0
     for graph in graphs:
         for number, kind, value in graph:
             if number == _GRAPH_NODE:
-                if float_inputs is not None and (decode := decode_attention_node(value, float_inputs)) is not None:
+                if (
+                    float_inputs is not None
+                    and (decode := decode_attention_node(value, float_inputs)) is not None
+                ):
                     value, swapped = decode, swapped + 1
                 joined.append((number, kind, value))
                 continue
@@ -99,19 +118,31 @@ def join(paths: Iterable[Path], outputs: set[str], float_inputs: set[str] | None
     opsets = _opsets(models)
     if swapped or products:
         opsets[CUSTOM_DOMAIN] = 1
-    model += [(_MODEL_OPSET_IMPORT, wire.LENGTH, wire.serialize(
-        [(_OPSET_DOMAIN, wire.LENGTH, domain.encode()), (_OPSET_VERSION, wire.VARINT, version)]))
-        for domain, version in opsets.items()]
+    model += [
+        (
+            _MODEL_OPSET_IMPORT,
+            wire.LENGTH,
+            wire.serialize(
+                [(_OPSET_DOMAIN, wire.LENGTH, domain.encode()), (_OPSET_VERSION, wire.VARINT, version)]
+            ),
+        )
+        for domain, version in opsets.items()
+    ]
     return JoinedGraph(wire.serialize(model), inputs, kept_outputs, swapped, nodes, products)
 
 
-def _swap_products(graph: list[wire.Field], weights: set[str], outputs: set[str]) -> tuple[list[wire.Field], int]:
+def _swap_products(
+    graph: list[wire.Field], weights: set[str], outputs: set[str]
+) -> tuple[list[wire.Field], int]:
     """The graph's fields with its products of `weights` swapped for WeightMatMul (their Casts dropped)."""
     at = [index for index, (number, _, _) in enumerate(graph) if number == _GRAPH_NODE]
     nodes, swapped = swap_products([graph[index][2] for index in at], weights, outputs)
     replaced = dict(zip(at, nodes, strict=True))
-    return [field if index not in replaced else (_GRAPH_NODE, wire.LENGTH, replaced[index])
-            for index, field in enumerate(graph) if index not in replaced or replaced[index] is not None], swapped
+    return [
+        field if index not in replaced else (_GRAPH_NODE, wire.LENGTH, replaced[index])
+        for index, field in enumerate(graph)
+        if index not in replaced or replaced[index] is not None
+    ], swapped
 
 
 def _nodes(graph: list[wire.Field]) -> list[list[wire.Field]]:

@@ -24,15 +24,17 @@ PADDING_BIAS = "_gqa_padding_bias"
 
 
 def present_name(past: str) -> str:
-    return PRESENT_PREFIX + past[len(PAST_PREFIX):]
+    return PRESENT_PREFIX + past[len(PAST_PREFIX) :]
 
 
 def check_step_shape(batch: int, tokens: int, total: int) -> None:
     """ONNX Runtime's CPU GroupQueryAttention runs several new tokens on top of a past only for one
     sequence; the runtimes never ask for that (a batch's prompt is one step), a caller might."""
     if batch > 1 and tokens > 1 and total > tokens:
-        raise UserError(f"a step of {tokens} new tokens on top of a cached past is only supported for batch 1 "
-                        f"(got batch {batch}): prefill a batch's prompts in one step")
+        raise UserError(
+            f"a step of {tokens} new tokens on top of a cached past is only supported for batch 1 "
+            f"(got batch {batch}): prefill a batch's prompts in one step"
+        )
 
 
 class HostKvCache:
@@ -88,5 +90,4 @@ def image_rows(token_ids, begin: int, end: int, image_token_id: int | None, feat
         return None
     ids = np.asarray(token_ids)
     first = int(np.count_nonzero(ids[:begin] == image_token_id))
-    return features[first: first + int(np.count_nonzero(ids[begin:end] == image_token_id))]
-
+    return features[first : first + int(np.count_nonzero(ids[begin:end] == image_token_id))]

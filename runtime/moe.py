@@ -29,8 +29,15 @@ class MoeBlock:
 
     @classmethod
     def from_manifest(cls, entry: dict) -> MoeBlock:
-        return cls(entry["layer"], entry["router"], entry["experts"], entry["hidden"], entry["routing"],
-                   entry["residual"], entry["output"])
+        return cls(
+            entry["layer"],
+            entry["router"],
+            entry["experts"],
+            entry["hidden"],
+            entry["routing"],
+            entry["residual"],
+            entry["output"],
+        )
 
 
 def moe_blocks_of(manifest: dict) -> dict[str, MoeBlock]:
@@ -46,7 +53,9 @@ class ExpertStats:
     num_experts: int = 0
     activations: dict[int, np.ndarray] = field(default_factory=dict)
     tokens: dict[int, np.ndarray] = field(default_factory=dict)
-    distinct_by_step_tokens: dict[int, list[int]] = field(default_factory=dict)  # T -> [samples, sum of distinct]
+    distinct_by_step_tokens: dict[int, list[int]] = field(
+        default_factory=dict
+    )  # T -> [samples, sum of distinct]
     steps: int = 0
     routed_tokens: int = 0
     trace: list[tuple[int, list[int]]] | None = None  # (layer, experts run) per MoE layer and step, when kept
@@ -71,14 +80,25 @@ class ExpertStats:
 
     def to_json(self) -> dict:
         """The stats file `pipeshard plan --expert-stats` reads (docs/model-pack.md)."""
-        return {"schema_version": 1, "steps": self.steps, "routed_tokens": self.routed_tokens,
-                "layers": {str(layer): {"activations": self.activations[layer].tolist(),
-                                        "tokens": self.tokens[layer].tolist()} for layer in sorted(self.activations)},
-                "distinct_experts_per_step": self.mean_distinct_experts()}
+        return {
+            "schema_version": 1,
+            "steps": self.steps,
+            "routed_tokens": self.routed_tokens,
+            "layers": {
+                str(layer): {
+                    "activations": self.activations[layer].tolist(),
+                    "tokens": self.tokens[layer].tolist(),
+                }
+                for layer in sorted(self.activations)
+            },
+            "distinct_experts_per_step": self.mean_distinct_experts(),
+        }
 
     def mean_distinct_experts(self) -> dict[str, float]:
         """Per step size (new tokens), the mean number of distinct experts a MoE layer ran."""
-        return {str(t): total / samples for t, (samples, total) in sorted(self.distinct_by_step_tokens.items())}
+        return {
+            str(t): total / samples for t, (samples, total) in sorted(self.distinct_by_step_tokens.items())
+        }
 
 
 def chosen_experts(routing: np.ndarray, live: np.ndarray | None = None) -> list[tuple[int, np.ndarray]]:
@@ -91,19 +111,25 @@ def chosen_experts(routing: np.ndarray, live: np.ndarray | None = None) -> list[
     return [(int(expert), np.flatnonzero(chosen[:, expert])) for expert in np.flatnonzero(chosen.any(axis=0))]
 
 
-def combine(residual: np.ndarray, hidden: np.ndarray, routing: np.ndarray,
-            chosen: list[tuple[int, np.ndarray]], run_expert: Callable[[int, np.ndarray, np.ndarray], np.ndarray],
-            out: np.ndarray) -> None:
+def combine(
+    residual: np.ndarray,
+    hidden: np.ndarray,
+    routing: np.ndarray,
+    chosen: list[tuple[int, np.ndarray]],
+    run_expert: Callable[[int, np.ndarray, np.ndarray], np.ndarray],
+    out: np.ndarray,
+) -> None:
     """out = residual + the chosen experts' outputs on their rows. The experts run in `chosen` order (a
     runtime may put some first); their outputs are added in expert order, as the dense graph adds them."""
     width = hidden.shape[-1]
     flat_hidden = hidden.reshape(-1, width)
     flat_routing = routing.reshape(-1, routing.shape[-1])
-    produced = {expert: (rows, run_expert(expert, flat_hidden[rows][None], flat_routing[rows][None]))
-                for expert, rows in chosen}
+    produced = {
+        expert: (rows, run_expert(expert, flat_hidden[rows][None], flat_routing[rows][None]))
+        for expert, rows in chosen
+    }
     total = np.zeros_like(flat_hidden)
     for expert in sorted(produced):
         rows, output = produced[expert]
         total[rows] += output.reshape(len(rows), width)
     np.add(residual, total.reshape(residual.shape), out=out)
-

@@ -31,8 +31,9 @@ class MonolithicStep:
         rt = capi.runtime(threads)
         self.session = rt.session(self.folder / self.info["model_file"], threads, optimize)
         past_names = [name for name in self.info["inputs"] if name.startswith(PAST_PREFIX)]
-        self.kv = HostKvCache(past_names, int(dims["num_key_value_heads"]), int(dims["head_dim"]),
-                              compute_dtype(self.info))
+        self.kv = HostKvCache(
+            past_names, int(dims["num_key_value_heads"]), int(dims["head_dim"]), compute_dtype(self.info)
+        )
         self.vocab_size = int(dims["vocab_size"])
         self.binding = self.session.binding()
         self.run_options = rt.run_options()
@@ -53,8 +54,13 @@ class MonolithicStep:
             self.binding.bind_input(name, buffer)
             self.binding.bind_output(present_name(name), buffer)
 
-    def forward(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray,
-                image_features: np.ndarray | None = None) -> np.ndarray:
+    def forward(
+        self,
+        input_ids: np.ndarray,
+        attention_mask: np.ndarray,
+        position_ids: np.ndarray,
+        image_features: np.ndarray | None = None,
+    ) -> np.ndarray:
         """One step; a VLM's decoder takes the rows of the step's image tokens (`image_features`)."""
         batch, tokens = input_ids.shape
         total = attention_mask.shape[1]
@@ -66,8 +72,12 @@ class MonolithicStep:
         binding.bind_input("attention_mask", np.ascontiguousarray(attention_mask, dtype=np.int64))
         binding.bind_input("position_ids", np.ascontiguousarray(position_ids, dtype=np.int64))
         if self.takes_images:
-            binding.bind_input(IMAGE_FEATURES, np.ascontiguousarray(
-                self._no_features if image_features is None else image_features, self.kv.dtype))
+            binding.bind_input(
+                IMAGE_FEATURES,
+                np.ascontiguousarray(
+                    self._no_features if image_features is None else image_features, self.kv.dtype
+                ),
+            )
         if self._logits.shape[:2] != (batch, tokens):  # logits land in our buffer: no output is fetched back
             self._logits = np.empty((batch, tokens, self.vocab_size), self.kv.dtype)
             binding.bind_output("logits", self._logits)

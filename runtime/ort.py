@@ -59,8 +59,11 @@ def use_process_thread_pool(threads: int | None = None) -> bool:
     threads = threads or default_threads()
     if _process_pool_threads:
         if threads != _process_pool_threads:
-            log.warning("warning: this process's ONNX Runtime thread pool has %d threads; %d asked for now",
-                        _process_pool_threads, threads)
+            log.warning(
+                "warning: this process's ONNX Runtime thread pool has %d threads; %d asked for now",
+                _process_pool_threads,
+                threads,
+            )
         return True
     try:
         ort.capi._pybind_state.set_global_thread_pool_sizes(threads, 1)

@@ -41,8 +41,10 @@ class Pack:
     def require_weights(self) -> None:
         """Refuse to run a shape-only pack."""
         if self.shape_only:
-            raise UserError(f"{self.folder} is a shape-only pack (export --shape-only): it holds no weights, so it "
-                            "can be inspected and planned but not run; export the model with its weights to run it")
+            raise UserError(
+                f"{self.folder} is a shape-only pack (export --shape-only): it holds no weights, so it "
+                "can be inspected and planned but not run; export the model with its weights to run it"
+            )
 
     def path(self, name: str) -> Path:
         return self.folder / name
@@ -63,8 +65,9 @@ class MappedWeights:
                 with open(path, "rb") as file:
                     self.maps[path] = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
             dtype = numpy_dtype(weight["dtype"])
-            added[weight["name"]] = np.frombuffer(self.maps[path], dtype, weight["bytes"] // dtype.itemsize,
-                                                  weight["offset"]).reshape(weight["shape"])
+            added[weight["name"]] = np.frombuffer(
+                self.maps[path], dtype, weight["bytes"] // dtype.itemsize, weight["offset"]
+            ).reshape(weight["shape"])
         return added
 
     def release_pages(self) -> None:
@@ -76,8 +79,12 @@ class MappedWeights:
 
 def evaluate_cost(coefficients: dict[str, float], tokens: float, context: float) -> float:
     """A manifest cost at T new tokens and context C: const + T*t + C*c + T*C*tc."""
-    return (coefficients.get("const", 0.0) + coefficients.get("T", 0.0) * tokens
-            + coefficients.get("C", 0.0) * context + coefficients.get("TC", 0.0) * tokens * context)
+    return (
+        coefficients.get("const", 0.0)
+        + coefficients.get("T", 0.0) * tokens
+        + coefficients.get("C", 0.0) * context
+        + coefficients.get("TC", 0.0) * tokens * context
+    )
 
 
 def is_pack(folder: Path) -> bool:
@@ -92,8 +99,10 @@ def load_pack(folder: Path, verify: bool = False) -> Pack:
     path = folder / MANIFEST_NAME
     manifest = read_json(path, "model pack")
     if manifest.get("schema_version") != PACK_SCHEMA_VERSION:
-        raise UserError(f"{path}: unsupported schema_version {manifest.get('schema_version')!r} "
-                        f"(this pipeshard reads {PACK_SCHEMA_VERSION}; export and partition the model again)")
+        raise UserError(
+            f"{path}: unsupported schema_version {manifest.get('schema_version')!r} "
+            f"(this pipeshard reads {PACK_SCHEMA_VERSION}; export and partition the model again)"
+        )
     for required in ("model", "sub_layers"):
         if required not in manifest:
             raise UserError(f"{path}: missing field {required!r}")
@@ -113,14 +122,19 @@ def load_pack(folder: Path, verify: bool = False) -> Pack:
                 raise UserError(f"{blob_path} is missing (sub-layer {entry['name']})")
             size = blob_path.stat().st_size
             if size != blob["bytes"]:
-                raise UserError(f"{blob_path} has {size} bytes, the manifest says {blob['bytes']} "
-                                "(truncated or replaced)")
+                raise UserError(
+                    f"{blob_path} has {size} bytes, the manifest says {blob['bytes']} (truncated or replaced)"
+                )
             if verify and sha256_file(blob_path) != blob["sha256"]:
                 raise UserError(f"{blob_path} does not match its sha256 in the manifest (corrupt)")
     for name, listed in manifest.get("files", {}).items():
         file_path = folder / name
         if not file_path.is_file():
             raise UserError(f"{file_path} is missing (listed in the manifest)")
-        if file_path.stat().st_size != listed["bytes"] or verify and sha256_file(file_path) != listed["sha256"]:
+        if (
+            file_path.stat().st_size != listed["bytes"]
+            or verify
+            and sha256_file(file_path) != listed["sha256"]
+        ):
             raise UserError(f"{file_path} does not match the manifest (corrupt or replaced)")
     return Pack(folder, manifest)

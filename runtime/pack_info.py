@@ -26,20 +26,26 @@ def pack_summary(pack: Pack, context: int) -> dict:
     for entry in pack.sub_layers:
         cost = entry["cost"]
         own_blob = entry["blob"]["file"] if entry["blob"] else None
-        rows.append({
-            "name": entry["name"], "kind": entry["kind"], "layer": entry["layer"],
-            "weight_bytes": sum(w["bytes"] for w in entry["weights"] if w["file"] == own_blob),
-            "shared_weight_bytes": sum(w["bytes"] for w in entry["weights"] if w["file"] != own_blob),
-            **{f"flops_T{t}": evaluate_cost(cost["flops"], t, context) for t in TIERS_SHOWN},
-            **{f"bytes_T{t}": evaluate_cost(cost["bytes"], t, context) for t in TIERS_SHOWN},
-            "kv_bytes_per_token": entry["kv"]["bytes_per_token"] if entry["kv"] else 0,
-            "inputs": [i["name"] for i in entry["inputs"]],
-            "outputs": [o["name"] for o in entry["outputs"]],
-        })
+        rows.append(
+            {
+                "name": entry["name"],
+                "kind": entry["kind"],
+                "layer": entry["layer"],
+                "weight_bytes": sum(w["bytes"] for w in entry["weights"] if w["file"] == own_blob),
+                "shared_weight_bytes": sum(w["bytes"] for w in entry["weights"] if w["file"] != own_blob),
+                **{f"flops_T{t}": evaluate_cost(cost["flops"], t, context) for t in TIERS_SHOWN},
+                **{f"bytes_T{t}": evaluate_cost(cost["bytes"], t, context) for t in TIERS_SHOWN},
+                "kv_bytes_per_token": entry["kv"]["bytes_per_token"] if entry["kv"] else 0,
+                "inputs": [i["name"] for i in entry["inputs"]],
+                "outputs": [o["name"] for o in entry["outputs"]],
+            }
+        )
         for kind in ("flops", "bytes"):
             for t in TIERS_SHOWN:
                 step[f"{kind}_T{t}"] += expected_step_cost(entry, cost[kind], t, context, pack.model)
-    totals = {key: sum(row[key] for row in rows) for key in rows[0] if key.startswith(("weight", "shared", "kv"))}
+    totals = {
+        key: sum(row[key] for row in rows) for key in rows[0] if key.startswith(("weight", "shared", "kv"))
+    }
     totals.update(step)
     return {"model": pack.model, "context": context, "sub_layers": rows, "totals": totals}
 
@@ -47,15 +53,23 @@ def pack_summary(pack: Pack, context: int) -> dict:
 def pack_table(pack: Pack, context: int) -> str:
     """The summary as a fixed-width table with totals at the bottom."""
     summary = pack_summary(pack, context)
-    header = (f"{'sub-layer':<12} {'kind':<9} {'weights MiB':>11} {'GFLOP T=1':>10} {'GFLOP T=64':>11} "
-              f"{'MiB T=1':>9} {'MiB T=64':>9} {'KV B/tok':>9}  boundary (in -> out)")
-    lines = [f"{pack.folder}: {pack.model['architecture']} {pack.model['dtype']}, {pack.model['num_layers']} layers, "
-             f"costs at context C={context}", header, "-" * len(header)]
+    header = (
+        f"{'sub-layer':<12} {'kind':<9} {'weights MiB':>11} {'GFLOP T=1':>10} {'GFLOP T=64':>11} "
+        f"{'MiB T=1':>9} {'MiB T=64':>9} {'KV B/tok':>9}  boundary (in -> out)"
+    )
+    lines = [
+        f"{pack.folder}: {pack.model['architecture']} {pack.model['dtype']}, {pack.model['num_layers']} layers, "
+        f"costs at context C={context}",
+        header,
+        "-" * len(header),
+    ]
 
     def row_text(name: str, kind: str, row: dict) -> str:
-        return (f"{name:<12} {kind:<9} {row['weight_bytes'] / MiB:>11.2f} {row['flops_T1'] / 1e9:>10.4f} "
-                f"{row['flops_T64'] / 1e9:>11.3f} {row['bytes_T1'] / MiB:>9.2f} {row['bytes_T64'] / MiB:>9.2f} "
-                f"{row['kv_bytes_per_token']:>9}")
+        return (
+            f"{name:<12} {kind:<9} {row['weight_bytes'] / MiB:>11.2f} {row['flops_T1'] / 1e9:>10.4f} "
+            f"{row['flops_T64'] / 1e9:>11.3f} {row['bytes_T1'] / MiB:>9.2f} {row['bytes_T64'] / MiB:>9.2f} "
+            f"{row['kv_bytes_per_token']:>9}"
+        )
 
     for row in summary["sub_layers"]:
         boundary = f"{len(row['inputs'])} -> {len(row['outputs'])}: " + ", ".join(row["outputs"][:3])
@@ -66,9 +80,11 @@ def pack_table(pack: Pack, context: int) -> str:
     lines.append(row_text("total", "", summary["totals"]))
     model = pack.model
     if model.get("num_experts"):
-        lines.append(f"MoE: {model['num_experts']} experts per layer, {model['experts_per_token']} per token; an "
-                     "expert's row is at T tokens routed to it, the total counts each expert by its expected use "
-                     "in a step of T tokens (uniform routing)")
+        lines.append(
+            f"MoE: {model['num_experts']} experts per layer, {model['experts_per_token']} per token; an "
+            "expert's row is at T tokens routed to it, the total counts each expert by its expected use "
+            "in a step of T tokens (uniform routing)"
+        )
     vision = pack.manifest.get("vision")
     if vision:
         lines += ["", vision_table(vision)]
@@ -78,14 +94,20 @@ def pack_table(pack: Pack, context: int) -> str:
 def vision_table(vision: dict) -> str:
     """A VLM's vision blocks: weights, GFLOP and MiB moved per tile (T = C = the patches of one tile)."""
     patches = int(vision["patches_per_tile"])
-    lines = [f"vision tower ({vision['family']}): {vision['num_layers']} blocks over {vision['image_size']} px tiles, "
-             f"{patches} patches and {vision['tokens_per_tile']} image tokens per tile; per tile:",
-             f"{'block':<16} {'weights MiB':>11} {'GFLOP':>9} {'MiB moved':>10}"]
+    lines = [
+        f"vision tower ({vision['family']}): {vision['num_layers']} blocks over {vision['image_size']} px tiles, "
+        f"{patches} patches and {vision['tokens_per_tile']} image tokens per tile; per tile:",
+        f"{'block':<16} {'weights MiB':>11} {'GFLOP':>9} {'MiB moved':>10}",
+    ]
     for entry in vision["sub_layers"]:
         cost = entry["cost"]
-        flops = sum(cost["flops"].get(k, 0) * m for k, m in (("const", 1), ("T", patches), ("TC", patches ** 2)))
+        flops = sum(
+            cost["flops"].get(k, 0) * m for k, m in (("const", 1), ("T", patches), ("TC", patches**2))
+        )
         moved = cost["bytes"].get("const", 0) + cost["bytes"].get("T", 0) * patches
-        lines.append(f"{entry['name']:<16} {entry['weight_bytes'] / MiB:>11.2f} {flops / 1e9:>9.3f} "
-                     f"{moved / MiB:>10.2f}")
+        lines.append(
+            f"{entry['name']:<16} {entry['weight_bytes'] / MiB:>11.2f} {flops / 1e9:>9.3f} "
+            f"{moved / MiB:>10.2f}"
+        )
     lines.append(f"{'total':<16} {vision['total_weight_bytes'] / MiB:>11.2f}")
     return "\n".join(lines)

@@ -37,19 +37,31 @@ def read_plans(path: Path, pack: Pack, units: list[str]) -> PlanSet:
     document = read_json(path, "plans file")
     version = document.get("schema_version")
     if version != PLANS_SCHEMA_VERSION:
-        raise UserError(f"{path}: unsupported schema_version {version!r} (this pipeshard reads "
-                        f"{PLANS_SCHEMA_VERSION}: make it again with `pipeshard plan PACK --out FILE`)")
+        raise UserError(
+            f"{path}: unsupported schema_version {version!r} (this pipeshard reads "
+            f"{PLANS_SCHEMA_VERSION}: make it again with `pipeshard plan PACK --out FILE`)"
+        )
     if document.get("assumed_bits_per_weight"):
-        raise UserError(f"{path} was planned with --assume-bits {document['assumed_bits_per_weight']} (planning only: "
-                        "its VRAM is not the pack's); make it again without --assume-bits to run it")
+        raise UserError(
+            f"{path} was planned with --assume-bits {document['assumed_bits_per_weight']} (planning only: "
+            "its VRAM is not the pack's); make it again without --assume-bits to run it"
+        )
     digest = sha256_file(pack.folder / MANIFEST_NAME)
     if document.get("pack_sha256") != digest:
-        raise UserError(f"{path} was made for another pack ({document.get('pack')}), not {pack.folder}: its "
-                        "pack_sha256 differs from this pack's manifest.json")
+        raise UserError(
+            f"{path} was made for another pack ({document.get('pack')}), not {pack.folder}: its "
+            "pack_sha256 differs from this pack's manifest.json"
+        )
     try:
-        ladder = document.get("ladder") or [{"budget_bytes": document["budget_bytes"], "tiers": document["tiers"]}]
-        rungs = {int(rung["budget_bytes"]): {int(entry["tier"]): Plan.from_json(entry["chosen"])
-                                             for entry in rung["tiers"]} for rung in ladder}
+        ladder = document.get("ladder") or [
+            {"budget_bytes": document["budget_bytes"], "tiers": document["tiers"]}
+        ]
+        rungs = {
+            int(rung["budget_bytes"]): {
+                int(entry["tier"]): Plan.from_json(entry["chosen"]) for entry in rung["tiers"]
+            }
+            for rung in ladder
+        }
         context, batch = int(document["context"]), int(document["batch"])
         profile = str(document["profile"]["name"])
     except (KeyError, TypeError, ValueError) as exc:
@@ -61,6 +73,8 @@ def read_plans(path: Path, pack: Pack, units: list[str]) -> PlanSet:
             if set(plan.placements) != set(units):
                 raise UserError(f"{path}: the tier {tier} plan does not place exactly this pack's sub-layers")
             if plan.vram.total > budget:
-                raise UserError(f"{path}: the tier {tier} plan needs {plan.vram.total} bytes, over the file's budget "
-                                f"of {budget} bytes")
+                raise UserError(
+                    f"{path}: the tier {tier} plan needs {plan.vram.total} bytes, over the file's budget "
+                    f"of {budget} bytes"
+                )
     return PlanSet(rungs, context, batch, profile)

@@ -19,16 +19,32 @@ log = logging.getLogger(__name__)
 
 def all_cpu_plan(units: list[str]) -> Plan:
     """Every unit on the CPU: the chain, with nothing on a device and nothing predicted."""
-    return Plan("cpu", 0, {name: CPU for name in units}, {}, 0.0, 0.0, VramBreakdown(reserve=0), 0, slots=0,
-                prefetch=False)
+    return Plan(
+        "cpu",
+        0,
+        {name: CPU for name in units},
+        {},
+        0.0,
+        0.0,
+        VramBreakdown(reserve=0),
+        0,
+        slots=0,
+        prefetch=False,
+    )
 
 
 class PlanBook:
     """The plans of one step: tier -> plan, made on first use, dropped when the budget, context or batch change."""
 
-    def __init__(self, units: list[str], planner: Planner | None = None, strategy: str = "auto",
-                 tiers: tuple[int, ...] = DEFAULT_TIERS, saved: PlanSet | None = None, fixed: Plan | None = None
-                 ) -> None:
+    def __init__(
+        self,
+        units: list[str],
+        planner: Planner | None = None,
+        strategy: str = "auto",
+        tiers: tuple[int, ...] = DEFAULT_TIERS,
+        saved: PlanSet | None = None,
+        fixed: Plan | None = None,
+    ) -> None:
         """`saved`: a plans file's ladder: the plans of its largest budget that fits are the step's (their tiers
         its tiers), also after a budget change; the planner is asked only for a budget below every rung, or a
         context or a batch beyond the file's. Without a planner every step runs the all-CPU plan, or `fixed` (a
@@ -63,14 +79,23 @@ class PlanBook:
         if tier not in self.plans:
             planner = self.planner
             planner.check_budget()
-            policies = {"gpu-only": planner.gpu_only, "static": planner.static, "dynamic": planner.dynamic,
-                        "layers": lambda t: planner.baseline("layers", t),
-                        "offload": lambda t: planner.baseline("offload", t)}
+            policies = {
+                "gpu-only": planner.gpu_only,
+                "static": planner.static,
+                "dynamic": planner.dynamic,
+                "layers": lambda t: planner.baseline("layers", t),
+                "offload": lambda t: planner.baseline("offload", t),
+            }
             plan = policies[self.strategy](tier) if self.strategy in policies else None
             if plan is None:
                 if self.strategy != "auto":
-                    log.warning("warning: plan %s is not viable (or equals static) at tier %d within %.0f MiB: "
-                                "using the planner's choice", self.strategy, tier, planner.budget_bytes / 1024**2)
+                    log.warning(
+                        "warning: plan %s is not viable (or equals static) at tier %d within %.0f MiB: "
+                        "using the planner's choice",
+                        self.strategy,
+                        tier,
+                        planner.budget_bytes / 1024**2,
+                    )
                 plan = planner.plan_tier(tier)["chosen"]
             self.plans[tier] = plan
         return self.plans[tier]

@@ -48,9 +48,9 @@ def parse(data: bytes) -> list[Field]:
             value, at = _read_varint(data, at)
         elif wire == LENGTH:
             size, at = _read_varint(data, at)
-            value, at = data[at:at + size], at + size
+            value, at = data[at : at + size], at + size
         elif wire in _FIXED_SIZE:
-            value, at = data[at:at + _FIXED_SIZE[wire]], at + _FIXED_SIZE[wire]
+            value, at = data[at : at + _FIXED_SIZE[wire]], at + _FIXED_SIZE[wire]
         else:
             raise ValueError(f"unsupported wire type {wire}")
         if at > len(data):

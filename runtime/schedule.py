@@ -54,29 +54,51 @@ class Layout:
             if entry["name"] in self.moe:
                 residual_names.append(self.moe[entry["name"]].output)
             else:
-                residual_names += [o["name"] for o in entry["outputs"] if len(o["shape"]) == 3 and
-                                   o["shape"][-1] == self.hidden_size and o["name"] != LOGITS]
+                residual_names += [
+                    o["name"]
+                    for o in entry["outputs"]
+                    if len(o["shape"]) == 3 and o["shape"][-1] == self.hidden_size and o["name"] != LOGITS
+                ]
         # Consecutive residual tensors alternate between two buffers: a run never reads and writes the same one.
         self.buffer_of = {name: index % 2 for index, name in enumerate(residual_names)}
-        self.fixed = {o["name"]: o for e in self.in_line if e["kind"] == "prologue" for o in e["outputs"]
-                      if all(isinstance(d, int) or d in ("batch", "sequence") for d in o["shape"])}
-        self.tables = {o["name"]: (entry, o["rows_of"]) for entry in self.in_line if entry["kind"] == "prologue"
-                       for o in entry["outputs"] if "rows_of" in o}
+        self.fixed = {
+            o["name"]: o
+            for e in self.in_line
+            if e["kind"] == "prologue"
+            for o in e["outputs"]
+            if all(isinstance(d, int) or d in ("batch", "sequence") for d in o["shape"])
+        }
+        self.tables = {
+            o["name"]: (entry, o["rows_of"])
+            for entry in self.in_line
+            if entry["kind"] == "prologue"
+            for o in entry["outputs"]
+            if "rows_of" in o
+        }
         self.roles = Roles(frozenset(residual_names), frozenset(self.fixed), frozenset(self.tables))
         first = self.in_line[0] if self.in_line else None
         # At one new token a prologue making only GroupQueryAttention's step values does not run: the step keeps
         # them (runtime/kv.py).
-        self.skippable_prologue = first["name"] if first and first["kind"] == "prologue" and \
-            _makes_attention_step_values(first, self.roles) else None
+        self.skippable_prologue = (
+            first["name"]
+            if first and first["kind"] == "prologue" and _makes_attention_step_values(first, self.roles)
+            else None
+        )
 
     def allocated_outputs(self, entry: dict) -> list[str]:
         """The outputs of a sub-layer that ONNX Runtime allocates at each run and Python hands on (a mask bias, a
         router's routing): not residual, logits, fixed values, tables or the KV written in place."""
         present = set((entry.get("kv") or {}).get("present", []))
         roles = self.roles
-        return [o["name"] for o in entry["outputs"] if o["name"] not in present and o["name"] != LOGITS
-                and o["name"] not in roles.residual and o["name"] not in roles.fixed
-                and o["name"] not in roles.tables]
+        return [
+            o["name"]
+            for o in entry["outputs"]
+            if o["name"] not in present
+            and o["name"] != LOGITS
+            and o["name"] not in roles.residual
+            and o["name"] not in roles.fixed
+            and o["name"] not in roles.tables
+        ]
 
 
 @dataclass
@@ -151,7 +173,12 @@ def schedule(layout: Layout, plan: Plan, tokens: int, all_logits: bool = False) 
             if is_last_chunk:
                 after.append(("join chunks", sub_layer))
         following = runs[index + 1] if index + 1 < len(runs) else None
-        if following and last_only and layout.entries[following[2]]["kind"] == "final" and following[2] != sub_layer:
+        if (
+            following
+            and last_only
+            and layout.entries[following[2]]["kind"] == "final"
+            and following[2] != sub_layer
+        ):
             after.append(("last position", following[2]))
     return splits
 
@@ -172,4 +199,6 @@ def _makes_attention_step_values(prologue: dict, roles: Roles) -> bool:
     """Whether a prologue makes exactly GroupQueryAttention's step values (runtime/kv.py) from the step's inputs,
     besides the rotary tables bound whole."""
     made = {o["name"] for o in prologue["outputs"]} - roles.tables
-    return made == {SEQLENS, TOTAL, PADDING_BIAS} and {i["name"] for i in prologue["inputs"]} <= set(STEP_INPUTS)
+    return made == {SEQLENS, TOTAL, PADDING_BIAS} and {i["name"] for i in prologue["inputs"]} <= set(
+        STEP_INPUTS
+    )

@@ -62,7 +62,9 @@ class Request:
     last_token: int = 0
     pixel_values: np.ndarray | None = None  # a VLM's images, encoded when the request gets its slot
     image_features: np.ndarray | None = None
-    image_grids: np.ndarray | None = None  # their patch grids (the vision graph and M-RoPE positions need them)
+    image_grids: np.ndarray | None = (
+        None  # their patch grids (the vision graph and M-RoPE positions need them)
+    )
     positions: np.ndarray | None = None  # an M-RoPE decoder's prompt positions [3, prompt tokens]
     rope_delta: int = 0  # and what a later token adds to its index
 
@@ -112,10 +114,14 @@ class Scheduler:
     def __init__(self, engine, parallel: int = 4, queue_size: int = 64, context: int | None = None) -> None:
         step = engine.step
         if not hasattr(step, "layout"):
-            raise UserError("serving needs a model pack (pipeshard partition EXPORT PACK): an export folder runs as "
-                            "one session without slots")
+            raise UserError(
+                "serving needs a model pack (pipeshard partition EXPORT PACK): an export folder runs as "
+                "one session without slots"
+            )
         self.engine, self.step, self.codec = engine, step, engine.codec
-        self._position_rows = (3,) if getattr(step, "mrope", None) else ()  # M-RoPE: [3, batch, tokens] positions
+        self._position_rows = (
+            (3,) if getattr(step, "mrope", None) else ()
+        )  # M-RoPE: [3, batch, tokens] positions
         self.parallel = parallel
         self.context = min(context or 4096, step.max_context)
         self.stats = SchedulerStats()
@@ -131,8 +137,14 @@ class Scheduler:
         self._thread.start()
 
     # -- any thread -------------------------------------------------------------------------------------------------
-    def submit(self, prompt: list[int], settings: SamplingSettings, sink: Callable[[Event], None] | None = None,
-               pixel_values: np.ndarray | None = None, image_grids: np.ndarray | None = None) -> RequestStream:
+    def submit(
+        self,
+        prompt: list[int],
+        settings: SamplingSettings,
+        sink: Callable[[Event], None] | None = None,
+        pixel_values: np.ndarray | None = None,
+        image_grids: np.ndarray | None = None,
+    ) -> RequestStream:
         """Queue a request. Raises UserError for what the request itself gets wrong, QueueFull when the queue is at
         its bound. `sink` (called on the scheduler thread) receives the events instead of the returned stream.
         `pixel_values`: a VLM prompt's images (runtime/vision.py `prepare_images`), for its expanded image tokens;
@@ -144,15 +156,25 @@ class Scheduler:
         if not prompt:
             raise UserError("the prompt is empty")
         if len(prompt) + 1 > self.context:
-            raise UserError(f"the prompt ({len(prompt)} tokens) leaves no room in the context of {self.context} tokens")
+            raise UserError(
+                f"the prompt ({len(prompt)} tokens) leaves no room in the context of {self.context} tokens"
+            )
         events: queue.SimpleQueue = queue.SimpleQueue()
-        request = Request(next(self._ids), list(prompt), settings, sink or events.put, pixel_values=pixel_values,
-                          image_grids=image_grids)
+        request = Request(
+            next(self._ids),
+            list(prompt),
+            settings,
+            sink or events.put,
+            pixel_values=pixel_values,
+            image_grids=image_grids,
+        )
         if getattr(self.step, "mrope", None):
             from pipeshard.runtime.images import mrope_batch_positions
 
             try:
-                positions, deltas = mrope_batch_positions([request.prompt], len(prompt), image_grids, self.step.mrope)
+                positions, deltas = mrope_batch_positions(
+                    [request.prompt], len(prompt), image_grids, self.step.mrope
+                )
             except (ValueError, StopIteration) as error:
                 raise UserError(f"the prompt's image tokens do not match its images: {error}") from None
             request.positions, request.rope_delta = positions[:, 0], int(deltas[0])
@@ -161,7 +183,9 @@ class Scheduler:
         try:
             self._waiting.put_nowait(request)
         except queue.Full:
-            raise QueueFull(f"all {self.parallel} slots are busy and {self._waiting.maxsize} requests wait") from None
+            raise QueueFull(
+                f"all {self.parallel} slots are busy and {self._waiting.maxsize} requests wait"
+            ) from None
         self._wake.set()
         return RequestStream(request, events)
 
@@ -244,9 +268,13 @@ class Scheduler:
                 continue
             if request.pixel_values is not None:
                 try:
-                    request.image_features = self.engine.vision.encode(request.pixel_values, request.image_grids)
+                    request.image_features = self.engine.vision.encode(
+                        request.pixel_values, request.image_grids
+                    )
                     request.pixel_values = None
-                except Exception as error:  # the encoder failed (too small a budget): this request ends, not the rest
+                except (
+                    Exception
+                ) as error:  # the encoder failed (too small a budget): this request ends, not the rest
                     log.exception("image encoding failed")
                     self._finish(request, "error", error=str(error))
                     continue
@@ -260,9 +288,14 @@ class Scheduler:
         end = min(len(request.prompt), begin + PREFILL_CHUNK)
         ids = np.array([request.prompt[begin:end]], np.int64)
         features = image_rows(request.prompt, begin, end, self.step.image_token_id, request.image_features)
-        positions = np.arange(begin, end)[None] if request.positions is None else request.positions[:, None, begin:end]
-        logits = self.step.forward(ids, np.ones((1, end), np.int64), positions, slot=request.slot,
-                                   image_features=features)
+        positions = (
+            np.arange(begin, end)[None]
+            if request.positions is None
+            else request.positions[:, None, begin:end]
+        )
+        logits = self.step.forward(
+            ids, np.ones((1, end), np.int64), positions, slot=request.slot, image_features=features
+        )
         request.fed = end
         self.stats.prompt_tokens += end - begin
         if end == len(request.prompt):
@@ -271,13 +304,21 @@ class Scheduler:
     def _prefill_group(self, prefilling: list[Request]) -> list[Request]:
         """Requests not yet started, in neighbouring slots, whose prompts fit one chunk: prefilled in one step
         (their KV rows are then one range of the cache), up to PREFILL_GROUP_TOKENS padded tokens."""
-        fresh = sorted((r for r in prefilling if r.fed == 0 and len(r.prompt) <= PREFILL_CHUNK
-                        and r.image_features is None), key=lambda r: r.slot)
+        fresh = sorted(
+            (
+                r
+                for r in prefilling
+                if r.fed == 0 and len(r.prompt) <= PREFILL_CHUNK and r.image_features is None
+            ),
+            key=lambda r: r.slot,
+        )
         group: list[Request] = []
         for request in fresh:
             if group and request.slot != group[-1].slot + 1:
                 break
-            if (len(group) + 1) * max([len(request.prompt)] + [len(r.prompt) for r in group]) > PREFILL_GROUP_TOKENS:
+            if (len(group) + 1) * max(
+                [len(request.prompt)] + [len(r.prompt) for r in group]
+            ) > PREFILL_GROUP_TOKENS:
                 break
             group.append(request)
         return group
@@ -297,7 +338,7 @@ class Scheduler:
         for row, request in enumerate(group):
             request.fed = len(request.prompt)
             self.stats.prompt_tokens += len(request.prompt)
-            self._take(request, logits[row: row + 1, -1, :])
+            self._take(request, logits[row : row + 1, -1, :])
 
     def _decode(self) -> None:
         """One step over every slot: each running row feeds its last token at its own length. A row still being
@@ -305,7 +346,9 @@ class Scheduler:
         rows = [r for r in self._slots if r is not None and r.fed == len(r.prompt)]
         filling = [r for r in self._slots if r is not None and r.fed < len(r.prompt)]
         width = max([r.length for r in rows] + [r.fed for r in filling]) + 1
-        batch = max(r.slot for r in rows + filling) + 1  # the cache's first rows: slots are taken lowest first
+        batch = (
+            max(r.slot for r in rows + filling) + 1
+        )  # the cache's first rows: slots are taken lowest first
         input_ids = np.full((batch, 1), self.codec.pad_token_id, np.int64)
         mask = np.zeros((batch, width), np.int64)
         mask[:, 0] = 1
@@ -320,7 +363,7 @@ class Scheduler:
         logits = self.step.forward(input_ids, mask, positions)[:, -1, :]
         self.stats.steps += 1
         for request in rows:
-            self._take(request, logits[request.slot: request.slot + 1])
+            self._take(request, logits[request.slot : request.slot + 1])
 
     def _take(self, request: Request, logits: np.ndarray) -> None:
         """Choose a request's next token, stream it, and finish the request if it stops."""
@@ -348,15 +391,23 @@ class Scheduler:
         if request.text is not None and reason != "cancelled":
             # The whole answer decoded at once, as `pipeshard run` gives it: what streaming held back (an
             # incomplete character at the end) comes out here.
-            streamed = request.text.text[:request.text.emitted]
+            streamed = request.text.text[: request.text.emitted]
             whole = final_text(self.codec, request.generated, request.settings.stop_strings)
-            rest = whole[len(streamed):] if whole.startswith(streamed) else request.text.flush()
+            rest = whole[len(streamed) :] if whole.startswith(streamed) else request.text.flush()
         if reason == "cancelled":
             self.stats.requests_cancelled += 1
         else:
             self.stats.requests_done += 1
-        request.sink(Event(text=rest, finish_reason=reason, prompt_tokens=len(request.prompt),
-                           completion_tokens=len(request.generated), error=error, tokens=list(request.generated)))
+        request.sink(
+            Event(
+                text=rest,
+                finish_reason=reason,
+                prompt_tokens=len(request.prompt),
+                completion_tokens=len(request.generated),
+                error=error,
+                tokens=list(request.generated),
+            )
+        )
 
 
 def final_text(codec, tokens: list[int], stop_strings: tuple[str, ...]) -> str:

@@ -74,7 +74,9 @@ from pipeshard.runtime.weight_matmul import product_weights
 # peak (docs/plans.md).
 JOINED_WEIGHT_BYTES = 64 * 2**20
 _NO_ROLES = Roles(frozenset(), frozenset(), frozenset())
-JOINED_KEPT_PLANS = 4  # joined decode sessions are kept while one of the last this many activated plans used them
+JOINED_KEPT_PLANS = (
+    4  # joined decode sessions are kept while one of the last this many activated plans used them
+)
 
 
 @dataclass
@@ -84,7 +86,9 @@ class StepStats:
     steps: int = 0
     plan_switches: int = 0
     streamed_bytes: int = 0
-    streamed_kv_bytes: int = 0  # KV of streamed attentions uploaded with their weights, and new rows downloaded
+    streamed_kv_bytes: int = (
+        0  # KV of streamed attentions uploaded with their weights, and new rows downloaded
+    )
     copy_wait_s: float = 0.0
     tiers_used: dict[int, int] = field(default_factory=dict)
 
@@ -108,20 +112,32 @@ class StepReport:
     pinned_host_bytes: int  # host memory the device holds for streamed weights (besides the mapped blobs)
 
     def to_json(self) -> dict:
-        return {**self.__dict__, "plans": {str(t): s for t, s in self.plans.items()},
-                "kv_streamed": {str(t): n for t, n in self.kv_streamed.items()},
-                "streamed_kv_bytes_per_step": self.streamed_kv_bytes / self.steps if self.steps else 0.0,
-                "predicted_step_s": {str(t): s for t, s in self.predicted_step_s.items()},
-                "placement_counts": {str(t): c for t, c in self.placement_counts.items()}}
+        return {
+            **self.__dict__,
+            "plans": {str(t): s for t, s in self.plans.items()},
+            "kv_streamed": {str(t): n for t, n in self.kv_streamed.items()},
+            "streamed_kv_bytes_per_step": self.streamed_kv_bytes / self.steps if self.steps else 0.0,
+            "predicted_step_s": {str(t): s for t, s in self.predicted_step_s.items()},
+            "placement_counts": {str(t): c for t, c in self.placement_counts.items()},
+        }
 
 
 class _Stage:
     """One session run: a sub-layer's (or a row chunk's), or a stretch of sub-layers joined into one, with its
     boundary names sorted by how they are bound and the side whose buffers it reads and writes."""
 
-    def __init__(self, name: str, session: capi.Session, inputs: list[str], outputs: list[str], past: list[str],
-                 present: list[str], roles: Roles, on_device: bool = False, last_sub_layer: str | None = None
-                 ) -> None:
+    def __init__(
+        self,
+        name: str,
+        session: capi.Session,
+        inputs: list[str],
+        outputs: list[str],
+        past: list[str],
+        present: list[str],
+        roles: Roles,
+        on_device: bool = False,
+        last_sub_layer: str | None = None,
+    ) -> None:
         self.name = name
         self.last_sub_layer = last_sub_layer or name
         self.session = session
@@ -135,8 +151,15 @@ class _Stage:
         self.feature_inputs = [n for n in inputs if n == IMAGE_FEATURES]
         self.residual_inputs = [n for n in inputs if n in roles.residual]
         self.fixed_inputs = [n for n in inputs if n in roles.fixed or n in roles.tables]
-        self.shared_inputs = [n for n in inputs if n not in STEP_INPUTS and n not in roles.residual
-                              and n not in past and n not in self.fixed_inputs and n != IMAGE_FEATURES]
+        self.shared_inputs = [
+            n
+            for n in inputs
+            if n not in STEP_INPUTS
+            and n not in roles.residual
+            and n not in past
+            and n not in self.fixed_inputs
+            and n != IMAGE_FEATURES
+        ]
         self.pointer_outputs = [n for n in outputs if n in roles.residual or n == LOGITS or n in roles.fixed]
         self.allocated_outputs = [n for n in outputs if n not in self.pointer_outputs and n not in present]
         # IO binding returns outputs in the order they were first bound: KV, pointers, the rest.
@@ -155,10 +178,21 @@ class _Stage:
 class Step:
     """A ForwardStep over a model pack: every step runs its tier's plan on the device."""
 
-    def __init__(self, folder: Path, device: Device | None = None, book: PlanBook | None = None,
-                 threads: int | None = None, optimize: bool = True, prepack: bool = True, verify: bool = False,
-                 all_logits: bool = False, join_decode: bool = True, decode_attention: bool = True,
-                 weight_matmul: bool = True, fp32_weight_matmul: bool = False) -> None:
+    def __init__(
+        self,
+        folder: Path,
+        device: Device | None = None,
+        book: PlanBook | None = None,
+        threads: int | None = None,
+        optimize: bool = True,
+        prepack: bool = True,
+        verify: bool = False,
+        all_logits: bool = False,
+        join_decode: bool = True,
+        decode_attention: bool = True,
+        weight_matmul: bool = True,
+        fp32_weight_matmul: bool = False,
+    ) -> None:
         """Without a `book` every step runs the all-CPU plan; without a `device`, on `CpuDevice`. With
         `weight_matmul` (and the C extension) CPU sessions read half-precision weights as stored
         (runtime/weight_matmul.py); with `fp32_weight_matmul` too, float32 ones (no prepacked copies)."""
@@ -181,19 +215,33 @@ class Step:
         # the caller provides, so a joined decode session and the sub-layers' own sessions hold one packed copy.
         self._weights = MappedWeights()
         self._shared_weights = capi.SharedWeights(rt)
-        self._session = partial(rt.session, threads=threads, optimize=optimize, prepack=prepack,
-                                shared=self._shared_weights, weights_folder=self.pack.folder)
-        self._device_session = partial(rt.session, threads=threads, optimize=optimize,
-                                       cuda_options=self.device.cuda_options)
+        self._session = partial(
+            rt.session,
+            threads=threads,
+            optimize=optimize,
+            prepack=prepack,
+            shared=self._shared_weights,
+            weights_folder=self.pack.folder,
+        )
+        self._device_session = partial(
+            rt.session, threads=threads, optimize=optimize, cuda_options=self.device.cuda_options
+        )
         self._cpu_stages: dict[str, _Stage] = {}
-        self._device_stages: dict[str, _Stage] = {}  # weights-as-inputs sessions, their weights bound by pointer
+        self._device_stages: dict[
+            str, _Stage
+        ] = {}  # weights-as-inputs sessions, their weights bound by pointer
         self._host_input_stages: dict[str, _Stage] = {}  # weights-as-inputs on the CPU EP (row chunks)
         self._joined_stages: dict[tuple, list[_Stage]] = {}
         self._joined_used: dict[tuple, int] = {}  # stretch -> the plan activation that last used it
-        self._tables = {name: _stored_weight(self.pack, entry, weight) for name, (entry, weight)
-                        in layout.tables.items()}
-        self.decode_attention = (decode_attention and capi.custom_ops_available() and self.dtype == np.float32
-                                 and self.head_dim % 8 == 0)
+        self._tables = {
+            name: _stored_weight(self.pack, entry, weight) for name, (entry, weight) in layout.tables.items()
+        }
+        self.decode_attention = (
+            decode_attention
+            and capi.custom_ops_available()
+            and self.dtype == np.float32
+            and self.head_dim % 8 == 0
+        )
         self.join_decode = join_decode
         self.weight_matmul = weight_matmul and capi.custom_ops_available()
         self.fp32_weight_matmul = self.weight_matmul and fp32_weight_matmul
@@ -204,8 +252,12 @@ class Step:
         self.stats = StepStats()
         # The KV cache: host buffers for every attention (runtime/kv.py); the attentions that run on the device
         # keep theirs in device buffers of the same size.
-        self.kv = HostKvCache([past for e in layout.in_line if e["kv"] for past in e["kv"]["past"]], self.kv_heads,
-                              self.head_dim, self.dtype)
+        self.kv = HostKvCache(
+            [past for e in layout.in_line if e["kv"] for past in e["kv"]["past"]],
+            self.kv_heads,
+            self.head_dim,
+            self.dtype,
+        )
         self._kv_device: dict[str, object] = {}
         self._kv_on_device: set[str] = set()
         # Streamed attentions whose KV streams: the host buffers are the master; beside each staging slot a KV slot
@@ -252,8 +304,16 @@ class Step:
         self.mrope = mrope_settings(self.pack.manifest["model"].get("position_rows", 1), vision)
         self._allocated_outputs: list[tuple] = []
         self._decoding = False
-        self._bias_dtype = next((np.dtype(o["dtype"]) for e in layout.in_line if e["kind"] == "prologue"
-                                 for o in e["outputs"] if o["name"] == PADDING_BIAS), self.dtype)
+        self._bias_dtype = next(
+            (
+                np.dtype(o["dtype"])
+                for e in layout.in_line
+                if e["kind"] == "prologue"
+                for o in e["outputs"]
+                if o["name"] == PADDING_BIAS
+            ),
+            self.dtype,
+        )
         self._bias_lowest = np.finfo(self._bias_dtype).min
         self._decode_bias = np.empty(0, self._bias_dtype)
         if self.book.planner is None:  # the chain makes its sessions with the pack, decode sessions too
@@ -292,14 +352,20 @@ class Step:
     def report(self) -> StepReport:
         plans = self.book.plans
         return StepReport(
-            device=self.device.kind, budget_bytes=self.book.budget_bytes, peak_device_bytes=self.device.ledger.peak,
+            device=self.device.kind,
+            budget_bytes=self.book.budget_bytes,
+            peak_device_bytes=self.device.ledger.peak,
             plans={tier: plan.strategy for tier, plan in sorted(plans.items())},
             predicted_step_s={tier: plan.step_s for tier, plan in sorted(plans.items())},
             placement_counts={tier: plan.counts() for tier, plan in sorted(plans.items())},
-            steps=self.stats.steps, plan_switches=self.stats.plan_switches,
-            streamed_weight_bytes=self.stats.streamed_bytes, streamed_kv_bytes=self.stats.streamed_kv_bytes,
+            steps=self.stats.steps,
+            plan_switches=self.stats.plan_switches,
+            streamed_weight_bytes=self.stats.streamed_bytes,
+            streamed_kv_bytes=self.stats.streamed_kv_bytes,
             kv_streamed={tier: len(plan.kv_streamed) for tier, plan in sorted(plans.items())},
-            copy_wait_s=self.stats.copy_wait_s, pinned_host_bytes=self.device.host_bytes)
+            copy_wait_s=self.stats.copy_wait_s,
+            pinned_host_bytes=self.device.host_bytes,
+        )
 
     @property
     def stage_timer(self):
@@ -339,8 +405,14 @@ class Step:
         if name not in self._device_stages:
             unit = self.layout.units[name]
             entry = self.layout.entries[unit.get("chunk_of", name)]
-            shared = next((s.session for n, s in self._device_stages.items()
-                           if self.layout.units[n].get("chunk_of", n) == entry["name"]), None)
+            shared = next(
+                (
+                    s.session
+                    for n, s in self._device_stages.items()
+                    if self.layout.units[n].get("chunk_of", n) == entry["name"]
+                ),
+                None,
+            )
             session = shared or self._device_session(self.pack.path(entry["files"]["weights_as_inputs"]))
             self._device_stages[name] = self._stage_of(entry, session, on_device=True, name=name)
         return self._device_stages[name]
@@ -350,22 +422,40 @@ class Step:
         if name not in self._host_input_stages:
             entry = self.layout.entries[self.layout.units[name]["chunk_of"]]
             shared = next(iter(self._host_input_stages.values()), None)
-            session = shared.session if shared else self._rt.session(
-                self.pack.path(entry["files"]["weights_as_inputs"]), threads=self._rt.threads)
+            session = (
+                shared.session
+                if shared
+                else self._rt.session(
+                    self.pack.path(entry["files"]["weights_as_inputs"]), threads=self._rt.threads
+                )
+            )
             self._host_input_stages[name] = self._stage_of(entry, session, on_device=False, name=name)
         return self._host_input_stages[name]
 
-    def _stage_of(self, entry: dict, session: capi.Session, on_device: bool, name: str | None = None) -> _Stage:
+    def _stage_of(
+        self, entry: dict, session: capi.Session, on_device: bool, name: str | None = None
+    ) -> _Stage:
         kv = entry["kv"] or {}
         roles = _NO_ROLES if entry["name"] in self.layout.expert_names else self.layout.roles
-        return _Stage(name or entry["name"], session, [i["name"] for i in entry["inputs"]],
-                      [o["name"] for o in entry["outputs"]], kv.get("past", []), kv.get("present", []), roles,
-                      on_device)
+        return _Stage(
+            name or entry["name"],
+            session,
+            [i["name"] for i in entry["inputs"]],
+            [o["name"] for o in entry["outputs"]],
+            kv.get("past", []),
+            kv.get("present", []),
+            roles,
+            on_device,
+        )
 
     def _stage_for(self, unit: str, placement: str) -> _Stage:
         if placement != CPU:
             return self._device_stage(unit)
-        return self._host_input_stage(unit) if "chunk_of" in self.layout.units.get(unit, {}) else self._cpu_stage(unit)
+        return (
+            self._host_input_stage(unit)
+            if "chunk_of" in self.layout.units.get(unit, {})
+            else self._cpu_stage(unit)
+        )
 
     def _split_stages(self, split: Split, join: bool) -> list[_Stage]:
         """The stages a split runs: one per unit, or a CPU split's sub-layers joined (one-token steps)."""
@@ -377,8 +467,10 @@ class Step:
     def decode_runs(self) -> list[list[str]]:
         """The session runs of a one-token step under the active plan, per split (made now if not yet)."""
         plan = self.active or self.book.plan_for(self.book.tier_for(1))
-        return [[stage.name for stage in self._split_stages(split, self.join_decode)]
-                for split in schedule(self.layout, plan, 1)]
+        return [
+            [stage.name for stage in self._split_stages(split, self.join_decode)]
+            for split in schedule(self.layout, plan, 1)
+        ]
 
     def sub_layer_stages(self) -> list[_Stage]:
         """Every in-line sub-layer's CPU stage, in order (made now if not yet)."""
@@ -403,25 +495,51 @@ class Step:
                 size = 0
             pieces[-1].append(stage)
             size += weight_bytes
-        read_in_python = {name for block in self.moe.values() for name in (block.residual, block.hidden,
-                                                                          block.routing)}
-        float_inputs = {i["name"] for entry in self.layout.in_line for i in entry["inputs"] if i["dtype"] == "float32"}
+        read_in_python = {
+            name for block in self.moe.values() for name in (block.residual, block.hidden, block.routing)
+        }
+        float_inputs = {
+            i["name"] for entry in self.layout.in_line for i in entry["inputs"] if i["dtype"] == "float32"
+        }
         swap = self.decode_attention and (not on_device or self.device.cuda_options is None)
         variant = "weights_as_inputs" if on_device else "onnx"
-        all_inputs = {name: set(entry_inputs) for name, entry_inputs in
-                      ((e["name"], [i["name"] for i in e["inputs"]]) for e in self.layout.in_line)}
+        all_inputs = {
+            name: set(entry_inputs)
+            for name, entry_inputs in (
+                (e["name"], [i["name"] for i in e["inputs"]]) for e in self.layout.in_line
+            )
+        }
         joined_stages: list[_Stage] = []
         for piece in pieces:
             inside = {name for stage in piece for name in stage.bound_output_order}
             members = {stage.name for stage in piece}
-            read_outside = read_in_python | {name for sub_layer, inputs in all_inputs.items()
-                                             if sub_layer not in members for name in inputs}
-            outputs = {name for name in inside if name in read_outside or name == LOGITS or
-                       any(name in stage.present for stage in piece)}
-            products = set().union(*(product_weights(entries[stage.name]["weights"], self.fp32_weight_matmul)
-                                     for stage in piece)) if self.weight_matmul and not on_device else None
-            joined = join([self.pack.path(entries[stage.name]["files"][variant]) for stage in piece], outputs,
-                          float_inputs if swap else None, products)
+            read_outside = read_in_python | {
+                name
+                for sub_layer, inputs in all_inputs.items()
+                if sub_layer not in members
+                for name in inputs
+            }
+            outputs = {
+                name
+                for name in inside
+                if name in read_outside or name == LOGITS or any(name in stage.present for stage in piece)
+            }
+            products = (
+                set().union(
+                    *(
+                        product_weights(entries[stage.name]["weights"], self.fp32_weight_matmul)
+                        for stage in piece
+                    )
+                )
+                if self.weight_matmul and not on_device
+                else None
+            )
+            joined = join(
+                [self.pack.path(entries[stage.name]["files"][variant]) for stage in piece],
+                outputs,
+                float_inputs if swap else None,
+                products,
+            )
             if len(piece) == 1 and not joined.decode_attention_nodes or not self._buffers_safe(joined):
                 joined_stages += piece
                 continue
@@ -435,10 +553,17 @@ class Step:
                 session = self._session(joined.model, initializers=weights)
                 self._weights.release_pages()
                 capi.release_free_heap()
-            stage = _Stage(f"{piece[0].name}..{piece[-1].name}", session,
-                           [name for name in joined.inputs if name not in weight_names], joined.outputs,
-                           [n for s in piece for n in s.past], [n for s in piece for n in s.present],
-                           self.layout.roles, on_device, last_sub_layer=piece[-1].name)
+            stage = _Stage(
+                f"{piece[0].name}..{piece[-1].name}",
+                session,
+                [name for name in joined.inputs if name not in weight_names],
+                joined.outputs,
+                [n for s in piece for n in s.past],
+                [n for s in piece for n in s.present],
+                self.layout.roles,
+                on_device,
+                last_sub_layer=piece[-1].name,
+            )
             stage.members = [s.name for s in piece]
             joined_stages.append(stage)
         self._joined_stages[key] = joined_stages
@@ -453,8 +578,11 @@ class Step:
         outputs = [name for name in joined.outputs if name in residual]
         buffers = [buffer_of[name] for name in outputs]
         return len(set(buffers)) == len(buffers) and all(
-            joined.read_before_written(read, written) for read in inputs for written in outputs
-            if buffer_of[read] == buffer_of[written])
+            joined.read_before_written(read, written)
+            for read in inputs
+            for written in outputs
+            if buffer_of[read] == buffer_of[written]
+        )
 
     # -- device memory ----------------------------------------------------------------------------------------------
     def _blob(self, file: str) -> np.memmap:
@@ -474,7 +602,7 @@ class Step:
 
     def _mapped_bytes(self, name: str) -> np.ndarray:
         file, offset, nbytes = self._unit_bytes(name)
-        return self._blob(file)[offset: offset + nbytes]
+        return self._blob(file)[offset : offset + nbytes]
 
     def _source(self, name: str):
         """The host bytes a streamed unit is uploaded from, as the device keeps them (made once)."""
@@ -541,8 +669,10 @@ class Step:
     def _upload_kv(self, slot: int, attn: str) -> None:
         """An attention's KV from the host buffers into the KV slot beside staging slot `slot`."""
         pasts = self.layout.entries[attn]["kv"]["past"]
-        self._slot_kv_copy[slot] = [self.device.upload_array(self._kv_slots[slot][index], self.kv.buffers[past])
-                                    for index, past in enumerate(pasts)]
+        self._slot_kv_copy[slot] = [
+            self.device.upload_array(self._kv_slots[slot][index], self.kv.buffers[past])
+            for index, past in enumerate(pasts)
+        ]
         self.stats.streamed_kv_bytes += sum(self.kv.buffers[past].nbytes for past in pasts)
 
     def _download_new_kv(self, slot: int, attn: str) -> None:
@@ -554,8 +684,14 @@ class Step:
         for index, past in enumerate(self.layout.entries[attn]["kv"]["past"]):
             for row, column in enumerate(self._write_columns):
                 offset = (((first + row) * heads) * capacity + int(column)) * head_dim * element
-                self.device.copy_out_rows(self.kv.buffers[past], self._kv_slots[slot][index], offset, heads, width,
-                                          capacity * head_dim * element)
+                self.device.copy_out_rows(
+                    self.kv.buffers[past],
+                    self._kv_slots[slot][index],
+                    offset,
+                    heads,
+                    width,
+                    capacity * head_dim * element,
+                )
             self.device.released_after_compute(self._kv_slots[slot][index])
         self.stats.streamed_kv_bytes += count * heads * width * len(self.layout.entries[attn]["kv"]["past"])
 
@@ -608,8 +744,11 @@ class Step:
         if len(self._ring) != slots or (self._ring and self._ring[0].nbytes != slot_bytes):
             self._free_ring()
         self._kv_streamed = frozenset(plan.kv_streamed)
-        wanted_attn = {e["name"] for e in self.layout.in_line if e["kind"] == "attn" and placements[e["name"]] != CPU
-                       and e["name"] not in self._kv_streamed}
+        wanted_attn = {
+            e["name"]
+            for e in self.layout.in_line
+            if e["kind"] == "attn" and placements[e["name"]] != CPU and e["name"] not in self._kv_streamed
+        }
         for attn in self._kv_on_device - wanted_attn:
             self._move_kv(attn, to_device=False)
         self._reserve("workspace", plan.vram.workspace)
@@ -628,7 +767,9 @@ class Step:
             self._ring = [self.device.alloc(slot_bytes, "staging") for _ in range(slots)]
         self._alloc_kv_slots()
         if streamed_experts and not self._expert_slots:
-            self._expert_slots = [self.device.alloc(expert_slot_bytes, "expert staging") for _ in range(EXPERT_SLOTS)]
+            self._expert_slots = [
+                self.device.alloc(expert_slot_bytes, "expert staging") for _ in range(EXPERT_SLOTS)
+            ]
         self._streamed = streamed
         self._slot_unit = [None] * len(self._ring)
         self._slot_copy = [None] * len(self._ring)
@@ -640,15 +781,24 @@ class Step:
         self._shape = None
         # The plan's CPU sessions, largest weights first: a session's mapped blob is then never on top of the
         # packed copies of all the others.
-        on_cpu = [e for e in self.pack.sub_layers if placements.get(e["name"]) == CPU or
-                  e["kind"] in HOST_ONLY_KINDS or (self.layout.chunks.get(e["name"]) and not any(
-                      placements[u["name"]] != CPU for u in self.layout.chunks[e["name"]]))]
+        on_cpu = [
+            e
+            for e in self.pack.sub_layers
+            if placements.get(e["name"]) == CPU
+            or e["kind"] in HOST_ONLY_KINDS
+            or (
+                self.layout.chunks.get(e["name"])
+                and not any(placements[u["name"]] != CPU for u in self.layout.chunks[e["name"]])
+            )
+        ]
         for entry in sorted(on_cpu, key=lambda e: -e["weight_bytes"]):
             self._cpu_stage(entry["name"])
         self.stats.plan_switches += 1
         # Joined decode sessions of stretches the last few plans have not used are let go: budget changes make
         # ever new stretches, and each joined session holds its own graph and buffers.
-        for key in [k for k, used in self._joined_used.items() if used < self.stats.plan_switches - JOINED_KEPT_PLANS]:
+        for key in [
+            k for k, used in self._joined_used.items() if used < self.stats.plan_switches - JOINED_KEPT_PLANS
+        ]:
             self._joined_stages.pop(key, None)
             del self._joined_used[key]
 
@@ -687,8 +837,12 @@ class Step:
         self._shape = None  # a decode step's values span the KV capacity: remade with the buffers
 
     def _every_stage(self) -> list[_Stage]:
-        return [*self._cpu_stages.values(), *self._device_stages.values(), *self._host_input_stages.values(),
-                *(stage for stages in self._joined_stages.values() for stage in stages)]
+        return [
+            *self._cpu_stages.values(),
+            *self._device_stages.values(),
+            *self._host_input_stages.values(),
+            *(stage for stages in self._joined_stages.values() for stage in stages),
+        ]
 
     def _buffer(self, name: str, on_device: bool = False):
         """The host array (or device buffer) a pointer-bound tensor lives in for the current batch shape."""
@@ -706,7 +860,9 @@ class Step:
     def _bind_host(self, stage: _Stage, name: str, array: np.ndarray, output: bool = False) -> None:
         (stage.binding.bind_output if output else stage.binding.bind_input)(name, array)
 
-    def _bind_device(self, stage: _Stage, name: str, buffer, offset: int, dtype, shape, output: bool = False) -> None:
+    def _bind_device(
+        self, stage: _Stage, name: str, buffer, offset: int, dtype, shape, output: bool = False
+    ) -> None:
         bind = stage.binding.bind_output_at if output else stage.binding.bind_input_at
         bind(name, self._device_memory, self.device.address(buffer) + offset, dtype, shape, buffer)
 
@@ -723,12 +879,15 @@ class Step:
                 owner = self._kv_owner[past]
                 # A streamed KV is bound to a KV slot here to keep the binding's output order, and to the slot
                 # holding it when its weights arrive (_wait_for_slot).
-                buffer = self._kv_slots[0][self.layout.entries[owner]["kv"]["past"].index(past)] \
-                    if owner in self._kv_streamed else self._kv_device[past]
+                buffer = (
+                    self._kv_slots[0][self.layout.entries[owner]["kv"]["past"].index(past)]
+                    if owner in self._kv_streamed
+                    else self._kv_device[past]
+                )
                 self._bind_device(stage, past, buffer, row_offset, self.dtype, kv_shape)
                 self._bind_device(stage, present, buffer, row_offset, self.dtype, kv_shape, output=True)
             else:
-                host = self.kv.buffers[past][first: first + count]
+                host = self.kv.buffers[past][first : first + count]
                 self._bind_host(stage, past, host)
                 self._bind_host(stage, present, host, output=True)
         last_only = stage.takes_last_hidden and not self.all_logits and shape[1] > 1
@@ -747,7 +906,9 @@ class Step:
             if name == LOGITS:
                 self._bind_host(stage, name, self._chunk_logits.get(unit, self._logits), output=True)
             elif device_residual and name in self.layout.roles.residual:
-                self._bind_device(stage, name, self._buffer(name, True), 0, self.dtype, residual_shape, output=True)
+                self._bind_device(
+                    stage, name, self._buffer(name, True), 0, self.dtype, residual_shape, output=True
+                )
             else:
                 self._bind_host(stage, name, self._buffer(name), output=True)
         if placement == PINNED:
@@ -766,13 +927,16 @@ class Step:
                 shape = [spec["rows"][1] - spec["rows"][0], *weight["shape"][1:]]
                 if buffer is None:
                     host = self._mapped_bytes(unit)
-                    stage.binding.bind_input_at(weight["name"], self._rt.cpu, host.ctypes.data, dtype, shape, host)
+                    stage.binding.bind_input_at(
+                        weight["name"], self._rt.cpu, host.ctypes.data, dtype, shape, host
+                    )
                 else:
                     self._bind_device(stage, weight["name"], buffer, 0, dtype, shape)
             elif chunks:
-                host = self._blob(weight["file"])[weight["offset"]: weight["offset"] + weight["bytes"]]
-                stage.binding.bind_input_at(weight["name"], self._rt.cpu, host.ctypes.data, dtype, weight["shape"],
-                                            host)
+                host = self._blob(weight["file"])[weight["offset"] : weight["offset"] + weight["bytes"]]
+                stage.binding.bind_input_at(
+                    weight["name"], self._rt.cpu, host.ctypes.data, dtype, weight["shape"], host
+                )
             else:
                 self._bind_device(stage, weight["name"], buffer, weight["offset"], dtype, weight["shape"])
 
@@ -788,25 +952,33 @@ class Step:
         self._tokens = {name: np.empty(shape, np.int64) for name in TOKEN_INPUTS}
         if self.mrope:
             self._tokens["position_ids"] = np.empty((MROPE_ROWS, *shape), np.int64)
-        self._fixed_buffers = {name: np.empty([sizes.get(d, d) for d in o["shape"]], np.dtype(o["dtype"]))
-                               for name, o in self.layout.fixed.items()}
+        self._fixed_buffers = {
+            name: np.empty([sizes.get(d, d) for d in o["shape"]], np.dtype(o["dtype"]))
+            for name, o in self.layout.fixed.items()
+        }
         logit_rows = shape[1] if self.all_logits else 1
         self._logits = np.empty((shape[0], logit_rows, self.vocab_size), self.dtype)
         self._last_hidden = np.empty((shape[0], 1, self.hidden_size), self.dtype)
         self.splits = schedule(self.layout, plan, shape[1], self.all_logits)
-        self._chunk_logits = {unit: np.empty((shape[0], logit_rows, u["rows"][1] - u["rows"][0]), self.dtype)
-                              for split in self.splits for unit, _ in split.runs
-                              if "chunk_of" in (u := self.layout.units.get(unit, {}))}
+        self._chunk_logits = {
+            unit: np.empty((shape[0], logit_rows, u["rows"][1] - u["rows"][0]), self.dtype)
+            for split in self.splits
+            for unit, _ in split.runs
+            if "chunk_of" in (u := self.layout.units.get(unit, {}))
+        }
         # The device's residual buffers come out of the plan's activation workspace. A step larger than the tier
         # the plan was made for (a batch's prompts beyond the largest tier) leaves the device's runs reading and
         # writing the host's buffers instead (ONNX Runtime then copies them in and out of each run).
         self._free_device_residual()
         activation_bytes = 2 * shape[0] * shape[1] * self.hidden_size * np.dtype(self.dtype).itemsize
-        self._device_activations = (any(split.side == DEVICE for split in self.splits)
-                                    and activation_bytes <= plan.vram.workspace)
+        self._device_activations = (
+            any(split.side == DEVICE for split in self.splits) and activation_bytes <= plan.vram.workspace
+        )
         if self._device_activations:
             self._reserve("workspace", plan.vram.workspace - activation_bytes)
-            self._device_residual = [self.device.alloc(activation_bytes // 2, "activations") for _ in range(2)]
+            self._device_residual = [
+                self.device.alloc(activation_bytes // 2, "activations") for _ in range(2)
+            ]
         # A timed step runs every sub-layer's own session, so that each is timed apart.
         join = one_token and self.join_decode and self._stage_timer is None
         program: list = []
@@ -827,17 +999,27 @@ class Step:
             stages += split_stages
             runs = [(stage.name, stage.session, stage.binding) for stage in split_stages]
             if self._stage_timer is not None:
-                program += [capi.Block(self._rt, [run], self.run_options, timer=self._stage_timer) for run in runs]
+                program += [
+                    capi.Block(self._rt, [run], self.run_options, timer=self._stage_timer) for run in runs
+                ]
             else:
                 program.append(capi.Block(self._rt, runs, self.run_options))
-            program += [self._action(split_stages[-1], action, name) for action, name in split.after
-                        if self._device_activations or not action.startswith("copy")]
+            program += [
+                self._action(split_stages[-1], action, name)
+                for action, name in split.after
+                if self._device_activations or not action.startswith("copy")
+            ]
         if self._decoding:
             self._bind_decode_values(stages)
-        self._mask_inputs = [(stage.binding.bind_input, name) for stage in stages for name in stage.mask_inputs]
-        self._feature_inputs = [(stage.binding.bind_input, name) for stage in stages for name in stage.feature_inputs]
-        self._allocated_outputs = [(stage.binding.bind_output_to_cpu, name) for stage in stages
-                                   for name in stage.allocated_outputs]
+        self._mask_inputs = [
+            (stage.binding.bind_input, name) for stage in stages for name in stage.mask_inputs
+        ]
+        self._feature_inputs = [
+            (stage.binding.bind_input, name) for stage in stages for name in stage.feature_inputs
+        ]
+        self._allocated_outputs = [
+            (stage.binding.bind_output_to_cpu, name) for stage in stages for name in stage.allocated_outputs
+        ]
         self._consumers = {}
         for stage in stages:
             for name in stage.shared_inputs:
@@ -853,8 +1035,11 @@ class Step:
         if action == "experts":
             return partial(self._run_experts, self.moe[name])
         if action == "last position":
-            residual_input = next(i["name"] for i in self.layout.entries[name]["inputs"]
-                                  if i["name"] in self.layout.roles.residual)
+            residual_input = next(
+                i["name"]
+                for i in self.layout.entries[name]["inputs"]
+                if i["name"] in self.layout.roles.residual
+            )
             return partial(self._copy_last_positions, self._buffer(residual_input))
         if action == "join chunks":
             pieces = [self._chunk_logits[u["name"]] for u in self.layout.chunks[name]]
@@ -883,9 +1068,15 @@ class Step:
                 stage.binding.bind_input(PADDING_BIAS, self._decode_bias)
 
     # -- the step ---------------------------------------------------------------------------------------------------
-    def forward(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray,
-                slot: int | None = None, last_positions: np.ndarray | None = None,
-                image_features: np.ndarray | None = None) -> np.ndarray:
+    def forward(
+        self,
+        input_ids: np.ndarray,
+        attention_mask: np.ndarray,
+        position_ids: np.ndarray,
+        slot: int | None = None,
+        last_positions: np.ndarray | None = None,
+        image_features: np.ndarray | None = None,
+    ) -> np.ndarray:
         """One step. `slot`: the KV cache's row of the step's first sequence (requests joining a running batch,
         `runtime/scheduler.py`); without it a step of fewer sequences than the cache has rows runs on its first
         rows. Rows may have lengths of their own (each row's mask ends at its last token; `last_positions`: the
@@ -896,8 +1087,10 @@ class Step:
         check_step_shape(batch, tokens, total)
         first = slot or 0
         if not 0 <= first or first + batch > self.kv.batch:
-            raise ValueError(f"a step of {batch} sequences from row {first} on a cache of {self.kv.batch} rows "
-                             "(start() sizes it)")
+            raise ValueError(
+                f"a step of {batch} sequences from row {first} on a cache of {self.kv.batch} rows "
+                "(start() sizes it)"
+            )
         rows = (first, batch) if slot is not None or batch < self.kv.batch else None
         self._last_positions = last_positions
         if total > self.kv.capacity:
@@ -907,12 +1100,20 @@ class Step:
             # A prompt longer than the largest tier: chunks of it (bounds activation memory too). A batch's
             # prompts go in one step: GQA on the CPU takes several new tokens after a past only for batch 1.
             past = total - tokens
-            pieces = [np.array(self.forward(input_ids[:, begin: begin + largest],
-                                            attention_mask[:, : past + min(begin + largest, tokens)],
-                                            position_ids[..., begin: begin + largest], slot,
-                                            image_features=image_rows(input_ids[0], begin, begin + largest,
-                                                                      self.image_token_id, image_features)))
-                      for begin in range(0, tokens, largest)]
+            pieces = [
+                np.array(
+                    self.forward(
+                        input_ids[:, begin : begin + largest],
+                        attention_mask[:, : past + min(begin + largest, tokens)],
+                        position_ids[..., begin : begin + largest],
+                        slot,
+                        image_features=image_rows(
+                            input_ids[0], begin, begin + largest, self.image_token_id, image_features
+                        ),
+                    )
+                )
+                for begin in range(0, tokens, largest)
+            ]
             return np.concatenate(pieces, axis=1)
         tier = self.book.tier_for(batch * tokens)
         plan = self.book.plan_for(tier)
@@ -937,8 +1138,11 @@ class Step:
         for bind, name in self._mask_inputs:
             bind(name, mask)
         if self._feature_inputs:
-            features = self._no_features if image_features is None else np.ascontiguousarray(image_features,
-                                                                                             self.dtype)
+            features = (
+                self._no_features
+                if image_features is None
+                else np.ascontiguousarray(image_features, self.dtype)
+            )
             for bind, name in self._feature_inputs:
                 bind(name, features)
         for bind, name in self._allocated_outputs:
@@ -976,8 +1180,10 @@ class Step:
         if not self.active.prefetch:
             self._start_copy(slot, unit)
         if self._slot_unit[slot] != unit:
-            raise RuntimeError(f"staging slot {slot} holds {self._slot_unit[slot]}, not {unit}: the ring is out of "
-                               "step with the schedule")
+            raise RuntimeError(
+                f"staging slot {slot} holds {self._slot_unit[slot]}, not {unit}: the ring is out of "
+                "step with the schedule"
+            )
         waited = time.perf_counter()
         self._slot_copy[slot].result()
         for copy in self._slot_kv_copy[slot] if unit in self._kv_streamed else ():
@@ -989,8 +1195,9 @@ class Step:
             kv_shape = (count, *self.kv.shape[1:])
             row_offset = first * int(np.prod(self.kv.shape[1:])) * np.dtype(self.dtype).itemsize
             pasts = self.layout.entries[unit]["kv"]["past"]
-            for past, present, buffer in zip(pasts, self.layout.entries[unit]["kv"]["present"], self._kv_slots[slot],
-                                             strict=True):
+            for past, present, buffer in zip(
+                pasts, self.layout.entries[unit]["kv"]["present"], self._kv_slots[slot], strict=True
+            ):
                 self._bind_device(stage, past, buffer, row_offset, self.dtype, kv_shape)
                 self._bind_device(stage, present, buffer, row_offset, self.dtype, kv_shape, output=True)
 
@@ -1011,7 +1218,7 @@ class Step:
         then the streamed ones; summed with the residual into the block's output buffer."""
         shared, plan = self._shared, self.active
         hidden, routing = shared[block.hidden].numpy(), shared[block.routing].numpy()
-        live = shared["attention_mask"][:, -self._shape[1]:]
+        live = shared["attention_mask"][:, -self._shape[1] :]
         chosen = chosen_experts(routing, live)
         self.expert_stats.record(block.layer, chosen, live.size)
         placement_of = {expert: plan.placements[block.experts[expert]] for expert, _ in chosen}
@@ -1042,8 +1249,9 @@ class Step:
                 self._bind_weights(stage, name, self._expert_slots[slot])
             out = np.empty_like(rows_hidden)
             inputs = {block.hidden: rows_hidden, block.routing: rows_routing}
-            stage.run_on_arrays({n: inputs[n] for n in stage.inputs}, stage.allocated_outputs[0], out,
-                                self.run_options)
+            stage.run_on_arrays(
+                {n: inputs[n] for n in stage.inputs}, stage.allocated_outputs[0], out, self.run_options
+            )
             if placement == STREAMED:
                 self.device.released_after_compute(self._expert_slots[slot])
                 start_copy(streamed.index(name) + EXPERT_SLOTS)
@@ -1060,5 +1268,6 @@ def _stored_weight(pack: Pack, entry: dict, name: str) -> np.ndarray:
     """A sub-layer's weight as stored in its blob."""
     weight = next(w for w in entry["weights"] if w["name"] == name)
     dtype = numpy_dtype(weight["dtype"])
-    return np.fromfile(pack.path(weight["file"]), dtype, weight["bytes"] // dtype.itemsize,
-                       offset=weight["offset"]).reshape(weight["shape"])
+    return np.fromfile(
+        pack.path(weight["file"]), dtype, weight["bytes"] // dtype.itemsize, offset=weight["offset"]
+    ).reshape(weight["shape"])

@@ -24,7 +24,9 @@ class TextCodec:
         try:
             self.tokenizer = Tokenizer.from_file(str(path))
         except Exception as exc:  # noqa: BLE001 - the tokenizers library raises plain Exceptions on bad files
-            raise UserError(f"{path} is not a readable tokenizer ({str(exc).splitlines()[0][:200]})") from None
+            raise UserError(
+                f"{path} is not a readable tokenizer ({str(exc).splitlines()[0][:200]})"
+            ) from None
         _return_freed_heap()  # parsing tokenizer.json leaves ~16 MiB of freed heap that would stay resident
         config_path = folder / "tokenizer_config.json"
         try:
@@ -32,7 +34,9 @@ class TextCodec:
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise UserError(f"{config_path} is not valid JSON ({exc})") from None
         template_path = folder / "chat_template.jinja"
-        self.chat_template = template_path.read_text() if template_path.is_file() else config.get("chat_template")
+        self.chat_template = (
+            template_path.read_text() if template_path.is_file() else config.get("chat_template")
+        )
         self.bos_token = config.get("bos_token")
         self.eos_token = config.get("eos_token")
         self.eos_token_ids = self._eos_ids(folder, config)
@@ -47,13 +51,18 @@ class TextCodec:
         if generation.is_file():
             value = json.loads(generation.read_text()).get("eos_token_id")
             ids += value if isinstance(value, list) else [value] if value is not None else []
-        if config.get("eos_token") and (token_id := self.tokenizer.token_to_id(config["eos_token"])) is not None:
+        if (
+            config.get("eos_token")
+            and (token_id := self.tokenizer.token_to_id(config["eos_token"])) is not None
+        ):
             ids.append(token_id)
         return sorted(set(ids))
 
     def render_chat(self, prompt: str, system: str | None = None) -> str:
         """The prompt as one user turn of the model's chat template, ready for the answer."""
-        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+        messages = ([{"role": "system", "content": system}] if system else []) + [
+            {"role": "user", "content": prompt}
+        ]
         return self.render_messages(messages)
 
     def render_messages(self, messages: list[dict[str, str]]) -> str:
@@ -64,15 +73,21 @@ class TextCodec:
         import jinja2  # here, not at import: 7 MiB resident for something only a chat prompt needs
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-        environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, undefined=jinja2.Undefined)
+        environment = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, undefined=jinja2.Undefined
+        )
         environment.globals["raise_exception"] = _raise_template_error
         try:
             return environment.from_string(self.chat_template).render(
-                messages=messages, add_generation_prompt=True, bos_token=self.bos_token or "",
+                messages=messages,
+                add_generation_prompt=True,
+                bos_token=self.bos_token or "",
                 eos_token=self.eos_token or "",
             )
         except jinja2.TemplateError as exc:
-            raise UserError(f"the model's chat template cannot be rendered ({type(exc).__name__}: {exc})") from None
+            raise UserError(
+                f"the model's chat template cannot be rendered ({type(exc).__name__}: {exc})"
+            ) from None
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Token ids of `text`; with `add_special_tokens` the tokenizer adds what it adds to a plain prompt

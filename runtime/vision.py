@@ -51,8 +51,10 @@ def with_placeholders(prompt: str, count: int, config: dict) -> str:
     if written == 0:
         return placeholder * count + prompt
     if written != count:
-        raise UserError(f"the prompt has {written} image placeholder(s) {config['image_token']!r} but {count} "
-                        "image(s) were given")
+        raise UserError(
+            f"the prompt has {written} image placeholder(s) {config['image_token']!r} but {count} "
+            "image(s) were given"
+        )
     return prompt
 
 
@@ -97,8 +99,15 @@ class PackVision:
     `naive` as a plain port does it (every weight resident, every score stored, the decoder kept), for comparing
     their peak device memory on the simulated device."""
 
-    def __init__(self, pack, device, threads: int | None = None, release_decoder=None, naive: bool = False,
-                 workspace_bytes: int | None = None) -> None:
+    def __init__(
+        self,
+        pack,
+        device,
+        threads: int | None = None,
+        release_decoder=None,
+        naive: bool = False,
+        workspace_bytes: int | None = None,
+    ) -> None:
         """`workspace_bytes`: the most the encoder's activations and attention take at once (default: whatever
         the budget leaves)."""
         self.pack = pack
@@ -128,8 +137,11 @@ class PackVision:
     def _session(self, entry: dict) -> capi.Session:
         if entry["name"] not in self._sessions:
             if self.on_device:
-                session = self._rt.session(self.pack.path(entry["files"]["weights_as_inputs"]), self._threads,
-                                           cuda_options=self.device.cuda_options)
+                session = self._rt.session(
+                    self.pack.path(entry["files"]["weights_as_inputs"]),
+                    self._threads,
+                    cuda_options=self.device.cuda_options,
+                )
             else:
                 session = self._rt.session(self.pack.path(entry["files"]["onnx"]), self._threads)
             self._sessions[entry["name"]] = session
@@ -165,13 +177,19 @@ class PackVision:
             free = min(free, self.workspace_bytes)
         per_run, reserved = self._runs(tiles, max(free, 0))
         if reserved > free:
-            raise UserError(f"the VRAM budget leaves {max(free, 0)} bytes for the vision encoder, less than one tile "
-                            f"needs ({reserved} bytes)")
+            raise UserError(
+                f"the VRAM budget leaves {max(free, 0)} bytes for the vision encoder, less than one tile "
+                f"needs ({reserved} bytes)"
+            )
         slots = [self.device.alloc(slot_bytes, WEIGHTS) for _ in range(2)]
         self.device.reserve(reserved, WORKSPACE)
         try:
-            return np.concatenate([self._run_all(pixel_values[first: first + per_run], slots)
-                                   for first in range(0, tiles, per_run)])
+            return np.concatenate(
+                [
+                    self._run_all(pixel_values[first : first + per_run], slots)
+                    for first in range(0, tiles, per_run)
+                ]
+            )
         finally:
             self.device.unreserve(reserved, WORKSPACE)
             for slot in slots:
@@ -189,7 +207,9 @@ class PackVision:
     def _encode_naive(self, pixel_values: np.ndarray) -> np.ndarray:
         """Every weight uploaded and resident, every tile at once with all its scores."""
         if self.shape.family == "qwen2_vl":
-            reserved = naive_workspace(self.shape, len(pixel_values), int(self._indices["image_rows"].shape[1]))
+            reserved = naive_workspace(
+                self.shape, len(pixel_values), int(self._indices["image_rows"].shape[1])
+            )
         else:
             keys = (self.shape.tile_size // self.shape.patch_size) ** 2
             reserved = naive_workspace(self.shape, len(pixel_values) * keys, keys)
@@ -249,8 +269,14 @@ class PackVision:
     def _bind_weights(self, binding: capi.Binding, entry: dict, buffer, base: int) -> None:
         memory = self.device.memory_info(self._rt)
         for weight in entry["weights"]:
-            binding.bind_input_at(weight["name"], memory, self.device.address(buffer) + base + weight["offset"],
-                                  NUMPY_DTYPES[weight["dtype"]], weight["shape"], buffer)
+            binding.bind_input_at(
+                weight["name"],
+                memory,
+                self.device.address(buffer) + base + weight["offset"],
+                NUMPY_DTYPES[weight["dtype"]],
+                weight["shape"],
+                buffer,
+            )
 
 
 def _resident_bytes(entry: dict) -> int:
@@ -273,22 +299,27 @@ def prepare_images(config: dict, images: list) -> PreparedImages:
     """Preprocess `images` (paths or PIL images) under a pack's preprocessing config."""
     prepared = [preprocess([image], config) for image in open_images(images)]
     grids = [inputs.image_grid_thw for inputs in prepared if inputs.image_grid_thw is not None]
-    return PreparedImages([expand_image_tokens(config["image_token"], inputs, config) for inputs in prepared],
-                          np.concatenate([inputs.pixel_values for inputs in prepared]),
-                          [inputs.image_tokens[0] for inputs in prepared],
-                          np.concatenate(grids) if grids else None)
+    return PreparedImages(
+        [expand_image_tokens(config["image_token"], inputs, config) for inputs in prepared],
+        np.concatenate([inputs.pixel_values for inputs in prepared]),
+        [inputs.image_tokens[0] for inputs in prepared],
+        np.concatenate(grids) if grids else None,
+    )
 
 
 def encode_prepared(encoder, prepared: PreparedImages) -> list[EncodedImage]:
     """Run prepared images' tiles through the encoder in one go."""
     features = encoder.encode(prepared.pixel_values, prepared.grids)
     if len(features) != sum(prepared.counts):
-        raise RuntimeError(f"the vision graph gave {len(features)} feature rows for {sum(prepared.counts)} image "
-                           "tokens")
+        raise RuntimeError(
+            f"the vision graph gave {len(features)} feature rows for {sum(prepared.counts)} image tokens"
+        )
     edges = np.cumsum([0, *prepared.counts])
     grids = [None] * len(prepared.tokens) if prepared.grids is None else list(prepared.grids)
-    return [EncodedImage(tokens, features[edges[i]: edges[i + 1]], grid)
-            for i, (tokens, grid) in enumerate(zip(prepared.tokens, grids, strict=True))]
+    return [
+        EncodedImage(tokens, features[edges[i] : edges[i + 1]], grid)
+        for i, (tokens, grid) in enumerate(zip(prepared.tokens, grids, strict=True))
+    ]
 
 
 def image_grids(images: list[EncodedImage]) -> np.ndarray | None:

@@ -24,8 +24,11 @@ _GEMM_DEFAULTS = {"alpha": 1.0, "beta": 1.0, "transA": 0}
 
 def product_weights(stored: list[dict], float_weights: bool) -> set[str]:
     """The 2-D weights (manifest entries) the op may read: half-precision ones, and float32 ones if asked."""
-    return {w["name"] for w in stored if len(w["shape"]) == 2
-            and (w["dtype"] in HALF_DTYPES or float_weights and w["dtype"] == "float32")}
+    return {
+        w["name"]
+        for w in stored
+        if len(w["shape"]) == 2 and (w["dtype"] in HALF_DTYPES or float_weights and w["dtype"] == "float32")
+    }
 
 
 def _product(fields: list[wire.Field], read: dict[str, str]) -> tuple[str, str, int] | None:
@@ -43,25 +46,45 @@ def _product(fields: list[wire.Field], read: dict[str, str]) -> tuple[str, str, 
 
 def _weight_matmul(fields: list[wire.Field], x: str, weight: str, trans_b: int) -> bytes:
     kept = [(n, k, v) for n, k, v in fields if n in (wire.NODE_OUTPUT, _NODE_NAME, _NODE_DOC, _NODE_METADATA)]
-    node = [(wire.NODE_INPUT, wire.LENGTH, x.encode()), (wire.NODE_INPUT, wire.LENGTH, weight.encode()), *kept,
-            (wire.NODE_OP_TYPE, wire.LENGTH, WEIGHT_OP.encode()),
-            (wire.NODE_DOMAIN, wire.LENGTH, CUSTOM_DOMAIN.encode())]
+    node = [
+        (wire.NODE_INPUT, wire.LENGTH, x.encode()),
+        (wire.NODE_INPUT, wire.LENGTH, weight.encode()),
+        *kept,
+        (wire.NODE_OP_TYPE, wire.LENGTH, WEIGHT_OP.encode()),
+        (wire.NODE_DOMAIN, wire.LENGTH, CUSTOM_DOMAIN.encode()),
+    ]
     if trans_b:
-        node.append((wire.NODE_ATTRIBUTE, wire.LENGTH, wire.serialize([
-            (_ATTRIBUTE_NAME, wire.LENGTH, b"trans_b"), (_ATTRIBUTE_INT, wire.VARINT, 1),
-            (_ATTRIBUTE_TYPE, wire.VARINT, _ATTRIBUTE_TYPE_INT)])))
+        node.append(
+            (
+                wire.NODE_ATTRIBUTE,
+                wire.LENGTH,
+                wire.serialize(
+                    [
+                        (_ATTRIBUTE_NAME, wire.LENGTH, b"trans_b"),
+                        (_ATTRIBUTE_INT, wire.VARINT, 1),
+                        (_ATTRIBUTE_TYPE, wire.VARINT, _ATTRIBUTE_TYPE_INT),
+                    ]
+                ),
+            )
+        )
     return wire.serialize(node)
 
 
-def swap_products(nodes: list[bytes], weights: set[str], graph_outputs: set[str]) -> tuple[list[bytes | None], int]:
+def swap_products(
+    nodes: list[bytes], weights: set[str], graph_outputs: set[str]
+) -> tuple[list[bytes | None], int]:
     """The serialized nodes with every product of a weight in `weights` (read directly, or through a Cast to
     float) as WeightMatMul, and Casts nothing reads any more as None; and how many products were swapped."""
     parsed = [wire.parse(node) for node in nodes]
     read = {weight: weight for weight in weights}  # tensor -> the stored weight it is
     for fields in parsed:
         inputs = wire.strings(fields, wire.NODE_INPUT)
-        if (wire.node_op(fields) == ("", "Cast") and inputs and inputs[0] in weights
-                and wire.node_attributes(fields).get("to") == _FLOAT):
+        if (
+            wire.node_op(fields) == ("", "Cast")
+            and inputs
+            and inputs[0] in weights
+            and wire.node_attributes(fields).get("to") == _FLOAT
+        ):
             read[wire.strings(fields, wire.NODE_OUTPUT)[0]] = inputs[0]
     out: list[bytes | None] = []
     swapped = 0
@@ -69,8 +92,9 @@ def swap_products(nodes: list[bytes], weights: set[str], graph_outputs: set[str]
         product = _product(fields, read)
         out.append(node if product is None else _weight_matmul(fields, *product))
         swapped += product is not None
-    still_read = graph_outputs | {name for node in out if node is not None
-                                  for name in wire.strings(wire.parse(node), wire.NODE_INPUT)}
+    still_read = graph_outputs | {
+        name for node in out if node is not None for name in wire.strings(wire.parse(node), wire.NODE_INPUT)
+    }
     for index, fields in enumerate(parsed):
         outputs = wire.strings(fields, wire.NODE_OUTPUT)
         if wire.node_op(fields) == ("", "Cast") and outputs[0] in read and outputs[0] not in still_read:

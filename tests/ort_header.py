@@ -16,12 +16,14 @@ from pathlib import Path
 
 HEADER = Path(__file__).resolve().parent.parent / "build" / "ort-headers" / "onnxruntime_c_api.h"
 PLUGIN = "https://registry.npmjs.org/com.github.asus4.onnxruntime/-/com.github.asus4.onnxruntime-0.4.9.tgz"
-MEMBER = "package/Plugins/iOS~/onnxruntime.xcframework/ios-arm64/onnxruntime.framework/Headers/onnxruntime_c_api.h"
+MEMBER = (
+    "package/Plugins/iOS~/onnxruntime.xcframework/ios-arm64/onnxruntime.framework/Headers/onnxruntime_c_api.h"
+)
 
 
 def ort_api_members(text: str) -> list[str]:
     """The function names of `struct OrtApi`, in table order (index = position)."""
-    body = text[text.index("struct OrtApi {") + len("struct OrtApi {"):]
+    body = text[text.index("struct OrtApi {") + len("struct OrtApi {") :]
     body = re.sub(r"//[^\n]*", "", re.sub(r"/\*.*?\*/", "", body, flags=re.S))
     names, depth, start = [], 0, 0
     for index, char in enumerate(body):
@@ -41,9 +43,13 @@ def ort_api_members(text: str) -> list[str]:
 
 
 def _member_name(statement: str) -> str:
-    patterns = ((r"ORT_API2_STATUS\(\s*(\w+)", ""), (r"ORT_API_STATUS\(\s*(\w+)", ""),
-                (r"ORT_CLASS_RELEASE\(\s*(\w+)", "Release"), (r"ORT_API_T\(\s*[^,]+,\s*(\w+)", ""),
-                (r"\(\s*ORT_API_CALL\s*\*\s*(\w+)\s*\)", ""))
+    patterns = (
+        (r"ORT_API2_STATUS\(\s*(\w+)", ""),
+        (r"ORT_API_STATUS\(\s*(\w+)", ""),
+        (r"ORT_CLASS_RELEASE\(\s*(\w+)", "Release"),
+        (r"ORT_API_T\(\s*[^,]+,\s*(\w+)", ""),
+        (r"\(\s*ORT_API_CALL\s*\*\s*(\w+)\s*\)", ""),
+    )
     for pattern, prefix in patterns:
         if found := re.search(pattern, statement):
             return prefix + found.group(1)

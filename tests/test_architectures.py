@@ -22,21 +22,45 @@ ARCHITECTURES = {
     "llama3": TINY_CONFIGS["llama3"],
     "qwen2.5": TINY_CONFIGS["qwen2"],
     # Qwen 2.5's long-context setting.
-    "qwen2.5-yarn": {**TINY_CONFIGS["qwen2"], "rope_parameters": {
-        "rope_type": "yarn", "rope_theta": 1000000.0, "factor": 4.0, "original_max_position_embeddings": 128}},
+    "qwen2.5-yarn": {
+        **TINY_CONFIGS["qwen2"],
+        "rope_parameters": {
+            "rope_type": "yarn",
+            "rope_theta": 1000000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 128,
+        },
+    },
     # Qwen 2.5 with its sliding window on the upper layers (use_sliding_window, max_window_layers).
-    "qwen2.5-sliding": {**TINY_CONFIGS["qwen2"], "use_sliding_window": True, "sliding_window": 16,
-                        "max_window_layers": 1},
+    "qwen2.5-sliding": {
+        **TINY_CONFIGS["qwen2"],
+        "use_sliding_window": True,
+        "sliding_window": 16,
+        "max_window_layers": 1,
+    },
     "gemma3": TINY_CONFIGS["gemma3"],
     "phi4-mini": PHI3,
     # Phi-3-mini-4k: no rope scaling, full rotary, a sliding window (2047 there).
-    "phi3-mini": {**PHI3, "partial_rotary_factor": 1.0, "sliding_window": 24, "tie_word_embeddings": False,
-                  "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 1.0}},
+    "phi3-mini": {
+        **PHI3,
+        "partial_rotary_factor": 1.0,
+        "sliding_window": 24,
+        "tie_word_embeddings": False,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 1.0},
+    },
     # Phi-3.5-mini: LongRoPE over full rotary.
-    "phi3.5-mini": {**PHI3, "partial_rotary_factor": 1.0, "tie_word_embeddings": False,
-                    "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 1.0,
-                                        "short_factor": [1.0 + 0.05 * i for i in range(8)],
-                                        "long_factor": [1.5 + 0.5 * i for i in range(8)]}},
+    "phi3.5-mini": {
+        **PHI3,
+        "partial_rotary_factor": 1.0,
+        "tie_word_embeddings": False,
+        "rope_parameters": {
+            "rope_type": "longrope",
+            "rope_theta": 10000.0,
+            "partial_rotary_factor": 1.0,
+            "short_factor": [1.0 + 0.05 * i for i in range(8)],
+            "long_factor": [1.5 + 0.5 * i for i in range(8)],
+        },
+    },
 }
 
 
@@ -58,36 +82,48 @@ def exported(request, tmp_path_factory):
 
 def _transformers_tokens(model, prompt_ids: list[int], eos: list[int]) -> list[int]:
     with torch.no_grad():
-        output = model.generate(torch.tensor([prompt_ids]), max_new_tokens=NEW_TOKENS, do_sample=False,
-                                pad_token_id=0)
-    tokens = output[0, len(prompt_ids):].tolist()
+        output = model.generate(
+            torch.tensor([prompt_ids]), max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0
+        )
+    tokens = output[0, len(prompt_ids) :].tolist()
     return next((tokens[:i] for i, t in enumerate(tokens) if t in eos), tokens)
 
 
 def test_chain_and_sim_give_transformers_greedy_tokens(exported):
     name, model, export, pack = exported
-    engines = {"export": pipeshard.load(export), "chain": pipeshard.load(pack),
-               "sim": pipeshard.load(pack, vram="30%", device="sim", profile="laptop-8gb"),
-               "sim gpu-only": pipeshard.load(pack, vram="10%", device="sim", profile="laptop-8gb", plan="gpu-only")}
+    engines = {
+        "export": pipeshard.load(export),
+        "chain": pipeshard.load(pack),
+        "sim": pipeshard.load(pack, vram="30%", device="sim", profile="laptop-8gb"),
+        "sim gpu-only": pipeshard.load(pack, vram="10%", device="sim", profile="laptop-8gb", plan="gpu-only"),
+    }
     for prompt in PROMPTS:
         prompt_ids = engines["chain"].generator.prompt_ids(prompt)
         expected = _transformers_tokens(model, prompt_ids, engines["chain"].codec.eos_token_ids)
         assert len(expected) > 8, (name, prompt)
         for kind, engine in engines.items():
-            assert engine.generate(prompt, max_new_tokens=NEW_TOKENS)[0].tokens == expected, (name, kind, prompt)
+            assert engine.generate(prompt, max_new_tokens=NEW_TOKENS)[0].tokens == expected, (
+                name,
+                kind,
+                prompt,
+            )
 
 
 def test_chain_logits_are_the_unsplit_exports(exported):
     _, _, export, pack = exported
     whole, chain = pipeshard.load(export).step, pipeshard.load(pack).step
     chain.all_logits = True
-    ids = np.array([[(7 * i + 3) % 250 for i in range(40)]], np.int64)  # a prompt past the windows, then decode
+    ids = np.array(
+        [[(7 * i + 3) % 250 for i in range(40)]], np.int64
+    )  # a prompt past the windows, then decode
     whole.start(1, 64)
     chain.start(1, 64)
     for start, stop in ((0, 30), (30, 31), (31, 32), (32, 40)):
         mask, positions = np.ones((1, stop), np.int64), np.arange(start, stop)[None]
-        difference = np.abs(whole.forward(ids[:, start:stop], mask, positions)
-                            - chain.forward(ids[:, start:stop], mask, positions)).max()
+        difference = np.abs(
+            whole.forward(ids[:, start:stop], mask, positions)
+            - chain.forward(ids[:, start:stop], mask, positions)
+        ).max()
         assert difference < 1e-4, (start, difference)
 
 
@@ -97,8 +133,11 @@ def test_sliding_window_layers_use_gqas_local_window(exported):
     name, model, export, _ = exported
     window = json.loads((export / "export.json").read_text())["dims"]["sliding_window"]
     nodes = onnx.load(export / "model.onnx", load_external_data=False).graph.node
-    windows = [next((a.i for a in n.attribute if a.name == "local_window_size"), -1)
-               for n in nodes if n.op_type == "GroupQueryAttention"]
+    windows = [
+        next((a.i for a in n.attribute if a.name == "local_window_size"), -1)
+        for n in nodes
+        if n.op_type == "GroupQueryAttention"
+    ]
     layer_types = getattr(model.config, "layer_types", None) or ["sliding_attention"] * len(windows)
     sliding = [bool(window) and t == "sliding_attention" for t in layer_types]
     assert windows == [window if local else -1 for local in sliding]
@@ -114,11 +153,19 @@ def test_longrope_exports_stop_at_the_original_context(tmp_path, capsys):
     assert error.startswith("error:") and "context of 128 tokens" in error and len(error.splitlines()) == 1
 
 
-@pytest.mark.parametrize(("settings", "feature"), [
-    ({**TINY_CONFIGS["llama"], "rope_parameters": {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}},
-     "rope_scaling of type 'dynamic'"),
-    ({**TINY_CONFIGS["gemma3"], "attn_logit_softcapping": 50.0}, "attention logit softcapping"),
-])
+@pytest.mark.parametrize(
+    ("settings", "feature"),
+    [
+        (
+            {
+                **TINY_CONFIGS["llama"],
+                "rope_parameters": {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0},
+            },
+            "rope_scaling of type 'dynamic'",
+        ),
+        ({**TINY_CONFIGS["gemma3"], "attn_logit_softcapping": 50.0}, "attention logit softcapping"),
+    ],
+)
 def test_a_feature_the_export_would_get_wrong_is_one_error_naming_it(settings, feature, tmp_path, capsys):
     _hf_folder(settings, tmp_path / "hf")
     assert main(["export", str(tmp_path / "hf"), str(tmp_path / "export"), "--quiet"]) == 2

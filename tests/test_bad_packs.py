@@ -1,6 +1,5 @@
 """A damaged pack is one `error:` line naming the file, exit status 2."""
 
-
 import pytest
 
 from pipeshard.cli import main

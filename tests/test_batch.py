@@ -25,14 +25,24 @@ def write_job(path, count: int, max_tokens: int) -> None:
     with open(path, "w") as job:
         for i in range(count):
             if i % 3 == 0:
-                line = {"custom_id": f"req-{i}", "method": "POST", "url": "/v1/chat/completions",
-                        "body": {"model": "pack", "messages": [{"role": "user", "content": prompt(i)}],
-                                 "max_tokens": max_tokens}}
+                line = {
+                    "custom_id": f"req-{i}",
+                    "method": "POST",
+                    "url": "/v1/chat/completions",
+                    "body": {
+                        "model": "pack",
+                        "messages": [{"role": "user", "content": prompt(i)}],
+                        "max_tokens": max_tokens,
+                    },
+                }
             elif i % 3 == 1:
                 line = {"custom_id": f"req-{i}", "prompt": prompt(i), "max_tokens": max_tokens, "answer": i}
             else:
-                line = {"custom_id": f"req-{i}", "messages": [{"role": "user", "content": prompt(i)}],
-                        "max_tokens": max_tokens}
+                line = {
+                    "custom_id": f"req-{i}",
+                    "messages": [{"role": "user", "content": prompt(i)}],
+                    "max_tokens": max_tokens,
+                }
             job.write(json.dumps(line) + "\n")
 
 
@@ -78,7 +88,17 @@ def test_a_200_line_job_gives_what_run_gives_prompt_by_prompt(tiny_pack, expecte
 def test_a_job_killed_midway_and_rerun_has_every_request_exactly_once(tiny_pack, expected, tmp_path):
     job, out = tmp_path / "job.jsonl", tmp_path / "out.jsonl"
     write_job(job, 200, 24)
-    command = [sys.executable, "-m", "pipeshard.cli", "batch", str(tiny_pack), str(job), str(out), "--parallel", "2"]
+    command = [
+        sys.executable,
+        "-m",
+        "pipeshard.cli",
+        "batch",
+        str(tiny_pack),
+        str(job),
+        str(out),
+        "--parallel",
+        "2",
+    ]
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and (not out.exists() or out.read_bytes().count(b"\n") < 30):
@@ -97,7 +117,9 @@ def test_a_last_line_cut_off_is_dropped_and_redone(tiny_pack, expected, tmp_path
     assert main(["batch", str(tiny_pack), str(job), str(out)]) == 0
     lines = out.read_bytes().splitlines(keepends=True)
     cut = json.loads(lines[-1])["custom_id"]
-    out.write_bytes(b"".join(lines[:-1]) + lines[-1][: len(lines[-1]) // 2])  # a kill in the middle of a write
+    out.write_bytes(
+        b"".join(lines[:-1]) + lines[-1][: len(lines[-1]) // 2]
+    )  # a kill in the middle of a write
     assert main(["batch", str(tiny_pack), str(job), str(out)]) == 0
     redone = answers(out)
     assert redone == {k: v for k, v in expected.items() if int(k.split("-")[1]) < 12}
@@ -106,15 +128,20 @@ def test_a_last_line_cut_off_is_dropped_and_redone(tiny_pack, expected, tmp_path
 
 def test_malformed_lines_become_error_records_and_the_job_goes_on(tiny_pack, tmp_path):
     job, out = tmp_path / "job.jsonl", tmp_path / "out.jsonl"
-    job.write_text("\n".join([
-        json.dumps({"prompt": "hello", "max_tokens": 4}),
-        "{not json",
-        json.dumps({"question": "no prompt here"}),
-        json.dumps({"custom_id": "b", "url": "/v1/embeddings", "body": {}}),
-        json.dumps({"custom_id": "c", "url": "/v1/chat/completions", "body": {"messages": []}}),
-        json.dumps({"custom_id": "d", "prompt": "fine", "max_tokens": 0}),
-        json.dumps({"custom_id": "e", "prompt": "fine too", "max_tokens": 4}),
-    ]) + "\n")
+    job.write_text(
+        "\n".join(
+            [
+                json.dumps({"prompt": "hello", "max_tokens": 4}),
+                "{not json",
+                json.dumps({"question": "no prompt here"}),
+                json.dumps({"custom_id": "b", "url": "/v1/embeddings", "body": {}}),
+                json.dumps({"custom_id": "c", "url": "/v1/chat/completions", "body": {"messages": []}}),
+                json.dumps({"custom_id": "d", "prompt": "fine", "max_tokens": 0}),
+                json.dumps({"custom_id": "e", "prompt": "fine too", "max_tokens": 4}),
+            ]
+        )
+        + "\n"
+    )
     assert main(["batch", str(tiny_pack), str(job), str(out)]) == 0
     records = {r["custom_id"]: r for r in map(json.loads, open(out))}
     assert set(records) == {"line-1", "line-2", "line-3", "b", "c", "d", "e"}
@@ -147,12 +174,15 @@ def test_the_job_on_a_two_node_ray_cluster_spreads_and_gives_the_same_results(ti
     job, out = tmp_path / "job.jsonl", tmp_path / "out.jsonl"
     write_job(job, 200, 24)
     before = _ray_processes()
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "object_store_memory": 100 * 2**20})
+    cluster = Cluster(
+        initialize_head=True, head_node_args={"num_cpus": 1, "object_store_memory": 100 * 2**20}
+    )
     try:
         cluster.add_node(num_cpus=1, object_store_memory=100 * 2**20)
         cluster.wait_for_nodes()
-        summary = run_batch_ray(cluster.address, tiny_pack, job, out, "pack", 4, 256, {"threads": 1},
-                                progress=False)
+        summary = run_batch_ray(
+            cluster.address, tiny_pack, job, out, "pack", 4, 256, {"threads": 1}, progress=False
+        )
     finally:
         ray.shutdown()
         cluster.shutdown()

@@ -26,25 +26,38 @@ def test_the_floor_holds_every_matrix_product_of_a_decode_step(tiny_pack, tmp_pa
     floor = _floor_module()
     pack = load_pack(tiny_pack)
     products = floor.matrix_products(pack)
-    weights = {w["name"]: w["shape"] for entry in pack.sub_layers if entry["kind"] not in ("embed", "prologue")
-               for w in entry["weights"] if len(w["shape"]) == 2}
+    weights = {
+        w["name"]: w["shape"]
+        for entry in pack.sub_layers
+        if entry["kind"] not in ("embed", "prologue")
+        for w in entry["weights"]
+        if len(w["shape"]) == 2
+    }
     assert sorted(p["shape"] for p in products) == sorted(weights.values())
     assert products[-1]["n"] == pack.model["vocab_size"]  # the output layer comes last
     path = floor.floor_model(products, tmp_path)
     model = onnx.load(str(path))
-    assert [n.op_type for n in model.graph.node if n.op_type in ("MatMul", "Gemm")] == [p["op"] for p in products]
+    assert [n.op_type for n in model.graph.node if n.op_type in ("MatMul", "Gemm")] == [
+        p["op"] for p in products
+    ]
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     (logits,) = session.run(None, {"x": np.ones((1, products[0]["k"]), np.float32)})
     assert logits.shape == (1, pack.model["vocab_size"]) and np.isfinite(logits).all()
 
 
 def test_the_script_times_floor_and_chain_in_processes_of_their_own(tiny_pack):
-    done = subprocess.run([sys.executable, str(SCRIPT), str(tiny_pack), "--pairs", "1", "--steps", "5",
-                           "--prompt-tokens", "8"], capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), str(tiny_pack), "--pairs", "1", "--steps", "5", "--prompt-tokens", "8"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr
     assert "pair 1: floor" in done.stdout and "median over 1 pairs: chain / floor time" in done.stdout
 
 
 def test_a_folder_that_is_no_pack_is_one_error_line(tmp_path):
-    done = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path)], capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), str(tmp_path)], capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 2 and done.stderr.startswith("error:") and "Traceback" not in done.stderr

@@ -22,8 +22,12 @@ def has_c_compiler() -> bool:
 def _sum_model(path, rows: int = 2):
     """y = a + b over [rows, 3] floats, saved to `path`."""
     inputs = [helper.make_tensor_value_info(name, TensorProto.FLOAT, [rows, 3]) for name in "ab"]
-    graph = helper.make_graph([helper.make_node("Add", ["a", "b"], ["y"])], "sum", inputs,
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [rows, 3])])
+    graph = helper.make_graph(
+        [helper.make_node("Add", ["a", "b"], ["y"])],
+        "sum",
+        inputs,
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [rows, 3])],
+    )
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)]), path)
     return path
 
@@ -54,7 +58,6 @@ def test_arrays_bound_by_pointer_and_values_onnx_runtime_allocates(sum_session):
     assert view.dtype == np.float32 and np.array_equal(view, a + b)
 
 
-
 def test_a_failed_run_names_its_sub_layer_on_both_loops(sum_session, monkeypatch):
     rt, session = sum_session
     good, bad = session.binding(), session.binding()
@@ -64,8 +67,10 @@ def test_a_failed_run_names_its_sub_layer_on_both_loops(sum_session, monkeypatch
         binding.bind_output_to_cpu("y")
     runs = [("L0.ffn", session, good), ("L1.ffn", session, bad)]
     timed = []
-    for block in (capi.Block(rt, runs, rt.run_options()),
-                  capi.Block(rt, runs, rt.run_options(), timer=lambda name, s: timed.append(name))):
+    for block in (
+        capi.Block(rt, runs, rt.run_options()),
+        capi.Block(rt, runs, rt.run_options(), timer=lambda name, s: timed.append(name)),
+    ):
         with pytest.raises(capi.OrtError, match=r"^sub-layer L1\.ffn: .*"):
             block()
     assert timed == ["L0.ffn"]
@@ -84,7 +89,9 @@ def test_errors_of_onnx_runtime_come_back_with_its_message(tmp_path):
 
 def test_a_missing_shared_library_is_a_clear_error(tmp_path, monkeypatch):
     (tmp_path / "capi").mkdir()
-    monkeypatch.setattr(capi.importlib.util, "find_spec", lambda name: SimpleNamespace(origin=str(tmp_path / "x.py")))
+    monkeypatch.setattr(
+        capi.importlib.util, "find_spec", lambda name: SimpleNamespace(origin=str(tmp_path / "x.py"))
+    )
     with pytest.raises(UserError, match="libonnxruntime"):
         capi.library_path()
 
@@ -96,7 +103,10 @@ def test_the_native_loop_is_built_and_gives_the_python_loops_logits(tiny_pack, m
 
     if capi._runloop is None and not has_c_compiler():
         pytest.skip("no C compiler here: the _runloop extension is optional and was not built")
-    assert capi._runloop is not None, "the _runloop extension was not built (pip install -e . with a C compiler)"
+    assert capi._runloop is not None, (
+        "the _runloop extension was not built (pip install -e . with a C compiler)"
+    )
+
     def decode(step) -> np.ndarray:
         step.start(1, 16)
         mask = np.ones((1, 5), np.int64)

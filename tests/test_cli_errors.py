@@ -94,7 +94,11 @@ def test_unknown_option_is_an_error_line(capsys):
 
 
 def test_a_real_process_prints_no_traceback(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "pipeshard", "export", str(tmp_path / "nope"), str(tmp_path / "o")],
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-m", "pipeshard", "export", str(tmp_path / "nope"), str(tmp_path / "o")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 2
     assert result.stderr.startswith("error:") and "Traceback" not in result.stderr

@@ -36,8 +36,13 @@ def one_error(status: int, err: str, *fragments: str) -> None:
 
 
 def process(*argv, stdin: bytes | None = None, env: dict | None = None, timeout: float = 180):
-    return subprocess.run([*CLI, *map(os.fsencode, map(str, argv))], input=stdin, capture_output=True,
-                          timeout=timeout, env={**os.environ, **(env or {})})
+    return subprocess.run(
+        [*CLI, *map(os.fsencode, map(str, argv))],
+        input=stdin,
+        capture_output=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
 
 
 @pytest.fixture()
@@ -54,9 +59,12 @@ def export_copy(tiny_llama_export, tmp_path) -> Path:
 
 # chat ------------------------------------------------------------------------------------------------------------
 
+
 def _answer_pieces(engine, messages, max_new_tokens):
     ids = engine.codec.encode(engine.codec.render_messages(messages))
-    return "".join(e.text for e in engine.generator.stream([ids], SamplingSettings(max_new_tokens=max_new_tokens)))
+    return "".join(
+        e.text for e in engine.generator.stream([ids], SamplingSettings(max_new_tokens=max_new_tokens))
+    )
 
 
 def test_chat_sends_the_whole_history_through_the_template(tiny_pack):
@@ -66,8 +74,15 @@ def test_chat_sends_the_whole_history_through_the_template(tiny_pack):
     answers = [line.removeprefix("> ") for line in done.stdout.decode().splitlines()[1:3]]
     engine = pipeshard.load(tiny_pack)
     one = _answer_pieces(engine, [{"role": "user", "content": first}], 12)
-    two = _answer_pieces(engine, [{"role": "user", "content": first}, {"role": "assistant", "content": one},
-                                  {"role": "user", "content": second}], 12)
+    two = _answer_pieces(
+        engine,
+        [
+            {"role": "user", "content": first},
+            {"role": "assistant", "content": one},
+            {"role": "user", "content": second},
+        ],
+        12,
+    )
     assert answers == [one.strip("\n"), two.strip("\n")] and one != two
     assert done.stdout.decode().endswith("\n")  # Ctrl-D / end of input ends the line
 
@@ -108,8 +123,17 @@ def test_history_that_outgrows_the_context_is_cut_oldest_first(tiny_pack):
 
 
 def test_chat_commands_answer_instead_of_failing(tiny_pack, tiny_llama_export):
-    done = process("chat", tiny_pack, "--device", "sim", "--vram", "30%", "--profile", "laptop-8gb",
-                   stdin=b"/budget\n/plan\n/nonsense\n/budget 25\n/quit\n")
+    done = process(
+        "chat",
+        tiny_pack,
+        "--device",
+        "sim",
+        "--vram",
+        "30%",
+        "--profile",
+        "laptop-8gb",
+        stdin=b"/budget\n/plan\n/nonsense\n/budget 25\n/quit\n",
+    )
     assert done.returncode == 0, done.stderr
     err, out = done.stderr.decode(), done.stdout.decode()
     assert "usage: /budget SIZE" in err and "unknown command /nonsense" in err and "give a unit" in err
@@ -117,7 +141,10 @@ def test_chat_commands_answer_instead_of_failing(tiny_pack, tiny_llama_export):
     assert "Traceback" not in err
     exported = process("chat", tiny_llama_export, stdin=b"/plan\n/budget 1GiB\n")
     assert "one session over the whole export" in exported.stdout.decode()
-    assert "--device sim|cuda --vram SIZE" in exported.stderr.decode() and "device=" not in exported.stderr.decode()
+    assert (
+        "--device sim|cuda --vram SIZE" in exported.stderr.decode()
+        and "device=" not in exported.stderr.decode()
+    )
 
 
 def test_a_chat_line_that_is_not_utf8_is_an_error_and_the_chat_goes_on(tiny_pack):
@@ -128,31 +155,37 @@ def test_a_chat_line_that_is_not_utf8_is_an_error_and_the_chat_goes_on(tiny_pack
 
 # flags that used to be ignored ---------------------------------------------------------------------------------
 
-@pytest.mark.parametrize(("target", "options", "fragment"), [
-    ("export", ["--device", "tpu", "--plan", "foo", "--vram", "abc"], "cannot read size 'abc'"),
-    ("export", ["--device", "tpu"], "unknown device 'tpu'"),
-    ("export", ["--plan", "foo"], "unknown plan 'foo'"),
-    ("export", ["--device", "cuda"], "export folder"),
-    ("export", ["--device", "sim", "--vram", "1GiB"], "export folder"),
-    ("pack", ["--plan", "foo"], "unknown plan 'foo'"),
-    ("pack", ["--plan", "gpu-only"], "--device sim|cuda"),
-    ("pack", ["--vram", "25%"], "--device sim"),
-    ("pack", ["--device", "cpu", "--vram", "1GiB"], "drop --vram"),
-    ("pack", ["--plan", "monolithic", "--device", "sim", "--vram", "1GiB"], "drop --device"),
-    ("pack", ["--device", "cuda"], "no usable CUDA"),  # said before asking for --vram or a profile
-    ("pack", ["--temperature", "nan"], "--temperature"),
-    ("pack", ["--temperature", "inf"], "--temperature"),
-    ("pack", ["--seed", "-1"], "--seed"),
-    ("pack", ["--threads", "999"], "cores"),
-    ("pack", ["--threads", "0"], "--threads"),
-    ("pack", ["--threads", "-2"], "--threads"),
-    ("pack", ["--context", "0"], "--context"),
-    ("pack", ["--context", "-5"], "--context"),
-    ("pack", ["--context", "100000"], "maximum of 512"),
-    ("pack", ["--save-expert-stats", "stats.json"], "MoE model"),
-    ("pack", ["--expert-stats", "nope.json"], "nope.json does not exist"),
-])
-def test_a_flag_takes_effect_or_is_one_error_line(capsys, tiny_llama_export, tiny_pack, target, options, fragment):
+
+@pytest.mark.parametrize(
+    ("target", "options", "fragment"),
+    [
+        ("export", ["--device", "tpu", "--plan", "foo", "--vram", "abc"], "cannot read size 'abc'"),
+        ("export", ["--device", "tpu"], "unknown device 'tpu'"),
+        ("export", ["--plan", "foo"], "unknown plan 'foo'"),
+        ("export", ["--device", "cuda"], "export folder"),
+        ("export", ["--device", "sim", "--vram", "1GiB"], "export folder"),
+        ("pack", ["--plan", "foo"], "unknown plan 'foo'"),
+        ("pack", ["--plan", "gpu-only"], "--device sim|cuda"),
+        ("pack", ["--vram", "25%"], "--device sim"),
+        ("pack", ["--device", "cpu", "--vram", "1GiB"], "drop --vram"),
+        ("pack", ["--plan", "monolithic", "--device", "sim", "--vram", "1GiB"], "drop --device"),
+        ("pack", ["--device", "cuda"], "no usable CUDA"),  # said before asking for --vram or a profile
+        ("pack", ["--temperature", "nan"], "--temperature"),
+        ("pack", ["--temperature", "inf"], "--temperature"),
+        ("pack", ["--seed", "-1"], "--seed"),
+        ("pack", ["--threads", "999"], "cores"),
+        ("pack", ["--threads", "0"], "--threads"),
+        ("pack", ["--threads", "-2"], "--threads"),
+        ("pack", ["--context", "0"], "--context"),
+        ("pack", ["--context", "-5"], "--context"),
+        ("pack", ["--context", "100000"], "maximum of 512"),
+        ("pack", ["--save-expert-stats", "stats.json"], "MoE model"),
+        ("pack", ["--expert-stats", "nope.json"], "nope.json does not exist"),
+    ],
+)
+def test_a_flag_takes_effect_or_is_one_error_line(
+    capsys, tiny_llama_export, tiny_pack, target, options, fragment
+):
     folder = tiny_llama_export if target == "export" else tiny_pack
     one_error(*cli(capsys, "run", folder, "hi", *options)[::2], fragment)
 
@@ -180,8 +213,11 @@ def test_plan_and_run_size_the_cache_alike(capsys, tiny_pack):
 
 def test_prompt_and_system_that_are_not_utf8_are_error_lines(tiny_pack):
     for argv in (["run", tiny_pack, b"caf\xe9"], ["run", tiny_pack, "hi", "--system", b"caf\xe9"]):
-        done = subprocess.run([*CLI, *[a if isinstance(a, bytes) else os.fsencode(str(a)) for a in argv]],
-                              capture_output=True, timeout=120)
+        done = subprocess.run(
+            [*CLI, *[a if isinstance(a, bytes) else os.fsencode(str(a)) for a in argv]],
+            capture_output=True,
+            timeout=120,
+        )
         assert done.returncode == 2 and done.stderr.decode().strip().startswith("error:")
         assert "UTF-8" in done.stderr.decode() and "Traceback" not in done.stderr.decode()
 
@@ -198,11 +234,22 @@ def test_bare_pipeshard_prints_the_help(capsys):
 
 # output paths --------------------------------------------------------------------------------------------------
 
-def test_output_paths_are_checked_or_made_before_the_work(capsys, tiny_pack, tiny_llama_export, tmp_path,
-                                                         monkeypatch):
+
+def test_output_paths_are_checked_or_made_before_the_work(
+    capsys, tiny_pack, tiny_llama_export, tmp_path, monkeypatch
+):
     (tmp_path / "afile").write_text("a file")
-    status, out, err = cli(capsys, "plan", tiny_pack, "--vram", "25%", "--profile", "laptop-8gb",
-                           "--out", tmp_path / "nodir" / "deeper" / "plans.json")
+    status, out, err = cli(
+        capsys,
+        "plan",
+        tiny_pack,
+        "--vram",
+        "25%",
+        "--profile",
+        "laptop-8gb",
+        "--out",
+        tmp_path / "nodir" / "deeper" / "plans.json",
+    )
     assert status == 0 and json.loads((tmp_path / "nodir" / "deeper" / "plans.json").read_text())["tiers"]
     plan = ["plan", tiny_pack, "--vram", "25%", "--profile", "laptop-8gb"]
 
@@ -214,19 +261,28 @@ def test_output_paths_are_checked_or_made_before_the_work(capsys, tiny_pack, tin
     import pipeshard.partitioner.partition
     from pipeshard.partitioner.planner import Planner
 
-    for target, name in ((pipeshard.bench, "run_bench"), (pipeshard, "load"), (Planner, "plan"),
-                         (pipeshard.exporter.sources, "load_source"), (pipeshard.partitioner.partition, "build_graph")):
+    for target, name in (
+        (pipeshard.bench, "run_bench"),
+        (pipeshard, "load"),
+        (Planner, "plan"),
+        (pipeshard.exporter.sources, "load_source"),
+        (pipeshard.partitioner.partition, "build_graph"),
+    ):
         monkeypatch.setattr(target, name, work)
-    for argv in ([*plan, "--out", tmp_path / "afile" / "p.json"], [*plan, "--plot", tmp_path / "afile" / "x.png"],
-                 ["bench", tiny_pack, "--device", "cpu", "--json", tmp_path / "afile" / "b.json"],
-                 ["bench", tiny_pack, "--device", "cpu", "--plot", tmp_path / "afile" / "b.png"],
-                 ["run", tiny_pack, "hi", "--save-expert-stats", tmp_path / "afile" / "s.json"],
-                 ["export", "tiny:llama", tmp_path / "afile" / "sub"],
-                 ["partition", tiny_llama_export, tmp_path / "afile" / "sub"]):
+    for argv in (
+        [*plan, "--out", tmp_path / "afile" / "p.json"],
+        [*plan, "--plot", tmp_path / "afile" / "x.png"],
+        ["bench", tiny_pack, "--device", "cpu", "--json", tmp_path / "afile" / "b.json"],
+        ["bench", tiny_pack, "--device", "cpu", "--plot", tmp_path / "afile" / "b.png"],
+        ["run", tiny_pack, "hi", "--save-expert-stats", tmp_path / "afile" / "s.json"],
+        ["export", "tiny:llama", tmp_path / "afile" / "sub"],
+        ["partition", tiny_llama_export, tmp_path / "afile" / "sub"],
+    ):
         one_error(*cli(capsys, *argv)[::2], "afile")
 
 
 # damaged files -------------------------------------------------------------------------------------------------
+
 
 def test_a_garbage_sub_layer_file_fails_verify_and_run_names_it(capsys, pack_copy):
     (pack_copy / "L1.ffn.onnx").write_bytes(os.urandom(2000))
@@ -271,23 +327,46 @@ def test_garbage_tokenizer_and_broken_template_are_error_lines(capsys, pack_copy
 
 # defaults that used to strand a newcomer -----------------------------------------------------------------------
 
+
 def test_a_machine_never_profiled_plans_with_a_stated_reference(tiny_pack, tmp_path):
-    done = process("run", tiny_pack, "hi", "--device", "sim", "--vram", "30%", "--max-new-tokens", 4,
-                   env={"XDG_CACHE_HOME": str(tmp_path / "cache")})
+    done = process(
+        "run",
+        tiny_pack,
+        "hi",
+        "--device",
+        "sim",
+        "--vram",
+        "30%",
+        "--max-new-tokens",
+        4,
+        env={"XDG_CACHE_HOME": str(tmp_path / "cache")},
+    )
     assert done.returncode == 0, done.stderr
     assert done.stderr.decode().startswith("warning: this machine has no profile yet")
 
 
 def test_bench_with_no_flags_plans_at_25_percent_and_makes_no_peers(capsys, tiny_pack, tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    status, out, err = cli(capsys, "bench", tiny_pack, "--plans", "cpu,auto", "--new-tokens", 2, "--repeat", 1,
-                           "--prompt-tokens", 40)
+    status, out, err = cli(
+        capsys,
+        "bench",
+        tiny_pack,
+        "--plans",
+        "cpu,auto",
+        "--new-tokens",
+        2,
+        "--repeat",
+        1,
+        "--prompt-tokens",
+        40,
+    )
     assert status == 0, err
     assert "auto" in out and "skipped auto" not in out + err
     assert not Path(f"{tiny_pack}.peers").exists()
 
 
 # interrupted work ----------------------------------------------------------------------------------------------
+
 
 def test_a_terminated_export_leaves_nothing_and_an_abandoned_one_is_cleaned_up(tmp_path):
     out = tmp_path / "out"
@@ -305,26 +384,47 @@ def test_a_terminated_export_leaves_nothing_and_an_abandoned_one_is_cleaned_up(t
 
 # fuzz: no number or path makes a traceback ---------------------------------------------------------------------
 
-VALUES = ["nan", "inf", "-inf", "-1", "0", "1e30", "99999999999999999999", "", "abc", "25%", "-5%", "1e400GiB"]
+VALUES = [
+    "nan",
+    "inf",
+    "-inf",
+    "-1",
+    "0",
+    "1e30",
+    "99999999999999999999",
+    "",
+    "abc",
+    "25%",
+    "-5%",
+    "1e400GiB",
+]
 
 
 @pytest.mark.parametrize("value", VALUES)
 def test_no_numeric_or_size_option_value_makes_a_traceback(capsys, tiny_pack, value):
     run = ["run", tiny_pack, "hi", "--max-new-tokens", "2"]
-    options = [(run, "--max-new-tokens"), (run, "--temperature"), (run, "--top-k"), (run, "--top-p"),
-               (run, "--repetition-penalty"), (run, "--seed"), (run, "--threads"), (run, "--context"),
-               ([*run, "--device", "sim", "--profile", "laptop-8gb"], "--vram"),
-               (["plan", tiny_pack, "--profile", "laptop-8gb"], "--vram"),
-               (["plan", tiny_pack, "--vram", "25%", "--profile", "laptop-8gb"], "--context"),
-               (["plan", tiny_pack, "--vram", "25%", "--profile", "laptop-8gb"], "--batch"),
-               (["plan", tiny_pack, "--vram", "25%", "--profile", "laptop-8gb"], "--tiers"),
-               (["plan", tiny_pack, "--vram", "25%", "--profile", "laptop-8gb"], "--threads"),
-               (["inspect", tiny_pack], "--context"),
-               (["bench", tiny_pack, "--device", "cpu", "--repeat", "1"], "--new-tokens"),
-               (["bench", tiny_pack, "--device", "cpu", "--new-tokens", "2"], "--repeat"),
-               (["bench", tiny_pack, "--device", "cpu", "--new-tokens", "2"], "--processes"),
-               (["bench", tiny_pack, "--device", "cpu", "--new-tokens", "2"], "--prompt-tokens"),
-               (["export", "tiny:llama", "/nonexistent-root-dir/x/out"], "--opset")]
+    options = [
+        (run, "--max-new-tokens"),
+        (run, "--temperature"),
+        (run, "--top-k"),
+        (run, "--top-p"),
+        (run, "--repetition-penalty"),
+        (run, "--seed"),
+        (run, "--threads"),
+        (run, "--context"),
+        ([*run, "--device", "sim", "--profile", "laptop-8gb"], "--vram"),
+        (["plan", tiny_pack, "--profile", "laptop-8gb"], "--vram"),
+        (["plan", tiny_pack, "--vram", "25%", "--profile", "laptop-8gb"], "--context"),
+        (["plan", tiny_pack, "--vram", "25%", "--profile", "laptop-8gb"], "--batch"),
+        (["plan", tiny_pack, "--vram", "25%", "--profile", "laptop-8gb"], "--tiers"),
+        (["plan", tiny_pack, "--vram", "25%", "--profile", "laptop-8gb"], "--threads"),
+        (["inspect", tiny_pack], "--context"),
+        (["bench", tiny_pack, "--device", "cpu", "--repeat", "1"], "--new-tokens"),
+        (["bench", tiny_pack, "--device", "cpu", "--new-tokens", "2"], "--repeat"),
+        (["bench", tiny_pack, "--device", "cpu", "--new-tokens", "2"], "--processes"),
+        (["bench", tiny_pack, "--device", "cpu", "--new-tokens", "2"], "--prompt-tokens"),
+        (["export", "tiny:llama", "/nonexistent-root-dir/x/out"], "--opset"),
+    ]
     for command, option in options:
         whole_bench = command[0] == "bench" and option != "--prompt-tokens"
         if value in ("0", "-1", "1e30", "99999999999999999999") and whole_bench:
@@ -338,13 +438,23 @@ def test_no_numeric_or_size_option_value_makes_a_traceback(capsys, tiny_pack, va
 @pytest.mark.parametrize("kind", ["missing", "file", "file-parent"])
 def test_no_path_makes_a_traceback(capsys, tiny_pack, tmp_path, kind):
     (tmp_path / "afile").write_text("x")
-    path = {"missing": tmp_path / "nope", "file": tmp_path / "afile",
-            "file-parent": tmp_path / "afile" / "below"}[kind]
-    for argv in (["run", path, "hi"], ["chat", path], ["inspect", path], ["plan", path, "--vram", "1GiB"],
-                 ["partition", path, tmp_path / "out"], ["export", path, tmp_path / "out2"],
-                 ["bench", path, "--device", "cpu"], ["profile", "--show", path],
-                 ["run", tiny_pack, "hi", "--device", "sim", "--vram", "30%", "--profile", path],
-                 ["plan", tiny_pack, "--vram", "25%", "--expert-stats", path, "--profile", "laptop-8gb"]):
+    path = {
+        "missing": tmp_path / "nope",
+        "file": tmp_path / "afile",
+        "file-parent": tmp_path / "afile" / "below",
+    }[kind]
+    for argv in (
+        ["run", path, "hi"],
+        ["chat", path],
+        ["inspect", path],
+        ["plan", path, "--vram", "1GiB"],
+        ["partition", path, tmp_path / "out"],
+        ["export", path, tmp_path / "out2"],
+        ["bench", path, "--device", "cpu"],
+        ["profile", "--show", path],
+        ["run", tiny_pack, "hi", "--device", "sim", "--vram", "30%", "--profile", path],
+        ["plan", tiny_pack, "--vram", "25%", "--expert-stats", path, "--profile", "laptop-8gb"],
+    ):
         status, _, err = cli(capsys, *argv)
         one_error(status, err)
 

@@ -38,8 +38,13 @@ class FakeRuntime:
 def device(monkeypatch):
     runtime = FakeRuntime()
     # Reading into "pinned" memory at a fake address would crash: the read is recorded instead.
-    monkeypatch.setattr(CudaDevice, "_read_into", staticmethod(lambda path, offset, source: runtime.calls.append(
-        ("read", (str(path), offset, source.nbytes)))))
+    monkeypatch.setattr(
+        CudaDevice,
+        "_read_into",
+        staticmethod(
+            lambda path, offset, source: runtime.calls.append(("read", (str(path), offset, source.nbytes)))
+        ),
+    )
     return CudaDevice(1 << 20, runtime=runtime), runtime
 
 
@@ -84,7 +89,10 @@ def test_a_slot_refill_waits_for_its_last_reader_and_compute_waits_for_the_copy(
 def test_the_ep_runs_on_our_compute_stream(device):
     cuda, _ = device
     options = cuda.cuda_options
-    assert options["user_compute_stream"] == str(cuda.compute_stream) and options["do_copy_in_default_stream"] == "0"
+    assert (
+        options["user_compute_stream"] == str(cuda.compute_stream)
+        and options["do_copy_in_default_stream"] == "0"
+    )
 
 
 def test_streamed_weights_are_held_once_in_pinned_memory_read_from_the_file(device, blob):
@@ -123,12 +131,17 @@ def test_streamed_kv_uploads_wait_for_the_slot_and_new_rows_come_back_in_one_2d_
     names = [name for name, _ in runtime.calls]
     assert names.index("cudaStreamWaitEvent") < names.index("cudaMemcpyAsync")
     assert next(args for name, args in runtime.calls if name == "cudaMemcpyAsync")[:3] == (
-        slot.pointer, host.ctypes.data, host.nbytes)
+        slot.pointer,
+        host.ctypes.data,
+        host.nbytes,
+    )
     runtime.calls.clear()
     pitch = 16 * 8 * 4
     cuda.copy_out_rows(host, slot, offset=5 * 8 * 4, rows=2, width=8 * 4, pitch=pitch)
-    assert runtime.calls == [("cudaStreamSynchronize", (cuda.compute_stream,)),
-                             ("cudaMemcpy2D", (host.ctypes.data + 160, pitch, slot.pointer + 160, pitch, 32, 2, 2))]
+    assert runtime.calls == [
+        ("cudaStreamSynchronize", (cuda.compute_stream,)),
+        ("cudaMemcpy2D", (host.ctypes.data + 160, pitch, slot.pointer + 160, pitch, 32, 2, 2)),
+    ]
     with pytest.raises(ValueError):
         cuda.copy_out_rows(host, slot, offset=1000, rows=2, width=32, pitch=pitch)
 
@@ -168,9 +181,14 @@ def test_every_cuda_call_of_the_device_exists_in_the_real_bindings():
     from pipeshard.runtime import cuda_device
 
     runtime = pytest.importorskip("cuda.bindings.runtime")
-    called = {node.attr for node in ast.walk(ast.parse(inspect.getsource(cuda_device)))
-              if isinstance(node, ast.Attribute) and node.attr.startswith("cuda")
-              and isinstance(node.value, ast.Attribute) and node.value.attr == "rt"}
+    called = {
+        node.attr
+        for node in ast.walk(ast.parse(inspect.getsource(cuda_device)))
+        if isinstance(node, ast.Attribute)
+        and node.attr.startswith("cuda")
+        and isinstance(node.value, ast.Attribute)
+        and node.value.attr == "rt"
+    }
     assert called and not [name for name in called if not hasattr(runtime, name)]
 
 
@@ -184,10 +202,15 @@ def test_cuda_sessions_and_memory_go_through_the_c_api():
     assert rt.memory_info("Cuda", 0).value and rt.memory_info("Cuda", 0) is rt.memory_info("Cuda", 0)
     from onnx import TensorProto, helper
 
-    graph = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "g",
-                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])])
+    graph = helper.make_graph(
+        [helper.make_node("Identity", ["x"], ["y"])],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])],
+    )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
     model.ir_version = 10
     with pytest.raises(capi.OrtError, match="(?i)cuda"):
-        rt.session(model.SerializeToString(), cuda_options={"device_id": "0", "do_copy_in_default_stream": "0"})
+        rt.session(
+            model.SerializeToString(), cuda_options={"device_id": "0", "do_copy_in_default_stream": "0"}
+        )

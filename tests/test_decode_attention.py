@@ -7,23 +7,27 @@ from onnx import TensorProto, helper
 from pipeshard.runtime import capi
 from pipeshard.runtime.decode_attention import DECODE_OP, covered
 
-pytestmark = pytest.mark.skipif(not capi.custom_ops_available(),
-                                reason="the C extension (and with it the op) was not built")
+pytestmark = pytest.mark.skipif(
+    not capi.custom_ops_available(), reason="the C extension (and with it the op) was not built"
+)
 
 HEADS, KV_HEADS, HEAD = 6, 2, 16
 
 
-def _attention_model(op: str, domain: str, batch: int, new: int, capacity: int, rotary: bool, bias: bool,
-                     **attributes) -> bytes:
+def _attention_model(
+    op: str, domain: str, batch: int, new: int, capacity: int, rotary: bool, bias: bool, **attributes
+) -> bytes:
     """One attention node over a packed query and a shared past/present KV buffer."""
     floats = TensorProto.FLOAT
     width = (HEADS + 2 * KV_HEADS) * HEAD
     cache = [batch, KV_HEADS, capacity, HEAD]
-    inputs = [helper.make_tensor_value_info("qkv", floats, [batch, new, width]),
-              helper.make_tensor_value_info("past_key", floats, cache),
-              helper.make_tensor_value_info("past_value", floats, cache),
-              helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, [batch]),
-              helper.make_tensor_value_info("total", TensorProto.INT32, [])]
+    inputs = [
+        helper.make_tensor_value_info("qkv", floats, [batch, new, width]),
+        helper.make_tensor_value_info("past_key", floats, cache),
+        helper.make_tensor_value_info("past_value", floats, cache),
+        helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, [batch]),
+        helper.make_tensor_value_info("total", TensorProto.INT32, []),
+    ]
     names = ["qkv", "", "", "past_key", "past_value", "seqlens_k", "total", "", "", "", ""]
     if rotary:
         inputs += [helper.make_tensor_value_info(n, floats, [capacity, HEAD // 2]) for n in ("cos", "sin")]
@@ -31,18 +35,42 @@ def _attention_model(op: str, domain: str, batch: int, new: int, capacity: int, 
     if bias:
         inputs.append(helper.make_tensor_value_info("bias", floats, [batch, 1, new, capacity]))
         names[10] = "bias"
-    node = helper.make_node(op, names, ["out", "present_key", "present_value"], domain=domain, num_heads=HEADS,
-                            kv_num_heads=KV_HEADS, do_rotary=int(rotary), **attributes)
-    graph = helper.make_graph([node], "attention", inputs, [
-        helper.make_tensor_value_info("out", floats, [batch, new, HEADS * HEAD]),
-        helper.make_tensor_value_info("present_key", floats, cache),
-        helper.make_tensor_value_info("present_value", floats, cache)])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(domain, 1)])
+    node = helper.make_node(
+        op,
+        names,
+        ["out", "present_key", "present_value"],
+        domain=domain,
+        num_heads=HEADS,
+        kv_num_heads=KV_HEADS,
+        do_rotary=int(rotary),
+        **attributes,
+    )
+    graph = helper.make_graph(
+        [node],
+        "attention",
+        inputs,
+        [
+            helper.make_tensor_value_info("out", floats, [batch, new, HEADS * HEAD]),
+            helper.make_tensor_value_info("present_key", floats, cache),
+            helper.make_tensor_value_info("present_value", floats, cache),
+        ],
+    )
+    model = helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(domain, 1)]
+    )
     return model.SerializeToString()
 
 
-def _run(op: str, domain: str, lengths: list[int], capacity: int, rotary: bool, bias: bool, new: int = 1,
-         **attributes):
+def _run(
+    op: str,
+    domain: str,
+    lengths: list[int],
+    capacity: int,
+    rotary: bool,
+    bias: bool,
+    new: int = 1,
+    **attributes,
+):
     """Outputs and the KV buffers after one step of `new` tokens for rows of `lengths` cached tokens (the earlier
     columns of a row shorter than the longest are padding, masked by the bias)."""
     rt = capi.runtime()
@@ -52,16 +80,21 @@ def _run(op: str, domain: str, lengths: list[int], capacity: int, rotary: bool, 
     key = rng.standard_normal((batch, KV_HEADS, capacity, HEAD), np.float32)
     value = rng.standard_normal((batch, KV_HEADS, capacity, HEAD), np.float32)
     total = max(lengths) + new
-    feeds = {"qkv": rng.standard_normal((batch, new, (HEADS + 2 * KV_HEADS) * HEAD), np.float32),
-             "seqlens_k": np.full(batch, total - 1, np.int32), "total": np.array(capacity, np.int32),
-             "cos": np.cos(rng.uniform(0, 6, (capacity, HEAD // 2))).astype(np.float32),
-             "sin": np.sin(rng.uniform(0, 6, (capacity, HEAD // 2))).astype(np.float32)}
+    feeds = {
+        "qkv": rng.standard_normal((batch, new, (HEADS + 2 * KV_HEADS) * HEAD), np.float32),
+        "seqlens_k": np.full(batch, total - 1, np.int32),
+        "total": np.array(capacity, np.int32),
+        "cos": np.cos(rng.uniform(0, 6, (capacity, HEAD // 2))).astype(np.float32),
+        "sin": np.sin(rng.uniform(0, 6, (capacity, HEAD // 2))).astype(np.float32),
+    }
     padding = np.zeros((batch, 1, new, capacity), np.float32)
     for row, length in enumerate(lengths):
-        padding[row, ..., :max(lengths) - length] = np.finfo(np.float32).min
+        padding[row, ..., : max(lengths) - length] = np.finfo(np.float32).min
     feeds["bias"] = padding
     binding = session.binding()
-    for name in ("qkv", "seqlens_k", "total") + (("cos", "sin") if rotary else ()) + (("bias",) if bias else ()):
+    for name in (
+        ("qkv", "seqlens_k", "total") + (("cos", "sin") if rotary else ()) + (("bias",) if bias else ())
+    ):
         binding.bind_input(name, feeds[name])
     binding.bind_input("past_key", key)
     binding.bind_input("past_value", value)
@@ -73,13 +106,17 @@ def _run(op: str, domain: str, lengths: list[int], capacity: int, rotary: bool, 
     return out, key, value
 
 
-@pytest.mark.parametrize("lengths, rotary, bias", [([37], True, True), ([37, 20, 5], True, True),
-                                                   ([12, 12], False, False), ([0], True, True)])
+@pytest.mark.parametrize(
+    "lengths, rotary, bias",
+    [([37], True, True), ([37, 20, 5], True, True), ([12, 12], False, False), ([0], True, True)],
+)
 def test_equals_group_query_attention_at_one_new_token(lengths, rotary, bias):
     expected = _run("GroupQueryAttention", "com.microsoft", lengths, 48, rotary, bias)
     got = _run(DECODE_OP, capi.CUSTOM_DOMAIN, lengths, 48, rotary, bias)
     np.testing.assert_allclose(got[0], expected[0], rtol=1e-5, atol=1e-5)  # the output: float rounding apart
-    for cache_got, cache_expected in zip(got[1:], expected[1:], strict=True):  # the KV rows: the new row written
+    for cache_got, cache_expected in zip(
+        got[1:], expected[1:], strict=True
+    ):  # the KV rows: the new row written
         np.testing.assert_allclose(cache_got, cache_expected, rtol=1e-6, atol=1e-6)
 
 
@@ -92,14 +129,22 @@ def test_long_rows_are_attended_in_chunks_and_combined(lengths, capacity):
     np.testing.assert_allclose(got[0], expected[0], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("lengths, capacity, window", [([37], 48, 16), ([37, 20, 5], 48, 8), ([0], 48, 8),
-                                                       ([600, 130], 640, 100), ([600, 130], 640, 300)])
-def test_a_local_window_attends_to_the_last_window_keys_as_group_query_attention_does(lengths, capacity, window):
-    expected = _run("GroupQueryAttention", "com.microsoft", lengths, capacity, True, True, local_window_size=window)
+@pytest.mark.parametrize(
+    "lengths, capacity, window",
+    [([37], 48, 16), ([37, 20, 5], 48, 8), ([0], 48, 8), ([600, 130], 640, 100), ([600, 130], 640, 300)],
+)
+def test_a_local_window_attends_to_the_last_window_keys_as_group_query_attention_does(
+    lengths, capacity, window
+):
+    expected = _run(
+        "GroupQueryAttention", "com.microsoft", lengths, capacity, True, True, local_window_size=window
+    )
     got = _run(DECODE_OP, capi.CUSTOM_DOMAIN, lengths, capacity, True, True, local_window_size=window)
     np.testing.assert_allclose(got[0], expected[0], rtol=1e-5, atol=1e-5)
     unwindowed = _run("GroupQueryAttention", "com.microsoft", lengths, capacity, True, True)
-    assert max(lengths) < window or not np.allclose(unwindowed[0], expected[0], atol=1e-3)  # the window matters
+    assert max(lengths) < window or not np.allclose(
+        unwindowed[0], expected[0], atol=1e-3
+    )  # the window matters
 
 
 def test_takes_one_new_token_and_checks_the_cache_capacity():
@@ -111,19 +156,34 @@ def test_takes_one_new_token_and_checks_the_cache_capacity():
 
 def test_covers_only_what_it_computes():
     def node(**attributes):
-        return helper.make_node("GroupQueryAttention", ["qkv", "", "", "k", "v", "s", "t", "cos", "sin"],
-                                ["o", "pk", "pv"], domain="com.microsoft", num_heads=4, kv_num_heads=2,
-                                do_rotary=1, **attributes)
+        return helper.make_node(
+            "GroupQueryAttention",
+            ["qkv", "", "", "k", "v", "s", "t", "cos", "sin"],
+            ["o", "pk", "pv"],
+            domain="com.microsoft",
+            num_heads=4,
+            kv_num_heads=2,
+            do_rotary=1,
+            **attributes,
+        )
 
     def check(made, float_inputs=frozenset({"k"})) -> bool:
         return covered(made.SerializeToString(), set(float_inputs))
 
-    assert check(node()) and check(node(local_window_size=-1, softcap=0.0)) and check(node(local_window_size=8))
+    assert (
+        check(node()) and check(node(local_window_size=-1, softcap=0.0)) and check(node(local_window_size=8))
+    )
     assert not check(node(), set())  # a float16 cache
     assert not check(node(rotary_interleaved=1))
     assert not check(node(softcap=30.0))
-    separate = helper.make_node("GroupQueryAttention", ["q", "key", "value", "k", "v", "s", "t"], ["o", "pk", "pv"],
-                                domain="com.microsoft", num_heads=4, kv_num_heads=2)
+    separate = helper.make_node(
+        "GroupQueryAttention",
+        ["q", "key", "value", "k", "v", "s", "t"],
+        ["o", "pk", "pv"],
+        domain="com.microsoft",
+        num_heads=4,
+        kv_num_heads=2,
+    )
     assert not check(separate)
 
 
@@ -139,7 +199,13 @@ def test_the_chain_decodes_through_it_with_the_same_tokens(tiny_pack):
     runs = []
     for step in (fast, reference):
         step.start(2, 40)
-        ids, positions, attention_mask, tokens, logits = prompts, np.maximum(np.cumsum(mask, 1) - 1, 0), mask, [], []
+        ids, positions, attention_mask, tokens, logits = (
+            prompts,
+            np.maximum(np.cumsum(mask, 1) - 1, 0),
+            mask,
+            [],
+            [],
+        )
         for _ in range(12):
             last = step.forward(ids, attention_mask, positions)[:, -1].copy()
             logits.append(last)
@@ -176,6 +242,9 @@ def test_the_decode_graph_differs_from_the_pack_s_only_in_the_attention_node(tin
     assert [(n.domain, n.op_type) for n in changed] == [(capi.CUSTOM_DOMAIN, DECODE_OP)]
     changed[0].domain, changed[0].op_type = "com.microsoft", "GroupQueryAttention"
     assert rewritten.graph == original.graph
-    assert ([(o.domain, o.version) for o in rewritten.opset_import]
-            == [(o.domain, o.version) for o in original.opset_import] + [(capi.CUSTOM_DOMAIN, 1)])
-    assert join([path], set(), float_inputs - {entry["kv"]["past"][0]}).decode_attention_nodes == 0  # not covered
+    assert [(o.domain, o.version) for o in rewritten.opset_import] == [
+        (o.domain, o.version) for o in original.opset_import
+    ] + [(capi.CUSTOM_DOMAIN, 1)]
+    assert (
+        join([path], set(), float_inputs - {entry["kv"]["past"][0]}).decode_attention_nodes == 0
+    )  # not covered

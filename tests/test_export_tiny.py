@@ -15,8 +15,17 @@ from pipeshard.partitioner.rules import DECODER_RULES, module_path, sub_layer_ca
 
 def test_export_writes_the_documented_files(tiny_llama_export):
     names = {p.name for p in tiny_llama_export.iterdir()}
-    assert {"model.onnx", "model.onnx.data", "config.json", "tokenizer.json", "tokenizer_config.json",
-            "tokenizer.onnx", "detokenizer.onnx", "export.json", "generation_config.json"} <= names
+    assert {
+        "model.onnx",
+        "model.onnx.data",
+        "config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "tokenizer.onnx",
+        "detokenizer.onnx",
+        "export.json",
+        "generation_config.json",
+    } <= names
     info = json.loads((tiny_llama_export / "export.json").read_text())
     assert info["schema_version"] == 2 and info["architecture"] == "llama" and info["dtype"] == "fp32"
     assert info["dims"]["num_layers"] == 4 and info["dims"]["num_key_value_heads"] == 2
@@ -72,9 +81,13 @@ def test_greedy_generation_matches_transformers(tiny_llama_export):
     prompt_ids = engine.generator.prompt_ids("Tell me a story about a robot.")
     (ours,) = engine.generator.generate([prompt_ids], pipeshard.api.SamplingSettings(max_new_tokens=24))
     with torch.no_grad():
-        output = model.generate(torch.tensor([prompt_ids]), max_new_tokens=24, do_sample=False,
-                                pad_token_id=tokenizer.pad_token_id)
-    theirs = [t for t in output[0, len(prompt_ids):].tolist() if t not in engine.codec.eos_token_ids]
+        output = model.generate(
+            torch.tensor([prompt_ids]),
+            max_new_tokens=24,
+            do_sample=False,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+    theirs = [t for t in output[0, len(prompt_ids) :].tolist() if t not in engine.codec.eos_token_ids]
     assert ours.tokens == theirs[: len(ours.tokens)] and len(ours.tokens) > 0
 
 

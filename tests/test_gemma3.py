@@ -12,8 +12,11 @@ from pipeshard.partitioner.partition import partition
 pytestmark = pytest.mark.slow
 # A base model (no chat template): plain completions. The last prompt (~700 tokens) is longer than the
 # local layers' 512-token window.
-PROMPTS = ["The capital of France is", "def fibonacci(n):",
-           "Continue the list: " + ", ".join(str(i) for i in range(200))]
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Continue the list: " + ", ".join(str(i) for i in range(200)),
+]
 NEW_TOKENS = 32
 
 
@@ -27,15 +30,20 @@ def gemma3(tmp_path_factory):
 
 def test_chain_and_sim_give_transformers_greedy_tokens(gemma3):
     export, pack, source = gemma3
-    engines = {"export": pipeshard.load(export), "chain": pipeshard.load(pack),
-               "sim": pipeshard.load(pack, vram="25%", device="sim", profile="laptop-8gb", context=1024)}
+    engines = {
+        "export": pipeshard.load(export),
+        "chain": pipeshard.load(pack),
+        "sim": pipeshard.load(pack, vram="25%", device="sim", profile="laptop-8gb", context=1024),
+    }
     for prompt in PROMPTS:
         prompt_ids = source.tokenizer(prompt).input_ids
         with torch.no_grad():
-            output = source.model.generate(torch.tensor([prompt_ids]), max_new_tokens=NEW_TOKENS, do_sample=False)
-        expected = output[0, len(prompt_ids):].tolist()
+            output = source.model.generate(
+                torch.tensor([prompt_ids]), max_new_tokens=NEW_TOKENS, do_sample=False
+            )
+        expected = output[0, len(prompt_ids) :].tolist()
         for kind, engine in engines.items():
             assert engine.generator.prompt_ids(prompt, chat_template=False) == prompt_ids, kind
             generated = engine.generate(prompt, chat_template=False, max_new_tokens=NEW_TOKENS)[0].tokens
-            assert generated == expected[:len(generated)] and len(generated) >= 8, (kind, prompt[:30])
+            assert generated == expected[: len(generated)] and len(generated) >= 8, (kind, prompt[:30])
     assert len(source.tokenizer(PROMPTS[-1]).input_ids) > 512

@@ -15,8 +15,22 @@ def test_gpu_check_dry_run_on_sim(tiny_llama_export, tmp_path, capsys):
     spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
     gpu_check = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gpu_check)
-    report = gpu_check.main(["--pack", str(pack), "--device", "sim", "--profile", "laptop-8gb", "--fraction", "0.5",
-                             "--new-tokens", "8", "--out", str(tmp_path / "check.json")])
+    report = gpu_check.main(
+        [
+            "--pack",
+            str(pack),
+            "--device",
+            "sim",
+            "--profile",
+            "laptop-8gb",
+            "--fraction",
+            "0.5",
+            "--new-tokens",
+            "8",
+            "--out",
+            str(tmp_path / "check.json"),
+        ]
+    )
     assert report["ok"]
     assert [row["name"] for row in report["bench"]["rows"]] == ["cpu", "auto", "layers", "offload"]
     saved = json.loads((tmp_path / "check.json").read_text())

@@ -47,15 +47,19 @@ def pytorch_tokens(half):
         ids = engine.generator.prompt_ids(prompt)
         with torch.no_grad():
             output = model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False)
-        theirs = output[0, len(ids):].tolist()
+        theirs = output[0, len(ids) :].tolist()
         tokens.append(theirs[: next((i for i, t in enumerate(theirs) if t in eos), len(theirs))])
     return tokens
 
 
 def _tokens(engine) -> list[list[int]]:
     generator = engine.generator
-    return [generator.generate([generator.prompt_ids(p)], pipeshard.api.SamplingSettings(
-        max_new_tokens=NEW_TOKENS))[0].tokens for p in PROMPTS]
+    return [
+        generator.generate(
+            [generator.prompt_ids(p)], pipeshard.api.SamplingSettings(max_new_tokens=NEW_TOKENS)
+        )[0].tokens
+        for p in PROMPTS
+    ]
 
 
 def test_the_export_stores_the_products_and_embedding_in_the_dtype(half):
@@ -68,8 +72,12 @@ def test_the_export_stores_the_products_and_embedding_in_the_dtype(half):
     assert stored["lm_head.weight"] == half_type and sum(t == half_type for t in stored.values()) >= 8
     manifest = load_pack(pack).manifest
     assert (manifest["model"]["dtype"], manifest["model"]["compute_dtype"]) == (dtype, "fp32")
-    fp32_bytes = sum(4 * int(np.prod(w["shape"])) for e in manifest["sub_layers"] for w in e["weights"]
-                     if w["dtype"] != "float32")
+    fp32_bytes = sum(
+        4 * int(np.prod(w["shape"]))
+        for e in manifest["sub_layers"]
+        for w in e["weights"]
+        if w["dtype"] != "float32"
+    )
     assert manifest["total_weight_bytes"] < 0.6 * fp32_bytes + 2**20  # half the bytes (plus alignment)
     final = next(e for e in manifest["sub_layers"] if e["kind"] == "final")
     assert final["row_chunks"] and final["row_chunks"]["row_bytes"] == 2 * manifest["model"]["hidden_size"]
@@ -81,17 +89,24 @@ def test_the_export_and_the_chain_give_pytorchs_greedy_tokens(half, pytorch_toke
     assert _tokens(pipeshard.load(pack)) == pytorch_tokens
 
 
-@pytest.mark.skipif(not capi.custom_ops_available(), reason="the C extension (and with it the op) was not built")
+@pytest.mark.skipif(
+    not capi.custom_ops_available(), reason="the C extension (and with it the op) was not built"
+)
 def test_the_chain_reads_the_stored_weights_and_computes_what_the_casts_do(half):
     _, _, pack = half
     entry = next(e for e in load_pack(pack).sub_layers if e["kind"] == "ffn")
     weights = product_weights(entry["weights"], float_weights=False)
-    swapped = join([pack / entry["files"]["onnx"]], {o["name"] for o in entry["outputs"]}, product_weights=weights)
+    swapped = join(
+        [pack / entry["files"]["onnx"]], {o["name"] for o in entry["outputs"]}, product_weights=weights
+    )
     ops = [node.op_type for node in onnx.load_from_string(swapped.model).graph.node]
     assert swapped.weight_matmul_nodes == 2 and ops.count("WeightMatMul") == 2 and "Cast" not in ops
     ids = np.array([[5, 17, 99, 3]], dtype=np.int64)
     logits = []
-    for step in (Step(pack, threads=1), Step(pack, threads=1, weight_matmul=False)):  # the op; ORT's Cast + MatMul
+    for step in (
+        Step(pack, threads=1),
+        Step(pack, threads=1, weight_matmul=False),
+    ):  # the op; ORT's Cast + MatMul
         step.start(1)
         prompt = step.forward(ids, np.ones_like(ids), np.arange(4)[None]).copy()
         decode = step.forward(np.array([[7]]), np.ones((1, 5), np.int64), np.array([[4]])).copy()
@@ -105,8 +120,9 @@ def test_every_plan_on_the_simulated_device_gives_pytorchs_greedy_tokens(half, p
     manifest = json.loads((pack / "manifest.json").read_text())
     minimum = Planner(manifest, load_profile("laptop-8gb"), 1 << 40).minimum_budget()
     for plan in ("auto", "layers", "offload"):
-        engine = pipeshard.load(pack, vram=minimum + 600_000, device="sim", profile="laptop-8gb", plan=plan,
-                                context=256)
+        engine = pipeshard.load(
+            pack, vram=minimum + 600_000, device="sim", profile="laptop-8gb", plan=plan, context=256
+        )
         assert _tokens(engine) == pytorch_tokens, plan
 
 
@@ -131,7 +147,9 @@ def test_the_estimator_reads_each_weight_in_its_dtype_at_the_profiles_rate_for_i
     assert slower == pytest.approx(fp32, rel=0.05)
 
 
-@pytest.mark.skipif(not capi.custom_ops_available(), reason="the C extension (and with it the op) was not built")
+@pytest.mark.skipif(
+    not capi.custom_ops_available(), reason="the C extension (and with it the op) was not built"
+)
 def test_fp32_weights_through_the_op_give_the_same_steps(tiny_pack):
     ids = np.array([[5, 17, 99, 3]], dtype=np.int64)
     logits = []

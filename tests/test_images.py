@@ -11,8 +11,17 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from transformers import Idefics3ImageProcessorPil, Idefics3Processor, Qwen2_5_VLConfig, SmolVLMConfig, vision_utils
-from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel, Qwen2_5_VLModel
+from transformers import (
+    Idefics3ImageProcessorPil,
+    Idefics3Processor,
+    Qwen2_5_VLConfig,
+    SmolVLMConfig,
+    vision_utils,
+)
+from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
+    Qwen2_5_VisionTransformerPretrainedModel,
+    Qwen2_5_VLModel,
+)
 from transformers.models.qwen2_5_vl.processing_qwen2_5_vl import Qwen2_5_VLProcessor
 
 from pipeshard.errors import UserError
@@ -54,9 +63,19 @@ def image_tokenizer():
     """The tiny models' byte tokenizer with both families' image tokens: injective, so equal ids = equal text."""
     tokenizer = build_byte_tokenizer()
     grid = [f"<row_{row}_col_{col}>" for row in range(1, 7) for col in range(1, 7)]
-    tokenizer.add_special_tokens({"additional_special_tokens": [
-        "<fake_token_around_image>", "<image>", "<global-img>", *grid,
-        "<|vision_start|>", "<|image_pad|>", "<|vision_end|>"]})
+    tokenizer.add_special_tokens(
+        {
+            "additional_special_tokens": [
+                "<fake_token_around_image>",
+                "<image>",
+                "<global-img>",
+                *grid,
+                "<|vision_start|>",
+                "<|image_pad|>",
+                "<|vision_end|>",
+            ]
+        }
+    )
     return tokenizer
 
 
@@ -64,17 +83,30 @@ def image_tokenizer():
 
 
 def _smolvlm_config(image_size: int, patch_size: int, scale_factor: int):
-    return SmolVLMConfig(vision_config={"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
-                                        "num_attention_heads": 2, "image_size": image_size,
-                                        "patch_size": patch_size},
-                         text_config={"model_type": "llama", "hidden_size": 32, "num_hidden_layers": 1,
-                                      "num_attention_heads": 2, "intermediate_size": 64},
-                         scale_factor=scale_factor)
+    return SmolVLMConfig(
+        vision_config={
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 2,
+            "image_size": image_size,
+            "patch_size": patch_size,
+        },
+        text_config={
+            "model_type": "llama",
+            "hidden_size": 32,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 2,
+            "intermediate_size": 64,
+        },
+        scale_factor=scale_factor,
+    )
 
 
 def _idefics3(longest_edge=128, tile=64, patch=16, scale=2, **processor_options):
-    processor = Idefics3ImageProcessorPil(size={"longest_edge": longest_edge},
-                                          max_image_size={"longest_edge": tile}, **processor_options)
+    processor = Idefics3ImageProcessorPil(
+        size={"longest_edge": longest_edge}, max_image_size={"longest_edge": tile}, **processor_options
+    )
     return processor, preprocessing_config(processor, _smolvlm_config(tile, patch, scale))
 
 
@@ -101,11 +133,14 @@ def test_idefics3_pixels_and_tiles_equal_the_transformers_processor(loaded, inde
 def test_idefics3_two_images_concatenate_their_tiles(loaded):
     processor, config = _idefics3()
     ours = _check_idefics3(processor, config, [loaded[1], loaded[4]])
-    assert len(ours.rows) == 2 and sum(ours.image_tokens) == ours.pixel_values.shape[0] * config["image_seq_len"]
+    assert (
+        len(ours.rows) == 2 and sum(ours.image_tokens) == ours.pixel_values.shape[0] * config["image_seq_len"]
+    )
 
 
-@pytest.mark.parametrize("options", [{"do_image_splitting": False}, {"do_resize": False}],
-                         ids=["no-splitting", "no-first-resize"])
+@pytest.mark.parametrize(
+    "options", [{"do_image_splitting": False}, {"do_resize": False}], ids=["no-splitting", "no-first-resize"]
+)
 def test_idefics3_processor_options_are_followed(loaded, options):
     processor, config = _idefics3(**options)
     ours = _check_idefics3(processor, config, [loaded[0], loaded[2]])
@@ -136,7 +171,10 @@ def test_idefics3_prompt_expansion_equals_the_transformers_processor(loaded, ima
         assert expanded.count("<image>") == sum(ours.image_tokens)
     unsplit = images.ImageInputs("idefics3", ours.pixel_values, [config["image_seq_len"]], rows=[0], cols=[0])
     assert images.expand_image_tokens("<image>", unsplit, config) == (
-        "<fake_token_around_image><global-img>" + "<image>" * config["image_seq_len"] + "<fake_token_around_image>")
+        "<fake_token_around_image><global-img>"
+        + "<image>" * config["image_seq_len"]
+        + "<fake_token_around_image>"
+    )
 
 
 # --- Qwen2-VL / Qwen2.5-VL
@@ -144,11 +182,26 @@ def test_idefics3_prompt_expansion_equals_the_transformers_processor(loaded, ima
 
 def _qwen_config(window_size=112, depth=2):
     return Qwen2_5_VLConfig(
-        vision_config={"depth": depth, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
-                       "out_hidden_size": 32, "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2,
-                       "window_size": window_size, "fullatt_block_indexes": [depth - 1]},
-        text_config={"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
-                     "num_key_value_heads": 1, "intermediate_size": 64})
+        vision_config={
+            "depth": depth,
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_heads": 2,
+            "out_hidden_size": 32,
+            "patch_size": 14,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+            "window_size": window_size,
+            "fullatt_block_indexes": [depth - 1],
+        },
+        text_config={
+            "hidden_size": 32,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            "intermediate_size": 64,
+        },
+    )
 
 
 def _qwen(min_pixels=28 * 28 * 4, max_pixels=28 * 28 * 64):
@@ -174,7 +227,9 @@ def test_qwen2_vl_patches_and_grid_equal_the_transformers_processor(loaded, inde
     t, h, w = ours.image_grid_thw[0]
     assert ours.pixel_values.shape == (t * h * w, 3 * 2 * 14 * 14)
     assert ours.image_tokens == [t * h * w // 4]
-    assert t * h * w * 14 * 14 <= config["max_pixels"]  # larger images are scaled down to what the model takes
+    assert (
+        t * h * w * 14 * 14 <= config["max_pixels"]
+    )  # larger images are scaled down to what the model takes
 
 
 def test_qwen2_vl_two_images_and_checkpoint_pixel_bounds(loaded):
@@ -193,7 +248,9 @@ def test_qwen2_vl_prompt_expansion_equals_the_transformers_processor(loaded):
     placeholder = images.image_placeholder(config)
     assert placeholder == "<|vision_start|><|image_pad|><|vision_end|>"
     for image_list in ([loaded[1]], [loaded[0], loaded[3]]):
-        prompt = "<|im_start|>user\n" + "".join(f"Picture {i}: {placeholder}\n" for i in range(len(image_list)))
+        prompt = "<|im_start|>user\n" + "".join(
+            f"Picture {i}: {placeholder}\n" for i in range(len(image_list))
+        )
         _, replacements = reference._process_images(image_list)
         expected, _ = reference.get_text_with_replacements([prompt], images_replacements=replacements)
         ours = images.preprocess(image_list, config)
@@ -214,7 +271,8 @@ def test_qwen2_5_vl_window_and_rotary_indices_equal_transformers(loaded):
         torch_grid = torch.from_numpy(grid)
         window_index, cu_window = images.vision_window_index(grid, config)
         expected_index, expected_cu = vision_utils.get_vision_window_index(
-            torch_grid, spatial_merge_size=2, window_size=config["window_size"], patch_size=14)
+            torch_grid, spatial_merge_size=2, window_size=config["window_size"], patch_size=14
+        )
         np.testing.assert_array_equal(window_index, expected_index.numpy())
         np.testing.assert_array_equal(cu_window, expected_cu.numpy())
         assert window_index.dtype == np.int64 and cu_window.dtype == np.int32
@@ -236,10 +294,14 @@ def test_qwen2_5_vl_vision_tower_gives_the_same_features_from_our_indices(loaded
     pixels, grid = torch.from_numpy(ours.pixel_values), torch.from_numpy(ours.image_grid_thw)
     with torch.no_grad():
         expected = tower(pixels, grid).pooler_output
-        given = tower(pixels, grid, window_index=torch.from_numpy(window_index),
-                      cu_window_seqlens=torch.from_numpy(cu_window),
-                      cu_seqlens=torch.from_numpy(images.cu_seqlens(ours.image_grid_thw)),
-                      position_ids=torch.from_numpy(images.rotary_position_ids(ours.image_grid_thw, 2))).pooler_output
+        given = tower(
+            pixels,
+            grid,
+            window_index=torch.from_numpy(window_index),
+            cu_window_seqlens=torch.from_numpy(cu_window),
+            cu_seqlens=torch.from_numpy(images.cu_seqlens(ours.image_grid_thw)),
+            position_ids=torch.from_numpy(images.rotary_position_ids(ours.image_grid_thw, 2)),
+        ).pooler_output
     assert given.shape[0] == sum(ours.image_tokens)
     torch.testing.assert_close(given, expected, rtol=0, atol=0)
 
@@ -260,16 +322,26 @@ def test_preprocessing_config_is_plain_json_with_what_the_runtime_needs(image_to
     config = preprocessing_config(processor, model_config, tokenizer=image_tokenizer)
     assert json.loads(json.dumps(config)) == config
     assert (config["family"], config["resample"], config["image_seq_len"], config["max_image_size"]) == (
-        "idefics3", "LANCZOS", 4, 64)
+        "idefics3",
+        "LANCZOS",
+        4,
+        64,
+    )
     assert config["token_ids"]["<image>"] == image_tokenizer.convert_tokens_to_ids("<image>")
     assert "<row_2_col_2>" in config["token_ids"]
 
     model_config = _qwen_config()
     model_config.image_token_id = image_tokenizer.convert_tokens_to_ids("<|image_pad|>")
-    qwen = preprocessing_config(qwen2_vl_image_processor(model_config), model_config, tokenizer=image_tokenizer)
+    qwen = preprocessing_config(
+        qwen2_vl_image_processor(model_config), model_config, tokenizer=image_tokenizer
+    )
     assert json.loads(json.dumps(qwen)) == qwen
     assert (qwen["family"], qwen["resample"], qwen["window_size"], qwen["fullatt_block_indexes"]) == (
-        "qwen2_vl", "BICUBIC", 112, [1])
+        "qwen2_vl",
+        "BICUBIC",
+        112,
+        [1],
+    )
     assert (qwen["min_pixels"], qwen["max_pixels"], qwen["merge_size"]) == (3136, 12845056, 2)
 
 
@@ -282,7 +354,9 @@ def test_preprocessing_config_refuses_a_processor_that_does_not_fit_the_model(im
     wrong_patch.patch_size = 16
     with pytest.raises(ValueError, match="patch_size"):
         preprocessing_config(wrong_patch, model_config)
-    with pytest.raises(ValueError, match="image_token_id"):  # 151655 is not the byte tokenizer's <|image_pad|>
+    with pytest.raises(
+        ValueError, match="image_token_id"
+    ):  # 151655 is not the byte tokenizer's <|image_pad|>
         preprocessing_config(qwen2_vl_image_processor(model_config), model_config, tokenizer=image_tokenizer)
 
 
@@ -306,8 +380,12 @@ def test_load_image_errors_name_the_file(tmp_path):
     truncated = tmp_path / "cut.png"
     _synthetic_image(64, 64, seed=9).save(tmp_path / "whole.png")
     truncated.write_bytes((tmp_path / "whole.png").read_bytes()[:200])
-    cases = [(tmp_path / "missing.jpg", "not found"), (text_file, "not an image file"),
-             (tmp_path, "is a directory"), (truncated, "cannot read image")]
+    cases = [
+        (tmp_path / "missing.jpg", "not found"),
+        (text_file, "not an image file"),
+        (tmp_path, "is a directory"),
+        (truncated, "cannot read image"),
+    ]
     for path, message in cases:
         with pytest.raises(UserError, match=message) as raised:
             images.load_image(path)
@@ -325,7 +403,9 @@ def test_load_image_gives_rgb_upright_with_transparency_on_white(tmp_path):
     rotated.save(tmp_path / "rotated.jpg", exif=exif)
 
     alpha = images.load_image(tmp_path / "alpha.png")
-    assert alpha.mode == "RGB" and alpha.getpixel((0, 0)) == (255, 0, 0) and alpha.getpixel((5, 0)) == (255,) * 3
+    assert (
+        alpha.mode == "RGB" and alpha.getpixel((0, 0)) == (255, 0, 0) and alpha.getpixel((5, 0)) == (255,) * 3
+    )
     processor, config = _idefics3()
     with Image.open(tmp_path / "alpha.png") as opened:  # the processor composites onto white too
         _check_idefics3(processor, config, [opened])
@@ -334,8 +414,7 @@ def test_load_image_gives_rgb_upright_with_transparency_on_white(tmp_path):
 
 
 def test_the_runtime_module_imports_neither_torch_nor_transformers():
-    code = ("import sys, pipeshard.runtime.images; "
-            "print(sorted({'torch', 'transformers'} & set(sys.modules)))")
+    code = "import sys, pipeshard.runtime.images; print(sorted({'torch', 'transformers'} & set(sys.modules)))"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "[]"
 
@@ -353,7 +432,9 @@ def test_qwen2_5_vl_decoder_positions_equal_transformers_rope_index(loaded, imag
         ids = np.array(image_tokenizer(images.expand_image_tokens(prompt, ours, config))["input_ids"])
         positions, delta = images.mrope_position_ids(ids, ours.image_grid_thw, config)
         expected, expected_delta = model.get_rope_index(
-            torch.from_numpy(ids)[None], torch.from_numpy((ids == config["image_token_id"]).astype(np.int32))[None],
-            image_grid_thw=torch.from_numpy(ours.image_grid_thw))
+            torch.from_numpy(ids)[None],
+            torch.from_numpy((ids == config["image_token_id"]).astype(np.int32))[None],
+            image_grid_thw=torch.from_numpy(ours.image_grid_thw),
+        )
         np.testing.assert_array_equal(positions, expected[:, 0].numpy())
         assert delta == int(expected_delta)

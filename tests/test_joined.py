@@ -74,8 +74,13 @@ def test_an_initializer_two_sub_layers_store_is_kept_once(tiny_pack):
     stored = [w["name"] for n in names for w in entries[n]["weights"]]
     assert len(stored) > len(set(stored))  # the tied embedding: the embedding and the output layer
     initializers = [t.name for t in onnx.ModelProto.FromString(joined.model).graph.initializer]
-    every = {t.name for n in names for t in onnx.load(tiny_pack / entries[n]["files"]["onnx"],
-                                                      load_external_data=False).graph.initializer}
+    every = {
+        t.name
+        for n in names
+        for t in onnx.load(
+            tiny_pack / entries[n]["files"]["onnx"], load_external_data=False
+        ).graph.initializer
+    }
     assert sorted(initializers) == sorted(every) and set(stored) <= every
 
 
@@ -88,10 +93,17 @@ def test_an_output_no_sub_layer_makes_is_an_error(tiny_pack):
 def test_an_output_shares_an_inputs_buffer_only_after_every_read_of_it(tmp_path):
     """x -> Relu -> y -> Neg -> z, and x -> Abs -> w: z depends on every read of x except Abs's."""
     floats = TensorProto.FLOAT
-    nodes = [helper.make_node("Relu", ["x"], ["y"]), helper.make_node("Neg", ["y"], ["z"]),
-             helper.make_node("Abs", ["x"], ["w"])]
-    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", floats, [2])],
-                              [helper.make_tensor_value_info(n, floats, [2]) for n in ("z", "w")])
+    nodes = [
+        helper.make_node("Relu", ["x"], ["y"]),
+        helper.make_node("Neg", ["y"], ["z"]),
+        helper.make_node("Abs", ["x"], ["w"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", floats, [2])],
+        [helper.make_tensor_value_info(n, floats, [2]) for n in ("z", "w")],
+    )
     onnx.save(helper.make_model(graph), tmp_path / "g.onnx")
     joined = join([tmp_path / "g.onnx"], {"z", "w"})
     assert joined.read_before_written("y", "z")

@@ -33,8 +33,11 @@ def _logits(step, ids, capacity):
     return out
 
 
-@pytest.mark.parametrize("make", [lambda export, pack: MonolithicStep(export), lambda export, pack: Step(pack)],
-                         ids=["monolithic", "chain"])
+@pytest.mark.parametrize(
+    "make",
+    [lambda export, pack: MonolithicStep(export), lambda export, pack: Step(pack)],
+    ids=["monolithic", "chain"],
+)
 def test_a_cache_started_too_small_grows_and_gives_the_same_logits(make, tiny_llama_export, tiny_pack):
     ids = np.arange(5, 17, dtype=np.int64)[None]
     roomy = _logits(make(tiny_llama_export, tiny_pack), ids, 64)

@@ -28,8 +28,10 @@ def moe_model(request, tmp_path_factory):
     partition(export, folder / "pack")
     manifest = json.loads((folder / "pack" / "manifest.json").read_text())
     engine = pipeshard.load(export)
-    reference = {"solo": [engine.generate(p, max_new_tokens=64)[0].tokens for p in PROMPTS],
-                 "batch": [g.tokens for g in engine.generate(BATCH, max_new_tokens=24)]}
+    reference = {
+        "solo": [engine.generate(p, max_new_tokens=64)[0].tokens for p in PROMPTS],
+        "batch": [g.tokens for g in engine.generate(BATCH, max_new_tokens=24)],
+    }
     return request.param, export, folder / "pack", manifest, reference
 
 
@@ -45,13 +47,19 @@ def _pytorch_greedy(architecture: str, prompt_ids: list[int], new_tokens: int, e
     model, tokenizer = build_tiny_model(architecture)
     routed: list[tuple[int, list[int]]] = []
     for index, layer in enumerate(model.model.layers):
+
         def record(module, args, output, layer_index=index):
             routed.append((layer_index, sorted(set(output[2].flatten().tolist()))))
+
         layer.mlp.gate.register_forward_hook(record)
     with torch.no_grad():
-        output = model.generate(torch.tensor([prompt_ids]), max_new_tokens=new_tokens, do_sample=False,
-                                pad_token_id=tokenizer.pad_token_id)
-    tokens = output[0, len(prompt_ids):].tolist()
+        output = model.generate(
+            torch.tensor([prompt_ids]),
+            max_new_tokens=new_tokens,
+            do_sample=False,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+    tokens = output[0, len(prompt_ids) :].tolist()
     stop = next((i for i, t in enumerate(tokens) if t in eos), len(tokens))
     return tokens[:stop], routed
 
@@ -94,14 +102,16 @@ def test_every_plan_gives_the_dense_models_tokens(moe_model, plan):
 
 def test_a_small_budget_splits_the_experts_over_pinned_streamed_and_cpu(moe_model):
     _, _, pack, manifest, reference = moe_model
-    engine = pipeshard.load(pack, plan="gpu-only", device="sim", vram=small_budget(manifest), profile="laptop-8gb",
-                            context=256)
+    engine = pipeshard.load(
+        pack, plan="gpu-only", device="sim", vram=small_budget(manifest), profile="laptop-8gb", context=256
+    )
     engine.generate(PROMPTS[1], max_new_tokens=16)
     placements = engine.step.active.placements
     experts = [e["name"] for e in manifest["sub_layers"] if e["kind"] == "expert"]
     assert {placements[e] for e in experts} == {"pinned", "streamed"}
-    static = pipeshard.load(pack, plan="static", device="sim", vram=small_budget(manifest), profile="laptop-8gb",
-                            context=256)
+    static = pipeshard.load(
+        pack, plan="static", device="sim", vram=small_budget(manifest), profile="laptop-8gb", context=256
+    )
     static.generate(PROMPTS[1], max_new_tokens=4)
     assert {static.step.active.placements[e] for e in experts} == {"pinned", "cpu"}
 
@@ -118,6 +128,7 @@ def test_only_the_routers_choices_run(moe_model):
         def counted(*args, original=stage.run_on_arrays, entry=entry):
             runs.append((entry["layer"], entry["expert"], len(step.expert_stats.trace)))
             return original(*args)
+
         stage.run_on_arrays = counted
     step.expert_stats.trace = []
     ids = engine.generator.prompt_ids(PROMPTS[1])
@@ -128,7 +139,9 @@ def test_only_the_routers_choices_run(moe_model):
     assert trace == routed[: len(trace)] and len(trace) == 4 * len(ours.tokens)
     # The session runs are exactly the traced choices: one run per chosen expert, nothing else.
     assert len(runs) == sum(len(experts) for _, experts in trace)
-    assert [(layer, expert) for layer, expert, _ in runs] == [(layer, e) for layer, experts in trace for e in experts]
+    assert [(layer, expert) for layer, expert, _ in runs] == [
+        (layer, e) for layer, experts in trace for e in experts
+    ]
 
 
 def test_expert_weight_bytes_read_per_decode_step_are_k_experts_per_layer(moe_model):
@@ -138,7 +151,9 @@ def test_expert_weight_bytes_read_per_decode_step_are_k_experts_per_layer(moe_mo
     # Everything streamed: what a decode step copies is what it reads.
     planner = Planner(manifest, load_profile("laptop-8gb"), 1 << 40, context=256)
     budget = planner.minimum_budget() + planner.model_bytes // 3
-    engine = pipeshard.load(pack, plan="offload", device="sim", vram=budget, profile="laptop-8gb", context=256)
+    engine = pipeshard.load(
+        pack, plan="offload", device="sim", vram=budget, profile="laptop-8gb", context=256
+    )
     step = engine.step
     step.expert_stats.trace = []
     engine.generate(PROMPTS[0], max_new_tokens=2)  # activate the plans
@@ -149,6 +164,7 @@ def test_expert_weight_bytes_read_per_decode_step_are_k_experts_per_layer(moe_mo
         if any(buffer is slot for slot in step._expert_slots):
             copied.append(source.nbytes)
         return upload(buffer, source)
+
     step.device.upload = recorded_upload
     prompt_ids = engine.generator.prompt_ids(PROMPTS[0])
     step.start(1, 256)
@@ -161,8 +177,11 @@ def test_expert_weight_bytes_read_per_decode_step_are_k_experts_per_layer(moe_mo
         step.forward(np.array([[5]]), np.ones((1, position + 1), np.int64), np.array([[position]]))
         streamed = {n for n, p in step.active.placements.items() if p == "streamed" and n in expert_bytes}
         assert streamed
-        chosen = [blocks[layer]["experts"][e] for layer, experts in step.expert_stats.trace[before_trace:]
-                  for e in experts]
+        chosen = [
+            blocks[layer]["experts"][e]
+            for layer, experts in step.expert_stats.trace[before_trace:]
+            for e in experts
+        ]
         assert len(chosen) == 2 * len(blocks)  # k experts per layer, nothing else ran
         assert sum(expert_bytes[name] for name in chosen) == 2 * len(blocks) * one_expert
         assert sum(copied) == sum(expert_bytes[name] for name in chosen if name in streamed)
@@ -186,14 +205,19 @@ def test_planner_expects_uniform_distinct_experts_and_reads_measured_stats(moe_m
         expected = 8 * (1 - (1 - 2 / 8) ** tokens)
         assert all(abs(v - expected) < 1e-9 for v in planner.expected_distinct_experts(tokens).values())
     # Measured: two hot experts per layer take almost every token.
-    stats = {"layers": {str(b["layer"]): {"tokens": [500, 480, 5, 5, 4, 3, 2, 1], "activations": [0] * 8}
-                        for b in manifest["moe_blocks"]}}
+    stats = {
+        "layers": {
+            str(b["layer"]): {"tokens": [500, 480, 5, 5, 4, 3, 2, 1], "activations": [0] * 8}
+            for b in manifest["moe_blocks"]
+        }
+    }
     hot = Planner(manifest, load_profile("laptop-8gb"), 1 << 40, expert_stats=stats)
     assert all(v < 3.5 for v in hot.expected_distinct_experts(16).values())
     experts = [e["name"] for e in hot.priority if e["kind"] == "expert"]
     assert experts[: 2 * len(manifest["moe_blocks"])] == sorted(
         [b["experts"][0] for b in manifest["moe_blocks"]] + [b["experts"][1] for b in manifest["moe_blocks"]],
-        key=experts.index)
+        key=experts.index,
+    )
     assert {n.split(".")[1] for n in experts[: 2 * len(manifest["moe_blocks"])]} == {"expert0", "expert1"}
 
 
@@ -209,9 +233,26 @@ def test_gpu_check_dry_run_covers_a_moe_pack(moe_model, tiny_pack, tmp_path):
     spec = importlib.util.spec_from_file_location("gpu_check", script)
     gpu_check = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gpu_check)
-    report = gpu_check.main(["--pack", str(tiny_pack), "--moe-pack", str(pack), "--device", "sim", "--profile",
-                             "laptop-8gb", "--fraction", "0.7", "--new-tokens", "8", "--repeat", "1",
-                             "--out", str(tmp_path / "check.json")])
+    report = gpu_check.main(
+        [
+            "--pack",
+            str(tiny_pack),
+            "--moe-pack",
+            str(pack),
+            "--device",
+            "sim",
+            "--profile",
+            "laptop-8gb",
+            "--fraction",
+            "0.7",
+            "--new-tokens",
+            "8",
+            "--repeat",
+            "1",
+            "--out",
+            str(tmp_path / "check.json"),
+        ]
+    )
     assert report["ok"]
     assert [row["name"] for row in report["moe_bench"]["rows"]] == ["cpu", "auto", "layers", "offload"]
     assert any(row["streamed_bytes_per_run"] for row in report["moe_bench"]["rows"])
@@ -225,18 +266,60 @@ def test_routing_stats_round_trip_through_the_cli(moe_model, tmp_path, capsys):
     if architecture != "moe":
         pytest.skip("one MoE pack is enough")
     stats = tmp_path / "stats.json"
-    assert main(["run", str(pack), PROMPTS[2], "--plan", "cpu", "--max-new-tokens", "16",
-                 "--save-expert-stats", str(stats)]) == 0
+    assert (
+        main(
+            [
+                "run",
+                str(pack),
+                PROMPTS[2],
+                "--plan",
+                "cpu",
+                "--max-new-tokens",
+                "16",
+                "--save-expert-stats",
+                str(stats),
+            ]
+        )
+        == 0
+    )
     saved = json.loads(stats.read_text())
     assert saved["schema_version"] == 1 and saved["steps"] >= 1
     assert all(sum(layer["tokens"]) == 2 * saved["routed_tokens"] for layer in saved["layers"].values())
     capsys.readouterr()
-    assert main(["plan", str(pack), "--vram", "70%", "--profile", "laptop-8gb", "--context", "256",
-                 "--expert-stats", str(stats)]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                str(pack),
+                "--vram",
+                "70%",
+                "--profile",
+                "laptop-8gb",
+                "--context",
+                "256",
+                "--expert-stats",
+                str(stats),
+            ]
+        )
+        == 0
+    )
     table = capsys.readouterr().out
     assert "experts per MoE layer, pinned/streamed/cpu" in table and "L3 " in table
-    assert main(["plan", str(pack), "--vram", "70%", "--profile", "laptop-8gb",
-                 "--expert-stats", str(pack / "manifest.json")]) == 2
+    assert (
+        main(
+            [
+                "plan",
+                str(pack),
+                "--vram",
+                "70%",
+                "--profile",
+                "laptop-8gb",
+                "--expert-stats",
+                str(pack / "manifest.json"),
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error:") and "expert stats" in err[0]
 

@@ -40,8 +40,24 @@ def _missing_tools() -> str | None:
 def _plan_ladder(pack: Path, out: Path) -> dict:
     """A two-rung ladder for `pack`: the larger budget runs the planner's gpu-only plans (pinned and streamed units,
     the output layer in streamed row chunks), the smaller its static ones (pinned attention, the rest on the CPU)."""
-    command = [sys.executable, "-P", "-m", "pipeshard", "plan", str(pack), "--vram", "10%,60%", "--profile",
-               "laptop-8gb", "--tiers", "1,16,64", "--context", str(CONTEXT), "--out", str(out)]
+    command = [
+        sys.executable,
+        "-P",
+        "-m",
+        "pipeshard",
+        "plan",
+        str(pack),
+        "--vram",
+        "10%,60%",
+        "--profile",
+        "laptop-8gb",
+        "--tiers",
+        "1,16,64",
+        "--context",
+        str(CONTEXT),
+        "--out",
+        str(out),
+    ]
     subprocess.run(command, check=True, capture_output=True, text=True)
     document = json.loads(out.read_text())
     top = document["ladder"][0]
@@ -69,8 +85,24 @@ def test_native_host_ctest_matches_the_python_engine(smollm2_export, tiny_pack, 
     document = _plan_ladder(pack, plans)
     assert any(p == "streamed" for p in document["ladder"][0]["tiers"][0]["chosen"]["placements"].values())
     other_plans = tmp_path / "other-plans.json"
-    subprocess.run([sys.executable, "-P", "-m", "pipeshard", "plan", str(tiny_pack), "--vram", "25%", "--profile",
-                    "laptop-8gb", "--out", str(other_plans)], check=True, capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-P",
+            "-m",
+            "pipeshard",
+            "plan",
+            str(tiny_pack),
+            "--vram",
+            "25%",
+            "--profile",
+            "laptop-8gb",
+            "--out",
+            str(other_plans),
+        ],
+        check=True,
+        capture_output=True,
+    )
 
     cpu_engine = pipeshard.load(pack, threads=THREADS)
     planned_engine = pipeshard.load(pack, device="sim", plans=plans, threads=THREADS)
@@ -79,15 +111,32 @@ def test_native_host_ctest_matches_the_python_engine(smollm2_export, tiny_pack, 
         cpu = cpu_engine.generate(text, max_new_tokens=MAX_NEW_TOKENS)[0]
         planned = planned_engine.generate(text, max_new_tokens=MAX_NEW_TOKENS)[0]
         assert planned.tokens == cpu.tokens
-        prompts.append({"text": text, "prompt_ids": cpu.prompt_tokens, "cpu_tokens": cpu.tokens,
-                        "planned_tokens": planned.tokens})
+        prompts.append(
+            {
+                "text": text,
+                "prompt_ids": cpu.prompt_tokens,
+                "cpu_tokens": cpu.tokens,
+                "planned_tokens": planned.tokens,
+            }
+        )
     reference = Tokenizer.from_file(str(pack / "tokenizer.json"))
-    checks = [{"text": text, "ids": (ids := reference.encode(text, add_special_tokens=False).ids),
-               "decoded": reference.decode(ids, skip_special_tokens=False)} for text in CHECK_STRINGS]
+    checks = [
+        {
+            "text": text,
+            "ids": (ids := reference.encode(text, add_special_tokens=False).ids),
+            "decoded": reference.decode(ids, skip_special_tokens=False),
+        }
+        for text in CHECK_STRINGS
+    ]
     rungs = sorted(int(rung["budget_bytes"]) for rung in document["ladder"])
     expected = {
-        "pack": str(pack), "plans": str(plans), "other_plans": str(other_plans), "threads": THREADS,
-        "max_new_tokens": MAX_NEW_TOKENS, "prompts": prompts, "check_strings": checks,
+        "pack": str(pack),
+        "plans": str(plans),
+        "other_plans": str(other_plans),
+        "threads": THREADS,
+        "max_new_tokens": MAX_NEW_TOKENS,
+        "prompts": prompts,
+        "check_strings": checks,
         "ladder": {"budget_after": 5, "small_budget_bytes": rungs[0] + 1, "small_rung_bytes": rungs[0]},
         "too_small_budget_bytes": rungs[0] - 1,
     }
@@ -95,16 +144,23 @@ def test_native_host_ctest_matches_the_python_engine(smollm2_export, tiny_pack, 
     expected_path.write_text(json.dumps(expected))
     # The same for the C# console program, in lines it reads without a JSON library.
     lines = [f"{pack}\t{plans}\t{THREADS}\t{MAX_NEW_TOKENS}"] + [
-        f"{p['text']}\t{' '.join(map(str, p['cpu_tokens']))}" for p in prompts]
+        f"{p['text']}\t{' '.join(map(str, p['cpu_tokens']))}" for p in prompts
+    ]
     Path(f"{expected_path}.tsv").write_text("\n".join(lines) + "\n")
 
-    subprocess.run(["cmake", "-S", str(HOST), "-B", str(BUILD), f"-DPIPESHARD_TEST_EXPECTED={expected_path}"],
-                   check=True, capture_output=True)
+    subprocess.run(
+        ["cmake", "-S", str(HOST), "-B", str(BUILD), f"-DPIPESHARD_TEST_EXPECTED={expected_path}"],
+        check=True,
+        capture_output=True,
+    )
     subprocess.run(["cmake", "--build", str(BUILD), "-j", "2"], check=True, capture_output=True)
-    result = subprocess.run(["ctest", "--test-dir", str(BUILD), "--output-on-failure"], capture_output=True,
-                            text=True)
+    result = subprocess.run(
+        ["ctest", "--test-dir", str(BUILD), "--output-on-failure"], capture_output=True, text=True
+    )
     print(result.stdout[-6000:], result.stderr[-2000:])
     assert result.returncode == 0, result.stdout[-6000:]
     listed = subprocess.run(["ctest", "--test-dir", str(BUILD), "-N"], capture_output=True, text=True).stdout
     if "csharp_tokens" not in listed:
-        print("the C# test was skipped: mono and mcs are not installed (apt-get install mono-mcs mono-runtime)")
+        print(
+            "the C# test was skipped: mono and mcs are not installed (apt-get install mono-mcs mono-runtime)"
+        )

@@ -20,8 +20,11 @@ def test_the_header_parses_into_the_whole_table(members):
 
 def wrong_indices(signatures: dict, members: list[str]) -> dict[str, tuple[int, int | None]]:
     """OrtApi name: (index used, index in the header), for every name whose index is not the header's."""
-    return {name: (index, members.index(name) if name in members else None)
-            for name, (index, _, _) in signatures.items() if index >= len(members) or members[index] != name}
+    return {
+        name: (index, members.index(name) if name in members else None)
+        for name, (index, _, _) in signatures.items()
+        if index >= len(members) or members[index] != name
+    }
 
 
 def test_every_index_capi_calls_is_the_headers(members):
@@ -30,5 +33,10 @@ def test_every_index_capi_calls_is_the_headers(members):
 
 def test_an_index_off_by_one_is_caught(members):
     index, arguments, result = capi._SIGNATURES["SessionOptionsAppendExecutionProvider_CUDA_V2"]
-    shifted = {**capi._SIGNATURES, "SessionOptionsAppendExecutionProvider_CUDA_V2": (index + 1, arguments, result)}
-    assert wrong_indices(shifted, members) == {"SessionOptionsAppendExecutionProvider_CUDA_V2": (index + 1, index)}
+    shifted = {
+        **capi._SIGNATURES,
+        "SessionOptionsAppendExecutionProvider_CUDA_V2": (index + 1, arguments, result),
+    }
+    assert wrong_indices(shifted, members) == {
+        "SessionOptionsAppendExecutionProvider_CUDA_V2": (index + 1, index)
+    }

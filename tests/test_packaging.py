@@ -8,12 +8,32 @@ from pathlib import Path
 from test_capi import has_c_compiler
 
 REPO = Path(__file__).resolve().parents[1]
-SUBPACKAGES = ["pipeshard", "pipeshard/exporter", "pipeshard/partitioner", "pipeshard/runtime", "pipeshard/profiles"]
+SUBPACKAGES = [
+    "pipeshard",
+    "pipeshard/exporter",
+    "pipeshard/partitioner",
+    "pipeshard/runtime",
+    "pipeshard/profiles",
+]
 
 
 def test_wheel_contains_every_subpackage(tmp_path):
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                    "-w", str(tmp_path), str(REPO)], check=True, timeout=300)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path),
+            str(REPO),
+        ],
+        check=True,
+        timeout=300,
+    )
     (wheel,) = tmp_path.glob("pipeshard-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     for package in SUBPACKAGES:
@@ -26,8 +46,12 @@ def test_wheel_contains_every_subpackage(tmp_path):
 
 
 def test_console_command_runs():
-    result = subprocess.run([str(Path(sys.executable).with_name("pipeshard")), "--version"],
-                            capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [str(Path(sys.executable).with_name("pipeshard")), "--version"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 0 and result.stdout.startswith("pipeshard ")
 
 

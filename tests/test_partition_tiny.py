@@ -28,10 +28,15 @@ def test_only_the_residual_stream_and_own_kv_cross_between_compute_sub_layers(ti
     produced = {o["name"]: s["name"] for s in pack.sub_layers for o in s["outputs"]}
     for entry in pack.sub_layers[2:]:
         from_compute = [i for i in entry["inputs"] if produced.get(i["name"], "prologue") != "prologue"]
-        assert len(from_compute) == 1 and from_compute[0]["shape"][-1] == pack.model["hidden_size"], entry["name"]
+        assert len(from_compute) == 1 and from_compute[0]["shape"][-1] == pack.model["hidden_size"], entry[
+            "name"
+        ]
         kv_inputs = [i["name"] for i in entry["inputs"] if i["name"].startswith("past_key_values.")]
-        assert kv_inputs == ([f"past_key_values.{entry['layer']}.key", f"past_key_values.{entry['layer']}.value"]
-                             if entry["kind"] == "attn" else [])
+        assert kv_inputs == (
+            [f"past_key_values.{entry['layer']}.key", f"past_key_values.{entry['layer']}.value"]
+            if entry["kind"] == "attn"
+            else []
+        )
     prologue_inputs = {i["name"] for i in pack.sub_layers[0]["inputs"]}
     assert prologue_inputs <= {"input_ids", "attention_mask", "position_ids"}
 
@@ -88,13 +93,18 @@ def test_weights_are_aligned_stored_once_and_byte_identical(tiny_pack, tiny_llam
     pack = load_pack(tiny_pack, verify=True)
     source = onnx.load(tiny_llama_export / "model.onnx", load_external_data=False)
     onnx.load_external_data_for_model(source, str(tiny_llama_export))
-    source_bytes = {t.name: onnx.numpy_helper.to_array(t).tobytes() for t in source.graph.initializer
-                    if t.data_location == onnx.TensorProto.EXTERNAL or len(t.raw_data) >= 1024}
+    source_bytes = {
+        t.name: onnx.numpy_helper.to_array(t).tobytes()
+        for t in source.graph.initializer
+        if t.data_location == onnx.TensorProto.EXTERNAL or len(t.raw_data) >= 1024
+    }
     stored = {}
     for entry in pack.sub_layers:
         for weight in entry["weights"]:
             assert weight["offset"] % WEIGHT_ALIGNMENT == 0
-            data = (tiny_pack / weight["file"]).read_bytes()[weight["offset"]:weight["offset"] + weight["bytes"]]
+            data = (tiny_pack / weight["file"]).read_bytes()[
+                weight["offset"] : weight["offset"] + weight["bytes"]
+            ]
             stored.setdefault(weight["name"], data)
             assert stored[weight["name"]] == data
     external_total = (tiny_llama_export / "model.onnx.data").stat().st_size
@@ -113,8 +123,9 @@ def test_tied_embedding_is_stored_with_the_lm_head_and_read_by_embed(tiny_pack):
 def test_cost_model_matches_the_dimension_formula(tiny_pack):
     pack = load_pack(tiny_pack)
     for entry in pack.sub_layers:
-        assert entry["cost"]["flops"] == analytic_flops(entry["kind"], pack.model | {
-            "hidden_size": pack.model["hidden_size"]}), entry["name"]
+        assert entry["cost"]["flops"] == analytic_flops(
+            entry["kind"], pack.model | {"hidden_size": pack.model["hidden_size"]}
+        ), entry["name"]
     attn = next(e for e in pack.sub_layers if e["kind"] == "attn")
     assert attn["kv"]["bytes_per_token"] == 2 * 2 * 16 * 4
     # GroupQueryAttention reads each KV head's past once and appends in place
@@ -131,8 +142,9 @@ def test_cost_check_rejects_a_graph_that_disagrees_with_the_dimensions(tiny_llam
 
 def test_chain_greedy_tokens_and_logits_equal_the_monolithic_session(tiny_pack, tiny_llama_export):
     whole, chain = pipeshard.load(tiny_llama_export), pipeshard.load(tiny_pack)
-    assert [g.tokens for g in chain.generate(PROMPTS, max_new_tokens=24)] == \
-        [g.tokens for g in whole.generate(PROMPTS, max_new_tokens=24)]
+    assert [g.tokens for g in chain.generate(PROMPTS, max_new_tokens=24)] == [
+        g.tokens for g in whole.generate(PROMPTS, max_new_tokens=24)
+    ]
     for prompt in PROMPTS:
         solo = chain.generate(prompt, max_new_tokens=24)[0].tokens
         assert solo == whole.generate(prompt, max_new_tokens=24)[0].tokens
@@ -143,8 +155,10 @@ def test_chain_greedy_tokens_and_logits_equal_the_monolithic_session(tiny_pack, 
     for start, stop in ((0, 4), (4, 5), (5, 6)):
         mask = np.ones((1, stop), np.int64)
         positions = np.arange(start, stop)[None]
-        difference = np.abs(whole.step.forward(ids[:, start:stop], mask, positions)
-                            - chain.step.forward(ids[:, start:stop], mask, positions)).max()
+        difference = np.abs(
+            whole.step.forward(ids[:, start:stop], mask, positions)
+            - chain.step.forward(ids[:, start:stop], mask, positions)
+        ).max()
         assert difference < 1e-4
 
 
@@ -191,7 +205,10 @@ def test_inspect_lists_every_sub_layer_with_totals(tiny_pack, capsys):
     assert "L3.ffn" in table and table.strip().splitlines()[-1].startswith("total")
     assert main(["inspect", str(tiny_pack), "--json"]) == 0
     summary = json.loads(capsys.readouterr().out)
-    assert len(summary["sub_layers"]) == 11 and summary["totals"]["flops_T64"] > summary["totals"]["flops_T1"] > 0
+    assert (
+        len(summary["sub_layers"]) == 11
+        and summary["totals"]["flops_T64"] > summary["totals"]["flops_T1"] > 0
+    )
 
 
 def test_generation_steps_compute_only_the_last_positions_logits(tiny_pack, tiny_llama_export):
@@ -211,8 +228,9 @@ def test_an_fp16_export_partitions_and_runs_losslessly(tmp_path):
     export_model("tiny:llama", tmp_path / "fp16", dtype="fp16", quiet=True)
     partition(tmp_path / "fp16", tmp_path / "pack16")  # fp16 shares the rotary cos/sin across layers
     whole, chain = pipeshard.load(tmp_path / "fp16"), pipeshard.load(tmp_path / "pack16")
-    assert [g.tokens for g in chain.generate(PROMPTS, max_new_tokens=12)] == \
-        [g.tokens for g in whole.generate(PROMPTS, max_new_tokens=12)]
+    assert [g.tokens for g in chain.generate(PROMPTS, max_new_tokens=12)] == [
+        g.tokens for g in whole.generate(PROMPTS, max_new_tokens=12)
+    ]
     assert load_pack(tmp_path / "pack16").model["dtype"] == "fp16"
 
 
@@ -228,12 +246,24 @@ def test_a_mask_that_is_not_causal_and_padding_keeps_the_exporters_bias():
     from pipeshard.exporter.fuse import _mask_window
 
     graph = helper.make_graph(  # padding only, no causal part
-        [helper.make_node("Cast", ["attention_mask"], ["attend"], to=TensorProto.BOOL),
-         helper.make_node("Constant", [], ["axes"], value=helper.make_tensor("v", TensorProto.INT64, [2], [1, 2])),
-         helper.make_node("Unsqueeze", ["attend", "axes"], ["mask"])], "g",
-        [helper.make_tensor_value_info(name, TensorProto.INT64, ["batch", size])
-         for name, size in (("input_ids", "sequence"), ("attention_mask", "total"), ("position_ids", "sequence"))],
-        [helper.make_tensor_value_info("mask", TensorProto.BOOL, None)])
+        [
+            helper.make_node("Cast", ["attention_mask"], ["attend"], to=TensorProto.BOOL),
+            helper.make_node(
+                "Constant", [], ["axes"], value=helper.make_tensor("v", TensorProto.INT64, [2], [1, 2])
+            ),
+            helper.make_node("Unsqueeze", ["attend", "axes"], ["mask"]),
+        ],
+        "g",
+        [
+            helper.make_tensor_value_info(name, TensorProto.INT64, ["batch", size])
+            for name, size in (
+                ("input_ids", "sequence"),
+                ("attention_mask", "total"),
+                ("position_ids", "sequence"),
+            )
+        ],
+        [helper.make_tensor_value_info("mask", TensorProto.BOOL, None)],
+    )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     assert _mask_window(model, "mask", None) is None and _mask_window(model, "mask", 4) is None
 
@@ -265,14 +295,30 @@ def test_only_a_slice_of_a_stored_weight_from_row_zero_is_a_row_prefix():
         table.data_location = TensorProto.EXTERNAL
         table.ClearField("float_data")
         table.external_data.add(key="location", value="w.bin")
-        nodes = [helper.make_node("Constant", [], [name], value=helper.make_tensor(name, TensorProto.INT64, [1], [v]))
-                 for name, v in (("start", start), ("axis", axis))]
+        nodes = [
+            helper.make_node(
+                "Constant", [], [name], value=helper.make_tensor(name, TensorProto.INT64, [1], [v])
+            )
+            for name, v in (("start", start), ("axis", axis))
+        ]
         nodes.append(helper.make_node("Slice", ["table", "start", "total", "axis"], ["rows"]))
-        graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("total", TensorProto.INT64, [1])],
-                                  [helper.make_tensor_value_info("rows", TensorProto.FLOAT, None)], [table])
+        graph = helper.make_graph(
+            nodes,
+            "g",
+            [helper.make_tensor_value_info("total", TensorProto.INT64, [1])],
+            [helper.make_tensor_value_info("rows", TensorProto.FLOAT, None)],
+            [table],
+        )
         model = helper.make_model(graph)
-        sub_layer = SubLayer("prologue", "prologue", None, nodes=[0, 1, 2], inputs=["total"], outputs=["rows"],
-                             initializers=["table"])
+        sub_layer = SubLayer(
+            "prologue",
+            "prologue",
+            None,
+            nodes=[0, 1, 2],
+            inputs=["total"],
+            outputs=["rows"],
+            initializers=["table"],
+        )
         return row_prefix_outputs(model, sub_layer, {"table": table})
 
     assert sliced(0, 0) == {"rows": "table"}

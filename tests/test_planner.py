@@ -69,7 +69,10 @@ def test_static_or_dynamic_wins_at_one_token_with_a_small_budget(tiny_manifest, 
     manifest = scaled_manifest(tiny_manifest, 256)
     profile = load_profile(profile_name)
     budget = minimum(manifest, profile) + 48 * MiB
-    assert Planner(manifest, profile, budget, context=1024).plan_tier(1)["chosen"].strategy in ("static", "dynamic")
+    assert Planner(manifest, profile, budget, context=1024).plan_tier(1)["chosen"].strategy in (
+        "static",
+        "dynamic",
+    )
 
 
 @pytest.mark.parametrize("tier", [1, 64, 1024])
@@ -114,13 +117,16 @@ def test_plans_json_carries_placements_times_and_vram(tiny_manifest, tmp_path):
     json.dumps(document)
 
 
-@pytest.mark.parametrize("argv, fragment", [
-    (["--vram", "2XB", "--profile", "laptop-8gb"], "cannot read size '2XB'"),
-    (["--vram", "1GiB", "--profile", "gamer-pc"], "laptop-8gb"),
-    (["--vram", "1GiB", "--profile", "laptop-8gb", "--tiers", "1,-4"], "--tiers"),
-    (["--vram", "1GiB", "--profile", "laptop-8gb", "--tiers", "one"], "--tiers"),
-    (["--vram", "1MiB", "--profile", "laptop-8gb"], "minimum"),
-])
+@pytest.mark.parametrize(
+    "argv, fragment",
+    [
+        (["--vram", "2XB", "--profile", "laptop-8gb"], "cannot read size '2XB'"),
+        (["--vram", "1GiB", "--profile", "gamer-pc"], "laptop-8gb"),
+        (["--vram", "1GiB", "--profile", "laptop-8gb", "--tiers", "1,-4"], "--tiers"),
+        (["--vram", "1GiB", "--profile", "laptop-8gb", "--tiers", "one"], "--tiers"),
+        (["--vram", "1MiB", "--profile", "laptop-8gb"], "minimum"),
+    ],
+)
 def test_plan_bad_input_is_one_error_line(tiny_pack, capsys, argv, fragment):
     assert main(["plan", str(tiny_pack), *argv]) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -129,8 +135,23 @@ def test_plan_bad_input_is_one_error_line(tiny_pack, capsys, argv, fragment):
 
 def test_plan_cli_table_json_and_out(tiny_pack, tmp_path, capsys):
     out = tmp_path / "plans.json"
-    assert main(["plan", str(tiny_pack), "--vram", "1GiB", "--profile", "laptop-8gb", "--tiers", "1,64",
-                 "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                str(tiny_pack),
+                "--vram",
+                "1GiB",
+                "--profile",
+                "laptop-8gb",
+                "--tiers",
+                "1,64",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     table = capsys.readouterr().out
     assert "vs layers" in table and "static" in table or "gpu-only" in table
     assert json.loads(out.read_text())["tiers"][1]["tier"] == 64
@@ -147,6 +168,21 @@ def test_a_profile_from_another_machine_warns_and_plans(tiny_pack, tmp_path, cap
 
 def test_plan_plot_draws_the_timelines(tiny_pack, tmp_path, capsys):
     picture = tmp_path / "timeline.png"
-    assert main(["plan", str(tiny_pack), "--vram", "1GiB", "--profile", "laptop-8gb", "--tiers", "1,64",
-                 "--plot", str(picture)]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                str(tiny_pack),
+                "--vram",
+                "1GiB",
+                "--profile",
+                "laptop-8gb",
+                "--tiers",
+                "1,64",
+                "--plot",
+                str(picture),
+            ]
+        )
+        == 0
+    )
     assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and picture.stat().st_size > 10_000

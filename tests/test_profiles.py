@@ -8,14 +8,28 @@ import pytest
 
 from pipeshard.cli import main
 from pipeshard.errors import UserError
-from pipeshard.profiles.db import MAX_DB_BYTES, REFERENCE_PROFILES, load_profile, reference_profile_path, save_profile
+from pipeshard.profiles.db import (
+    MAX_DB_BYTES,
+    REFERENCE_PROFILES,
+    load_profile,
+    reference_profile_path,
+    save_profile,
+)
 from pipeshard.profiles.measure import QUICK, measure_machine
 from pipeshard.profiles.reference import reference_profile
 from pipeshard.profiles.summary import summarize
 
-TINY_SWEEP = replace(QUICK, tiers=(1, 16), shapes=((256, 512),), dtypes=("fp32",), attention_tokens=(1,),
-                    attention_contexts=(128,), copy_sizes=(1024 * 1024,), bandwidth_bytes=8 * 1024 * 1024,
-                    seconds_per_point=0.01)
+TINY_SWEEP = replace(
+    QUICK,
+    tiers=(1, 16),
+    shapes=((256, 512),),
+    dtypes=("fp32",),
+    attention_tokens=(1,),
+    attention_contexts=(128,),
+    copy_sizes=(1024 * 1024,),
+    bandwidth_bytes=8 * 1024 * 1024,
+    seconds_per_point=0.01,
+)
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +45,9 @@ def test_a_measured_db_validates_and_has_every_section(measured):
     assert document["source"] == "measured" and document["device"]["kind"] == "sim"
     rates = document["cpu"]["threads"]["1"]
     assert [row["M"] for row in rates["matmul"]["fp32"]] == [1, 16]
-    assert all(row["gflops"] > 0 for row in rates["matmul"]["fp32"] + rates["under_copy_load"]["matmul"]["fp32"])
+    assert all(
+        row["gflops"] > 0 for row in rates["matmul"]["fp32"] + rates["under_copy_load"]["matmul"]["fp32"]
+    )
     assert rates["memory_read_gbps"] > 0 and rates["hop_us"] > 0 and rates["attention"][0]["C"] == 128
     assert document["link"]["kind"] == "sim-memcpy" and document["link"]["h2d"][0]["gbps"] > 0
     factors = document["contention"]["cpu_matmul_slowdown_under_copy"]["1"]
@@ -53,11 +69,20 @@ def test_reference_profiles_are_spec_current_and_summarized(name, capsys):
 
 def test_reference_machines_cover_the_required_gpus():
     memory = {name: load_profile(name)["device"]["memory_bytes"] for name in REFERENCE_PROFILES}
-    assert memory == {"laptop-8gb": 8 * 1024**3, "desktop-24gb": 24 * 1024**3, "laptop-4gb": 4 * 1024**3,
-                      "desktop-rtx5090": 32 * 1024**3}
-    assert "x8" in load_profile("laptop-8gb")["link"]["name"] and "x16" in load_profile("desktop-24gb")["link"]["name"]
+    assert memory == {
+        "laptop-8gb": 8 * 1024**3,
+        "desktop-24gb": 24 * 1024**3,
+        "laptop-4gb": 4 * 1024**3,
+        "desktop-rtx5090": 32 * 1024**3,
+    }
+    assert (
+        "x8" in load_profile("laptop-8gb")["link"]["name"]
+        and "x16" in load_profile("desktop-24gb")["link"]["name"]
+    )
     paper = load_profile("desktop-rtx5090")  # the paper's machine: PCIe 5.0 x16, 16 CPU threads
-    assert paper["source"] == "spec" and "5.0 x16" in paper["link"]["name"] and "16" in paper["cpu"]["threads"]
+    assert (
+        paper["source"] == "spec" and "5.0 x16" in paper["link"]["name"] and "16" in paper["cpu"]["threads"]
+    )
 
 
 def test_show_summarizes_a_measured_db(measured, capsys):
@@ -66,11 +91,14 @@ def test_show_summarizes_a_measured_db(measured, capsys):
     assert "sim" in summarize(load_profile(measured))
 
 
-@pytest.mark.parametrize("content, field", [
-    ("{ not json", "not valid JSON"),
-    ('{"schema_version": 2}', "'schema_version'"),
-    ('{"schema_version": 1, "source": "measured"}', "'created'"),
-])
+@pytest.mark.parametrize(
+    "content, field",
+    [
+        ("{ not json", "not valid JSON"),
+        ('{"schema_version": 2}', "'schema_version'"),
+        ('{"schema_version": 1, "source": "measured"}', "'created'"),
+    ],
+)
 def test_bad_db_is_one_error_line_naming_file_and_field(tmp_path, capsys, content, field):
     path = tmp_path / "broken.json"
     path.write_text(content)
@@ -120,7 +148,9 @@ def test_quick_profile_finishes_within_two_minutes(tmp_path, capsys):
     load_profile(tmp_path / "quick.json")
 
 
-def test_profile_with_a_pack_times_its_own_sub_layers_and_the_estimator_uses_them(tiny_llama_export, tmp_path):
+def test_profile_with_a_pack_times_its_own_sub_layers_and_the_estimator_uses_them(
+    tiny_llama_export, tmp_path
+):
     from pipeshard.partitioner.estimator import Estimator
     from pipeshard.partitioner.partition import partition
     from pipeshard.runtime.pack import load_pack
@@ -136,19 +166,30 @@ def test_profile_with_a_pack_times_its_own_sub_layers_and_the_estimator_uses_the
     rows = timings["threads"]["1"]
     for placement in ("cpu", "device"):  # the chain's CPU sessions, and every unit pinned on the sim device
         mine = [r for r in rows if r["placement"] == placement]
-        assert {(r["kind"], r["T"], r["C"]) for r in mine} >= {("attn", 16, 48), ("ffn", 1, 9), ("final", 64, 72),
-                                                                 ("step", 1, 9)}
+        assert {(r["kind"], r["T"], r["C"]) for r in mine} >= {
+            ("attn", 16, 48),
+            ("ffn", 1, 9),
+            ("final", 64, 72),
+            ("step", 1, 9),
+        }
     attn = next(e for e in manifest["sub_layers"] if e["kind"] == "attn")
     exact = Estimator(document, manifest["model"], 1, manifest["source"]["model_sha256"])
     for placement in ("cpu", "device"):
-        row, whole = (next(r for r in rows if (r["placement"], r["kind"], r["T"], r["C"]) == (placement, kind, 16, 48))
-                      for kind in ("attn", "step"))
+        row, whole = (
+            next(r for r in rows if (r["placement"], r["kind"], r["T"], r["C"]) == (placement, kind, 16, 48))
+            for kind in ("attn", "step")
+        )
         # The kind's time apart, scaled by the whole step's time over its parts' (what joined runs save).
         assert exact.compute_seconds(attn, 16, 48, on_device=placement == "device") == pytest.approx(
-            row["seconds"] * whole["ratio"])
+            row["seconds"] * whole["ratio"]
+        )
     # The copies of a run streaming every unit on sim (they share the cores with its compute): the rate copies
     # beside compute are charged at.
     copy = next(r for r in rows if (r["placement"], r["kind"], r["T"]) == ("streamed", "copy", 1))
-    assert exact.copy_seconds(10**6, under_cpu_load=True, tokens=1) == pytest.approx(1e6 / (copy["gbps"] * 1e9))
+    assert exact.copy_seconds(10**6, under_cpu_load=True, tokens=1) == pytest.approx(
+        1e6 / (copy["gbps"] * 1e9)
+    )
     roofline = Estimator(document, manifest["model"], 1, "another model")
-    assert roofline.compute_seconds(attn, 16, 48, on_device=False) != pytest.approx(row["seconds"] * whole["ratio"])
+    assert roofline.compute_seconds(attn, 16, 48, on_device=False) != pytest.approx(
+        row["seconds"] * whole["ratio"]
+    )

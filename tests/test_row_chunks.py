@@ -36,11 +36,14 @@ def test_plans_split_the_output_layer_into_consecutive_row_ranges(tiny_pack):
     assert planning_units(sub_layers) == sub_layers  # tiny: the output layer is no larger than an FFN
 
 
-@pytest.mark.parametrize("chunk_placements", [
-    (PINNED, STREAMED, CPU, STREAMED),
-    (STREAMED, STREAMED, STREAMED, STREAMED),
-    (CPU, PINNED, PINNED, CPU),
-])
+@pytest.mark.parametrize(
+    "chunk_placements",
+    [
+        (PINNED, STREAMED, CPU, STREAMED),
+        (STREAMED, STREAMED, STREAMED, STREAMED),
+        (CPU, PINNED, PINNED, CPU),
+    ],
+)
 def test_chunks_placed_anywhere_give_the_monolithic_tokens(tiny_pack, tiny_llama_export, chunk_placements):
     reference = pipeshard.load(tiny_llama_export)
     reference.codec.eos_token_ids = []

@@ -24,8 +24,10 @@ def minimum(tiny_pack):
 @pytest.fixture(scope="module")
 def reference(tiny_llama_export):
     engine = pipeshard.load(tiny_llama_export)
-    return {"solo": [engine.generate(p, max_new_tokens=16)[0].tokens for p in PROMPTS[:3]],
-            "batch": [g.tokens for g in engine.generate(PROMPTS, max_new_tokens=16)]}
+    return {
+        "solo": [engine.generate(p, max_new_tokens=16)[0].tokens for p in PROMPTS[:3]],
+        "batch": [g.tokens for g in engine.generate(PROMPTS, max_new_tokens=16)],
+    }
 
 
 def sim(tiny_pack, budget, plan="auto"):
@@ -116,21 +118,32 @@ def test_an_interrupted_step_leaves_the_engine_usable(tiny_pack, minimum, refere
 
 
 def test_long_prompts_are_prefilled_in_chunks_of_the_largest_tier(tiny_pack, minimum, tiny_llama_export):
-    engine = pipeshard.load(tiny_pack, vram=minimum + 600_000, device="sim", profile="laptop-8gb", context=512)
+    engine = pipeshard.load(
+        tiny_pack, vram=minimum + 600_000, device="sim", profile="laptop-8gb", context=512
+    )
     engine.step.tiers = [1, 4, 16]
     prompt = "one two three four five six seven eight nine ten " * 3
     whole = pipeshard.load(tiny_llama_export)
-    assert engine.generate(prompt, max_new_tokens=8)[0].tokens == whole.generate(prompt, max_new_tokens=8)[0].tokens
+    assert (
+        engine.generate(prompt, max_new_tokens=8)[0].tokens
+        == whole.generate(prompt, max_new_tokens=8)[0].tokens
+    )
     assert max(engine.step.stats.tiers_used) == 16
 
 
-@pytest.mark.parametrize("argv, fragment", [
-    (["--device", "cuda", "--vram", "1GiB", "--profile", "laptop-8gb"], "no usable CUDA"),
-    (["--device", "sim", "--vram", "1MiB", "--profile", "laptop-8gb"], "minimum"),
-    (["--device", "sim", "--profile", "laptop-8gb"], "--vram"),
-    (["--device", "tpu", "--vram", "1GiB"], "unknown device"),
-    (["--device", "sim", "--vram", "1GiB", "--profile", "laptop-8gb", "--plan", "fastest"], "unknown plan"),
-])
+@pytest.mark.parametrize(
+    "argv, fragment",
+    [
+        (["--device", "cuda", "--vram", "1GiB", "--profile", "laptop-8gb"], "no usable CUDA"),
+        (["--device", "sim", "--vram", "1MiB", "--profile", "laptop-8gb"], "minimum"),
+        (["--device", "sim", "--profile", "laptop-8gb"], "--vram"),
+        (["--device", "tpu", "--vram", "1GiB"], "unknown device"),
+        (
+            ["--device", "sim", "--vram", "1GiB", "--profile", "laptop-8gb", "--plan", "fastest"],
+            "unknown plan",
+        ),
+    ],
+)
 def test_run_device_errors_are_one_line(tiny_pack, capsys, argv, fragment):
     assert main(["run", str(tiny_pack), "hello", *argv]) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -138,8 +151,24 @@ def test_run_device_errors_are_one_line(tiny_pack, capsys, argv, fragment):
 
 
 def test_run_on_sim_says_sim_wherever_figures_are_printed(tiny_pack, capsys):
-    assert main(["run", str(tiny_pack), "hello", "--device", "sim", "--vram", "1GiB", "--profile", "laptop-8gb",
-                 "--max-new-tokens", "4"]) == 0
+    assert (
+        main(
+            [
+                "run",
+                str(tiny_pack),
+                "hello",
+                "--device",
+                "sim",
+                "--vram",
+                "1GiB",
+                "--profile",
+                "laptop-8gb",
+                "--max-new-tokens",
+                "4",
+            ]
+        )
+        == 0
+    )
     assert "device sim (simulated: not GPU speed)" in capsys.readouterr().err
 
 
@@ -157,12 +186,29 @@ def test_logits_of_a_streamed_plan_match_the_chain(tiny_pack, minimum):
 def test_chat_streams_answers_and_changes_the_budget_live(tiny_pack, minimum, monkeypatch, capsys):
     lines = iter(["/plan", "hello there", f"/budget {minimum}", "/budget 1MiB", "/plan", "again", "/quit"])
     monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
-    assert main(["chat", str(tiny_pack), "--device", "sim", "--vram", str(minimum + 600_000), "--profile", "laptop-8gb",
-                 "--max-new-tokens", "6"]) == 0
+    assert (
+        main(
+            [
+                "chat",
+                str(tiny_pack),
+                "--device",
+                "sim",
+                "--vram",
+                str(minimum + 600_000),
+                "--profile",
+                "laptop-8gb",
+                "--max-new-tokens",
+                "6",
+            ]
+        )
+        == 0
+    )
     captured = capsys.readouterr()
     out = captured.out
     assert f"budget now {minimum}" in out
-    assert "error:" in captured.err and "minimum" in captured.err  # the 1 MiB budget is refused, the chat goes on
+    assert (
+        "error:" in captured.err and "minimum" in captured.err
+    )  # the 1 MiB budget is refused, the chat goes on
     assert out.count("device sim (simulated: not GPU speed)") == 2
 
 
@@ -171,7 +217,9 @@ def test_a_batch_larger_than_planned_is_replanned_so_its_kv_is_reserved(tiny_pac
     assert engine.step.planner.batch == 1
     assert [g.tokens for g in engine.generate(PROMPTS, max_new_tokens=16)] == reference["batch"]
     assert engine.step.planner.batch == len(PROMPTS)
-    attention_on_device = [n for n, p in engine.step.active.placements.items() if n.endswith("attn") and p != "cpu"]
+    attention_on_device = [
+        n for n, p in engine.step.active.placements.items() if n.endswith("attn") and p != "cpu"
+    ]
     kv_per_attn = 2 * 2 * 16 * 4 * engine.step.planner.context * len(PROMPTS)
     assert engine.step.device.ledger.by_purpose.get("kv", 0) == kv_per_attn * len(attention_on_device)
     assert engine.step.device.ledger.peak <= minimum + 600_000
@@ -186,13 +234,18 @@ def test_activations_cross_devices_only_where_the_placement_changes(tiny_pack, m
     step = engine.step
     placements = step.active.placements
     assert all(placements[f"L{i}.{part}"] != "cpu" for i in range(4) for part in ("attn", "ffn"))
-    output_of = {e["name"]: [o["name"] for o in e["outputs"] if not o["name"].startswith("present.")]
-                 for e in step.layout.in_line}
-    copies = [(action, name) for split in step.splits for action, name in split.after if action.startswith("copy")]
+    output_of = {
+        e["name"]: [o["name"] for o in e["outputs"] if not o["name"].startswith("present.")]
+        for e in step.layout.in_line
+    }
+    copies = [
+        (action, name) for split in step.splits for action, name in split.after if action.startswith("copy")
+    ]
     assert copies[0] == ("copy in", output_of["embed"][0])
     assert ("copy out", output_of["L3.ffn"][0]) in copies or placements.get("final", "pinned") != "cpu"
-    assert not {name for _, name in copies} & {output_of[f"L{i}.{part}"][0] for i in range(3)
-                                                for part in ("attn", "ffn")}
+    assert not {name for _, name in copies} & {
+        output_of[f"L{i}.{part}"][0] for i in range(3) for part in ("attn", "ffn")
+    }
     static = sim(tiny_pack, minimum + 2_000_000, "static")
     static.generate(PROMPTS[0], max_new_tokens=2)
     placements = static.step.active.placements

@@ -20,7 +20,9 @@ def test_top_k_one_is_greedy_at_any_temperature():
 
 def test_top_p_keeps_only_the_nucleus():
     settings = SamplingSettings(temperature=1.0, top_p=0.5)
-    seen = {tuple(choose_next_tokens(LOGITS, [], settings, np.random.default_rng(s)).tolist()) for s in range(50)}
+    seen = {
+        tuple(choose_next_tokens(LOGITS, [], settings, np.random.default_rng(s)).tolist()) for s in range(50)
+    }
     assert all(first in (1, 2) and second in (0, 4) for first, second in seen)
 
 
@@ -28,18 +30,30 @@ def test_same_seed_same_tokens_and_sampling_varies():
     settings = SamplingSettings(temperature=2.0)
     runs = [choose_next_tokens(LOGITS, [], settings, np.random.default_rng(7)).tolist() for _ in range(3)]
     assert runs[0] == runs[1] == runs[2]
-    varied = {tuple(choose_next_tokens(LOGITS, [], settings, np.random.default_rng(s)).tolist()) for s in range(40)}
+    varied = {
+        tuple(choose_next_tokens(LOGITS, [], settings, np.random.default_rng(s)).tolist()) for s in range(40)
+    }
     assert len(varied) > 1
 
 
 def test_repetition_penalty_moves_greedy_off_a_seen_token():
     history = [[1], []]
-    picked = choose_next_tokens(LOGITS, history, SamplingSettings(repetition_penalty=1.5), np.random.default_rng(0))
+    picked = choose_next_tokens(
+        LOGITS, history, SamplingSettings(repetition_penalty=1.5), np.random.default_rng(0)
+    )
     assert picked.tolist() == [2, 0]
 
 
-@pytest.mark.parametrize("field, value", [("max_new_tokens", 0), ("temperature", -1.0), ("top_p", 0.0),
-                                          ("top_k", -2), ("repetition_penalty", 0.0)])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("max_new_tokens", 0),
+        ("temperature", -1.0),
+        ("top_p", 0.0),
+        ("top_k", -2),
+        ("repetition_penalty", 0.0),
+    ],
+)
 def test_invalid_settings_are_user_errors(field, value):
     with pytest.raises(UserError):
         SamplingSettings(**{field: value}).validate()
@@ -75,7 +89,7 @@ def test_a_stop_string_across_pieces_cuts_the_stream_before_it(tiny_llama_export
 
     codec = TextCodec(tiny_llama_export)
     pieces, stopped = _stream(codec, codec.encode(TEXT), stop_strings=("here —",))
-    assert stopped and "".join(pieces) == TEXT[:TEXT.index("here —")]
+    assert stopped and "".join(pieces) == TEXT[: TEXT.index("here —")]
 
 
 def test_text_that_may_start_a_stop_string_is_held_then_released(tiny_llama_export):
@@ -110,7 +124,9 @@ class _ScriptedStep:
         return logits
 
 
-def test_generate_decodes_once_yet_gives_the_streamed_text_and_still_stops_on_a_stop_string(tiny_llama_export):
+def test_generate_decodes_once_yet_gives_the_streamed_text_and_still_stops_on_a_stop_string(
+    tiny_llama_export,
+):
     from pipeshard.runtime.generate import Generator
     from pipeshard.runtime.text import TextCodec
 
@@ -123,6 +139,8 @@ def test_generate_decodes_once_yet_gives_the_streamed_text_and_still_stops_on_a_
     pieces = "".join(event.text for event in generator.stream([[1]], settings, streamed))
     (generated,) = generator.generate([[1]], settings)
     assert generated.text == streamed[0].text == pieces == TEXT and generated.tokens == script
-    (stopped,) = generator.generate([[1]], SamplingSettings(max_new_tokens=len(script), stop_strings=("here —",)))
-    assert stopped.stop_reason == "stop_string" and stopped.text == TEXT[:TEXT.index("here —")]
+    (stopped,) = generator.generate(
+        [[1]], SamplingSettings(max_new_tokens=len(script), stop_strings=("here —",))
+    )
+    assert stopped.stop_reason == "stop_string" and stopped.text == TEXT[: TEXT.index("here —")]
     assert len(stopped.tokens) < len(script)

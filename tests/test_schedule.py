@@ -51,15 +51,37 @@ def test_every_streamed_unit_is_a_split_that_waits_for_it_and_releases_its_slot(
 
 def test_explain_prints_each_tiers_splits(tiny_pack, planner, capsys):
     budget = str(planner.minimum_budget() + 2_000_000)
-    assert main(["plan", str(tiny_pack), "--vram", budget, "--profile", "laptop-8gb", "--context", "256",
-                 "--tiers", "1,16", "--explain"]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                str(tiny_pack),
+                "--vram",
+                budget,
+                "--profile",
+                "laptop-8gb",
+                "--context",
+                "256",
+                "--tiers",
+                "1,16",
+                "--explain",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "tier 1, " in out and "tier 16, " in out and "split   1 on cpu   : embed" in out
 
 
 def test_the_step_runs_the_schedule_it_explains(tiny_pack, planner):
-    engine = pipeshard.load(tiny_pack, vram=planner.minimum_budget() + 2_000_000, device="sim", profile="laptop-8gb",
-                            plan="static", context=256)
+    engine = pipeshard.load(
+        tiny_pack,
+        vram=planner.minimum_budget() + 2_000_000,
+        device="sim",
+        profile="laptop-8gb",
+        plan="static",
+        context=256,
+    )
     engine.generate("Hi", max_new_tokens=3)
     step = engine.step
     assert step.splits == schedule(step.layout, step.active, tokens=1)  # the last step's: one new token

@@ -22,8 +22,16 @@ from pipeshard.runtime.generate import SamplingSettings
 from pipeshard.runtime.scheduler import QueueFull, Scheduler
 
 openai = pytest.importorskip("openai")
-PROMPTS = ["Hi", "What is the capital of France, and why is it famous?", "Count: 1 2 3", "Tell me a story.",
-           "a b c d e f g h", "Once upon a time there was", "Name three colors.", "Why is the sky blue?"]
+PROMPTS = [
+    "Hi",
+    "What is the capital of France, and why is it famous?",
+    "Count: 1 2 3",
+    "Tell me a story.",
+    "a b c d e f g h",
+    "Once upon a time there was",
+    "Name three colors.",
+    "Why is the sky blue?",
+]
 
 
 def free_port() -> int:
@@ -35,8 +43,12 @@ def free_port() -> int:
 @contextmanager
 def server(pack, *options: str):
     port = free_port()
-    process = subprocess.Popen([sys.executable, "-m", "pipeshard.cli", "serve", str(pack), "--port", str(port),
-                                *options], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "pipeshard.cli", "serve", str(pack), "--port", str(port), *options],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 60
@@ -87,23 +99,33 @@ def client(base: str, **options):
 
 def test_chat_and_completions_give_the_solo_text_streaming_or_not(running, solo, tiny_pack):
     chat = client(running)
-    answer = chat.chat.completions.create(model="pack", messages=[{"role": "user", "content": PROMPTS[1]}],
-                                          max_tokens=20, temperature=0)
+    answer = chat.chat.completions.create(
+        model="pack", messages=[{"role": "user", "content": PROMPTS[1]}], max_tokens=20, temperature=0
+    )
     expected = solo[PROMPTS[1]]
     assert answer.choices[0].message.content == expected.text
     assert answer.usage.completion_tokens == len(expected.tokens)
     assert answer.usage.prompt_tokens == len(expected.prompt_tokens)
     assert answer.choices[0].finish_reason == ("length" if expected.stop_reason == "length" else "stop")
-    chunks = list(chat.chat.completions.create(model="pack", messages=[{"role": "user", "content": PROMPTS[1]}],
-                                               max_tokens=20, temperature=0, stream=True,
-                                               stream_options={"include_usage": True}))
+    chunks = list(
+        chat.chat.completions.create(
+            model="pack",
+            messages=[{"role": "user", "content": PROMPTS[1]}],
+            max_tokens=20,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected.text
     assert chunks[-1].usage.completion_tokens == len(expected.tokens)
     engine = pipeshard.load(tiny_pack)
     raw = engine.generate("Once upon", chat_template=False, max_new_tokens=12)[0]
     completion = chat.completions.create(model="pack", prompt="Once upon", max_tokens=12, temperature=0)
     assert completion.choices[0].text == raw.text
-    streamed = chat.completions.create(model="pack", prompt="Once upon", max_tokens=12, temperature=0, stream=True)
+    streamed = chat.completions.create(
+        model="pack", prompt="Once upon", max_tokens=12, temperature=0, stream=True
+    )
     assert "".join(c.choices[0].text for c in streamed) == raw.text
 
 
@@ -112,8 +134,9 @@ def test_sixteen_concurrent_requests_of_different_lengths_get_their_solo_texts(r
     prompts = PROMPTS * 2
 
     def ask(prompt: str) -> str:
-        answer = chat.chat.completions.create(model="pack", messages=[{"role": "user", "content": prompt}],
-                                              max_tokens=20, temperature=0)
+        answer = chat.chat.completions.create(
+            model="pack", messages=[{"role": "user", "content": prompt}], max_tokens=20, temperature=0
+        )
         return answer.choices[0].message.content
 
     with ThreadPoolExecutor(16) as pool:
@@ -126,9 +149,18 @@ def test_a_seeded_request_gives_the_same_text_alone_or_among_others(running):
     chat = client(running)
 
     def ask(prompt: str, seed: int | None) -> str:
-        return chat.chat.completions.create(model="pack", messages=[{"role": "user", "content": prompt}],
-                                            max_tokens=16, temperature=0.9, top_p=0.95, seed=seed
-                                            ).choices[0].message.content
+        return (
+            chat.chat.completions.create(
+                model="pack",
+                messages=[{"role": "user", "content": prompt}],
+                max_tokens=16,
+                temperature=0.9,
+                top_p=0.95,
+                seed=seed,
+            )
+            .choices[0]
+            .message.content
+        )
 
     alone = ask(PROMPTS[3], 7)
     with ThreadPoolExecutor(4) as pool:
@@ -142,18 +174,26 @@ def test_models_health_tokenize_and_detokenize(running, tiny_pack):
     codec = pipeshard.load(tiny_pack).codec
     tokens = httpx.post(running + "/tokenize", json={"content": "hello world"}).json()["tokens"]
     assert tokens == codec.encode("hello world")
-    assert httpx.post(running + "/detokenize", json={"tokens": tokens}).json()["content"] == codec.decode(tokens)
+    assert httpx.post(running + "/detokenize", json={"tokens": tokens}).json()["content"] == codec.decode(
+        tokens
+    )
 
 
-@pytest.mark.parametrize("body, param", [
-    ({"model": "pack", "messages": []}, "messages"),
-    ({"model": "other", "messages": [{"role": "user", "content": "hi"}]}, "model"),
-    ({"model": "pack", "messages": [{"role": "user", "content": "hi"}], "temperature": -1}, "temperature"),
-    ({"model": "pack", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, "max_tokens"),
-    ({"model": "pack", "messages": [{"role": "user", "content": "hi"}], "n": 2}, "n"),
-    ({"model": "pack", "messages": [{"role": "user", "content": "hi"}], "stop": 5}, "stop"),
-    ({"model": "pack", "messages": [{"role": "user", "content": "word " * 400}]}, None),
-])
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"model": "pack", "messages": []}, "messages"),
+        ({"model": "other", "messages": [{"role": "user", "content": "hi"}]}, "model"),
+        (
+            {"model": "pack", "messages": [{"role": "user", "content": "hi"}], "temperature": -1},
+            "temperature",
+        ),
+        ({"model": "pack", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, "max_tokens"),
+        ({"model": "pack", "messages": [{"role": "user", "content": "hi"}], "n": 2}, "n"),
+        ({"model": "pack", "messages": [{"role": "user", "content": "hi"}], "stop": 5}, "stop"),
+        ({"model": "pack", "messages": [{"role": "user", "content": "word " * 400}]}, None),
+    ],
+)
 def test_bad_requests_are_openai_errors_with_400(running, body, param):
     answer = httpx.post(running + "/v1/chat/completions", json=body)
     assert answer.status_code == 400, answer.text
@@ -162,7 +202,9 @@ def test_bad_requests_are_openai_errors_with_400(running, body, param):
 
 
 def test_malformed_json_and_oversized_bodies_are_refused(running):
-    answer = httpx.post(running + "/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    answer = httpx.post(
+        running + "/v1/completions", content=b"{not json", headers={"content-type": "application/json"}
+    )
     assert answer.status_code == 400 and "JSON" in answer.json()["error"]["message"]
     answer = httpx.post(running + "/v1/completions", content=b"x" * (2 << 20))
     assert answer.status_code == 413 and answer.json()["error"]
@@ -172,7 +214,13 @@ def test_malformed_json_and_oversized_bodies_are_refused(running):
 def test_a_client_that_disconnects_mid_stream_frees_its_slot(smollm2_pack):
     """SmolLM2, slow enough that a 400-token answer is still running when its client leaves after two chunks."""
     with server(smollm2_pack, "--parallel", "2", "--context", "1024", "--threads", "2") as base:
-        body = {"model": "pack", "prompt": "Once upon a time", "max_tokens": 400, "temperature": 0, "stream": True}
+        body = {
+            "model": "pack",
+            "prompt": "Once upon a time",
+            "max_tokens": 400,
+            "temperature": 0,
+            "stream": True,
+        }
         with httpx.stream("POST", base + "/v1/completions", json=body, timeout=60) as answer:
             chunks = 0
             for line in answer.iter_lines():
@@ -201,14 +249,23 @@ def test_a_full_queue_answers_503_at_once_and_smollm2_answers_as_alone(smollm2_p
     """SmolLM2 (slow enough to keep a slot busy): with one slot and a queue of one, a third request is refused at
     once; the two accepted get the texts they get alone, as do four requests decoded together."""
     engine = pipeshard.load(smollm2_pack, threads=2)
-    prompts = ["Name three colors.", "What is 2 + 2? Explain briefly.", "Write one sentence about the sea.", "Hi!"]
+    prompts = [
+        "Name three colors.",
+        "What is 2 + 2? Explain briefly.",
+        "Write one sentence about the sea.",
+        "Hi!",
+    ]
     alone = [engine.generate(p, max_new_tokens=48)[0].text for p in prompts]
     with server(smollm2_pack, "--parallel", "1", "--queue", "1", "--threads", "2") as base:
         results: dict[int, str] = {}
 
         def ask(index: int) -> None:
             answer = client(base).chat.completions.create(
-                model="pack", messages=[{"role": "user", "content": prompts[index]}], max_tokens=48, temperature=0)
+                model="pack",
+                messages=[{"role": "user", "content": prompts[index]}],
+                max_tokens=48,
+                temperature=0,
+            )
             results[index] = answer.choices[0].message.content
 
         threads = [threading.Thread(target=ask, args=(index,)) for index in range(2)]
@@ -220,8 +277,11 @@ def test_a_full_queue_answers_503_at_once_and_smollm2_answers_as_alone(smollm2_p
         while metric(base, "pipeshard_requests_queued") < 1 and time.monotonic() < deadline:
             time.sleep(0.01)
         started = time.monotonic()
-        third = httpx.post(base + "/v1/chat/completions", timeout=60, json={
-            "model": "pack", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4})
+        third = httpx.post(
+            base + "/v1/chat/completions",
+            timeout=60,
+            json={"model": "pack", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4},
+        )
         assert third.status_code == 503 and time.monotonic() - started < 2
         assert third.json()["error"]["type"] == "server_error"
         for thread in threads:
@@ -229,9 +289,22 @@ def test_a_full_queue_answers_503_at_once_and_smollm2_answers_as_alone(smollm2_p
         assert [results[0], results[1]] == alone[:2]
     with server(smollm2_pack, "--parallel", "4", "--threads", "2") as base:
         with ThreadPoolExecutor(4) as pool:
-            answers = list(pool.map(lambda p: client(base).chat.completions.create(
-                model="pack", messages=[{"role": "user", "content": p}], max_tokens=48,
-                temperature=0).choices[0].message.content, prompts))
+            answers = list(
+                pool.map(
+                    lambda p: (
+                        client(base)
+                        .chat.completions.create(
+                            model="pack",
+                            messages=[{"role": "user", "content": p}],
+                            max_tokens=48,
+                            temperature=0,
+                        )
+                        .choices[0]
+                        .message.content
+                    ),
+                    prompts,
+                )
+            )
         assert answers == alone
 
 
@@ -239,9 +312,12 @@ def test_the_api_key_is_required_when_set(tiny_pack):
     with server(tiny_pack, "--api-key", "sesame") as base:
         assert httpx.get(base + "/health").status_code == 200
         with pytest.raises(openai.AuthenticationError):
-            client(base).models.list() and client(base).completions.create(model="pack", prompt="hi", max_tokens=2)
+            client(base).models.list() and client(base).completions.create(
+                model="pack", prompt="hi", max_tokens=2
+            )
         answer = client(base, default_headers={"Authorization": "Bearer sesame"}).completions.create(
-            model="pack", prompt="hi", max_tokens=2)
+            model="pack", prompt="hi", max_tokens=2
+        )
         assert answer.usage.completion_tokens <= 2
 
 
@@ -251,13 +327,29 @@ def test_a_budget_change_mid_stream_on_sim_keeps_the_tokens(tiny_pack):
     from pipeshard.profiles.db import load_profile
 
     minimum = Planner(manifest, load_profile("laptop-8gb"), 1 << 40).minimum_budget()
-    engine = pipeshard.load(tiny_pack, device="sim", vram=minimum + 2_000_000, profile="laptop-8gb", context=256)
+    engine = pipeshard.load(
+        tiny_pack, device="sim", vram=minimum + 2_000_000, profile="laptop-8gb", context=256
+    )
     engine.codec.eos_token_ids = []
     expected = engine.generate(PROMPTS[1], max_new_tokens=40)[0].text
-    with server(tiny_pack, "--device", "sim", "--vram", str(minimum + 2_000_000), "--profile", "laptop-8gb",
-                "--context", "256") as base:
-        body = {"model": "pack", "prompt": engine.codec.render_chat(PROMPTS[1]), "max_tokens": 40, "temperature": 0,
-                "stream": True}
+    with server(
+        tiny_pack,
+        "--device",
+        "sim",
+        "--vram",
+        str(minimum + 2_000_000),
+        "--profile",
+        "laptop-8gb",
+        "--context",
+        "256",
+    ) as base:
+        body = {
+            "model": "pack",
+            "prompt": engine.codec.render_chat(PROMPTS[1]),
+            "max_tokens": 40,
+            "temperature": 0,
+            "stream": True,
+        }
         pieces, changed = [], False
         with httpx.stream("POST", base + "/v1/completions", json=body, timeout=60) as answer:
             for line in answer.iter_lines():
@@ -304,8 +396,12 @@ def test_the_in_process_scheduler_streams_and_refuses_beyond_its_queue(tiny_pack
 
 
 def test_serve_refuses_an_export_folder_with_one_error_line(tiny_llama_export):
-    done = subprocess.run([sys.executable, "-m", "pipeshard.cli", "serve", str(tiny_llama_export)],
-                          capture_output=True, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    done = subprocess.run(
+        [sys.executable, "-m", "pipeshard.cli", "serve", str(tiny_llama_export)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+    )
     assert done.returncode == 2 and done.stderr.startswith("error:") and len(done.stderr.splitlines()) == 1
 
 
@@ -314,7 +410,9 @@ def test_the_engine_submits_through_its_scheduler_from_several_threads(tiny_pack
     try:
         engine.serve(parallel=3, context=256)
         with ThreadPoolExecutor(6) as pool:
-            texts = list(pool.map(lambda p: "".join(e.text for e in engine.submit(p, max_new_tokens=20)), PROMPTS[:6]))
+            texts = list(
+                pool.map(lambda p: "".join(e.text for e in engine.submit(p, max_new_tokens=20)), PROMPTS[:6])
+            )
         assert texts == [solo[p].text for p in PROMPTS[:6]]
         with pytest.raises(pipeshard.errors.UserError, match="submit"):
             engine.generate("Hi")
@@ -322,21 +420,26 @@ def test_the_engine_submits_through_its_scheduler_from_several_threads(tiny_pack
         engine.scheduler.close()
 
 
-def test_requests_waiting_together_are_prefilled_in_one_step_with_their_solo_tokens(tiny_pack, solo, monkeypatch):
+def test_requests_waiting_together_are_prefilled_in_one_step_with_their_solo_tokens(
+    tiny_pack, solo, monkeypatch
+):
     """Requests that start together are prefilled as one step (each prompt from column 0 of its own KV row, its
     first token from its own last position) and still get the tokens they get alone."""
     engine = pipeshard.load(tiny_pack)
     groups: list[int] = []
     together = Scheduler._prefill_together
-    monkeypatch.setattr(Scheduler, "_prefill_together",
-                        lambda self, group: groups.append(len(group)) or together(self, group))
+    monkeypatch.setattr(
+        Scheduler, "_prefill_together", lambda self, group: groups.append(len(group)) or together(self, group)
+    )
     scheduler = Scheduler(engine, parallel=6, context=256)
     release = threading.Event()
     forward = scheduler.step.forward
     scheduler.step.forward = lambda *args, **options: release.wait(30) and forward(*args, **options)
     try:
-        streams = [scheduler.submit(engine.generator.prompt_ids(p), SamplingSettings(max_new_tokens=20))
-                   for p in PROMPTS[:6]]
+        streams = [
+            scheduler.submit(engine.generator.prompt_ids(p), SamplingSettings(max_new_tokens=20))
+            for p in PROMPTS[:6]
+        ]
         time.sleep(0.2)  # all six admitted while the first step waits
         release.set()
         assert [list(s)[-1].tokens for s in streams] == [solo[p].tokens for p in PROMPTS[:6]]

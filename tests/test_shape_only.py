@@ -24,14 +24,26 @@ def _comparable(manifest: dict) -> dict:
         return {**w, "name": w["name"] if w["name"].startswith(("model.", "lm_head.")) else "<numbered>"}
 
     return {
-        "model": manifest["model"], "kv_bytes_per_token": manifest["kv_bytes_per_token"],
-        "total_weight_bytes": manifest["total_weight_bytes"], "weight_alignment": manifest["weight_alignment"],
-        "graph_inputs": manifest["graph_inputs"], "graph_outputs": manifest["graph_outputs"],
-        "sub_layers": [{**e, "files": None, "blob": e["blob"] and e["blob"]["bytes"],
-                        "weights": [weight(w) for w in e["weights"]], "inputs": [tensor(t) for t in e["inputs"]],
-                        "outputs": [tensor(t) for t in e["outputs"]]} for e in manifest["sub_layers"]],
-        "moe_blocks": [{key: block[key] for key in ("layer", "router", "experts")}
-                       for block in manifest["moe_blocks"]],
+        "model": manifest["model"],
+        "kv_bytes_per_token": manifest["kv_bytes_per_token"],
+        "total_weight_bytes": manifest["total_weight_bytes"],
+        "weight_alignment": manifest["weight_alignment"],
+        "graph_inputs": manifest["graph_inputs"],
+        "graph_outputs": manifest["graph_outputs"],
+        "sub_layers": [
+            {
+                **e,
+                "files": None,
+                "blob": e["blob"] and e["blob"]["bytes"],
+                "weights": [weight(w) for w in e["weights"]],
+                "inputs": [tensor(t) for t in e["inputs"]],
+                "outputs": [tensor(t) for t in e["outputs"]],
+            }
+            for e in manifest["sub_layers"]
+        ],
+        "moe_blocks": [
+            {key: block[key] for key in ("layer", "router", "experts")} for block in manifest["moe_blocks"]
+        ],
     }
 
 
@@ -63,8 +75,14 @@ def test_a_shape_only_moe_pack_has_the_manifest_of_the_pack_made_from_real_weigh
     assert _comparable(shape_only) == _comparable(load_pack(tmp_path / "pack").manifest)
 
 
-@pytest.mark.parametrize("command", [["run", "{pack}", "hello"], ["chat", "{pack}"],
-                                     ["run", "{pack}", "hello", "--device", "sim", "--vram", "1GiB"]])
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["run", "{pack}", "hello"],
+        ["chat", "{pack}"],
+        ["run", "{pack}", "hello", "--device", "sim", "--vram", "1GiB"],
+    ],
+)
 def test_running_a_shape_only_pack_is_one_error_line(shape_only_llama, capsys, command):
     assert main([part.format(pack=shape_only_llama) for part in command]) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -82,8 +100,23 @@ def test_inspect_and_plan_read_a_shape_only_pack(shape_only_llama, tmp_path, cap
     assert main(["inspect", str(shape_only_llama)]) == 0
     assert "L3.ffn" in capsys.readouterr().out
     out = tmp_path / "plans.json"
-    assert main(["plan", str(shape_only_llama), "--vram", "600MiB", "--profile", "desktop-rtx5090", "--tiers", "1,64",
-                 "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                str(shape_only_llama),
+                "--vram",
+                "600MiB",
+                "--profile",
+                "desktop-rtx5090",
+                "--tiers",
+                "1,64",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     assert [t["tier"] for t in json.loads(out.read_text())["tiers"]] == [1, 64]
 
 
@@ -96,8 +129,23 @@ def test_assumed_bits_size_the_plan_and_keep_it_from_running(tiny_pack, tmp_path
     lossless, quantized = (Planner(manifest, profile, 2**30, assume_bits=bits) for bits in (None, 4.5))
     assert quantized.model_bytes == pytest.approx(lossless.model_bytes * 4.5 / 32, rel=1e-3)
     out = tmp_path / "plans.json"
-    assert main(["plan", str(tiny_pack), "--vram", "1GiB", "--profile", "desktop-rtx5090", "--assume-bits", "4.5",
-                 "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                str(tiny_pack),
+                "--vram",
+                "1GiB",
+                "--profile",
+                "desktop-rtx5090",
+                "--assume-bits",
+                "4.5",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     assert "planning only" in capsys.readouterr().out
     assert main(["run", str(tiny_pack), "hi", "--device", "sim", "--plans", str(out)]) == 2
     assert "--assume-bits" in capsys.readouterr().err

@@ -24,7 +24,7 @@ def test_greedy_32_tokens_match_pytorch_on_three_prompts(smollm2_export, torch_s
         (ours,) = engine.generator.generate([prompt_ids], pipeshard.api.SamplingSettings(max_new_tokens=32))
         with torch.no_grad():
             output = torch_smollm2.generate(torch.tensor([prompt_ids]), max_new_tokens=32, do_sample=False)
-        theirs = output[0, len(prompt_ids):].tolist()
+        theirs = output[0, len(prompt_ids) :].tolist()
         eos = set(engine.codec.eos_token_ids)
         theirs = theirs[: next((i for i, t in enumerate(theirs) if t in eos), len(theirs))]
         assert ours.tokens == theirs, prompt

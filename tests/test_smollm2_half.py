@@ -26,9 +26,11 @@ def test_greedy_tokens_match_pytorch_over_the_same_weights_on_three_prompts(smol
         ids = engines["export"].generator.prompt_ids(prompt)
         with torch.no_grad():
             output = reference.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False)
-        theirs = output[0, len(ids):].tolist()
+        theirs = output[0, len(ids) :].tolist()
         theirs = theirs[: next((i for i, t in enumerate(theirs) if t in eos), len(theirs))]
         for name, engine in engines.items():
-            (ours,) = engine.generator.generate([ids], pipeshard.api.SamplingSettings(max_new_tokens=NEW_TOKENS))
+            (ours,) = engine.generator.generate(
+                [ids], pipeshard.api.SamplingSettings(max_new_tokens=NEW_TOKENS)
+            )
             assert ours.tokens == theirs, (dtype, name, prompt)
         assert len(theirs) >= 5

@@ -28,8 +28,12 @@ def test_partition_takes_under_10_s_and_duplicates_no_weight(smollm2_pack, smoll
     pack_dir, seconds = smollm2_pack
     assert seconds < 10
     pack = load_pack(pack_dir)
-    owned = sum(w["bytes"] for e in pack.sub_layers for w in e["weights"]
-                if e["blob"] and w["file"] == e["blob"]["file"])
+    owned = sum(
+        w["bytes"]
+        for e in pack.sub_layers
+        for w in e["weights"]
+        if e["blob"] and w["file"] == e["blob"]["file"]
+    )
     blobs = sum(p.stat().st_size for p in pack_dir.glob("*.weights"))
     export_weights = (smollm2_export / "model.onnx.data").stat().st_size
     assert owned == export_weights
@@ -78,6 +82,11 @@ def test_joined_decode_sessions_share_the_sub_layers_weights(smollm2_pack):
     measured +62 MiB) and one weight packed to be found in the container."""
     from pipeshard.runtime.step import JOINED_WEIGHT_BYTES
 
-    joined, split = _memory_after_loading(smollm2_pack[0], True), _memory_after_loading(smollm2_pack[0], False)
+    joined, split = (
+        _memory_after_loading(smollm2_pack[0], True),
+        _memory_after_loading(smollm2_pack[0], False),
+    )
     assert joined[0] - split[0] < 20, f"joined sessions hold {joined[0] - split[0]:.0f} MiB more"
-    assert joined[1] - split[1] < JOINED_WEIGHT_BYTES / 2**20 + 16, f"load peak {joined[1] - split[1]:.0f} MiB higher"
+    assert joined[1] - split[1] < JOINED_WEIGHT_BYTES / 2**20 + 16, (
+        f"load peak {joined[1] - split[1]:.0f} MiB higher"
+    )

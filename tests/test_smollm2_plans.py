@@ -23,15 +23,19 @@ def setup(smollm2_export, tmp_path_factory):
     planner = Planner(manifest, load_profile("laptop-8gb"), 1 << 40)
     budget = planner.minimum_budget() + planner.model_bytes // 4
     whole = pipeshard.load(smollm2_export, threads=2)
-    reference = {"solo": [whole.generate(p, max_new_tokens=64)[0].tokens for p in PROMPTS],
-                 "batch": [g.tokens for g in whole.generate(BATCH, max_new_tokens=64)]}
+    reference = {
+        "solo": [whole.generate(p, max_new_tokens=64)[0].tokens for p in PROMPTS],
+        "batch": [g.tokens for g in whole.generate(BATCH, max_new_tokens=64)],
+    }
     return pack, budget, reference
 
 
 @pytest.mark.parametrize("plan", ["auto", "gpu-only", "static", "dynamic", "layers", "offload", "cpu"])
 def test_plan_is_lossless_at_a_quarter_of_the_model(setup, plan):
     pack, budget, reference = setup
-    engine = pipeshard.load(pack, vram=budget, device="sim", profile="laptop-8gb", plan=plan, threads=2, context=256)
+    engine = pipeshard.load(
+        pack, vram=budget, device="sim", profile="laptop-8gb", plan=plan, threads=2, context=256
+    )
     assert [engine.generate(p, max_new_tokens=64)[0].tokens for p in PROMPTS] == reference["solo"]
     assert [g.tokens for g in engine.generate(BATCH, max_new_tokens=64)] == reference["batch"]
     if plan != "cpu":
@@ -45,8 +49,13 @@ def test_a_long_context_streams_the_kv_of_streamed_attentions_and_stays_lossless
     """At a 4096-token context the KV of every attention (190 MiB) cannot sit beside a quarter of the model on the
     device: the planner's plans keep it in host memory for the streamed attentions and stream it with them."""
     pack, budget, _ = setup
-    prompt = " ".join(f"Note {i}: the river {['rises', 'falls', 'bends', 'rests'][i % 4]} near town {i % 17}."
-                      for i in range(260)) + " Summarize the notes."
+    prompt = (
+        " ".join(
+            f"Note {i}: the river {['rises', 'falls', 'bends', 'rests'][i % 4]} near town {i % 17}."
+            for i in range(260)
+        )
+        + " Summarize the notes."
+    )
     whole = pipeshard.load(smollm2_export, threads=2)
     expected = whole.generate(prompt, max_new_tokens=8)[0]
     assert 3000 < len(expected.prompt_tokens) <= 4096 - 8

@@ -32,14 +32,17 @@ def test_planned_tokens_are_the_chains_with_the_process_pool(tiny_llama_export, 
     engine = pipeshard.load(pack)
     engine.codec.eos_token_ids = []
     expected = engine.generate("tell me a story", max_new_tokens=12)[0].tokens
-    done = subprocess.run([sys.executable, "-c", SIM_SCRIPT, str(pack)], capture_output=True, text=True, check=True)
+    done = subprocess.run(
+        [sys.executable, "-c", SIM_SCRIPT, str(pack)], capture_output=True, text=True, check=True
+    )
     assert done.stdout.strip() == str(expected)
 
 
 def test_the_console_command_never_loads_the_binding_for_a_pack_or_an_export(tiny_llama_export, tmp_path):
     def run(*extra) -> str:
-        done = subprocess.run([sys.executable, "-c", CONSOLE_SCRIPT, *map(str, extra)], capture_output=True,
-                              text=True)
+        done = subprocess.run(
+            [sys.executable, "-c", CONSOLE_SCRIPT, *map(str, extra)], capture_output=True, text=True
+        )
         assert done.returncode == 0, done.stderr
         return done.stdout.split("\n")[-2]
 

@@ -4,10 +4,17 @@ from pipeshard.errors import UserError
 from pipeshard.units import format_bytes, parse_size
 
 
-@pytest.mark.parametrize("text, expected", [
-    ("2GiB", 2 * 1024**3), ("512MiB", 512 * 1024**2), ("1.5GB", 1_500_000_000), ("4096", 4096), ("0", 0),
-    ("8 gib", 8 * 1024**3),
-])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("2GiB", 2 * 1024**3),
+        ("512MiB", 512 * 1024**2),
+        ("1.5GB", 1_500_000_000),
+        ("4096", 4096),
+        ("0", 0),
+        ("8 gib", 8 * 1024**3),
+    ],
+)
 def test_parse_size_accepts_units(text, expected):
     assert parse_size(text) == expected
 

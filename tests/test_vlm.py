@@ -67,10 +67,15 @@ def reference_tokens(tiny_vlm, prompt_ids: list[int], paths: list[Path]) -> list
     pixels = image_processor(images=[[Image.open(p).convert("RGB") for p in paths]], return_tensors="pt")
     ids = torch.tensor([prompt_ids])
     with torch.no_grad():
-        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), pixel_values=pixels["pixel_values"],
-                             pixel_attention_mask=pixels["pixel_attention_mask"], max_new_tokens=NEW_TOKENS,
-                             do_sample=False)
-    return out[0, len(prompt_ids):].tolist()
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            pixel_values=pixels["pixel_values"],
+            pixel_attention_mask=pixels["pixel_attention_mask"],
+            max_new_tokens=NEW_TOKENS,
+            do_sample=False,
+        )
+    return out[0, len(prompt_ids) :].tolist()
 
 
 def test_export_describes_three_parts_with_dynamic_tiles(vlm_export):
@@ -126,9 +131,10 @@ def test_text_only_prompt_on_a_vlm_equals_its_decoder(vlm_pack, tiny_vlm):
     model = tiny_vlm[0]
     ids = torch.tensor([result.prompt_tokens])
     with torch.no_grad():
-        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
-                             do_sample=False)
-    assert result.tokens == out[0, ids.shape[1]:].tolist()[: len(result.tokens)]
+        out = model.generate(
+            input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False
+        )
+    assert result.tokens == out[0, ids.shape[1] :].tolist()[: len(result.tokens)]
 
 
 def test_chat_turns_with_images_reuse_the_cache(vlm_pack, images, tiny_vlm):
@@ -136,7 +142,9 @@ def test_chat_turns_with_images_reuse_the_cache(vlm_pack, images, tiny_vlm):
     from pipeshard.runtime.generate import SamplingSettings
 
     engine = pipeshard.load(vlm_pack)
-    conversation = Conversation(engine.generator, SamplingSettings(max_new_tokens=6), 400, vision=engine.vision)
+    conversation = Conversation(
+        engine.generator, SamplingSettings(max_new_tokens=6), 400, vision=engine.vision
+    )
     "".join(conversation.ask("Look.", [str(images[0])]))
     "".join(conversation.ask("And this one?", [str(images[1])]))
     assert engine.generator.reused_tokens > 0  # the first turn, image included, came from the kept cache
@@ -151,22 +159,60 @@ def test_images_on_a_text_model_and_bad_images_are_user_errors(tiny_pack, images
     not_an_image = tmp_path / "notes.png"
     not_an_image.write_text("hello")
     for path in (tmp_path / "missing.png", not_an_image, tmp_path):
-        done = subprocess.run([sys.executable, "-m", "pipeshard", "run", str(tiny_pack), PROMPT, "--image", str(path)],
-                              capture_output=True, text=True)
+        done = subprocess.run(
+            [sys.executable, "-m", "pipeshard", "run", str(tiny_pack), PROMPT, "--image", str(path)],
+            capture_output=True,
+            text=True,
+        )
         assert done.returncode == 2
         assert done.stderr.startswith("error:") and done.stderr.count("\n") == 1, done.stderr
 
 
 def test_run_cli_with_images_prints_json(vlm_pack, images):
-    done = subprocess.run([sys.executable, "-m", "pipeshard", "run", str(vlm_pack), "<image> and <image>?",
-                           "--image", str(images[0]), "--image", str(images[1]), "--json", "--max-new-tokens", "4",
-                           "--device", "sim", "--vram", "40%", "--profile", "laptop-8gb"],
-                          capture_output=True, text=True)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pipeshard",
+            "run",
+            str(vlm_pack),
+            "<image> and <image>?",
+            "--image",
+            str(images[0]),
+            "--image",
+            str(images[1]),
+            "--json",
+            "--max-new-tokens",
+            "4",
+            "--device",
+            "sim",
+            "--vram",
+            "40%",
+            "--profile",
+            "laptop-8gb",
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout)
     assert result["images"] == 2 and len(result["tokens"]) == 4 and result["vision_peak_device_bytes"] > 0
-    wrong = subprocess.run([sys.executable, "-m", "pipeshard", "run", str(vlm_pack), "<image> only one",
-                            "--image", str(images[0]), "--image", str(images[1])], capture_output=True, text=True)
+    wrong = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pipeshard",
+            "run",
+            str(vlm_pack),
+            "<image> only one",
+            "--image",
+            str(images[0]),
+            "--image",
+            str(images[1]),
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert wrong.returncode == 2 and "placeholder" in wrong.stderr
 
 
@@ -208,8 +254,12 @@ def test_smolvlm_256m_through_the_real_smollm2_decoder_equals_transformers(tmp_p
     engine = pipeshard.load(tmp_path / "pack")
     for images in (paths[:1], paths):
         # A plain completion: through the chat template, random image features make SmolLM2 stop at once.
-        (result,) = engine.generate("The capital of France is", chat_template=False, images=[str(p) for p in images],
-                                    max_new_tokens=NEW_TOKENS)
+        (result,) = engine.generate(
+            "The capital of France is",
+            chat_template=False,
+            images=[str(p) for p in images],
+            max_new_tokens=NEW_TOKENS,
+        )
         assert len(result.tokens) == NEW_TOKENS
         assert result.tokens == reference_tokens(reference, result.prompt_tokens, images)
 
@@ -227,15 +277,21 @@ def test_server_takes_images_as_data_urls(vlm_pack, images):
     from test_server import client, server
 
     engine = pipeshard.load(vlm_pack)
-    expected = [engine.generate(PROMPT, images=[str(p) for p in paths], max_new_tokens=NEW_TOKENS)[0].text
-                for paths in (images[:1], images)]
+    expected = [
+        engine.generate(PROMPT, images=[str(p) for p in paths], max_new_tokens=NEW_TOKENS)[0].text
+        for paths in (images[:1], images)
+    ]
     with server(vlm_pack, "--parallel", "2", "--context", "512") as base:
         chat = client(base)
 
         def ask(paths):
             parts = [{"type": "image_url", "image_url": {"url": _data_url(p)}} for p in paths]
-            answer = chat.chat.completions.create(model="pack", max_tokens=NEW_TOKENS, temperature=0, messages=[
-                {"role": "user", "content": [*parts, {"type": "text", "text": PROMPT}]}])
+            answer = chat.chat.completions.create(
+                model="pack",
+                max_tokens=NEW_TOKENS,
+                temperature=0,
+                messages=[{"role": "user", "content": [*parts, {"type": "text", "text": PROMPT}]}],
+            )
             return answer.choices[0].message.content
 
         from concurrent.futures import ThreadPoolExecutor
@@ -243,21 +299,51 @@ def test_server_takes_images_as_data_urls(vlm_pack, images):
         with ThreadPoolExecutor(2) as pool:
             assert list(pool.map(ask, (images[:1], images))) == expected
         for url in ("https://example.com/cat.png", "data:image/png;base64,bm90IGFuIGltYWdl"):
-            reply = httpx.post(base + "/v1/chat/completions", json={"model": "pack", "messages": [
-                {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}]})
+            reply = httpx.post(
+                base + "/v1/chat/completions",
+                json={
+                    "model": "pack",
+                    "messages": [
+                        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}
+                    ],
+                },
+            )
             assert reply.status_code == 400 and reply.json()["error"]["param"] == "messages"
 
 
 def test_plan_predicts_the_vision_encoder_at_image_sizes(vlm_pack, tiny_pack):
-    done = subprocess.run([sys.executable, "-m", "pipeshard", "plan", str(vlm_pack), "--vram", "50%", "--profile",
-                           "laptop-8gb", "--tiers", "1", "--image-size", "64x48,1280x720"],
-                          capture_output=True, text=True)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pipeshard",
+            "plan",
+            str(vlm_pack),
+            "--vram",
+            "50%",
+            "--profile",
+            "laptop-8gb",
+            "--tiers",
+            "1",
+            "--image-size",
+            "64x48,1280x720",
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert done.returncode == 0, done.stderr
     lines = [line for line in done.stdout.splitlines() if line.startswith("  ") and "tiles" in line]
     assert len(lines) == 2 and all("VLMOpt" in line and "(fits" in line for line in lines)
-    text_model = subprocess.run([sys.executable, "-m", "pipeshard", "plan", str(tiny_pack), "--vram", "50%",
-                                 "--image-size", "64x48"], capture_output=True, text=True)
-    assert text_model.returncode == 2 and text_model.stderr.startswith("error:") and "text model" in text_model.stderr
+    text_model = subprocess.run(
+        [sys.executable, "-m", "pipeshard", "plan", str(tiny_pack), "--vram", "50%", "--image-size", "64x48"],
+        capture_output=True,
+        text=True,
+    )
+    assert (
+        text_model.returncode == 2
+        and text_model.stderr.startswith("error:")
+        and "text model" in text_model.stderr
+    )
 
 
 def test_a_prompt_cut_into_chunks_gives_each_chunk_its_image_rows(vlm_pack, images, tiny_vlm):
@@ -307,11 +393,16 @@ def qwen_reference_tokens(tiny_qwen, prompt_ids: list[int], paths: list[Path]) -
     pixels = image_processor(images=[Image.open(p).convert("RGB") for p in paths], return_tensors="pt")
     ids = torch.tensor([prompt_ids])
     with torch.no_grad():
-        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), pixel_values=pixels["pixel_values"],
-                             image_grid_thw=pixels["image_grid_thw"],
-                             mm_token_type_ids=(ids == model.config.image_token_id).int(),
-                             max_new_tokens=NEW_TOKENS, do_sample=False)
-    return out[0, len(prompt_ids):].tolist()
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            pixel_values=pixels["pixel_values"],
+            image_grid_thw=pixels["image_grid_thw"],
+            mm_token_type_ids=(ids == model.config.image_token_id).int(),
+            max_new_tokens=NEW_TOKENS,
+            do_sample=False,
+        )
+    return out[0, len(prompt_ids) :].tolist()
 
 
 def test_qwen_export_keeps_patches_windows_and_images_dynamic(qwen_export):
@@ -319,8 +410,10 @@ def test_qwen_export_keeps_patches_windows_and_images_dynamic(qwen_export):
     assert info["vision"]["family"] == "qwen2_vl" and info["position_rows"] == 3
     assert info["vision"]["max_difference_vs_pytorch"] < 1e-4  # two image grids, one and two images
     graph = onnx.load(qwen_export / "vision.onnx", load_external_data=False).graph
-    dims = {v.name: [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim]
-            for v in [*graph.input, *graph.output]}
+    dims = {
+        v.name: [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim]
+        for v in [*graph.input, *graph.output]
+    }
     assert all(isinstance(shape[0], str) for shape in dims.values())
     assert all(isinstance(d, str) for d in dims["window_rows"] + dims["image_rows"])
     # Fused attention over padded groups, and nothing of patches x patches: every MatMul is by a weight.
@@ -329,15 +422,23 @@ def test_qwen_export_keeps_patches_windows_and_images_dynamic(qwen_export):
     assert all(n.input[1] in weights for n in graph.node if n.op_type == "MatMul")
     decoder = onnx.load(qwen_export / "model.onnx", load_external_data=False).graph
     position = next(v for v in decoder.input if v.name == "position_ids")
-    assert [d.dim_param or d.dim_value for d in position.type.tensor_type.shape.dim] == [3, "batch", "sequence"]
+    assert [d.dim_param or d.dim_value for d in position.type.tensor_type.shape.dim] == [
+        3,
+        "batch",
+        "sequence",
+    ]
     assert sum(n.op_type == "GroupQueryAttention" for n in decoder.node) == 3
 
 
 def test_qwen_pack_cuts_the_vision_tower_into_blocks(qwen_pack):
     manifest = json.loads((qwen_pack / "manifest.json").read_text())
     names = [e["name"] for e in manifest["vision"]["sub_layers"]]
-    assert names == ["vision_prologue", "vision_embed", *[f"V{i}.{k}" for i in range(4) for k in ("attn", "ffn")],
-                     "projector"]
+    assert names == [
+        "vision_prologue",
+        "vision_embed",
+        *[f"V{i}.{k}" for i in range(4) for k in ("attn", "ffn")],
+        "projector",
+    ]
     assert manifest["model"]["position_rows"] == 3
     # Every block's blob holds all it reads (equal tensors merged by the exporter are copied per block).
     for entry in manifest["vision"]["sub_layers"]:
@@ -345,7 +446,9 @@ def test_qwen_pack_cuts_the_vision_tower_into_blocks(qwen_pack):
 
 
 @pytest.mark.parametrize("where", ["export", "pack", "sim-25%", "sim-60%"])
-def test_qwen_tokens_equal_transformers_with_one_and_two_images(where, qwen_export, qwen_pack, images, tiny_qwen):
+def test_qwen_tokens_equal_transformers_with_one_and_two_images(
+    where, qwen_export, qwen_pack, images, tiny_qwen
+):
     if where == "export":
         engine = pipeshard.load(qwen_export)
     elif where == "pack":
@@ -404,15 +507,21 @@ def test_qwen_server_takes_images_with_mrope_positions(qwen_pack, images):
     from test_server import client, server
 
     engine = pipeshard.load(qwen_pack)
-    expected = [engine.generate(PROMPT, images=[str(p) for p in paths], max_new_tokens=NEW_TOKENS)[0].text
-                for paths in (images[:1], images)]
+    expected = [
+        engine.generate(PROMPT, images=[str(p) for p in paths], max_new_tokens=NEW_TOKENS)[0].text
+        for paths in (images[:1], images)
+    ]
     with server(qwen_pack, "--parallel", "2", "--context", "512") as base:
         chat = client(base)
 
         def ask(paths):
             parts = [{"type": "image_url", "image_url": {"url": _data_url(p)}} for p in paths]
-            answer = chat.chat.completions.create(model="pack", max_tokens=NEW_TOKENS, temperature=0, messages=[
-                {"role": "user", "content": [*parts, {"type": "text", "text": PROMPT}]}])
+            answer = chat.chat.completions.create(
+                model="pack",
+                max_tokens=NEW_TOKENS,
+                temperature=0,
+                messages=[{"role": "user", "content": [*parts, {"type": "text", "text": PROMPT}]}],
+            )
             return answer.choices[0].message.content
 
         with ThreadPoolExecutor(2) as pool:
@@ -425,14 +534,18 @@ def test_a_decode_row_shorter_than_the_step_gets_its_own_logits(qwen_pack):
     outside GroupQueryAttention (M-RoPE, Qwen3) compute them in the graph at every step."""
     engine = pipeshard.load(qwen_pack)
     step = engine.step
-    short, long = (engine.generator.prompt_ids(text) for text in ("Hi.", "A longer prompt than the other one."))
+    short, long = (
+        engine.generator.prompt_ids(text) for text in ("Hi.", "A longer prompt than the other one.")
+    )
 
     def positions(start, count, batch=1):
         return np.broadcast_to(np.arange(start, start + count), (3, batch, count)).copy()
 
     step.start(1, 128)
     step.forward(np.array([short]), np.ones((1, len(short)), np.int64), positions(0, len(short)))
-    alone = step.forward(np.array([[5]]), np.ones((1, len(short) + 1), np.int64), positions(len(short), 1))[0, -1]
+    alone = step.forward(np.array([[5]]), np.ones((1, len(short) + 1), np.int64), positions(len(short), 1))[
+        0, -1
+    ]
     step.start(2, 128)
     step.forward(np.array([short]), np.ones((1, len(short)), np.int64), positions(0, len(short)), slot=0)
     step.forward(np.array([long]), np.ones((1, len(long)), np.int64), positions(0, len(long)), slot=1)
@@ -448,17 +561,51 @@ def test_cosmos_shape_only_pack_plans_the_encoder_at_image_sizes(tmp_path):
     """cosmos-reason1-7b --shape-only (its 7B vision tower traced whole, no weights): plan --image-size predicts
     VLMOpt's least peak at least 10x under the naive port's at 1440p; a weights export of it is one error line."""
     pack = tmp_path / "cosmos"
-    done = subprocess.run([sys.executable, "-m", "pipeshard", "export", "cosmos-reason1-7b", str(pack), "--shape-only",
-                           "--dtype", "fp16"], capture_output=True, text=True)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pipeshard",
+            "export",
+            "cosmos-reason1-7b",
+            str(pack),
+            "--shape-only",
+            "--dtype",
+            "fp16",
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert done.returncode == 0, done.stderr
     manifest = json.loads((pack / "manifest.json").read_text())
     assert manifest["vision"]["num_layers"] == 32 and manifest["model"]["num_layers"] == 28
-    plan = subprocess.run([sys.executable, "-m", "pipeshard", "plan", str(pack), "--vram", "8GiB", "--profile",
-                           "laptop-8gb", "--tiers", "1", "--image-size", "854x480,2560x1440"],
-                          capture_output=True, text=True)
+    plan = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pipeshard",
+            "plan",
+            str(pack),
+            "--vram",
+            "8GiB",
+            "--profile",
+            "laptop-8gb",
+            "--tiers",
+            "1",
+            "--image-size",
+            "854x480,2560x1440",
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert plan.returncode == 0, plan.stderr
     (line,) = [line for line in plan.stdout.splitlines() if line.startswith("  2560x1440")]
     assert "(fits" in line and float(line.rsplit("(", 1)[1].split("x")[0]) >= 10
-    refused = subprocess.run([sys.executable, "-m", "pipeshard", "export", "cosmos-reason1-7b", str(tmp_path / "w")],
-                             capture_output=True, text=True)
-    assert refused.returncode == 2 and refused.stderr.startswith("error:") and "--shape-only" in refused.stderr
+    refused = subprocess.run(
+        [sys.executable, "-m", "pipeshard", "export", "cosmos-reason1-7b", str(tmp_path / "w")],
+        capture_output=True,
+        text=True,
+    )
+    assert (
+        refused.returncode == 2 and refused.stderr.startswith("error:") and "--shape-only" in refused.stderr
+    )
