@@ -8,10 +8,10 @@ repeated to the width it takes: what streaming the model's weights through MLAS 
 Against it, the chain's decode step at the prompt's context (`pipeshard.runtime.step.Step`).
 
 Each measurement runs in a process of its own, floor and chain alternating (in one process two engines' weights
-evict each other from the caches: on this machine's 300 MiB L3 two SmolLM2 fp32 engines stepped alternately both
-took ~2x their time alone). A process times `--steps` steps in five blocks and samples the bandwidth probe of
-`pipeshard bench` (profiles/bandwidth.py, over the same bytes) after each block, so each figure has its own
-process's roofline: a step's weight bytes over its median time, against the probe's best sample.
+evict each other from the caches, and both run far slower than alone). A process times `--steps` steps in five
+blocks and samples the bandwidth probe of `pipeshard bench` (profiles/bandwidth.py, over the same bytes) after
+each block, so each figure has its own process's roofline: a step's weight bytes over its median time, against the
+probe's best sample.
 Dense packs only (a MoE step reads the chosen experts only).
 
 Not a `pipeshard bench` row: the floor is a synthetic graph that makes no tokens, and the figure is one decode step's

@@ -3,7 +3,7 @@
     python examples/bench_graphs.py A.onnx B.onnx [--rounds 400] [--context 300] [--threads 2]
 
 Each graph gets two sessions (the process's spinning thread pool), made in the order A, B, B, A: in one
-process the session made second ran 3-4 % faster than the first over the *same* file here, so each graph
+process the session made second runs faster than the first over the *same* file, so each graph
 is timed once made first and once made second, and the two pairings' ratios are combined (geometric
 mean), which cancels that bias. Every session has its KV caches as in-place buffers bound as past and
 present and a fixed decode step (one new token after `context - 1` cached ones); a round runs one step of

@@ -309,7 +309,7 @@ class BalancedAB:
 
 def balanced_ab(make: Callable[[str], Callable[[int], object]], rounds: int) -> BalancedAB:
     """Time B against A in one process without the creation-order bias (an ONNX Runtime session made later
-    ran 3-4 % faster here over the same file): `make("A")` / `make("B")` return a callable running one timed
+    runs faster over the same file, docs/bench.md): `make("A")` / `make("B")` return a callable running one timed
     unit for a round index; two of each are made in the order A, B, B, A, every round runs all four once
     (the order alternating), and the two pairings' median per-round ratios are combined."""
     runners = {name: make(name[0]) for name in ("A1", "B1", "B2", "A2")}

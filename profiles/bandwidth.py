@@ -1,7 +1,6 @@
 """Memory read bandwidth as a decode step sees it: one ORT MatMul with a one-row input streaming as many
 weight bytes as the model reads per token (STREAM-like: every byte read once per run), so the roofline
-compares like with like. (Measured here, interleaved: a 256 MiB and a 551 MB probe read the same, 37.1
-and 38.1 GB/s best; what moves the figure between runs, 25-38 GB/s, is the shared machine's load.)"""
+compares like with like (probe sizes and their figures: docs/benchmarks.md)."""
 
 from __future__ import annotations
 

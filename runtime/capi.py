@@ -594,7 +594,7 @@ class Block:
 def release_free_heap() -> None:
     """Give the C heap's free memory back to the system, where the C library can (glibc's malloc_trim). Sessions
     sharing prepacked weights pack each weight once more to find it in the container, then free that copy; glibc
-    keeps such freed blocks in its heap (its mmap threshold rises with them), ~40 % of the shared bytes."""
+    keeps such freed blocks in its heap (its mmap threshold rises with them): a large share of the shared bytes."""
     trim = getattr(ctypes.CDLL(None), "malloc_trim", None) if sys.platform.startswith("linux") else None
     if trim is not None:
         trim(0)

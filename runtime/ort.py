@@ -49,8 +49,8 @@ def use_process_thread_pool(threads: int | None = None) -> bool:
     the tokenizer's) one intra-op thread pool whose workers spin between ops; the chain and the monolithic
     session have such a pool in their C-API runtime anyway (runtime/capi.py). Call it first thing in a
     process that runs only pipeshard (the CLI does): dozens of sub-layer sessions can afford spinning only
-    when they share one pool (per-session spinning pools made a chain 40x slower), and against per-session
-    pools without spinning it was 6-12 % faster on decode here.
+    when they share one pool (per-session spinning pools starve each other), and it beats per-session pools
+    without spinning on decode (docs/runtime.md).
     Afterwards every session in the process, pipeshard's or not, must be created with
     `use_per_session_threads = False` (ONNX Runtime refuses others). Returns False, changing nothing,
     when ORT refuses (its environment already exists)."""
