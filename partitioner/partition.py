@@ -77,6 +77,20 @@ class PartitionResult:
     seconds: float
 
 
+def _weight_records(sub_layer, initializers: dict, placements: dict) -> list[dict]:
+    """The manifest's records of a sub-layer's stored weights: name, shape, dtype and where its blob holds it."""
+    return [
+        {
+            "name": name,
+            "shape": list(initializers[name].dims),
+            "dtype": ONNX_DTYPE_NAMES[initializers[name].data_type],
+            **placements[name],
+        }
+        for name in sub_layer.initializers
+        if name in placements
+    ]
+
+
 def _value_infos(model: onnx.ModelProto) -> dict[str, onnx.ValueInfoProto]:
     """Type and shape of every tensor: the exporter's, and ONNX shape inference for the tensors the
     export's rewrites added without one (only metadata is read: the weights stay unloaded)."""
@@ -341,16 +355,7 @@ def _vision_section(
                 _sub_model(model, sub_layer, infos, initializers, placements, as_inputs),
                 staging / files[variant],
             )
-        weights = [
-            {
-                "name": name,
-                "shape": list(initializers[name].dims),
-                "dtype": ONNX_DTYPE_NAMES[initializers[name].data_type],
-                **placements[name],
-            }
-            for name in sub_layer.initializers
-            if name in placements
-        ]
+        weights = _weight_records(sub_layer, initializers, placements)
         weight_bytes = sum(w["bytes"] for w in weights)
         entries.append(
             {
@@ -437,16 +442,7 @@ def partition(export_dir: Path, pack: Path, force: bool = False) -> PartitionRes
                     _sub_model(model, sub_layer, infos, initializers, placements, as_inputs, chunkable),
                     staging / files[variant],
                 )
-            weights = [
-                {
-                    "name": name,
-                    "shape": list(initializers[name].dims),
-                    "dtype": ONNX_DTYPE_NAMES[initializers[name].data_type],
-                    **placements[name],
-                }
-                for name in sub_layer.initializers
-                if name in placements
-            ]
+            weights = _weight_records(sub_layer, initializers, placements)
             weight_bytes = sum(w["bytes"] for w in weights)
             tables = row_prefix_outputs(model, sub_layer, initializers)
             kv = None
