@@ -643,6 +643,7 @@ class Step:
             self._move_kv(attn, to_device=False)
         for purpose in list(self._reserved):
             self._reserve(purpose, 0)
+        self._kv_streamed = frozenset()  # the host buffers hold every attention's KV now
         self.active = None
         self._shape = None
 
