@@ -106,68 +106,27 @@ def _time_step_kinds(step, placement: str, tiers, pasts, repeat: int, progress) 
     return rows
 
 
-def _all_pinned(step, tiers) -> object:
-    """Every placeable unit pinned, with room for the device's activations at the largest tier; except an output
-    layer in row chunks, which stays on the CPU: a split with chunks is never joined, and the device's one-token
-    steps are to be timed as plans run them (the estimator takes its CPU rows for it on sim)."""
+def _every_unit(step, placement: str, tiers, slots: int = 0):
+    """A plan placing every placeable unit of `step`'s pack at `placement`, with room for the device's activations
+    at the largest tier. Pinned, an output layer in row chunks stays on the CPU: a split with chunks is never
+    joined, and the device's one-token steps are to be timed as plans run them (the estimator takes its CPU rows
+    for it on sim)."""
     from pipeshard.partitioner.planner import CPU, HOST_ONLY_KINDS, PINNED, Plan, VramBreakdown
 
-    units = step.layout.units
     placements = {
-        name: CPU if unit["kind"] in HOST_ONLY_KINDS or "chunk_of" in unit else PINNED
-        for name, unit in units.items()
+        name: CPU
+        if unit["kind"] in HOST_ONLY_KINDS or (placement == PINNED and "chunk_of" in unit)
+        else placement
+        for name, unit in step.layout.units.items()
     }
     workspace = 4 * max(tiers) * step.hidden_size * np.dtype(step.dtype).itemsize
-    return Plan(
-        "pinned",
-        0,
-        placements,
-        {},
-        0.0,
-        0.0,
-        VramBreakdown(workspace=workspace, reserve=0),
-        0,
-        slots=0,
-        prefetch=False,
-    )
+    vram = VramBreakdown(workspace=workspace, reserve=0)
+    return Plan(placement, 0, placements, {}, 0.0, 0.0, vram, 0, slots=slots, prefetch=slots > 0)
 
 
-def _copy_rate_while_streaming(
-    pack_dir, threads: int, device: str, tiers, past: int, repeat: int
-) -> list[dict]:
+def _copy_rate_while_streaming(step, tiers, past: int, repeat: int) -> list[dict]:
     """Rows {placement: "streamed", kind: "copy", T, gbps}: the upload rate a run that streams every unit through
-    two staging slots achieves while its sub-layers compute (what copies cost beside compute on this device)."""
-    from pipeshard.partitioner.planner import (
-        CPU,
-        HOST_ONLY_KINDS,
-        STAGING_SLOTS,
-        STREAMED,
-        Plan,
-        VramBreakdown,
-    )
-    from pipeshard.runtime.devices import make_device
-    from pipeshard.runtime.plansource import PlanBook
-    from pipeshard.runtime.step import Step
-
-    probe = Step(pack_dir, threads=threads)
-    units = probe.layout.units
-    placements = {name: CPU if unit["kind"] in HOST_ONLY_KINDS else STREAMED for name, unit in units.items()}
-    workspace = 4 * max(tiers) * probe.hidden_size * np.dtype(probe.dtype).itemsize
-    probe.close()
-    plan = Plan(
-        "streamed",
-        0,
-        placements,
-        {},
-        0.0,
-        0.0,
-        VramBreakdown(workspace=workspace, reserve=0),
-        0,
-        slots=STAGING_SLOTS,
-    )
-    step = Step(
-        pack_dir, device=make_device(device, 1 << 50), book=PlanBook(list(units), fixed=plan), threads=threads
-    )
+    the staging slots achieves while its sub-layers compute (what copies cost beside compute on this device)."""
     rng = np.random.default_rng(0)
     rows = []
     for tokens in tiers:
@@ -177,16 +136,8 @@ def _copy_rate_while_streaming(
             whole_step(step, past, tokens, rng)
         moved, spent = step.device.copied_bytes - copied, step.device.copy_seconds - seconds
         if moved and spent > 0:
-            rows.append(
-                {
-                    "placement": "streamed",
-                    "kind": "copy",
-                    "T": tokens,
-                    "C": past + tokens,
-                    "gbps": moved / spent / 1e9,
-                }
-            )
-    step.close()
+            row = {"placement": "streamed", "kind": "copy", "T": tokens, "C": past + tokens}
+            rows.append({**row, "gbps": moved / spent / 1e9})
     return rows
 
 
@@ -196,32 +147,37 @@ def time_pack(
     """Rows {placement, kind, T, C, seconds} for the pack's attention, FFN and output sub-layers, and {placement,
     kind: "step", T, C, ratio}: on the CPU, and with `device` ("sim", "cuda") every unit pinned on it, where the
     whole model fits in its memory; on sim also the copy rate of a run streaming every unit."""
+    from pipeshard.partitioner.planner import PINNED, STAGING_SLOTS, STREAMED
     from pipeshard.runtime.devices import BudgetExceeded, make_device
     from pipeshard.runtime.plansource import PlanBook
     from pipeshard.runtime.step import Step
 
     chain = Step(pack_dir, threads=threads)
     rows = _time_step_kinds(chain, "cpu", tiers, pasts, repeat, progress)
+    units = list(chain.layout.units)
+    pinned_plan, streamed_plan = (
+        _every_unit(chain, PINNED, tiers),
+        _every_unit(chain, STREAMED, tiers, STAGING_SLOTS),
+    )
     chain.close()
     if device is None:
         return rows
-    probe = Step(pack_dir, threads=threads)
-    plan = _all_pinned(probe, tiers)
-    units = list(probe.layout.units)
-    probe.close()
-    try:
-        pinned = Step(
-            pack_dir,
-            device=make_device(device, 1 << 50 if device == "sim" else _free_bytes()),
-            book=PlanBook(units, fixed=plan),
-            threads=threads,
+
+    def on_device(plan, budget: int):
+        return Step(
+            pack_dir, device=make_device(device, budget), book=PlanBook(units, fixed=plan), threads=threads
         )
+
+    try:
+        pinned = on_device(pinned_plan, 1 << 50 if device == "sim" else _free_bytes())
     except BudgetExceeded:
         return rows  # the model does not fit whole: the estimator keeps its rates for the device
     rows += _time_step_kinds(pinned, "device", tiers, pasts, repeat, progress)
     pinned.close()
     if device == "sim":  # a GPU's copy engine does not share the cores: its profiled link rows hold there
-        rows += _copy_rate_while_streaming(pack_dir, threads, device, tiers, min(pasts), repeat)
+        streamed = on_device(streamed_plan, 1 << 50)
+        rows += _copy_rate_while_streaming(streamed, tiers, min(pasts), repeat)
+        streamed.close()
     return rows
 
 

@@ -267,6 +267,7 @@ class Step:
         self._kv_slots: list[list] = []
         self._slot_kv_copy: list[list] = []
         self._write_columns: np.ndarray | None = None  # per row of the step, the first KV column it writes
+        self._kv_view: tuple[int, tuple] = (0, ())
         # Device memory of the active plan.
         self.active: Plan | None = None
         self._pinned: dict[str, object] = {}
@@ -873,8 +874,7 @@ class Step:
         stage.binding.clear()
         shape = self._shape
         first, count = self._kv_rows or (0, self.kv.batch)
-        kv_shape = (count, *self.kv.shape[1:])
-        row_offset = first * int(np.prod(self.kv.shape[1:])) * np.dtype(self.dtype).itemsize
+        row_offset, kv_shape = self._kv_view
         for past, present in zip(stage.past, stage.present, strict=True):
             if stage.on_device:
                 owner = self._kv_owner[past]
@@ -945,6 +945,10 @@ class Step:
         """Buffers for a batch shape, the schedule of the active plan and what each split becomes: its stages bound,
         one native call over them, the host actions after it."""
         self._shape = shape
+        # Where a device's KV buffer holds the step's rows: (byte offset, shape), for every KV binding.
+        first, count = self._kv_rows or (0, self.kv.batch)
+        row_bytes = int(np.prod(self.kv.shape[1:])) * np.dtype(self.dtype).itemsize
+        self._kv_view = (first * row_bytes, (count, *self.kv.shape[1:]))
         plan = self.active
         one_token = shape[1] == 1
         self._decoding = one_token and self.layout.skippable_prologue is not None
@@ -1192,9 +1196,7 @@ class Step:
         self.stats.copy_wait_s += time.perf_counter() - waited
         self._bind_weights(stage, unit, self._ring[slot])
         if unit in self._kv_streamed:
-            first, count = self._kv_rows or (0, self.kv.batch)
-            kv_shape = (count, *self.kv.shape[1:])
-            row_offset = first * int(np.prod(self.kv.shape[1:])) * np.dtype(self.dtype).itemsize
+            row_offset, kv_shape = self._kv_view
             pasts = self.layout.entries[unit]["kv"]["past"]
             for past, present, buffer in zip(
                 pasts, self.layout.entries[unit]["kv"]["present"], self._kv_slots[slot], strict=True
