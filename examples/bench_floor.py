@@ -182,9 +182,9 @@ def main() -> None:
             )
         )
         return
-    from pipeshard.errors import UserError
-    from pipeshard.runtime.exportdir import NUMPY_DTYPES
-    from pipeshard.runtime.pack import load_pack
+    from pipeshard.core.errors import UserError
+    from pipeshard.formats.export_info import NUMPY_DTYPES
+    from pipeshard.formats.manifest import load_pack
 
     try:
         pack = load_pack(Path(args.pack))

@@ -27,8 +27,8 @@ from pathlib import Path
 import numpy as np
 
 from pipeshard.bench import balanced_ab
+from pipeshard.formats.manifest import is_pack
 from pipeshard.runtime.ort import use_process_thread_pool
-from pipeshard.runtime.pack import is_pack
 
 WRAP = 64
 

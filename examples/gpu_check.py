@@ -32,7 +32,7 @@ def environment(device: str) -> dict:
     import onnxruntime
 
     from pipeshard.profiles.kernels import hop_model
-    from pipeshard.profiles.measure_cuda import CUDA_PROVIDERS
+    from pipeshard.runtime.ort import CUDA_PROVIDERS
 
     found = {
         "python": platform.python_version(),

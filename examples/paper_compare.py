@@ -165,9 +165,9 @@ def explain(context: str, budget: str, row: dict, predicted: float, paper: float
 
 
 def compare(packs: Path) -> tuple[list[dict], dict]:
+    from pipeshard.formats.manifest import load_pack
     from pipeshard.partitioner.planner import Planner
     from pipeshard.profiles.db import load_profile
-    from pipeshard.runtime.pack import load_pack
 
     table4, figure2 = read_paper()
     profile = load_profile(PROFILE)

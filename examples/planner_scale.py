@@ -27,9 +27,10 @@ def main() -> int:
     parser.add_argument("--replans", type=int, default=5)
     args = parser.parse_args()
 
-    from pipeshard.partitioner.planner import DEFAULT_TIERS, Planner
+    from pipeshard.formats.manifest import load_pack
+    from pipeshard.formats.plans import DEFAULT_TIERS
+    from pipeshard.partitioner.planner import Planner
     from pipeshard.profiles.db import load_profile
-    from pipeshard.runtime.pack import load_pack
 
     started = time.perf_counter()
     pack = load_pack(args.pack)

@@ -4,7 +4,7 @@
     python examples/vision_memory.py --pack PACK --measure # + a VLM pack on the simulated device's ledger
     python examples/vision_memory.py --pack PACK --measure --resolutions 480p,720p   # the sizes the CPU runs
 
-The predictions are partitioner/vision_memory.py's. Measured: the pack runs on the simulated device, the naive
+The predictions are pipeshard/formats/vision_memory.py's. Measured: the pack runs on the simulated device, the naive
 way (every vision weight resident, every score stored, the decoder's plan held) and the VLMOpt way under
 `--budget` (streamed weights, tiles in runs within `--workspace`, the decoder released if the encoder needs the
 room); the figure is the ledger's peak while encoding. Prints Markdown tables.
@@ -19,14 +19,14 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from pipeshard.partitioner.vision_memory import (
+from pipeshard.core.units import parse_size
+from pipeshard.formats.vision_memory import (
     VisionShape,
     image_patches,
     naive_peak,
     qwen2_5_vl_shape,
     vlmopt_peak,
 )
-from pipeshard.units import parse_size
 
 RESOLUTIONS = {"480p": (640, 480), "720p": (1280, 720), "1080p": (1920, 1080), "1440p": (2560, 1440)}
 # Qwen2.5-VL-7B's vision tower (Cosmos-Reason1-7B's) and its decoder's bf16 weight bytes (7.07e9 parameters).
@@ -154,7 +154,7 @@ def main() -> None:
         "Cosmos-Reason1-7B shape (Qwen2.5-VL-7B vision tower, bf16)",
     )
     if args.pack is not None:
-        from pipeshard.runtime.pack import load_pack
+        from pipeshard.formats.manifest import load_pack
 
         pack = load_pack(args.pack)
         tiles = {name: len(_tiles(pack, path)) for name, path in _images().items()}

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from optimum.exporters.base import ExporterConfig
 from optimum.utils.normalized_config import NormalizedTextConfigWithGQA
 
-from pipeshard.errors import UserError
+from pipeshard.core.errors import UserError
 from pipeshard.exporter.moe_blocks import moe_dims
 
 # Rotary variants whose tables are fixed functions of the position: the trace computes them exactly.

@@ -10,10 +10,10 @@ from dataclasses import asdict, dataclass
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-from pipeshard.errors import UserError
+from pipeshard.core.errors import UserError
+from pipeshard.core.fsutil import atomic_output_dir, sha256_file, write_json_atomic
 from pipeshard.exporter.offline import force_offline
-from pipeshard.fsutil import atomic_output_dir, sha256_file, write_json_atomic
-from pipeshard.runtime.exportdir import EXPORT_SCHEMA_VERSION, KV_CACHE
+from pipeshard.formats.export_info import EXPORT_SCHEMA_VERSION, KV_CACHE
 
 log = logging.getLogger(__name__)
 

@@ -38,13 +38,19 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from pipeshard.errors import UserError
+from pipeshard.core.errors import UserError
 from pipeshard.exporter.half_weights import store_weights_in_half
-from pipeshard.partitioner.rules import module_path
-from pipeshard.runtime.kv import PADDING_BIAS, PAST_PREFIX, PRESENT_PREFIX, SEQLENS, TOTAL
+from pipeshard.formats.io_names import (
+    PADDING_BIAS,
+    PAST_PREFIX,
+    PRESENT_PREFIX,
+    ROTARY_CACHES,
+    SEQLENS,
+    TOTAL,
+    module_path,
+)
 
 EXTERNAL_THRESHOLD_BYTES = 1024  # onnx.save's size_threshold: larger tensors go to the data file
-ROTARY_CACHES = ("_gqa_cos_cache", "_gqa_sin_cache")  # the tables' rows 0 .. total - 1, per step
 _REPEAT_KV_OPS = ("Reshape", "Expand", "Unsqueeze")
 
 

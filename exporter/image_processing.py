@@ -11,7 +11,7 @@ from typing import Any
 
 from PIL import Image
 
-from pipeshard.runtime.images import PREPROCESSING_SCHEMA_VERSION
+from pipeshard.formats.vision_inputs import PREPROCESSING_SCHEMA_VERSION
 
 IDEFICS3_MODEL_TYPES = ("idefics3", "smolvlm")
 QWEN2_VL_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")

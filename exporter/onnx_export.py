@@ -13,7 +13,7 @@ from pipeshard.exporter.configs import DecoderWithPastExportConfig
 from pipeshard.exporter.fuse import stored_externally
 from pipeshard.exporter.moe_blocks import moe_export_form
 from pipeshard.exporter.vlm import IMAGE_MERGE, image_merge_module
-from pipeshard.runtime.kv import PAST_PREFIX, present_name
+from pipeshard.formats.io_names import PAST_PREFIX, present_name
 
 log = logging.getLogger(__name__)
 

@@ -363,7 +363,7 @@ def _vision_inputs(grid_thw, config: dict):
     """The vision graph's inputs for a grid, made by the runtime's own code (what a host runs)."""
     import numpy as np
 
-    from pipeshard.runtime.images import qwen2_5_vl_vision_inputs
+    from pipeshard.formats.vision_inputs import qwen2_5_vl_vision_inputs
 
     return qwen2_5_vl_vision_inputs(np.asarray(grid_thw, dtype=np.int64), config)
 

@@ -15,30 +15,17 @@ from __future__ import annotations
 import copy
 import json
 import logging
-import tempfile
-import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
-from pipeshard.errors import UserError
+from pipeshard.core.errors import UserError
+from pipeshard.core.fsutil import write_json_atomic
 from pipeshard.exporter.offline import force_offline
-from pipeshard.fsutil import atomic_output_dir, check_output_dir, write_json_atomic
-from pipeshard.runtime.exportdir import EXPORT_SCHEMA_VERSION, KV_CACHE
-from pipeshard.runtime.pack import MANIFEST_NAME
+from pipeshard.formats.export_info import EXPORT_SCHEMA_VERSION, KV_CACHE
 
 log = logging.getLogger(__name__)
 PROBE_LAYERS = 2  # layer 0 and one layer that stands for every later one
 MODEL_FILE = "model.onnx"
-
-
-@dataclass
-class ShapeOnlyResult:
-    """What a shape-only export wrote."""
-
-    pack: Path
-    sub_layers: int
-    weight_bytes: int
-    seconds: float
 
 
 def load_config(model: str):
@@ -242,40 +229,25 @@ def _trace_vlm_probe(vlm_config, dtype: str, folder: Path, layers: int) -> None:
     )
 
 
-def export_shape_only(
-    model: str, out: Path, dtype: str = "fp16", force: bool = False, probe_layers: int = PROBE_LAYERS
-) -> ShapeOnlyResult:
-    """Write the shape-only pack of MODEL's config to OUT (atomically): manifest.json and config.json."""
+def trace_shape_probe(model: str, dtype: str, export_dir: Path, probe_layers: int = PROBE_LAYERS):
+    """Trace MODEL's config (a probe of `probe_layers` layers) into `export_dir` with weights on the meta device;
+    returns the full config, whose layer and expert counts the probe's pack is then repeated to."""
     from pipeshard.exporter.export import DTYPES
-    from pipeshard.partitioner.partition import partition
-    from pipeshard.partitioner.repeat import repeat_experts, repeat_layers
+    from pipeshard.exporter.qwen_vl import COSMOS_NAME, cosmos_config
 
     if dtype not in DTYPES:
         raise UserError(f"unknown dtype {dtype!r}; choose one of: {', '.join(DTYPES)}")
-    out = Path(out)
-    check_output_dir(out, force)
     force_offline()
-    started = time.perf_counter()
-    from pipeshard.exporter.qwen_vl import COSMOS_NAME, cosmos_config
-
     vlm_config = cosmos_config() if model == COSMOS_NAME else None
     config = vlm_config.text_config if vlm_config else load_config(model)
-    with tempfile.TemporaryDirectory(prefix="pipeshard-shape-only-") as scratch:
-        export_dir, probe_pack = Path(scratch) / "export", Path(scratch) / "pack"
-        export_dir.mkdir()
-        if vlm_config:
-            _trace_vlm_probe(vlm_config, dtype, export_dir, probe_layers)
-        else:
-            _trace_probe(probe_config(config, probe_layers, {"fp32": 4, "fp16": 2}[dtype]), dtype, export_dir)
-        partition(export_dir, probe_pack)
-        manifest = json.loads((probe_pack / MANIFEST_NAME).read_text())
-        if config.model_type in EXPERT_COUNT_FIELDS:
-            manifest = repeat_experts(manifest, getattr(config, EXPERT_COUNT_FIELDS[config.model_type]))
-        manifest = repeat_layers(manifest, config.num_hidden_layers)
-        manifest["source"] = {"config": model, "shape_only": True}
-        with atomic_output_dir(out, force) as staging:
-            config.save_pretrained(staging)
-            write_json_atomic(staging / MANIFEST_NAME, manifest)
-    return ShapeOnlyResult(
-        out, len(manifest["sub_layers"]), manifest["total_weight_bytes"], time.perf_counter() - started
-    )
+    if vlm_config:
+        _trace_vlm_probe(vlm_config, dtype, export_dir, probe_layers)
+    else:
+        _trace_probe(probe_config(config, probe_layers, {"fp32": 4, "fp16": 2}[dtype]), dtype, export_dir)
+    return config
+
+
+def expert_count(config) -> int | None:
+    """The experts per MoE layer of a config, or None for a dense model."""
+    field = EXPERT_COUNT_FIELDS.get(config.model_type)
+    return getattr(config, field) if field else None

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipeshard.errors import UserError
+from pipeshard.core.errors import UserError
 from pipeshard.exporter.configs import SUPPORTED_ARCHITECTURES, check_supported_features
 from pipeshard.exporter.qwen_vl import (
     COSMOS_NAME,

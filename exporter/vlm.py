@@ -13,7 +13,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from pipeshard.errors import UserError
+from pipeshard.core.errors import UserError
 
 VLM_ARCHITECTURES = ("smolvlm", "idefics3")
 IMAGE_MERGE = "image_merge"  # the merge's module name; the partitioner puts it in the `embed` sub-layer

@@ -12,7 +12,7 @@ import math
 
 import onnx
 
-from pipeshard.errors import UserError
+from pipeshard.core.errors import UserError
 from pipeshard.partitioner.graph import SubLayer
 
 Coefficients = dict[str, float]

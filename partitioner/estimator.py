@@ -18,7 +18,7 @@ import bisect
 import math
 from dataclasses import dataclass
 
-from pipeshard.errors import UserError
+from pipeshard.core.errors import UserError
 
 ELEMENT_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 WEIGHT_DTYPES = {

@@ -16,9 +16,9 @@ import networkx as nx
 import onnx
 from onnx import helper
 
-from pipeshard.errors import UserError
-from pipeshard.partitioner.rules import GLUE, classify, module_path
-from pipeshard.runtime.kv import PAST_PREFIX, PRESENT_PREFIX
+from pipeshard.core.errors import UserError
+from pipeshard.formats.io_names import PAST_PREFIX, PRESENT_PREFIX, module_path
+from pipeshard.partitioner.rules import GLUE, classify
 
 PROLOGUE = "prologue"
 # A vision tower's first and last sub-layers, and its prologue's name in a pack (beside the decoder's).

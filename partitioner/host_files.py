@@ -14,7 +14,8 @@ from pathlib import Path
 import onnx
 from onnx import helper
 
-from pipeshard.errors import UserError
+from pipeshard.core.errors import UserError
+from pipeshard.formats.chat_template import ChatTemplate
 
 # The oldest ONNX Runtime pipeshard checks a pack's files against (the Unity plugin `com.github.asus4.onnxruntime`
 # 0.4.9); hosts refuse to run a pack with an older one.
@@ -37,18 +38,16 @@ def write_tokenizer_graph(source: Path, target: Path) -> None:
 def prerendered_chat_template(folder: Path) -> dict | None:
     """The chat template of the pack in `folder` as fixed strings around the messages, or None when it has none
     or does more with a message than paste it in (then a host cannot apply it without a template engine)."""
-    from pipeshard.runtime.text import TextCodec
-
     try:
-        codec = TextCodec(folder)
-    except UserError:  # no readable tokenizer: nothing a host could use either
+        template = ChatTemplate.read(folder)
+    except UserError:  # no readable tokenizer config: nothing a host could use either
         return None
-    if not codec.chat_template:
+    if not template.text:
         return None
     try:
-        user = _split(codec, [("user", _MARKERS[0])], [("user", _OTHER_MARKERS[0])])
+        user = _split(template, [("user", _MARKERS[0])], [("user", _OTHER_MARKERS[0])])
         with_system = _split(
-            codec,
+            template,
             [("system", _MARKERS[1]), ("user", _MARKERS[0])],
             [("system", _OTHER_MARKERS[1]), ("user", _OTHER_MARKERS[0])],
         )
@@ -56,16 +55,16 @@ def prerendered_chat_template(folder: Path) -> dict | None:
         return None
     return {
         "schema_version": CHAT_TEMPLATE_SCHEMA_VERSION,
-        "template_sha256": hashlib.sha256(codec.chat_template.encode()).hexdigest(),
+        "template_sha256": hashlib.sha256(template.text.encode()).hexdigest(),
         "user": {"before": user[0], "after": user[1]},
         "system_user": {"before": with_system[0], "between": with_system[1], "after": with_system[2]},
     }
 
 
-def _split(codec, messages: list[tuple[str, str]], others: list[tuple[str, str]]) -> list[str]:
+def _split(template, messages: list[tuple[str, str]], others: list[tuple[str, str]]) -> list[str]:
     """The rendered conversation cut at each message's content; the same cut must rebuild a rendering of other
     contents, or the template does more than paste them in."""
-    rendered = codec.render_messages([{"role": role, "content": content} for role, content in messages])
+    rendered = template.render([{"role": role, "content": content} for role, content in messages])
     pieces, rest = [], rendered
     for _, content in messages:
         if rest.count(content) != 1:
@@ -73,7 +72,7 @@ def _split(codec, messages: list[tuple[str, str]], others: list[tuple[str, str]]
         before, rest = rest.split(content)
         pieces.append(before)
     pieces.append(rest)
-    other = codec.render_messages([{"role": role, "content": content} for role, content in others])
+    other = template.render([{"role": role, "content": content} for role, content in others])
     rebuilt = pieces[0] + "".join(
         content + piece for (_, content), piece in zip(others, pieces[1:], strict=True)
     )

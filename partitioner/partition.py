@@ -19,9 +19,12 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from pipeshard import __version__
-from pipeshard.errors import UserError
-from pipeshard.fsutil import atomic_output_dir, check_output_dir, sha256_file, write_json_atomic
+from pipeshard.core.errors import UserError
+from pipeshard.core.fsutil import atomic_output_dir, check_output_dir, sha256_file, write_json_atomic
+from pipeshard.core.version import __version__
+from pipeshard.formats.export_info import read_export_info
+from pipeshard.formats.io_names import PAST_PREFIX, PRESENT_PREFIX
+from pipeshard.formats.manifest import MANIFEST_NAME, PACK_SCHEMA_VERSION, WEIGHT_ALIGNMENT
 from pipeshard.partitioner.costs import (
     DTYPE_BYTES,
     bytes_moved,
@@ -54,9 +57,6 @@ from pipeshard.partitioner.host_files import (
     write_tokenizer_graph,
 )
 from pipeshard.partitioner.rules import RULES_BY_ARCHITECTURE, VISION_RULES_BY_FAMILY
-from pipeshard.runtime.exportdir import read_export_info
-from pipeshard.runtime.kv import PAST_PREFIX, PRESENT_PREFIX
-from pipeshard.runtime.pack import MANIFEST_NAME, PACK_SCHEMA_VERSION, WEIGHT_ALIGNMENT
 
 log = logging.getLogger(__name__)
 ONNX_DTYPE_NAMES = {

@@ -9,19 +9,25 @@ live in their own modules.
 from __future__ import annotations
 
 import itertools
-import math
 import time
-from dataclasses import asdict, dataclass, field
 
-from pipeshard import __version__
-from pipeshard.errors import UserError
+from pipeshard.core.errors import UserError
+from pipeshard.core.version import __version__
+from pipeshard.formats.plans import (
+    BASELINES,
+    DEFAULT_TIERS,
+    EXPERT_SLOTS,
+    HOST_ONLY_KINDS,
+    PLANS_SCHEMA_VERSION,
+    STAGING_SLOTS,
+    Placement,
+    Plan,
+    VramBreakdown,
+    planning_units,
+)
 from pipeshard.partitioner.estimator import Estimator
-from pipeshard.partitioner.simulate import CPU, EXPERT_SLOTS, PINNED, STREAMED, Simulation, simulate
+from pipeshard.partitioner.simulate import Simulation, simulate
 
-PLANS_SCHEMA_VERSION = 2  # 2: the pack's digest (pack_sha256), plans as the runtime's input
-DEFAULT_TIERS = (1, 4, 16, 64, 256, 1024)
-RESERVE_BYTES = 64 * 1024**2  # kept free for the driver and fragmentation
-STAGING_SLOTS = 2
 DYNAMIC_MOVES = (
     128  # up to this many candidates, the dynamic search tries each alone (see Planner.dynamic) ...
 )
@@ -29,133 +35,6 @@ DYNAMIC_BLOCKS = 32  # ... beyond it, this many blocks of neighbours
 KV_STREAMING_SHARE = (
     0.1  # plans streaming KV are tried once all the KV passes this share of the usable budget
 )
-HOST_ONLY_KINDS = ("prologue", "embed")  # cheap, and embed reads only T rows of a large table
-STRATEGIES = ("gpu-only", "static", "dynamic")
-BASELINES = ("monolithic", "cpu", "layers", "offload")
-# What a user may ask for by name: the planner's choice, a strategy, or a baseline; the first two kinds and the
-# device baselines place sub-layers on a device.
-PLAN_NAMES = ("auto", *STRATEGIES, *BASELINES)
-DEVICE_PLAN_NAMES = ("auto", *STRATEGIES, "layers", "offload")
-
-
-def planning_units(sub_layers: list[dict], output_chunks: int | None = None) -> list[dict]:
-    """What plans place: the pack's sub-layers, except that an output layer whose rows can be computed
-    apart (manifest `row_chunks`) becomes units `final#j` of consecutive rows, each no larger than the
-    largest other sub-layer (or `output_chunks` of them). A chunk can be pinned, streamed through a
-    staging slot no larger than the other sub-layers need, or computed on the CPU, like any sub-layer."""
-    largest_other = max(
-        (
-            e["weight_bytes"]
-            for e in sub_layers
-            if not e.get("row_chunks") and e["kind"] not in HOST_ONLY_KINDS
-        ),
-        default=0,
-    )
-    units = []
-    for entry in sub_layers:
-        chunks = entry.get("row_chunks")
-        count = output_chunks or (
-            math.ceil(chunks["rows"] * chunks["row_bytes"] / max(largest_other, 1)) if chunks else 1
-        )
-        if not chunks or count <= 1:
-            units.append(entry)
-            continue
-        per_chunk = math.ceil(chunks["rows"] / count)
-        for start in range(0, chunks["rows"], per_chunk):
-            stop = min(start + per_chunk, chunks["rows"])
-            units.append(
-                {
-                    **entry,
-                    "name": f"{entry['name']}#{start // per_chunk}",
-                    "chunk_of": entry["name"],
-                    "rows": [start, stop],
-                    "weight_bytes": (stop - start) * chunks["row_bytes"],
-                    "share": (stop - start) / chunks["rows"],
-                }
-            )
-    return units
-
-
-@dataclass
-class VramBreakdown:
-    pinned_weights: int = 0
-    kv_cache: int = (
-        0  # the device-resident KV: pinned attentions', and streamed ones' whose KV is not streamed
-    )
-    staging_slots: int = 0
-    kv_staging: int = 0  # one KV slot beside each staging slot, for the streamed attentions whose KV streams
-    expert_slots: int = 0
-    workspace: int = 0
-    ep_overhead: int = 0
-    reserve: int = RESERVE_BYTES
-
-    @property
-    def total(self) -> int:
-        return (
-            self.pinned_weights
-            + self.kv_cache
-            + self.staging_slots
-            + self.kv_staging
-            + self.expert_slots
-            + self.workspace
-            + self.ep_overhead
-            + self.reserve
-        )
-
-
-@dataclass
-class Plan:
-    strategy: str
-    tier: int
-    placements: dict[str, str]
-    predicted_s: dict[str, float]
-    step_s: float
-    tokens_per_s: float
-    vram: VramBreakdown
-    budget_bytes: int
-    streamed_bytes: int = 0
-    copy_hidden_fraction: float = 1.0
-    slots: int = STAGING_SLOTS
-    prefetch: bool = True
-    kv_streamed: list[str] = field(
-        default_factory=list
-    )  # streamed attentions whose KV streams with their weights
-    timeline: list = field(default_factory=list, repr=False)
-
-    def counts(self) -> dict[str, int]:
-        return {
-            kind: sum(1 for p in self.placements.values() if p == kind) for kind in (PINNED, STREAMED, CPU)
-        }
-
-    def to_json(self) -> dict:
-        document = asdict(self)
-        document.pop("timeline")
-        document["vram"]["total"] = self.vram.total
-        document["counts"] = self.counts()
-        return document
-
-    @classmethod
-    def from_json(cls, document: dict) -> Plan:
-        """A plan as `to_json` wrote it (plans.json); the derived fields (counts, vram total) are recomputed."""
-        fields = {
-            name: document[name]
-            for name in (
-                "strategy",
-                "tier",
-                "placements",
-                "predicted_s",
-                "step_s",
-                "tokens_per_s",
-                "budget_bytes",
-            )
-        }
-        optional = {
-            name: document[name]
-            for name in ("streamed_bytes", "copy_hidden_fraction", "slots", "prefetch", "kv_streamed")
-            if name in document
-        }
-        vram = VramBreakdown(**{k: v for k, v in document["vram"].items() if k != "total"})
-        return cls(**fields, **optional, vram=vram)
 
 
 class Planner:
@@ -246,14 +125,14 @@ class Planner:
     def vram(
         self, placements: dict[str, str], tier: int, slots: int, kv_streamed: frozenset[str] = frozenset()
     ) -> VramBreakdown:
-        on_device = [e for e in self.placeable if placements[e["name"]] != CPU]
-        streamed = [e for e in on_device if placements[e["name"]] == STREAMED and e["kind"] != "expert"]
+        on_device = [e for e in self.placeable if placements[e["name"]] != Placement.CPU]
+        streamed = [e for e in on_device if placements[e["name"]] == Placement.STREAMED and e["kind"] != "expert"]
         streamed_experts = [
-            e for e in on_device if placements[e["name"]] == STREAMED and e["kind"] == "expert"
+            e for e in on_device if placements[e["name"]] == Placement.STREAMED and e["kind"] == "expert"
         ]
         return VramBreakdown(
             pinned_weights=sum(
-                self.weight_bytes[e["name"]] for e in on_device if placements[e["name"]] == PINNED
+                self.weight_bytes[e["name"]] for e in on_device if placements[e["name"]] == Placement.PINNED
             ),
             kv_cache=sum(self.kv_bytes(e) for e in on_device if e["name"] not in kv_streamed),
             staging_slots=slots * max((self.weight_bytes[e["name"]] for e in streamed), default=0)
@@ -281,7 +160,7 @@ class Planner:
     @staticmethod
     def streamed_attentions(placements: dict[str, str], sub_layers: list[dict]) -> frozenset[str]:
         return frozenset(
-            e["name"] for e in sub_layers if e["kind"] == "attn" and placements[e["name"]] == STREAMED
+            e["name"] for e in sub_layers if e["kind"] == "attn" and placements[e["name"]] == Placement.STREAMED
         )
 
     def minimum_budget(self) -> int:
@@ -301,7 +180,7 @@ class Planner:
     ) -> Plan:
         """The plan of these placements; with `kv_streaming`, every streamed attention's KV lives in host memory
         and is uploaded with its weights (and its new rows downloaded after it ran): copies instead of VRAM."""
-        full = {e["name"]: placements.get(e["name"], CPU) for e in self.sub_layers}
+        full = {e["name"]: placements.get(e["name"], Placement.CPU) for e in self.sub_layers}
         compute, copies, activation = self._costs(tier)
         kv_streamed = self.streamed_attentions(full, self.placeable) if kv_streaming else frozenset()
         if kv_streamed:
@@ -312,7 +191,7 @@ class Planner:
                 },
             }
         slowdown = 1.0
-        if any(p == STREAMED for p in full.values()):
+        if any(p == Placement.STREAMED for p in full.values()):
             factors = self.profile["contention"]["cpu_matmul_slowdown_under_copy"].get(
                 str(self.estimator.threads), {}
             )
@@ -331,7 +210,7 @@ class Planner:
             self.device_shares_cpu,
         )
         vram = self.vram(full, tier, slots, kv_streamed)
-        streamed_bytes = sum(self.weight_bytes[n] for n, p in full.items() if p == STREAMED)
+        streamed_bytes = sum(self.weight_bytes[n] for n, p in full.items() if p == Placement.STREAMED)
         return Plan(
             strategy,
             tier,
@@ -437,13 +316,13 @@ class Planner:
         pinned, kv = vram.pinned_weights, vram.kv_cache
         kv_slot = slots * max((self.kv_bytes(self.units[name]) for name in kv_streamed), default=0)
         kv_streams_left = len(kv_streamed)
-        on_device = sum(1 for e in self.placeable if base[e["name"]] != CPU)
+        on_device = sum(1 for e in self.placeable if base[e["name"]] != Placement.CPU)
         # The staging slots are as large as the largest unit still streamed: the largest outside `order`, or the
         # largest of those after the prefix (suffix maxima over `order`), for ring units and experts apart.
         streamed_left = {False: 0, True: 0}
         largest_outside = {False: 0, True: 0}
         for e in self.placeable:
-            if base[e["name"]] == STREAMED:
+            if base[e["name"]] == Placement.STREAMED:
                 is_expert = e["kind"] == "expert"
                 streamed_left[is_expert] += 1
                 if e["name"] not in in_order:
@@ -454,7 +333,7 @@ class Planner:
             for is_expert in (False, True):
                 own = (
                     weights[entry["name"]]
-                    if base[entry["name"]] == STREAMED and (entry["kind"] == "expert") == is_expert
+                    if base[entry["name"]] == Placement.STREAMED and (entry["kind"] == "expert") == is_expert
                     else 0
                 )
                 suffix[is_expert][index] = max(suffix[is_expert][index + 1], own)
@@ -465,12 +344,12 @@ class Planner:
             was = base[name]
             is_expert = entry["kind"] == "expert"
             left = dict(streamed_left)
-            if was == STREAMED:
+            if was == Placement.STREAMED:
                 left[is_expert] -= 1
-            trial_pinned = pinned + weights[name] - (weights[name] if was == PINNED else 0)
-            trial_kv = kv + (self.kv_bytes(entry) if was == CPU or name in kv_streamed else 0)
+            trial_pinned = pinned + weights[name] - (weights[name] if was == Placement.PINNED else 0)
+            trial_kv = kv + (self.kv_bytes(entry) if was == Placement.CPU or name in kv_streamed else 0)
             trial_kv_streams = kv_streams_left - (1 if name in kv_streamed else 0)
-            trial_on_device = on_device + (1 if was == CPU else 0)
+            trial_on_device = on_device + (1 if was == Placement.CPU else 0)
             largest = {x: max(largest_outside[x], suffix[x][index + 1]) for x in (False, True)}
             total = (
                 trial_pinned
@@ -483,7 +362,7 @@ class Planner:
             )
             if total > self.budget_bytes:
                 break
-            placements[name] = PINNED
+            placements[name] = Placement.PINNED
             pinned, kv, on_device, streamed_left = trial_pinned, trial_kv, trial_on_device, left
             kv_streams_left = trial_kv_streams
         return placements
@@ -493,7 +372,7 @@ class Planner:
         resident or (where that cannot fit) streamed with them. Every staging slot is as large as the largest
         streamed sub-layer, so pinning that one first (a big output layer) can free more memory than it takes:
         both orders are tried."""
-        streamed_all = {e["name"]: STREAMED for e in self.placeable}
+        streamed_all = {e["name"]: Placement.STREAMED for e in self.placeable}
         largest = max(self.placeable, key=lambda e: self.weight_bytes[e["name"]])
         largest_first = [largest, *(e for e in self.priority if e is not largest)]
         candidates = []
@@ -515,7 +394,7 @@ class Planner:
         return min(candidates, key=lambda p: p.step_s) if candidates else None
 
     def static(self, tier: int) -> Plan:
-        placements = self._pin_prefix(tier, {e["name"]: CPU for e in self.placeable}, 0)
+        placements = self._pin_prefix(tier, {e["name"]: Placement.CPU for e in self.placeable}, 0)
         return self.evaluate("static", tier, placements, slots=0)
 
     def _streaming_room(self, slots: int, kv_streaming: bool) -> int:
@@ -537,7 +416,7 @@ class Planner:
         replan between steps). A move is one sub-layer, or with more than DYNAMIC_MOVES candidates (MoE packs of
         thousands of experts) one of DYNAMIC_BLOCKS blocks of neighbours in that order."""
         best_plan = None
-        all_cpu = {e["name"]: CPU for e in self.placeable}
+        all_cpu = {e["name"]: Placement.CPU for e in self.placeable}
         compute, copies, _ = self._costs(tier)
         for kv_streaming in self.kv_streaming_modes():
             for slots in (STAGING_SLOTS, 1):
@@ -562,23 +441,23 @@ class Planner:
         compute: dict,
         copies: dict,
     ) -> Plan | None:
-        candidates = [n for n, p in placements.items() if p == CPU]
+        candidates = [n for n, p in placements.items() if p == Placement.CPU]
         candidates.sort(key=lambda n: compute[n]["gpu"] + copies[n] - compute[n]["cpu"])
         best = self.evaluate("dynamic", tier, placements, slots=slots, kv_streaming=kv_streaming)
         moves = len(candidates) if len(candidates) <= DYNAMIC_MOVES else DYNAMIC_BLOCKS
         for block in _blocks(candidates, moves):
-            trial = {**best.placements, **dict.fromkeys(block, STREAMED)}
+            trial = {**best.placements, **dict.fromkeys(block, Placement.STREAMED)}
             plan = self.evaluate("dynamic", tier, trial, slots=slots, kv_streaming=kv_streaming)
             if self.fits(plan) and plan.step_s < best.step_s * (1 - 1e-9):
                 best = plan
-        return best if any(p == STREAMED for p in best.placements.values()) and self.fits(best) else None
+        return best if any(p == Placement.STREAMED for p in best.placements.values()) and self.fits(best) else None
 
     def exhaustive_dynamic(self, tier: int, slots: int = STAGING_SLOTS) -> Plan:
         """The true optimum of the dynamic split under the same estimator (2^n: small packs only)."""
-        base = self._pin_prefix(tier, {e["name"]: CPU for e in self.placeable}, slots)
-        free = [n for n, p in base.items() if p == CPU]
+        base = self._pin_prefix(tier, {e["name"]: Placement.CPU for e in self.placeable}, slots)
+        free = [n for n, p in base.items() if p == Placement.CPU]
         best = self.evaluate("dynamic", tier, base, slots=slots)
-        for choice in itertools.product((CPU, STREAMED), repeat=len(free)):
+        for choice in itertools.product((Placement.CPU, Placement.STREAMED), repeat=len(free)):
             trial = dict(base)
             trial.update(zip(free, choice, strict=True))
             plan = self.evaluate("dynamic", tier, trial, slots=slots)
@@ -589,7 +468,7 @@ class Planner:
     # -- baselines --------------------------------------------------------------------------------------------------
     def baseline(self, name: str, tier: int) -> Plan | None:
         if name in ("monolithic", "cpu"):
-            return self.evaluate(name, tier, {e["name"]: CPU for e in self.placeable}, slots=0)
+            return self.evaluate(name, tier, {e["name"]: Placement.CPU for e in self.placeable}, slots=0)
         if name == "layers":
             # Whole layers in order, then the rest (the output layer) once every layer is in: with nothing
             # streamed, a prefix's VRAM is its weights and KV plus what every plan with a unit on the device needs.
@@ -597,7 +476,7 @@ class Planner:
             for e in self.placeable:
                 by_layer.setdefault(e["layer"], []).append(e)
             fixed = self.workspace_bytes(tier) + VramBreakdown(ep_overhead=self.ep_overhead).total
-            placements = {e["name"]: CPU for e in self.placeable}
+            placements = {e["name"]: Placement.CPU for e in self.placeable}
             used = fixed
             layers = sorted(layer for layer in by_layer if layer is not None)
             for layer in [*layers, None]:
@@ -605,10 +484,10 @@ class Planner:
                 used += sum(self.weight_bytes[e["name"]] + self.kv_bytes(e) for e in units)
                 if used > self.budget_bytes:
                     break
-                placements.update({e["name"]: PINNED for e in units})
+                placements.update({e["name"]: Placement.PINNED for e in units})
             return self.evaluate("layers", tier, placements, slots=0)
         if name == "offload":
-            streamed_all = {e["name"]: STREAMED for e in self.placeable}
+            streamed_all = {e["name"]: Placement.STREAMED for e in self.placeable}
             if self.vram(streamed_all, tier, 1).total > self.budget_bytes:
                 return None
             placements = self._pin_prefix(tier, streamed_all, 1, self.placeable)  # in manifest order

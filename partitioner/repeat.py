@@ -12,7 +12,7 @@ from __future__ import annotations
 import copy
 import math
 
-from pipeshard.errors import UserError
+from pipeshard.core.errors import UserError
 
 
 def _produced(manifest: dict, layer: int) -> set[str]:
@@ -118,8 +118,8 @@ def repeat_experts(manifest: dict, num_experts: int) -> dict:
     (`L{i}.expert{j}`, weights `...experts.{j}.*`, numbered tensors with the suffix `@E{j}`). The router's gate and
     the routing weights widen to the new count (the probe's expert count is chosen unlike any other dimension),
     and the router's and experts' costs are counted again for it."""
+    from pipeshard.formats.manifest import WEIGHT_ALIGNMENT
     from pipeshard.partitioner.costs import analytic_flops, bytes_moved
-    from pipeshard.runtime.pack import WEIGHT_ALIGNMENT
 
     model = manifest["model"]
     traced = model["num_experts"]

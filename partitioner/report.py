@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipeshard.errors import UserError
-from pipeshard.partitioner.planner import Plan
+from pipeshard.core.errors import UserError
+from pipeshard.formats.plans import Plan
 
 MiB = 1024**2
 

@@ -8,12 +8,8 @@ decoder layer (the residual adds) and join the sub-layer whose output they consu
 
 from __future__ import annotations
 
-import ast
 import re
 
-import onnx
-
-SCOPES_KEY = "pkg.torch.onnx.name_scopes"
 GLUE = "glue"
 
 # (pattern on the module path, sub-layer); applied in order, first match wins.
@@ -78,17 +74,6 @@ RULES_BY_ARCHITECTURE: dict[str, list[tuple[str, str]]] = {
     "gemma3_text": GEMMA3_RULES,
     "qwen2_5_vl_text": DECODER_RULES,
 }
-
-
-def module_path(node: onnx.NodeProto) -> str | None:
-    """The innermost module scope recorded on `node`, or None when the exporter recorded none."""
-    for prop in node.metadata_props:
-        if prop.key == SCOPES_KEY:
-            scopes = ast.literal_eval(prop.value)
-            # The last entry is the op's own name; the one before it is its module. A sliced ModuleList
-            # (`self.layers[:n]`) is sometimes recorded as `layers.slice(None, n, None).i`.
-            return re.sub(r"\.slice\([^)]*\)", "", scopes[-2]) if len(scopes) >= 2 else ""
-    return None
 
 
 def sub_layer_candidates(path: str, rules: list[tuple[str, str]]) -> list[str]:

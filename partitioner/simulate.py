@@ -18,10 +18,9 @@ import bisect
 import itertools
 from dataclasses import dataclass, field
 
-PINNED, STREAMED, CPU = "pinned", "streamed", "cpu"
+from pipeshard.formats.plans import EXPERT_RUN_ORDER, EXPERT_SLOTS, Placement
+
 STEPS = 3
-EXPERT_SLOTS = 2  # streamed experts: copied after their router ran, two in flight per layer
-EXPERT_RUN_ORDER = {PINNED: 0, CPU: 1, STREAMED: 2}  # streamed experts last: their copies overlap the others
 COLLAPSE_AFTER = 8  # see _collapsed_runs: the contention check's window of recent intervals
 
 
@@ -59,8 +58,8 @@ def _collapsed_runs(
         entry = sub_layers[index]
         name = entry["name"]
         end = index + 1
-        if name in gates and placements[name] != STREAMED:
-            device = "cpu" if placements[name] == CPU else "gpu"
+        if name in gates and placements[name] != Placement.STREAMED:
+            device = "cpu" if placements[name] == Placement.CPU else "gpu"
             while (
                 end < len(sub_layers)
                 and gates.get(sub_layers[end]["name"]) == gates[name]
@@ -139,10 +138,10 @@ def simulate(
     sub_layers = _experts_by_placement(sub_layers, placements, gates)
     free = {"cpu": 0.0, "gpu": 0.0, "copy": 0.0}
     timeline: list[Interval] = []
-    streamed = [e["name"] for e in sub_layers if placements[e["name"]] == STREAMED and e["name"] not in gates]
+    streamed = [e["name"] for e in sub_layers if placements[e["name"]] == Placement.STREAMED and e["name"] not in gates]
     gated_streamed: dict[str, list[str]] = {gate: [] for gate in set(gates.values())}
     for entry in sub_layers:
-        if placements[entry["name"]] == STREAMED and entry["name"] in gates:
+        if placements[entry["name"]] == Placement.STREAMED and entry["name"] in gates:
             gated_streamed[gates[entry["name"]]].append(entry["name"])
     position_in_group = {name: i for group in gated_streamed.values() for i, name in enumerate(group)}
     runs = _collapsed_runs(sub_layers, placements, compute_s, gates)
@@ -182,7 +181,7 @@ def simulate(
         for entry, repeats in runs:
             name = entry["name"]
             place = placements[name]
-            device = "cpu" if place == CPU else "gpu"
+            device = "cpu" if place == Placement.CPU else "gpu"
             if (
                 repeats
             ):  # more units like the one before, on the same device: back to back, nothing to wait for
@@ -198,7 +197,7 @@ def simulate(
             if prefetch:
                 issue_ready_copies(None)
             start = max(free[device], ready)
-            if place == STREAMED and name in gates:
+            if place == Placement.STREAMED and name in gates:
                 group = gated_streamed[gates[name]]
                 position = position_in_group[name]
                 for ahead in group[position : position + EXPERT_SLOTS]:
@@ -207,7 +206,7 @@ def simulate(
                         slot_free = gated_compute_end[group[behind]] if behind >= 0 else 0.0
                         gated_copy_end[ahead] = copy(ahead, max(ended[gates[name]], slot_free), copy_s[ahead])
                 start = max(start, gated_copy_end[name])
-            elif place == STREAMED:
+            elif place == Placement.STREAMED:
                 index = len(compute_end)
                 if index >= len(copy_end):
                     issue_ready_copies(start)
@@ -221,9 +220,9 @@ def simulate(
                 duration *= cpu_slowdown_under_copy
             end = start + duration
             ended[name] = end
-            if place == STREAMED and name in gates:
+            if place == Placement.STREAMED and name in gates:
                 gated_compute_end[name] = end
-            elif place == STREAMED:
+            elif place == Placement.STREAMED:
                 compute_end.append(end)
             free[device] = end
             ready = end

@@ -1,6 +1,6 @@
 """pipeshard: run language models larger than VRAM by cutting them into sub-layers and planning per tier."""
 
-__version__ = "0.1.0"
+from pipeshard.core.version import __version__ as __version__
 
 
 def load(path, **options):

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeshard.errors import UserError
-from pipeshard.partitioner.planner import PLAN_NAMES
+from pipeshard.core.errors import UserError
+from pipeshard.formats.plans import PLAN_NAMES
 from pipeshard.runtime.generate import Generation, Generator, SamplingSettings, StreamEvent
 from pipeshard.runtime.text import TextCodec
 
@@ -104,7 +104,7 @@ class Engine:
 
     def set_vram_budget(self, size: str | int) -> None:
         """Replan for a new VRAM budget between steps (a game took memory back, or gave it)."""
-        from pipeshard.units import resolve_budget
+        from pipeshard.core.units import resolve_budget
 
         if getattr(self.step, "planner", None) is None:
             raise UserError(
@@ -160,9 +160,9 @@ def load(
     plans.json (`pipeshard plan --out`) whose plans run as they are; the planner is consulted only when the
     budget changes (its budget is the file's unless `vram` gives a larger one).
     """
-    from pipeshard.runtime.exportdir import read_json
+    from pipeshard.core.fsutil import read_json
+    from pipeshard.formats.manifest import MANIFEST_NAME, Pack, is_pack, load_pack
     from pipeshard.runtime.monolithic import MonolithicStep
-    from pipeshard.runtime.pack import MANIFEST_NAME, Pack, is_pack, load_pack
     from pipeshard.runtime.step import Step
 
     folder = Path(path)
@@ -188,7 +188,7 @@ def load(
         return _engine(lambda: MonolithicStep(folder, threads=threads), folder, threads)
     Pack(folder, read_json(folder / MANIFEST_NAME, "model pack")).require_weights()
     if device == "cuda":
-        from pipeshard.profiles.measure_cuda import cuda_usable
+        from pipeshard.runtime.ort import cuda_usable
 
         if not cuda_usable():
             raise UserError(
@@ -205,7 +205,7 @@ def load(
     if plans is not None and (device in ("auto", "cpu") or plan != "auto"):
         raise UserError("--plans runs a saved plans file on a device: give --device sim|cuda, and no --plan")
     if device == "auto":
-        from pipeshard.profiles.measure_cuda import cuda_usable
+        from pipeshard.runtime.ort import cuda_usable
 
         if vram is not None and not cuda_usable():
             raise UserError(
@@ -230,8 +230,8 @@ def load(
 
 def verify_export(folder: Path) -> None:
     """Check every file an export folder lists in export.json against its sha256."""
-    from pipeshard.fsutil import sha256_file
-    from pipeshard.runtime.exportdir import read_export_info
+    from pipeshard.core.fsutil import sha256_file
+    from pipeshard.formats.export_info import read_export_info
 
     for name, entry in read_export_info(folder).get("files", {}).items():
         path = folder / name
@@ -264,7 +264,7 @@ def _vision_of(step, threads: int | None):
 
 def read_expert_stats(path: str | Path | None) -> dict | None:
     """A routing stats file (schema 1, docs/model-pack.md), or None."""
-    from pipeshard.runtime.exportdir import read_json
+    from pipeshard.core.fsutil import read_json
 
     if path is None:
         return None
@@ -308,13 +308,13 @@ def planned_step(
     plans: str | Path | None = None,
 ):
     """A step on a device: the saved plans of `plans`, or plans made from the profile for the budget."""
+    from pipeshard.core.units import resolve_budget
+    from pipeshard.formats.manifest import load_pack
     from pipeshard.partitioner.planner import Planner
     from pipeshard.profiles.db import load_profile
     from pipeshard.runtime.devices import make_device
-    from pipeshard.runtime.pack import load_pack
     from pipeshard.runtime.plansource import PlanBook
     from pipeshard.runtime.step import Step
-    from pipeshard.units import resolve_budget
 
     if plan not in PLANS or plan in ("cpu", "monolithic"):
         raise UserError(f"plan {plan!r} does not run on a device; choose one of {', '.join(PLANS)}")
@@ -322,8 +322,7 @@ def planned_step(
     manifest = pack.manifest
     saved = None
     if plans is not None:
-        from pipeshard.partitioner.planner import planning_units
-        from pipeshard.runtime.plansfile import read_plans
+        from pipeshard.formats.plans import planning_units, read_plans
 
         saved = read_plans(Path(plans), pack, [u["name"] for u in planning_units(manifest["sub_layers"])])
         if context is not None and context != saved.context:

@@ -19,7 +19,7 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pipeshard.errors import UserError
+from pipeshard.core.errors import UserError
 
 CHAT_URL, COMPLETIONS_URL = "/v1/chat/completions", "/v1/completions"
 

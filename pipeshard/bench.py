@@ -21,8 +21,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from pipeshard.errors import UserError
-from pipeshard.partitioner.planner import DEVICE_PLAN_NAMES
+from pipeshard.core.errors import UserError
+from pipeshard.formats.plans import DEVICE_PLAN_NAMES
 from pipeshard.peers import PEERS, make_peer_runner, missing_peer, prepare_peer_files
 
 BENCH_SCHEMA_VERSION = 1
@@ -327,16 +327,16 @@ def balanced_ab(make: Callable[[str], Callable[[int], object]], rounds: int) -> 
 
 
 def _pack_dtype(pack: str) -> str:
-    from pipeshard.runtime.pack import load_pack
+    from pipeshard.formats.manifest import load_pack
 
     return load_pack(Path(pack)).model["dtype"]
 
 
 def _baseline_prediction(settings: BenchSettings, plan: str, pack: str, context: int) -> float | None:
     """The planner's decode-step estimate for the all-CPU rows (from the profile), at the run's context."""
+    from pipeshard.formats.manifest import load_pack
     from pipeshard.partitioner.planner import Planner
     from pipeshard.profiles.db import load_profile
-    from pipeshard.runtime.pack import load_pack
 
     planner = Planner(
         load_pack(Path(pack)).manifest,
@@ -464,7 +464,7 @@ def peak_rss_bytes() -> int:
 
 
 def _export_dir(pack: str) -> Path:
-    from pipeshard.runtime.pack import load_pack
+    from pipeshard.formats.manifest import load_pack
 
     return Path(load_pack(Path(pack)).manifest["source"]["export"])
 
@@ -516,9 +516,9 @@ def run_bench(
     log: Callable[[str], None] = print,
 ) -> dict:
     """Measure every row, interleaved; return the bench document (docs/bench.md)."""
+    from pipeshard.formats.manifest import load_pack
     from pipeshard.profiles.bandwidth import BandwidthProbe
     from pipeshard.profiles.db import machine_fingerprint
-    from pipeshard.runtime.pack import load_pack
     from pipeshard.runtime.text import TextCodec
 
     settings.check()
@@ -723,7 +723,7 @@ def minimum_bytes_per_token(pack, context: float) -> float:
     """What a decode step must read at the least: every weight once (one embedding row; of a MoE
     layer's experts the k a token chooses) and the KV cache of `context` tokens once. An engine's own
     extra traffic (KV copies) is not the limit."""
-    from pipeshard.runtime.pack import evaluate_cost
+    from pipeshard.formats.manifest import evaluate_cost
 
     model = pack.model
     chosen_share = model["experts_per_token"] / model["num_experts"] if model.get("num_experts") else 1.0

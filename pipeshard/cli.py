@@ -12,10 +12,10 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from pipeshard import __version__
-from pipeshard.errors import UserError
-from pipeshard.fsutil import make_parent
-from pipeshard.units import format_bytes
+from pipeshard.core.errors import UserError
+from pipeshard.core.fsutil import make_parent
+from pipeshard.core.units import format_bytes
+from pipeshard.core.version import __version__
 
 VRAM_HELP = (
     "VRAM budget: a size (2GiB, 512MiB) or a share of the model's weights on top of the minimum (25%%)"
@@ -98,7 +98,7 @@ def _check_vram(vram: str | None) -> None:
     forgotten unit or %."""
     if vram is None:
         return
-    from pipeshard.units import parse_share, parse_size
+    from pipeshard.core.units import parse_share, parse_size
 
     if parse_share(vram) is None and parse_size(vram) < 2**20 and vram.strip().isdigit():
         raise UserError(f"--vram {vram}: a bare number is bytes; give a unit (2GiB, 512MiB) or a share (25%)")
@@ -106,7 +106,7 @@ def _check_vram(vram: str | None) -> None:
 
 def _model_facts(pack_or_export: Path) -> dict:
     """A pack's `model` or an export's `dims` (max_context, num_experts, ...); {} if it is neither (load says why)."""
-    from pipeshard.runtime.exportdir import read_json
+    from pipeshard.core.fsutil import read_json
 
     for name, key in (("manifest.json", "model"), ("export.json", "dims")):
         if (pack_or_export / name).is_file():
@@ -122,7 +122,7 @@ def _check_context(context: int | None, folder: Path) -> None:
 
 def _command_export(args: argparse.Namespace) -> int:
     if args.shape_only:
-        from pipeshard.exporter.shape_only import export_shape_only
+        from pipeshard.shape_only import export_shape_only
 
         if args.opset is not None:
             raise UserError("--opset does not apply to --shape-only (its pack holds no ONNX files)")
@@ -297,7 +297,7 @@ def _command_run(args: argparse.Namespace) -> int:
             print(event.text, end="", flush=True)
     (result,) = results
     if save_stats:
-        from pipeshard.fsutil import write_json_atomic
+        from pipeshard.core.fsutil import write_json_atomic
 
         write_json_atomic(save_stats, engine.expert_stats())
     if args.json:
@@ -382,7 +382,7 @@ def _command_chat(args: argparse.Namespace) -> int:
         expert_stats=args.expert_stats,
         plans=args.plans,
     )
-    if not engine.codec.chat_template:
+    if not engine.codec.template.text:
         raise UserError(
             f"{args.path}: this model has no chat template, and chat needs one (plain completions: "
             "pipeshard run PATH PROMPT --no-chat-template)"
@@ -487,7 +487,7 @@ def _command_partition(args: argparse.Namespace) -> int:
 
 
 def _command_inspect(args: argparse.Namespace) -> int:
-    from pipeshard.runtime.pack import load_pack
+    from pipeshard.formats.manifest import load_pack
     from pipeshard.runtime.pack_info import pack_summary, pack_table
 
     pack = load_pack(args.pack, verify=args.verify)
@@ -509,9 +509,9 @@ def _command_profile(args: argparse.Namespace) -> int:
         return 0
     from tqdm import tqdm
 
+    from pipeshard.formats.manifest import load_pack
     from pipeshard.profiles.measure import FULL, PACK_TIERS, QUICK, measure_machine, sweep_for_pack
     from pipeshard.profiles.pack_timing import PLACEMENTS
-    from pipeshard.runtime.pack import load_pack
 
     sweep = QUICK if args.quick else FULL
     if args.pack:
@@ -537,12 +537,12 @@ def _command_profile(args: argparse.Namespace) -> int:
 
 def _command_plan(args: argparse.Namespace) -> int:
     from pipeshard.api import profile_or_fallback, read_expert_stats
-    from pipeshard.fsutil import sha256_file, write_json_atomic
+    from pipeshard.core.fsutil import sha256_file, write_json_atomic
+    from pipeshard.core.units import resolve_budget
+    from pipeshard.formats.manifest import load_pack
     from pipeshard.partitioner.planner import Planner, plans_document
     from pipeshard.partitioner.report import plan_table, plot_timelines
     from pipeshard.profiles.db import load_profile
-    from pipeshard.runtime.pack import load_pack
-    from pipeshard.units import resolve_budget
 
     tiers = _positive_list(args.tiers, "--tiers") or [1, 4, 16, 64, 256, 1024]
     budgets = [part.strip() for part in args.vram.split(",")]
@@ -635,7 +635,7 @@ def _vision_plan(pack, budget: int, sizes: list[tuple[int, int]]) -> str:
     streamed the VLMOpt way (the decoder's memory released first), beside a naive port's."""
     from PIL import Image
 
-    from pipeshard.partitioner.vision_memory import VisionShape, image_patches, naive_peak, vlmopt_peak
+    from pipeshard.formats.vision_memory import VisionShape, image_patches, naive_peak, vlmopt_peak
     from pipeshard.runtime.images import preprocess
 
     vision = pack.manifest["vision"]
@@ -691,7 +691,7 @@ def _command_bench(args: argparse.Namespace) -> int:
         progress_bar,
         run_bench,
     )
-    from pipeshard.fsutil import write_json_atomic
+    from pipeshard.core.fsutil import write_json_atomic
     from pipeshard.peers import PEERS
     from pipeshard.runtime.ort import default_threads
 

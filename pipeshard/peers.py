@@ -24,8 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeshard.errors import UserError
-from pipeshard.fsutil import atomic_output_dir
+from pipeshard.core.errors import UserError
+from pipeshard.core.fsutil import atomic_output_dir
 
 PEERS = ("ort-genai", "llama.cpp", "llama.cpp-f32", "llama.cpp-f16", "transformers", "native")
 PEER_MODULES = {

@@ -18,7 +18,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from pipeshard.errors import UserError
+from pipeshard.core.errors import UserError
 
 log = logging.getLogger(__name__)
 MAX_BODY_BYTES = 1 << 20
@@ -339,7 +339,7 @@ def create_app(state: State):
             raise RequestError(
                 "this server runs without a device: start it with --device sim|cuda --vram SIZE"
             )
-        from pipeshard.units import resolve_budget
+        from pipeshard.core.units import resolve_budget
 
         size = resolve_budget(vram, step.planner.minimum_budget(), step.planner.model_bytes)
         await asyncio.get_running_loop().run_in_executor(None, scheduler.set_budget, size)
@@ -414,7 +414,7 @@ def prompt_with_images(codec, body: dict, chat: bool, vocab_size: int, vision) -
                 "'messages' must be a non-empty list of {role, content} objects with text content",
                 param="messages",
             )
-        if codec.chat_template is None:
+        if codec.template.text is None:
             raise RequestError("this model has no chat template: use /v1/completions", param="messages")
         images: list = []
         rendered = [

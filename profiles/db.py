@@ -20,9 +20,9 @@ from datetime import UTC, datetime
 from importlib.resources import files
 from pathlib import Path
 
-from pipeshard import __version__
-from pipeshard.errors import UserError
-from pipeshard.fsutil import write_json_atomic
+from pipeshard.core.errors import UserError
+from pipeshard.core.fsutil import write_json_atomic
+from pipeshard.core.version import __version__
 
 log = logging.getLogger(__name__)
 PROFILE_SCHEMA_VERSION = 1

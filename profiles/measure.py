@@ -28,7 +28,7 @@ from pipeshard.profiles.kernels import (
     op_chain_model,
     weight_matmul_model,
 )
-from pipeshard.runtime.ort import cpu_session_options, import_onnxruntime
+from pipeshard.runtime.ort import cpu_session_options, cuda_usable, import_onnxruntime
 
 log = logging.getLogger(__name__)
 MiB = 1024**2
@@ -278,7 +278,7 @@ def measure_machine(
     ort = import_onnxruntime()
     thread_counts = thread_counts or list(range(1, physical_cores() + 1))
     if use_cuda is None:
-        use_cuda = measure_cuda.cuda_usable()
+        use_cuda = cuda_usable()
     copy_load = measure_cuda.H2DLoop if use_cuda else CopyLoop
     cpu_threads: dict[str, dict] = {}
     for threads in thread_counts:
@@ -339,8 +339,8 @@ def measure_machine(
     fingerprint = machine_fingerprint(gpu)
     extra = {}
     if pack is not None:
+        from pipeshard.formats.manifest import load_pack
         from pipeshard.profiles.pack_timing import time_pack
-        from pipeshard.runtime.pack import load_pack
 
         manifest = load_pack(pack).manifest
         extra["pack_timings"] = {

@@ -21,25 +21,7 @@ from pipeshard.profiles.kernels import (
     matmul_model,
     median_seconds,
 )
-from pipeshard.runtime.ort import import_onnxruntime
-
-CUDA_PROVIDERS = [("CUDAExecutionProvider", {"device_id": 0}), "CPUExecutionProvider"]
-
-
-def cuda_usable() -> bool:
-    """True when a session asked for CUDA really gets the CUDA EP (onnxruntime-gpu silently falls
-    back to the CPU when the CUDA libraries are missing)."""
-    ort = import_onnxruntime()
-    if "CUDAExecutionProvider" not in ort.get_available_providers():
-        return False
-    try:
-        if hasattr(ort, "preload_dlls"):  # the CUDA / cuDNN libraries of the nvidia-* pip packages
-            ort.preload_dlls()
-        session = ort.InferenceSession(hop_model(8).SerializeToString(), providers=CUDA_PROVIDERS)
-    except Exception:  # noqa: BLE001 - any failure to create means "not usable"
-        return False
-    return session.get_providers()[0] == "CUDAExecutionProvider"
-
+from pipeshard.runtime.ort import CUDA_PROVIDERS, import_onnxruntime
 
 def _check(result):
     """cuda-python returns (err, *values); raise on an error, return the values."""

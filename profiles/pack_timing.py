@@ -111,11 +111,11 @@ def _every_unit(step, placement: str, tiers, slots: int = 0):
     at the largest tier. Pinned, an output layer in row chunks stays on the CPU: a split with chunks is never
     joined, and the device's one-token steps are to be timed as plans run them (the estimator takes its CPU rows
     for it on sim)."""
-    from pipeshard.partitioner.planner import CPU, HOST_ONLY_KINDS, PINNED, Plan, VramBreakdown
+    from pipeshard.formats.plans import HOST_ONLY_KINDS, Placement, Plan, VramBreakdown
 
     placements = {
-        name: CPU
-        if unit["kind"] in HOST_ONLY_KINDS or (placement == PINNED and "chunk_of" in unit)
+        name: Placement.CPU
+        if unit["kind"] in HOST_ONLY_KINDS or (placement == Placement.PINNED and "chunk_of" in unit)
         else placement
         for name, unit in step.layout.units.items()
     }
@@ -147,7 +147,7 @@ def time_pack(
     """Rows {placement, kind, T, C, seconds} for the pack's attention, FFN and output sub-layers, and {placement,
     kind: "step", T, C, ratio}: on the CPU, and with `device` ("sim", "cuda") every unit pinned on it, where the
     whole model fits in its memory; on sim also the copy rate of a run streaming every unit."""
-    from pipeshard.partitioner.planner import PINNED, STAGING_SLOTS, STREAMED
+    from pipeshard.formats.plans import STAGING_SLOTS, Placement
     from pipeshard.runtime.devices import BudgetExceeded, make_device
     from pipeshard.runtime.plansource import PlanBook
     from pipeshard.runtime.step import Step
@@ -156,8 +156,8 @@ def time_pack(
     rows = _time_step_kinds(chain, "cpu", tiers, pasts, repeat, progress)
     units = list(chain.layout.units)
     pinned_plan, streamed_plan = (
-        _every_unit(chain, PINNED, tiers),
-        _every_unit(chain, STREAMED, tiers, STAGING_SLOTS),
+        _every_unit(chain, Placement.PINNED, tiers),
+        _every_unit(chain, Placement.STREAMED, tiers, STAGING_SLOTS),
     )
     chain.close()
     if device is None:

@@ -24,13 +24,13 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeshard.errors import UserError
+from pipeshard.core.errors import UserError
 
 try:
     from pipeshard.runtime import _runloop
 except ImportError:  # not built (no C compiler at install): the same runs, one Python call each
     _runloop = None
-from pipeshard.runtime.exportdir import BFLOAT16
+from pipeshard.formats.export_info import BFLOAT16
 from pipeshard.runtime.ort import default_threads, import_onnxruntime
 
 CUSTOM_DOMAIN = "pipeshard"  # the op domain of runtime/_attention.c and runtime/_matmul.c

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pipeshard.errors import UserError
+from pipeshard.core.errors import UserError
 from pipeshard.runtime.generate import Generation, Generator, SamplingSettings
 
 

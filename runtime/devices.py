@@ -22,7 +22,7 @@ from typing import Protocol
 
 import numpy as np
 
-from pipeshard.errors import UserError
+from pipeshard.core.errors import UserError
 
 DEVICE_KINDS = ("cpu", "sim", "cuda")
 
@@ -250,7 +250,7 @@ def make_device(kind: str, budget_bytes: int) -> Device:
     if kind == "sim":
         return SimDevice(budget_bytes)
     if kind == "cuda":
-        from pipeshard.profiles.measure_cuda import cuda_usable
+        from pipeshard.runtime.ort import cuda_usable
 
         if not cuda_usable():
             raise UserError(

@@ -14,7 +14,7 @@ from typing import Protocol
 
 import numpy as np
 
-from pipeshard.errors import UserError
+from pipeshard.core.errors import UserError
 from pipeshard.runtime.kv import image_rows
 
 

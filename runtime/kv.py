@@ -6,25 +6,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from pipeshard.errors import UserError
+from pipeshard.core.errors import UserError
+from pipeshard.formats.io_names import MROPE_ROWS
 
 DEFAULT_CAPACITY = 2048
-PAST_PREFIX = "past_key_values."
-PRESENT_PREFIX = "present."
-IMAGE_FEATURES = "image_features"  # a VLM decoder's rows for the step's image tokens (none on most steps)
-# GroupQueryAttention's per-step inputs besides the KV buffers, made by the exported graph (a pack's prologue)
-# from `attention_mask`: each row's length - 1 (int32 [batch]), the total length (int32 scalar), and the
-# additive bias of the padding alone ([batch, 1, new, total]: 0 where the mask is set, the dtype's lowest
-# value elsewhere). GQA reads each row's length from seqlens_k alone; the total length only has to match the
-# bias's last dimension, so at one new token both may be the KV capacity (checked bitwise against the
-# exact lengths on ONNX Runtime 1.32).
-SEQLENS = "_gqa_seqlens_k"
-TOTAL = "_gqa_total_sequence_length"
-PADDING_BIAS = "_gqa_padding_bias"
-
-
-def present_name(past: str) -> str:
-    return PRESENT_PREFIX + past[len(PAST_PREFIX) :]
 
 
 def check_step_shape(batch: int, tokens: int, total: int) -> None:
@@ -68,9 +53,6 @@ class HostKvCache:
             self.buffers[name] = grown
         self.capacity = capacity
         return True
-
-
-MROPE_ROWS = 3  # an M-RoPE decoder's position_ids are [3, batch, new tokens]: time, row, column
 
 
 def mrope_settings(position_rows: int, vision: dict | None) -> dict | None:

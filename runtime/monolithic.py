@@ -6,16 +6,10 @@ from pathlib import Path
 
 import numpy as np
 
+from pipeshard.formats.export_info import compute_dtype, read_export_info
+from pipeshard.formats.io_names import IMAGE_FEATURES, PAST_PREFIX, present_name
 from pipeshard.runtime import capi
-from pipeshard.runtime.exportdir import compute_dtype, read_export_info
-from pipeshard.runtime.kv import (
-    IMAGE_FEATURES,
-    PAST_PREFIX,
-    HostKvCache,
-    check_step_shape,
-    mrope_settings,
-    present_name,
-)
+from pipeshard.runtime.kv import HostKvCache, check_step_shape, mrope_settings
 
 
 class MonolithicStep:

@@ -6,7 +6,7 @@ import logging
 import os
 from types import ModuleType
 
-from pipeshard.errors import UserError
+from pipeshard.core.errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -109,3 +109,30 @@ def cpu_session_options(threads: int | None = None, optimize: bool = True):
     _register_shared_cpu_arena(ort)
     options.add_session_config_entry("session.use_env_allocators", "1")
     return options
+
+
+CUDA_PROVIDERS = [("CUDAExecutionProvider", {"device_id": 0}), "CPUExecutionProvider"]
+
+
+def cuda_usable() -> bool:
+    """True when a session asked for CUDA really gets the CUDA EP (onnxruntime-gpu silently falls
+    back to the CPU when the CUDA libraries are missing)."""
+    ort = import_onnxruntime()
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        return False
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph(
+        [helper.make_node("Identity", ["x"], ["y"])],
+        "probe",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [8])],
+    )
+    try:
+        if hasattr(ort, "preload_dlls"):  # the CUDA / cuDNN libraries of the nvidia-* pip packages
+            ort.preload_dlls()
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+        session = ort.InferenceSession(model.SerializeToString(), providers=CUDA_PROVIDERS)
+    except Exception:  # noqa: BLE001 - any failure to create means "not usable"
+        return False
+    return session.get_providers()[0] == "CUDAExecutionProvider"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pipeshard.runtime.pack import Pack, evaluate_cost
+from pipeshard.formats.manifest import Pack, evaluate_cost
 
 TIERS_SHOWN = (1, 64)
 MiB = 1024**2

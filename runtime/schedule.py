@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pipeshard.partitioner.planner import CPU, HOST_ONLY_KINDS, STREAMED, Plan
-from pipeshard.runtime.kv import PADDING_BIAS, SEQLENS, TOTAL
+from pipeshard.formats.io_names import PADDING_BIAS, SEQLENS, TOTAL
+from pipeshard.formats.plans import HOST_ONLY_KINDS, Placement, Plan
 from pipeshard.runtime.moe import MoeBlock, moe_blocks_of
 
 STEP_INPUTS = ("input_ids", "attention_mask", "position_ids")
@@ -121,10 +121,10 @@ def runs_of(layout: Layout, plan: Plan, tokens: int) -> list[tuple[str, str, str
         if tokens == 1 and name == layout.skippable_prologue:
             continue
         chunks = layout.chunks[name]
-        if chunks and any(plan.placements[u["name"]] != CPU for u in chunks):
+        if chunks and any(plan.placements[u["name"]] != Placement.CPU for u in chunks):
             runs += [(u["name"], plan.placements[u["name"]], name) for u in chunks]
         else:
-            placement = CPU if chunks or entry["kind"] in HOST_ONLY_KINDS else plan.placements[name]
+            placement = Placement.CPU if chunks or entry["kind"] in HOST_ONLY_KINDS else plan.placements[name]
             runs.append((name, placement, name))
     return runs
 
@@ -132,7 +132,7 @@ def runs_of(layout: Layout, plan: Plan, tokens: int) -> list[tuple[str, str, str
 def schedule(layout: Layout, plan: Plan, tokens: int, all_logits: bool = False) -> list[Split]:
     """The splits of one step of `tokens` new tokens per sequence under `plan`."""
     runs = runs_of(layout, plan, tokens)
-    side = {unit: HOST if placement == CPU else DEVICE for unit, placement, _ in runs}
+    side = {unit: HOST if placement == Placement.CPU else DEVICE for unit, placement, _ in runs}
     last_only = tokens > 1 and not all_logits
     # Who reads each residual tensor, and on which side (the host for what Python reads).
     readers: dict[str, set[str]] = {}
@@ -149,12 +149,12 @@ def schedule(layout: Layout, plan: Plan, tokens: int, all_logits: bool = False) 
         entry = layout.entries[sub_layer]
         here = side[unit]
         previous = splits[-1] if splits else None
-        if previous is None or previous.side != here or previous.after or placement == STREAMED:
-            splits.append(Split(here, [], wait=unit if placement == STREAMED else None))
+        if previous is None or previous.side != here or previous.after or placement == Placement.STREAMED:
+            splits.append(Split(here, [], wait=unit if placement == Placement.STREAMED else None))
         split = splits[-1]
         split.runs.append((unit, placement))
         after = split.after
-        if placement == STREAMED:
+        if placement == Placement.STREAMED:
             after.append(("release", unit))
         is_last_chunk = "#" in unit and (index + 1 == len(runs) or runs[index + 1][2] != sub_layer)
         if "#" not in unit or is_last_chunk:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pipeshard.errors import UserError
+from pipeshard.core.errors import UserError
 from pipeshard.runtime.generate import SamplingSettings, _first_stop, _TextStream, choose_next_tokens
 from pipeshard.runtime.kv import image_rows
 

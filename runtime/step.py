@@ -36,25 +36,23 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeshard.partitioner.planner import CPU, HOST_ONLY_KINDS, PINNED, STREAMED, Plan, planning_units
-from pipeshard.partitioner.simulate import EXPERT_RUN_ORDER, EXPERT_SLOTS
+from pipeshard.formats.export_info import NUMPY_DTYPES, compute_dtype, numpy_dtype
+from pipeshard.formats.io_names import IMAGE_FEATURES, MROPE_ROWS, PADDING_BIAS, SEQLENS, TOTAL
+from pipeshard.formats.manifest import Pack, load_pack
+from pipeshard.formats.plans import (
+    EXPERT_RUN_ORDER,
+    EXPERT_SLOTS,
+    HOST_ONLY_KINDS,
+    Placement,
+    Plan,
+    planning_units,
+)
 from pipeshard.runtime import capi
 from pipeshard.runtime.devices import CpuDevice, Device, drop_mapped_range
-from pipeshard.runtime.exportdir import NUMPY_DTYPES, compute_dtype, numpy_dtype
 from pipeshard.runtime.joined import JoinedGraph, join
-from pipeshard.runtime.kv import (
-    IMAGE_FEATURES,
-    MROPE_ROWS,
-    PADDING_BIAS,
-    SEQLENS,
-    TOTAL,
-    HostKvCache,
-    check_step_shape,
-    image_rows,
-    mrope_settings,
-)
+from pipeshard.runtime.kv import HostKvCache, check_step_shape, image_rows, mrope_settings
+from pipeshard.runtime.mapped_weights import MappedWeights
 from pipeshard.runtime.moe import ExpertStats, MoeBlock, chosen_experts, combine
-from pipeshard.runtime.pack import MappedWeights, Pack, load_pack
 from pipeshard.runtime.plansource import PlanBook
 from pipeshard.runtime.schedule import (
     DEVICE,
@@ -450,7 +448,7 @@ class Step:
         )
 
     def _stage_for(self, unit: str, placement: str) -> _Stage:
-        if placement != CPU:
+        if placement != Placement.CPU:
             return self._device_stage(unit)
         return (
             self._host_input_stage(unit)
@@ -733,10 +731,10 @@ class Step:
         self._free_device_residual()
         placements, units = plan.placements, self.layout.units
         expert_names = self.layout.expert_names
-        for name in [n for n in self._pinned if placements.get(n) != PINNED]:
+        for name in [n for n in self._pinned if placements.get(n) != Placement.PINNED]:
             self.device.free(self._pinned.pop(name), "pinned")
-        streamed = [n for n in units if placements[n] == STREAMED and n not in expert_names]
-        streamed_experts = [n for n in units if placements[n] == STREAMED and n in expert_names]
+        streamed = [n for n in units if placements[n] == Placement.STREAMED and n not in expert_names]
+        streamed_experts = [n for n in units if placements[n] == Placement.STREAMED and n in expert_names]
         expert_slot_bytes = max((self._unit_bytes(n)[2] for n in streamed_experts), default=0)
         if not streamed_experts or (self._expert_slots and self._expert_slots[0].nbytes != expert_slot_bytes):
             self._free_expert_slots()
@@ -749,7 +747,7 @@ class Step:
         wanted_attn = {
             e["name"]
             for e in self.layout.in_line
-            if e["kind"] == "attn" and placements[e["name"]] != CPU and e["name"] not in self._kv_streamed
+            if e["kind"] == "attn" and placements[e["name"]] != Placement.CPU and e["name"] not in self._kv_streamed
         }
         for attn in self._kv_on_device - wanted_attn:
             self._move_kv(attn, to_device=False)
@@ -758,7 +756,7 @@ class Step:
         for attn in wanted_attn - self._kv_on_device:
             self._move_kv(attn, to_device=True)
         for name in units:
-            if placements[name] == PINNED and name not in self._pinned:
+            if placements[name] == Placement.PINNED and name not in self._pinned:
                 source = self._mapped_bytes(name)
                 buffer = self.device.alloc(source.nbytes, "pinned")
                 self.device.upload_now(buffer, source)
@@ -786,11 +784,11 @@ class Step:
         on_cpu = [
             e
             for e in self.pack.sub_layers
-            if placements.get(e["name"]) == CPU
+            if placements.get(e["name"]) == Placement.CPU
             or e["kind"] in HOST_ONLY_KINDS
             or (
                 self.layout.chunks.get(e["name"])
-                and not any(placements[u["name"]] != CPU for u in self.layout.chunks[e["name"]])
+                and not any(placements[u["name"]] != Placement.CPU for u in self.layout.chunks[e["name"]])
             )
         ]
         for entry in sorted(on_cpu, key=lambda e: -e["weight_bytes"]):
@@ -912,9 +910,9 @@ class Step:
                 )
             else:
                 self._bind_host(stage, name, self._buffer(name), output=True)
-        if placement == PINNED:
+        if placement == Placement.PINNED:
             self._bind_weights(stage, unit, self._pinned[unit])
-        elif placement == CPU and "chunk_of" in self.layout.units.get(unit, {}):
+        elif placement == Placement.CPU and "chunk_of" in self.layout.units.get(unit, {}):
             self._bind_weights(stage, unit, None)
 
     def _bind_weights(self, stage: _Stage, unit: str, buffer) -> None:
@@ -995,9 +993,9 @@ class Step:
                 if stage.name in placement_of:
                     self._bind_stage(stage, stage.name, placement_of[stage.name])
                     continue
-                self._bind_stage(stage, stage.name, CPU)  # a joined one: its members' pinned weights too
+                self._bind_stage(stage, stage.name, Placement.CPU)  # a joined one: its members' pinned weights too
                 for unit in stage.members:
-                    if placement_of[unit] == PINNED:
+                    if placement_of[unit] == Placement.PINNED:
                         self._bind_weights(stage, unit, self._pinned[unit])
             if split.wait is not None:
                 program.append(partial(self._wait_for_slot, split_stages[0], split.wait))
@@ -1226,7 +1224,7 @@ class Step:
         self.expert_stats.record(block.layer, chosen, live.size)
         placement_of = {expert: plan.placements[block.experts[expert]] for expert, _ in chosen}
         chosen.sort(key=lambda pair: EXPERT_RUN_ORDER[placement_of[pair[0]]])
-        streamed = [block.experts[e] for e, _ in chosen if placement_of[e] == STREAMED]
+        streamed = [block.experts[e] for e, _ in chosen if placement_of[e] == Placement.STREAMED]
         copies: dict[str, tuple[int, object]] = {}
 
         def start_copy(position: int) -> None:
@@ -1242,9 +1240,9 @@ class Step:
         def run_expert(expert: int, rows_hidden: np.ndarray, rows_routing: np.ndarray) -> np.ndarray:
             name, placement = block.experts[expert], placement_of[expert]
             stage = self._stage_for(name, placement)
-            if placement == PINNED:
+            if placement == Placement.PINNED:
                 self._bind_weights(stage, name, self._pinned[name])
-            elif placement == STREAMED:
+            elif placement == Placement.STREAMED:
                 slot, copied = copies.pop(name)
                 waited = time.perf_counter()
                 copied.result()
@@ -1255,7 +1253,7 @@ class Step:
             stage.run_on_arrays(
                 {n: inputs[n] for n in stage.inputs}, stage.allocated_outputs[0], out, self.run_options
             )
-            if placement == STREAMED:
+            if placement == Placement.STREAMED:
                 self.device.released_after_compute(self._expert_slots[slot])
                 start_copy(streamed.index(name) + EXPERT_SLOTS)
             return out

@@ -10,7 +10,8 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
-from pipeshard.errors import UserError
+from pipeshard.core.errors import UserError
+from pipeshard.formats.chat_template import ChatTemplate
 
 
 class TextCodec:
@@ -33,12 +34,7 @@ class TextCodec:
             config = json.loads(config_path.read_text()) if config_path.is_file() else {}
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise UserError(f"{config_path} is not valid JSON ({exc})") from None
-        template_path = folder / "chat_template.jinja"
-        self.chat_template = (
-            template_path.read_text() if template_path.is_file() else config.get("chat_template")
-        )
-        self.bos_token = config.get("bos_token")
-        self.eos_token = config.get("eos_token")
+        self.template = ChatTemplate.read(folder)
         self.eos_token_ids = self._eos_ids(folder, config)
         pad = config.get("pad_token")
         self.pad_token_id = self.tokenizer.token_to_id(pad) if pad else None
@@ -68,26 +64,7 @@ class TextCodec:
     def render_messages(self, messages: list[dict[str, str]]) -> str:
         """A conversation (system, user, assistant, ... messages) through the chat template, ready for the
         next answer."""
-        if not self.chat_template:
-            raise UserError("this model has no chat template; use --no-chat-template")
-        import jinja2  # here, not at import: 7 MiB resident for something only a chat prompt needs
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-        environment = ImmutableSandboxedEnvironment(
-            trim_blocks=True, lstrip_blocks=True, undefined=jinja2.Undefined
-        )
-        environment.globals["raise_exception"] = _raise_template_error
-        try:
-            return environment.from_string(self.chat_template).render(
-                messages=messages,
-                add_generation_prompt=True,
-                bos_token=self.bos_token or "",
-                eos_token=self.eos_token or "",
-            )
-        except jinja2.TemplateError as exc:
-            raise UserError(
-                f"the model's chat template cannot be rendered ({type(exc).__name__}: {exc})"
-            ) from None
+        return self.template.render(messages)
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Token ids of `text`; with `add_special_tokens` the tokenizer adds what it adds to a plain prompt
@@ -104,7 +81,3 @@ def _return_freed_heap() -> None:
         trim = getattr(ctypes.CDLL(libc), "malloc_trim", None)  # glibc only (not musl)
         if trim is not None:
             trim(0)
-
-
-def _raise_template_error(message: str) -> None:
-    raise UserError(f"chat template: {message}")

@@ -17,18 +17,13 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from pipeshard.errors import UserError
-from pipeshard.partitioner.vision_memory import VisionShape, naive_workspace, tile_runs, vlmopt_peak
+from pipeshard.core.errors import UserError
+from pipeshard.formats.export_info import NUMPY_DTYPES
+from pipeshard.formats.manifest import WEIGHT_ALIGNMENT
+from pipeshard.formats.vision_memory import VisionShape, naive_workspace, tile_runs, vlmopt_peak
 from pipeshard.runtime import capi
-from pipeshard.runtime.exportdir import NUMPY_DTYPES
-from pipeshard.runtime.images import (
-    expand_image_tokens,
-    image_placeholder,
-    load_image,
-    preprocess,
-    qwen2_5_vl_vision_inputs,
-)
-from pipeshard.runtime.pack import WEIGHT_ALIGNMENT
+from pipeshard.runtime.images import expand_image_tokens, image_placeholder, load_image, preprocess
+from pipeshard.formats.vision_inputs import qwen2_5_vl_vision_inputs
 
 PIXEL_VALUES, IMAGE_FEATURES = "pixel_values", "image_features"
 WEIGHTS, WORKSPACE = "vision weights", "vision workspace"

@@ -19,7 +19,7 @@ CACHE = Path(os.environ.get("PIPESHARD_TEST_CACHE", REPO / "build" / "test-cache
 def _export_once(model: str, folder: Path, dtype: str = "fp32") -> Path:
     """Export unless a current export (same schema and dtype) is already there."""
     from pipeshard.exporter import export_model
-    from pipeshard.runtime.exportdir import EXPORT_SCHEMA_VERSION
+    from pipeshard.formats.export_info import EXPORT_SCHEMA_VERSION
 
     info = folder / "export.json"
     current = json.loads(info.read_text()) if info.is_file() else {}

@@ -6,7 +6,7 @@ import pytest
 
 from pipeshard.bench import PLANS, bench_prompt, first_difference, validate_bench
 from pipeshard.cli import main
-from pipeshard.errors import UserError
+from pipeshard.core.errors import UserError
 from pipeshard.runtime.text import TextCodec
 
 

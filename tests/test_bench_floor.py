@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeshard.runtime.pack import load_pack
+from pipeshard.formats.manifest import load_pack
 
 SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "bench_floor.py"
 

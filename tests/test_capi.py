@@ -9,7 +9,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
-from pipeshard.errors import UserError
+from pipeshard.core.errors import UserError
 from pipeshard.runtime import capi
 
 

@@ -8,9 +8,10 @@ import pytest
 import torch
 
 import pipeshard
+from pipeshard.core.fsutil import sha256_file
 from pipeshard.exporter.tiny import build_tiny_model
-from pipeshard.fsutil import sha256_file
-from pipeshard.partitioner.rules import DECODER_RULES, module_path, sub_layer_candidates
+from pipeshard.formats.io_names import module_path
+from pipeshard.partitioner.rules import DECODER_RULES, sub_layer_candidates
 
 
 def test_export_writes_the_documented_files(tiny_llama_export):

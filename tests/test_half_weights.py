@@ -11,13 +11,13 @@ import torch
 import pipeshard
 from pipeshard.exporter import export_model
 from pipeshard.exporter.sources import load_source, resolve_source
+from pipeshard.formats.manifest import load_pack
 from pipeshard.partitioner.estimator import Estimator
 from pipeshard.partitioner.partition import partition
 from pipeshard.partitioner.planner import Planner
 from pipeshard.profiles.db import load_profile
 from pipeshard.runtime import capi
 from pipeshard.runtime.joined import join
-from pipeshard.runtime.pack import load_pack
 from pipeshard.runtime.step import Step
 from pipeshard.runtime.weight_matmul import product_weights
 

@@ -24,9 +24,10 @@ from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
 )
 from transformers.models.qwen2_5_vl.processing_qwen2_5_vl import Qwen2_5_VLProcessor
 
-from pipeshard.errors import UserError
+from pipeshard.core.errors import UserError
 from pipeshard.exporter.image_processing import preprocessing_config, qwen2_vl_image_processor
 from pipeshard.exporter.tiny import build_byte_tokenizer
+from pipeshard.formats import vision_inputs
 from pipeshard.runtime import images
 
 # (width, height): tiny, landscape, 4:3, 16:9, and a tall strip; saved alternately as PNG and JPEG.
@@ -269,17 +270,17 @@ def test_qwen2_5_vl_window_and_rotary_indices_equal_transformers(loaded):
     _, config = _qwen()
     for grid in _grid_cases(loaded):
         torch_grid = torch.from_numpy(grid)
-        window_index, cu_window = images.vision_window_index(grid, config)
+        window_index, cu_window = vision_inputs.vision_window_index(grid, config)
         expected_index, expected_cu = vision_utils.get_vision_window_index(
             torch_grid, spatial_merge_size=2, window_size=config["window_size"], patch_size=14
         )
         np.testing.assert_array_equal(window_index, expected_index.numpy())
         np.testing.assert_array_equal(cu_window, expected_cu.numpy())
         assert window_index.dtype == np.int64 and cu_window.dtype == np.int32
-        cu_full = images.cu_seqlens(grid)
+        cu_full = vision_inputs.cu_seqlens(grid)
         np.testing.assert_array_equal(cu_full, vision_utils.get_vision_cu_seqlens(torch_grid).numpy())
         assert cu_full.dtype == np.int32
-        positions = images.rotary_position_ids(grid, 2)
+        positions = vision_inputs.rotary_position_ids(grid, 2)
         np.testing.assert_array_equal(positions, vision_utils.get_vision_position_ids(torch_grid, 2).numpy())
 
 
@@ -290,7 +291,7 @@ def test_qwen2_5_vl_vision_tower_gives_the_same_features_from_our_indices(loaded
     torch.manual_seed(0)
     tower = Qwen2_5_VisionTransformerPretrainedModel._from_config(model_config.vision_config).eval()
     ours = images.preprocess([loaded[1], loaded[4]], config)
-    window_index, cu_window = images.vision_window_index(ours.image_grid_thw, config)
+    window_index, cu_window = vision_inputs.vision_window_index(ours.image_grid_thw, config)
     pixels, grid = torch.from_numpy(ours.pixel_values), torch.from_numpy(ours.image_grid_thw)
     with torch.no_grad():
         expected = tower(pixels, grid).pooler_output
@@ -299,8 +300,8 @@ def test_qwen2_5_vl_vision_tower_gives_the_same_features_from_our_indices(loaded
             grid,
             window_index=torch.from_numpy(window_index),
             cu_window_seqlens=torch.from_numpy(cu_window),
-            cu_seqlens=torch.from_numpy(images.cu_seqlens(ours.image_grid_thw)),
-            position_ids=torch.from_numpy(images.rotary_position_ids(ours.image_grid_thw, 2)),
+            cu_seqlens=torch.from_numpy(vision_inputs.cu_seqlens(ours.image_grid_thw)),
+            position_ids=torch.from_numpy(vision_inputs.rotary_position_ids(ours.image_grid_thw, 2)),
         ).pooler_output
     assert given.shape[0] == sum(ours.image_tokens)
     torch.testing.assert_close(given, expected, rtol=0, atol=0)

@@ -4,7 +4,7 @@ import numpy as np
 import onnx
 import pytest
 
-from pipeshard.errors import UserError
+from pipeshard.core.errors import UserError
 from pipeshard.runtime.monolithic import MonolithicStep
 from pipeshard.runtime.step import Step
 

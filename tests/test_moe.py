@@ -325,7 +325,7 @@ def test_routing_stats_round_trip_through_the_cli(moe_model, tmp_path, capsys):
 
 
 def test_inspect_totals_count_k_experts_per_token(moe_model):
-    from pipeshard.runtime.pack import load_pack
+    from pipeshard.formats.manifest import load_pack
     from pipeshard.runtime.pack_info import pack_summary
 
     _, _, pack, manifest, _ = moe_model

@@ -60,7 +60,7 @@ def test_missing_onnxruntime_names_both_extras(monkeypatch):
 
     import pytest
 
-    from pipeshard.errors import UserError
+    from pipeshard.core.errors import UserError
     from pipeshard.runtime.ort import import_onnxruntime
 
     real_import = builtins.__import__

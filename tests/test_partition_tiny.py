@@ -8,11 +8,11 @@ import onnx
 import pytest
 
 import pipeshard
-from pipeshard.errors import UserError
+from pipeshard.core.errors import UserError
+from pipeshard.formats.manifest import WEIGHT_ALIGNMENT, load_pack
 from pipeshard.partitioner.costs import analytic_flops, checked_flops
 from pipeshard.partitioner.graph import CutError, SubLayer, verify_cut
 from pipeshard.partitioner.partition import partition
-from pipeshard.runtime.pack import WEIGHT_ALIGNMENT, load_pack
 
 PROMPTS = ["Hi", "What is the capital of France, and why is it famous?", "Count: 1 2 3"]
 

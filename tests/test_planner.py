@@ -5,11 +5,11 @@ import json
 import pytest
 
 from pipeshard.cli import main
-from pipeshard.errors import UserError
+from pipeshard.core.errors import UserError
+from pipeshard.formats.manifest import load_pack
 from pipeshard.partitioner.partition import partition
 from pipeshard.partitioner.planner import Planner, plans_document
 from pipeshard.profiles.db import REFERENCE_PROFILES, load_profile
-from pipeshard.runtime.pack import load_pack
 
 MiB = 1024**2
 TIERS = (1, 4, 16, 64, 256, 1024)

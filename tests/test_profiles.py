@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 
 from pipeshard.cli import main
-from pipeshard.errors import UserError
+from pipeshard.core.errors import UserError
 from pipeshard.profiles.db import (
     MAX_DB_BYTES,
     REFERENCE_PROFILES,
@@ -151,9 +151,9 @@ def test_quick_profile_finishes_within_two_minutes(tmp_path, capsys):
 def test_profile_with_a_pack_times_its_own_sub_layers_and_the_estimator_uses_them(
     tiny_llama_export, tmp_path
 ):
+    from pipeshard.formats.manifest import load_pack
     from pipeshard.partitioner.estimator import Estimator
     from pipeshard.partitioner.partition import partition
-    from pipeshard.runtime.pack import load_pack
 
     pack = tmp_path / "pack"
     partition(tiny_llama_export, pack)

@@ -9,7 +9,8 @@ import pytest
 
 import pipeshard
 from pipeshard.api import Engine
-from pipeshard.partitioner.planner import CPU, PINNED, STREAMED, Planner, planning_units
+from pipeshard.formats.plans import Placement, planning_units
+from pipeshard.partitioner.planner import Planner
 from pipeshard.profiles.db import load_profile
 from pipeshard.runtime.devices import make_device
 from pipeshard.runtime.plansource import PlanBook
@@ -39,9 +40,9 @@ def test_plans_split_the_output_layer_into_consecutive_row_ranges(tiny_pack):
 @pytest.mark.parametrize(
     "chunk_placements",
     [
-        (PINNED, STREAMED, CPU, STREAMED),
-        (STREAMED, STREAMED, STREAMED, STREAMED),
-        (CPU, PINNED, PINNED, CPU),
+        (Placement.PINNED, Placement.STREAMED, Placement.CPU, Placement.STREAMED),
+        (Placement.STREAMED, Placement.STREAMED, Placement.STREAMED, Placement.STREAMED),
+        (Placement.CPU, Placement.PINNED, Placement.PINNED, Placement.CPU),
     ],
 )
 def test_chunks_placed_anywhere_give_the_monolithic_tokens(tiny_pack, tiny_llama_export, chunk_placements):
@@ -52,7 +53,7 @@ def test_chunks_placed_anywhere_give_the_monolithic_tokens(tiny_pack, tiny_llama
     profile = load_profile("laptop-8gb")
     budget = Planner(manifest, profile, 1 << 40).minimum_budget() + 2_000_000
     planner = Planner(manifest, profile, budget, context=128, output_chunks=4)
-    placements = {u["name"]: STREAMED if u["kind"] == "attn" else CPU for u in planner.placeable}
+    placements = {u["name"]: Placement.STREAMED if u["kind"] == "attn" else Placement.CPU for u in planner.placeable}
     placements.update({f"final#{j}": p for j, p in enumerate(chunk_placements)})
     book = PlanBook([u["name"] for u in planner.sub_layers], planner, strategy="gpu-only")
     step = Step(Path(tiny_pack), make_device("sim", budget), book)
@@ -62,5 +63,5 @@ def test_chunks_placed_anywhere_give_the_monolithic_tokens(tiny_pack, tiny_llama
     engine.codec.eos_token_ids = []
     assert [g.tokens for g in engine.generate(PROMPTS, max_new_tokens=12)] == expected
     chunk_bytes = [65 * 256, 65 * 256, 65 * 256, 64 * 256]
-    streamed_chunks = sum(b for b, p in zip(chunk_bytes, chunk_placements, strict=True) if p == STREAMED)
+    streamed_chunks = sum(b for b, p in zip(chunk_bytes, chunk_placements, strict=True) if p == Placement.STREAMED)
     assert step.stats.streamed_bytes >= streamed_chunks and step.device.ledger.peak <= budget

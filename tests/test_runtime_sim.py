@@ -7,7 +7,7 @@ import pytest
 
 import pipeshard
 from pipeshard.cli import main
-from pipeshard.errors import UserError
+from pipeshard.core.errors import UserError
 from pipeshard.partitioner.planner import Planner
 from pipeshard.profiles.db import load_profile
 

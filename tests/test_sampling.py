@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from pipeshard.errors import UserError
+from pipeshard.core.errors import UserError
 from pipeshard.runtime.generate import SamplingSettings, choose_next_tokens
 
 LOGITS = np.array([[0.1, 3.0, 2.9, -1.0, 0.5], [5.0, 0.0, 0.0, 0.0, 4.9]])

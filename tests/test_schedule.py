@@ -6,9 +6,9 @@ import pytest
 
 import pipeshard
 from pipeshard.cli import main
-from pipeshard.partitioner.planner import CPU, PINNED, STREAMED, Planner
+from pipeshard.formats.plans import Placement, all_cpu_plan
+from pipeshard.partitioner.planner import Planner
 from pipeshard.profiles.db import load_profile
-from pipeshard.runtime.plansource import all_cpu_plan
 from pipeshard.runtime.schedule import Layout, schedule
 
 
@@ -19,7 +19,7 @@ def planner(tiny_pack):
 
 
 def placed(planner, **kinds) -> dict[str, str]:
-    return {u["name"]: kinds.get(u["kind"], CPU) for u in planner.sub_layers}
+    return {u["name"]: kinds.get(u["kind"], Placement.CPU) for u in planner.sub_layers}
 
 
 def test_the_all_cpu_plan_decodes_as_one_split_with_nothing_between_runs(planner):
@@ -34,7 +34,7 @@ def test_the_all_cpu_plan_decodes_as_one_split_with_nothing_between_runs(planner
 
 def test_pinned_attention_alternates_sides_with_a_copy_at_every_change(planner):
     layout = Layout(planner.manifest, planner.sub_layers)
-    plan = planner.evaluate("static", 1, placed(planner, attn=PINNED))
+    plan = planner.evaluate("static", 1, placed(planner, attn=Placement.PINNED))
     splits = schedule(layout, plan, tokens=1)
     assert [s.side for s in splits] == ["cpu"] + ["device", "cpu"] * 4
     assert [a for s in splits for a, _ in s.after] == ["copy in", "copy out"] * 4
@@ -42,11 +42,11 @@ def test_pinned_attention_alternates_sides_with_a_copy_at_every_change(planner):
 
 def test_every_streamed_unit_is_a_split_that_waits_for_it_and_releases_its_slot(planner):
     layout = Layout(planner.manifest, planner.sub_layers)
-    plan = planner.evaluate("gpu-only", 1, placed(planner, attn=STREAMED, ffn=PINNED))
+    plan = planner.evaluate("gpu-only", 1, placed(planner, attn=Placement.STREAMED, ffn=Placement.PINNED))
     splits = schedule(layout, plan, tokens=1)
     streamed = [s for s in splits if s.wait]
     assert [s.wait for s in streamed] == [f"L{i}.attn" for i in range(4)]
-    assert all(s.runs == [(s.wait, STREAMED)] and s.after[0] == ("release", s.wait) for s in streamed)
+    assert all(s.runs == [(s.wait, Placement.STREAMED)] and s.after[0] == ("release", s.wait) for s in streamed)
 
 
 def test_explain_prints_each_tiers_splits(tiny_pack, planner, capsys):
@@ -87,4 +87,4 @@ def test_the_step_runs_the_schedule_it_explains(tiny_pack, planner):
     assert step.splits == schedule(step.layout, step.active, tokens=1)  # the last step's: one new token
     assert any(" on device:" in line for line in step.explain())
     device_runs = [unit for split in step.splits if split.side == "device" for unit, _ in split.runs]
-    assert device_runs and all(step.active.placements[unit] != CPU for unit in device_runs)
+    assert device_runs and all(step.active.placements[unit] != Placement.CPU for unit in device_runs)

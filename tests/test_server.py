@@ -414,7 +414,7 @@ def test_the_engine_submits_through_its_scheduler_from_several_threads(tiny_pack
                 pool.map(lambda p: "".join(e.text for e in engine.submit(p, max_new_tokens=20)), PROMPTS[:6])
             )
         assert texts == [solo[p].text for p in PROMPTS[:6]]
-        with pytest.raises(pipeshard.errors.UserError, match="submit"):
+        with pytest.raises(pipeshard.core.errors.UserError, match="submit"):
             engine.generate("Hi")
     finally:
         engine.scheduler.close()

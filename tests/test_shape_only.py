@@ -7,7 +7,7 @@ import json
 import pytest
 
 from pipeshard.cli import main
-from pipeshard.runtime.pack import load_pack
+from pipeshard.formats.manifest import load_pack
 
 
 def _comparable(manifest: dict) -> dict:
@@ -64,7 +64,7 @@ def test_a_shape_only_pack_has_the_manifest_of_the_pack_made_from_real_weights(s
 @pytest.mark.slow
 def test_a_shape_only_moe_pack_has_the_manifest_of_the_pack_made_from_real_weights(tmp_path):
     from pipeshard.exporter import export_model
-    from pipeshard.exporter.shape_only import export_shape_only
+    from pipeshard.shape_only import export_shape_only
     from pipeshard.partitioner.partition import partition
 
     export_model("tiny:moe", tmp_path / "export", quiet=True)

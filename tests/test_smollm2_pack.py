@@ -9,8 +9,8 @@ import pytest
 from prompts import SMOLLM2_PROMPTS
 
 import pipeshard
+from pipeshard.formats.manifest import WEIGHT_ALIGNMENT, load_pack
 from pipeshard.partitioner.partition import partition
-from pipeshard.runtime.pack import WEIGHT_ALIGNMENT, load_pack
 
 pytestmark = pytest.mark.slow
 PROMPTS = SMOLLM2_PROMPTS

@@ -1,7 +1,7 @@
 import pytest
 
-from pipeshard.errors import UserError
-from pipeshard.units import format_bytes, parse_size
+from pipeshard.core.errors import UserError
+from pipeshard.core.units import format_bytes, parse_size
 
 
 @pytest.mark.parametrize(

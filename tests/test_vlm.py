@@ -14,7 +14,7 @@ import pytest
 from PIL import Image
 
 import pipeshard
-from pipeshard.errors import UserError
+from pipeshard.core.errors import UserError
 
 PROMPT = "What is in the picture?"
 NEW_TOKENS = 12

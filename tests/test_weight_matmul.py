@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 from onnx import TensorProto, helper
 
+from pipeshard.formats.export_info import BFLOAT16
 from pipeshard.runtime import capi
-from pipeshard.runtime.exportdir import BFLOAT16
 
 pytestmark = pytest.mark.skipif(
     not capi.custom_ops_available(), reason="the C extension (and with it the op) was not built"

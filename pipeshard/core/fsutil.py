@@ -11,7 +11,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from pipeshard.errors import UserError
+from pipeshard.core.errors import UserError
 
 
 def sha256_file(path: Path, chunk_bytes: int = 1 << 22) -> str:
@@ -105,3 +105,16 @@ def _process_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def read_json(path: Path, what: str) -> dict:
+    """Load a JSON object from `path`; a missing or malformed file is a UserError naming it."""
+    if not path.is_file():
+        raise UserError(f"{path.parent} is not a {what} (no {path.name})")
+    try:
+        document = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
+        raise UserError(f"{path} is not valid JSON ({exc})") from None
+    if not isinstance(document, dict):
+        raise UserError(f"{path} is not a JSON object")
+    return document

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
 
-from pipeshard.errors import UserError
+from pipeshard.core.errors import UserError
+from pipeshard.core.fsutil import read_json
 
 EXPORT_SCHEMA_VERSION = 2  # 2: attention is GroupQueryAttention over one in-place KV buffer
 KV_CACHE = {
@@ -41,19 +41,6 @@ def compute_dtype(model: dict) -> np.dtype:
 
 
 REQUIRED_FIELDS = ("architecture", "dims", "dtype", "model_file", "inputs", "outputs")
-
-
-def read_json(path: Path, what: str) -> dict:
-    """Load a JSON object from `path`; a missing or malformed file is a UserError naming it."""
-    if not path.is_file():
-        raise UserError(f"{path.parent} is not a {what} (no {path.name})")
-    try:
-        document = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise UserError(f"{path} is not valid JSON ({exc})") from None
-    if not isinstance(document, dict):
-        raise UserError(f"{path} is not a JSON object")
-    return document
 
 
 def read_export_info(folder: Path) -> dict:

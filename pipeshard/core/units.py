@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from pipeshard.errors import UserError
+from pipeshard.core.errors import UserError
 
 _UNITS = {
     "": 1,

@@ -1,0 +1,1 @@
+"""The bottom layer's helpers: errors, atomic files, sizes, the version. Imports nothing of the project."""

@@ -1,0 +1,38 @@
+"""The names in the exported graphs that the stages agree on: KV inputs and outputs, the attention's per-step
+inputs, a VLM decoder's image rows, and the module scope the exporter records on every node."""
+
+from __future__ import annotations
+
+import ast
+import re
+
+PAST_PREFIX = "past_key_values."
+PRESENT_PREFIX = "present."
+IMAGE_FEATURES = "image_features"  # a VLM decoder's rows for the step's image tokens (none on most steps)
+# GroupQueryAttention's per-step inputs besides the KV buffers, made by the exported graph (a pack's prologue)
+# from `attention_mask`: each row's length - 1 (int32 [batch]), the total length (int32 scalar), and the
+# additive bias of the padding alone ([batch, 1, new, total]: 0 where the mask is set, the dtype's lowest
+# value elsewhere). GQA reads each row's length from seqlens_k alone; the total length only has to match the
+# bias's last dimension, so at one new token both may be the KV capacity.
+SEQLENS = "_gqa_seqlens_k"
+TOTAL = "_gqa_total_sequence_length"
+PADDING_BIAS = "_gqa_padding_bias"
+ROTARY_CACHES = ("_gqa_cos_cache", "_gqa_sin_cache")  # the tables' rows 0 .. total - 1, per step
+MROPE_ROWS = 3  # an M-RoPE decoder's position_ids are [3, batch, new tokens]: time, row, column
+# The torch exporter's record of a node's module scopes (`metadata_props`), which sub-layers are cut by.
+SCOPES_KEY = "pkg.torch.onnx.name_scopes"
+
+
+def present_name(past: str) -> str:
+    return PRESENT_PREFIX + past[len(PAST_PREFIX) :]
+
+
+def module_path(node) -> str | None:
+    """The innermost module scope recorded on an ONNX `node`, or None when the exporter recorded none."""
+    for prop in node.metadata_props:
+        if prop.key == SCOPES_KEY:
+            scopes = ast.literal_eval(prop.value)
+            # The last entry is the op's own name; the one before it is its module. A sliced ModuleList
+            # (`self.layers[:n]`) is sometimes recorded as `layers.slice(None, n, None).i`.
+            return re.sub(r"\.slice\([^)]*\)", "", scopes[-2]) if len(scopes) >= 2 else ""
+    return None

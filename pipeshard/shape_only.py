@@ -1,0 +1,53 @@
+"""`pipeshard export MODEL OUT --shape-only`: a model pack from a config alone, for planning. The exporter
+traces a probe of a few layers on the meta device, the partitioner cuts it, and its last layer (its last expert)
+is repeated to the model's counts (docs/model-pack.md, "Shape-only packs")."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from pipeshard.core.fsutil import atomic_output_dir, check_output_dir, write_json_atomic
+from pipeshard.exporter.shape_only import PROBE_LAYERS, expert_count, trace_shape_probe
+from pipeshard.formats.manifest import MANIFEST_NAME
+from pipeshard.partitioner.partition import partition
+from pipeshard.partitioner.repeat import repeat_experts, repeat_layers
+
+
+@dataclass
+class ShapeOnlyResult:
+    """What a shape-only export wrote."""
+
+    pack: Path
+    sub_layers: int
+    weight_bytes: int
+    seconds: float
+
+
+def export_shape_only(
+    model: str, out: Path, dtype: str = "fp16", force: bool = False, probe_layers: int = PROBE_LAYERS
+) -> ShapeOnlyResult:
+    """Write the shape-only pack of MODEL's config to OUT (atomically): manifest.json and config.json."""
+    out = Path(out)
+    check_output_dir(out, force)
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="pipeshard-shape-only-") as scratch:
+        export_dir, probe_pack = Path(scratch) / "export", Path(scratch) / "pack"
+        export_dir.mkdir()
+        config = trace_shape_probe(model, dtype, export_dir, probe_layers)
+        partition(export_dir, probe_pack)
+        manifest = json.loads((probe_pack / MANIFEST_NAME).read_text())
+        experts = expert_count(config)
+        if experts:
+            manifest = repeat_experts(manifest, experts)
+        manifest = repeat_layers(manifest, config.num_hidden_layers)
+        manifest["source"] = {"config": model, "shape_only": True}
+        with atomic_output_dir(out, force) as staging:
+            config.save_pretrained(staging)
+            write_json_atomic(staging / MANIFEST_NAME, manifest)
+    return ShapeOnlyResult(
+        out, len(manifest["sub_layers"]), manifest["total_weight_bytes"], time.perf_counter() - started
+    )
