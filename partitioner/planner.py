@@ -9,10 +9,12 @@ live in their own modules.
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 
 from pipeshard.core.errors import UserError
 from pipeshard.core.version import __version__
+from pipeshard.formats.manifest import Manifest, SubLayer
 from pipeshard.formats.plans import (
     BASELINES,
     DEFAULT_TIERS,
@@ -28,6 +30,8 @@ from pipeshard.formats.plans import (
 from pipeshard.partitioner.estimator import Estimator
 from pipeshard.partitioner.simulate import Simulation, simulate
 
+log = logging.getLogger(__name__)
+
 DYNAMIC_MOVES = (
     128  # up to this many candidates, the dynamic search tries each alone (see Planner.dynamic) ...
 )
@@ -38,13 +42,14 @@ KV_STREAMING_SHARE = (
 
 
 class Planner:
-    """Makes plans for one pack, profile, budget, context and batch; replanning is cheap (no I/O)."""
+    """Makes plans for one pack, profile, context and batch, for whatever budget each call names; replanning is
+    cheap (no I/O). A plan source for the runtime (runtime/plansource.py `PlanSource`): the budget is the caller's
+    (the runtime's PlanBook owns it), so one planner serves every budget of a ladder."""
 
     def __init__(
         self,
-        manifest: dict,
+        manifest: Manifest,
         profile: dict,
-        budget_bytes: int,
         context: int = 4096,
         batch: int = 1,
         threads: int | None = None,
@@ -53,9 +58,9 @@ class Planner:
         assume_bits: float | None = None,
     ) -> None:
         self.manifest = manifest
-        self.model = manifest["model"]
-        self.sub_layers = planning_units(manifest["sub_layers"], output_chunks)
-        self.units = {e["name"]: e for e in self.sub_layers}
+        self.model = manifest.model
+        self.units: list[SubLayer] = planning_units(manifest.sub_layers, output_chunks)
+        self.by_name = {e.name: e for e in self.units}
         self.profile = profile
         # Planning only (comparisons with quantized figures): every weight takes `assume_bits` bits instead of
         # the pack's dtype, in VRAM, copies and reads; compute rates, activations and KV stay the pack's.
@@ -64,34 +69,29 @@ class Planner:
             profile,
             self.model,
             threads,
-            manifest.get("source", {}).get("model_sha256"),
+            manifest.source.get("model_sha256"),
             weight_bits=assume_bits,
         )
         self.context = context
         self.batch = batch
-        self.budget_bytes = budget_bytes
         self.ep_overhead = int(profile["device"].get("ep_overhead_bytes") or 0)
         self.device_memory = profile["device"].get("memory_bytes")
         # The simulated device computes on the host's cores: its sub-layers slow under copies like the CPU's.
         self.device_shares_cpu = profile["device"]["kind"] == "sim"
         owned = {}
-        for entry in self.sub_layers:
-            for weight in entry["weights"]:
-                owned[(weight["file"], weight["offset"])] = weight["bytes"]
+        for entry in self.units:
+            for weight in entry.weights:
+                owned[(weight.file, weight.offset)] = weight.bytes
         scale = self.estimator.weight_scale
         self.weight_bytes = {
-            e["name"]: round(
-                scale * (e["weight_bytes"] if "chunk_of" in e else sum(w["bytes"] for w in e["weights"]))
-            )
-            for e in self.sub_layers
+            e.name: round(scale * (e.weight_bytes if e.chunk else sum(w.bytes for w in e.weights)))
+            for e in self.units
         }
         self.model_bytes = round(scale * sum(owned.values()))
-        self.placeable = [e for e in self.sub_layers if e["kind"] not in HOST_ONLY_KINDS]
+        self.placeable = [e for e in self.units if e.kind not in HOST_ONLY_KINDS]
         self.routing_share = expert_routing_shares(manifest, expert_stats)
         # Streamed experts can be copied only once their router has run.
-        self.copy_gates = {
-            expert: block["router"] for block in manifest.get("moe_blocks", []) for expert in block["experts"]
-        }
+        self.copy_gates = {expert: block.router for block in manifest.moe_blocks for expert in block.experts}
         # Canonical pin priority: attention (with its KV) first, then FFN in layer order, then the output
         # layer; in a MoE model the routers, the output layer, then the experts, most popular first.
         order = {"attn": 0, "router": 1, "ffn": 2, "final": 3}
@@ -99,69 +99,52 @@ class Planner:
             order.update(final=2, expert=3)
         self.priority = sorted(
             self.placeable,
-            key=lambda e: (
-                order.get(e["kind"], 2),
-                -self.routing_share.get(e["name"], 0.0),
-                e["layer"] or 0,
-                e.get("expert", 0),
-            ),
+            key=lambda e: (order.get(e.kind, 2), -self.routing_share.get(e.name, 0.0), e.layer or 0, e.expert or 0),
         )
         self._cost_cache: dict[int, tuple[dict, dict, float]] = {}
 
     # -- accounting -------------------------------------------------------------------------------------------------
-    def kv_bytes(self, entry: dict) -> int:
-        return entry["kv"]["bytes_per_token"] * self.context * self.batch if entry.get("kv") else 0
+    def kv_bytes(self, entry: SubLayer) -> int:
+        return entry.kv.bytes_per_token * self.context * self.batch if entry.kv else 0
 
     def workspace_bytes(self, tier: int) -> int:
         """Activation workspace on the device for one step of `tier` tokens (the largest sub-layer's)."""
         element = self.estimator.element
-        hidden, inter = self.model["hidden_size"], self.model["intermediate_size"]
-        scores = 4 * self.model["num_attention_heads"] * tier * min(self.context, 1 << 20)
-        logits = (
-            4 * min(tier, self.batch) * self.model["vocab_size"]
-        )  # the output layer: each sequence's last
+        hidden, inter = self.model.hidden_size, self.model.intermediate_size
+        scores = 4 * self.model.num_attention_heads * tier * min(self.context, 1 << 20)
+        logits = 4 * min(tier, self.batch) * self.model.vocab_size  # the output layer: each sequence's last
         return tier * element * (4 * hidden + 3 * inter) + max(scores, logits)
 
     def vram(
         self, placements: dict[str, str], tier: int, slots: int, kv_streamed: frozenset[str] = frozenset()
     ) -> VramBreakdown:
-        on_device = [e for e in self.placeable if placements[e["name"]] != Placement.CPU]
-        streamed = [e for e in on_device if placements[e["name"]] == Placement.STREAMED and e["kind"] != "expert"]
-        streamed_experts = [
-            e for e in on_device if placements[e["name"]] == Placement.STREAMED and e["kind"] == "expert"
-        ]
+        on_device = [e for e in self.placeable if placements[e.name] != Placement.CPU]
+        streamed = [e for e in on_device if placements[e.name] == Placement.STREAMED and e.kind != "expert"]
+        streamed_experts = [e for e in on_device if placements[e.name] == Placement.STREAMED and e.kind == "expert"]
         return VramBreakdown(
-            pinned_weights=sum(
-                self.weight_bytes[e["name"]] for e in on_device if placements[e["name"]] == Placement.PINNED
-            ),
-            kv_cache=sum(self.kv_bytes(e) for e in on_device if e["name"] not in kv_streamed),
-            staging_slots=slots * max((self.weight_bytes[e["name"]] for e in streamed), default=0)
-            if streamed
-            else 0,
-            kv_staging=slots
-            * max((self.kv_bytes(e) for e in streamed if e["name"] in kv_streamed), default=0),
-            expert_slots=EXPERT_SLOTS
-            * max((self.weight_bytes[e["name"]] for e in streamed_experts), default=0),
+            pinned_weights=sum(self.weight_bytes[e.name] for e in on_device if placements[e.name] == Placement.PINNED),
+            kv_cache=sum(self.kv_bytes(e) for e in on_device if e.name not in kv_streamed),
+            staging_slots=slots * max((self.weight_bytes[e.name] for e in streamed), default=0) if streamed else 0,
+            kv_staging=slots * max((self.kv_bytes(e) for e in streamed if e.name in kv_streamed), default=0),
+            expert_slots=EXPERT_SLOTS * max((self.weight_bytes[e.name] for e in streamed_experts), default=0),
             workspace=self.workspace_bytes(tier) if on_device else 0,
             ep_overhead=self.ep_overhead,
         )
 
-    def kv_streaming_modes(self) -> tuple[bool, ...]:
+    def kv_streaming_modes(self, budget_bytes: int) -> tuple[bool, ...]:
         """Whether plans are made with resident KV only, or also with the streamed attentions' KV streamed: the
         latter only where the KV of every attention is a real share of the budget (otherwise it frees little room
         and only adds copies) and one attention's KV fits in it."""
-        kv = [self.kv_bytes(e) for e in self.placeable if e.get("kv")]
-        usable = self.budget_bytes - self.minimum_budget()
+        kv = [self.kv_bytes(e) for e in self.placeable if e.kv]
+        usable = budget_bytes - self.minimum_budget()
         # ... and where a KV slot can fit at all.
         return (
             (False, True) if kv and sum(kv) > KV_STREAMING_SHARE * usable and max(kv) < usable else (False,)
         )
 
     @staticmethod
-    def streamed_attentions(placements: dict[str, str], sub_layers: list[dict]) -> frozenset[str]:
-        return frozenset(
-            e["name"] for e in sub_layers if e["kind"] == "attn" and placements[e["name"]] == Placement.STREAMED
-        )
+    def streamed_attentions(placements: dict[str, str], units: list[SubLayer]) -> frozenset[str]:
+        return frozenset(e.name for e in units if e.kind == "attn" and placements[e.name] == Placement.STREAMED)
 
     def minimum_budget(self) -> int:
         """The smallest plan: nothing on the device (static with nothing pinned) still needs the EP."""
@@ -173,22 +156,22 @@ class Planner:
         strategy: str,
         tier: int,
         placements: dict[str, str],
+        budget_bytes: int,
         slots: int = STAGING_SLOTS,
         prefetch: bool = True,
         detail: bool = False,
         kv_streaming: bool = False,
     ) -> Plan:
-        """The plan of these placements; with `kv_streaming`, every streamed attention's KV lives in host memory
-        and is uploaded with its weights (and its new rows downloaded after it ran): copies instead of VRAM."""
-        full = {e["name"]: placements.get(e["name"], Placement.CPU) for e in self.sub_layers}
+        """The plan of these placements, made for `budget_bytes` (which it records; `fits` checks it against it);
+        with `kv_streaming`, every streamed attention's KV lives in host memory and is uploaded with its weights
+        (and its new rows downloaded after it ran): copies instead of VRAM."""
+        full = {e.name: placements.get(e.name, Placement.CPU) for e in self.units}
         compute, copies, activation = self._costs(tier)
         kv_streamed = self.streamed_attentions(full, self.placeable) if kv_streaming else frozenset()
         if kv_streamed:
             copies = {
                 **copies,
-                **{
-                    name: copies[name] + self._kv_copy_seconds(self.units[name], tier) for name in kv_streamed
-                },
+                **{name: copies[name] + self._kv_copy_seconds(self.by_name[name], tier) for name in kv_streamed},
             }
         slowdown = 1.0
         if any(p == Placement.STREAMED for p in full.values()):
@@ -197,7 +180,7 @@ class Planner:
             )
             slowdown = _nearest_tier_factor(factors, tier)
         simulation: Simulation = simulate(
-            self.sub_layers,
+            self.units,
             full,
             compute,
             copies,
@@ -219,7 +202,7 @@ class Planner:
             simulation.step_s,
             tier / simulation.step_s,
             vram,
-            self.budget_bytes,
+            budget_bytes,
             streamed_bytes,
             simulation.copy_hidden_s / simulation.copy_busy_s if simulation.copy_busy_s else 1.0,
             slots,
@@ -228,13 +211,13 @@ class Planner:
             simulation.timeline,
         )
 
-    def kv_bytes_moved(self, entry: dict, tier: int) -> tuple[int, int]:
+    def kv_bytes_moved(self, entry: SubLayer, tier: int) -> tuple[int, int]:
         """A streamed attention's KV traffic per step when its KV streams: (its cache uploaded, the step's new rows
         downloaded)."""
-        per_token = entry["kv"]["bytes_per_token"]
+        per_token = entry.kv.bytes_per_token
         return per_token * self.context * self.batch, per_token * tier
 
-    def _kv_copy_seconds(self, entry: dict, tier: int) -> float:
+    def _kv_copy_seconds(self, entry: SubLayer, tier: int) -> float:
         return sum(
             self.estimator.copy_seconds(nbytes, under_cpu_load=True, tokens=tier)
             for nbytes in self.kv_bytes_moved(entry, tier)
@@ -244,54 +227,58 @@ class Planner:
         """Per MoE layer, the expected number of distinct experts `tokens` tokens activate:
         sum over experts of 1-(1-p)^T (E(1-(1-k/E)^T) under uniform routing)."""
         expected: dict[int, float] = {}
-        for e in self.sub_layers:
-            if e["name"] in self.routing_share:
-                chosen = 1.0 - (1.0 - self.routing_share[e["name"]]) ** tokens
-                expected[e["layer"]] = expected.get(e["layer"], 0.0) + chosen
+        for e in self.units:
+            if e.name in self.routing_share:
+                chosen = 1.0 - (1.0 - self.routing_share[e.name]) ** tokens
+                expected[e.layer] = expected.get(e.layer, 0.0) + chosen
         return expected
 
     def clear_costs(self) -> None:
         """Forget cached estimates (after context or batch changed)."""
         self._cost_cache.clear()
 
+    def resize(self, batch: int, context: int) -> None:
+        """Make later plans for `batch` sequences of `context` tokens (the device's KV is sized by them)."""
+        self.batch, self.context = batch, context
+        self.clear_costs()
+
     def _costs(self, tier: int) -> tuple[dict, dict, float]:
         """Estimator results for a tier, computed once: (compute seconds per device, copy seconds, activation copy)."""
         if tier not in self._cost_cache:
             estimator = self.estimator
             # The output layer computes only each sequence's last position (what generation reads).
-            tokens = {
-                e["name"]: min(tier, self.batch) if e["kind"] == "final" else tier for e in self.sub_layers
-            }
+            tokens = {e.name: min(tier, self.batch) if e.kind == "final" else tier for e in self.units}
             # An expert runs only in steps where some token chose it, over the tokens that did: its
             # expected time is P(chosen by any of T tokens) x its time over the tokens routed to it then.
             share = {}
-            for e in self.sub_layers:
-                share[e["name"]] = e.get("share", 1.0)
-                if e["name"] in self.routing_share:
-                    p = self.routing_share[e["name"]]
-                    share[e["name"]] = 1.0 - (1.0 - p) ** tier
-                    tokens[e["name"]] = tier * p / share[e["name"]] if share[e["name"]] > 0 else 0.0
+            for e in self.units:
+                share[e.name] = e.chunk.share if e.chunk else 1.0
+                if e.name in self.routing_share:
+                    p = self.routing_share[e.name]
+                    share[e.name] = 1.0 - (1.0 - p) ** tier
+                    tokens[e.name] = tier * p / share[e.name] if share[e.name] > 0 else 0.0
             compute = {
-                e["name"]: {
-                    device: share[e["name"]]
-                    * estimator.compute_seconds(e, tokens[e["name"]], self.context, device == "gpu")
+                e.name: {
+                    device: share[e.name] * estimator.compute_seconds(e, tokens[e.name], self.context, device == "gpu")
                     for device in ("cpu", "gpu")
                 }
-                for e in self.sub_layers
+                for e in self.units
             }
             # A row chunk's bytes are its own (its share is of the layer's compute); an expert is copied only in
             # the steps that chose it.
             copies = {
-                e["name"]: (share[e["name"]] if e["name"] in self.routing_share else 1.0)
-                * estimator.copy_seconds(self.weight_bytes[e["name"]], under_cpu_load=True, tokens=tier)
-                for e in self.sub_layers
+                e.name: (share[e.name] if e.name in self.routing_share else 1.0)
+                * estimator.copy_seconds(self.weight_bytes[e.name], under_cpu_load=True, tokens=tier)
+                for e in self.units
             }
-            activation = estimator.copy_seconds(tier * self.model["hidden_size"] * estimator.element)
+            activation = estimator.copy_seconds(tier * self.model.hidden_size * estimator.element)
             self._cost_cache[tier] = (compute, copies, activation)
         return self._cost_cache[tier]
 
-    def fits(self, plan: Plan) -> bool:
-        return plan.vram.total <= self.budget_bytes
+    @staticmethod
+    def fits(plan: Plan) -> bool:
+        """Whether a plan's VRAM is within the budget it was made for."""
+        return plan.vram.total <= plan.budget_bytes
 
     # -- policies ---------------------------------------------------------------------------------------------------
     def _pin_prefix(
@@ -299,50 +286,52 @@ class Planner:
         tier: int,
         base: dict[str, str],
         slots: int,
-        priority: list[dict] | None = None,
+        budget_bytes: int,
+        priority: list[SubLayer] | None = None,
         kv_streaming: bool = False,
         room_bytes: int = 0,
     ) -> dict[str, str]:
-        """Pin in priority order while the plan still fits with `room_bytes` to spare (placements not pinned keep
-        `base`). The VRAM of each longer prefix is updated from the previous one (what `vram` would add up anew),
-        so this is linear in the units. With `kv_streaming`, streamed attentions keep their KV in host memory
-        (one KV slot beside each staging slot while any is left); a pinned attention's KV is resident."""
+        """Pin in priority order while the plan still fits `budget_bytes` with `room_bytes` to spare (placements
+        not pinned keep `base`). The VRAM of each longer prefix is updated from the previous one (what `vram` would
+        add up anew), so this is linear in the units. With `kv_streaming`, streamed attentions keep their KV in
+        host memory (one KV slot beside each staging slot while any is left); a pinned attention's KV is
+        resident."""
         order = priority or self.priority
         placements = dict(base)
-        in_order = {e["name"] for e in order}
+        in_order = {e.name for e in order}
         weights = self.weight_bytes
         kv_streamed = self.streamed_attentions(base, self.placeable) if kv_streaming else frozenset()
         vram = self.vram(base, tier, slots, kv_streamed)
         pinned, kv = vram.pinned_weights, vram.kv_cache
-        kv_slot = slots * max((self.kv_bytes(self.units[name]) for name in kv_streamed), default=0)
+        kv_slot = slots * max((self.kv_bytes(self.by_name[name]) for name in kv_streamed), default=0)
         kv_streams_left = len(kv_streamed)
-        on_device = sum(1 for e in self.placeable if base[e["name"]] != Placement.CPU)
+        on_device = sum(1 for e in self.placeable if base[e.name] != Placement.CPU)
         # The staging slots are as large as the largest unit still streamed: the largest outside `order`, or the
         # largest of those after the prefix (suffix maxima over `order`), for ring units and experts apart.
         streamed_left = {False: 0, True: 0}
         largest_outside = {False: 0, True: 0}
         for e in self.placeable:
-            if base[e["name"]] == Placement.STREAMED:
-                is_expert = e["kind"] == "expert"
+            if base[e.name] == Placement.STREAMED:
+                is_expert = e.kind == "expert"
                 streamed_left[is_expert] += 1
-                if e["name"] not in in_order:
-                    largest_outside[is_expert] = max(largest_outside[is_expert], weights[e["name"]])
+                if e.name not in in_order:
+                    largest_outside[is_expert] = max(largest_outside[is_expert], weights[e.name])
         suffix = {False: [0] * (len(order) + 1), True: [0] * (len(order) + 1)}
         for index in range(len(order) - 1, -1, -1):
             entry = order[index]
             for is_expert in (False, True):
                 own = (
-                    weights[entry["name"]]
-                    if base[entry["name"]] == Placement.STREAMED and (entry["kind"] == "expert") == is_expert
+                    weights[entry.name]
+                    if base[entry.name] == Placement.STREAMED and (entry.kind == "expert") == is_expert
                     else 0
                 )
                 suffix[is_expert][index] = max(suffix[is_expert][index + 1], own)
         fixed = vram.ep_overhead + vram.reserve + room_bytes
         workspace = self.workspace_bytes(tier)
         for index, entry in enumerate(order):
-            name = entry["name"]
+            name = entry.name
             was = base[name]
-            is_expert = entry["kind"] == "expert"
+            is_expert = entry.kind == "expert"
             left = dict(streamed_left)
             if was == Placement.STREAMED:
                 left[is_expert] -= 1
@@ -360,74 +349,73 @@ class Planner:
                 + (workspace if trial_on_device else 0)
                 + fixed
             )
-            if total > self.budget_bytes:
+            if total > budget_bytes:
                 break
             placements[name] = Placement.PINNED
             pinned, kv, on_device, streamed_left = trial_pinned, trial_kv, trial_on_device, left
             kv_streams_left = trial_kv_streams
         return placements
 
-    def gpu_only(self, tier: int) -> Plan | None:
+    def gpu_only(self, tier: int, budget_bytes: int) -> Plan | None:
         """Everything on the GPU: pin by priority, stream the rest through 2 slots (1 if 2 do not fit), their KV
         resident or (where that cannot fit) streamed with them. Every staging slot is as large as the largest
         streamed sub-layer, so pinning that one first (a big output layer) can free more memory than it takes:
         both orders are tried."""
-        streamed_all = {e["name"]: Placement.STREAMED for e in self.placeable}
-        largest = max(self.placeable, key=lambda e: self.weight_bytes[e["name"]])
+        streamed_all = {e.name: Placement.STREAMED for e in self.placeable}
+        largest = max(self.placeable, key=lambda e: self.weight_bytes[e.name])
         largest_first = [largest, *(e for e in self.priority if e is not largest)]
         candidates = []
-        for kv_streaming in self.kv_streaming_modes():
-            kv_streamed = (
-                self.streamed_attentions(streamed_all, self.placeable) if kv_streaming else frozenset()
-            )
+        for kv_streaming in self.kv_streaming_modes(budget_bytes):
+            kv_streamed = self.streamed_attentions(streamed_all, self.placeable) if kv_streaming else frozenset()
             for priority in (self.priority, largest_first):
                 for slots in (STAGING_SLOTS, 1):
-                    placements = self._pin_prefix(tier, streamed_all, slots, priority, kv_streaming)
+                    placements = self._pin_prefix(tier, streamed_all, slots, budget_bytes, priority, kv_streaming)
                     still_streamed = kv_streamed & self.streamed_attentions(placements, self.placeable)
-                    if self.vram(placements, tier, slots, still_streamed).total <= self.budget_bytes:
+                    if self.vram(placements, tier, slots, still_streamed).total <= budget_bytes:
                         candidates.append(
                             self.evaluate(
-                                "gpu-only", tier, placements, slots=slots, kv_streaming=kv_streaming
+                                "gpu-only", tier, placements, budget_bytes, slots=slots, kv_streaming=kv_streaming
                             )
                         )
                         break
         return min(candidates, key=lambda p: p.step_s) if candidates else None
 
-    def static(self, tier: int) -> Plan:
-        placements = self._pin_prefix(tier, {e["name"]: Placement.CPU for e in self.placeable}, 0)
-        return self.evaluate("static", tier, placements, slots=0)
+    def static(self, tier: int, budget_bytes: int) -> Plan:
+        placements = self._pin_prefix(tier, {e.name: Placement.CPU for e in self.placeable}, 0, budget_bytes)
+        return self.evaluate("static", tier, placements, budget_bytes, slots=0)
 
     def _streaming_room(self, slots: int, kv_streaming: bool) -> int:
         """What moving units to streaming needs on top of the pinned ones: the staging slots (as large as the
         largest ring unit), the experts' slots, and with `kv_streaming` the KV slots."""
-        ring = [e for e in self.placeable if e["kind"] != "expert"]
-        experts = [e for e in self.placeable if e["kind"] == "expert"]
-        attentions = [e for e in self.placeable if e["kind"] == "attn"]
+        ring = [e for e in self.placeable if e.kind != "expert"]
+        experts = [e for e in self.placeable if e.kind == "expert"]
+        attentions = [e for e in self.placeable if e.kind == "attn"]
         return (
-            slots * max((self.weight_bytes[e["name"]] for e in ring), default=0)
-            + EXPERT_SLOTS * max((self.weight_bytes[e["name"]] for e in experts), default=0)
+            slots * max((self.weight_bytes[e.name] for e in ring), default=0)
+            + EXPERT_SLOTS * max((self.weight_bytes[e.name] for e in experts), default=0)
             + (slots * max((self.kv_bytes(e) for e in attentions), default=0) if kv_streaming else 0)
         )
 
-    def dynamic(self, tier: int) -> Plan | None:
+    def dynamic(self, tier: int, budget_bytes: int) -> Plan | None:
         """Pin as static, leaving room for the slots; then, in order of the time they would save on the GPU, move
         the remaining sub-layers from the CPU to streaming (their KV resident, or streamed where the budget calls
         for it), keeping each move that the simulation says helps (one simulation per move: cheap enough to
         replan between steps). A move is one sub-layer, or with more than DYNAMIC_MOVES candidates (MoE packs of
         thousands of experts) one of DYNAMIC_BLOCKS blocks of neighbours in that order."""
         best_plan = None
-        all_cpu = {e["name"]: Placement.CPU for e in self.placeable}
+        all_cpu = {e.name: Placement.CPU for e in self.placeable}
         compute, copies, _ = self._costs(tier)
-        for kv_streaming in self.kv_streaming_modes():
+        for kv_streaming in self.kv_streaming_modes(budget_bytes):
             for slots in (STAGING_SLOTS, 1):
                 placements = self._pin_prefix(
                     tier,
                     all_cpu,
                     slots,
+                    budget_bytes,
                     kv_streaming=kv_streaming,
                     room_bytes=self._streaming_room(slots, kv_streaming),
                 )
-                plan = self._dynamic_moves(tier, placements, slots, kv_streaming, compute, copies)
+                plan = self._dynamic_moves(tier, placements, budget_bytes, slots, kv_streaming, compute, copies)
                 if plan is not None and (best_plan is None or plan.step_s < best_plan.step_s):
                     best_plan = plan
         return best_plan
@@ -436,6 +424,7 @@ class Planner:
         self,
         tier: int,
         placements: dict[str, str],
+        budget_bytes: int,
         slots: int,
         kv_streaming: bool,
         compute: dict,
@@ -443,74 +432,76 @@ class Planner:
     ) -> Plan | None:
         candidates = [n for n, p in placements.items() if p == Placement.CPU]
         candidates.sort(key=lambda n: compute[n]["gpu"] + copies[n] - compute[n]["cpu"])
-        best = self.evaluate("dynamic", tier, placements, slots=slots, kv_streaming=kv_streaming)
+        best = self.evaluate("dynamic", tier, placements, budget_bytes, slots=slots, kv_streaming=kv_streaming)
         moves = len(candidates) if len(candidates) <= DYNAMIC_MOVES else DYNAMIC_BLOCKS
         for block in _blocks(candidates, moves):
             trial = {**best.placements, **dict.fromkeys(block, Placement.STREAMED)}
-            plan = self.evaluate("dynamic", tier, trial, slots=slots, kv_streaming=kv_streaming)
+            plan = self.evaluate("dynamic", tier, trial, budget_bytes, slots=slots, kv_streaming=kv_streaming)
             if self.fits(plan) and plan.step_s < best.step_s * (1 - 1e-9):
                 best = plan
         return best if any(p == Placement.STREAMED for p in best.placements.values()) and self.fits(best) else None
 
-    def exhaustive_dynamic(self, tier: int, slots: int = STAGING_SLOTS) -> Plan:
+    def exhaustive_dynamic(self, tier: int, budget_bytes: int, slots: int = STAGING_SLOTS) -> Plan:
         """The true optimum of the dynamic split under the same estimator (2^n: small packs only)."""
-        base = self._pin_prefix(tier, {e["name"]: Placement.CPU for e in self.placeable}, slots)
+        base = self._pin_prefix(tier, {e.name: Placement.CPU for e in self.placeable}, slots, budget_bytes)
         free = [n for n, p in base.items() if p == Placement.CPU]
-        best = self.evaluate("dynamic", tier, base, slots=slots)
+        best = self.evaluate("dynamic", tier, base, budget_bytes, slots=slots)
         for choice in itertools.product((Placement.CPU, Placement.STREAMED), repeat=len(free)):
             trial = dict(base)
             trial.update(zip(free, choice, strict=True))
-            plan = self.evaluate("dynamic", tier, trial, slots=slots)
+            plan = self.evaluate("dynamic", tier, trial, budget_bytes, slots=slots)
             if self.fits(plan) and plan.step_s < best.step_s:
                 best = plan
         return best
 
     # -- baselines --------------------------------------------------------------------------------------------------
-    def baseline(self, name: str, tier: int) -> Plan | None:
+    def baseline(self, name: str, tier: int, budget_bytes: int) -> Plan | None:
         if name in ("monolithic", "cpu"):
-            return self.evaluate(name, tier, {e["name"]: Placement.CPU for e in self.placeable}, slots=0)
+            return self.evaluate(name, tier, {e.name: Placement.CPU for e in self.placeable}, budget_bytes, slots=0)
         if name == "layers":
             # Whole layers in order, then the rest (the output layer) once every layer is in: with nothing
             # streamed, a prefix's VRAM is its weights and KV plus what every plan with a unit on the device needs.
-            by_layer: dict[int | None, list[dict]] = {}
+            by_layer: dict[int | None, list[SubLayer]] = {}
             for e in self.placeable:
-                by_layer.setdefault(e["layer"], []).append(e)
+                by_layer.setdefault(e.layer, []).append(e)
             fixed = self.workspace_bytes(tier) + VramBreakdown(ep_overhead=self.ep_overhead).total
-            placements = {e["name"]: Placement.CPU for e in self.placeable}
+            placements = {e.name: Placement.CPU for e in self.placeable}
             used = fixed
             layers = sorted(layer for layer in by_layer if layer is not None)
             for layer in [*layers, None]:
                 units = by_layer.get(layer, [])
-                used += sum(self.weight_bytes[e["name"]] + self.kv_bytes(e) for e in units)
-                if used > self.budget_bytes:
+                used += sum(self.weight_bytes[e.name] + self.kv_bytes(e) for e in units)
+                if used > budget_bytes:
                     break
-                placements.update({e["name"]: Placement.PINNED for e in units})
-            return self.evaluate("layers", tier, placements, slots=0)
+                placements.update({e.name: Placement.PINNED for e in units})
+            return self.evaluate("layers", tier, placements, budget_bytes, slots=0)
         if name == "offload":
-            streamed_all = {e["name"]: Placement.STREAMED for e in self.placeable}
-            if self.vram(streamed_all, tier, 1).total > self.budget_bytes:
+            streamed_all = {e.name: Placement.STREAMED for e in self.placeable}
+            if self.vram(streamed_all, tier, 1).total > budget_bytes:
                 return None
-            placements = self._pin_prefix(tier, streamed_all, 1, self.placeable)  # in manifest order
-            return self.evaluate("offload", tier, placements, slots=1, prefetch=False)
+            placements = self._pin_prefix(tier, streamed_all, 1, budget_bytes, self.placeable)  # in manifest order
+            return self.evaluate("offload", tier, placements, budget_bytes, slots=1, prefetch=False)
         raise UserError(f"unknown baseline {name!r}; known: {', '.join(BASELINES)}")
 
     # -- per tier ---------------------------------------------------------------------------------------------------
-    def check_budget(self) -> None:
-        if self.budget_bytes < self.minimum_budget():
+    def check_budget(self, budget_bytes: int) -> None:
+        """Raise UserError naming the minimum when no plan fits `budget_bytes`."""
+        if budget_bytes < self.minimum_budget():
             raise UserError(
-                f"VRAM budget {self.budget_bytes / 1024**2:.0f} MiB is below the minimum of any plan: "
+                f"VRAM budget {budget_bytes / 1024**2:.0f} MiB is below the minimum of any plan: "
                 f"{self.minimum_budget() / 1024**2:.0f} MiB (EP overhead + reserve)"
             )
 
-    def plan_tier(self, tier: int) -> dict:
-        self.check_budget()
+    def plan_tier(self, tier: int, budget_bytes: int) -> dict:
+        """Every strategy's plan at `tier` within `budget_bytes`, fastest first (`chosen`), and the baselines."""
+        self.check_budget(budget_bytes)
         candidates = [
             self.detailed(p)
-            for p in (self.gpu_only(tier), self.static(tier), self.dynamic(tier))
+            for p in (self.gpu_only(tier, budget_bytes), self.static(tier, budget_bytes), self.dynamic(tier, budget_bytes))
             if p is not None
         ]
         candidates.sort(key=lambda p: p.step_s)
-        baselines = {name: self.baseline(name, tier) for name in ("layers", "offload")}
+        baselines = {name: self.baseline(name, tier, budget_bytes) for name in ("layers", "offload")}
         return {
             "tier": tier,
             "chosen": candidates[0],
@@ -518,22 +509,48 @@ class Planner:
             "baselines": {k: self.detailed(v) for k, v in baselines.items() if v is not None},
         }
 
+    def plan_for(self, strategy: str, tier: int, budget_bytes: int) -> Plan:
+        """The plan of `strategy` ("auto": the best) at `tier` within `budget_bytes` (PlanSource); the best plan,
+        with a warning, when that strategy is not viable there."""
+        self.check_budget(budget_bytes)
+        policies = {
+            "gpu-only": self.gpu_only,
+            "static": self.static,
+            "dynamic": self.dynamic,
+            "layers": lambda t, b: self.baseline("layers", t, b),
+            "offload": lambda t, b: self.baseline("offload", t, b),
+        }
+        plan = policies[strategy](tier, budget_bytes) if strategy in policies else None
+        if plan is None:
+            if strategy != "auto":
+                log.warning(
+                    "warning: plan %s is not viable (or equals static) at tier %d within %.0f MiB: "
+                    "using the planner's choice",
+                    strategy,
+                    tier,
+                    budget_bytes / 1024**2,
+                )
+            plan = self.plan_tier(tier, budget_bytes)["chosen"]
+        return plan
+
     def detailed(self, plan: Plan) -> Plan:
         """The same plan re-simulated with its timeline and copy overlap (for reports and plans.json)."""
         return self.evaluate(
             plan.strategy,
             plan.tier,
             plan.placements,
+            plan.budget_bytes,
             plan.slots,
             plan.prefetch,
             detail=True,
             kv_streaming=bool(plan.kv_streamed),
         )
 
-    def plan(self, tiers: tuple[int, ...] = DEFAULT_TIERS) -> dict:
+    def plan(self, budget_bytes: int, tiers: tuple[int, ...] = DEFAULT_TIERS) -> dict:
+        """`plan_tier` of every tier within `budget_bytes`: {"budget_bytes", "tiers", "planning_s"}."""
         started = time.perf_counter()
-        per_tier = [self.plan_tier(t) for t in tiers]
-        return {"tiers": per_tier, "planning_s": time.perf_counter() - started}
+        per_tier = [self.plan_tier(t, budget_bytes) for t in tiers]
+        return {"budget_bytes": budget_bytes, "tiers": per_tier, "planning_s": time.perf_counter() - started}
 
 
 def _blocks(names: list[str], most: int) -> list[list[str]]:
@@ -543,17 +560,16 @@ def _blocks(names: list[str], most: int) -> list[list[str]]:
     return [names[bounds[i] : bounds[i + 1]] for i in range(count)]
 
 
-def expert_routing_shares(manifest: dict, stats: dict | None) -> dict[str, float]:
+def expert_routing_shares(manifest: Manifest, stats: dict | None) -> dict[str, float]:
     """Per expert sub-layer, the share of a layer's tokens routed to it: k/E (uniform), or from a stats
     file of measured activations (runtime ExpertStats.to_json) when given, with one pseudo-token per
     expert so an expert the stats never saw chosen is still expected now and then."""
-    model = manifest["model"]
-    num_experts, top_k = int(model.get("num_experts") or 0), int(model.get("experts_per_token") or 0)
+    num_experts, top_k = manifest.model.num_experts, manifest.model.experts_per_token
     shares: dict[str, float] = {}
-    for block in manifest.get("moe_blocks", []):
-        measured = (stats or {}).get("layers", {}).get(str(block["layer"]))
+    for block in manifest.moe_blocks:
+        measured = (stats or {}).get("layers", {}).get(str(block.layer))
         routed = sum(measured["tokens"]) if measured else 0
-        for index, name in enumerate(block["experts"]):
+        for index, name in enumerate(block.experts):
             # Each token goes to top_k experts: measured token counts sum to top_k x tokens.
             shares[name] = (
                 top_k * (measured["tokens"][index] + 1) / (routed + num_experts)
@@ -576,10 +592,12 @@ def plans_document(
     pack: str,
     profile_name: str,
     pack_sha256: str,
+    budget_bytes: int,
     ladder: list[tuple[int, dict]] | None = None,
 ) -> dict:
-    """plans.json (schema 2, docs/plans.md). `ladder`: (budget, planned) of every budget planned, largest first;
-    the top-level tiers are the first's (the largest budget)."""
+    """plans.json (schema 2, docs/plans.md) of `planned`, the plans made within `budget_bytes`. `ladder`:
+    (budget, planned) of every budget planned, largest first; the top-level tiers are the first's (the largest
+    budget)."""
 
     def tier_json(entry: dict) -> dict:
         return {
@@ -599,7 +617,7 @@ def plans_document(
             "source": planner.profile["source"],
             "fingerprint_id": planner.profile["fingerprint_id"],
         },
-        "budget_bytes": planner.budget_bytes,
+        "budget_bytes": budget_bytes,
         "context": planner.context,
         "batch": planner.batch,
         "threads": planner.estimator.threads,
@@ -609,6 +627,6 @@ def plans_document(
         "tiers": [tier_json(e) for e in planned["tiers"]],
         "ladder": [
             {"budget_bytes": budget, "tiers": [tier_json(e) for e in rung["tiers"]]}
-            for budget, rung in (ladder or [(planner.budget_bytes, planned)])
+            for budget, rung in (ladder or [(budget_bytes, planned)])
         ],
     }

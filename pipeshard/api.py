@@ -102,17 +102,27 @@ class Engine:
             ids, SamplingSettings(**sampling), image_features=features, image_grids=grids
         )
 
-    def set_vram_budget(self, size: str | int) -> None:
-        """Replan for a new VRAM budget between steps (a game took memory back, or gave it)."""
-        from pipeshard.core.units import resolve_budget
+    @property
+    def planner(self):
+        """The plan source of a step on a device (the planner), or None: the all-CPU chain, one session."""
+        book = getattr(self.step, "book", None)
+        return book.source if book is not None else None
 
-        if getattr(self.step, "planner", None) is None:
+    def budget_bytes(self, size: str | int) -> int:
+        """A VRAM budget for this model in bytes: a size (`2GiB`, bytes) or a share of its weights (`25%`)."""
+        if self.planner is None:
             raise UserError(
                 "this engine runs without a device: start it from a pack with a device and a budget "
                 "(--device sim|cuda --vram SIZE)"
             )
-        planner = self.step.planner
-        self.step.set_budget(resolve_budget(size, planner.minimum_budget(), planner.model_bytes))
+        return budget_bytes(size, self.planner)
+
+    def set_vram_budget(self, size: str | int) -> int:
+        """Replan for a new VRAM budget between steps (a game took memory back, or gave it); returns it in
+        bytes."""
+        budget = self.budget_bytes(size)
+        self.step.set_budget(budget)
+        return budget
 
     def expert_stats(self) -> dict | None:
         """A MoE model's routing so far (per layer and expert: steps it ran, tokens routed to it; mean distinct
@@ -161,7 +171,7 @@ def load(
     budget changes (its budget is the file's unless `vram` gives a larger one).
     """
     from pipeshard.core.fsutil import read_json
-    from pipeshard.formats.manifest import MANIFEST_NAME, Pack, is_pack, load_pack
+    from pipeshard.formats.manifest import MANIFEST_NAME, Manifest, Pack, is_pack, load_pack
     from pipeshard.runtime.monolithic import MonolithicStep
     from pipeshard.runtime.step import Step
 
@@ -186,7 +196,10 @@ def load(
         if verify:
             verify_export(folder)
         return _engine(lambda: MonolithicStep(folder, threads=threads), folder, threads)
-    Pack(folder, read_json(folder / MANIFEST_NAME, "model pack")).require_weights()
+    manifest_path = folder / MANIFEST_NAME
+    Pack(
+        folder, Manifest.from_json(read_json(manifest_path, "model pack"), str(manifest_path))
+    ).require_weights()
     if device == "cuda":
         from pipeshard.runtime.ort import cuda_usable
 
@@ -196,7 +209,7 @@ def load(
                 "and a GPU); --device sim simulates one on the CPU"
             )
     if plan == "monolithic":
-        export = Path(load_pack(folder).manifest["source"]["export"])
+        export = Path(load_pack(folder).manifest.source["export"])
         if not (export / "export.json").is_file():
             raise UserError(
                 f"--plan monolithic needs the export the pack was made from ({export}), which is gone"
@@ -257,7 +270,7 @@ def _vision_of(step, threads: int | None):
 
     if isinstance(step, MonolithicStep):
         return ExportVision(step.folder, step.info, threads) if step.takes_images else None
-    if "vision" not in step.pack.manifest:
+    if step.pack.manifest.vision is None:
         return None
     return PackVision(step.pack, step.device, threads, release_decoder=step.release_device_memory)
 
@@ -294,6 +307,14 @@ def profile_or_fallback(profile: str | Path | None) -> str | Path:
     return FALLBACK_PROFILE
 
 
+def budget_bytes(vram: str | int, planner) -> int:
+    """A VRAM budget as typed (`2GiB`, `512MiB`, `25%`: a share of the model's weights on top of the minimum)
+    in bytes for `planner`'s model: the one place a budget's text is read."""
+    from pipeshard.core.units import resolve_budget
+
+    return resolve_budget(vram, planner.minimum_budget(), planner.model_bytes)
+
+
 def planned_step(
     folder: Path,
     device: str,
@@ -308,8 +329,7 @@ def planned_step(
     plans: str | Path | None = None,
 ):
     """A step on a device: the saved plans of `plans`, or plans made from the profile for the budget."""
-    from pipeshard.core.units import resolve_budget
-    from pipeshard.formats.manifest import load_pack
+    from pipeshard.formats.manifest import MANIFEST_NAME, load_pack
     from pipeshard.partitioner.planner import Planner
     from pipeshard.profiles.db import load_profile
     from pipeshard.runtime.devices import make_device
@@ -319,12 +339,12 @@ def planned_step(
     if plan not in PLANS or plan in ("cpu", "monolithic"):
         raise UserError(f"plan {plan!r} does not run on a device; choose one of {', '.join(PLANS)}")
     pack = load_pack(folder, verify=verify)
-    manifest = pack.manifest
     saved = None
     if plans is not None:
         from pipeshard.formats.plans import planning_units, read_plans
 
-        saved = read_plans(Path(plans), pack, [u["name"] for u in planning_units(manifest["sub_layers"])])
+        units = [u.name for u in planning_units(pack.sub_layers)]
+        saved = read_plans(Path(plans), pack.folder / MANIFEST_NAME, units, pack.model.max_context)
         if context is not None and context != saved.context:
             raise UserError(
                 f"{plans} was made for a context of {saved.context} tokens, not --context {context}"
@@ -333,26 +353,24 @@ def planned_step(
         if profile is None and _loadable_profile(saved.profile):
             profile = saved.profile
     planner = Planner(
-        manifest,
+        pack.manifest,
         load_profile(profile_or_fallback(profile)),
-        0,
-        context=context or min(4096, manifest["model"]["max_context"]),
+        context=context or min(4096, pack.model.max_context),
         batch=batch,
         threads=threads,
         expert_stats=read_expert_stats(expert_stats),
     )
-    if saved is not None and vram is None:
-        planner.budget_bytes = saved.largest
-    else:
-        planner.budget_bytes = resolve_budget(vram, planner.minimum_budget(), planner.model_bytes)
-    if saved is not None and saved.rung_for(planner.budget_bytes) is None:
+    budget = saved.largest if saved is not None and vram is None else budget_bytes(vram, planner)
+    if saved is not None and saved.rung_for(budget) is None:
         raise UserError(
             f"{plans} was made for budgets of {min(saved.rungs) / 1024**2:.0f} MiB and more, over the "
-            f"--vram of {planner.budget_bytes / 1024**2:.0f} MiB: make plans for this budget"
+            f"--vram of {budget / 1024**2:.0f} MiB: make plans for this budget"
         )
-    planner.check_budget()
-    book = PlanBook([u["name"] for u in planner.sub_layers], planner, strategy=plan, saved=saved)
-    return Step(folder, make_device(device, planner.budget_bytes), book, threads=threads)
+    # the book checks the budget against the planner's minimum before anything is made
+    book = PlanBook(
+        [u.name for u in planner.units], source=planner, budget_bytes=budget, strategy=plan, saved=saved
+    )
+    return Step(folder, make_device(device, budget), book, threads=threads)
 
 
 def _loadable_profile(name: str) -> bool:

@@ -180,10 +180,7 @@ class PlanRunner:
         self.plan, self.pack = plan, pack
         self.settings = settings
         self.context = context
-        step = self.engine.step
-        self.device = (
-            step.device if getattr(step, "planner", None) is not None else None
-        )  # None: nothing planned
+        self.device = self.engine.step.device if self.engine.planner is not None else None  # None: nothing planned
         self.facts = {
             "engine": "pipeshard",
             "plan": plan,
@@ -329,7 +326,7 @@ def balanced_ab(make: Callable[[str], Callable[[int], object]], rounds: int) -> 
 def _pack_dtype(pack: str) -> str:
     from pipeshard.formats.manifest import load_pack
 
-    return load_pack(Path(pack)).model["dtype"]
+    return load_pack(Path(pack)).model.dtype
 
 
 def _baseline_prediction(settings: BenchSettings, plan: str, pack: str, context: int) -> float | None:
@@ -341,11 +338,10 @@ def _baseline_prediction(settings: BenchSettings, plan: str, pack: str, context:
     planner = Planner(
         load_pack(Path(pack)).manifest,
         load_profile(settings.profile),
-        1 << 40,
         context=context,
         threads=settings.threads,
     )
-    return planner.baseline(plan, 1).step_s
+    return planner.baseline(plan, 1, 1 << 40).step_s
 
 
 # -- worker processes -----------------------------------------------------------------------------------------------

@@ -343,7 +343,7 @@ def _vision_facts(engine, images: list) -> dict:
 
 def _device_note(engine) -> str:
     """Where the figures came from: `sim` is a test double, never a GPU claim."""
-    if getattr(engine.step, "planner", None) is None:
+    if engine.planner is None:
         return ""
     report = engine.step.report()
     peak = (
@@ -492,7 +492,7 @@ def _command_inspect(args: argparse.Namespace) -> int:
 
     pack = load_pack(args.pack, verify=args.verify)
     _check_context(args.context, pack.folder)
-    context = args.context or min(1024, pack.model["max_context"])
+    context = args.context or min(1024, pack.model.max_context)
     if args.json:
         print(json.dumps(pack_summary(pack, context), indent=2))
     else:
@@ -536,10 +536,9 @@ def _command_profile(args: argparse.Namespace) -> int:
 
 
 def _command_plan(args: argparse.Namespace) -> int:
-    from pipeshard.api import profile_or_fallback, read_expert_stats
+    from pipeshard.api import budget_bytes, profile_or_fallback, read_expert_stats
     from pipeshard.core.fsutil import sha256_file, write_json_atomic
-    from pipeshard.core.units import resolve_budget
-    from pipeshard.formats.manifest import load_pack
+    from pipeshard.formats.manifest import MANIFEST_NAME, load_pack
     from pipeshard.partitioner.planner import Planner, plans_document
     from pipeshard.partitioner.report import plan_table, plot_timelines
     from pipeshard.profiles.db import load_profile
@@ -552,13 +551,13 @@ def _command_plan(args: argparse.Namespace) -> int:
     pack = load_pack(args.pack)
     _check_context(args.context, pack.folder)
     image_sizes = _image_sizes(args.image_size)
-    if image_sizes and "vision" not in pack.manifest:
+    if image_sizes and pack.manifest.vision is None:
         raise UserError(f"--image-size: {pack.folder} is a text model (no vision tower)")
     if args.expert_stats is not None and not Path(args.expert_stats).is_file():
         raise UserError(f"--expert-stats {args.expert_stats} does not exist")
     profile_ref = profile_or_fallback(args.profile)
     profile = load_profile(profile_ref)
-    context = args.context or min(4096, pack.model["max_context"])
+    context = args.context or min(4096, pack.model.max_context)
     if args.assume_bits is not None and not 0 < args.assume_bits <= 32:
         raise UserError(
             f"--assume-bits {args.assume_bits}: give bits per weight between 0 and 32 (4.5 for Q4_0)"
@@ -566,7 +565,6 @@ def _command_plan(args: argparse.Namespace) -> int:
     planner = Planner(
         pack.manifest,
         profile,
-        0,
         context=context,
         batch=args.batch,
         threads=args.threads,
@@ -574,17 +572,13 @@ def _command_plan(args: argparse.Namespace) -> int:
         assume_bits=args.assume_bits,
     )
     ladder = []  # (budget, plans), largest budget first: a host picks the largest that fits its budget now
-    for budget in sorted(
-        {resolve_budget(v, planner.minimum_budget(), planner.model_bytes) for v in budgets}, reverse=True
-    ):
-        planner.budget_bytes = budget
-        ladder.append((budget, planner.plan(tuple(tiers))))
+    for budget in sorted({budget_bytes(v, planner) for v in budgets}, reverse=True):
+        ladder.append((budget, planner.plan(budget, tuple(tiers))))
         if not args.json:
-            print(plan_table(planner, ladder[-1][1], profile["device"]["kind"]))
+            print(plan_table(planner, ladder[-1][1], profile["device"]["kind"], budget))
     budget, planned = ladder[0]
-    planner.budget_bytes = budget
     if args.explain and not args.json:
-        print(_explained(planner, planned, args.batch))
+        print(_explained(planner, planned, budget, args.batch))
     if image_sizes and not args.json:
         print(_vision_plan(pack, budget, image_sizes))
     document = plans_document(
@@ -592,7 +586,8 @@ def _command_plan(args: argparse.Namespace) -> int:
         planned,
         str(pack.folder),
         str(profile_ref),
-        sha256_file(pack.folder / "manifest.json"),
+        sha256_file(pack.folder / MANIFEST_NAME),
+        budget,
         ladder,
     )
     if out:
@@ -607,7 +602,7 @@ def _command_plan(args: argparse.Namespace) -> int:
             planned,
             plot_tiers,
             plot,
-            f"{pack.model['architecture']} {Path(pack.manifest['source']['export']).name} "
+            f"{pack.model.architecture} {Path(pack.manifest.source['export']).name} "
             f"(pack {pack.folder.name}), budget {format_bytes(budget)}, context "
             f"{context}, profile {profile.get('name', Path(str(profile_ref)).name)}",
         )
@@ -638,14 +633,16 @@ def _vision_plan(pack, budget: int, sizes: list[tuple[int, int]]) -> str:
     from pipeshard.formats.vision_memory import VisionShape, image_patches, naive_peak, vlmopt_peak
     from pipeshard.runtime.images import preprocess
 
-    vision = pack.manifest["vision"]
+    vision = pack.manifest.vision
     shape = VisionShape.from_pack(vision)
     lines = [
         f"vision encoder at {format_bytes(budget)} (VLMOpt: weights streamed through two slots of "
         f"{format_bytes(shape.largest_block_bytes)}, the decoder's memory released first):"
     ]
     for width, height in sizes:
-        tiles = len(preprocess([Image.new("RGB", (width, height))], vision["preprocessing"]).pixel_values)
+        tiles = len(
+            preprocess([Image.new("RGB", (width, height))], vision.facts["preprocessing"]).pixel_values
+        )
         patches, keys = image_patches(shape, width, height, tiles)
         workspace = budget - 2 * shape.largest_block_bytes
         streamed = vlmopt_peak(shape, patches, keys, max(workspace, 0))
@@ -663,13 +660,14 @@ def _vision_plan(pack, budget: int, sizes: list[tuple[int, int]]) -> str:
     return "\n".join(lines)
 
 
-def _explained(planner, planned: dict, batch: int) -> str:
-    """How the runtime executes each tier's chosen plan: its splits and the host actions between them."""
+def _explained(planner, planned: dict, budget: int, batch: int) -> str:
+    """How the runtime executes each tier's chosen plan (made for `budget` bytes): its splits and the host actions
+    between them."""
     from pipeshard.runtime.schedule import Layout, describe, schedule
 
-    layout = Layout(planner.manifest, planner.sub_layers)
+    layout = Layout(planner.manifest, planner.units)
     lines = [
-        f"schedules at {format_bytes(planner.budget_bytes)} (one-token steps run each CPU split's sub-layers "
+        f"schedules at {format_bytes(budget)} (one-token steps run each CPU split's sub-layers "
         "as joined sessions of up to 64 MiB of weights):"
     ]
     for entry in planned["tiers"]:

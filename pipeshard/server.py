@@ -334,14 +334,11 @@ def create_app(state: State):
         vram = body.get("vram")
         if not isinstance(vram, str | int) or isinstance(vram, bool):
             raise RequestError("'vram' must be a size such as \"600MiB\" or a number of bytes", param="vram")
-        step = scheduler.step
-        if step.planner is None:
+        if state.engine.planner is None:
             raise RequestError(
                 "this server runs without a device: start it with --device sim|cuda --vram SIZE"
             )
-        from pipeshard.core.units import resolve_budget
-
-        size = resolve_budget(vram, step.planner.minimum_budget(), step.planner.model_bytes)
+        size = state.engine.budget_bytes(vram)
         await asyncio.get_running_loop().run_in_executor(None, scheduler.set_budget, size)
         return JSONResponse({"budget_bytes": size})
 

@@ -21,28 +21,15 @@ from importlib.resources import files
 from pathlib import Path
 
 from pipeshard.core.errors import UserError
-from pipeshard.core.fsutil import write_json_atomic
+from pipeshard.core.fsutil import read_json, write_json_atomic
 from pipeshard.core.version import __version__
+from pipeshard.formats.profile_db import validate
 
 log = logging.getLogger(__name__)
-PROFILE_SCHEMA_VERSION = 1
 MAX_DB_BYTES = 200 * 1024
 REFERENCE_PROFILES = ("laptop-8gb", "desktop-24gb", "laptop-4gb", "desktop-rtx5090")
 STALE_AFTER_DAYS = 180
 
-# field -> type, checked on load; nested checks below.
-REQUIRED_TOP = {
-    "schema_version": int,
-    "source": str,
-    "created": str,
-    "fingerprint": dict,
-    "fingerprint_id": str,
-    "cpu": dict,
-    "device": dict,
-    "link": dict,
-    "contention": dict,
-}
-RATE_TABLE_FIELDS = ("M", "K", "N", "seconds", "gflops")
 
 
 def _cpu_model() -> str:
@@ -116,47 +103,6 @@ def now_iso() -> str:
     return datetime.now(UTC).isoformat(timespec="seconds")
 
 
-def validate(document: object, where: str) -> dict:
-    """Check a DB against schema 1; a violation is a UserError naming the file and field."""
-    if not isinstance(document, dict):
-        raise UserError(f"{where}: not a JSON object")
-    if document.get("schema_version") != PROFILE_SCHEMA_VERSION:
-        raise UserError(
-            f"{where}: field 'schema_version' is {document.get('schema_version')!r}, "
-            f"expected {PROFILE_SCHEMA_VERSION}"
-        )
-    for field, kind in REQUIRED_TOP.items():
-        if not isinstance(document.get(field), kind):
-            raise UserError(f"{where}: field '{field}' is missing or not a {kind.__name__}")
-    if document["source"] not in ("measured", "spec"):
-        raise UserError(f"{where}: field 'source' must be 'measured' or 'spec'")
-    threads = document["cpu"].get("threads")
-    if not isinstance(threads, dict) or not threads:
-        raise UserError(f"{where}: field 'cpu.threads' is missing or empty")
-    for count, rates in threads.items():
-        prefix = f"cpu.threads.{count}"
-        for field in ("matmul", "memory_read_gbps", "hop_us", "attention"):
-            if field not in rates:
-                raise UserError(f"{where}: field '{prefix}.{field}' is missing")
-        _validate_matmul(rates["matmul"], f"{where}: field '{prefix}.matmul")
-    _validate_matmul(document["device"].get("matmul", {}), f"{where}: field 'device.matmul")
-    for direction in ("h2d", "d2h"):
-        rows = document["link"].get(direction)
-        if not isinstance(rows, list) or not rows or not all({"bytes", "gbps"} <= set(r) for r in rows):
-            raise UserError(f"{where}: field 'link.{direction}' must list {{bytes, gbps}} rows")
-    return document
-
-
-def _validate_matmul(table: object, where: str) -> None:
-    if not isinstance(table, dict):
-        raise UserError(f"{where}' must be an object of dtype -> rows")
-    for dtype, rows in table.items():
-        if not isinstance(rows, list) or not all(
-            isinstance(r, dict) and all(f in r for f in RATE_TABLE_FIELDS) for r in rows
-        ):
-            raise UserError(f"{where}.{dtype}' rows need {', '.join(RATE_TABLE_FIELDS)}")
-
-
 def save_profile(document: dict, path: Path) -> Path:
     """Validate and write atomically; refuse a DB over the size limit."""
     validate(document, str(path))
@@ -184,13 +130,7 @@ def load_profile(name_or_path: str | Path, check_machine: bool = True) -> dict:
                 f"unknown profile {str(name_or_path)!r}: not a file, and not one of the reference "
                 f"profiles ({', '.join(REFERENCE_PROFILES)})"
             )
-    try:
-        document = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError) as exc:
-        raise UserError(f"{path}: cannot read ({exc})") from None
-    except json.JSONDecodeError as exc:
-        raise UserError(f"{path}: not valid JSON ({exc})") from None
-    validate(document, str(path))
+    document = validate(read_json(path, "profile DB"), str(path))
     if check_machine and document["source"] == "measured":
         for warning in staleness(document):
             log.warning("warning: %s: %s", path, warning)

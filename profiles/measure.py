@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from pipeshard.formats.manifest import Manifest
 from pipeshard.profiles.db import fingerprint_id, machine_fingerprint, now_iso, physical_cores
 from pipeshard.profiles.kernels import (
     NUMPY_FLOAT,
@@ -87,18 +88,16 @@ FULL = Sweep(
 )
 
 
-def sweep_for_pack(base: Sweep, manifest: dict) -> Sweep:
+def sweep_for_pack(base: Sweep, manifest: Manifest) -> Sweep:
     """The pack's own matrix shapes and attention dimensions instead of the generic grid."""
-    shapes = sorted(
-        {tuple(w["shape"]) for e in manifest["sub_layers"] for w in e["weights"] if len(w["shape"]) == 2}
-    )
-    model = manifest["model"]
+    shapes = sorted({w.shape for e in manifest.sub_layers for w in e.weights if len(w.shape) == 2})
+    model = manifest.model
     return Sweep(
         **{
             **base.__dict__,
             "shapes": tuple(shapes),
-            "heads": model["num_attention_heads"],
-            "head_dim": model["head_dim"],
+            "heads": model.num_attention_heads,
+            "head_dim": model.head_dim,
         }
     )
 
@@ -344,7 +343,7 @@ def measure_machine(
 
         manifest = load_pack(pack).manifest
         extra["pack_timings"] = {
-            "model_sha256": manifest["source"]["model_sha256"],
+            "model_sha256": manifest.source["model_sha256"],
             "pasts": list(sweep.pack_pasts),
             "threads": {
                 str(t): time_pack(

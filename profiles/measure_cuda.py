@@ -23,6 +23,7 @@ from pipeshard.profiles.kernels import (
 )
 from pipeshard.runtime.ort import CUDA_PROVIDERS, import_onnxruntime
 
+
 def _check(result):
     """cuda-python returns (err, *values); raise on an error, return the values."""
     err, *values = result

@@ -62,8 +62,8 @@ def whole_step(step, past: int, tokens: int, rng) -> float:
 def _time_step_kinds(step, placement: str, tiers, pasts, repeat: int, progress) -> list[dict]:
     step.all_logits = True  # time the output layer over all T, as the cost model counts it
     units = step.layout.units
-    kind_of = {e["name"]: e["kind"] for e in step.pack.sub_layers}
-    layer_of = {name: unit.get("chunk_of", name) for name, unit in units.items()}
+    kind_of = {e.name: e.kind for e in step.pack.sub_layers}
+    layer_of = {name: unit.chunk.of if unit.chunk else name for name, unit in units.items()}
     rng = np.random.default_rng(0)
     rows = []
     for past in pasts:
@@ -115,7 +115,7 @@ def _every_unit(step, placement: str, tiers, slots: int = 0):
 
     placements = {
         name: Placement.CPU
-        if unit["kind"] in HOST_ONLY_KINDS or (placement == Placement.PINNED and "chunk_of" in unit)
+        if unit.kind in HOST_ONLY_KINDS or (placement == Placement.PINNED and unit.chunk is not None)
         else placement
         for name, unit in step.layout.units.items()
     }

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from pipeshard.profiles.db import PROFILE_SCHEMA_VERSION
+from pipeshard.formats.profile_db import PROFILE_SCHEMA_VERSION
 from pipeshard.profiles.measure import FULL
 
 GB = 1e9

@@ -14,35 +14,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-
-@dataclass
-class MoeBlock:
-    """One MoE layer of a pack (manifest `moe_blocks`)."""
-
-    layer: int
-    router: str
-    experts: list[str]
-    hidden: str
-    routing: str
-    residual: str
-    output: str
-
-    @classmethod
-    def from_manifest(cls, entry: dict) -> MoeBlock:
-        return cls(
-            entry["layer"],
-            entry["router"],
-            entry["experts"],
-            entry["hidden"],
-            entry["routing"],
-            entry["residual"],
-            entry["output"],
-        )
+from pipeshard.formats.manifest import Manifest, MoeBlock
 
 
-def moe_blocks_of(manifest: dict) -> dict[str, MoeBlock]:
+def moe_blocks_of(manifest: Manifest) -> dict[str, MoeBlock]:
     """The pack's MoE blocks by router name (empty for a dense model)."""
-    return {b["router"]: MoeBlock.from_manifest(b) for b in manifest.get("moe_blocks", [])}
+    return {block.router: block for block in manifest.moe_blocks}
 
 
 @dataclass

@@ -16,8 +16,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pipeshard.formats.io_names import PADDING_BIAS, SEQLENS, TOTAL
+from pipeshard.formats.manifest import Manifest, MoeBlock, SubLayer, TensorInfo
 from pipeshard.formats.plans import HOST_ONLY_KINDS, Placement, Plan
-from pipeshard.runtime.moe import MoeBlock, moe_blocks_of
+from pipeshard.runtime.moe import moe_blocks_of
 
 STEP_INPUTS = ("input_ids", "attention_mask", "position_ids")
 TOKEN_INPUTS = ("input_ids", "position_ids")  # [batch, new tokens]: buffers of the runtime, bound by pointer
@@ -40,64 +41,74 @@ class Layout:
     layer's experts run from its router's action), the residual tensors and their two alternating buffers,
     the prologue's values, the MoE blocks, the output layer's row chunks."""
 
-    def __init__(self, manifest: dict, units: list[dict]) -> None:
-        model = manifest["model"]
-        self.hidden_size = int(model["hidden_size"])
+    def __init__(self, manifest: Manifest, units: list[SubLayer]) -> None:
+        """`units`: the planning units the plans place (formats/plans.py `planning_units`)."""
+        self.hidden_size = manifest.model.hidden_size
         self.moe: dict[str, MoeBlock] = moe_blocks_of(manifest)
         self.expert_names = {name for block in self.moe.values() for name in block.experts}
-        self.entries = {entry["name"]: entry for entry in manifest["sub_layers"]}
-        self.in_line = [e for e in manifest["sub_layers"] if e["name"] not in self.expert_names]
-        self.units = {unit["name"]: unit for unit in units}
-        self.chunks = {e["name"]: [u for u in units if u.get("chunk_of") == e["name"]] for e in self.in_line}
+        self.entries: dict[str, SubLayer] = {entry.name: entry for entry in manifest.sub_layers}
+        self.in_line = [e for e in manifest.sub_layers if e.name not in self.expert_names]
+        self.units: dict[str, SubLayer] = {unit.name: unit for unit in units}
+        self.chunks = {e.name: [u for u in units if u.chunk and u.chunk.of == e.name] for e in self.in_line}
         residual_names = []
         for entry in self.in_line:
-            if entry["name"] in self.moe:
-                residual_names.append(self.moe[entry["name"]].output)
+            if entry.name in self.moe:
+                residual_names.append(self.moe[entry.name].output)
             else:
                 residual_names += [
-                    o["name"]
-                    for o in entry["outputs"]
-                    if len(o["shape"]) == 3 and o["shape"][-1] == self.hidden_size and o["name"] != LOGITS
+                    o.name
+                    for o in entry.outputs
+                    if len(o.shape) == 3 and o.shape[-1] == self.hidden_size and o.name != LOGITS
                 ]
         # Consecutive residual tensors alternate between two buffers: a run never reads and writes the same one.
         self.buffer_of = {name: index % 2 for index, name in enumerate(residual_names)}
-        self.fixed = {
-            o["name"]: o
+        self.fixed: dict[str, TensorInfo] = {
+            o.name: o
             for e in self.in_line
-            if e["kind"] == "prologue"
-            for o in e["outputs"]
-            if all(isinstance(d, int) or d in ("batch", "sequence") for d in o["shape"])
+            if e.kind == "prologue"
+            for o in e.outputs
+            if all(isinstance(d, int) or d in ("batch", "sequence") for d in o.shape)
         }
-        self.tables = {
-            o["name"]: (entry, o["rows_of"])
+        self.tables: dict[str, tuple[SubLayer, str]] = {
+            o.name: (entry, o.rows_of)
             for entry in self.in_line
-            if entry["kind"] == "prologue"
-            for o in entry["outputs"]
-            if "rows_of" in o
+            if entry.kind == "prologue"
+            for o in entry.outputs
+            if o.rows_of is not None
         }
         self.roles = Roles(frozenset(residual_names), frozenset(self.fixed), frozenset(self.tables))
         first = self.in_line[0] if self.in_line else None
         # At one new token a prologue making only GroupQueryAttention's step values does not run: the step keeps
         # them (runtime/kv.py).
         self.skippable_prologue = (
-            first["name"]
-            if first and first["kind"] == "prologue" and _makes_attention_step_values(first, self.roles)
+            first.name
+            if first and first.kind == "prologue" and _makes_attention_step_values(first, self.roles)
             else None
         )
 
-    def allocated_outputs(self, entry: dict) -> list[str]:
+    def is_chunk(self, name: str) -> bool:
+        """Whether `name` is a unit that computes some rows of an output layer (a row chunk)."""
+        unit = self.units.get(name)
+        return unit is not None and unit.chunk is not None
+
+    def sub_layer_of(self, name: str) -> SubLayer:
+        """The sub-layer a unit computes (a row chunk's: its output layer)."""
+        chunk = self.units[name].chunk
+        return self.entries[chunk.of if chunk else name]
+
+    def allocated_outputs(self, entry: SubLayer) -> list[str]:
         """The outputs of a sub-layer that ONNX Runtime allocates at each run and Python hands on (a mask bias, a
         router's routing): not residual, logits, fixed values, tables or the KV written in place."""
-        present = set((entry.get("kv") or {}).get("present", []))
+        present = set(entry.kv.present) if entry.kv else set()
         roles = self.roles
         return [
-            o["name"]
-            for o in entry["outputs"]
-            if o["name"] not in present
-            and o["name"] != LOGITS
-            and o["name"] not in roles.residual
-            and o["name"] not in roles.fixed
-            and o["name"] not in roles.tables
+            o.name
+            for o in entry.outputs
+            if o.name not in present
+            and o.name != LOGITS
+            and o.name not in roles.residual
+            and o.name not in roles.fixed
+            and o.name not in roles.tables
         ]
 
 
@@ -117,14 +128,14 @@ def runs_of(layout: Layout, plan: Plan, tokens: int) -> list[tuple[str, str, str
     layer's row chunks when any of them is on the device; without the skippable prologue at one new token."""
     runs = []
     for entry in layout.in_line:
-        name = entry["name"]
+        name = entry.name
         if tokens == 1 and name == layout.skippable_prologue:
             continue
         chunks = layout.chunks[name]
-        if chunks and any(plan.placements[u["name"]] != Placement.CPU for u in chunks):
-            runs += [(u["name"], plan.placements[u["name"]], name) for u in chunks]
+        if chunks and any(plan.placements[u.name] != Placement.CPU for u in chunks):
+            runs += [(u.name, plan.placements[u.name], name) for u in chunks]
         else:
-            placement = Placement.CPU if chunks or entry["kind"] in HOST_ONLY_KINDS else plan.placements[name]
+            placement = Placement.CPU if chunks or entry.kind in HOST_ONLY_KINDS else plan.placements[name]
             runs.append((name, placement, name))
     return runs
 
@@ -138,9 +149,9 @@ def schedule(layout: Layout, plan: Plan, tokens: int, all_logits: bool = False) 
     readers: dict[str, set[str]] = {}
     for unit, _, sub_layer in runs:
         entry = layout.entries[sub_layer]
-        for tensor in (i["name"] for i in entry["inputs"]):
+        for tensor in (i.name for i in entry.inputs):
             if tensor in layout.roles.residual:
-                host_read = last_only and entry["kind"] == "final"
+                host_read = last_only and entry.kind == "final"
                 readers.setdefault(tensor, set()).add(HOST if host_read else side[unit])
     for block in layout.moe.values():
         readers.setdefault(block.residual, set()).add(HOST)
@@ -158,7 +169,7 @@ def schedule(layout: Layout, plan: Plan, tokens: int, all_logits: bool = False) 
             after.append(("release", unit))
         is_last_chunk = "#" in unit and (index + 1 == len(runs) or runs[index + 1][2] != sub_layer)
         if "#" not in unit or is_last_chunk:
-            produced = [o["name"] for o in entry["outputs"] if o["name"] in layout.roles.residual]
+            produced = [o.name for o in entry.outputs if o.name in layout.roles.residual]
             for tensor in layout.allocated_outputs(entry):
                 after.append(("hand on", tensor))
             if sub_layer in layout.moe:
@@ -176,7 +187,7 @@ def schedule(layout: Layout, plan: Plan, tokens: int, all_logits: bool = False) 
         if (
             following
             and last_only
-            and layout.entries[following[2]]["kind"] == "final"
+            and layout.entries[following[2]].kind == "final"
             and following[2] != sub_layer
         ):
             after.append(("last position", following[2]))
@@ -195,10 +206,8 @@ def describe(splits: list[Split]) -> list[str]:
     return lines
 
 
-def _makes_attention_step_values(prologue: dict, roles: Roles) -> bool:
+def _makes_attention_step_values(prologue: SubLayer, roles: Roles) -> bool:
     """Whether a prologue makes exactly GroupQueryAttention's step values (runtime/kv.py) from the step's inputs,
     besides the rotary tables bound whole."""
-    made = {o["name"] for o in prologue["outputs"]} - roles.tables
-    return made == {SEQLENS, TOTAL, PADDING_BIAS} and {i["name"] for i in prologue["inputs"]} <= set(
-        STEP_INPUTS
-    )
+    made = {o.name for o in prologue.outputs} - roles.tables
+    return made == {SEQLENS, TOTAL, PADDING_BIAS} and {i.name for i in prologue.inputs} <= set(STEP_INPUTS)

@@ -36,9 +36,9 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeshard.formats.export_info import NUMPY_DTYPES, compute_dtype, numpy_dtype
+from pipeshard.formats.export_info import NUMPY_DTYPES, numpy_dtype
 from pipeshard.formats.io_names import IMAGE_FEATURES, MROPE_ROWS, PADDING_BIAS, SEQLENS, TOTAL
-from pipeshard.formats.manifest import Pack, load_pack
+from pipeshard.formats.manifest import MoeBlock, Pack, SubLayer, load_pack
 from pipeshard.formats.plans import (
     EXPERT_RUN_ORDER,
     EXPERT_SLOTS,
@@ -52,7 +52,7 @@ from pipeshard.runtime.devices import CpuDevice, Device, drop_mapped_range
 from pipeshard.runtime.joined import JoinedGraph, join
 from pipeshard.runtime.kv import HostKvCache, check_step_shape, image_rows, mrope_settings
 from pipeshard.runtime.mapped_weights import MappedWeights
-from pipeshard.runtime.moe import ExpertStats, MoeBlock, chosen_experts, combine
+from pipeshard.runtime.moe import ExpertStats, chosen_experts, combine
 from pipeshard.runtime.plansource import PlanBook
 from pipeshard.runtime.schedule import (
     DEVICE,
@@ -196,14 +196,15 @@ class Step:
         (runtime/weight_matmul.py); with `fp32_weight_matmul` too, float32 ones (no prepacked copies)."""
         self.pack = load_pack(folder, verify=verify)
         model = self.pack.model
-        self.max_context = int(model["max_context"])
-        self.hidden_size = int(model["hidden_size"])
-        self.vocab_size = int(model["vocab_size"])
-        self.kv_heads, self.head_dim = int(model["num_key_value_heads"]), int(model["head_dim"])
-        self.dtype = compute_dtype(model)  # activations and KV; the weights may be half precision
+        self.max_context = model.max_context
+        self.hidden_size = model.hidden_size
+        self.vocab_size = model.vocab_size
+        self.kv_heads, self.head_dim = model.num_key_value_heads, model.head_dim
+        self.dtype = NUMPY_DTYPES[model.compute_dtype]  # activations and KV; the weights may be half precision
         self.device = device or CpuDevice()
-        units = book.planner.sub_layers if book and book.planner else planning_units(self.pack.sub_layers)
-        self.book = book or PlanBook([u["name"] for u in units])
+        # The units the plans place: the plan source's (its row chunks of the output layer), else the pack's own.
+        units = book.source.units if book and book.planned else planning_units(self.pack.sub_layers)
+        self.book = book or PlanBook([u.name for u in units])
         self.layout = layout = Layout(self.pack.manifest, units)
         self.moe = layout.moe
         self._rt = rt = capi.runtime(threads)
@@ -243,7 +244,7 @@ class Step:
         self.join_decode = join_decode
         self.weight_matmul = weight_matmul and capi.custom_ops_available()
         self.fp32_weight_matmul = self.weight_matmul and fp32_weight_matmul
-        self.expert_stats = ExpertStats(int(model.get("num_experts") or 0))
+        self.expert_stats = ExpertStats(model.num_experts)
         self._all_logits = all_logits
         self.run_options = rt.run_options()
         self._stage_timer = None
@@ -251,7 +252,7 @@ class Step:
         # The KV cache: host buffers for every attention (runtime/kv.py); the attentions that run on the device
         # keep theirs in device buffers of the same size.
         self.kv = HostKvCache(
-            [past for e in layout.in_line if e["kv"] for past in e["kv"]["past"]],
+            [past for e in layout.in_line if e.kv for past in e.kv.past],
             self.kv_heads,
             self.head_dim,
             self.dtype,
@@ -260,7 +261,7 @@ class Step:
         self._kv_on_device: set[str] = set()
         # Streamed attentions whose KV streams: the host buffers are the master; beside each staging slot a KV slot
         # (a device buffer per past of one attention) takes the KV of the unit in it, uploaded with its weights.
-        self._kv_owner = {past: e["name"] for e in layout.in_line if e["kv"] for past in e["kv"]["past"]}
+        self._kv_owner = {past: e.name for e in layout.in_line if e.kv for past in e.kv.past}
         self._kv_streamed: frozenset[str] = frozenset()
         self._kv_slots: list[list] = []
         self._slot_kv_copy: list[list] = []
@@ -296,34 +297,30 @@ class Step:
         self._consumers: dict[str, list[tuple]] = {}
         self._mask_inputs: list[tuple] = []
         self._feature_inputs: list[tuple] = []
-        vision = self.pack.manifest.get("vision")
+        vision = self.pack.manifest.vision.facts if self.pack.manifest.vision else None  # the export's dict
         self.image_token_id = int(vision["image_token_id"]) if vision else None
         self._no_features = np.zeros((0, self.hidden_size), self.dtype)
         # An M-RoPE decoder (3 position rows): what its positions are computed from.
-        self.mrope = mrope_settings(self.pack.manifest["model"].get("position_rows", 1), vision)
+        self.mrope = mrope_settings(model.position_rows, vision)
         self._allocated_outputs: list[tuple] = []
         self._decoding = False
         self._bias_dtype = next(
             (
-                np.dtype(o["dtype"])
+                np.dtype(o.dtype)
                 for e in layout.in_line
-                if e["kind"] == "prologue"
-                for o in e["outputs"]
-                if o["name"] == PADDING_BIAS
+                if e.kind == "prologue"
+                for o in e.outputs
+                if o.name == PADDING_BIAS
             ),
             self.dtype,
         )
         self._bias_lowest = np.finfo(self._bias_dtype).min
         self._decode_bias = np.empty(0, self._bias_dtype)
-        if self.book.planner is None:  # the chain makes its sessions with the pack, decode sessions too
+        if not self.book.planned:  # the chain makes its sessions with the pack, decode sessions too
             self._activate(self.book.plan_for(0))
             self.decode_runs()
 
     # -- what the step runs -----------------------------------------------------------------------------------------
-    @property
-    def planner(self):
-        return self.book.planner
-
     @property
     def tiers(self) -> list[int]:
         return self.book.tiers
@@ -389,10 +386,10 @@ class Step:
     def _cpu_stage(self, name: str) -> _Stage:
         if name not in self._cpu_stages:
             entry = self.layout.entries[name]
-            model: Path | bytes = self.pack.path(entry["files"]["onnx"])
-            if self.weight_matmul and (weights := product_weights(entry["weights"], self.fp32_weight_matmul)):
-                model = join([model], {o["name"] for o in entry["outputs"]}, product_weights=weights).model
-            session = self._session(model, initializers=self._weights.add(self.pack.folder, entry["weights"]))
+            model: Path | bytes = self.pack.path(entry.files["onnx"])
+            if self.weight_matmul and (weights := product_weights(entry.weights, self.fp32_weight_matmul)):
+                model = join([model], {o.name for o in entry.outputs}, product_weights=weights).model
+            session = self._session(model, initializers=self._weights.add(self.pack.folder, entry.weights))
             self._weights.release_pages()  # the session holds packed copies; weights read unpacked page back in
             capi.release_free_heap()  # the copies packed to find shared weights: not held to the end of loading
             self._cpu_stages[name] = self._stage_of(entry, session, on_device=False)
@@ -402,47 +399,42 @@ class Step:
         """A unit on the device: its sub-layer's weights-as-inputs session (a row chunk shares it, with a binding
         of its own)."""
         if name not in self._device_stages:
-            unit = self.layout.units[name]
-            entry = self.layout.entries[unit.get("chunk_of", name)]
+            entry = self.layout.sub_layer_of(name)
             shared = next(
-                (
-                    s.session
-                    for n, s in self._device_stages.items()
-                    if self.layout.units[n].get("chunk_of", n) == entry["name"]
-                ),
+                (s.session for n, s in self._device_stages.items() if self.layout.sub_layer_of(n).name == entry.name),
                 None,
             )
-            session = shared or self._device_session(self.pack.path(entry["files"]["weights_as_inputs"]))
+            session = shared or self._device_session(self.pack.path(entry.files["weights_as_inputs"]))
             self._device_stages[name] = self._stage_of(entry, session, on_device=True, name=name)
         return self._device_stages[name]
 
     def _host_input_stage(self, name: str) -> _Stage:
         """A row chunk computed on the host: the output layer's weights-as-inputs session on the CPU EP."""
         if name not in self._host_input_stages:
-            entry = self.layout.entries[self.layout.units[name]["chunk_of"]]
+            entry = self.layout.sub_layer_of(name)
             shared = next(iter(self._host_input_stages.values()), None)
             session = (
                 shared.session
                 if shared
                 else self._rt.session(
-                    self.pack.path(entry["files"]["weights_as_inputs"]), threads=self._rt.threads
+                    self.pack.path(entry.files["weights_as_inputs"]), threads=self._rt.threads
                 )
             )
             self._host_input_stages[name] = self._stage_of(entry, session, on_device=False, name=name)
         return self._host_input_stages[name]
 
     def _stage_of(
-        self, entry: dict, session: capi.Session, on_device: bool, name: str | None = None
+        self, entry: SubLayer, session: capi.Session, on_device: bool, name: str | None = None
     ) -> _Stage:
-        kv = entry["kv"] or {}
-        roles = _NO_ROLES if entry["name"] in self.layout.expert_names else self.layout.roles
+        kv = entry.kv
+        roles = _NO_ROLES if entry.name in self.layout.expert_names else self.layout.roles
         return _Stage(
-            name or entry["name"],
+            name or entry.name,
             session,
-            [i["name"] for i in entry["inputs"]],
-            [o["name"] for o in entry["outputs"]],
-            kv.get("past", []),
-            kv.get("present", []),
+            [i.name for i in entry.inputs],
+            [o.name for o in entry.outputs],
+            list(kv.past) if kv else [],
+            list(kv.present) if kv else [],
             roles,
             on_device,
         )
@@ -450,16 +442,12 @@ class Step:
     def _stage_for(self, unit: str, placement: str) -> _Stage:
         if placement != Placement.CPU:
             return self._device_stage(unit)
-        return (
-            self._host_input_stage(unit)
-            if "chunk_of" in self.layout.units.get(unit, {})
-            else self._cpu_stage(unit)
-        )
+        return self._host_input_stage(unit) if self.layout.is_chunk(unit) else self._cpu_stage(unit)
 
     def _split_stages(self, split: Split, join: bool) -> list[_Stage]:
         """The stages a split runs: one per unit, or a CPU split's sub-layers joined (one-token steps)."""
         stages = [self._stage_for(unit, placement) for unit, placement in split.runs]
-        if not join or any("chunk_of" in self.layout.units.get(unit, {}) for unit, _ in split.runs):
+        if not join or any(self.layout.is_chunk(unit) for unit, _ in split.runs):
             return stages
         return self._joined(stages, split.side == DEVICE)
 
@@ -473,7 +461,7 @@ class Step:
 
     def sub_layer_stages(self) -> list[_Stage]:
         """Every in-line sub-layer's CPU stage, in order (made now if not yet)."""
-        return [self._cpu_stage(entry["name"]) for entry in self.layout.in_line]
+        return [self._cpu_stage(entry.name) for entry in self.layout.in_line]
 
     def _joined(self, stretch: list[_Stage], on_device: bool) -> list[_Stage]:
         """A stretch of sub-layer stages of one side as one joined decode session (cut at 64 MiB of weights), or
@@ -488,7 +476,7 @@ class Step:
         pieces: list[list[_Stage]] = [[]]
         size = 0
         for stage in stretch:
-            weight_bytes = entries[stage.name]["weight_bytes"]
+            weight_bytes = entries[stage.name].weight_bytes
             if pieces[-1] and size + weight_bytes > JOINED_WEIGHT_BYTES:
                 pieces.append([])
                 size = 0
@@ -497,17 +485,10 @@ class Step:
         read_in_python = {
             name for block in self.moe.values() for name in (block.residual, block.hidden, block.routing)
         }
-        float_inputs = {
-            i["name"] for entry in self.layout.in_line for i in entry["inputs"] if i["dtype"] == "float32"
-        }
+        float_inputs = {i.name for entry in self.layout.in_line for i in entry.inputs if i.dtype == "float32"}
         swap = self.decode_attention and (not on_device or self.device.cuda_options is None)
         variant = "weights_as_inputs" if on_device else "onnx"
-        all_inputs = {
-            name: set(entry_inputs)
-            for name, entry_inputs in (
-                (e["name"], [i["name"] for i in e["inputs"]]) for e in self.layout.in_line
-            )
-        }
+        all_inputs = {e.name: {i.name for i in e.inputs} for e in self.layout.in_line}
         joined_stages: list[_Stage] = []
         for piece in pieces:
             inside = {name for stage in piece for name in stage.bound_output_order}
@@ -526,7 +507,7 @@ class Step:
             products = (
                 set().union(
                     *(
-                        product_weights(entries[stage.name]["weights"], self.fp32_weight_matmul)
+                        product_weights(entries[stage.name].weights, self.fp32_weight_matmul)
                         for stage in piece
                     )
                 )
@@ -534,7 +515,7 @@ class Step:
                 else None
             )
             joined = join(
-                [self.pack.path(entries[stage.name]["files"][variant]) for stage in piece],
+                [self.pack.path(entries[stage.name].files[variant]) for stage in piece],
                 outputs,
                 float_inputs if swap else None,
                 products,
@@ -542,13 +523,13 @@ class Step:
             if len(piece) == 1 and not joined.decode_attention_nodes or not self._buffers_safe(joined):
                 joined_stages += piece
                 continue
-            weight_names = {w["name"] for stage in piece for w in entries[stage.name]["weights"]}
+            weight_names = {w.name for stage in piece for w in entries[stage.name].weights}
             if on_device:
                 session = self._device_session(joined.model)
             else:
                 weights: dict[str, np.ndarray] = {}
                 for stage in piece:
-                    weights.update(self._weights.add(self.pack.folder, entries[stage.name]["weights"]))
+                    weights.update(self._weights.add(self.pack.folder, entries[stage.name].weights))
                 session = self._session(joined.model, initializers=weights)
                 self._weights.release_pages()
                 capi.release_free_heap()
@@ -592,12 +573,12 @@ class Step:
     def _unit_bytes(self, name: str) -> tuple[str, int, int]:
         """Where a unit's device bytes are stored: (blob file, offset, size); a row chunk's are its rows of W."""
         unit = self.layout.units[name]
-        if "chunk_of" not in unit:
-            return unit["blob"]["file"], 0, unit["blob"]["bytes"]
-        chunks = unit["row_chunks"]
-        weight = next(w for w in unit["weights"] if w["name"] == chunks["weight"])
-        start, stop = (weight["offset"] + row * chunks["row_bytes"] for row in unit["rows"])
-        return weight["file"], start, stop - start
+        if unit.chunk is None:
+            return unit.blob.file, 0, unit.blob.bytes
+        chunks = unit.row_chunks
+        weight = next(w for w in unit.weights if w.name == chunks.weight)
+        start, stop = (weight.offset + row * chunks.row_bytes for row in (unit.chunk.first_row, unit.chunk.end_row))
+        return weight.file, start, stop - start
 
     def _mapped_bytes(self, name: str) -> np.ndarray:
         file, offset, nbytes = self._unit_bytes(name)
@@ -661,14 +642,14 @@ class Step:
         """One KV slot beside each staging slot when the plan streams KV, sized like the host buffers."""
         if not self._kv_streamed or not self._ring:
             return
-        pasts = max(len(self.layout.entries[attn]["kv"]["past"]) for attn in self._kv_streamed)
+        pasts = max(len(self.layout.entries[attn].kv.past) for attn in self._kv_streamed)
         nbytes = int(np.prod(self.kv.shape)) * np.dtype(self.dtype).itemsize
         self._kv_slots = [[self.device.alloc(nbytes, "kv staging") for _ in range(pasts)] for _ in self._ring]
         self._slot_kv_copy = [[] for _ in self._ring]
 
     def _upload_kv(self, slot: int, attn: str) -> None:
         """An attention's KV from the host buffers into the KV slot beside staging slot `slot`."""
-        pasts = self.layout.entries[attn]["kv"]["past"]
+        pasts = self.layout.entries[attn].kv.past
         self._slot_kv_copy[slot] = [
             self.device.upload_array(self._kv_slots[slot][index], self.kv.buffers[past])
             for index, past in enumerate(pasts)
@@ -681,7 +662,8 @@ class Step:
         _, heads, capacity, head_dim = self.kv.shape
         element = np.dtype(self.dtype).itemsize
         width = self._shape[1] * head_dim * element
-        for index, past in enumerate(self.layout.entries[attn]["kv"]["past"]):
+        pasts = self.layout.entries[attn].kv.past
+        for index, past in enumerate(pasts):
             for row, column in enumerate(self._write_columns):
                 offset = (((first + row) * heads) * capacity + int(column)) * head_dim * element
                 self.device.copy_out_rows(
@@ -693,7 +675,7 @@ class Step:
                     capacity * head_dim * element,
                 )
             self.device.released_after_compute(self._kv_slots[slot][index])
-        self.stats.streamed_kv_bytes += count * heads * width * len(self.layout.entries[attn]["kv"]["past"])
+        self.stats.streamed_kv_bytes += count * heads * width * len(pasts)
 
     def _free_expert_slots(self) -> None:
         for buffer in self._expert_slots:
@@ -707,7 +689,7 @@ class Step:
 
     def _move_kv(self, attn: str, to_device: bool) -> None:
         """Move an attention's KV buffers between host and device (a plan change moved the attention)."""
-        for past in self.layout.entries[attn]["kv"]["past"]:
+        for past in self.layout.entries[attn].kv.past:
             host = self.kv.buffers.get(past)
             if to_device:
                 self._kv_device[past] = self._device_kv_buffer(host)
@@ -745,9 +727,9 @@ class Step:
             self._free_ring()
         self._kv_streamed = frozenset(plan.kv_streamed)
         wanted_attn = {
-            e["name"]
+            e.name
             for e in self.layout.in_line
-            if e["kind"] == "attn" and placements[e["name"]] != Placement.CPU and e["name"] not in self._kv_streamed
+            if e.kind == "attn" and placements[e.name] != Placement.CPU and e.name not in self._kv_streamed
         }
         for attn in self._kv_on_device - wanted_attn:
             self._move_kv(attn, to_device=False)
@@ -784,15 +766,15 @@ class Step:
         on_cpu = [
             e
             for e in self.pack.sub_layers
-            if placements.get(e["name"]) == Placement.CPU
-            or e["kind"] in HOST_ONLY_KINDS
+            if placements.get(e.name) == Placement.CPU
+            or e.kind in HOST_ONLY_KINDS
             or (
-                self.layout.chunks.get(e["name"])
-                and not any(placements[u["name"]] != Placement.CPU for u in self.layout.chunks[e["name"]])
+                self.layout.chunks.get(e.name)
+                and not any(placements[u.name] != Placement.CPU for u in self.layout.chunks[e.name])
             )
         ]
-        for entry in sorted(on_cpu, key=lambda e: -e["weight_bytes"]):
-            self._cpu_stage(entry["name"])
+        for entry in sorted(on_cpu, key=lambda e: -e.weight_bytes):
+            self._cpu_stage(entry.name)
         self.stats.plan_switches += 1
         # Joined decode sessions of stretches the last few plans have not used are let go: budget changes make
         # ever new stretches, and each joined session holds its own graph and buffers.
@@ -828,7 +810,7 @@ class Step:
         self._shared.clear()
         self.kv.reset(batch_size, self.book.context or context)
         for attn in self._kv_on_device:
-            for past in self.layout.entries[attn]["kv"]["past"]:
+            for past in self.layout.entries[attn].kv.past:
                 self._kv_device[past] = self._device_kv_buffer(self.kv.buffers[past])
         self._alloc_kv_slots()  # the KV slots of the units already in the ring take the new sequences' KV
         for slot, unit in enumerate(self._slot_unit if self._kv_slots else ()):
@@ -879,7 +861,7 @@ class Step:
                 # A streamed KV is bound to a KV slot here to keep the binding's output order, and to the slot
                 # holding it when its weights arrive (_wait_for_slot).
                 buffer = (
-                    self._kv_slots[0][self.layout.entries[owner]["kv"]["past"].index(past)]
+                    self._kv_slots[0][self.layout.entries[owner].kv.past.index(past)]
                     if owner in self._kv_streamed
                     else self._kv_device[past]
                 )
@@ -912,32 +894,29 @@ class Step:
                 self._bind_host(stage, name, self._buffer(name), output=True)
         if placement == Placement.PINNED:
             self._bind_weights(stage, unit, self._pinned[unit])
-        elif placement == Placement.CPU and "chunk_of" in self.layout.units.get(unit, {}):
+        elif placement == Placement.CPU and self.layout.is_chunk(unit):
             self._bind_weights(stage, unit, None)
 
     def _bind_weights(self, stage: _Stage, unit: str, buffer) -> None:
         """A device unit's weights from the device buffer holding them; a row chunk's rows of W from it (or from
         the host blob when the chunk is computed on the host), the output layer's other weights from the blob."""
         spec = self.layout.units[unit]
-        chunks = spec.get("row_chunks") if "chunk_of" in spec else None
-        for weight in spec["weights"]:
-            dtype = NUMPY_DTYPES[weight["dtype"]]
-            if chunks and weight["name"] == chunks["weight"]:
-                shape = [spec["rows"][1] - spec["rows"][0], *weight["shape"][1:]]
+        chunk = spec.chunk
+        chunks = spec.row_chunks if chunk else None
+        for weight in spec.weights:
+            dtype = NUMPY_DTYPES[weight.dtype]
+            if chunks and weight.name == chunks.weight:
+                shape = [chunk.end_row - chunk.first_row, *weight.shape[1:]]
                 if buffer is None:
                     host = self._mapped_bytes(unit)
-                    stage.binding.bind_input_at(
-                        weight["name"], self._rt.cpu, host.ctypes.data, dtype, shape, host
-                    )
+                    stage.binding.bind_input_at(weight.name, self._rt.cpu, host.ctypes.data, dtype, shape, host)
                 else:
-                    self._bind_device(stage, weight["name"], buffer, 0, dtype, shape)
+                    self._bind_device(stage, weight.name, buffer, 0, dtype, shape)
             elif chunks:
-                host = self._blob(weight["file"])[weight["offset"] : weight["offset"] + weight["bytes"]]
-                stage.binding.bind_input_at(
-                    weight["name"], self._rt.cpu, host.ctypes.data, dtype, weight["shape"], host
-                )
+                host = self._blob(weight.file)[weight.offset : weight.offset + weight.bytes]
+                stage.binding.bind_input_at(weight.name, self._rt.cpu, host.ctypes.data, dtype, weight.shape, host)
             else:
-                self._bind_device(stage, weight["name"], buffer, weight["offset"], dtype, weight["shape"])
+                self._bind_device(stage, weight.name, buffer, weight.offset, dtype, weight.shape)
 
     def _make_program(self, shape: tuple[int, int]) -> None:
         """Buffers for a batch shape, the schedule of the active plan and what each split becomes: its stages bound,
@@ -956,7 +935,7 @@ class Step:
         if self.mrope:
             self._tokens["position_ids"] = np.empty((MROPE_ROWS, *shape), np.int64)
         self._fixed_buffers = {
-            name: np.empty([sizes.get(d, d) for d in o["shape"]], np.dtype(o["dtype"]))
+            name: np.empty([sizes.get(d, d) for d in o.shape], np.dtype(o.dtype))
             for name, o in self.layout.fixed.items()
         }
         logit_rows = shape[1] if self.all_logits else 1
@@ -964,10 +943,10 @@ class Step:
         self._last_hidden = np.empty((shape[0], 1, self.hidden_size), self.dtype)
         self.splits = schedule(self.layout, plan, shape[1], self.all_logits)
         self._chunk_logits = {
-            unit: np.empty((shape[0], logit_rows, u["rows"][1] - u["rows"][0]), self.dtype)
+            unit: np.empty((shape[0], logit_rows, chunk.end_row - chunk.first_row), self.dtype)
             for split in self.splits
             for unit, _ in split.runs
-            if "chunk_of" in (u := self.layout.units.get(unit, {}))
+            if self.layout.is_chunk(unit) and (chunk := self.layout.units[unit].chunk)
         }
         # The device's residual buffers come out of the plan's activation workspace. A step larger than the tier
         # the plan was made for (a batch's prompts beyond the largest tier) leaves the device's runs reading and
@@ -1039,13 +1018,11 @@ class Step:
             return partial(self._run_experts, self.moe[name])
         if action == "last position":
             residual_input = next(
-                i["name"]
-                for i in self.layout.entries[name]["inputs"]
-                if i["name"] in self.layout.roles.residual
+                i.name for i in self.layout.entries[name].inputs if i.name in self.layout.roles.residual
             )
             return partial(self._copy_last_positions, self._buffer(residual_input))
         if action == "join chunks":
-            pieces = [self._chunk_logits[u["name"]] for u in self.layout.chunks[name]]
+            pieces = [self._chunk_logits[u.name] for u in self.layout.chunks[name]]
             return partial(np.concatenate, pieces, axis=-1, out=self._logits)
         host, device = self._buffer(name), self._buffer(name, True)
         if action == "copy out":
@@ -1195,10 +1172,8 @@ class Step:
         self._bind_weights(stage, unit, self._ring[slot])
         if unit in self._kv_streamed:
             row_offset, kv_shape = self._kv_view
-            pasts = self.layout.entries[unit]["kv"]["past"]
-            for past, present, buffer in zip(
-                pasts, self.layout.entries[unit]["kv"]["present"], self._kv_slots[slot], strict=True
-            ):
+            kv = self.layout.entries[unit].kv
+            for past, present, buffer in zip(kv.past, kv.present, self._kv_slots[slot], strict=True):
                 self._bind_device(stage, past, buffer, row_offset, self.dtype, kv_shape)
                 self._bind_device(stage, present, buffer, row_offset, self.dtype, kv_shape, output=True)
 
@@ -1265,10 +1240,10 @@ class Step:
         self.device.close()
 
 
-def _stored_weight(pack: Pack, entry: dict, name: str) -> np.ndarray:
+def _stored_weight(pack: Pack, entry: SubLayer, name: str) -> np.ndarray:
     """A sub-layer's weight as stored in its blob."""
-    weight = next(w for w in entry["weights"] if w["name"] == name)
-    dtype = numpy_dtype(weight["dtype"])
-    return np.fromfile(
-        pack.path(weight["file"]), dtype, weight["bytes"] // dtype.itemsize, offset=weight["offset"]
-    ).reshape(weight["shape"])
+    weight = next(w for w in entry.weights if w.name == name)
+    dtype = numpy_dtype(weight.dtype)
+    return np.fromfile(pack.path(weight.file), dtype, weight.bytes // dtype.itemsize, offset=weight.offset).reshape(
+        weight.shape
+    )

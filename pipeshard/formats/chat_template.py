@@ -41,7 +41,9 @@ class ChatTemplate:
         import jinja2  # here, not at import: 7 MiB resident for something only a chat prompt needs
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-        environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, undefined=jinja2.Undefined)
+        environment = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, undefined=jinja2.Undefined
+        )
         environment.globals["raise_exception"] = _raise_template_error
         try:
             return environment.from_string(self.text).render(
@@ -51,7 +53,9 @@ class ChatTemplate:
                 eos_token=self.eos_token or "",
             )
         except jinja2.TemplateError as exc:
-            raise UserError(f"the model's chat template cannot be rendered ({type(exc).__name__}: {exc})") from None
+            raise UserError(
+                f"the model's chat template cannot be rendered ({type(exc).__name__}: {exc})"
+            ) from None
 
 
 def _token_text(token) -> str | None:

@@ -97,7 +97,10 @@ class Fields:
 
     def objects(self, name: str, default: Any = ...) -> list[Fields]:
         """A list of objects, each as Fields of its own."""
-        return [Fields(item, self.where, f"{self._field(name)}[{i}]") for i, item in enumerate(self.list(name, default))]
+        return [
+            Fields(item, self.where, f"{self._field(name)}[{i}]")
+            for i, item in enumerate(self.list(name, default))
+        ]
 
     def str_list(self, name: str, default: Any = ...) -> list[str]:
         values = self.list(name, default)
@@ -109,8 +112,17 @@ class Fields:
     def int_list(self, name: str, default: Any = ..., minimum: int | None = None) -> list[int]:
         values = self.list(name, default)
         for index, value in enumerate(values):
-            if isinstance(value, bool) or not isinstance(value, int) or (minimum is not None and value < minimum):
-                self.fail(f"[{index}] must be an integer{'' if minimum is None else f' >= {minimum}'}, not {value!r}"[:200], name)
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, int)
+                or (minimum is not None and value < minimum)
+            ):
+                self.fail(
+                    f"[{index}] must be an integer{'' if minimum is None else f' >= {minimum}'}, not {value!r}"[
+                        :200
+                    ],
+                    name,
+                )
         return list(values)
 
     def number_map(self, name: str, default: Any = ..., minimum: float | None = None) -> dict[str, float]:

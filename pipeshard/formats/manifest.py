@@ -45,7 +45,9 @@ class TensorInfo:
     @classmethod
     def from_json(cls, fields: Fields) -> TensorInfo:
         shape = fields.list("shape")
-        if not all(isinstance(d, str) or (isinstance(d, int) and not isinstance(d, bool) and d >= 0) for d in shape):
+        if not all(
+            isinstance(d, str) or (isinstance(d, int) and not isinstance(d, bool) and d >= 0) for d in shape
+        ):
             fields.fail("must hold dimensions (non-negative integers or names)", "shape")
         info = cls(fields.str("name"), shape, fields.str("dtype"), fields.str("rows_of", None))
         fields.done()
@@ -87,7 +89,11 @@ class Blob:
 
     @classmethod
     def from_json(cls, fields: Fields) -> Blob:
-        blob = cls(check_file_name(fields, "file"), fields.int("bytes", maximum=MAX_DIMENSION), fields.str("sha256", None))
+        blob = cls(
+            check_file_name(fields, "file"),
+            fields.int("bytes", maximum=MAX_DIMENSION),
+            fields.str("sha256", None),
+        )
         fields.done()
         return blob
 
@@ -102,7 +108,11 @@ class KvSpec:
 
     @classmethod
     def from_json(cls, fields: Fields) -> KvSpec:
-        kv = cls(fields.str_list("past"), fields.str_list("present"), fields.int("bytes_per_token", maximum=MAX_DIMENSION))
+        kv = cls(
+            fields.str_list("past"),
+            fields.str_list("present"),
+            fields.int("bytes_per_token", maximum=MAX_DIMENSION),
+        )
         if len(kv.past) != len(kv.present):
             fields.fail("must name as many presents as pasts", "present")
         fields.done()
@@ -119,7 +129,11 @@ class RowChunks:
 
     @classmethod
     def from_json(cls, fields: Fields) -> RowChunks:
-        chunks = cls(fields.str("weight"), fields.int("rows", minimum=1, maximum=MAX_DIMENSION), fields.int("row_bytes", minimum=1, maximum=MAX_DIMENSION))
+        chunks = cls(
+            fields.str("weight"),
+            fields.int("rows", minimum=1, maximum=MAX_DIMENSION),
+            fields.int("row_bytes", minimum=1, maximum=MAX_DIMENSION),
+        )
         fields.done()
         return chunks
 
@@ -341,7 +355,9 @@ class Manifest:
     kv_bytes_per_token: int
     total_weight_bytes: int
     source: dict
-    host_chat_template: str | None  # the pre-rendered chat template's file, None when it cannot be pre-rendered
+    host_chat_template: (
+        str | None
+    )  # the pre-rendered chat template's file, None when it cannot be pre-rendered
     min_onnxruntime: str | None
     files: dict[str, FileDigest]  # every file but the weight blobs
     shape_only: bool = False
@@ -508,7 +524,9 @@ def load_pack(folder: Path, verify: bool = False) -> Pack:
                 raise UserError(f"{blob_path} does not match its sha256 in the manifest (corrupt)")
     if verify:
         for weight_file in sizes.keys() - {e.blob.file for e in (*manifest.sub_layers, *vision) if e.blob}:
-            raise UserError(f"{path}: {weight_file} holds weights but is no sub-layer's blob (nothing verifies it)")
+            raise UserError(
+                f"{path}: {weight_file} holds weights but is no sub-layer's blob (nothing verifies it)"
+            )
     for name, listed in manifest.files.items():
         file_path = pack_file(folder, name, "listed in the manifest")
         if file_path.stat().st_size != listed.bytes or verify and sha256_file(file_path) != listed.sha256:

@@ -122,9 +122,7 @@ class Plan:
     timeline: list = field(default_factory=list, repr=False)
 
     def counts(self) -> dict[str, int]:
-        return {
-            kind.value: sum(1 for p in self.placements.values() if p == kind) for kind in Placement
-        }
+        return {kind.value: sum(1 for p in self.placements.values() if p == kind) for kind in Placement}
 
     def to_json(self) -> dict:
         document = asdict(self)
@@ -138,11 +136,16 @@ class Plan:
         """A plan as `to_json` wrote it; the derived fields (counts, vram total) are recomputed. `units`: the
         names the plan must place exactly (the pack's planning units)."""
         placements = fields.raw("placements")
-        if not isinstance(placements, dict) or not all(p in Placement.__members__.values() for p in placements.values()):
+        if not isinstance(placements, dict) or not all(
+            p in Placement.__members__.values() for p in placements.values()
+        ):
             fields.fail(f"must map unit names to one of {', '.join(Placement)}", "placements")
         if units is not None and set(placements) != units:
             missing, extra = sorted(units - set(placements)), sorted(set(placements) - units)
-            fields.fail(f"does not place exactly the pack's units (missing {missing[:3]}, unknown {extra[:3]})", "placements")
+            fields.fail(
+                f"does not place exactly the pack's units (missing {missing[:3]}, unknown {extra[:3]})",
+                "placements",
+            )
         vram = fields.object("vram")
         breakdown = VramBreakdown(**{name: vram.int(name, 0) for name in VramBreakdown.__dataclass_fields__})
         total = vram.int("total", breakdown.total)
@@ -178,7 +181,15 @@ class Plan:
 def all_cpu_plan(units: list[str]) -> Plan:
     """Every unit on the CPU: the chain, with nothing on a device and nothing predicted."""
     return Plan(
-        "cpu", 0, {name: Placement.CPU for name in units}, {}, 0.0, 0.0, VramBreakdown(reserve=0), 0, slots=0,
+        "cpu",
+        0,
+        {name: Placement.CPU for name in units},
+        {},
+        0.0,
+        0.0,
+        VramBreakdown(reserve=0),
+        0,
+        slots=0,
         prefetch=False,
     )
 
@@ -248,7 +259,9 @@ def read_plans(path: Path, manifest_path: Path, units: list[str], max_context: i
             entry.raw("baselines", {})
             entry.done()
             if plan.vram.total > budget:
-                rung.fail(f"has a tier {tier} plan needing {plan.vram.total} bytes, over its budget of {budget}")
+                rung.fail(
+                    f"has a tier {tier} plan needing {plan.vram.total} bytes, over its budget of {budget}"
+                )
             plans[tier] = plan
         if not plans:
             rung.fail("has no tiers")

@@ -1,0 +1,73 @@
+"""The profile DB (docs/profile-db.md): one JSON file of a machine's measured (or specified) rates. Loaders check
+the schema, every field the planner reads and that no field is unknown (a misspelt one would silently fall back
+to a default); each problem is one UserError naming the file and the field."""
+
+from __future__ import annotations
+
+from pipeshard.formats.fields import Fields
+
+PROFILE_SCHEMA_VERSION = 1
+RATE_TABLE_FIELDS = ("M", "K", "N", "seconds", "gflops")
+TOP_FIELDS = ("schema_version", "source", "created", "fingerprint", "fingerprint_id", "plan", "cpu", "device",
+              "link", "contention", "pack_timings", "name", "description", "spec")  # fmt: skip
+THREAD_FIELDS = ("matmul", "memory_read_gbps", "weight_read_gbps", "memory_copy_gbps", "attention", "hop_us",
+                 "op_us", "under_copy_load")  # fmt: skip
+DEVICE_FIELDS = ("kind", "name", "note", "memory_bytes", "ep_overhead_bytes", "matmul", "attention", "launch_us",
+                 "memory_read_gbps")  # fmt: skip
+DEVICE_KINDS = ("cuda", "sim", "spec")
+LINK_FIELDS = ("kind", "name", "h2d", "d2h", "under_cpu_load")
+CONTENTION_FIELDS = ("cpu_matmul_slowdown_under_copy", "copy_slowdown_under_cpu_matmul")
+
+
+def validate(document: object, where: str) -> dict:
+    """Check a DB against schema 1 and return it; a violation is a UserError naming the file and the field."""
+    fields = Fields(document, where)
+    version = fields.raw("schema_version", None)
+    if version != PROFILE_SCHEMA_VERSION:
+        fields.fail(f"is {version!r}, expected {PROFILE_SCHEMA_VERSION}", "schema_version")
+    fields.str("source", choices=("measured", "spec"))
+    fields.str("created")
+    fields.object("fingerprint")
+    fields.str("fingerprint_id")
+    cpu = fields.object("cpu")
+    cpu.int("physical_cores", 1, minimum=1)
+    threads = cpu.object("threads")
+    if not threads.document:
+        threads.fail("is empty")
+    for count in list(threads.document):
+        if not count.isdigit() or int(count) < 1:
+            threads.fail("must be keyed by thread counts", count)
+        rates = threads.object(count)
+        _rate_table(rates.object("matmul"))
+        rates.float("memory_read_gbps")
+        rates.float("hop_us")
+        rates.list("attention")
+        rates.done(ignore=THREAD_FIELDS)
+    cpu.done()
+    device = fields.object("device")
+    device.str("kind")
+    _rate_table(device.object("matmul", {}))
+    device.done(ignore=DEVICE_FIELDS)
+    link = fields.object("link")
+    for direction in ("h2d", "d2h"):
+        rows = link.objects(direction)
+        if not rows:
+            link.fail("must list {bytes, gbps} rows", direction)
+        for row in rows:
+            row.int("bytes", minimum=1)
+            row.float("gbps")
+            row.bool("pinned", False)
+            row.done()
+    link.done(ignore=LINK_FIELDS)
+    fields.object("contention").done(ignore=CONTENTION_FIELDS)
+    fields.done(ignore=TOP_FIELDS)
+    return document
+
+
+def _rate_table(table: Fields) -> None:
+    """dtype -> rows of measured matrix products."""
+    for dtype in list(table.document):
+        for row in table.objects(dtype):
+            for name in RATE_TABLE_FIELDS:
+                row.float(name)
+            row.done()
