@@ -43,9 +43,9 @@ def matrix_products(pack) -> list[dict]:
 
     products = []
     for entry in pack.sub_layers:
-        if entry["kind"] == "embed":
+        if entry.kind == "embed":
             continue  # a Gather: one row per token
-        model = onnx.load(str(pack.path(entry["files"]["onnx"])), load_external_data=False)
+        model = onnx.load(str(pack.path(entry.files["onnx"])), load_external_data=False)
         shapes = {tensor.name: list(tensor.dims) for tensor in model.graph.initializer}
         for node in model.graph.node:
             if node.op_type not in ("MatMul", "Gemm") or node.input[1] not in shapes:
@@ -190,10 +190,10 @@ def main() -> None:
         pack = load_pack(Path(args.pack))
     except UserError as error:
         _refuse(str(error))
-    if pack.model.get("num_experts"):
+    if pack.model.num_experts:
         _refuse("the floor is for dense packs (a MoE decode step reads its chosen experts only)")
-    if NUMPY_DTYPES[pack.model["dtype"]] != np.float32:
-        _refuse(f"the floor is for fp32 packs (its weights are fp32), not {pack.model['dtype']}")
+    if NUMPY_DTYPES[pack.model.dtype] != np.float32:
+        _refuse(f"the floor is for fp32 packs (its weights are fp32), not {pack.model.dtype}")
     products = matrix_products(pack)
     weight_bytes = sum(int(np.prod(p["shape"])) * 4 for p in products)
     print(f"{len(products)} matrix products, {weight_bytes / 1e6:.1f} MB of weights a step")

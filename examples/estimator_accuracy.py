@@ -48,12 +48,12 @@ def step_seconds(step, tier: int, context: int, repeat: int, rng) -> float:
 
 def sub_layer_lines(step, estimator: Estimator, tier: int, context: int, repeat: int, rng) -> list[str]:
     """The chain's sub-layers each timed apart, by kind, beside the estimator."""
-    entries = {e["name"]: e for e in step.pack.sub_layers}
+    entries = {e.name: e for e in step.pack.sub_layers}
     timed_step(step, context - tier, tier, rng)  # warm-up for this shape
     runs = [timed_step(step, context - tier, tier, rng)[1] for _ in range(repeat)]
     lines = []
     for kind in ("attn", "ffn", "final"):
-        names = [n for n in entries if entries[n]["kind"] == kind]
+        names = [n for n in entries if entries[n].kind == kind]
         measured = sum(statistics.median(r[n] for r in runs) for n in names)
         predicted = sum(
             estimator.compute_seconds(entries[n], 1 if kind == "final" else tier, context, False)
@@ -114,8 +114,8 @@ def main() -> None:
                 )
                 if budget is None:
                     row["predicted"] = (
-                        Planner(manifest, profile, 1 << 40, context=args.context, threads=args.threads)
-                        .baseline("cpu", tier)
+                        Planner(manifest, profile, context=args.context, threads=args.threads)
+                        .baseline("cpu", tier, 1 << 40)
                         .step_s
                     )
                     row["plan"] = "chain"
@@ -130,7 +130,7 @@ def main() -> None:
                 row["measured"].append(step_seconds(step, tier, args.context, args.repeat, rng))
                 if args.sub_layers and budget is None:
                     estimator = Estimator(
-                        profile, manifest["model"], args.threads, manifest["source"]["model_sha256"]
+                        profile, manifest.model, args.threads, manifest.source["model_sha256"]
                     )
                     print("\n".join(sub_layer_lines(step, estimator, tier, args.context, args.repeat, rng)))
             step.close()

@@ -20,6 +20,7 @@ import numpy as np
 import pipeshard
 from pipeshard.exporter import export_model
 from pipeshard.exporter.tiny import build_random_model
+from pipeshard.formats.manifest import load_pack
 from pipeshard.partitioner.partition import partition
 from pipeshard.partitioner.planner import Planner
 from pipeshard.profiles.db import load_profile
@@ -75,9 +76,9 @@ def distinct_experts(pack: Path, threads: int) -> dict:
         measured[tier] = step.expert_stats.mean_distinct_experts()[str(tier)]
         if tier == TIERS[-1]:
             stats = step.expert_stats.to_json()  # the text's routing at T=64, as a stats file would hold it
-    manifest = json.loads((pack / "manifest.json").read_text())
-    uniform = Planner(manifest, load_profile("laptop-8gb"), 1 << 40)
-    measured_routing = Planner(manifest, load_profile("laptop-8gb"), 1 << 40, expert_stats=stats)
+    manifest = step.pack.manifest
+    uniform = Planner(manifest, load_profile("laptop-8gb"))
+    measured_routing = Planner(manifest, load_profile("laptop-8gb"), expert_stats=stats)
     return {
         "measured": measured,
         "expected_uniform": {
@@ -97,12 +98,13 @@ def main() -> None:
     args = parser.parse_args()
     _, pack = prepare(Path(args.work))
     pipeshard.use_process_thread_pool(args.threads)  # after the export, whose check makes its own session
-    manifest = json.loads((pack / "manifest.json").read_text())
-    experts = sum(e["weight_bytes"] for e in manifest["sub_layers"] if e["kind"] == "expert")
+    manifest = load_pack(pack).manifest
+    model = manifest.model
+    experts = sum(e.weight_bytes for e in manifest.sub_layers if e.kind == "expert")
     print(
-        f"model: {manifest['model']['architecture']}, {manifest['model']['num_layers']} layers, "
-        f"{manifest['model']['num_experts']} experts top-{manifest['model']['experts_per_token']}, "
-        f"{manifest['total_weight_bytes'] / 2**20:.0f} MiB of weights ({experts / 2**20:.0f} MiB experts), "
+        f"model: {model.architecture}, {model.num_layers} layers, "
+        f"{model.num_experts} experts top-{model.experts_per_token}, "
+        f"{manifest.total_weight_bytes / 2**20:.0f} MiB of weights ({experts / 2**20:.0f} MiB experts), "
         f"{args.threads} threads"
     )
     routing = distinct_experts(pack, args.threads)

@@ -91,19 +91,25 @@ def where_attention_runs(plan) -> str:
     return f"{on_device}/{len(attentions)}"
 
 
-def plans_of_tier(planner, tier: int) -> dict:
+def plans_of_tier(planner, tier: int, budget: int) -> dict:
     """The planner's choice for a tier (what Planner.plan_tier chooses: the fastest of its three strategies) and
     the `layers` baseline, without the timelines and the `offload` baseline plan_tier also makes."""
-    planner.check_budget()
+    planner.check_budget(budget)
     strategies = [
-        p for p in (planner.gpu_only(tier), planner.static(tier), planner.dynamic(tier)) if p is not None
+        p
+        for p in (planner.gpu_only(tier, budget), planner.static(tier, budget), planner.dynamic(tier, budget))
+        if p is not None
     ]
-    return {"ours": min(strategies, key=lambda p: p.step_s), "layers": planner.baseline("layers", tier)}
+    return {
+        "ours": min(strategies, key=lambda p: p.step_s),
+        "layers": planner.baseline("layers", tier, budget),
+    }
 
 
-def predict(planner, prompt_tokens: int) -> dict:
-    """Tokens/s and TTFT of the chosen plan and of `layers`, from the plans of tiers 1 and PREFILL_TIER."""
-    decode, prefill = plans_of_tier(planner, 1), plans_of_tier(planner, PREFILL_TIER)
+def predict(planner, prompt_tokens: int, budget: int) -> dict:
+    """Tokens/s and TTFT of the chosen plan and of `layers` within `budget` bytes, from the plans of tiers 1 and
+    PREFILL_TIER."""
+    decode, prefill = plans_of_tier(planner, 1, budget), plans_of_tier(planner, PREFILL_TIER, budget)
     chunks = math.ceil(prompt_tokens / PREFILL_TIER)
     row = {}
     for key in ("ours", "layers"):
@@ -179,7 +185,6 @@ def compare(packs: Path) -> tuple[list[dict], dict]:
             planner = Planner(
                 pack.manifest,
                 profile,
-                0,
                 context=tokens,
                 batch=1,
                 threads=THREADS,
@@ -188,8 +193,7 @@ def compare(packs: Path) -> tuple[list[dict], dict]:
             for key, published in table4.items():
                 if key[0] != model.table4 or key[1] != context:
                     continue
-                planner.budget_bytes = int(published["VramMB"]) * MiB
-                row = predict(planner, model.prompt_tokens[context])
+                row = predict(planner, model.prompt_tokens[context], int(published["VramMB"]) * MiB)
                 speedups = figure2[(model.figure2, context, published["Vram"])]
                 rows.append(
                     {
@@ -201,12 +205,12 @@ def compare(packs: Path) -> tuple[list[dict], dict]:
                         "paper_ttft_ms": float(published["TTFT(msec)"]),
                         "paper_tps_speedup": float(speedups["TPSSpeedup"]),
                         "paper_ttft_speedup": float(speedups["TTFTSpeedup"]),
-                        "units": len(planner.sub_layers),
+                        "units": len(planner.units),
                         "model_gib": planner.model_bytes / 1024**3,
-                        "largest_unit_mib": max(planner.weight_bytes[e["name"]] for e in planner.placeable)
+                        "largest_unit_mib": max(planner.weight_bytes[e.name] for e in planner.placeable)
                         / MiB,
-                        "query_heads_per_kv_head": pack.model["num_attention_heads"]
-                        // pack.model["num_key_value_heads"],
+                        "query_heads_per_kv_head": pack.model.num_attention_heads
+                        // pack.model.num_key_value_heads,
                     }
                 )
         seconds[model.config] = time.perf_counter() - started

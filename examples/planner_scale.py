@@ -39,24 +39,23 @@ def main() -> int:
     planner = Planner(
         pack.manifest,
         load_profile("desktop-rtx5090"),
-        int(args.vram * GiB),
         context=args.context,
         threads=16,
         assume_bits=args.assume_bits,
     )
     setup_s = time.perf_counter() - started
-    planned = planner.plan(DEFAULT_TIERS)
+    planned = planner.plan(int(args.vram * GiB), DEFAULT_TIERS)
     replans = []
     for index in range(args.replans):
-        planner.budget_bytes = int((args.vram - 1 - index % 3) * GiB)
+        budget = int((args.vram - 1 - index % 3) * GiB)
         started = time.perf_counter()
-        planner.plan_tier(1)
+        planner.plan_tier(1, budget)
         replans.append(time.perf_counter() - started)
     print(
         json.dumps(
             {
                 "pack": args.pack,
-                "units": len(planner.sub_layers),
+                "units": len(planner.units),
                 "budget_gib": args.vram,
                 "context": args.context,
                 "manifest_load_s": round(loaded_s, 3),

@@ -19,6 +19,7 @@ import math
 from dataclasses import dataclass
 
 from pipeshard.core.errors import UserError
+from pipeshard.formats.manifest import ModelFacts, SubLayer
 
 ELEMENT_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 WEIGHT_DTYPES = {
@@ -110,14 +111,14 @@ class Estimator:
     def __init__(
         self,
         profile: dict,
-        model: dict,
+        model: ModelFacts,
         threads: int | None = None,
         model_sha256: str | None = None,
         weight_bits: float | None = None,
     ) -> None:
         self.profile = profile
-        self.dtype = model["dtype"]  # the weights' (a half-precision pack computes in float32)
-        self.element = ELEMENT_BYTES[model.get("compute_dtype", self.dtype)]  # activations and KV
+        self.dtype = model.dtype  # the weights' (a half-precision pack computes in float32)
+        self.element = ELEMENT_BYTES[model.compute_dtype]  # activations and KV
         self.weight_bits = weight_bits  # planning only: every weight read as this many bits
         self.weight_scale = (
             weight_bits / 8 / ELEMENT_BYTES[self.dtype] if weight_bits else 1.0
@@ -217,20 +218,20 @@ class Estimator:
     def _table_dtype(self, table: dict) -> str:
         """The rate table of the products' arithmetic: the model's dtype where it computes in it (an fp16 graph),
         else fp32 (fp32 packs, and half-precision weights computed in fp32)."""
-        compute = self.model.get("compute_dtype", self.dtype)
+        compute = self.model.compute_dtype
         return compute if compute in table else "fp32"
 
-    def _matmuls(self, entry: dict) -> list[tuple[int, int, str]]:
+    def _matmuls(self, entry: SubLayer) -> list[tuple[int, int, str]]:
         """(K, N, weight dtype) of each matrix product: weights are [K, N] for MatMul, [N, K] for the lm_head
         Gemm."""
         shapes = []
-        for weight in entry["weights"]:
-            if len(weight["shape"]) != 2:
+        for weight in entry.weights:
+            if len(weight.shape) != 2:
                 continue
-            k, n = weight["shape"]
-            if entry["kind"] in ("final", "embed") and n == self.model["hidden_size"]:
+            k, n = weight.shape
+            if entry.kind in ("final", "embed") and n == self.model.hidden_size:
                 k, n = n, k  # stored [vocab, hidden]: read transposed
-            shapes.append((k, n, WEIGHT_DTYPES.get(weight["dtype"], self.dtype)))
+            shapes.append((k, n, WEIGHT_DTYPES.get(weight.dtype, self.dtype)))
         return shapes
 
     def _weight_read_gbps(self, rates: DeviceRates, dtype: str, under_copy: bool) -> float:
@@ -241,31 +242,29 @@ class Estimator:
         return measured * read_gbps / rates.read_gbps if measured else read_gbps
 
     def compute_seconds(
-        self, entry: dict, tokens: int, context: int, on_device: bool, under_copy: bool = False
+        self, entry: SubLayer, tokens: int, context: int, on_device: bool, under_copy: bool = False
     ) -> float:
         """Time of sub-layer `entry` for T=tokens new tokens at context C on the CPU or the device."""
         rates = self.device if on_device else self.cpu
-        if entry["kind"] in ("prologue",):
+        if entry.kind in ("prologue",):
             return rates.hop_s
-        if entry["kind"] == "embed":
-            row_bytes = self.model["hidden_size"] * (
+        if entry.kind == "embed":
+            row_bytes = self.model.hidden_size * (
                 self.weight_bits / 8
                 if self.weight_bits
                 else ELEMENT_BYTES[
-                    next((WEIGHT_DTYPES.get(w["dtype"], self.dtype) for w in entry["weights"]), self.dtype)
+                    next((WEIGHT_DTYPES.get(w.dtype, self.dtype) for w in entry.weights), self.dtype)
                 ]
             )
             return rates.hop_s + tokens * row_bytes / (rates.read_gbps * 1e9)
-        measured = self._measured_seconds(entry["kind"], tokens, context, "device" if on_device else "cpu")
+        measured = self._measured_seconds(entry.kind, tokens, context, "device" if on_device else "cpu")
         if measured is None and on_device and self.profile["device"]["kind"] == "sim":
-            measured = self._measured_seconds(
-                entry["kind"], tokens, context, "cpu"
-            )  # sim computes on the CPU
+            measured = self._measured_seconds(entry.kind, tokens, context, "cpu")  # sim computes on the CPU
         if measured is not None:
             return measured * (self._cpu_slowdown if under_copy else 1.0)
         table = rates.matmul_loaded if under_copy and rates.matmul_loaded else rates.matmul
         read_gbps = rates.read_gbps_loaded if under_copy else rates.read_gbps
-        seconds = rates.hop_s + entry.get("nodes", 0) * rates.op_s
+        seconds = rates.hop_s + entry.nodes * rates.op_s
         for k, n, dtype in self._matmuls(entry):
             if self.weight_bits:
                 # With assumed bits the measured rates at small M are bound by reading weights of the pack's dtype:
@@ -279,9 +278,10 @@ class Estimator:
                     k * n * ELEMENT_BYTES[dtype] / (self._weight_read_gbps(rates, dtype, under_copy) * 1e9)
                 )
             seconds += max(compute, memory)
-        if entry["kind"] == "attn":
-            flops = 4.0 * self.model["num_attention_heads"] * self.model["head_dim"] * tokens * context
-            kv_bytes = entry["cost"]["bytes"].get("C", entry["kv"]["bytes_per_token"]) * context
+        if entry.kind == "attn":
+            flops = 4.0 * self.model.num_attention_heads * self.model.head_dim * tokens * context
+            # The cost model's KV traffic per context token (its C term), else the KV's own bytes per token.
+            kv_bytes = entry.cost.bytes.get("C", entry.kv.bytes_per_token if entry.kv else 0) * context
             seconds += max(
                 flops / (rates.attention.gflops(tokens, context) * 1e9), kv_bytes / (read_gbps * 1e9)
             )

@@ -99,7 +99,12 @@ class Planner:
             order.update(final=2, expert=3)
         self.priority = sorted(
             self.placeable,
-            key=lambda e: (order.get(e.kind, 2), -self.routing_share.get(e.name, 0.0), e.layer or 0, e.expert or 0),
+            key=lambda e: (
+                order.get(e.kind, 2),
+                -self.routing_share.get(e.name, 0.0),
+                e.layer or 0,
+                e.expert or 0,
+            ),
         )
         self._cost_cache: dict[int, tuple[dict, dict, float]] = {}
 
@@ -120,11 +125,17 @@ class Planner:
     ) -> VramBreakdown:
         on_device = [e for e in self.placeable if placements[e.name] != Placement.CPU]
         streamed = [e for e in on_device if placements[e.name] == Placement.STREAMED and e.kind != "expert"]
-        streamed_experts = [e for e in on_device if placements[e.name] == Placement.STREAMED and e.kind == "expert"]
+        streamed_experts = [
+            e for e in on_device if placements[e.name] == Placement.STREAMED and e.kind == "expert"
+        ]
         return VramBreakdown(
-            pinned_weights=sum(self.weight_bytes[e.name] for e in on_device if placements[e.name] == Placement.PINNED),
+            pinned_weights=sum(
+                self.weight_bytes[e.name] for e in on_device if placements[e.name] == Placement.PINNED
+            ),
             kv_cache=sum(self.kv_bytes(e) for e in on_device if e.name not in kv_streamed),
-            staging_slots=slots * max((self.weight_bytes[e.name] for e in streamed), default=0) if streamed else 0,
+            staging_slots=slots * max((self.weight_bytes[e.name] for e in streamed), default=0)
+            if streamed
+            else 0,
             kv_staging=slots * max((self.kv_bytes(e) for e in streamed if e.name in kv_streamed), default=0),
             expert_slots=EXPERT_SLOTS * max((self.weight_bytes[e.name] for e in streamed_experts), default=0),
             workspace=self.workspace_bytes(tier) if on_device else 0,
@@ -144,7 +155,9 @@ class Planner:
 
     @staticmethod
     def streamed_attentions(placements: dict[str, str], units: list[SubLayer]) -> frozenset[str]:
-        return frozenset(e.name for e in units if e.kind == "attn" and placements[e.name] == Placement.STREAMED)
+        return frozenset(
+            e.name for e in units if e.kind == "attn" and placements[e.name] == Placement.STREAMED
+        )
 
     def minimum_budget(self) -> int:
         """The smallest plan: nothing on the device (static with nothing pinned) still needs the EP."""
@@ -171,7 +184,10 @@ class Planner:
         if kv_streamed:
             copies = {
                 **copies,
-                **{name: copies[name] + self._kv_copy_seconds(self.by_name[name], tier) for name in kv_streamed},
+                **{
+                    name: copies[name] + self._kv_copy_seconds(self.by_name[name], tier)
+                    for name in kv_streamed
+                },
             }
         slowdown = 1.0
         if any(p == Placement.STREAMED for p in full.values()):
@@ -259,7 +275,8 @@ class Planner:
                     tokens[e.name] = tier * p / share[e.name] if share[e.name] > 0 else 0.0
             compute = {
                 e.name: {
-                    device: share[e.name] * estimator.compute_seconds(e, tokens[e.name], self.context, device == "gpu")
+                    device: share[e.name]
+                    * estimator.compute_seconds(e, tokens[e.name], self.context, device == "gpu")
                     for device in ("cpu", "gpu")
                 }
                 for e in self.units
@@ -366,15 +383,24 @@ class Planner:
         largest_first = [largest, *(e for e in self.priority if e is not largest)]
         candidates = []
         for kv_streaming in self.kv_streaming_modes(budget_bytes):
-            kv_streamed = self.streamed_attentions(streamed_all, self.placeable) if kv_streaming else frozenset()
+            kv_streamed = (
+                self.streamed_attentions(streamed_all, self.placeable) if kv_streaming else frozenset()
+            )
             for priority in (self.priority, largest_first):
                 for slots in (STAGING_SLOTS, 1):
-                    placements = self._pin_prefix(tier, streamed_all, slots, budget_bytes, priority, kv_streaming)
+                    placements = self._pin_prefix(
+                        tier, streamed_all, slots, budget_bytes, priority, kv_streaming
+                    )
                     still_streamed = kv_streamed & self.streamed_attentions(placements, self.placeable)
                     if self.vram(placements, tier, slots, still_streamed).total <= budget_bytes:
                         candidates.append(
                             self.evaluate(
-                                "gpu-only", tier, placements, budget_bytes, slots=slots, kv_streaming=kv_streaming
+                                "gpu-only",
+                                tier,
+                                placements,
+                                budget_bytes,
+                                slots=slots,
+                                kv_streaming=kv_streaming,
                             )
                         )
                         break
@@ -415,7 +441,9 @@ class Planner:
                     kv_streaming=kv_streaming,
                     room_bytes=self._streaming_room(slots, kv_streaming),
                 )
-                plan = self._dynamic_moves(tier, placements, budget_bytes, slots, kv_streaming, compute, copies)
+                plan = self._dynamic_moves(
+                    tier, placements, budget_bytes, slots, kv_streaming, compute, copies
+                )
                 if plan is not None and (best_plan is None or plan.step_s < best_plan.step_s):
                     best_plan = plan
         return best_plan
@@ -432,14 +460,20 @@ class Planner:
     ) -> Plan | None:
         candidates = [n for n, p in placements.items() if p == Placement.CPU]
         candidates.sort(key=lambda n: compute[n]["gpu"] + copies[n] - compute[n]["cpu"])
-        best = self.evaluate("dynamic", tier, placements, budget_bytes, slots=slots, kv_streaming=kv_streaming)
+        best = self.evaluate(
+            "dynamic", tier, placements, budget_bytes, slots=slots, kv_streaming=kv_streaming
+        )
         moves = len(candidates) if len(candidates) <= DYNAMIC_MOVES else DYNAMIC_BLOCKS
         for block in _blocks(candidates, moves):
             trial = {**best.placements, **dict.fromkeys(block, Placement.STREAMED)}
             plan = self.evaluate("dynamic", tier, trial, budget_bytes, slots=slots, kv_streaming=kv_streaming)
             if self.fits(plan) and plan.step_s < best.step_s * (1 - 1e-9):
                 best = plan
-        return best if any(p == Placement.STREAMED for p in best.placements.values()) and self.fits(best) else None
+        return (
+            best
+            if any(p == Placement.STREAMED for p in best.placements.values()) and self.fits(best)
+            else None
+        )
 
     def exhaustive_dynamic(self, tier: int, budget_bytes: int, slots: int = STAGING_SLOTS) -> Plan:
         """The true optimum of the dynamic split under the same estimator (2^n: small packs only)."""
@@ -457,7 +491,9 @@ class Planner:
     # -- baselines --------------------------------------------------------------------------------------------------
     def baseline(self, name: str, tier: int, budget_bytes: int) -> Plan | None:
         if name in ("monolithic", "cpu"):
-            return self.evaluate(name, tier, {e.name: Placement.CPU for e in self.placeable}, budget_bytes, slots=0)
+            return self.evaluate(
+                name, tier, {e.name: Placement.CPU for e in self.placeable}, budget_bytes, slots=0
+            )
         if name == "layers":
             # Whole layers in order, then the rest (the output layer) once every layer is in: with nothing
             # streamed, a prefix's VRAM is its weights and KV plus what every plan with a unit on the device needs.
@@ -479,7 +515,9 @@ class Planner:
             streamed_all = {e.name: Placement.STREAMED for e in self.placeable}
             if self.vram(streamed_all, tier, 1).total > budget_bytes:
                 return None
-            placements = self._pin_prefix(tier, streamed_all, 1, budget_bytes, self.placeable)  # in manifest order
+            placements = self._pin_prefix(
+                tier, streamed_all, 1, budget_bytes, self.placeable
+            )  # in manifest order
             return self.evaluate("offload", tier, placements, budget_bytes, slots=1, prefetch=False)
         raise UserError(f"unknown baseline {name!r}; known: {', '.join(BASELINES)}")
 
@@ -495,10 +533,9 @@ class Planner:
     def plan_tier(self, tier: int, budget_bytes: int) -> dict:
         """Every strategy's plan at `tier` within `budget_bytes`, fastest first (`chosen`), and the baselines."""
         self.check_budget(budget_bytes)
+        policies = (self.gpu_only, self.static, self.dynamic)
         candidates = [
-            self.detailed(p)
-            for p in (self.gpu_only(tier, budget_bytes), self.static(tier, budget_bytes), self.dynamic(tier, budget_bytes))
-            if p is not None
+            self.detailed(p) for p in (policy(tier, budget_bytes) for policy in policies) if p is not None
         ]
         candidates.sort(key=lambda p: p.step_s)
         baselines = {name: self.baseline(name, tier, budget_bytes) for name in ("layers", "offload")}

@@ -5,29 +5,31 @@ from __future__ import annotations
 from pathlib import Path
 
 from pipeshard.core.errors import UserError
-from pipeshard.formats.plans import Plan
+from pipeshard.formats.plans import Placement, Plan
 
 MiB = 1024**2
 
 
 def _counts(plan: Plan, placeable: set[str]) -> str:
-    counts = {"pinned": 0, "streamed": 0, "cpu": 0}
+    counts = dict.fromkeys(Placement, 0)
     for name, place in plan.placements.items():
         if name in placeable:
-            counts[place] += 1
+            counts[Placement(place)] += 1
     kv = f" kv{len(plan.kv_streamed)}" if plan.kv_streamed else ""
-    return f"{counts['pinned']}/{counts['streamed']}/{counts['cpu']}{kv}"
+    return f"{counts[Placement.PINNED]}/{counts[Placement.STREAMED]}/{counts[Placement.CPU]}{kv}"
 
 
 def plan_table(planner, planned: dict, device_kind: str) -> str:
-    """One row per tier: the chosen plan, the others, and the predicted speedup over the baselines."""
-    placeable = {e["name"] for e in planner.placeable}
+    """One row per tier: the chosen plan, the others, and the predicted speedup over the baselines (`planned`:
+    what `Planner.plan` returned, with the budget it was planned within)."""
+    budget_bytes = planned["budget_bytes"]
+    placeable = {e.name for e in planner.placeable}
     header = (
         f"{'tier':>5} {'plan':<9} {'ms/step':>9} {'tok/s':>9} {'VRAM MiB':>15} {'pin/str/cpu':>16}  "
         f"{'other plans (ms)':<28} {'vs layers':>9} {'vs offload':>10}"
     )
     lines = [
-        f"budget {planner.budget_bytes / MiB:.0f} MiB (minimum {planner.minimum_budget() / MiB:.0f} MiB), "
+        f"budget {budget_bytes / MiB:.0f} MiB (minimum {planner.minimum_budget() / MiB:.0f} MiB), "
         f"context {planner.context}, batch {planner.batch}, {planner.estimator.threads} CPU threads, "
         f"device {device_kind}, model {planner.model_bytes / MiB:.0f} MiB"
         + (f" (weights sized at {planner.assume_bits:g} bits: planning only)" if planner.assume_bits else ""),
@@ -43,7 +45,7 @@ def plan_table(planner, planned: dict, device_kind: str) -> str:
         ]
         lines.append(
             f"{entry['tier']:>5} {chosen.strategy:<9} {chosen.step_s * 1e3:>9.2f} {chosen.tokens_per_s:>9.1f} "
-            f"{chosen.vram.total / MiB:>6.0f} of {planner.budget_bytes / MiB:<6.0f} "
+            f"{chosen.vram.total / MiB:>6.0f} of {budget_bytes / MiB:<6.0f} "
             f"{_counts(chosen, placeable):>16}  {others:<28} {ratios[0]:>9} {ratios[1]:>10}"
         )
     lines.append(
@@ -59,16 +61,19 @@ def plan_table(planner, planned: dict, device_kind: str) -> str:
 def expert_placement_lines(planner, planned: dict) -> list[str]:
     """Per tier, each MoE layer's experts as pinned/streamed/cpu, and the distinct experts T tokens are
     expected to activate per layer."""
-    experts = [e for e in planner.sub_layers if e["name"] in planner.routing_share]
-    layers = sorted({e["layer"] for e in experts})
+    experts = [e for e in planner.units if e.name in planner.routing_share]
+    layers = sorted({e.layer for e in experts})
     lines = ["experts per MoE layer, pinned/streamed/cpu (expected distinct experts per step):"]
     for entry in planned["tiers"]:
         placements = entry["chosen"].placements
         expected = planner.expected_distinct_experts(entry["tier"])
         per_layer = []
         for layer in layers:
-            mine = [placements[e["name"]] for e in experts if e["layer"] == layer]
-            per_layer.append(f"L{layer} {mine.count('pinned')}/{mine.count('streamed')}/{mine.count('cpu')}")
+            mine = [placements[e.name] for e in experts if e.layer == layer]
+            counts = "/".join(
+                str(mine.count(p)) for p in (Placement.PINNED, Placement.STREAMED, Placement.CPU)
+            )
+            per_layer.append(f"L{layer} {counts}")
         mean_expected = sum(expected.values()) / len(expected)
         lines.append(f"{entry['tier']:>5}  {'  '.join(per_layer)}  ({mean_expected:.2f})")
     return lines

@@ -18,6 +18,7 @@ import bisect
 import itertools
 from dataclasses import dataclass, field
 
+from pipeshard.formats.manifest import SubLayer
 from pipeshard.formats.plans import EXPERT_RUN_ORDER, EXPERT_SLOTS, Placement
 
 STEPS = 3
@@ -25,52 +26,52 @@ COLLAPSE_AFTER = 8  # see _collapsed_runs: the contention check's window of rece
 
 
 def _experts_by_placement(
-    sub_layers: list[dict], placements: dict[str, str], gates: dict[str, str]
-) -> list[dict]:
+    sub_layers: list[SubLayer], placements: dict[str, str], gates: dict[str, str]
+) -> list[SubLayer]:
     """Within each run of gated units (a MoE layer's experts), pinned first, then CPU, then streamed:
     the runtime's order, so the streamed experts' copies overlap the others' compute."""
-    ordered: list[dict] = []
-    group: list[dict] = []
+    ordered: list[SubLayer] = []
+    group: list[SubLayer] = []
     for entry in sub_layers:
-        gate = gates.get(entry["name"])
-        if group and gate != gates[group[0]["name"]]:
-            ordered += sorted(group, key=lambda e: EXPERT_RUN_ORDER[placements[e["name"]]])
+        gate = gates.get(entry.name)
+        if group and gate != gates[group[0].name]:
+            ordered += sorted(group, key=lambda e: EXPERT_RUN_ORDER[placements[e.name]])
             group = []
         (group if gate is not None else ordered).append(entry)
-    ordered += sorted(group, key=lambda e: EXPERT_RUN_ORDER[placements[e["name"]]])
+    ordered += sorted(group, key=lambda e: EXPERT_RUN_ORDER[placements[e.name]])
     return ordered
 
 
 def _collapsed_runs(
-    sub_layers: list[dict],
+    sub_layers: list[SubLayer],
     placements: dict[str, str],
     compute_s: dict[str, dict[str, float]],
     gates: dict[str, str],
-) -> list[tuple[dict, list[str]]]:
+) -> list[tuple[SubLayer, list[str]]]:
     """The chain as (unit, []) steps, except that within a long run of one MoE layer's experts placed alike (not
     streamed) and taking the same time, the units after the first COLLAPSE_AFTER are one step (unit, [names]).
     Such units run back to back on one device; only the first few can overlap a copy issued before the run
     (the contention check looks at the last COLLAPSE_AFTER intervals), so the step time is the one the
     unit-by-unit loop gives, at the cost of a few steps per layer instead of one per expert."""
-    runs: list[tuple[dict, list[str]]] = []
+    runs: list[tuple[SubLayer, list[str]]] = []
     index = 0
     while index < len(sub_layers):
         entry = sub_layers[index]
-        name = entry["name"]
+        name = entry.name
         end = index + 1
         if name in gates and placements[name] != Placement.STREAMED:
             device = "cpu" if placements[name] == Placement.CPU else "gpu"
             while (
                 end < len(sub_layers)
-                and gates.get(sub_layers[end]["name"]) == gates[name]
-                and placements[sub_layers[end]["name"]] == placements[name]
-                and compute_s[sub_layers[end]["name"]][device] == compute_s[name][device]
+                and gates.get(sub_layers[end].name) == gates[name]
+                and placements[sub_layers[end].name] == placements[name]
+                and compute_s[sub_layers[end].name][device] == compute_s[name][device]
             ):
                 end += 1
         single = min(end, index + COLLAPSE_AFTER)
         runs += [(e, []) for e in sub_layers[index:single]]
         if single < end:
-            runs.append((sub_layers[single], [e["name"] for e in sub_layers[single:end]]))
+            runs.append((sub_layers[single], [e.name for e in sub_layers[single:end]]))
         index = end
     return runs
 
@@ -113,7 +114,7 @@ class Simulation:
 
 
 def simulate(
-    sub_layers: list[dict],
+    sub_layers: list[SubLayer],
     placements: dict[str, str],
     compute_s: dict[str, dict[str, float]],
     copy_s: dict[str, float],
@@ -138,11 +139,13 @@ def simulate(
     sub_layers = _experts_by_placement(sub_layers, placements, gates)
     free = {"cpu": 0.0, "gpu": 0.0, "copy": 0.0}
     timeline: list[Interval] = []
-    streamed = [e["name"] for e in sub_layers if placements[e["name"]] == Placement.STREAMED and e["name"] not in gates]
+    streamed = [
+        e.name for e in sub_layers if placements[e.name] == Placement.STREAMED and e.name not in gates
+    ]
     gated_streamed: dict[str, list[str]] = {gate: [] for gate in set(gates.values())}
     for entry in sub_layers:
-        if placements[entry["name"]] == Placement.STREAMED and entry["name"] in gates:
-            gated_streamed[gates[entry["name"]]].append(entry["name"])
+        if placements[entry.name] == Placement.STREAMED and entry.name in gates:
+            gated_streamed[gates[entry.name]].append(entry.name)
     position_in_group = {name: i for group in gated_streamed.values() for i, name in enumerate(group)}
     runs = _collapsed_runs(sub_layers, placements, compute_s, gates)
     gated_copy_end: dict[str, float] = {}
@@ -179,7 +182,7 @@ def simulate(
     per_sub_layer: dict[str, float] = {}
     for _ in range(STEPS):
         for entry, repeats in runs:
-            name = entry["name"]
+            name = entry.name
             place = placements[name]
             device = "cpu" if place == Placement.CPU else "gpu"
             if (

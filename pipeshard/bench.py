@@ -180,7 +180,8 @@ class PlanRunner:
         self.plan, self.pack = plan, pack
         self.settings = settings
         self.context = context
-        self.device = self.engine.step.device if self.engine.planner is not None else None  # None: nothing planned
+        # None: nothing planned
+        self.device = self.engine.step.device if self.engine.planner is not None else None
         self.facts = {
             "engine": "pipeshard",
             "plan": plan,
@@ -462,7 +463,7 @@ def peak_rss_bytes() -> int:
 def _export_dir(pack: str) -> Path:
     from pipeshard.formats.manifest import load_pack
 
-    return Path(load_pack(Path(pack)).manifest["source"]["export"])
+    return Path(load_pack(Path(pack)).manifest.source["export"])
 
 
 def _peer_dir(settings: BenchSettings) -> Path:
@@ -527,10 +528,10 @@ def run_bench(
             f"--prompt-tokens {settings.prompt_tokens} leaves no room for the images' {image_tokens} tokens"
         )
     kv_context = len(prompt) + settings.new_tokens + 8
-    if kv_context > int(pack.model["max_context"]):
+    if kv_context > pack.model.max_context:
         raise UserError(
             f"{len(prompt)} prompt + {settings.new_tokens} new tokens exceed the model's context "
-            f"of {pack.model['max_context']}"
+            f"of {pack.model.max_context}"
         )
     rows_wanted = settings.rows()
     skipped = []
@@ -644,12 +645,12 @@ def _with_image_tokens(pack, settings: BenchSettings) -> tuple[str, str | None, 
     the image token and how many of them it holds; the message as it is without images."""
     if not settings.images:
         return settings.prompt, None, 0
-    vision = pack.manifest.get("vision")
+    vision = pack.manifest.vision
     if vision is None:
         raise UserError(f"{settings.pack} is a text model: it takes no --image")
     from pipeshard.runtime.vision import expand_prompt, prepare_images, with_placeholders
 
-    config = vision["preprocessing"]
+    config = vision.facts["preprocessing"]
     prepared = prepare_images(config, settings.images)
     text = expand_prompt(
         with_placeholders(settings.prompt, len(settings.images), config), prepared.tokens, config
@@ -722,13 +723,13 @@ def minimum_bytes_per_token(pack, context: float) -> float:
     from pipeshard.formats.manifest import evaluate_cost
 
     model = pack.model
-    chosen_share = model["experts_per_token"] / model["num_experts"] if model.get("num_experts") else 1.0
+    chosen_share = model.experts_per_token / model.num_experts if model.num_experts else 1.0
     weights = sum(
-        evaluate_cost({k: v for k, v in e["cost"]["bytes"].items() if k in ("const", "T")}, 1, 0)
-        * (chosen_share if e["kind"] == "expert" else 1.0)
+        evaluate_cost({k: v for k, v in e.cost.bytes.items() if k in ("const", "T")}, 1, 0)
+        * (chosen_share if e.kind == "expert" else 1.0)
         for e in pack.sub_layers
     )
-    return weights + pack.manifest["kv_bytes_per_token"] * context
+    return weights + pack.manifest.kv_bytes_per_token * context
 
 
 def _compare(rows: list[dict], reference: str, pack, kv_context: int, bandwidth: dict) -> None:
@@ -741,8 +742,8 @@ def _compare(rows: list[dict], reference: str, pack, kv_context: int, bandwidth:
         # What a run must hold at the least: every weight once, the KV cache of each sequence's generation, and on
         # the simulated device (whose memory is host memory) the staging slots.
         weights_and_kv = (
-            pack.manifest["total_weight_bytes"]
-            + pack.manifest["kv_bytes_per_token"] * generation_tokens * row["sequences"]
+            pack.manifest.total_weight_bytes
+            + pack.manifest.kv_bytes_per_token * generation_tokens * row["sequences"]
             + row["facts"].get("host_staging_bytes", 0)
         )
         row["reference"] = base["name"]
@@ -755,7 +756,7 @@ def _compare(rows: list[dict], reference: str, pack, kv_context: int, bandwidth:
         row["same_tokens_as_reference"] = row["tokens"] == base["tokens"]
         row["first_difference"] = first_difference(row["tokens"], base["tokens"])
         # One sequence's decode reads the weights per token; a batch's step shares them, so no roofline for it.
-        same_weights = row["facts"].get("dtype") == pack.model["dtype"] and row["sequences"] == 1
+        same_weights = row["facts"].get("dtype") == pack.model.dtype and row["sequences"] == 1
         row["weights_and_kv_bytes"] = weights_and_kv if row["kind"] == "plan" else None
         row["rss_over_weights_and_kv"] = (
             (row["peak_rss_bytes"] - row["baseline_rss_bytes"]) / weights_and_kv

@@ -575,10 +575,10 @@ def _command_plan(args: argparse.Namespace) -> int:
     for budget in sorted({budget_bytes(v, planner) for v in budgets}, reverse=True):
         ladder.append((budget, planner.plan(budget, tuple(tiers))))
         if not args.json:
-            print(plan_table(planner, ladder[-1][1], profile["device"]["kind"], budget))
+            print(plan_table(planner, ladder[-1][1], profile["device"]["kind"]))
     budget, planned = ladder[0]
     if args.explain and not args.json:
-        print(_explained(planner, planned, budget, args.batch))
+        print(_explained(planner, planned, args.batch))
     if image_sizes and not args.json:
         print(_vision_plan(pack, budget, image_sizes))
     document = plans_document(
@@ -660,14 +660,13 @@ def _vision_plan(pack, budget: int, sizes: list[tuple[int, int]]) -> str:
     return "\n".join(lines)
 
 
-def _explained(planner, planned: dict, budget: int, batch: int) -> str:
-    """How the runtime executes each tier's chosen plan (made for `budget` bytes): its splits and the host actions
-    between them."""
-    from pipeshard.runtime.schedule import Layout, describe, schedule
+def _explained(planner, planned: dict, batch: int) -> str:
+    """How the runtime executes each tier's chosen plan: its splits and the host actions between them."""
+    from pipeshard.runtime.splits import Layout, describe, schedule
 
     layout = Layout(planner.manifest, planner.units)
     lines = [
-        f"schedules at {format_bytes(budget)} (one-token steps run each CPU split's sub-layers "
+        f"schedules at {format_bytes(planned['budget_bytes'])} (one-token steps run each CPU split's sub-layers "
         "as joined sessions of up to 64 MiB of weights):"
     ]
     for entry in planned["tiers"]:

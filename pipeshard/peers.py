@@ -360,6 +360,8 @@ class NativeHostRunner:
     hold it off), so its row can end before the others."""
 
     def __init__(self, pack: Path, threads: int, context: int) -> None:
+        from pipeshard.formats.manifest import load_pack
+
         library_path = native_host_library()
         self.library = library = ctypes.CDLL(str(library_path))
         library.pipeshard_last_error.restype = ctypes.c_char_p
@@ -375,7 +377,7 @@ class NativeHostRunner:
             "engine": "pipeshard native host",
             "model": str(pack),
             "library": str(library_path),
-            "dtype": json.loads((pack / "manifest.json").read_text())["model"]["dtype"],
+            "dtype": load_pack(Path(pack)).model.dtype,
         }
 
     def _check(self, status: int) -> None:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeshard.runtime.devices import LedgeredDevice
+from pipeshard.runtime.ledger import LedgeredDevice
 
 
 def _check(result):
@@ -66,7 +66,7 @@ class CopyTicket:
 
 
 class CudaDevice(LedgeredDevice):
-    kind = "cuda"
+    kind = "cuda"  # DeviceKind.CUDA (runtime/devices.py imports this module, not the other way)
 
     def __init__(self, budget_bytes: int, runtime=None, device_id: int = 0) -> None:
         if runtime is None:

@@ -14,48 +14,29 @@ copies in and out), and what its sessions need (`cuda_options`).
 from __future__ import annotations
 
 import mmap
-import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from enum import StrEnum
 from pathlib import Path
 from typing import Protocol
 
 import numpy as np
 
 from pipeshard.core.errors import UserError
-
-DEVICE_KINDS = ("cpu", "sim", "cuda")
-
-
-class BudgetExceeded(RuntimeError):
-    """A device allocation would pass the VRAM budget: the plan or the runtime is wrong."""
+from pipeshard.runtime.ledger import BudgetExceeded as BudgetExceeded  # callers catch it from here
+from pipeshard.runtime.ledger import Ledger, LedgeredDevice
 
 
-class Ledger:
-    """Bytes charged against the VRAM budget, by purpose; remembers the peak."""
+class DeviceKind(StrEnum):
+    """What `--device` names: no device at all (`cpu`), the simulated one, CUDA. Not a placement: a plan places
+    units on the CPU on every kind of device."""
 
-    def __init__(self, budget_bytes: int) -> None:
-        self.budget_bytes = budget_bytes
-        self.used = 0
-        self.peak = 0
-        self.by_purpose: dict[str, int] = {}
-        self._lock = threading.Lock()
+    CPU = "cpu"
+    SIM = "sim"
+    CUDA = "cuda"
 
-    def charge(self, nbytes: int, purpose: str) -> None:
-        with self._lock:
-            if self.used + nbytes > self.budget_bytes:
-                raise BudgetExceeded(
-                    f"{purpose}: {nbytes} bytes would bring device memory to {self.used + nbytes}, "
-                    f"over the budget of {self.budget_bytes}"
-                )
-            self.used += nbytes
-            self.peak = max(self.peak, self.used)
-            self.by_purpose[purpose] = self.by_purpose.get(purpose, 0) + nbytes
 
-    def release(self, nbytes: int, purpose: str) -> None:
-        with self._lock:
-            self.used -= nbytes
-            self.by_purpose[purpose] = self.by_purpose.get(purpose, 0) - nbytes
+DEVICE_KINDS = tuple(DeviceKind)
 
 
 class Waitable(Protocol):
@@ -91,31 +72,6 @@ class Device(Protocol):
     @property
     def host_bytes(self) -> int: ...
     def close(self) -> None: ...
-
-
-class LedgeredDevice:
-    """What every device shares: a ledger that every byte of device memory is charged to."""
-
-    cuda_options: dict[str, str] | None = None
-
-    def __init__(self, budget_bytes: int) -> None:
-        self.ledger = Ledger(budget_bytes)
-        self.copied_bytes = 0
-        self.copy_seconds = 0.0
-
-    def set_budget(self, budget_bytes: int) -> None:
-        if self.ledger.used > budget_bytes:
-            raise BudgetExceeded(
-                f"{self.ledger.used} bytes still in use, more than the new budget {budget_bytes}"
-            )
-        self.ledger.budget_bytes = budget_bytes
-
-    def reserve(self, nbytes: int, purpose: str) -> None:
-        """Charge memory the device uses without pipeshard allocating it (workspace, EP context)."""
-        self.ledger.charge(nbytes, purpose)
-
-    def unreserve(self, nbytes: int, purpose: str) -> None:
-        self.ledger.release(nbytes, purpose)
 
 
 class HostMemoryDevice(LedgeredDevice):
@@ -175,7 +131,7 @@ class HostMemoryDevice(LedgeredDevice):
 class CpuDevice(HostMemoryDevice):
     """No device: every plan it runs places every unit on the CPU."""
 
-    kind = "cpu"
+    kind = DeviceKind.CPU
 
     def __init__(self, budget_bytes: int = 0) -> None:
         super().__init__(budget_bytes)
@@ -196,7 +152,7 @@ class CpuDevice(HostMemoryDevice):
 class SimDevice(HostMemoryDevice):
     """Host memory posing as device memory, with a budget and an asynchronous copy engine."""
 
-    kind = "sim"
+    kind = DeviceKind.SIM
 
     def __init__(self, budget_bytes: int) -> None:
         super().__init__(budget_bytes)
@@ -245,11 +201,11 @@ def _drop_mapped_pages(source: np.ndarray) -> None:
 
 def make_device(kind: str, budget_bytes: int) -> Device:
     """The device of a name; `cuda` only when the CUDA EP really loads."""
-    if kind == "cpu":
+    if kind == DeviceKind.CPU:
         return CpuDevice(budget_bytes)
-    if kind == "sim":
+    if kind == DeviceKind.SIM:
         return SimDevice(budget_bytes)
-    if kind == "cuda":
+    if kind == DeviceKind.CUDA:
         from pipeshard.runtime.ort import cuda_usable
 
         if not cuda_usable():

@@ -20,7 +20,6 @@ from pipeshard.core.errors import UserError
 from pipeshard.formats.vision_inputs import PREPROCESSING_SCHEMA_VERSION
 
 
-
 @dataclass
 class ImageInputs:
     """The vision graph's inputs for the images of one prompt, and how each image lays out in the prompt.

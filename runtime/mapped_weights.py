@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import mmap
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from pipeshard.formats.export_info import numpy_dtype
+from pipeshard.formats.manifest import Weight
 
 
 @dataclass
@@ -17,18 +19,18 @@ class MappedWeights:
 
     maps: dict[Path, mmap.mmap] = field(default_factory=dict)
 
-    def add(self, folder: Path, stored: list[dict]) -> dict[str, np.ndarray]:
-        """Map a sub-layer's weights (its manifest entries); returns them by name."""
+    def add(self, folder: Path, stored: Iterable[Weight]) -> dict[str, np.ndarray]:
+        """Map a sub-layer's weights (its manifest records); returns them by name."""
         added = {}
         for weight in stored:
-            path = folder / weight["file"]
+            path = folder / weight.file
             if path not in self.maps:
                 with open(path, "rb") as file:
                     self.maps[path] = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
-            dtype = numpy_dtype(weight["dtype"])
-            added[weight["name"]] = np.frombuffer(
-                self.maps[path], dtype, weight["bytes"] // dtype.itemsize, weight["offset"]
-            ).reshape(weight["shape"])
+            dtype = numpy_dtype(weight.dtype)
+            added[weight.name] = np.frombuffer(
+                self.maps[path], dtype, weight.bytes // dtype.itemsize, weight.offset
+            ).reshape(weight.shape)
         return added
 
     def release_pages(self) -> None:

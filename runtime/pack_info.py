@@ -2,18 +2,23 @@
 
 from __future__ import annotations
 
-from pipeshard.formats.manifest import Pack, evaluate_cost
+from dataclasses import asdict
+
+from pipeshard.formats.manifest import ModelFacts, Pack, SubLayer, VisionSection, evaluate_cost
 
 TIERS_SHOWN = (1, 64)
 MiB = 1024**2
 
 
-def expected_step_cost(entry: dict, coefficients: dict, tokens: int, context: int, model: dict) -> float:
-    """A sub-layer's cost in a step of `tokens` new tokens. An expert's manifest cost is per tokens routed
-    to it; in a step it runs with probability 1-(1-k/E)^T (uniform routing), then over T·(k/E)/that tokens."""
-    if entry["kind"] != "expert":
+def expected_step_cost(
+    entry: SubLayer, coefficients: dict[str, float], tokens: int, context: int, model: ModelFacts
+) -> float:
+    """A sub-layer's cost (`coefficients`: its cost's flops or bytes terms) in a step of `tokens` new tokens. An
+    expert's manifest cost is per tokens routed to it; in a step it runs with probability 1-(1-k/E)^T (uniform
+    routing), then over T·(k/E)/that tokens."""
+    if entry.kind != "expert":
         return evaluate_cost(coefficients, tokens, context)
-    share = model["experts_per_token"] / model["num_experts"]
+    share = model.experts_per_token / model.num_experts
     chosen = 1.0 - (1.0 - share) ** tokens
     return chosen * evaluate_cost(coefficients, tokens * share / chosen, context)
 
@@ -24,30 +29,30 @@ def pack_summary(pack: Pack, context: int) -> dict:
     rows = []
     step = {f"{kind}_T{t}": 0.0 for kind in ("flops", "bytes") for t in TIERS_SHOWN}
     for entry in pack.sub_layers:
-        cost = entry["cost"]
-        own_blob = entry["blob"]["file"] if entry["blob"] else None
+        cost = entry.cost
+        own_blob = entry.blob.file if entry.blob else None
         rows.append(
             {
-                "name": entry["name"],
-                "kind": entry["kind"],
-                "layer": entry["layer"],
-                "weight_bytes": sum(w["bytes"] for w in entry["weights"] if w["file"] == own_blob),
-                "shared_weight_bytes": sum(w["bytes"] for w in entry["weights"] if w["file"] != own_blob),
-                **{f"flops_T{t}": evaluate_cost(cost["flops"], t, context) for t in TIERS_SHOWN},
-                **{f"bytes_T{t}": evaluate_cost(cost["bytes"], t, context) for t in TIERS_SHOWN},
-                "kv_bytes_per_token": entry["kv"]["bytes_per_token"] if entry["kv"] else 0,
-                "inputs": [i["name"] for i in entry["inputs"]],
-                "outputs": [o["name"] for o in entry["outputs"]],
+                "name": entry.name,
+                "kind": entry.kind,
+                "layer": entry.layer,
+                "weight_bytes": sum(w.bytes for w in entry.weights if w.file == own_blob),
+                "shared_weight_bytes": sum(w.bytes for w in entry.weights if w.file != own_blob),
+                **{f"flops_T{t}": cost.flops_at(t, context) for t in TIERS_SHOWN},
+                **{f"bytes_T{t}": cost.bytes_at(t, context) for t in TIERS_SHOWN},
+                "kv_bytes_per_token": entry.kv.bytes_per_token if entry.kv else 0,
+                "inputs": [i.name for i in entry.inputs],
+                "outputs": [o.name for o in entry.outputs],
             }
         )
-        for kind in ("flops", "bytes"):
+        for kind, terms in (("flops", cost.flops), ("bytes", cost.bytes)):
             for t in TIERS_SHOWN:
-                step[f"{kind}_T{t}"] += expected_step_cost(entry, cost[kind], t, context, pack.model)
+                step[f"{kind}_T{t}"] += expected_step_cost(entry, terms, t, context, pack.model)
     totals = {
         key: sum(row[key] for row in rows) for key in rows[0] if key.startswith(("weight", "shared", "kv"))
     }
     totals.update(step)
-    return {"model": pack.model, "context": context, "sub_layers": rows, "totals": totals}
+    return {"model": asdict(pack.model), "context": context, "sub_layers": rows, "totals": totals}
 
 
 def pack_table(pack: Pack, context: int) -> str:
@@ -57,8 +62,9 @@ def pack_table(pack: Pack, context: int) -> str:
         f"{'sub-layer':<12} {'kind':<9} {'weights MiB':>11} {'GFLOP T=1':>10} {'GFLOP T=64':>11} "
         f"{'MiB T=1':>9} {'MiB T=64':>9} {'KV B/tok':>9}  boundary (in -> out)"
     )
+    model = pack.model
     lines = [
-        f"{pack.folder}: {pack.model['architecture']} {pack.model['dtype']}, {pack.model['num_layers']} layers, "
+        f"{pack.folder}: {model.architecture} {model.dtype}, {model.num_layers} layers, "
         f"costs at context C={context}",
         header,
         "-" * len(header),
@@ -78,36 +84,32 @@ def pack_table(pack: Pack, context: int) -> str:
         lines.append(row_text(row["name"], row["kind"], row) + "  " + boundary)
     lines.append("-" * len(header))
     lines.append(row_text("total", "", summary["totals"]))
-    model = pack.model
-    if model.get("num_experts"):
+    if model.num_experts:
         lines.append(
-            f"MoE: {model['num_experts']} experts per layer, {model['experts_per_token']} per token; an "
+            f"MoE: {model.num_experts} experts per layer, {model.experts_per_token} per token; an "
             "expert's row is at T tokens routed to it, the total counts each expert by its expected use "
             "in a step of T tokens (uniform routing)"
         )
-    vision = pack.manifest.get("vision")
-    if vision:
-        lines += ["", vision_table(vision)]
+    if pack.manifest.vision is not None:
+        lines += ["", vision_table(pack.manifest.vision)]
     return "\n".join(lines)
 
 
-def vision_table(vision: dict) -> str:
-    """A VLM's vision blocks: weights, GFLOP and MiB moved per tile (T = C = the patches of one tile)."""
-    patches = int(vision["patches_per_tile"])
+def vision_table(vision: VisionSection) -> str:
+    """A VLM's vision blocks: weights, GFLOP and MiB moved per tile (T = C = the patches of one tile; no KV
+    cache, so the bytes have no context term)."""
+    facts = vision.facts  # the export's description of the tower (a dict)
+    patches = int(facts["patches_per_tile"])
     lines = [
-        f"vision tower ({vision['family']}): {vision['num_layers']} blocks over {vision['image_size']} px tiles, "
-        f"{patches} patches and {vision['tokens_per_tile']} image tokens per tile; per tile:",
+        f"vision tower ({facts['family']}): {facts['num_layers']} blocks over {facts['image_size']} px tiles, "
+        f"{patches} patches and {facts['tokens_per_tile']} image tokens per tile; per tile:",
         f"{'block':<16} {'weights MiB':>11} {'GFLOP':>9} {'MiB moved':>10}",
     ]
-    for entry in vision["sub_layers"]:
-        cost = entry["cost"]
-        flops = sum(
-            cost["flops"].get(k, 0) * m for k, m in (("const", 1), ("T", patches), ("TC", patches**2))
-        )
-        moved = cost["bytes"].get("const", 0) + cost["bytes"].get("T", 0) * patches
+    for entry in vision.sub_layers:
+        flops = entry.cost.flops_at(patches, patches)
+        moved = entry.cost.bytes_at(patches, 0)
         lines.append(
-            f"{entry['name']:<16} {entry['weight_bytes'] / MiB:>11.2f} {flops / 1e9:>9.3f} "
-            f"{moved / MiB:>10.2f}"
+            f"{entry.name:<16} {entry.weight_bytes / MiB:>11.2f} {flops / 1e9:>9.3f} {moved / MiB:>10.2f}"
         )
-    lines.append(f"{'total':<16} {vision['total_weight_bytes'] / MiB:>11.2f}")
+    lines.append(f"{'total':<16} {vision.total_weight_bytes / MiB:>11.2f}")
     return "\n".join(lines)

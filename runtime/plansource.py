@@ -13,6 +13,7 @@ import bisect
 import logging
 from typing import Protocol
 
+from pipeshard.formats.manifest import SubLayer
 from pipeshard.formats.plans import DEFAULT_TIERS, Plan, PlanSet, all_cpu_plan
 
 log = logging.getLogger(__name__)
@@ -21,6 +22,7 @@ log = logging.getLogger(__name__)
 class PlanSource(Protocol):
     """What the runtime asks of whoever makes plans (the planner satisfies it)."""
 
+    units: list[SubLayer]  # what plans place: the pack's sub-layers, an output layer in row chunks
     context: int  # the KV cache's size the plans are made for, per sequence
     batch: int  # ... and the sequences
 

@@ -19,11 +19,12 @@ from PIL import Image
 
 from pipeshard.core.errors import UserError
 from pipeshard.formats.export_info import NUMPY_DTYPES
-from pipeshard.formats.manifest import WEIGHT_ALIGNMENT
+from pipeshard.formats.manifest import WEIGHT_ALIGNMENT, Pack, SubLayer
+from pipeshard.formats.vision_inputs import qwen2_5_vl_vision_inputs
 from pipeshard.formats.vision_memory import VisionShape, naive_workspace, tile_runs, vlmopt_peak
 from pipeshard.runtime import capi
+from pipeshard.runtime.devices import DeviceKind
 from pipeshard.runtime.images import expand_image_tokens, image_placeholder, load_image, preprocess
-from pipeshard.formats.vision_inputs import qwen2_5_vl_vision_inputs
 
 PIXEL_VALUES, IMAGE_FEATURES = "pixel_values", "image_features"
 WEIGHTS, WORKSPACE = "vision weights", "vision workspace"
@@ -90,13 +91,13 @@ class ExportVision:
 
 
 class PackVision:
-    """A pack's vision blocks, on the CPU (`device.kind == "cpu"`) or on the device: streamed (VLMOpt), or with
+    """A pack's vision blocks, on the CPU (a `DeviceKind.CPU` device) or on the device: streamed (VLMOpt), or with
     `naive` as a plain port does it (every weight resident, every score stored, the decoder kept), for comparing
     their peak device memory on the simulated device."""
 
     def __init__(
         self,
-        pack,
+        pack: Pack,
         device,
         threads: int | None = None,
         release_decoder=None,
@@ -106,10 +107,10 @@ class PackVision:
         """`workspace_bytes`: the most the encoder's activations and attention take at once (default: whatever
         the budget leaves)."""
         self.pack = pack
-        self.description = pack.manifest["vision"]
-        self.config = self.description["preprocessing"]
-        self.entries = self.description["sub_layers"]
-        self.shape = VisionShape.from_pack(self.description)
+        self.description = vision = pack.manifest.vision
+        self.config = vision.facts["preprocessing"]  # the export's, as it wrote it
+        self.entries = vision.sub_layers
+        self.shape = VisionShape.from_pack(vision)
         self.device = device
         self.release_decoder = release_decoder  # frees the decoder's device memory when the encoder needs it
         self.naive = naive
@@ -122,25 +123,25 @@ class PackVision:
         self.encoder_peak_bytes = 0  # the same, less what the decoder held meanwhile
         self._held = self._peak_before_release = 0
         self.streamed_bytes = 0
-        self.dtype = NUMPY_DTYPES[pack.model["dtype"]]
+        self.dtype = NUMPY_DTYPES[pack.model.dtype]
         self._indices: dict[str, np.ndarray] = {}  # qwen2_vl: the window order, rotary ids and groups
 
     @property
     def on_device(self) -> bool:
-        return self.device.kind != "cpu"
+        return self.device.kind != DeviceKind.CPU
 
-    def _session(self, entry: dict) -> capi.Session:
-        if entry["name"] not in self._sessions:
+    def _session(self, entry: SubLayer) -> capi.Session:
+        if entry.name not in self._sessions:
             if self.on_device:
                 session = self._rt.session(
-                    self.pack.path(entry["files"]["weights_as_inputs"]),
+                    self.pack.path(entry.files["weights_as_inputs"]),
                     self._threads,
                     cuda_options=self.device.cuda_options,
                 )
             else:
-                session = self._rt.session(self.pack.path(entry["files"]["onnx"]), self._threads)
-            self._sessions[entry["name"]] = session
-        return self._sessions[entry["name"]]
+                session = self._rt.session(self.pack.path(entry.files["onnx"]), self._threads)
+            self._sessions[entry.name] = session
+        return self._sessions[entry.name]
 
     def encode(self, pixel_values: np.ndarray, grid_thw: np.ndarray | None = None) -> np.ndarray:
         """Image features of the tiles (idefics3) or patches of images of `grid_thw` (qwen2_vl)."""
@@ -213,7 +214,7 @@ class PackVision:
         try:
             offset = 0
             for entry in self.entries:
-                if entry.get("blob"):
+                if entry.blob:
                     self._upload(entry, weights[offset:]).result()
                 offset += _resident_bytes(entry)
             return self._run_all(pixel_values, [weights], resident=True)
@@ -221,12 +222,12 @@ class PackVision:
             self.device.unreserve(reserved, WORKSPACE)
             self.device.free(weights, WEIGHTS)
 
-    def _upload(self, entry: dict, slot):
-        blob = entry.get("blob")
+    def _upload(self, entry: SubLayer, slot):
+        blob = entry.blob
         if blob is None:
             return None
-        source = self.device.host_source(self.pack.path(blob["file"]), 0, blob["bytes"])
-        self.streamed_bytes += blob["bytes"]
+        source = self.device.host_source(self.pack.path(blob.file), 0, blob.bytes)
+        self.streamed_bytes += blob.bytes
         return self.device.upload(slot, source)
 
     def _run_all(self, pixel_values: np.ndarray, slots: list | None, resident: bool = False) -> np.ndarray:
@@ -248,35 +249,35 @@ class PackVision:
             elif resident:
                 self._bind_weights(binding, entry, slots[0], offset)
                 offset += _resident_bytes(entry)
-            for tensor in entry["inputs"]:
-                value = values[tensor["name"]]
+            for tensor in entry.inputs:
+                value = values[tensor.name]
                 if isinstance(value, np.ndarray):
-                    binding.bind_input(tensor["name"], value)
+                    binding.bind_input(tensor.name, value)
                 else:
-                    binding.bind_value_input(tensor["name"], value)
-            for tensor in entry["outputs"]:
-                binding.bind_output_to_cpu(tensor["name"])
+                    binding.bind_value_input(tensor.name, value)
+            for tensor in entry.outputs:
+                binding.bind_output_to_cpu(tensor.name)
             capi.run(session, binding, self._run_options)
-            for tensor, value in zip(entry["outputs"], binding.outputs(), strict=True):
-                values[tensor["name"]] = value
+            for tensor, value in zip(entry.outputs, binding.outputs(), strict=True):
+                values[tensor.name] = value
         return values[IMAGE_FEATURES].numpy()
 
-    def _bind_weights(self, binding: capi.Binding, entry: dict, buffer, base: int) -> None:
+    def _bind_weights(self, binding: capi.Binding, entry: SubLayer, buffer, base: int) -> None:
         memory = self.device.memory_info(self._rt)
-        for weight in entry["weights"]:
+        for weight in entry.weights:
             binding.bind_input_at(
-                weight["name"],
+                weight.name,
                 memory,
-                self.device.address(buffer) + base + weight["offset"],
-                NUMPY_DTYPES[weight["dtype"]],
-                weight["shape"],
+                self.device.address(buffer) + base + weight.offset,
+                NUMPY_DTYPES[weight.dtype],
+                weight.shape,
                 buffer,
             )
 
 
-def _resident_bytes(entry: dict) -> int:
+def _resident_bytes(entry: SubLayer) -> int:
     """A block's room in a buffer of every vision weight: its blob, to the weights' alignment."""
-    nbytes = (entry.get("blob") or {}).get("bytes", 0)
+    nbytes = entry.blob.bytes if entry.blob else 0
     return -(-nbytes // WEIGHT_ALIGNMENT) * WEIGHT_ALIGNMENT
 
 

@@ -11,6 +11,9 @@ than ONNX Runtime's SGEMM). The pack is not changed; a host without the op runs 
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
+from pipeshard.formats.manifest import Weight
 from pipeshard.runtime import protowire as wire
 from pipeshard.runtime.capi import CUSTOM_DOMAIN
 
@@ -22,12 +25,12 @@ _ATTRIBUTE_NAME, _ATTRIBUTE_INT, _ATTRIBUTE_TYPE, _ATTRIBUTE_TYPE_INT = 1, 3, 20
 _GEMM_DEFAULTS = {"alpha": 1.0, "beta": 1.0, "transA": 0}
 
 
-def product_weights(stored: list[dict], float_weights: bool) -> set[str]:
-    """The 2-D weights (manifest entries) the op may read: half-precision ones, and float32 ones if asked."""
+def product_weights(stored: Iterable[Weight], float_weights: bool) -> set[str]:
+    """The 2-D weights (manifest records) the op may read: half-precision ones, and float32 ones if asked."""
     return {
-        w["name"]
+        w.name
         for w in stored
-        if len(w["shape"]) == 2 and (w["dtype"] in HALF_DTYPES or float_weights and w["dtype"] == "float32")
+        if len(w.shape) == 2 and (w.dtype in HALF_DTYPES or float_weights and w.dtype == "float32")
     }
 
 

@@ -1,9 +1,11 @@
-"""Shared fixtures: exports are made once per test session (tiny ones in seconds; SmolLM2 cached)."""
+"""Shared fixtures: every export and pack a test reads is made once per test session (`models`); SmolLM2 and the
+other real models' exports are kept between runs under build/test-cache."""
 
 from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -12,8 +14,9 @@ from pipeshard.exporter.offline import force_offline
 
 force_offline()
 REPO = Path(__file__).resolve().parents[1]
-# SmolLM2 exports take minutes: kept between test runs under build/ (ignored by git).
+# Real models' exports take minutes: kept between test runs under build/ (ignored by git).
 CACHE = Path(os.environ.get("PIPESHARD_TEST_CACHE", REPO / "build" / "test-cache"))
+CACHE_NAMES = {"smollm2-135m": "smollm2"}  # the cache folders' names from before the factory, kept valid
 
 
 def _export_once(model: str, folder: Path, dtype: str = "fp32") -> Path:
@@ -28,27 +31,65 @@ def _export_once(model: str, folder: Path, dtype: str = "fp32") -> Path:
     return folder
 
 
-@pytest.fixture(scope="session")
-def tiny_llama_export(tmp_path_factory) -> Path:
-    return _export_once("tiny:llama", tmp_path_factory.mktemp("tiny") / "llama")
+class Models:
+    """The session's exports and packs, each made on first use and shared by every test after it. Tests only read
+    them: a test that changes one works on a copy (shutil.copytree)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.partition_seconds: dict[tuple[str, str], float] = {}  # how long each pack took to make
+        self._exports: dict[tuple[str, str], Path] = {}
+        self._packs: dict[tuple[str, str], Path] = {}
+
+    def export(self, name: str, dtype: str = "fp32") -> Path:
+        """NAME (`tiny:ARCH` or a built-in model) exported with DTYPE weights; a built-in model's export is
+        kept under CACHE between runs."""
+        key = (name, dtype)
+        if key not in self._exports:
+            if name.startswith("tiny:"):
+                folder = self.root / f"{name.replace(':', '-')}-{dtype}" / "export"
+            else:
+                folder = CACHE / f"{CACHE_NAMES.get(name, name)}-{dtype}"
+            self._exports[key] = _export_once(name, folder, dtype)
+        return self._exports[key]
+
+    def pack(self, name: str, dtype: str = "fp32") -> Path:
+        """The pack of `export(name, dtype)`, partitioned once per session."""
+        from pipeshard.partitioner.partition import partition
+
+        key = (name, dtype)
+        if key not in self._packs:
+            export = self.export(name, dtype)
+            folder = self.root / f"{name.replace(':', '-')}-{dtype}" / "pack"
+            started = time.perf_counter()
+            partition(export, folder)
+            self.partition_seconds[key] = time.perf_counter() - started
+            self._packs[key] = folder
+        return self._packs[key]
 
 
 @pytest.fixture(scope="session")
-def smollm2_export() -> Path:
-    return _export_once("smollm2-135m", CACHE / "smollm2-fp32")
+def models(tmp_path_factory) -> Models:
+    return Models(tmp_path_factory.mktemp("models"))
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_export(models) -> Path:
+    return models.export("tiny:llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_pack(models) -> Path:
+    """tiny:llama partitioned once; tests only read it (copy it to change it)."""
+    return models.pack("tiny:llama")
+
+
+@pytest.fixture(scope="session")
+def smollm2_export(models) -> Path:
+    return models.export("smollm2-135m")
 
 
 @pytest.fixture(scope="session", params=["fp16", "bf16"])
-def smollm2_half_export(request) -> Path:
+def smollm2_half_export(request, models) -> Path:
     """SmolLM2 exported with fp16, then bf16 weights (computed in fp32)."""
-    return _export_once("smollm2-135m", CACHE / f"smollm2-{request.param}", request.param)
-
-
-@pytest.fixture(scope="session")
-def tiny_pack(tiny_llama_export, tmp_path_factory) -> Path:
-    """tiny:llama partitioned once; tests only read it (copy it to change it)."""
-    from pipeshard.partitioner.partition import partition
-
-    folder = tmp_path_factory.mktemp("tiny-pack") / "pack"
-    partition(tiny_llama_export, folder)
-    return folder
+    return models.export("smollm2-135m", request.param)

@@ -71,13 +71,28 @@ def _hf_folder(settings: dict, folder):
     return model, tokenizer
 
 
-@pytest.fixture(scope="module", params=list(ARCHITECTURES))
-def exported(request, tmp_path_factory):
-    root = tmp_path_factory.mktemp(request.param)
-    model, tokenizer = _hf_folder(ARCHITECTURES[request.param], root / "hf")
-    assert main(["export", str(root / "hf"), str(root / "export"), "--quiet"]) == 0
-    assert main(["partition", str(root / "export"), str(root / "pack")]) == 0
-    return request.param, model, root / "export", root / "pack"
+@pytest.fixture(scope="module")
+def from_hf_folder(tmp_path_factory):
+    """An architecture's Hugging Face folder exported with `pipeshard export` and partitioned, once in this module:
+    its name -> (transformers model, export, pack)."""
+    made = {}
+
+    def make(name: str):
+        if name not in made:
+            root = tmp_path_factory.mktemp(name)
+            model, _ = _hf_folder(ARCHITECTURES[name], root / "hf")
+            assert main(["export", str(root / "hf"), str(root / "export"), "--quiet"]) == 0
+            assert main(["partition", str(root / "export"), str(root / "pack")]) == 0
+            made[name] = model, root / "export", root / "pack"
+        return made[name]
+
+    return make
+
+
+# An export per architecture (half a minute each here): slow, `make test` runs them.
+@pytest.fixture(scope="module", params=[pytest.param(name, marks=pytest.mark.slow) for name in ARCHITECTURES])
+def exported(request, from_hf_folder):
+    return request.param, *from_hf_folder(request.param)
 
 
 def _transformers_tokens(model, prompt_ids: list[int], eos: list[int]) -> list[int]:
@@ -143,12 +158,11 @@ def test_sliding_window_layers_use_gqas_local_window(exported):
     assert windows == [window if local else -1 for local in sliding]
 
 
-def test_longrope_exports_stop_at_the_original_context(tmp_path, capsys):
-    _hf_folder(PHI3, tmp_path / "hf")
-    assert main(["export", str(tmp_path / "hf"), str(tmp_path / "export"), "--quiet"]) == 0
-    assert json.loads((tmp_path / "export" / "export.json").read_text())["dims"]["max_context"] == 128
+def test_longrope_exports_stop_at_the_original_context(from_hf_folder, capsys):
+    _, export, _ = from_hf_folder("phi4-mini")  # PHI3: LongRoPE, an original context of 128
+    assert json.loads((export / "export.json").read_text())["dims"]["max_context"] == 128
     capsys.readouterr()
-    assert main(["run", str(tmp_path / "export"), "Hi " * 60, "--max-new-tokens", "64"]) == 2
+    assert main(["run", str(export), "Hi " * 60, "--max-new-tokens", "64"]) == 2
     error = capsys.readouterr().err.strip()
     assert error.startswith("error:") and "context of 128 tokens" in error and len(error.splitlines()) == 1
 

@@ -1,15 +1,17 @@
 """A damaged pack is one `error:` line naming the file, exit status 2."""
 
+import shutil
+
 import pytest
 
 from pipeshard.cli import main
-from pipeshard.partitioner.partition import partition
 
 
 @pytest.fixture()
-def pack_copy(tiny_llama_export, tmp_path):
+def pack_copy(tiny_pack, tmp_path):
+    """The shared tiny pack's copy, for this test to damage."""
     pack = tmp_path / "pack"
-    partition(tiny_llama_export, pack)
+    shutil.copytree(tiny_pack, pack)
     return pack
 
 

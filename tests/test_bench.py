@@ -303,15 +303,11 @@ def test_the_native_host_peer_gives_the_chains_tokens(tiny_pack, tmp_path):
     assert native["prompt_ids_match"] is None  # fed the bench's ids, no tokenizer of its own
 
 
-def test_images_are_encoded_in_every_run_and_match_transformers(tmp_path):
+def test_images_are_encoded_in_every_run_and_match_transformers(models, tmp_path):
     import numpy as np
     from PIL import Image
 
-    from pipeshard.exporter import export_model
-    from pipeshard.partitioner.partition import partition
-
-    export_model("tiny:smolvlm", tmp_path / "export", quiet=True)
-    partition(tmp_path / "export", tmp_path / "pack")
+    pack = models.pack("tiny:smolvlm")
     image = tmp_path / "image.png"
     Image.fromarray((np.random.default_rng(3).random((61, 90, 3)) * 255).astype(np.uint8)).save(image)
     out = tmp_path / "bench.json"
@@ -319,7 +315,7 @@ def test_images_are_encoded_in_every_run_and_match_transformers(tmp_path):
         main(
             [
                 "bench",
-                str(tmp_path / "pack"),
+                str(pack),
                 "--device",
                 "cpu",
                 "--plans",
@@ -328,6 +324,8 @@ def test_images_are_encoded_in_every_run_and_match_transformers(tmp_path):
                 "transformers",
                 "--reference",
                 "transformers",
+                "--peer-dir",
+                str(tmp_path / "peers"),  # beside this test's files, not the shared pack's
                 "--image",
                 str(image),
                 "--new-tokens",
@@ -345,10 +343,11 @@ def test_images_are_encoded_in_every_run_and_match_transformers(tmp_path):
     document = validate_bench(json.loads(out.read_text()))
     assert [row["name"] for row in document["rows"]] == ["monolithic", "cpu", "transformers"]
     assert all(row["same_tokens_as_reference"] for row in document["rows"])  # transformers ran its own pixels
+    from pipeshard.formats.manifest import load_pack
     from pipeshard.runtime.vision import prepare_images
 
-    config = json.loads((tmp_path / "pack" / "manifest.json").read_text())["vision"]["preprocessing"]
-    image_id = TextCodec(tmp_path / "pack").tokenizer.token_to_id(config["image_token"])
+    config = load_pack(pack).manifest.vision.facts["preprocessing"]
+    image_id = TextCodec(pack).tokenizer.token_to_id(config["image_token"])
     assert (
         document["settings"]["prompt_ids"].count(image_id) == sum(prepare_images(config, [image]).counts) > 0
     )

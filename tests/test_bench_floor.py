@@ -27,14 +27,14 @@ def test_the_floor_holds_every_matrix_product_of_a_decode_step(tiny_pack, tmp_pa
     pack = load_pack(tiny_pack)
     products = floor.matrix_products(pack)
     weights = {
-        w["name"]: w["shape"]
+        w.name: list(w.shape)
         for entry in pack.sub_layers
-        if entry["kind"] not in ("embed", "prologue")
-        for w in entry["weights"]
-        if len(w["shape"]) == 2
+        if entry.kind not in ("embed", "prologue")
+        for w in entry.weights
+        if len(w.shape) == 2
     }
     assert sorted(p["shape"] for p in products) == sorted(weights.values())
-    assert products[-1]["n"] == pack.model["vocab_size"]  # the output layer comes last
+    assert products[-1]["n"] == pack.model.vocab_size  # the output layer comes last
     path = floor.floor_model(products, tmp_path)
     model = onnx.load(str(path))
     assert [n.op_type for n in model.graph.node if n.op_type in ("MatMul", "Gemm")] == [
@@ -42,7 +42,7 @@ def test_the_floor_holds_every_matrix_product_of_a_decode_step(tiny_pack, tmp_pa
     ]
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     (logits,) = session.run(None, {"x": np.ones((1, products[0]["k"]), np.float32)})
-    assert logits.shape == (1, pack.model["vocab_size"]) and np.isfinite(logits).all()
+    assert logits.shape == (1, pack.model.vocab_size) and np.isfinite(logits).all()
 
 
 def test_the_script_times_floor_and_chain_in_processes_of_their_own(tiny_pack):

@@ -221,21 +221,20 @@ def test_the_chain_decodes_through_it_with_the_same_tokens(tiny_pack):
 
 def test_the_decode_graph_differs_from_the_pack_s_only_in_the_attention_node(tiny_pack):
     """The swap is done on protobuf's wire format (runtime/protowire.py), checked here with the onnx package."""
-    import json
-
     import onnx
 
+    from pipeshard.formats.manifest import load_pack
     from pipeshard.runtime import protowire
     from pipeshard.runtime.joined import join
 
-    manifest = json.loads((tiny_pack / "manifest.json").read_text())
-    for entry in manifest["sub_layers"]:
-        data = (tiny_pack / entry["files"]["onnx"]).read_bytes()
+    manifest = load_pack(tiny_pack).manifest
+    for entry in manifest.sub_layers:
+        data = (tiny_pack / entry.files["onnx"]).read_bytes()
         assert protowire.serialize(protowire.parse(data)) == data
-    entry = next(e for e in manifest["sub_layers"] if e["kind"] == "attn")
-    path = tiny_pack / entry["files"]["onnx"]
-    float_inputs = {i["name"] for i in entry["inputs"] if i["dtype"] == "float32"}
-    joined = join([path], {o["name"] for o in entry["outputs"]}, float_inputs)
+    entry = next(e for e in manifest.sub_layers if e.kind == "attn")
+    path = tiny_pack / entry.files["onnx"]
+    float_inputs = {i.name for i in entry.inputs if i.dtype == "float32"}
+    joined = join([path], {o.name for o in entry.outputs}, float_inputs)
     assert joined.decode_attention_nodes == 1
     original, rewritten = onnx.load(path, load_external_data=False), onnx.ModelProto.FromString(joined.model)
     changed = [new for old, new in zip(original.graph.node, rewritten.graph.node, strict=True) if old != new]
@@ -245,6 +244,4 @@ def test_the_decode_graph_differs_from_the_pack_s_only_in_the_attention_node(tin
     assert [(o.domain, o.version) for o in rewritten.opset_import] == [
         (o.domain, o.version) for o in original.opset_import
     ] + [(capi.CUSTOM_DOMAIN, 1)]
-    assert (
-        join([path], set(), float_inputs - {entry["kv"]["past"][0]}).decode_attention_nodes == 0
-    )  # not covered
+    assert join([path], set(), float_inputs - {entry.kv.past[0]}).decode_attention_nodes == 0  # not covered

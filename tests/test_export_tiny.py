@@ -117,14 +117,12 @@ def test_stop_string_cuts_the_text(tiny_llama_export):
     assert cut.stop_reason == "stop_string" and cut.text == full[: full.find(stop)]
 
 
-def test_fp16_export_runs_on_the_cpu_and_stays_close_to_fp32(tiny_llama_export, tmp_path):
-    from pipeshard.exporter import export_model
+def test_fp16_export_runs_on_the_cpu_and_stays_close_to_fp32(tiny_llama_export, models):
     from pipeshard.runtime.monolithic import MonolithicStep
 
-    export_model("tiny:llama", tmp_path / "fp16", dtype="fp16", quiet=True)
     ids = np.array([[5, 17, 99, 3]], dtype=np.int64)
     logits = []
-    for folder in (tiny_llama_export, tmp_path / "fp16"):
+    for folder in (tiny_llama_export, models.export("tiny:llama", "fp16")):
         step = MonolithicStep(folder)
         step.start(1)
         logits.append(step.forward(ids, np.ones_like(ids), np.arange(4)[None]).astype(np.float32))

@@ -3,11 +3,9 @@ exported from its GGUF, run on the chain and planned on sim, greedy tokens equal
 
 import pytest
 import torch
-from conftest import CACHE, _export_once
 
 import pipeshard
 from pipeshard.exporter.sources import load_source, resolve_source
-from pipeshard.partitioner.partition import partition
 
 pytestmark = pytest.mark.slow
 # A base model (no chat template): plain completions. The last prompt (~700 tokens) is longer than the
@@ -21,10 +19,8 @@ NEW_TOKENS = 32
 
 
 @pytest.fixture(scope="module")
-def gemma3(tmp_path_factory):
-    export = _export_once("gemma3-270m", CACHE / "gemma3-270m-fp32")
-    pack = tmp_path_factory.mktemp("gemma3") / "pack"
-    partition(export, pack)
+def gemma3(models):
+    export, pack = models.export("gemma3-270m"), models.pack("gemma3-270m")
     return export, pack, load_source(resolve_source("gemma3-270m"), torch.float32)
 
 

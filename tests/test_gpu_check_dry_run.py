@@ -4,21 +4,17 @@ import importlib.util
 import json
 from pathlib import Path
 
-from pipeshard.partitioner.partition import partition
-
 SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "gpu_check.py"
 
 
-def test_gpu_check_dry_run_on_sim(tiny_llama_export, tmp_path, capsys):
-    pack = tmp_path / "pack"
-    partition(tiny_llama_export, pack)
+def test_gpu_check_dry_run_on_sim(tiny_pack, tmp_path, capsys):
     spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
     gpu_check = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gpu_check)
     report = gpu_check.main(
         [
             "--pack",
-            str(pack),
+            str(tiny_pack),
             "--device",
             "sim",
             "--profile",

@@ -9,11 +9,9 @@ import pytest
 import torch
 
 import pipeshard
-from pipeshard.exporter import export_model
 from pipeshard.exporter.sources import load_source, resolve_source
-from pipeshard.formats.manifest import load_pack
+from pipeshard.formats.manifest import Cost, SubLayer, Weight, load_pack
 from pipeshard.partitioner.estimator import Estimator
-from pipeshard.partitioner.partition import partition
 from pipeshard.partitioner.planner import Planner
 from pipeshard.profiles.db import load_profile
 from pipeshard.runtime import capi
@@ -27,12 +25,9 @@ NEW_TOKENS = 12
 
 
 @pytest.fixture(scope="module", params=["fp16", "bf16"])
-def half(request, tmp_path_factory):
+def half(request, models):
     """(dtype, export folder, pack folder) of tiny:llama in that dtype."""
-    folder = tmp_path_factory.mktemp(request.param)
-    export_model("tiny:llama", folder / "export", dtype=request.param, quiet=True)
-    partition(folder / "export", folder / "pack")
-    return request.param, folder / "export", folder / "pack"
+    return request.param, models.export("tiny:llama", request.param), models.pack("tiny:llama", request.param)
 
 
 @pytest.fixture(scope="module")
@@ -71,16 +66,13 @@ def test_the_export_stores_the_products_and_embedding_in_the_dtype(half):
     half_type = {"fp16": onnx.TensorProto.FLOAT16, "bf16": onnx.TensorProto.BFLOAT16}[dtype]
     assert stored["lm_head.weight"] == half_type and sum(t == half_type for t in stored.values()) >= 8
     manifest = load_pack(pack).manifest
-    assert (manifest["model"]["dtype"], manifest["model"]["compute_dtype"]) == (dtype, "fp32")
+    assert (manifest.model.dtype, manifest.model.compute_dtype) == (dtype, "fp32")
     fp32_bytes = sum(
-        4 * int(np.prod(w["shape"]))
-        for e in manifest["sub_layers"]
-        for w in e["weights"]
-        if w["dtype"] != "float32"
+        4 * int(np.prod(w.shape)) for e in manifest.sub_layers for w in e.weights if w.dtype != "float32"
     )
-    assert manifest["total_weight_bytes"] < 0.6 * fp32_bytes + 2**20  # half the bytes (plus alignment)
-    final = next(e for e in manifest["sub_layers"] if e["kind"] == "final")
-    assert final["row_chunks"] and final["row_chunks"]["row_bytes"] == 2 * manifest["model"]["hidden_size"]
+    assert manifest.total_weight_bytes < 0.6 * fp32_bytes + 2**20  # half the bytes (plus alignment)
+    final = next(e for e in manifest.sub_layers if e.kind == "final")
+    assert final.row_chunks and final.row_chunks.row_bytes == 2 * manifest.model.hidden_size
 
 
 def test_the_export_and_the_chain_give_pytorchs_greedy_tokens(half, pytorch_tokens):
@@ -94,11 +86,9 @@ def test_the_export_and_the_chain_give_pytorchs_greedy_tokens(half, pytorch_toke
 )
 def test_the_chain_reads_the_stored_weights_and_computes_what_the_casts_do(half):
     _, _, pack = half
-    entry = next(e for e in load_pack(pack).sub_layers if e["kind"] == "ffn")
-    weights = product_weights(entry["weights"], float_weights=False)
-    swapped = join(
-        [pack / entry["files"]["onnx"]], {o["name"] for o in entry["outputs"]}, product_weights=weights
-    )
+    entry = next(e for e in load_pack(pack).sub_layers if e.kind == "ffn")
+    weights = product_weights(entry.weights, float_weights=False)
+    swapped = join([pack / entry.files["onnx"]], {o.name for o in entry.outputs}, product_weights=weights)
     ops = [node.op_type for node in onnx.load_from_string(swapped.model).graph.node]
     assert swapped.weight_matmul_nodes == 2 and ops.count("WeightMatMul") == 2 and "Cast" not in ops
     ids = np.array([[5, 17, 99, 3]], dtype=np.int64)
@@ -117,8 +107,7 @@ def test_the_chain_reads_the_stored_weights_and_computes_what_the_casts_do(half)
 
 def test_every_plan_on_the_simulated_device_gives_pytorchs_greedy_tokens(half, pytorch_tokens):
     _, _, pack = half
-    manifest = json.loads((pack / "manifest.json").read_text())
-    minimum = Planner(manifest, load_profile("laptop-8gb"), 1 << 40).minimum_budget()
+    minimum = Planner(load_pack(pack).manifest, load_profile("laptop-8gb")).minimum_budget()
     for plan in ("auto", "layers", "offload"):
         engine = pipeshard.load(
             pack, vram=minimum + 600_000, device="sim", profile="laptop-8gb", plan=plan, context=256
@@ -136,11 +125,12 @@ def test_the_estimator_reads_each_weight_in_its_dtype_at_the_profiles_rate_for_i
             rates.pop("weight_read_gbps", None)
             if weight_read_gbps:
                 rates["weight_read_gbps"] = weight_read_gbps
-        entry = {"kind": "ffn", "nodes": 0, "weights": [{"shape": [4096, 4096], "dtype": dtype}]}
+        weight = Weight("w", (4096, 4096), dtype, "w.bin", 0, 0)
+        entry = SubLayer("ffn", "ffn", 0, {}, None, (weight,), 0, (), (), None, Cost({}, {}), 0)
         return Estimator(profile, model, threads=1).compute_seconds(entry, 1, 1, on_device=False)
 
     fp32 = decode_seconds("float32")
-    half_bytes = decode_seconds({"fp16": "float16", "bf16": "bfloat16"}[model["dtype"]])
+    half_bytes = decode_seconds({"fp16": "float16", "bf16": "bfloat16"}[model.dtype])
     assert half_bytes == pytest.approx(fp32 / 2, rel=0.05)  # memory-bound at one token: half the bytes
     read = profile["cpu"]["threads"]["1"]["memory_read_gbps"]
     slower = decode_seconds("bfloat16", {"fp16": read / 2, "bf16": read / 2})  # the measured rate, if any

@@ -1,6 +1,5 @@
 """Sub-layers joined into one graph (runtime/joined.py) and the chain's joined decode sessions."""
 
-import json
 import shutil
 
 import numpy as np
@@ -9,11 +8,12 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
 
+from pipeshard.formats.manifest import SubLayer, load_pack
 from pipeshard.runtime.joined import join
 
 
-def _entries(pack) -> dict[str, dict]:
-    return {e["name"]: e for e in json.loads((pack / "manifest.json").read_text())["sub_layers"]}
+def _entries(pack) -> dict[str, SubLayer]:
+    return {e.name: e for e in load_pack(pack).sub_layers}
 
 
 def _session(path) -> ort.InferenceSession:
@@ -44,17 +44,17 @@ def test_a_joined_layer_computes_what_its_sub_layers_do_in_turn(tiny_pack, tmp_p
     shutil.copytree(tiny_pack, pack)
     entries = _entries(pack)
     attn, ffn = entries["L0.attn"], entries["L0.ffn"]
-    residual = attn["outputs"][-1]["name"]
-    assert residual in {i["name"] for i in ffn["inputs"]}
-    presents = set(attn["kv"]["present"])
-    wanted = presents | {ffn["outputs"][0]["name"]}
-    joined = join([pack / attn["files"]["onnx"], pack / ffn["files"]["onnx"]], wanted)
-    assert joined.inputs == [i["name"] for i in attn["inputs"]]  # the boundary between them is internal
+    residual = attn.outputs[-1].name
+    assert residual in {i.name for i in ffn.inputs}
+    presents = set(attn.kv.present)
+    wanted = presents | {ffn.outputs[0].name}
+    joined = join([pack / attn.files["onnx"], pack / ffn.files["onnx"]], wanted)
+    assert joined.inputs == [i.name for i in attn.inputs]  # the boundary between them is internal
     assert set(joined.outputs) == wanted and residual not in joined.outputs
     (pack / "joined.onnx").write_bytes(joined.model)
     onnx.checker.check_model(str(pack / "joined.onnx"))
     model = onnx.load(pack / "joined.onnx", load_external_data=False)
-    parts = [onnx.load(pack / e["files"]["onnx"], load_external_data=False) for e in (attn, ffn)]
+    parts = [onnx.load(pack / e.files["onnx"], load_external_data=False) for e in (attn, ffn)]
     assert len(model.graph.node) == sum(len(p.graph.node) for p in parts)
 
     whole, first, second = (_session(pack / name) for name in ("joined.onnx", "L0.attn.onnx", "L0.ffn.onnx"))
@@ -62,7 +62,7 @@ def test_a_joined_layer_computes_what_its_sub_layers_do_in_turn(tiny_pack, tmp_p
     out = dict(zip([o.name for o in whole.get_outputs()], whole.run(None, feeds), strict=True))
     step = dict(zip([o.name for o in first.get_outputs()], first.run(None, feeds), strict=True))
     final = second.run(None, {residual: step[residual]})[0]
-    np.testing.assert_array_equal(out[ffn["outputs"][0]["name"]], final)
+    np.testing.assert_array_equal(out[ffn.outputs[0].name], final)
     for name in presents:
         np.testing.assert_array_equal(out[name], step[name])
 
@@ -70,16 +70,14 @@ def test_a_joined_layer_computes_what_its_sub_layers_do_in_turn(tiny_pack, tmp_p
 def test_an_initializer_two_sub_layers_store_is_kept_once(tiny_pack):
     entries = _entries(tiny_pack)
     names = list(entries)
-    joined = join([tiny_pack / entries[n]["files"]["onnx"] for n in names], {"logits"})
-    stored = [w["name"] for n in names for w in entries[n]["weights"]]
+    joined = join([tiny_pack / entries[n].files["onnx"] for n in names], {"logits"})
+    stored = [w.name for n in names for w in entries[n].weights]
     assert len(stored) > len(set(stored))  # the tied embedding: the embedding and the output layer
     initializers = [t.name for t in onnx.ModelProto.FromString(joined.model).graph.initializer]
     every = {
         t.name
         for n in names
-        for t in onnx.load(
-            tiny_pack / entries[n]["files"]["onnx"], load_external_data=False
-        ).graph.initializer
+        for t in onnx.load(tiny_pack / entries[n].files["onnx"], load_external_data=False).graph.initializer
     }
     assert sorted(initializers) == sorted(every) and set(stored) <= every
 
@@ -87,7 +85,7 @@ def test_an_initializer_two_sub_layers_store_is_kept_once(tiny_pack):
 def test_an_output_no_sub_layer_makes_is_an_error(tiny_pack):
     entries = _entries(tiny_pack)
     with pytest.raises(ValueError, match="no joined sub-layer outputs"):
-        join([tiny_pack / entries["L0.attn"]["files"]["onnx"]], {"logits"})
+        join([tiny_pack / entries["L0.attn"].files["onnx"]], {"logits"})
 
 
 def test_an_output_shares_an_inputs_buffer_only_after_every_read_of_it(tmp_path):

@@ -9,7 +9,7 @@ import torch
 
 import pipeshard
 from pipeshard.exporter.tiny import build_tiny_model
-from pipeshard.partitioner.partition import partition
+from pipeshard.formats.manifest import load_pack
 from pipeshard.partitioner.planner import Planner
 from pipeshard.profiles.db import load_profile
 from pipeshard.runtime.moe import chosen_experts
@@ -20,25 +20,21 @@ PLANS = ["cpu", "gpu-only", "static", "dynamic", "layers", "offload", "auto"]
 
 
 @pytest.fixture(scope="module", params=["moe", "mixtral"])
-def moe_model(request, tmp_path_factory):
-    from conftest import _export_once
-
-    folder = tmp_path_factory.mktemp(request.param)
-    export = _export_once(f"tiny:{request.param}", folder / "export")
-    partition(export, folder / "pack")
-    manifest = json.loads((folder / "pack" / "manifest.json").read_text())
+def moe_model(request, models):
+    export, pack = models.export(f"tiny:{request.param}"), models.pack(f"tiny:{request.param}")
+    manifest = load_pack(pack).manifest
     engine = pipeshard.load(export)
     reference = {
         "solo": [engine.generate(p, max_new_tokens=64)[0].tokens for p in PROMPTS],
         "batch": [g.tokens for g in engine.generate(BATCH, max_new_tokens=24)],
     }
-    return request.param, export, folder / "pack", manifest, reference
+    return request.param, export, pack, manifest, reference
 
 
 def small_budget(manifest, share: float = 0.7) -> int:
     """The minimum plus a share of the model (KV and workspace take much of it at context 256): some
     experts fit on the device, the others do not."""
-    planner = Planner(manifest, load_profile("laptop-8gb"), 1 << 40)
+    planner = Planner(manifest, load_profile("laptop-8gb"))
     return planner.minimum_budget() + int(planner.model_bytes * share)
 
 
@@ -68,15 +64,15 @@ def test_export_records_the_moe_dims_and_the_pack_cuts_every_expert(moe_model):
     _, export, _, manifest, _ = moe_model
     dims = json.loads((export / "export.json").read_text())["dims"]
     assert (dims["num_experts"], dims["experts_per_token"]) == (8, 2)
-    names = [e["name"] for e in manifest["sub_layers"]]
-    for block in manifest["moe_blocks"]:
-        layer = block["layer"]
-        assert block["experts"] == [f"L{layer}.expert{j}" for j in range(8)]
-        assert names.index(f"L{layer}.attn") < names.index(block["router"]) < names.index(block["experts"][0])
-    experts = [e for e in manifest["sub_layers"] if e["kind"] == "expert"]
-    assert len(experts) == 4 * 8 and not any(e["kind"] in ("ffn", "combine") for e in manifest["sub_layers"])
+    names = [e.name for e in manifest.sub_layers]
+    for block in manifest.moe_blocks:
+        layer = block.layer
+        assert block.experts == [f"L{layer}.expert{j}" for j in range(8)]
+        assert names.index(f"L{layer}.attn") < names.index(block.router) < names.index(block.experts[0])
+    experts = [e for e in manifest.sub_layers if e.kind == "expert"]
+    assert len(experts) == 4 * 8 and not any(e.kind in ("ffn", "combine") for e in manifest.sub_layers)
     expected = 2 * 3 * dims["hidden_size"] * dims["expert_intermediate_size"]
-    assert all(e["cost"]["flops"] == {"T": expected} for e in experts)  # T = tokens routed to the expert
+    assert all(e.cost.flops == {"T": expected} for e in experts)  # T = tokens routed to the expert
 
 
 def test_greedy_tokens_equal_pytorch(moe_model):
@@ -107,7 +103,7 @@ def test_a_small_budget_splits_the_experts_over_pinned_streamed_and_cpu(moe_mode
     )
     engine.generate(PROMPTS[1], max_new_tokens=16)
     placements = engine.step.active.placements
-    experts = [e["name"] for e in manifest["sub_layers"] if e["kind"] == "expert"]
+    experts = [e.name for e in manifest.sub_layers if e.kind == "expert"]
     assert {placements[e] for e in experts} == {"pinned", "streamed"}
     static = pipeshard.load(
         pack, plan="static", device="sim", vram=small_budget(manifest), profile="laptop-8gb", context=256
@@ -122,11 +118,11 @@ def test_only_the_routers_choices_run(moe_model):
     engine = pipeshard.load(pack, plan="cpu")
     step = engine.step
     runs: list[tuple[int, int, int]] = []
-    for entry in (e for e in manifest["sub_layers"] if e["kind"] == "expert"):
-        stage = step._cpu_stage(entry["name"])
+    for entry in (e for e in manifest.sub_layers if e.kind == "expert"):
+        stage = step._cpu_stage(entry.name)
 
         def counted(*args, original=stage.run_on_arrays, entry=entry):
-            runs.append((entry["layer"], entry["expert"], len(step.expert_stats.trace)))
+            runs.append((entry.layer, entry.expert, len(step.expert_stats.trace)))
             return original(*args)
 
         stage.run_on_arrays = counted
@@ -146,10 +142,10 @@ def test_only_the_routers_choices_run(moe_model):
 
 def test_expert_weight_bytes_read_per_decode_step_are_k_experts_per_layer(moe_model):
     _, _, pack, manifest, _ = moe_model
-    expert_bytes = {e["name"]: e["weight_bytes"] for e in manifest["sub_layers"] if e["kind"] == "expert"}
-    blocks = manifest["moe_blocks"]
+    expert_bytes = {e.name: e.weight_bytes for e in manifest.sub_layers if e.kind == "expert"}
+    blocks = manifest.moe_blocks
     # Everything streamed: what a decode step copies is what it reads.
-    planner = Planner(manifest, load_profile("laptop-8gb"), 1 << 40, context=256)
+    planner = Planner(manifest, load_profile("laptop-8gb"), context=256)
     budget = planner.minimum_budget() + planner.model_bytes // 3
     engine = pipeshard.load(
         pack, plan="offload", device="sim", vram=budget, profile="laptop-8gb", context=256
@@ -178,7 +174,7 @@ def test_expert_weight_bytes_read_per_decode_step_are_k_experts_per_layer(moe_mo
         streamed = {n for n, p in step.active.placements.items() if p == "streamed" and n in expert_bytes}
         assert streamed
         chosen = [
-            blocks[layer]["experts"][e]
+            blocks[layer].experts[e]
             for layer, experts in step.expert_stats.trace[before_trace:]
             for e in experts
         ]
@@ -200,25 +196,25 @@ def test_chosen_experts_groups_token_rows_by_expert():
 
 def test_planner_expects_uniform_distinct_experts_and_reads_measured_stats(moe_model):
     _, _, _, manifest, _ = moe_model
-    planner = Planner(manifest, load_profile("laptop-8gb"), 1 << 40)
+    planner = Planner(manifest, load_profile("laptop-8gb"))
     for tokens in (1, 4, 16, 64):
         expected = 8 * (1 - (1 - 2 / 8) ** tokens)
         assert all(abs(v - expected) < 1e-9 for v in planner.expected_distinct_experts(tokens).values())
     # Measured: two hot experts per layer take almost every token.
     stats = {
         "layers": {
-            str(b["layer"]): {"tokens": [500, 480, 5, 5, 4, 3, 2, 1], "activations": [0] * 8}
-            for b in manifest["moe_blocks"]
+            str(b.layer): {"tokens": [500, 480, 5, 5, 4, 3, 2, 1], "activations": [0] * 8}
+            for b in manifest.moe_blocks
         }
     }
-    hot = Planner(manifest, load_profile("laptop-8gb"), 1 << 40, expert_stats=stats)
+    hot = Planner(manifest, load_profile("laptop-8gb"), expert_stats=stats)
     assert all(v < 3.5 for v in hot.expected_distinct_experts(16).values())
-    experts = [e["name"] for e in hot.priority if e["kind"] == "expert"]
-    assert experts[: 2 * len(manifest["moe_blocks"])] == sorted(
-        [b["experts"][0] for b in manifest["moe_blocks"]] + [b["experts"][1] for b in manifest["moe_blocks"]],
+    experts = [e.name for e in hot.priority if e.kind == "expert"]
+    assert experts[: 2 * len(manifest.moe_blocks)] == sorted(
+        [b.experts[0] for b in manifest.moe_blocks] + [b.experts[1] for b in manifest.moe_blocks],
         key=experts.index,
     )
-    assert {n.split(".")[1] for n in experts[: 2 * len(manifest["moe_blocks"])]} == {"expert0", "expert1"}
+    assert {n.split(".")[1] for n in experts[: 2 * len(manifest.moe_blocks)]} == {"expert0", "expert1"}
 
 
 def test_gpu_check_dry_run_covers_a_moe_pack(moe_model, tiny_pack, tmp_path):
@@ -325,12 +321,11 @@ def test_routing_stats_round_trip_through_the_cli(moe_model, tmp_path, capsys):
 
 
 def test_inspect_totals_count_k_experts_per_token(moe_model):
-    from pipeshard.formats.manifest import load_pack
     from pipeshard.runtime.pack_info import pack_summary
 
     _, _, pack, manifest, _ = moe_model
     summary = pack_summary(load_pack(pack), context=64)
     dense = sum(r["flops_T1"] for r in summary["sub_layers"] if r["kind"] != "expert")
     per_expert_token = next(r["flops_T1"] for r in summary["sub_layers"] if r["kind"] == "expert")
-    expected = dense + len(manifest["moe_blocks"]) * 2 * per_expert_token  # k = 2 experts per layer and token
+    expected = dense + len(manifest.moe_blocks) * 2 * per_expert_token  # k = 2 experts per layer and token
     assert abs(summary["totals"]["flops_T1"] - expected) < 1e-6 * expected

@@ -69,7 +69,7 @@ def _plan_ladder(pack: Path, out: Path) -> dict:
 
 
 @pytest.mark.slow
-def test_native_host_ctest_matches_the_python_engine(smollm2_export, tiny_pack, tmp_path):
+def test_native_host_ctest_matches_the_python_engine(models, tiny_pack, tmp_path):
     reason = _missing_tools()
     if reason:
         pytest.skip(reason)
@@ -77,10 +77,8 @@ def test_native_host_ctest_matches_the_python_engine(smollm2_export, tiny_pack, 
 
     import pipeshard
     from pipeshard.exporter.tokenizer_onnx import CHECK_STRINGS
-    from pipeshard.partitioner.partition import partition
 
-    pack = tmp_path / "pack"
-    partition(smollm2_export, pack)
+    pack = models.pack("smollm2-135m")
     plans = tmp_path / "plans.json"
     document = _plan_ladder(pack, plans)
     assert any(p == "streamed" for p in document["ladder"][0]["tiers"][0]["chosen"]["placements"].values())

@@ -1,6 +1,7 @@
 """The partitioner on tiny:llama: a verified cut, aligned blobs with no duplication, a lossless chain."""
 
 import json
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -18,54 +19,47 @@ PROMPTS = ["Hi", "What is the capital of France, and why is it famous?", "Count:
 
 
 def test_sub_layers_in_execution_order(tiny_pack):
-    names = [s["name"] for s in load_pack(tiny_pack).sub_layers]
+    names = [s.name for s in load_pack(tiny_pack).sub_layers]
     layers = [f"L{i}.{part}" for i in range(4) for part in ("attn", "ffn")]
     assert names == ["prologue", "embed", *layers, "final"]
 
 
 def test_only_the_residual_stream_and_own_kv_cross_between_compute_sub_layers(tiny_pack):
     pack = load_pack(tiny_pack)
-    produced = {o["name"]: s["name"] for s in pack.sub_layers for o in s["outputs"]}
+    produced = {o.name: s.name for s in pack.sub_layers for o in s.outputs}
     for entry in pack.sub_layers[2:]:
-        from_compute = [i for i in entry["inputs"] if produced.get(i["name"], "prologue") != "prologue"]
-        assert len(from_compute) == 1 and from_compute[0]["shape"][-1] == pack.model["hidden_size"], entry[
-            "name"
-        ]
-        kv_inputs = [i["name"] for i in entry["inputs"] if i["name"].startswith("past_key_values.")]
+        from_compute = [i for i in entry.inputs if produced.get(i.name, "prologue") != "prologue"]
+        assert len(from_compute) == 1 and from_compute[0].shape[-1] == pack.model.hidden_size, entry.name
+        kv_inputs = [i.name for i in entry.inputs if i.name.startswith("past_key_values.")]
         assert kv_inputs == (
-            [f"past_key_values.{entry['layer']}.key", f"past_key_values.{entry['layer']}.value"]
-            if entry["kind"] == "attn"
+            [f"past_key_values.{entry.layer}.key", f"past_key_values.{entry.layer}.value"]
+            if entry.kind == "attn"
             else []
         )
-    prologue_inputs = {i["name"] for i in pack.sub_layers[0]["inputs"]}
+    prologue_inputs = {i.name for i in pack.sub_layers[0].inputs}
     assert prologue_inputs <= {"input_ids", "attention_mask", "position_ids"}
 
 
 @pytest.fixture(scope="module")
-def tiny_qwen3_pack(tmp_path_factory) -> Path:
+def tiny_qwen3_pack(models) -> Path:
     """Qwen3 normalizes q and k per head before rotary: its attention keeps the RotaryEmbedding ops."""
-    from pipeshard.exporter import export_model
-
-    folder = tmp_path_factory.mktemp("qwen3")
-    export_model("tiny:qwen3", folder / "export", quiet=True)
-    partition(folder / "export", folder / "pack")
-    return folder / "pack"
+    return models.pack("tiny:qwen3")
 
 
 def _ops(pack) -> dict[str, list[onnx.NodeProto]]:
-    return {e["name"]: list(onnx.load(pack.path(e["files"]["onnx"])).graph.node) for e in pack.sub_layers}
+    return {e.name: list(onnx.load(pack.path(e.files["onnx"])).graph.node) for e in pack.sub_layers}
 
 
 def test_plain_rotary_attention_is_one_qkv_matmul_and_gqa_rotating_from_the_prologue_tables(tiny_pack):
     pack = load_pack(tiny_pack)
     nodes = _ops(pack)
     assert not any(n.op_type in ("Cos", "Sin", "RotaryEmbedding") for found in nodes.values() for n in found)
-    prologue_outputs = {o["name"] for o in pack.sub_layers[0]["outputs"]}
-    for entry in (e for e in pack.sub_layers if e["kind"] == "attn"):
-        (gqa,) = [n for n in nodes[entry["name"]] if n.op_type == "GroupQueryAttention"]
+    prologue_outputs = {o.name for o in pack.sub_layers[0].outputs}
+    for entry in (e for e in pack.sub_layers if e.kind == "attn"):
+        (gqa,) = [n for n in nodes[entry.name] if n.op_type == "GroupQueryAttention"]
         assert onnx.helper.get_attribute_value(next(a for a in gqa.attribute if a.name == "do_rotary")) == 1
         assert set(gqa.input[7:9]) <= prologue_outputs  # the cos/sin caches
-        assert [n.op_type for n in nodes[entry["name"]]].count("MatMul") == 2  # packed q/k/v, then o
+        assert [n.op_type for n in nodes[entry.name]].count("MatMul") == 2  # packed q/k/v, then o
 
 
 def test_sibling_projections_are_one_matmul_split_back_in_their_own_sub_layer(tiny_pack, tiny_qwen3_pack):
@@ -73,10 +67,10 @@ def test_sibling_projections_are_one_matmul_split_back_in_their_own_sub_layer(ti
     apart for their per-head norms, likewise in every attention."""
     for pack, kinds in ((load_pack(tiny_pack), ("ffn",)), (load_pack(tiny_qwen3_pack), ("attn", "ffn"))):
         nodes = _ops(pack)
-        for entry in (e for e in pack.sub_layers if e["kind"] in kinds):
-            ops = [n.op_type for n in nodes[entry["name"]]]
-            assert ops.count("Split") == 1, entry["name"]
-            assert ops.count("MatMul") == 2, entry["name"]  # the packed projections, then down / o
+        for entry in (e for e in pack.sub_layers if e.kind in kinds):
+            ops = [n.op_type for n in nodes[entry.name]]
+            assert ops.count("Split") == 1, entry.name
+            assert ops.count("MatMul") == 2, entry.name  # the packed projections, then down / o
 
 
 def test_values_every_layer_computes_alike_are_computed_once_in_the_prologue(tiny_qwen3_pack):
@@ -85,8 +79,8 @@ def test_values_every_layer_computes_alike_are_computed_once_in_the_prologue(tin
     ops = {name: [n.op_type for n in found] for name, found in _ops(pack).items()}
     assert (ops["prologue"].count("Cos"), ops["prologue"].count("Sin")) == (1, 1)
     assert not any({"Cos", "Sin"} & set(found) for name, found in ops.items() if name != "prologue")
-    attention_inputs = {i["name"] for i in pack.sub_layers[2]["inputs"]}
-    assert {o["name"] for o in pack.sub_layers[0]["outputs"]} & attention_inputs
+    attention_inputs = {i.name for i in pack.sub_layers[2].inputs}
+    assert {o.name for o in pack.sub_layers[0].outputs} & attention_inputs
 
 
 def test_weights_are_aligned_stored_once_and_byte_identical(tiny_pack, tiny_llama_export):
@@ -100,36 +94,32 @@ def test_weights_are_aligned_stored_once_and_byte_identical(tiny_pack, tiny_llam
     }
     stored = {}
     for entry in pack.sub_layers:
-        for weight in entry["weights"]:
-            assert weight["offset"] % WEIGHT_ALIGNMENT == 0
-            data = (tiny_pack / weight["file"]).read_bytes()[
-                weight["offset"] : weight["offset"] + weight["bytes"]
-            ]
-            stored.setdefault(weight["name"], data)
-            assert stored[weight["name"]] == data
+        for weight in entry.weights:
+            assert weight.offset % WEIGHT_ALIGNMENT == 0
+            data = (tiny_pack / weight.file).read_bytes()[weight.offset : weight.offset + weight.bytes]
+            stored.setdefault(weight.name, data)
+            assert stored[weight.name] == data
     external_total = (tiny_llama_export / "model.onnx.data").stat().st_size
-    blob_total = sum(e["blob"]["bytes"] for e in pack.sub_layers if e["blob"])
+    blob_total = sum(e.blob.bytes for e in pack.sub_layers if e.blob)
     assert sum(len(d) for d in stored.values()) == external_total
     assert blob_total <= external_total + WEIGHT_ALIGNMENT * len(stored)
     assert all(stored[name] == data for name, data in source_bytes.items() if name in stored)
 
 
 def test_tied_embedding_is_stored_with_the_lm_head_and_read_by_embed(tiny_pack):
-    entries = {e["name"]: e for e in load_pack(tiny_pack).sub_layers}
-    (embed_weight,) = entries["embed"]["weights"]
-    assert entries["embed"]["blob"] is None and embed_weight["file"] == entries["final"]["blob"]["file"]
+    entries = {e.name: e for e in load_pack(tiny_pack).sub_layers}
+    (embed_weight,) = entries["embed"].weights
+    assert entries["embed"].blob is None and embed_weight.file == entries["final"].blob.file
 
 
 def test_cost_model_matches_the_dimension_formula(tiny_pack):
     pack = load_pack(tiny_pack)
     for entry in pack.sub_layers:
-        assert entry["cost"]["flops"] == analytic_flops(
-            entry["kind"], pack.model | {"hidden_size": pack.model["hidden_size"]}
-        ), entry["name"]
-    attn = next(e for e in pack.sub_layers if e["kind"] == "attn")
-    assert attn["kv"]["bytes_per_token"] == 2 * 2 * 16 * 4
+        assert entry.cost.flops == analytic_flops(entry.kind, asdict(pack.model)), entry.name
+    attn = next(e for e in pack.sub_layers if e.kind == "attn")
+    assert attn.kv.bytes_per_token == 2 * 2 * 16 * 4
     # GroupQueryAttention reads each KV head's past once and appends in place
-    assert attn["cost"]["bytes"]["C"] == attn["kv"]["bytes_per_token"]
+    assert attn.cost.bytes["C"] == attn.kv.bytes_per_token
 
 
 def test_cost_check_rejects_a_graph_that_disagrees_with_the_dimensions(tiny_llama_export):
@@ -222,16 +212,13 @@ def test_generation_steps_compute_only_the_last_positions_logits(tiny_pack, tiny
     assert np.abs(full[:, -1:, :] - last).max() < 1e-4
 
 
-def test_an_fp16_export_partitions_and_runs_losslessly(tmp_path):
-    from pipeshard.exporter import export_model
-
-    export_model("tiny:llama", tmp_path / "fp16", dtype="fp16", quiet=True)
-    partition(tmp_path / "fp16", tmp_path / "pack16")  # fp16 shares the rotary cos/sin across layers
-    whole, chain = pipeshard.load(tmp_path / "fp16"), pipeshard.load(tmp_path / "pack16")
+def test_an_fp16_export_partitions_and_runs_losslessly(models):
+    pack16 = models.pack("tiny:llama", "fp16")  # fp16 shares the rotary cos/sin across layers
+    whole, chain = pipeshard.load(models.export("tiny:llama", "fp16")), pipeshard.load(pack16)
     assert [g.tokens for g in chain.generate(PROMPTS, max_new_tokens=12)] == [
         g.tokens for g in whole.generate(PROMPTS, max_new_tokens=12)
     ]
-    assert load_pack(tmp_path / "pack16").model["dtype"] == "fp16"
+    assert load_pack(pack16).model.dtype == "fp16"
 
 
 def test_the_prologue_is_the_padding_bias_lengths_and_rotary_rows_only(tiny_pack):
@@ -273,9 +260,9 @@ def test_rotary_tables_are_bound_whole_once_instead_of_sliced_every_step(tiny_pa
 
     pack = load_pack(tiny_pack)
     prologue = pack.sub_layers[0]
-    tables = {o["name"]: o["rows_of"] for o in prologue["outputs"] if "rows_of" in o}
+    tables = {o.name: o.rows_of for o in prologue.outputs if o.rows_of}
     assert tables == {"_gqa_cos_cache": "_gqa_cos_cache_table", "_gqa_sin_cache": "_gqa_sin_cache_table"}
-    assert set(tables.values()) <= {w["name"] for w in prologue["weights"]}
+    assert set(tables.values()) <= {w.name for w in prologue.weights}
     step = Step(tiny_pack, threads=1)
     stages = step.sub_layer_stages()
     assert not set(tables) & {n for s in stages for n in s.shared_inputs + s.allocated_outputs}

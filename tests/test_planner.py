@@ -1,13 +1,13 @@
 """Planner invariants on the reference profiles, the search against the exhaustive optimum, bad input."""
 
 import json
+from dataclasses import replace
 
 import pytest
 
 from pipeshard.cli import main
 from pipeshard.core.errors import UserError
-from pipeshard.formats.manifest import load_pack
-from pipeshard.partitioner.partition import partition
+from pipeshard.formats.manifest import Manifest, load_pack
 from pipeshard.partitioner.planner import Planner, plans_document
 from pipeshard.profiles.db import REFERENCE_PROFILES, load_profile
 
@@ -16,25 +16,23 @@ TIERS = (1, 4, 16, 64, 256, 1024)
 
 
 @pytest.fixture(scope="module")
-def tiny_manifest(tiny_llama_export, tmp_path_factory):
-    pack = tmp_path_factory.mktemp("plan") / "pack"
-    partition(tiny_llama_export, pack)
-    return load_pack(pack).manifest
+def tiny_manifest(tiny_pack):
+    return load_pack(tiny_pack).manifest
 
 
-def scaled_manifest(manifest: dict, factor: int) -> dict:
+def scaled_manifest(manifest: Manifest, factor: int) -> Manifest:
     """The tiny pack with every weight `factor` times larger, so budgets of MiB matter."""
-    scaled = json.loads(json.dumps(manifest))
-    for entry in scaled["sub_layers"]:
-        for weight in entry["weights"]:
-            weight["bytes"] *= factor
-            if len(weight["shape"]) == 2:
-                weight["shape"][1] *= factor
-    return scaled
+
+    def scaled(weight):
+        shape = (weight.shape[0], weight.shape[1] * factor) if len(weight.shape) == 2 else weight.shape
+        return replace(weight, bytes=weight.bytes * factor, shape=shape)
+
+    sub_layers = tuple(replace(e, weights=tuple(scaled(w) for w in e.weights)) for e in manifest.sub_layers)
+    return replace(manifest, sub_layers=sub_layers)
 
 
 def minimum(manifest, profile) -> int:
-    return Planner(manifest, profile, 1 << 40).minimum_budget()
+    return Planner(manifest, profile).minimum_budget()
 
 
 @pytest.mark.parametrize("profile_name", REFERENCE_PROFILES)
@@ -45,7 +43,7 @@ def test_no_plan_exceeds_the_budget_and_more_budget_is_never_slower(tiny_manifes
     previous = {}
     for extra in (0, 16, 48, 128, 512):
         budget = floor + extra * MiB
-        planned = Planner(manifest, profile, budget, context=1024).plan(TIERS)
+        planned = Planner(manifest, profile, context=1024).plan(budget, TIERS)
         for entry in planned["tiers"]:
             for plan in [entry["chosen"], *entry["alternatives"], *entry["baselines"].values()]:
                 assert plan.vram.total <= budget, (plan.strategy, entry["tier"], budget)
@@ -58,7 +56,7 @@ def test_streaming_wins_at_large_tiers_on_a_fast_link(tiny_manifest):
     manifest = scaled_manifest(tiny_manifest, 256)
     profile = load_profile("desktop-24gb")
     budget = minimum(manifest, profile) + 128 * MiB
-    planned = Planner(manifest, profile, budget, context=1024).plan_tier(1024)
+    planned = Planner(manifest, profile, context=1024).plan_tier(1024, budget)
     static = next(p for p in planned["alternatives"] if p.strategy == "static")
     assert planned["chosen"].strategy in ("gpu-only", "dynamic") and planned["chosen"].counts()["streamed"]
     assert planned["chosen"].step_s < static.step_s / 2
@@ -69,7 +67,7 @@ def test_static_or_dynamic_wins_at_one_token_with_a_small_budget(tiny_manifest, 
     manifest = scaled_manifest(tiny_manifest, 256)
     profile = load_profile(profile_name)
     budget = minimum(manifest, profile) + 48 * MiB
-    assert Planner(manifest, profile, budget, context=1024).plan_tier(1)["chosen"].strategy in (
+    assert Planner(manifest, profile, context=1024).plan_tier(1, budget)["chosen"].strategy in (
         "static",
         "dynamic",
     )
@@ -80,10 +78,11 @@ def test_static_or_dynamic_wins_at_one_token_with_a_small_budget(tiny_manifest, 
 def test_dynamic_search_matches_the_exhaustive_optimum(tiny_manifest, tier, extra_mib):
     manifest = scaled_manifest(tiny_manifest, 256)
     profile = load_profile("desktop-24gb")
-    planner = Planner(manifest, profile, minimum(manifest, profile) + extra_mib * MiB, context=1024)
-    found = planner.dynamic(tier)
-    best = min((planner.exhaustive_dynamic(tier, slots) for slots in (2, 1)), key=lambda p: p.step_s)
-    reference = found.step_s if found else planner.static(tier).step_s
+    budget = minimum(manifest, profile) + extra_mib * MiB
+    planner = Planner(manifest, profile, context=1024)
+    found = planner.dynamic(tier, budget)
+    best = min((planner.exhaustive_dynamic(tier, budget, slots) for slots in (2, 1)), key=lambda p: p.step_s)
+    reference = found.step_s if found else planner.static(tier, budget).step_s
     assert reference <= best.step_s * 1.05, (reference, best.step_s)
 
 
@@ -91,29 +90,30 @@ def test_too_small_budget_names_the_minimum(tiny_manifest):
     profile = load_profile("laptop-8gb")
     floor = minimum(tiny_manifest, profile)
     with pytest.raises(UserError, match=f"minimum of any plan: {floor / MiB:.0f} MiB"):
-        Planner(tiny_manifest, profile, floor - 1).plan_tier(1)
+        Planner(tiny_manifest, profile).plan_tier(1, floor - 1)
 
 
 def test_replanning_for_a_new_budget_is_fast(tiny_manifest):
     import time
 
-    planner = Planner(scaled_manifest(tiny_manifest, 256), load_profile("laptop-8gb"), 1 << 30, context=1024)
-    planner.plan_tier(1)
-    planner.budget_bytes = minimum(planner.manifest, planner.profile) + 40 * MiB
+    planner = Planner(scaled_manifest(tiny_manifest, 256), load_profile("laptop-8gb"), context=1024)
+    planner.plan_tier(1, 1 << 30)
+    budget = minimum(planner.manifest, planner.profile) + 40 * MiB
     started = time.perf_counter()
-    planner.plan_tier(1)
+    planner.plan_tier(1, budget)
     assert time.perf_counter() - started < 0.5
 
 
 def test_plans_json_carries_placements_times_and_vram(tiny_manifest, tmp_path):
     profile = load_profile("laptop-8gb")
-    planner = Planner(tiny_manifest, profile, minimum(tiny_manifest, profile) + 64 * MiB)
-    document = plans_document(planner, planner.plan((1, 64)), "pack", "laptop-8gb", "0" * 64)
+    budget = minimum(tiny_manifest, profile) + 64 * MiB
+    planner = Planner(tiny_manifest, profile)
+    document = plans_document(planner, planner.plan(budget, (1, 64)), "pack", "laptop-8gb", "0" * 64, budget)
     assert document["schema_version"] == 2 and [t["tier"] for t in document["tiers"]] == [1, 64]
     chosen = document["tiers"][0]["chosen"]
     assert set(chosen["placements"].values()) <= {"pinned", "streamed", "cpu"}
     assert chosen["vram"]["total"] <= document["budget_bytes"] and chosen["step_s"] > 0
-    assert set(chosen["predicted_s"]) == {e["name"] for e in tiny_manifest["sub_layers"]}
+    assert set(chosen["predicted_s"]) == {e.name for e in tiny_manifest.sub_layers}
     json.dumps(document)
 
 

@@ -6,6 +6,7 @@ import pytest
 
 import pipeshard
 from pipeshard.cli import main
+from pipeshard.formats.manifest import load_pack
 from pipeshard.partitioner.planner import Planner
 from pipeshard.profiles.db import load_profile
 
@@ -15,8 +16,8 @@ PROMPTS = ["Hi", "What is the capital of France, and why is it famous?", "Count:
 @pytest.fixture(scope="module")
 def budget(tiny_pack) -> int:
     """A budget where the tiny model does not fit whole (some tiers stream)."""
-    manifest = json.loads((tiny_pack / "manifest.json").read_text())
-    return Planner(manifest, load_profile("laptop-8gb"), 1 << 40, context=256).minimum_budget() + 600_000
+    planner = Planner(load_pack(tiny_pack).manifest, load_profile("laptop-8gb"), context=256)
+    return planner.minimum_budget() + 600_000
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +57,7 @@ def test_a_saved_plans_file_runs_as_it_is_with_the_in_process_plans_tokens(
     assert {tier: plan.placements for tier, plan in saved.step.plans.items()} == {
         entry["tier"]: entry["chosen"]["placements"] for entry in document["tiers"]
     }
-    assert saved.step.planner.budget_bytes == document["budget_bytes"] and saved.step.tiers == [1, 4, 64]
+    assert saved.step.book.budget_bytes == document["budget_bytes"] and saved.step.tiers == [1, 4, 64]
     report = saved.step.report()
     assert (
         report.plans
@@ -102,8 +103,8 @@ def _one_error(capsys, argv, fragment):
     ("change", "fragment"),
     [
         (lambda d: d.update(pack_sha256="0" * 64), "made for another pack"),
-        (lambda d: d.update(schema_version=99), "unsupported schema_version 99"),
-        (lambda d: d["ladder"][0].update(budget_bytes=d["budget_bytes"] // 4), "over the file's budget"),
+        (lambda d: d.update(schema_version=99), "schema_version is 99"),
+        (lambda d: d["ladder"][0].update(budget_bytes=d["budget_bytes"] // 4), "over its budget"),
         (
             lambda d: d["ladder"][0]["tiers"][0]["chosen"]["placements"].pop("L0.attn"),
             "does not place exactly",

@@ -95,8 +95,8 @@ def test_show_summarizes_a_measured_db(measured, capsys):
     "content, field",
     [
         ("{ not json", "not valid JSON"),
-        ('{"schema_version": 2}', "'schema_version'"),
-        ('{"schema_version": 1, "source": "measured"}', "'created'"),
+        ('{"schema_version": 2}', "schema_version is 2"),
+        ('{"schema_version": 1, "source": "measured"}', "created is missing"),
     ],
 )
 def test_bad_db_is_one_error_line_naming_file_and_field(tmp_path, capsys, content, field):
@@ -148,21 +148,16 @@ def test_quick_profile_finishes_within_two_minutes(tmp_path, capsys):
     load_profile(tmp_path / "quick.json")
 
 
-def test_profile_with_a_pack_times_its_own_sub_layers_and_the_estimator_uses_them(
-    tiny_llama_export, tmp_path
-):
+def test_profile_with_a_pack_times_its_own_sub_layers_and_the_estimator_uses_them(tiny_pack, tmp_path):
     from pipeshard.formats.manifest import load_pack
     from pipeshard.partitioner.estimator import Estimator
-    from pipeshard.partitioner.partition import partition
 
-    pack = tmp_path / "pack"
-    partition(tiny_llama_export, pack)
-    manifest = load_pack(pack).manifest
+    manifest = load_pack(tiny_pack).manifest
     sweep = replace(TINY_SWEEP, pack_pasts=(8, 32))
-    document = measure_machine(sweep, [1], use_cuda=False, pack=str(pack))
+    document = measure_machine(sweep, [1], use_cuda=False, pack=str(tiny_pack))
     save_profile(document, tmp_path / "db.json")
     timings = load_profile(tmp_path / "db.json")["pack_timings"]
-    assert timings["model_sha256"] == manifest["source"]["model_sha256"]
+    assert timings["model_sha256"] == manifest.source["model_sha256"]
     rows = timings["threads"]["1"]
     for placement in ("cpu", "device"):  # the chain's CPU sessions, and every unit pinned on the sim device
         mine = [r for r in rows if r["placement"] == placement]
@@ -172,8 +167,8 @@ def test_profile_with_a_pack_times_its_own_sub_layers_and_the_estimator_uses_the
             ("final", 64, 72),
             ("step", 1, 9),
         }
-    attn = next(e for e in manifest["sub_layers"] if e["kind"] == "attn")
-    exact = Estimator(document, manifest["model"], 1, manifest["source"]["model_sha256"])
+    attn = next(e for e in manifest.sub_layers if e.kind == "attn")
+    exact = Estimator(document, manifest.model, 1, manifest.source["model_sha256"])
     for placement in ("cpu", "device"):
         row, whole = (
             next(r for r in rows if (r["placement"], r["kind"], r["T"], r["C"]) == (placement, kind, 16, 48))
@@ -189,7 +184,7 @@ def test_profile_with_a_pack_times_its_own_sub_layers_and_the_estimator_uses_the
     assert exact.copy_seconds(10**6, under_cpu_load=True, tokens=1) == pytest.approx(
         1e6 / (copy["gbps"] * 1e9)
     )
-    roofline = Estimator(document, manifest["model"], 1, "another model")
+    roofline = Estimator(document, manifest.model, 1, "another model")
     assert roofline.compute_seconds(attn, 16, 48, on_device=False) != pytest.approx(
         row["seconds"] * whole["ratio"]
     )

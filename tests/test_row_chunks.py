@@ -1,7 +1,6 @@
 """The output layer in row chunks: what the pack says, how plans split it, and lossless runs with the
 chunks pinned, streamed and on the CPU in one step."""
 
-import json
 from pathlib import Path
 
 import onnx
@@ -9,6 +8,7 @@ import pytest
 
 import pipeshard
 from pipeshard.api import Engine
+from pipeshard.formats.manifest import RowChunks, load_pack
 from pipeshard.formats.plans import Placement, planning_units
 from pipeshard.partitioner.planner import Planner
 from pipeshard.profiles.db import load_profile
@@ -21,20 +21,25 @@ PROMPTS = ["hi", "a much longer prompt than the first one"]
 
 
 def test_the_pack_marks_the_tied_output_layer_as_row_chunkable(tiny_pack):
-    final = json.loads((tiny_pack / "manifest.json").read_text())["sub_layers"][-1]
-    assert final["row_chunks"] == {"weight": "lm_head.weight", "rows": 259, "row_bytes": 64 * 4}
-    graph = onnx.load(tiny_pack / final["files"]["weights_as_inputs"], load_external_data=False).graph
+    final = load_pack(tiny_pack).sub_layers[-1]
+    assert final.row_chunks == RowChunks("lm_head.weight", rows=259, row_bytes=64 * 4)
+    graph = onnx.load(tiny_pack / final.files["weights_as_inputs"], load_external_data=False).graph
     weight = next(i for i in graph.input if i.name == "lm_head.weight")
     assert weight.type.tensor_type.shape.dim[0].dim_param == "rows"
 
 
 def test_plans_split_the_output_layer_into_consecutive_row_ranges(tiny_pack):
-    sub_layers = json.loads((tiny_pack / "manifest.json").read_text())["sub_layers"]
+    sub_layers = load_pack(tiny_pack).sub_layers
     units = planning_units(sub_layers, output_chunks=4)
-    chunks = [u for u in units if u.get("chunk_of") == "final"]
-    assert [u["rows"] for u in chunks] == [[0, 65], [65, 130], [130, 195], [195, 259]]
-    assert sum(u["weight_bytes"] for u in chunks) == 259 * 256 and "final" not in {u["name"] for u in units}
-    assert planning_units(sub_layers) == sub_layers  # tiny: the output layer is no larger than an FFN
+    chunks = [u for u in units if u.chunk and u.chunk.of == "final"]
+    assert [(u.chunk.first_row, u.chunk.end_row) for u in chunks] == [
+        (0, 65),
+        (65, 130),
+        (130, 195),
+        (195, 259),
+    ]
+    assert sum(u.weight_bytes for u in chunks) == 259 * 256 and "final" not in {u.name for u in units}
+    assert planning_units(sub_layers) == list(sub_layers)  # tiny: the output layer is no larger than an FFN
 
 
 @pytest.mark.parametrize(
@@ -49,19 +54,23 @@ def test_chunks_placed_anywhere_give_the_monolithic_tokens(tiny_pack, tiny_llama
     reference = pipeshard.load(tiny_llama_export)
     reference.codec.eos_token_ids = []
     expected = [g.tokens for g in reference.generate(PROMPTS, max_new_tokens=12)]
-    manifest = json.loads((tiny_pack / "manifest.json").read_text())
+    manifest = load_pack(tiny_pack).manifest
     profile = load_profile("laptop-8gb")
-    budget = Planner(manifest, profile, 1 << 40).minimum_budget() + 2_000_000
-    planner = Planner(manifest, profile, budget, context=128, output_chunks=4)
-    placements = {u["name"]: Placement.STREAMED if u["kind"] == "attn" else Placement.CPU for u in planner.placeable}
+    planner = Planner(manifest, profile, context=128, output_chunks=4)
+    budget = planner.minimum_budget() + 2_000_000
+    placements = {
+        u.name: Placement.STREAMED if u.kind == "attn" else Placement.CPU for u in planner.placeable
+    }
     placements.update({f"final#{j}": p for j, p in enumerate(chunk_placements)})
-    book = PlanBook([u["name"] for u in planner.sub_layers], planner, strategy="gpu-only")
+    book = PlanBook([u.name for u in planner.units], source=planner, budget_bytes=budget, strategy="gpu-only")
     step = Step(Path(tiny_pack), make_device("sim", budget), book)
     for tier in step.tiers:
-        step.plans[tier] = planner.evaluate("gpu-only", tier, placements)
+        step.plans[tier] = planner.evaluate("gpu-only", tier, placements, budget)
     engine = Engine(step, TextCodec(Path(tiny_pack)), Path(tiny_pack))
     engine.codec.eos_token_ids = []
     assert [g.tokens for g in engine.generate(PROMPTS, max_new_tokens=12)] == expected
     chunk_bytes = [65 * 256, 65 * 256, 65 * 256, 64 * 256]
-    streamed_chunks = sum(b for b, p in zip(chunk_bytes, chunk_placements, strict=True) if p == Placement.STREAMED)
+    streamed_chunks = sum(
+        b for b, p in zip(chunk_bytes, chunk_placements, strict=True) if p == Placement.STREAMED
+    )
     assert step.stats.streamed_bytes >= streamed_chunks and step.device.ledger.peak <= budget

@@ -1,13 +1,12 @@
 """Plans executed on the simulated device: lossless for every plan, within budget, surviving replans."""
 
-import json
-
 import numpy as np
 import pytest
 
 import pipeshard
 from pipeshard.cli import main
 from pipeshard.core.errors import UserError
+from pipeshard.formats.manifest import load_pack
 from pipeshard.partitioner.planner import Planner
 from pipeshard.profiles.db import load_profile
 
@@ -17,8 +16,7 @@ PLANS = ["auto", "gpu-only", "static", "dynamic", "layers", "offload", "cpu", "m
 
 @pytest.fixture(scope="module")
 def minimum(tiny_pack):
-    manifest = json.loads((tiny_pack / "manifest.json").read_text())
-    return Planner(manifest, load_profile("laptop-8gb"), 1 << 40).minimum_budget()
+    return Planner(load_pack(tiny_pack).manifest, load_profile("laptop-8gb")).minimum_budget()
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +92,7 @@ def test_shrinking_below_the_minimum_is_an_error_naming_it_and_changes_nothing(t
     engine.generate(PROMPTS[0], max_new_tokens=4)
     with pytest.raises(UserError, match="minimum"):
         engine.set_vram_budget(minimum - 1)
-    assert engine.step.planner.budget_bytes == minimum + 600_000
+    assert engine.step.book.budget_bytes == minimum + 600_000
     assert engine.generate(PROMPTS[1], max_new_tokens=16)[0].tokens == reference["solo"][1]
 
 
@@ -214,13 +212,13 @@ def test_chat_streams_answers_and_changes_the_budget_live(tiny_pack, minimum, mo
 
 def test_a_batch_larger_than_planned_is_replanned_so_its_kv_is_reserved(tiny_pack, minimum, reference):
     engine = sim(tiny_pack, minimum + 600_000)
-    assert engine.step.planner.batch == 1
+    assert engine.step.book.source.batch == 1
     assert [g.tokens for g in engine.generate(PROMPTS, max_new_tokens=16)] == reference["batch"]
-    assert engine.step.planner.batch == len(PROMPTS)
+    assert engine.step.book.source.batch == len(PROMPTS)
     attention_on_device = [
         n for n, p in engine.step.active.placements.items() if n.endswith("attn") and p != "cpu"
     ]
-    kv_per_attn = 2 * 2 * 16 * 4 * engine.step.planner.context * len(PROMPTS)
+    kv_per_attn = 2 * 2 * 16 * 4 * engine.step.book.source.context * len(PROMPTS)
     assert engine.step.device.ledger.by_purpose.get("kv", 0) == kv_per_attn * len(attention_on_device)
     assert engine.step.device.ledger.peak <= minimum + 600_000
 
@@ -235,8 +233,7 @@ def test_activations_cross_devices_only_where_the_placement_changes(tiny_pack, m
     placements = step.active.placements
     assert all(placements[f"L{i}.{part}"] != "cpu" for i in range(4) for part in ("attn", "ffn"))
     output_of = {
-        e["name"]: [o["name"] for o in e["outputs"] if not o["name"].startswith("present.")]
-        for e in step.layout.in_line
+        e.name: [o.name for o in e.outputs if not o.name.startswith("present.")] for e in step.layout.in_line
     }
     copies = [
         (action, name) for split in step.splits for action, name in split.after if action.startswith("copy")

@@ -1,29 +1,27 @@
-"""A plan cut into splits (runtime/schedule.py): what `pipeshard plan --explain` prints is what the step runs."""
-
-import json
+"""A plan cut into splits (runtime/splits.py): what `pipeshard plan --explain` prints is what the step runs."""
 
 import pytest
 
 import pipeshard
 from pipeshard.cli import main
+from pipeshard.formats.manifest import load_pack
 from pipeshard.formats.plans import Placement, all_cpu_plan
 from pipeshard.partitioner.planner import Planner
 from pipeshard.profiles.db import load_profile
-from pipeshard.runtime.schedule import Layout, schedule
+from pipeshard.runtime.splits import Layout, schedule
 
 
 @pytest.fixture(scope="module")
 def planner(tiny_pack):
-    manifest = json.loads((tiny_pack / "manifest.json").read_text())
-    return Planner(manifest, load_profile("laptop-8gb"), 1 << 40, context=256)
+    return Planner(load_pack(tiny_pack).manifest, load_profile("laptop-8gb"), context=256)
 
 
 def placed(planner, **kinds) -> dict[str, str]:
-    return {u["name"]: kinds.get(u["kind"], Placement.CPU) for u in planner.sub_layers}
+    return {u.name: kinds.get(u.kind, Placement.CPU) for u in planner.units}
 
 
 def test_the_all_cpu_plan_decodes_as_one_split_with_nothing_between_runs(planner):
-    layout = Layout(planner.manifest, planner.sub_layers)
+    layout = Layout(planner.manifest, planner.units)
     plan = all_cpu_plan(list(layout.units))
     (split,) = schedule(layout, plan, tokens=1)
     assert split.side == "cpu" and not split.after and split.wait is None
@@ -33,20 +31,24 @@ def test_the_all_cpu_plan_decodes_as_one_split_with_nothing_between_runs(planner
 
 
 def test_pinned_attention_alternates_sides_with_a_copy_at_every_change(planner):
-    layout = Layout(planner.manifest, planner.sub_layers)
-    plan = planner.evaluate("static", 1, placed(planner, attn=Placement.PINNED))
+    layout = Layout(planner.manifest, planner.units)
+    plan = planner.evaluate("static", 1, placed(planner, attn=Placement.PINNED), 1 << 40)
     splits = schedule(layout, plan, tokens=1)
     assert [s.side for s in splits] == ["cpu"] + ["device", "cpu"] * 4
     assert [a for s in splits for a, _ in s.after] == ["copy in", "copy out"] * 4
 
 
 def test_every_streamed_unit_is_a_split_that_waits_for_it_and_releases_its_slot(planner):
-    layout = Layout(planner.manifest, planner.sub_layers)
-    plan = planner.evaluate("gpu-only", 1, placed(planner, attn=Placement.STREAMED, ffn=Placement.PINNED))
+    layout = Layout(planner.manifest, planner.units)
+    plan = planner.evaluate(
+        "gpu-only", 1, placed(planner, attn=Placement.STREAMED, ffn=Placement.PINNED), 1 << 40
+    )
     splits = schedule(layout, plan, tokens=1)
     streamed = [s for s in splits if s.wait]
     assert [s.wait for s in streamed] == [f"L{i}.attn" for i in range(4)]
-    assert all(s.runs == [(s.wait, Placement.STREAMED)] and s.after[0] == ("release", s.wait) for s in streamed)
+    assert all(
+        s.runs == [(s.wait, Placement.STREAMED)] and s.after[0] == ("release", s.wait) for s in streamed
+    )
 
 
 def test_explain_prints_each_tiers_splits(tiny_pack, planner, capsys):

@@ -236,12 +236,8 @@ def test_a_client_that_disconnects_mid_stream_frees_its_slot(smollm2_pack):
 
 
 @pytest.fixture(scope="module")
-def smollm2_pack(smollm2_export, tmp_path_factory):
-    from pipeshard.partitioner.partition import partition
-
-    pack = tmp_path_factory.mktemp("smollm2-serve") / "pack"
-    partition(smollm2_export, pack)
-    return pack
+def smollm2_pack(models):
+    return models.pack("smollm2-135m")
 
 
 @pytest.mark.slow
@@ -322,11 +318,11 @@ def test_the_api_key_is_required_when_set(tiny_pack):
 
 
 def test_a_budget_change_mid_stream_on_sim_keeps_the_tokens(tiny_pack):
-    manifest = json.loads((tiny_pack / "manifest.json").read_text())
+    from pipeshard.formats.manifest import load_pack
     from pipeshard.partitioner.planner import Planner
     from pipeshard.profiles.db import load_profile
 
-    minimum = Planner(manifest, load_profile("laptop-8gb"), 1 << 40).minimum_budget()
+    minimum = Planner(load_pack(tiny_pack).manifest, load_profile("laptop-8gb")).minimum_budget()
     engine = pipeshard.load(
         tiny_pack, device="sim", vram=minimum + 2_000_000, profile="laptop-8gb", context=256
     )

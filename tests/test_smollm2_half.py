@@ -9,18 +9,17 @@ from prompts import SMOLLM2_PROMPTS
 
 import pipeshard
 from pipeshard.exporter.sources import load_source, resolve_source
-from pipeshard.partitioner.partition import partition
 
 pytestmark = pytest.mark.slow
 TORCH_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 NEW_TOKENS = 32
 
 
-def test_greedy_tokens_match_pytorch_over_the_same_weights_on_three_prompts(smollm2_half_export, tmp_path):
+def test_greedy_tokens_match_pytorch_over_the_same_weights_on_three_prompts(smollm2_half_export, models):
     dtype = json.loads((smollm2_half_export / "export.json").read_text())["dtype"]
     reference = load_source(resolve_source("smollm2-135m"), TORCH_DTYPES[dtype]).model.float()
-    partition(smollm2_half_export, tmp_path / "pack")
-    engines = {"export": pipeshard.load(smollm2_half_export), "chain": pipeshard.load(tmp_path / "pack")}
+    pack = models.pack("smollm2-135m", dtype)
+    engines = {"export": pipeshard.load(smollm2_half_export), "chain": pipeshard.load(pack)}
     eos = set(engines["export"].codec.eos_token_ids)
     for prompt in SMOLLM2_PROMPTS:
         ids = engines["export"].generator.prompt_ids(prompt)

@@ -2,7 +2,6 @@
 
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
@@ -10,34 +9,27 @@ from prompts import SMOLLM2_PROMPTS
 
 import pipeshard
 from pipeshard.formats.manifest import WEIGHT_ALIGNMENT, load_pack
-from pipeshard.partitioner.partition import partition
 
 pytestmark = pytest.mark.slow
 PROMPTS = SMOLLM2_PROMPTS
 
 
 @pytest.fixture(scope="module")
-def smollm2_pack(smollm2_export, tmp_path_factory):
-    pack = tmp_path_factory.mktemp("smollm2") / "pack"
-    started = time.perf_counter()
-    partition(smollm2_export, pack)
-    return pack, time.perf_counter() - started
+def smollm2_pack(models):
+    """The session's SmolLM2 pack, and how long its partition took (in whichever module made it first)."""
+    pack = models.pack("smollm2-135m")
+    return pack, models.partition_seconds[("smollm2-135m", "fp32")]
 
 
 def test_partition_takes_under_10_s_and_duplicates_no_weight(smollm2_pack, smollm2_export):
     pack_dir, seconds = smollm2_pack
     assert seconds < 10
     pack = load_pack(pack_dir)
-    owned = sum(
-        w["bytes"]
-        for e in pack.sub_layers
-        for w in e["weights"]
-        if e["blob"] and w["file"] == e["blob"]["file"]
-    )
+    owned = sum(w.bytes for e in pack.sub_layers for w in e.weights if e.blob and w.file == e.blob.file)
     blobs = sum(p.stat().st_size for p in pack_dir.glob("*.weights"))
     export_weights = (smollm2_export / "model.onnx.data").stat().st_size
     assert owned == export_weights
-    assert blobs - export_weights < WEIGHT_ALIGNMENT * sum(len(e["weights"]) for e in pack.sub_layers)
+    assert blobs - export_weights < WEIGHT_ALIGNMENT * sum(len(e.weights) for e in pack.sub_layers)
     assert len(pack.sub_layers) == 2 + 2 * 30 + 1
 
 
@@ -80,7 +72,7 @@ def test_joined_decode_sessions_share_the_sub_layers_weights(smollm2_pack):
     """The joined decode sessions take their weights (~514 MiB packed) from the sub-layers' sessions; making one
     maps all of its weights at once, so the load peak rises by up to one session's weights (JOINED_WEIGHT_BYTES,
     measured +62 MiB) and one weight packed to be found in the container."""
-    from pipeshard.runtime.step import JOINED_WEIGHT_BYTES
+    from pipeshard.runtime.stages import JOINED_WEIGHT_BYTES
 
     joined, split = (
         _memory_after_loading(smollm2_pack[0], True),

@@ -1,12 +1,10 @@
 """SmolLM2 on the simulated device at 25 % of the model's bytes: every plan gives the monolithic tokens."""
 
-import json
-
 import pytest
 from prompts import SMOLLM2_PROMPTS
 
 import pipeshard
-from pipeshard.partitioner.partition import partition
+from pipeshard.formats.manifest import load_pack
 from pipeshard.partitioner.planner import Planner
 from pipeshard.profiles.db import load_profile
 
@@ -16,11 +14,9 @@ BATCH = ["Hi!", "Name three colors.", "What is 2 + 2? Explain briefly.", "Write 
 
 
 @pytest.fixture(scope="module")
-def setup(smollm2_export, tmp_path_factory):
-    pack = tmp_path_factory.mktemp("smolplans") / "pack"
-    partition(smollm2_export, pack)
-    manifest = json.loads((pack / "manifest.json").read_text())
-    planner = Planner(manifest, load_profile("laptop-8gb"), 1 << 40)
+def setup(smollm2_export, models):
+    pack = models.pack("smollm2-135m")
+    planner = Planner(load_pack(pack).manifest, load_profile("laptop-8gb"))
     budget = planner.minimum_budget() + planner.model_bytes // 4
     whole = pipeshard.load(smollm2_export, threads=2)
     reference = {

@@ -5,7 +5,6 @@ import subprocess
 import sys
 
 import pipeshard
-from pipeshard.partitioner.partition import partition
 
 SIM_SCRIPT = """
 import sys, pipeshard
@@ -26,19 +25,17 @@ print("\\n" + ("binding loaded" if "onnxruntime" in sys.modules else "binding no
 """
 
 
-def test_planned_tokens_are_the_chains_with_the_process_pool(tiny_llama_export, tmp_path):
-    pack = tmp_path / "pack"
-    partition(tiny_llama_export, pack)
-    engine = pipeshard.load(pack)
+def test_planned_tokens_are_the_chains_with_the_process_pool(tiny_pack):
+    engine = pipeshard.load(tiny_pack)
     engine.codec.eos_token_ids = []
     expected = engine.generate("tell me a story", max_new_tokens=12)[0].tokens
     done = subprocess.run(
-        [sys.executable, "-c", SIM_SCRIPT, str(pack)], capture_output=True, text=True, check=True
+        [sys.executable, "-c", SIM_SCRIPT, str(tiny_pack)], capture_output=True, text=True, check=True
     )
     assert done.stdout.strip() == str(expected)
 
 
-def test_the_console_command_never_loads_the_binding_for_a_pack_or_an_export(tiny_llama_export, tmp_path):
+def test_the_console_command_never_loads_the_binding_for_a_pack_or_an_export(tiny_llama_export, tiny_pack):
     def run(*extra) -> str:
         done = subprocess.run(
             [sys.executable, "-c", CONSOLE_SCRIPT, *map(str, extra)], capture_output=True, text=True
@@ -47,6 +44,7 @@ def test_the_console_command_never_loads_the_binding_for_a_pack_or_an_export(tin
         return done.stdout.split("\n")[-2]
 
     assert run(tiny_llama_export) == "binding not loaded 0"  # the monolithic session: C API only
-    pack = tmp_path / "pack"
-    partition(tiny_llama_export, pack)
-    assert run(pack, "--device", "sim", "--vram", "50%", "--profile", "laptop-8gb") == "binding not loaded 0"
+    assert (
+        run(tiny_pack, "--device", "sim", "--vram", "50%", "--profile", "laptop-8gb")
+        == "binding not loaded 0"
+    )

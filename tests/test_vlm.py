@@ -15,6 +15,7 @@ from PIL import Image
 
 import pipeshard
 from pipeshard.core.errors import UserError
+from pipeshard.formats.manifest import load_pack
 
 PROMPT = "What is in the picture?"
 NEW_TOKENS = 12
@@ -29,21 +30,13 @@ def tiny_vlm():
 
 
 @pytest.fixture(scope="module")
-def vlm_export(tmp_path_factory) -> Path:
-    from pipeshard.exporter import export_model
-
-    folder = tmp_path_factory.mktemp("vlm") / "export"
-    export_model("tiny:smolvlm", folder, quiet=True)
-    return folder
+def vlm_export(models) -> Path:
+    return models.export("tiny:smolvlm")
 
 
 @pytest.fixture(scope="module")
-def vlm_pack(vlm_export, tmp_path_factory) -> Path:
-    from pipeshard.partitioner.partition import partition
-
-    folder = tmp_path_factory.mktemp("vlm-pack") / "pack"
-    partition(vlm_export, folder)
-    return folder
+def vlm_pack(models) -> Path:
+    return models.pack("tiny:smolvlm")
 
 
 @pytest.fixture(scope="module")
@@ -89,17 +82,16 @@ def test_export_describes_three_parts_with_dynamic_tiles(vlm_export):
 
 
 def test_pack_cuts_the_vision_tower_into_blocks(vlm_pack):
-    manifest = json.loads((vlm_pack / "manifest.json").read_text())
-    names = [e["name"] for e in manifest["vision"]["sub_layers"]]
+    manifest = load_pack(vlm_pack).manifest
+    names = [e.name for e in manifest.vision.sub_layers]
     assert names == ["vision_prologue", "vision_embed", "V0.attn", "V0.ffn", "V1.attn", "V1.ffn", "projector"]
-    attention = next(e for e in manifest["vision"]["sub_layers"] if e["name"] == "V0.attn")
-    assert attention["cost"]["flops"]["TC"] > 0 and attention["weight_bytes"] > 0
+    attention = next(e for e in manifest.vision.sub_layers if e.name == "V0.attn")
+    assert attention.cost.flops["TC"] > 0 and attention.weight_bytes > 0
     # The image merge stays in the embedding: the prologue keeps to the attention's step values (skipped at
     # one new token).
-    prologue = next(e for e in manifest["sub_layers"] if e["name"] == "prologue")
-    assert {i["name"] for i in prologue["inputs"]} <= {"input_ids", "attention_mask", "position_ids"}
-    embed = next(e for e in manifest["sub_layers"] if e["name"] == "embed")
-    assert "image_features" in {i["name"] for i in embed["inputs"]}
+    prologue = manifest.sub_layer("prologue")
+    assert {i.name for i in prologue.inputs} <= {"input_ids", "attention_mask", "position_ids"}
+    assert "image_features" in {i.name for i in manifest.sub_layer("embed").inputs}
 
 
 @pytest.mark.parametrize("where", ["export", "pack", "sim-25%", "sim-60%"])
@@ -117,8 +109,8 @@ def test_tokens_equal_transformers_with_one_and_two_images(where, vlm_export, vl
     if where.startswith("sim"):
         # VLMOpt: the encoder's weights stream through two slots and everything is released before the prefill.
         vision = engine.vision
-        largest = max(e["blob"]["bytes"] for e in vision.entries if e["blob"])
-        assert vision.streamed_bytes >= 2 * vision.description["total_weight_bytes"]
+        largest = max(e.blob.bytes for e in vision.entries if e.blob)
+        assert vision.streamed_bytes >= 2 * vision.description.total_weight_bytes
         assert 2 * largest <= vision.peak_device_bytes <= engine.step.device.ledger.budget_bytes
         assert engine.step.report().peak_device_bytes <= engine.step.device.ledger.budget_bytes
 
@@ -233,17 +225,14 @@ def test_hf_folder_of_a_vlm_exports_the_same_model(tiny_vlm, images, tmp_path):
 
 
 @pytest.mark.slow
-def test_smolvlm_256m_through_the_real_smollm2_decoder_equals_transformers(tmp_path):
+def test_smolvlm_256m_through_the_real_smollm2_decoder_equals_transformers(models, tmp_path):
     """SmolVLM-256M's shape around the built-in SmolLM2-135M (its real text model; the vision weights are random):
     the pack's tokens equal transformers' for one image and for two."""
     import torch
-    from conftest import CACHE, _export_once
 
     from pipeshard.exporter.sources import load_source, resolve_source
-    from pipeshard.partitioner.partition import partition
 
-    export = _export_once("smolvlm-256m", CACHE / "smolvlm-256m-fp32")
-    partition(export, tmp_path / "pack")
+    pack = models.pack("smolvlm-256m")
     source = load_source(resolve_source("smolvlm-256m"), torch.float32)
     reference = (source.vlm, source.tokenizer, source.image_processor)
     rng = np.random.default_rng(3)
@@ -251,7 +240,7 @@ def test_smolvlm_256m_through_the_real_smollm2_decoder_equals_transformers(tmp_p
     for index, (width, height) in enumerate([(640, 480), (300, 700)]):
         paths.append(tmp_path / f"photo{index}.jpg")
         Image.fromarray((rng.random((height, width, 3)) * 255).astype(np.uint8)).save(paths[-1])
-    engine = pipeshard.load(tmp_path / "pack")
+    engine = pipeshard.load(pack)
     for images in (paths[:1], paths):
         # A plain completion: through the chat template, random image features make SmolLM2 stop at once.
         (result,) = engine.generate(
@@ -368,21 +357,13 @@ def tiny_qwen():
 
 
 @pytest.fixture(scope="module")
-def qwen_export(tmp_path_factory) -> Path:
-    from pipeshard.exporter import export_model
-
-    folder = tmp_path_factory.mktemp("qwen") / "export"
-    export_model("tiny:qwen2_5_vl", folder, quiet=True)
-    return folder
+def qwen_export(models) -> Path:
+    return models.export("tiny:qwen2_5_vl")
 
 
 @pytest.fixture(scope="module")
-def qwen_pack(qwen_export, tmp_path_factory) -> Path:
-    from pipeshard.partitioner.partition import partition
-
-    folder = tmp_path_factory.mktemp("qwen-pack") / "pack"
-    partition(qwen_export, folder)
-    return folder
+def qwen_pack(models) -> Path:
+    return models.pack("tiny:qwen2_5_vl")
 
 
 def qwen_reference_tokens(tiny_qwen, prompt_ids: list[int], paths: list[Path]) -> list[int]:
@@ -431,18 +412,18 @@ def test_qwen_export_keeps_patches_windows_and_images_dynamic(qwen_export):
 
 
 def test_qwen_pack_cuts_the_vision_tower_into_blocks(qwen_pack):
-    manifest = json.loads((qwen_pack / "manifest.json").read_text())
-    names = [e["name"] for e in manifest["vision"]["sub_layers"]]
+    manifest = load_pack(qwen_pack).manifest
+    names = [e.name for e in manifest.vision.sub_layers]
     assert names == [
         "vision_prologue",
         "vision_embed",
         *[f"V{i}.{k}" for i in range(4) for k in ("attn", "ffn")],
         "projector",
     ]
-    assert manifest["model"]["position_rows"] == 3
+    assert manifest.model.position_rows == 3
     # Every block's blob holds all it reads (equal tensors merged by the exporter are copied per block).
-    for entry in manifest["vision"]["sub_layers"]:
-        assert all(w["file"] == entry["blob"]["file"] for w in entry["weights"])
+    for entry in manifest.vision.sub_layers:
+        assert all(w.file == entry.blob.file for w in entry.weights)
 
 
 @pytest.mark.parametrize("where", ["export", "pack", "sim-25%", "sim-60%"])
@@ -461,7 +442,7 @@ def test_qwen_tokens_equal_transformers_with_one_and_two_images(
         assert result.tokens == qwen_reference_tokens(tiny_qwen, result.prompt_tokens, paths)
     if where.startswith("sim"):
         vision = engine.vision
-        assert vision.streamed_bytes >= 2 * vision.description["total_weight_bytes"]
+        assert vision.streamed_bytes >= 2 * vision.description.total_weight_bytes
         assert vision.peak_device_bytes <= engine.step.device.ledger.budget_bytes
 
 
@@ -577,8 +558,8 @@ def test_cosmos_shape_only_pack_plans_the_encoder_at_image_sizes(tmp_path):
         text=True,
     )
     assert done.returncode == 0, done.stderr
-    manifest = json.loads((pack / "manifest.json").read_text())
-    assert manifest["vision"]["num_layers"] == 32 and manifest["model"]["num_layers"] == 28
+    manifest = load_pack(pack).manifest
+    assert manifest.vision.facts["num_layers"] == 32 and manifest.model.num_layers == 28
     plan = subprocess.run(
         [
             sys.executable,

@@ -362,7 +362,10 @@ class Manifest:
     files: dict[str, FileDigest]  # every file but the weight blobs
     shape_only: bool = False
     pipeshard_version: str = ""
-    by_name: dict[str, SubLayer] = field(default_factory=dict, repr=False, compare=False)
+    by_name: dict[str, SubLayer] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "by_name", {s.name: s for s in self.sub_layers})
 
     @classmethod
     def from_json(cls, document: Any, where: str) -> Manifest:
@@ -390,9 +393,12 @@ class Manifest:
             files[name] = FileDigest(entry.int("bytes", maximum=MAX_DIMENSION), entry.str("sha256"))
             entry.done()
         vision = fields.object("vision", None)
-        source = fields.raw("source", {})
-        if not isinstance(source, dict):
-            fields.fail("must be an object", "source")
+        source = fields.object("source", {})
+        source.str("export", "")  # the export folder it was partitioned from
+        source.str("model_sha256", "")  # its model.onnx's digest (profiles' pack timings are matched by it)
+        source.str("config", "")  # a shape-only pack's config
+        source.bool("shape_only", False)
+        source.done()
         manifest = cls(
             model=ModelFacts.from_json(fields.object("model")),
             sub_layers=tuple(SubLayer.from_json(s) for s in fields.objects("sub_layers")),
@@ -402,7 +408,7 @@ class Manifest:
             graph_outputs=tuple(TensorInfo.from_json(t) for t in fields.objects("graph_outputs", [])),
             kv_bytes_per_token=fields.int("kv_bytes_per_token", 0, maximum=MAX_DIMENSION),
             total_weight_bytes=fields.int("total_weight_bytes", 0, maximum=MAX_DIMENSION),
-            source=source,
+            source=source.document,
             host_chat_template=chat_template,
             min_onnxruntime=min_ort,
             files=files,
@@ -419,7 +425,6 @@ class Manifest:
             for name in (block.router, *block.experts):
                 if name not in names:
                     fields.fail(f"names {name!r}, which is not a sub-layer", "moe_blocks")
-        manifest.by_name.update({s.name: s for s in manifest.sub_layers})
         return manifest
 
     def sub_layer(self, name: str) -> SubLayer:

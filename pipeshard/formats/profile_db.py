@@ -16,6 +16,9 @@ DEVICE_FIELDS = ("kind", "name", "note", "memory_bytes", "ep_overhead_bytes", "m
                  "memory_read_gbps")  # fmt: skip
 DEVICE_KINDS = ("cuda", "sim", "spec")
 LINK_FIELDS = ("kind", "name", "h2d", "d2h", "under_cpu_load")
+FINGERPRINT_FIELDS = ("cpu_model", "logical_cpus", "physical_cores", "ram_bytes", "gpu", "gpu_driver", "onnxruntime",
+                      "pipeshard", "platform")  # fmt: skip
+ATTENTION_FIELDS = ("T", "C", "heads", "head_dim", "seconds", "gflops")
 CONTENTION_FIELDS = ("cpu_matmul_slowdown_under_copy", "copy_slowdown_under_cpu_matmul")
 
 
@@ -27,8 +30,12 @@ def validate(document: object, where: str) -> dict:
         fields.fail(f"is {version!r}, expected {PROFILE_SCHEMA_VERSION}", "schema_version")
     fields.str("source", choices=("measured", "spec"))
     fields.str("created")
-    fields.object("fingerprint")
+    fingerprint = fields.object("fingerprint")
+    for name in FINGERPRINT_FIELDS:
+        fingerprint.raw(name, None)
+    fingerprint.done()
     fields.str("fingerprint_id")
+    fields.object("plan", {}).done(ignore=("tiers", "shapes", "dtypes"))  # what the profile measured
     cpu = fields.object("cpu")
     cpu.int("physical_cores", 1, minimum=1)
     threads = cpu.object("threads")
@@ -41,7 +48,10 @@ def validate(document: object, where: str) -> dict:
         _rate_table(rates.object("matmul"))
         rates.float("memory_read_gbps")
         rates.float("hop_us")
-        rates.list("attention")
+        for row in rates.objects("attention"):
+            for name in ATTENTION_FIELDS:
+                row.float(name)
+            row.done()
         rates.done(ignore=THREAD_FIELDS)
     cpu.done()
     device = fields.object("device")

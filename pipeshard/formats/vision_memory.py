@@ -12,6 +12,10 @@ fit); Qwen2.5-VL towers attend within windows in most blocks and over the whole 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pipeshard.formats.manifest import VisionSection
 
 SCORE_BYTES = 4  # attention scores and softmax in fp32
 QUERY_TILE_STEP = 64
@@ -36,29 +40,27 @@ class VisionShape:
     full_attention_layers: int = 0  # qwen2_vl: blocks that attend over the whole image
 
     @classmethod
-    def from_pack(cls, vision: dict) -> VisionShape:
+    def from_pack(cls, vision: VisionSection) -> VisionShape:
         """The shape of a pack's `vision` section (partitioner/partition.py)."""
-        entries = vision["sub_layers"]
+        weights = [w for e in vision.sub_layers for w in e.weights]
+        facts = vision.facts
         # Activations in the weights' type: half when most weight bytes are (a half-precision trace keeps its norm
         # weights in fp32, folded from their casts).
-        half = sum(w["bytes"] for e in entries for w in e["weights"] if w["dtype"] in ("float16", "bfloat16"))
-        dtype = (
-            {"float16"} if 2 * half > sum(w["bytes"] for e in entries for w in e["weights"]) else {"float32"}
-        )
+        half = sum(w.bytes for w in weights if w.dtype in ("float16", "bfloat16"))
         return cls(
-            family=vision["family"],
-            hidden_size=vision["hidden_size"],
-            intermediate_size=vision["intermediate_size"],
-            num_heads=vision["num_attention_heads"],
-            num_layers=vision["num_layers"],
-            patch_size=vision["patch_size"],
-            weight_bytes=vision["total_weight_bytes"],
-            largest_block_bytes=max((e.get("blob") or {}).get("bytes", 0) for e in entries),
-            itemsize=2 if dtype <= {"float16", "bfloat16"} and dtype else 4,
-            tile_size=vision.get("image_size", 0),
-            merge_size=vision.get("merge_size", 1),
-            window_patches=(vision.get("window_size") or 0) // vision["patch_size"],
-            full_attention_layers=len(vision.get("fullatt_block_indexes", ())),
+            family=facts["family"],
+            hidden_size=facts["hidden_size"],
+            intermediate_size=facts["intermediate_size"],
+            num_heads=facts["num_attention_heads"],
+            num_layers=facts["num_layers"],
+            patch_size=facts["patch_size"],
+            weight_bytes=vision.total_weight_bytes,
+            largest_block_bytes=max(e.blob.bytes if e.blob else 0 for e in vision.sub_layers),
+            itemsize=2 if 2 * half > sum(w.bytes for w in weights) else 4,
+            tile_size=facts.get("image_size", 0),
+            merge_size=facts.get("merge_size", 1),
+            window_patches=(facts.get("window_size") or 0) // facts["patch_size"],
+            full_attention_layers=len(facts.get("fullatt_block_indexes", ())),
         )
 
 

@@ -4,8 +4,8 @@ A split is the longest run of consecutive units on one side (the host's CPU, or 
 between them; host actions are what Python must do between two session runs: wait for a streamed unit's
 weights (before it), release its staging slot and start the next copy (after it), hand the values ONNX Runtime
 allocated to their readers, run a MoE layer's chosen experts, copy the last positions for the output layer,
-join the output layer's row chunks, and copy an activation to the side that reads it next. The step
-(`runtime/step.py`) runs a split's sessions in one native call and the actions after it.
+join the output layer's row chunks, and copy an activation to the side that reads it next. The program
+(`runtime/program.py`) runs a split's sessions in one native call and the actions after it.
 
 Everything here comes from the manifest and the plan alone (no sessions), so `pipeshard plan --explain` prints
 the same schedule the runtime executes.
@@ -14,6 +14,7 @@ the same schedule the runtime executes.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 from pipeshard.formats.io_names import PADDING_BIAS, SEQLENS, TOTAL
 from pipeshard.formats.manifest import Manifest, MoeBlock, SubLayer, TensorInfo
@@ -23,7 +24,14 @@ from pipeshard.runtime.moe import moe_blocks_of
 STEP_INPUTS = ("input_ids", "attention_mask", "position_ids")
 TOKEN_INPUTS = ("input_ids", "position_ids")  # [batch, new tokens]: buffers of the runtime, bound by pointer
 LOGITS = "logits"
-HOST, DEVICE = "cpu", "device"
+
+
+class Side(StrEnum):
+    """The side a split runs on: the host's CPU, or the device (its pinned and streamed units alike). Not a
+    placement; `cpu` is the name `plan --explain` prints."""
+
+    HOST = "cpu"
+    DEVICE = "device"
 
 
 @dataclass(frozen=True)
@@ -117,7 +125,7 @@ class Split:
     """Consecutive runs on one side; `wait`: the streamed unit whose weights it waits for; `after`: the host
     actions that follow it, in order, as (action, name)."""
 
-    side: str
+    side: Side
     runs: list[tuple[str, str]]  # (unit, placement)
     wait: str | None = None
     after: list[tuple[str, str]] = field(default_factory=list)
@@ -143,7 +151,7 @@ def runs_of(layout: Layout, plan: Plan, tokens: int) -> list[tuple[str, str, str
 def schedule(layout: Layout, plan: Plan, tokens: int, all_logits: bool = False) -> list[Split]:
     """The splits of one step of `tokens` new tokens per sequence under `plan`."""
     runs = runs_of(layout, plan, tokens)
-    side = {unit: HOST if placement == Placement.CPU else DEVICE for unit, placement, _ in runs}
+    side = {unit: Side.HOST if placement == Placement.CPU else Side.DEVICE for unit, placement, _ in runs}
     last_only = tokens > 1 and not all_logits
     # Who reads each residual tensor, and on which side (the host for what Python reads).
     readers: dict[str, set[str]] = {}
@@ -152,9 +160,9 @@ def schedule(layout: Layout, plan: Plan, tokens: int, all_logits: bool = False) 
         for tensor in (i.name for i in entry.inputs):
             if tensor in layout.roles.residual:
                 host_read = last_only and entry.kind == "final"
-                readers.setdefault(tensor, set()).add(HOST if host_read else side[unit])
+                readers.setdefault(tensor, set()).add(Side.HOST if host_read else side[unit])
     for block in layout.moe.values():
-        readers.setdefault(block.residual, set()).add(HOST)
+        readers.setdefault(block.residual, set()).add(Side.HOST)
     splits: list[Split] = []
     for index, (unit, placement, sub_layer) in enumerate(runs):
         entry = layout.entries[sub_layer]
@@ -175,11 +183,11 @@ def schedule(layout: Layout, plan: Plan, tokens: int, all_logits: bool = False) 
             if sub_layer in layout.moe:
                 after.append(("experts", sub_layer))
                 produced = [layout.moe[sub_layer].output]
-                here = HOST
+                here = Side.HOST
             for tensor in produced:
-                if here == DEVICE and HOST in readers.get(tensor, ()):
+                if here == Side.DEVICE and Side.HOST in readers.get(tensor, ()):
                     after.append(("copy out", tensor))
-                if here == HOST and DEVICE in readers.get(tensor, ()):
+                if here == Side.HOST and Side.DEVICE in readers.get(tensor, ()):
                     after.append(("copy in", tensor))
             if is_last_chunk:
                 after.append(("join chunks", sub_layer))
