@@ -31,7 +31,6 @@ REFERENCE_PROFILES = ("laptop-8gb", "desktop-24gb", "laptop-4gb", "desktop-rtx50
 STALE_AFTER_DAYS = 180
 
 
-
 def _cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():

@@ -5,11 +5,14 @@ import sys
 import zipfile
 from pathlib import Path
 
+import pytest
 from test_capi import has_c_compiler
 
 REPO = Path(__file__).resolve().parents[1]
 SUBPACKAGES = [
     "pipeshard",
+    "pipeshard/core",
+    "pipeshard/formats",
     "pipeshard/exporter",
     "pipeshard/partitioner",
     "pipeshard/runtime",
@@ -17,6 +20,7 @@ SUBPACKAGES = [
 ]
 
 
+@pytest.mark.slow  # builds a wheel (compiles the C extension)
 def test_wheel_contains_every_subpackage(tmp_path):
     subprocess.run(
         [

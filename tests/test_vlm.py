@@ -208,6 +208,7 @@ def test_run_cli_with_images_prints_json(vlm_pack, images):
     assert wrong.returncode == 2 and "placeholder" in wrong.stderr
 
 
+@pytest.mark.slow  # exports the tiny model a second time, from its HF folder
 def test_hf_folder_of_a_vlm_exports_the_same_model(tiny_vlm, images, tmp_path):
     from pipeshard.exporter import export_model
     from pipeshard.partitioner.partition import partition
@@ -466,6 +467,7 @@ def test_qwen_prompt_in_chunks_and_chat_turns_keep_mrope_positions(qwen_pack, im
     assert last.tokens == qwen_reference_tokens(tiny_qwen, last.prompt_tokens, images)[: len(last.tokens)]
 
 
+@pytest.mark.slow  # exports the tiny model a second time, from its HF folder
 def test_qwen_hf_folder_exports_the_same_model(tiny_qwen, images, tmp_path):
     from pipeshard.exporter import export_model
 
