@@ -394,15 +394,15 @@ def partition(export_dir: Path, pack: Path, force: bool = False) -> PartitionRes
     export_dir = Path(export_dir)
     info = read_export_info(export_dir)
     check_output_dir(Path(pack), force)
-    rules = RULES_BY_ARCHITECTURE.get(info["architecture"])
+    rules = RULES_BY_ARCHITECTURE.get(info.architecture)
     if rules is None:
         raise UserError(
-            f"no partition rules for architecture {info['architecture']!r}; "
+            f"no partition rules for architecture {info.architecture!r}; "
             f"known: {', '.join(sorted(RULES_BY_ARCHITECTURE))}"
         )
-    dims, dtype = info["dims"], info["dtype"]
-    compute = info.get("compute_dtype", dtype)  # activations and KV (half-precision weights compute in fp32)
-    model = onnx.load(export_dir / info["model_file"], load_external_data=False)
+    dims, dtype = info.dims, info.dtype
+    compute = info.compute_dtype  # activations and KV (half-precision weights compute in fp32)
+    model = onnx.load(export_dir / info.model_file, load_external_data=False)
     graph = build_graph(model)
     assignment = assign_sub_layers(model, graph, rules)
     hoist_step_invariants(model, graph, assignment)
@@ -422,7 +422,7 @@ def partition(export_dir: Path, pack: Path, force: bool = False) -> PartitionRes
         raise UserError(f"{export_dir}: weights spread over several files ({sorted(external)}); expected one")
     owners = _weight_owners(sub_layers, initializers)
 
-    shape_only = bool(info.get("shape_only"))  # weights are references to a file that does not exist
+    shape_only = info.shape_only  # weights are references to a file that does not exist
     with atomic_output_dir(Path(pack), force) as staging:
         placements, blobs = (
             _write_blobs(
@@ -483,8 +483,8 @@ def partition(export_dir: Path, pack: Path, force: bool = False) -> PartitionRes
                 }
             )
         vision = (
-            _vision_section(export_dir, info["vision"], dtype, staging, shape_only)
-            if "vision" in info
+            _vision_section(export_dir, info.vision, dtype, staging, shape_only)
+            if info.vision
             else None
         )
         for name in (
@@ -508,7 +508,7 @@ def partition(export_dir: Path, pack: Path, force: bool = False) -> PartitionRes
             "schema_version": PACK_SCHEMA_VERSION,
             "pipeshard_version": __version__,
             "model": {
-                "architecture": info["architecture"],
+                "architecture": info.architecture,
                 "dtype": dtype,
                 "compute_dtype": compute,
                 "num_layers": dims["num_layers"],
@@ -519,16 +519,16 @@ def partition(export_dir: Path, pack: Path, force: bool = False) -> PartitionRes
                 "head_dim": dims["head_dim"],
                 "vocab_size": dims["vocab_size"],
                 "max_context": dims["max_context"],
-                "tie_word_embeddings": info.get("tie_word_embeddings", False),
+                "tie_word_embeddings": info.tie_word_embeddings,
                 "num_experts": dims.get("num_experts", 0),
                 "experts_per_token": dims.get("experts_per_token", 0),
                 "expert_intermediate_size": dims.get("expert_intermediate_size", 0),
                 "sliding_window": dims.get("sliding_window", 0),
-                "position_rows": info.get("position_rows", 1),  # 3: M-RoPE, position_ids [3, batch, tokens]
+                "position_rows": info.position_rows,  # 3: M-RoPE, position_ids [3, batch, tokens]
             },
             "source": {
                 "export": str(export_dir.absolute()),
-                "model_sha256": sha256_file(export_dir / info["model_file"]),
+                "model_sha256": sha256_file(export_dir / info.model_file),
             },
             "weight_alignment": WEIGHT_ALIGNMENT,
             "graph_inputs": [_describe(v) for v in model.graph.input],

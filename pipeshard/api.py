@@ -246,11 +246,11 @@ def verify_export(folder: Path) -> None:
     from pipeshard.core.fsutil import sha256_file
     from pipeshard.formats.export_info import read_export_info
 
-    for name, entry in read_export_info(folder).get("files", {}).items():
+    for name, entry in read_export_info(folder).files.items():
         path = folder / name
         if not path.is_file():
             raise UserError(f"{path} is missing (listed in export.json)")
-        if sha256_file(path) != entry["sha256"]:
+        if sha256_file(path) != entry.sha256:
             raise UserError(f"{path} does not match its sha256 in export.json (corrupt)")
 
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeshard.formats.export_info import compute_dtype, read_export_info
+from pipeshard.formats.export_info import read_export_info
 from pipeshard.formats.io_names import IMAGE_FEATURES, PAST_PREFIX, present_name
 from pipeshard.runtime import capi
 from pipeshard.runtime.kv import HostKvCache, check_step_shape, mrope_settings
@@ -20,22 +20,22 @@ class MonolithicStep:
     def __init__(self, folder: Path, threads: int | None = None, optimize: bool = True) -> None:
         self.folder = Path(folder)
         self.info = read_export_info(self.folder)
-        dims = self.info["dims"]
+        dims = self.info.dims
         self.max_context = int(dims["max_context"])
         rt = capi.runtime(threads)
-        self.session = rt.session(self.folder / self.info["model_file"], threads, optimize)
-        past_names = [name for name in self.info["inputs"] if name.startswith(PAST_PREFIX)]
+        self.session = rt.session(self.folder / self.info.model_file, threads, optimize)
+        past_names = [name for name in self.info.inputs if name.startswith(PAST_PREFIX)]
         self.kv = HostKvCache(
-            past_names, int(dims["num_key_value_heads"]), int(dims["head_dim"]), compute_dtype(self.info)
+            past_names, int(dims["num_key_value_heads"]), int(dims["head_dim"]), self.info.activation_dtype
         )
         self.vocab_size = int(dims["vocab_size"])
         self.binding = self.session.binding()
         self.run_options = rt.run_options()
         self._logits = np.empty(0, self.kv.dtype)
-        self.takes_images = IMAGE_FEATURES in self.info["inputs"]
-        self.image_token_id = int(self.info["vision"]["image_token_id"]) if self.takes_images else None
+        self.takes_images = IMAGE_FEATURES in self.info.inputs
+        self.image_token_id = int(self.info.vision["image_token_id"]) if self.takes_images else None
         self._no_features = np.zeros((0, int(dims["hidden_size"])), self.kv.dtype)
-        self.mrope = mrope_settings(int(self.info.get("position_rows", 1)), self.info.get("vision"))
+        self.mrope = mrope_settings(self.info.position_rows, self.info.vision)
 
     def start(self, batch_size: int, context: int | None = None) -> None:
         self.binding.clear()  # lets the old KV buffers go before the new ones are made

@@ -18,7 +18,7 @@ import numpy as np
 from PIL import Image
 
 from pipeshard.core.errors import UserError
-from pipeshard.formats.export_info import NUMPY_DTYPES
+from pipeshard.formats.export_info import NUMPY_DTYPES, ExportInfo
 from pipeshard.formats.manifest import WEIGHT_ALIGNMENT, Pack, SubLayer
 from pipeshard.formats.vision_inputs import qwen2_5_vl_vision_inputs
 from pipeshard.formats.vision_memory import VisionShape, naive_workspace, tile_runs, vlmopt_peak
@@ -73,8 +73,8 @@ def open_images(images: list) -> list[Image.Image]:
 class ExportVision:
     """An export folder's vision graph as one ONNX Runtime session."""
 
-    def __init__(self, folder: Path, info: dict, threads: int | None = None) -> None:
-        self.description = info["vision"]
+    def __init__(self, folder: Path, info: ExportInfo, threads: int | None = None) -> None:
+        self.description = info.vision
         self.config = self.description["preprocessing"]
         self._rt = capi.runtime(threads)
         self._session = self._rt.session(Path(folder) / self.description["file"], threads)

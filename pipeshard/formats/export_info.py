@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from pipeshard.core.errors import UserError
 from pipeshard.core.fsutil import read_json
+from pipeshard.formats.fields import Fields
+from pipeshard.formats.manifest import FileDigest
 
 EXPORT_SCHEMA_VERSION = 2  # 2: attention is GroupQueryAttention over one in-place KV buffer
 KV_CACHE = {
@@ -34,36 +37,89 @@ def numpy_dtype(name: str) -> np.dtype:
     return NUMPY_DTYPES.get(name) or np.dtype(name)
 
 
-def compute_dtype(model: dict) -> np.dtype:
-    """The type of a model's activations and KV cache: its `compute_dtype` (half-precision weights computed in
-    float32), else its `dtype` (exports made before weights and activations could differ)."""
-    return NUMPY_DTYPES[model.get("compute_dtype", model["dtype"])]
+@dataclass(frozen=True)
+class ExportInfo:
+    """export.json: what the exporter wrote (docs/cli.md, "export"), as the partitioner and runtime read it."""
 
+    architecture: str
+    dims: dict[str, int]  # the model's dimensions as the export config names them
+    dtype: str  # the stored weights: fp32 | fp16 | bf16
+    compute_dtype: str  # activations and KV
+    model_file: str
+    inputs: list[str]
+    outputs: list[str]
+    position_rows: int = 1  # 3: M-RoPE position ids
+    tie_word_embeddings: bool = False
+    vision: dict | None = None  # a VLM's vision graph: its file, dims, image token and preprocessing
+    shape_only: bool = False
+    files: dict[str, FileDigest] = field(default_factory=dict)  # sizes checked at load, digests by --verify
 
-REQUIRED_FIELDS = ("architecture", "dims", "dtype", "model_file", "inputs", "outputs")
+    @property
+    def activation_dtype(self) -> np.dtype:
+        return NUMPY_DTYPES[self.compute_dtype]
 
-
-def read_export_info(folder: Path) -> dict:
-    """The export.json of an export folder, checked for the fields the runtime relies on."""
-    path = Path(folder) / "export.json"
-    info = read_json(path, "pipeshard export folder")
-    if info.get("schema_version") != EXPORT_SCHEMA_VERSION:
-        raise UserError(
-            f"{path}: unsupported schema_version {info.get('schema_version')!r} "
-            f"(this pipeshard reads {EXPORT_SCHEMA_VERSION}; export the model again)"
+    @classmethod
+    def from_json(cls, document: object, where: str) -> ExportInfo:
+        fields = Fields(document, where)
+        version = fields.raw("schema_version", None)
+        if version != EXPORT_SCHEMA_VERSION:
+            fields.fail(
+                f"is {version!r}: this pipeshard reads {EXPORT_SCHEMA_VERSION} (export the model again)",
+                "schema_version",
+            )
+        dims = fields.raw("dims")
+        if not isinstance(dims, dict) or not all(
+            isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1 << 40 for v in dims.values()
+        ):
+            fields.fail("must map dimension names to non-negative integers", "dims")
+        dtype = fields.str("dtype", choices=("fp32", "fp16", "bf16"))
+        files = {}
+        listed = fields.object("files", {})
+        for name in list(listed.document):
+            entry = listed.object(name)
+            files[name] = FileDigest(entry.int("bytes"), entry.str("sha256"))
+            entry.done()
+        vision = fields.raw("vision", None)
+        if vision is not None and not isinstance(vision, dict):
+            fields.fail("must be an object", "vision")
+        info = cls(
+            architecture=fields.str("architecture"),
+            dims=dims,
+            dtype=dtype,
+            compute_dtype=fields.str("compute_dtype", dtype, choices=("fp32", "fp16", "bf16")),
+            model_file=fields.str("model_file"),
+            inputs=fields.str_list("inputs"),
+            outputs=fields.str_list("outputs"),
+            position_rows=fields.int("position_rows", 1, minimum=1, maximum=3),
+            tie_word_embeddings=fields.bool("tie_word_embeddings", False),
+            vision=vision,
+            shape_only=fields.bool("shape_only", False),
+            files=files,
         )
-    for field in REQUIRED_FIELDS:
-        if field not in info:
-            raise UserError(f"{path}: missing field {field!r}")
-    if not (Path(folder) / info["model_file"]).is_file():
-        raise UserError(f"{Path(folder) / info['model_file']} is missing")
-    for name, listed in info.get("files", {}).items():
-        path = Path(folder) / name
-        if not path.is_file():
-            raise UserError(f"{path} is missing (listed in export.json)")
-        if path.stat().st_size != listed["bytes"]:
+        if "/" in info.model_file or ".." in info.model_file:
+            fields.fail("must name a file inside the export folder", "model_file")
+        fields.done(ignore=DESCRIPTIVE_FIELDS)
+        return info
+
+
+# Fields that describe how the export was made; nothing downstream reads them.
+DESCRIPTIVE_FIELDS = ("source", "task", "opset", "kv_cache", "max_logit_difference_vs_pytorch", "onnx_tokenizer_check",
+                      "tools")  # fmt: skip
+
+
+def read_export_info(folder: Path) -> ExportInfo:
+    """The export.json of an export folder, checked field by field, with the files it lists."""
+    path = Path(folder) / "export.json"
+    info = ExportInfo.from_json(read_json(path, "pipeshard export folder"), str(path))
+    if not (Path(folder) / info.model_file).is_file():
+        raise UserError(f"{Path(folder) / info.model_file} is missing")
+    for name, listed in info.files.items():
+        file_path = Path(folder) / name
+        if not file_path.is_file():
+            raise UserError(f"{file_path} is missing (listed in export.json)")
+        if file_path.stat().st_size != listed.bytes:
             raise UserError(
-                f"{path} has {path.stat().st_size} bytes, export.json says {listed['bytes']} "
-                "(truncated or replaced)"
+                f"{file_path} has {file_path.stat().st_size} bytes, export.json says {listed.bytes} (truncated or "
+                "replaced)"
             )
     return info
