@@ -61,12 +61,7 @@ class ExportInfo:
     @classmethod
     def from_json(cls, document: object, where: str) -> ExportInfo:
         fields = Fields(document, where)
-        version = fields.raw("schema_version", None)
-        if version != EXPORT_SCHEMA_VERSION:
-            fields.fail(
-                f"is {version!r}: this pipeshard reads {EXPORT_SCHEMA_VERSION} (export the model again)",
-                "schema_version",
-            )
+        fields.schema(EXPORT_SCHEMA_VERSION, "export the model again")
         dims = fields.raw("dims")
         if not isinstance(dims, dict) or not all(
             isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1 << 40 for v in dims.values()

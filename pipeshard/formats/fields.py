@@ -26,6 +26,12 @@ class Fields:
     def _field(self, name: str) -> str:
         return f"{self.path}.{name}" if self.path else name
 
+    def schema(self, version: int, remedy: str) -> None:
+        """Refuse a document of another `schema_version`, saying how to make one this pipeshard reads."""
+        found = self.raw("schema_version", None)
+        if found != version:
+            self.fail(f"is {found!r}: this pipeshard reads {version} ({remedy})", "schema_version")
+
     def has(self, name: str) -> bool:
         return self.document.get(name) is not None
 

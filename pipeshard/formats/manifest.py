@@ -370,12 +370,7 @@ class Manifest:
     @classmethod
     def from_json(cls, document: Any, where: str) -> Manifest:
         fields = Fields(document, where)
-        version = fields.raw("schema_version", None)
-        if version != PACK_SCHEMA_VERSION:
-            fields.fail(
-                f"is {version!r}: this pipeshard reads {PACK_SCHEMA_VERSION} (export and partition the model again)",
-                "schema_version",
-            )
+        fields.schema(PACK_SCHEMA_VERSION, "export and partition the model again")
         fields.int("weight_alignment", WEIGHT_ALIGNMENT, minimum=1)
         fields.str("cost_model", "")
         host = fields.object("host", {})

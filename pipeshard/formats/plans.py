@@ -218,13 +218,7 @@ def read_plans(path: Path, manifest_path: Path, units: list[str], max_context: i
     place; `max_context`: the model's longest context)."""
     path = Path(path)
     fields = Fields(read_json(path, "plans file"), str(path))
-    version = fields.raw("schema_version", None)
-    if version != PLANS_SCHEMA_VERSION:
-        fields.fail(
-            f"is {version!r}: this pipeshard reads {PLANS_SCHEMA_VERSION} (make it again with "
-            "`pipeshard plan PACK --out FILE`)",
-            "schema_version",
-        )
+    fields.schema(PLANS_SCHEMA_VERSION, "make it again with `pipeshard plan PACK --out FILE`")
     if fields.has("assumed_bits_per_weight"):
         raise UserError(
             f"{path} was planned with --assume-bits {fields.raw('assumed_bits_per_weight')} (planning only: "

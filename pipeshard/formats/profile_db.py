@@ -25,9 +25,7 @@ CONTENTION_FIELDS = ("cpu_matmul_slowdown_under_copy", "copy_slowdown_under_cpu_
 def validate(document: object, where: str) -> dict:
     """Check a DB against schema 1 and return it; a violation is a UserError naming the file and the field."""
     fields = Fields(document, where)
-    version = fields.raw("schema_version", None)
-    if version != PROFILE_SCHEMA_VERSION:
-        fields.fail(f"is {version!r}, expected {PROFILE_SCHEMA_VERSION}", "schema_version")
+    fields.schema(PROFILE_SCHEMA_VERSION, "measure again with `pipeshard profile`")
     fields.str("source", choices=("measured", "spec"))
     fields.str("created")
     fingerprint = fields.object("fingerprint")
