@@ -11,6 +11,7 @@ import numpy as np
 
 from pipeshard.exporter.configs import DecoderWithPastExportConfig
 from pipeshard.exporter.fuse import stored_externally
+from pipeshard.exporter.layer_copies import LayerCopyError, copy_layers, layer_plan, traced_prefix
 from pipeshard.exporter.moe_blocks import moe_export_form
 from pipeshard.exporter.vlm import IMAGE_MERGE, image_merge_module
 from pipeshard.formats.io_names import PAST_PREFIX, present_name
@@ -67,9 +68,17 @@ def _decoder_with_past(model, num_layers: int, image_token_id: int | None = None
     return (DecoderWithPast() if image_token_id is None else DecoderWithImages()).eval()
 
 
-def dummy_inputs(export_config: DecoderWithPastExportConfig, torch_dtype, batch=2, sequence=3, past=5):
+def dummy_inputs(
+    export_config: DecoderWithPastExportConfig,
+    torch_dtype,
+    batch=2,
+    sequence=3,
+    past=5,
+    layers: int | None = None,
+):
     """Example inputs for tracing and validation: a decode-like step with a non-empty past; for a VLM, up to four image
-    tokens and three rows of features (the dimensions stay apart, and a token without features is traced too)."""
+    tokens and three rows of features (the dimensions stay apart, and a token without features is traced too).
+    `layers`: the past of only the first that many layers (default: every layer)."""
     import torch
 
     dims = export_config.dims
@@ -84,7 +93,8 @@ def dummy_inputs(export_config: DecoderWithPastExportConfig, torch_dtype, batch=
     if export_config.POSITION_ROWS > 1:  # M-RoPE: rows apart (an image's row and column positions)
         position_ids = torch.stack([position_ids + row for row in range(export_config.POSITION_ROWS)])
     kv_shape = (batch, dims.num_key_value_heads, past, dims.head_dim)
-    past_kv = [torch.randn(kv_shape, generator=generator).to(torch_dtype) for _ in export_config.past_names]
+    past_names = export_config.past_names[: None if layers is None else 2 * layers]
+    past_kv = [torch.randn(kv_shape, generator=generator).to(torch_dtype) for _ in past_names]
     if image_token_id is not None:
         return (input_ids, features, attention_mask, position_ids, *past_kv)
     return (input_ids, attention_mask, position_ids, *past_kv)
@@ -137,20 +147,17 @@ def _weights_as_references(graph, data_file: str) -> None:
             )
 
 
-def export_decoder(
-    model, export_config: DecoderWithPastExportConfig, onnx_path: Path, opset: int, shape_only: bool = False
-) -> None:
-    """Export `model` to `onnx_path` with its weights in `<name>.data` beside it. `shape_only`: the model's
-    weights are on the meta device, and the weights of the file are references to a data file that is not
-    written (`_weights_as_references`)."""
+def _trace(model, export_config: DecoderWithPastExportConfig, layers: int, opset: int, shape_only: bool):
+    """The dynamo exporter's ONNX program of `model` with its first `layers` layers (the model has that many)."""
     import torch
 
-    wrapper = _decoder_with_past(model, export_config.dims.num_layers, export_config.image_token_id)
-    args = dummy_inputs(export_config, model.dtype)
+    wrapper = _decoder_with_past(model, layers, export_config.image_token_id)
+    args = dummy_inputs(export_config, model.dtype, layers=layers)
     if shape_only:
         args = tuple(arg.to("meta") for arg in args)
-    input_names = list(export_config.inputs)
-    output_names = list(export_config.outputs)
+    past_names = export_config.past_names[: 2 * layers]
+    fixed_inputs = [name for name in export_config.inputs if not name.startswith(PAST_PREFIX)]
+    output_names = ["logits", *(present_name(name) for name in past_names)]
     batch, sequence = torch.export.Dim("batch"), torch.export.Dim("sequence")
     past, total = torch.export.Dim("past_sequence"), torch.export.Dim("total_sequence")
     dynamic_shapes = {"input_ids": {0: batch, 1: sequence}}  # in the order of the wrapper's arguments
@@ -161,21 +168,44 @@ def export_decoder(
         "position_ids": {0: batch, 1: sequence}
         if export_config.POSITION_ROWS == 1
         else {1: batch, 2: sequence},
-        "past": tuple({0: batch, 2: past} for _ in export_config.past_names),
+        "past": tuple({0: batch, 2: past} for _ in past_names),
     }
+    return torch.onnx.export(
+        wrapper,
+        args,
+        dynamo=True,
+        input_names=fixed_inputs + past_names,
+        output_names=output_names,
+        dynamic_shapes=dynamic_shapes,
+        opset_version=opset,
+        optimize=not shape_only,
+        verbose=False,
+    )
+
+
+def export_decoder(
+    model, export_config: DecoderWithPastExportConfig, onnx_path: Path, opset: int, shape_only: bool = False
+) -> None:
+    """Export `model` to `onnx_path` with its weights in `<name>.data` beside it: traced with as few layers as
+    stand for all and the rest copied (exporter/layer_copies.py), or traced whole. `shape_only`: the model's
+    weights are on the meta device, and the weights of the file are references to a data file that is not
+    written (`_weights_as_references`)."""
+    import torch
+
     with warnings.catch_warnings(), torch.no_grad(), moe_export_form(model):
         warnings.simplefilter("ignore")
-        program = torch.onnx.export(
-            wrapper,
-            args,
-            dynamo=True,
-            input_names=input_names,
-            output_names=output_names,
-            dynamic_shapes=dynamic_shapes,
-            opset_version=opset,
-            optimize=not shape_only,
-            verbose=False,
-        )
+        program = None
+        plan = None if shape_only else layer_plan(model)
+        if plan is not None:
+            with traced_prefix(model, plan):
+                program = _trace(model, export_config, plan.traced, opset, shape_only)
+            try:
+                copy_layers(program.model.graph, model, plan, WRAPPER_ATTRIBUTE)
+            except LayerCopyError as exc:
+                log.warning("tracing every layer, as the traced layers cannot be copied: %s", exc)
+                program = None
+        if program is None:
+            program = _trace(model, export_config, export_config.dims.num_layers, opset, shape_only)
     if shape_only:
         _stand_in_weights(program.model.graph)
         program.optimize()

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import json
+import logging
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -83,15 +86,50 @@ def _check_architecture(model_type: str | None, where: str) -> None:
         )
 
 
+@functools.lru_cache(maxsize=2)
+def _parsed_gguf(path: str, size: int, modified_ns: int):
+    from gguf import GGUFReader
+
+    return GGUFReader(path)
+
+
+def gguf_reader(path: Path | str):
+    """The file's GGUFReader, parsed once per process while the file is unchanged (a parse takes seconds)."""
+    stat = os.stat(path)
+    return _parsed_gguf(str(path), stat.st_size, stat.st_mtime_ns)
+
+
+@contextmanager
+def _one_gguf_parse():
+    """transformers parses a GGUF for its config, its tokenizer and its weights: within the block each of
+    those reuses `gguf_reader`'s parse, and a tensor-name map is built once (transformers imports both from
+    gguf at each call); its dequantization bar shows only with -v."""
+    import gguf
+    import transformers.modeling_gguf_pytorch_utils as gguf_loading
+
+    original_reader, original_name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    original_bar = gguf_loading.tqdm
+    gguf.GGUFReader = lambda path, mode="r": gguf_reader(path) if mode == "r" else original_reader(path, mode)
+    # transformers asks for the same tensor-name map once per module of the model; it is a pure function
+    gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(original_name_map)
+    # the export's own progress bar is the one shown (its dequantization bar only with -v)
+    gguf_loading.tqdm = functools.partial(
+        original_bar, disable=logging.getLogger().getEffectiveLevel() > logging.INFO
+    )
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = original_reader, original_name_map
+        gguf_loading.tqdm = original_bar
+
+
 def _check_gguf(path: Path) -> str:
     """Validate the GGUF header and tensor table; return the architecture name it declares."""
     with open(path, "rb") as handle:
         if handle.read(4) != GGUF_MAGIC:
             raise UserError(f"{path} is not a GGUF file (bad magic bytes)")
     try:
-        from gguf import GGUFReader
-
-        reader = GGUFReader(str(path))
+        reader = gguf_reader(path)
         field = reader.fields.get("general.architecture")
         architecture = bytes(field.parts[field.data[0]]).decode() if field else None
         size = path.stat().st_size
@@ -111,16 +149,17 @@ def _load_pretrained(folder: Path, gguf_file: str | None, dtype):
     from transformers import AutoConfig, AutoTokenizer
 
     kwargs = {"gguf_file": gguf_file} if gguf_file else {}
-    config = AutoConfig.from_pretrained(folder, **kwargs)
-    task = "text-generation"
-    model_class = TasksManager.get_model_class_for_task(task, framework="pt", library="transformers")
-    where = str(folder / gguf_file) if gguf_file else str(folder)
-    _check_architecture(config.model_type, where)
-    check_supported_features(config, where)
-    model = model_class.from_pretrained(folder, dtype=torch.float32, **kwargs)
-    if gguf_file:
-        model = _plain_copy(model)
-    tokenizer = AutoTokenizer.from_pretrained(folder, **kwargs)
+    with _one_gguf_parse():
+        config = AutoConfig.from_pretrained(folder, **kwargs)
+        task = "text-generation"
+        model_class = TasksManager.get_model_class_for_task(task, framework="pt", library="transformers")
+        where = str(folder / gguf_file) if gguf_file else str(folder)
+        _check_architecture(config.model_type, where)
+        check_supported_features(config, where)
+        model = model_class.from_pretrained(folder, dtype=torch.float32, **kwargs)
+        if gguf_file:
+            model = _plain_copy(model)
+        tokenizer = AutoTokenizer.from_pretrained(folder, **kwargs)
     return model.to(dtype).eval(), tokenizer
 
 

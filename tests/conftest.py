@@ -1,9 +1,10 @@
-"""Shared fixtures: every export and pack a test reads is made once per test session (`models`); SmolLM2 and the
-other real models' exports are kept between runs under build/test-cache."""
+"""Shared fixtures: every export and pack a test reads is made once per test session (`models`); the exports are
+kept between runs under build/test-cache while the code that made them is unchanged."""
 
 from __future__ import annotations
 
-import json
+import functools
+import hashlib
 import os
 import time
 from pathlib import Path
@@ -14,20 +15,36 @@ from pipeshard.exporter.offline import force_offline
 
 force_offline()
 REPO = Path(__file__).resolve().parents[1]
-# Real models' exports take minutes: kept between test runs under build/ (ignored by git).
+# Exports are kept between test runs under build/ (ignored by git), each under the fingerprint of the code and the
+# libraries that made it: a change to the exporter makes them again.
 CACHE = Path(os.environ.get("PIPESHARD_TEST_CACHE", REPO / "build" / "test-cache"))
-CACHE_NAMES = {"smollm2-135m": "smollm2"}  # the cache folders' names from before the factory, kept valid
+FINGERPRINT_FILE = ".made-by"
+EXPORT_CODE = ("exporter", "pipeshard/core", "pipeshard/formats")
+EXPORT_LIBRARIES = ("torch", "transformers", "onnx", "onnxscript", "onnx-ir", "onnxruntime", "gguf")
+
+
+@functools.cache
+def _export_fingerprint() -> str:
+    """A digest of every source file an export runs and the versions of the libraries it uses."""
+    from importlib.metadata import version
+
+    digest = hashlib.sha256()
+    for folder in EXPORT_CODE:
+        for path in sorted((REPO / folder).rglob("*.py")):
+            digest.update(str(path.relative_to(REPO)).encode() + b"\0" + path.read_bytes())
+    for library in EXPORT_LIBRARIES:
+        digest.update(f"{library}={version(library)}".encode())
+    return digest.hexdigest()
 
 
 def _export_once(model: str, folder: Path, dtype: str = "fp32") -> Path:
-    """Export unless a current export (same schema and dtype) is already there."""
+    """Export unless an export made by the same code and libraries is already there."""
     from pipeshard.exporter import export_model
-    from pipeshard.formats.export_info import EXPORT_SCHEMA_VERSION
 
-    info = folder / "export.json"
-    current = json.loads(info.read_text()) if info.is_file() else {}
-    if current.get("schema_version") != EXPORT_SCHEMA_VERSION or current.get("dtype", "fp32") != dtype:
+    stamp = folder / FINGERPRINT_FILE
+    if not (stamp.is_file() and stamp.read_text() == _export_fingerprint()):
         export_model(model, folder, dtype=dtype, force=True, quiet=True)
+        stamp.write_text(_export_fingerprint())
     return folder
 
 
@@ -42,14 +59,10 @@ class Models:
         self._packs: dict[tuple[str, str], Path] = {}
 
     def export(self, name: str, dtype: str = "fp32") -> Path:
-        """NAME (`tiny:ARCH` or a built-in model) exported with DTYPE weights; a built-in model's export is
-        kept under CACHE between runs."""
+        """NAME (`tiny:ARCH` or a built-in model) exported with DTYPE weights, kept under CACHE between runs."""
         key = (name, dtype)
         if key not in self._exports:
-            if name.startswith("tiny:"):
-                folder = self.root / f"{name.replace(':', '-')}-{dtype}" / "export"
-            else:
-                folder = CACHE / f"{CACHE_NAMES.get(name, name)}-{dtype}"
+            folder = CACHE / f"{name.replace(':', '-')}-{dtype}"
             self._exports[key] = _export_once(name, folder, dtype)
         return self._exports[key]
 

@@ -57,6 +57,33 @@ def test_every_layer_node_maps_to_exactly_one_of_attention_mlp_or_residual_glue(
     assert per_layer == {f"L{i}": {"attn", "ffn", "glue"} for i in range(4)}
 
 
+@pytest.mark.parametrize("architecture", ["llama", "gemma3", "moe"])
+def test_the_trace_holds_layer_0_and_one_layer_of_each_kind(architecture):
+    from pipeshard.exporter.layer_copies import layer_plan
+
+    model, _ = build_tiny_model(architecture)
+    plan = layer_plan(model)
+    kinds = getattr(model.config, "layer_types", None) or ["layer"] * model.config.num_hidden_layers
+    assert plan.template[: plan.traced] == tuple(range(plan.traced))
+    assert all(kinds[i] == kinds[j] and 1 <= j < plan.traced for i, j in enumerate(plan.template) if i != j)
+    assert set(kinds[1 : plan.traced]) == set(kinds[1:]) and plan.traced < len(kinds)
+
+
+def test_copied_layers_have_their_templates_nodes_and_their_own_weights(tiny_llama_export):
+    model = onnx.load(tiny_llama_export / "model.onnx", load_external_data=False)
+    weights = {t.name for t in model.graph.initializer if np.prod(t.dims) >= 1024}
+    ops, reads = {}, {}
+    for node in model.graph.node:
+        path = module_path(node)
+        layer = path.split(".layers.")[1].split(".")[0] if path and ".layers." in path else None
+        if layer is not None:
+            ops.setdefault(layer, []).append(node.op_type)
+            reads.setdefault(layer, set()).update(name for name in node.input if name in weights)
+    assert ops["1"] == ops["2"] == ops["3"]  # layer 0 is traced, 1 stands for 2 and 3
+    assert all(reads[a].isdisjoint(reads[b]) for a in reads for b in reads if a < b)
+    assert all(len(reads[layer]) == len(reads["1"]) for layer in reads)
+
+
 def test_onnx_tokenizer_matches_the_tokenizers_library(tiny_llama_export):
     check = json.loads((tiny_llama_export / "export.json").read_text())["onnx_tokenizer_check"]
     assert check["matched"] == check["strings"] > 0
