@@ -26,7 +26,13 @@ ORT_HEADER := build/ort-headers/onnxruntime_c_api.h
 $(ORT_HEADER): | $(BIN)/python
 	$(BIN)/python tests/ort_header.py $@
 
-install: $(STAMP) $(ORT_HEADER)
+# The CUDA EP's kernel table of the pinned onnxruntime-gpu, for tests/test_cuda_kernels.py (ORT's own registry, read
+# without a GPU; needs PyPI, cc and binutils). Without it that test skips and says so.
+ORT_KERNELS := build/ort-kernels/cuda-1.31.1.json
+$(ORT_KERNELS): | $(BIN)/python
+	$(BIN)/python tests/ort_kernels.py $@ || echo "no CUDA kernel table: tests/test_cuda_kernels.py will skip"
+
+install: $(STAMP) $(ORT_HEADER) $(ORT_KERNELS)
 
 # The peers of `pipeshard bench` (not needed by the tests). llama-cpp-python builds from source (about
 # 10 minutes on 2 cores); without -mno-amx-* ggml uses AMX instructions that VMs like this one lack.
@@ -80,7 +86,7 @@ host-if-possible:
 	@if command -v c++ >/dev/null && command -v cmake >/dev/null && command -v npm >/dev/null; then $(MAKE) --no-print-directory host; \
 	else echo "skipping the native host: it needs a C++ compiler, cmake and npm (tests/test_native_host.py skips too)"; fi
 
-test: $(STAMP) $(ORT_HEADER) host-if-possible
+test: $(STAMP) $(ORT_HEADER) $(ORT_KERNELS) host-if-possible
 	$(BIN)/python -m pytest -q
 
 lint: $(STAMP)

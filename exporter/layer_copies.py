@@ -5,8 +5,8 @@ layers are alike. The exporter traces the first layers up to one of each kind (a
 shapes, module classes and plain settings such as a sliding window; layer 0, which reads the embeddings, never
 stands for another) and, for every later layer, copies the nodes of the traced layer of its kind: the copy reads
 the previous layer's hidden states and its own past, writes its own present, and holds its own weights, put in
-the form the traced layer's were (as they are, or transposed where the exporter folded a transpose). The export
-then checks the whole graph against PyTorch running every layer, as it checks a full trace.
+the form the traced layer's were (as they are, transposed, or plus one where the exporter folded that op). The
+export then checks the whole graph against PyTorch running every layer, as it checks a full trace.
 """
 
 from __future__ import annotations
@@ -133,13 +133,22 @@ def _layer_of(node, layer_scope: re.Pattern) -> int | None:
     return None
 
 
+# The forms in which the exporter stores a layer's tensor: as it is, transposed or with 1 added (Gemma's norms
+# scale by 1 + weight) where it folded that op into the constant.
+_FORMS = {
+    "as is": lambda tensor: tensor,
+    "transposed": lambda tensor: np.ascontiguousarray(tensor.T) if tensor.ndim == 2 else None,
+    "plus one": lambda tensor: tensor + np.asarray(1, tensor.dtype) if tensor.dtype.kind == "f" else None,
+}
+
+
 @dataclass(frozen=True)
 class _WeightUse:
-    """A traced layer's tensor (its name within the layer) and how the exporter stored it: `transposed` when it
-    folded a transpose, under the name `stored_as`."""
+    """A traced layer's tensor (its name within the layer), the form the exporter stored it in (`_FORMS`) and the
+    name it stored it under."""
 
     relative_name: str
-    transposed: bool
+    form: str
     stored_as: str = ""
 
 
@@ -150,18 +159,19 @@ def _tensor_values(layer) -> dict[str, np.ndarray]:
 
 
 def _weight_use(stored: np.ndarray, consumer_scope: str, tensors: dict[str, np.ndarray]) -> _WeightUse | None:
-    """The layer tensor `stored` holds (as it is or transposed); the one under the consumer's module first."""
+    """The layer tensor `stored` holds, in one of `_FORMS`; the one under the consumer's module first."""
     matches = []
     for name, tensor in tensors.items():
-        if tensor.dtype != stored.dtype:
+        if tensor.dtype != stored.dtype or tensor.size != stored.size:
             continue
-        if tensor.shape == stored.shape and np.array_equal(tensor, stored):
-            matches.append(_WeightUse(name, False))
-        elif tensor.ndim == 2 and tensor.shape[::-1] == stored.shape and np.array_equal(tensor.T, stored):
-            matches.append(_WeightUse(name, True))
+        for form, make in _FORMS.items():
+            made = make(tensor)
+            if made is not None and made.shape == stored.shape and np.array_equal(made, stored):
+                matches.append(_WeightUse(name, form))
+                break
     own = [m for m in matches if consumer_scope.startswith(m.relative_name.rpartition(".")[0])]
     for candidates in (own, matches):
-        if len({(m.relative_name, m.transposed) for m in candidates}) == 1:
+        if len({(m.relative_name, m.form) for m in candidates}) == 1:
             return candidates[0]
     if matches:
         names = sorted({m.relative_name for m in matches})
@@ -197,7 +207,6 @@ _SIZE_OPS = {"Shape", "Size"}
 def _layer_independent(graph, layer_weight: re.Pattern) -> set[int]:
     """ids of values that are the same in every layer: made from the attention mask, the positions, constants and
     tensors' sizes only (not from token ids, hidden states, a past or a weight), wherever the exporter put them."""
-    from pipeshard.exporter.fuse import stored_externally
 
     dependent: set[int] = set()
     for value in graph.inputs:
@@ -291,19 +300,18 @@ class _TracedLayers:
                     read = _HIDDEN
                 elif value.name in (f"{PAST_PREFIX}{j}.key", f"{PAST_PREFIX}{j}.value"):
                     read = _Past(value.name.rsplit(".", 1)[1])
+                elif id(value) in initializers and value.const_value is not None:
+                    scopes = _scopes(node)
+                    module = own_scope.sub("", scopes[-2] if len(scopes) >= 2 else "", count=1)
+                    constant = value.const_value.numpy()
+                    use = _weight_use(constant, module, tensors)
+                    if use is None and constant.dtype.kind == "f" and constant.size > 1:
+                        raise LayerCopyError(f"layer {j} reads {value.name}, which is no tensor of the layer")
+                    read = value if use is None else replace(use, stored_as=value.name)  # a constant: shared
                 elif id(value) in self.independent:
                     read = value
                 elif maker is not None or value.name.startswith(PAST_PREFIX):
                     raise LayerCopyError(f"layer {j} reads {value.name}, a value of another layer")
-                elif id(value) in initializers and value.const_value is not None:
-                    scopes = _scopes(node)
-                    module = own_scope.sub("", scopes[-2] if len(scopes) >= 2 else "", count=1)
-                    use = _weight_use(value.const_value.numpy(), module, tensors)
-                    if use is None and stored_externally(value.const_value.nbytes):
-                        raise LayerCopyError(f"layer {j} reads {value.name}, which is no tensor of the layer")
-                    read = (
-                        value if use is None else replace(use, stored_as=value.name)
-                    )  # a small constant: shared
                 else:
                     read = value  # made outside the layers: shared
                 reads[(position, slot)] = read
@@ -369,11 +377,10 @@ class _TracedLayers:
         """Layer i's own tensor in the form its template's was stored, as a new initializer."""
         import onnx_ir as ir
 
-        array = _tensor(layer, use.relative_name)
-        if use.transposed:
-            array = np.ascontiguousarray(array.T)
+        array = _FORMS[use.form](_tensor(layer, use.relative_name))
         # named as a trace names it: a tensor stored as it is by its module path, a folded one by a new name
-        name = f"{use.stored_as}.layer{i}" if use.transposed else f"{self.plan.path}.{i}.{use.relative_name}"
+        plain = use.form == "as is"
+        name = f"{self.plan.path}.{i}.{use.relative_name}" if plain else f"{use.stored_as}.layer{i}"
         while name in self.graph.initializers:  # one folded tensor the trace shared between two uses
             name += "_"
         weight = ir.Value(

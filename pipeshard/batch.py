@@ -4,24 +4,42 @@ Input lines are the OpenAI Batch format (`custom_id`, `method`, `url` = /v1/chat
 `body`) or a plain form (`{"prompt": ...}` or `{"messages": [...]}`, other fields passed through, `custom_id`
 optional: `line-N` by default). Each result is one line appended to OUT and flushed as its request finishes
 (OpenAI's output format for the first form: `id`, `custom_id`, `response: {status_code, request_id, body}`,
-`error`; the input's fields plus `output`, `finish_reason` and `usage` for the second). A rerun skips the
-custom_ids OUT already has, so a job killed at any moment loses only the requests in flight; a last line cut off
-by the kill is dropped and redone.
+`error`; the input's fields plus `output`, `finish_reason` and `usage` for the second). A line that cannot be
+used (not UTF-8, not JSON, too long, too deep, a bad field) becomes an error record and the job goes on.
+
+A rerun skips the custom_ids OUT already has, so a job killed at any moment loses only the requests in flight. OUT
+must be a results file: not IN, not a link, and each of its JSON lines a result. Its lines that are not JSON (blank,
+cut off by a kill) are moved to OUT.damaged, never dropped; a failed write is cut back to the last whole line.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import re
+import shutil
+import stat
 import sys
+import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import BinaryIO
 
 from pipeshard.core.errors import UserError
 
 CHAT_URL, COMPLETIONS_URL = "/v1/chat/completions", "/v1/completions"
+MAX_LINE_BYTES = 4 << 20  # a longer input line is an error record, read past without being held
+MAX_NESTING = 64  # JSON nesting a line may have (a request needs about six)
+RESULT_FIELDS = ("response", "output", "error")  # a result line has a custom_id and one of these
+_ID_PEEK_CHARS = 64 << 10
+_PLAIN_CUSTOM_ID = re.compile(r'"custom_id"\s*:\s*"([^"\\\ufffd]{1,256})"')
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+_UNREADABLE = object()
 
 
 @dataclass
@@ -38,27 +56,78 @@ class Job:
 
 
 def read_jobs(path: Path) -> list[Job]:
-    """Every line of IN as a job (malformed ones carry their error); duplicate custom_ids are refused."""
+    """Every line of IN as a job (unusable ones carry their error); duplicate custom_ids are refused. IN is read as
+    bytes a line at a time, so neither a bad byte nor a huge line stops the job."""
     jobs, seen = [], {}
-    with open(path, encoding="utf-8") as lines:
-        for number, text in enumerate(lines, start=1):
-            if not text.strip():
-                continue
-            job = _job(number, text)
-            if job.custom_id in seen:
-                raise UserError(
-                    f"{path}: custom_id {job.custom_id!r} on lines {seen[job.custom_id]} and {number}"
-                )
-            seen[job.custom_id] = number
-            jobs.append(job)
+    try:
+        with open(path, "rb") as lines:
+            for number, line, whole in _numbered_lines(lines):
+                if whole and not line.strip():
+                    continue
+                job = _job_of_line(number, line, whole)
+                if job.custom_id in seen:
+                    raise UserError(
+                        f"{path}: custom_id {job.custom_id!r} on lines {seen[job.custom_id]} and {number}"
+                    )
+                seen[job.custom_id] = number
+                jobs.append(job)
+    except OSError as exc:
+        raise UserError(f"{path} cannot be read ({exc.strerror})") from None
     return jobs
+
+
+def _numbered_lines(lines: BinaryIO) -> Iterator[tuple[int, bytes, bool]]:
+    """(number, line, whole) for each line; one over MAX_LINE_BYTES comes as its start with whole=False, its
+    rest read past in pieces."""
+    number = 0
+    while line := lines.readline(MAX_LINE_BYTES + 1):
+        number += 1
+        whole = len(line) <= MAX_LINE_BYTES or line.endswith(b"\n")
+        while not whole and (rest := lines.readline(1 << 20)) and not rest.endswith(b"\n"):
+            pass
+        yield number, line, whole
+
+
+def _job_of_line(number: int, line: bytes, whole: bool) -> Job:
+    """A line of IN as read: one too long or not UTF-8 is an error record, any other is parsed."""
+    if not whole:
+        error = f"line {number} is over {MAX_LINE_BYTES} bytes (not read)"
+    else:
+        try:
+            text = line.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            error = f"line {number} is not UTF-8 (byte {line[exc.start]:#04x} at column {exc.start + 1})"
+        else:
+            return _job(number, text)
+    return Job(
+        number, _peeked_id(number, line[:_ID_PEEK_CHARS].decode("utf-8", "replace")), False, error=error
+    )
+
+
+def _peeked_id(number: int, text: str) -> str:
+    """The custom_id written plainly near the start of a line that cannot be parsed, else `line-N`."""
+    found = _PLAIN_CUSTOM_ID.search(text, 0, _ID_PEEK_CHARS)
+    return found.group(1) if found else f"line-{number}"
 
 
 def _job(number: int, text: str) -> Job:
     try:
         record = json.loads(text)
+        too_deep = _nesting(record) > MAX_NESTING
     except json.JSONDecodeError as exc:
-        return Job(number, f"line-{number}", False, error=f"line {number} is not JSON ({exc.msg})")
+        return Job(number, _peeked_id(number, text), False, error=f"line {number} is not JSON ({exc.msg})")
+    except RecursionError:  # nested past Python's own limit
+        too_deep = True
+    if too_deep:
+        error = f"line {number} is JSON nested more than {MAX_NESTING} deep"
+        return Job(number, _peeked_id(number, text), False, error=error)
+    if _SURROGATE_ESCAPE.search(text) and not _is_unicode(record):
+        return Job(
+            number,
+            _peeked_id(number, text),
+            False,
+            error=f"line {number} has a lone surrogate escape (\\ud800-\\udfff) in a string: not Unicode text",
+        )
     if not isinstance(record, dict):
         return Job(number, f"line-{number}", False, error=f"line {number} is not a JSON object")
     custom_id = record.get("custom_id", f"line-{number}")
@@ -89,42 +158,179 @@ def _job(number: int, text: str) -> Job:
     )
 
 
-def finished_ids(path: Path) -> set[str]:
-    """The custom_ids OUT holds; a last line cut off mid-write (no newline, or not JSON) is removed first."""
-    if not path.exists():
+def _nesting(value) -> int:
+    """How deep JSON containers nest in `value` (0 for a number or string), found without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        value, depth = stack.pop()
+        children = value.values() if isinstance(value, dict) else value if isinstance(value, list) else None
+        if children is not None:
+            deepest = max(deepest, depth)
+            stack.extend((child, depth + 1) for child in children if isinstance(child, dict | list))
+    return deepest
+
+
+def _is_unicode(value) -> bool:
+    """Whether every string in `value` can be written as UTF-8 (JSON's \\ud800 escapes make ones that cannot)."""
+    try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def resume_output(source: Path, target: Path) -> set[str]:
+    """The custom_ids OUT holds, once it is checked to be this job's results file. Its lines that are not JSON
+    (blank, cut off by a kill, stray text) are moved to OUT.damaged, with one line on stderr saying how many."""
+    _check_output_path(source, target)
+    if not target.exists():
         return set()
-    data = path.read_bytes()
-    good_end, done = 0, set()
-    for line in data.splitlines(keepends=True):
-        if not line.endswith(b"\n"):
-            break
-        try:
-            done.add(json.loads(line)["custom_id"])
-        except (json.JSONDecodeError, KeyError, TypeError):
-            break
-        good_end += len(line)
-    if good_end != len(data):
-        with open(path, "r+b") as out:
-            out.truncate(good_end)
+    try:
+        done, damaged = _scan_output(target)
+        if damaged:
+            aside = _move_damaged(target)
+            print(
+                f"{target}: moved {damaged} unreadable line(s) (blank, cut off or stray text) to {aside}",
+                file=sys.stderr,
+            )
+    except OSError as exc:
+        raise UserError(
+            f"{target} cannot be read or rewritten ({exc.strerror}); it was left as it is"
+        ) from None
     return done
 
 
+def _check_output_path(source: Path, target: Path) -> None:
+    if target.is_symlink():
+        raise UserError(f"{target} is a symbolic link: give the results file itself")
+    if not target.exists():
+        return
+    out, given = target.stat(), source.stat()
+    if not stat.S_ISREG(out.st_mode):
+        raise UserError(f"{target} is not a regular file")
+    if (out.st_dev, out.st_ino) == (given.st_dev, given.st_ino):
+        raise UserError(f"{target} is the input file {source}: give another file for the results")
+
+
+def _scan_output(target: Path) -> tuple[set[str], int]:
+    """OUT's custom_ids and how many lines are not JSON. A JSON line that is no result, or a file with no result and
+    a whole line of text, is refused: OUT is then some other file, and it is left as it is."""
+    done, damaged, text_line = set(), 0, None
+    with open(target, "rb") as lines:
+        for number, line in enumerate(lines, start=1):
+            value = _parsed(line)
+            if _is_result(value):
+                done.add(value["custom_id"])
+            elif value is not _UNREADABLE:
+                raise UserError(
+                    f"{target}: line {number} is JSON but no batch result (a custom_id and one of "
+                    f"{', '.join(RESULT_FIELDS)}): is OUT the right file? It was left as it is"
+                )
+            else:
+                damaged += 1
+                cut_off = not line.endswith(b"\n") and line.startswith(b"{")
+                if text_line is None and line.strip() and not cut_off:
+                    text_line = number
+    if not done and text_line is not None:
+        raise UserError(
+            f"{target} holds no batch result (line {text_line} is not JSON): is OUT the right file? "
+            "It was left as it is"
+        )
+    return done, damaged
+
+
+def _move_damaged(target: Path) -> Path:
+    """Move OUT's lines that are not JSON to the end of OUT.damaged. Each file is replaced whole (written beside it,
+    then renamed), OUT.damaged first: a crash leaves a line in both files at worst, never in neither."""
+    aside = target.with_name(target.name + ".damaged")
+    kept_path, moved_path = _temporary_beside(target), _temporary_beside(aside)
+    try:
+        with open(target, "rb") as lines, open(kept_path, "wb") as kept, open(moved_path, "wb") as moved:
+            if aside.is_file():
+                with open(aside, "rb") as earlier:
+                    shutil.copyfileobj(earlier, moved)
+            for line in lines:
+                whole = line if line.endswith(b"\n") else line + b"\n"
+                (kept if _is_result(_parsed(line)) else moved).write(whole)
+            for written in (kept, moved):
+                written.flush()
+                os.fsync(written.fileno())
+        shutil.copymode(target, kept_path)
+        shutil.copymode(target, moved_path)
+        os.replace(moved_path, aside)
+        os.replace(kept_path, target)
+    finally:
+        for temporary in (kept_path, moved_path):
+            temporary.unlink(missing_ok=True)
+    return aside
+
+
+def _temporary_beside(path: Path) -> Path:
+    descriptor, name = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    os.close(descriptor)
+    return Path(name)
+
+
+def _last_byte(path: Path) -> bytes:
+    with open(path, "rb") as existing:
+        existing.seek(-1, os.SEEK_END)
+        return existing.read(1)
+
+
+def _parsed(line: bytes):
+    """A line of OUT as JSON, or _UNREADABLE."""
+    try:
+        return json.loads(line)
+    except (ValueError, RecursionError):  # ValueError: not JSON, or not UTF-8
+        return _UNREADABLE
+
+
+def _is_result(value) -> bool:
+    return (
+        isinstance(value, dict)
+        and isinstance(value.get("custom_id"), str)
+        and any(name in value for name in RESULT_FIELDS)
+    )
+
+
 class ResultWriter:
-    """Appends one JSON line per result, flushed to the OS at once (a kill then loses nothing written)."""
+    """Appends one JSON line per result in one unbuffered write, so a kill loses nothing written. A write that fails
+    (disk full) is cut back to the last whole line and raised as a UserError."""
 
     def __init__(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(path, "a", encoding="utf-8")
+        self.path = path
         self._lock = threading.Lock()
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._descriptor = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+            self._end = os.lseek(self._descriptor, 0, os.SEEK_END)
+            ends_a_line = self._end == 0 or _last_byte(path) == b"\n"
+        except OSError as exc:
+            raise UserError(f"{path} cannot be appended to ({exc.strerror})") from None
+        if not ends_a_line:  # a last result written without its newline: the next starts a line of its own
+            self._append(b"\n")
 
     def write(self, record: dict) -> None:
-        line = json.dumps(record, ensure_ascii=False) + "\n"
+        line = (json.dumps(record, ensure_ascii=False) + "\n").encode("utf-8")
         with self._lock:
-            self._file.write(line)
-            self._file.flush()
+            self._append(line)
+
+    def _append(self, data: bytes) -> None:
+        view = memoryview(data)
+        try:
+            while view:
+                view = view[os.write(self._descriptor, view) :]
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                os.ftruncate(self._descriptor, self._end)
+            raise UserError(
+                f"{self.path}: a result could not be written ({exc.strerror}); the file ends at its last whole "
+                "result: make room and run the same command again to go on"
+            ) from None
+        self._end += len(data)
 
     def close(self) -> None:
-        self._file.close()
+        os.close(self._descriptor)
 
 
 @dataclass
@@ -185,14 +391,16 @@ def result_record(job: Job, model: str, text: str | None, end, error: str | None
 
 def run_jobs(engine, jobs: list[Job], model: str, parallel: int, default_max_tokens: int, on_record) -> None:
     """Every job through the engine's scheduler; `on_record(job, record, end)` as each finishes (`end`: its last
-    event, None for a job refused before it ran). A job cancelled by an interruption gets no record."""
+    event, None for a job refused before it ran). A job cancelled by an interruption gets no record. When
+    `on_record` raises (OUT cannot take a result), nothing more is started or recorded and the error is raised
+    here, on the caller's thread."""
     from pipeshard.runtime.scheduler import QueueFull
     from pipeshard.server import RequestError, prompt_ids, sampling_settings
 
     scheduler = engine.serve(parallel=parallel, queue_size=parallel)
-    in_flight = threading.Semaphore(2 * parallel)  # the slots and as many waiting
-    finished = threading.Condition()
-    outstanding = [0]
+    changed = threading.Condition()
+    outstanding = 0  # submitted and not finished: at most the slots and as many waiting
+    failures: list[Exception] = []
 
     def refused(job: Job, error: str) -> None:
         on_record(job, result_record(job, model, None, None, error), None)
@@ -201,34 +409,45 @@ def run_jobs(engine, jobs: list[Job], model: str, parallel: int, default_max_tok
         pieces: list[str] = []
 
         def sink(event) -> None:
+            nonlocal outstanding
             pieces.append(event.text)
             if event.finish_reason is None:
                 return
-            if (
-                event.finish_reason != "cancelled"
-            ):  # a cancelled one (the job interrupted) is redone on a rerun
+            # a cancelled one (the job interrupted) is redone on a rerun
+            if event.finish_reason != "cancelled" and not failures:
                 error = event.error if event.finish_reason == "error" else None
-                on_record(job, result_record(job, model, "".join(pieces), event, error), event)
-            in_flight.release()
-            with finished:
-                outstanding[0] -= 1
-                finished.notify_all()
+                try:
+                    on_record(job, result_record(job, model, "".join(pieces), event, error), event)
+                except Exception as exc:  # noqa: BLE001 - raised again on the caller's thread
+                    failures.append(exc)
+            with changed:
+                outstanding -= 1
+                changed.notify_all()
 
         return sink
 
+    def room_or_failure() -> bool:
+        return outstanding < 2 * parallel or bool(failures)
+
     for job in jobs:
+        if failures:
+            break
         if job.error is not None:
             refused(job, job.error)
             continue
         try:
             ids = prompt_ids(engine.codec, job.body, job.chat, scheduler.step.vocab_size)
             settings = sampling_settings({"temperature": 0, **job.body}, default_max_tokens)
+            if settings.seed is not None and settings.seed < 0:
+                raise RequestError("'seed' must be a non-negative integer", param="seed")
         except (RequestError, UserError) as exc:
             refused(job, f"line {job.line}: {exc}")
             continue
-        in_flight.acquire()
-        with finished:
-            outstanding[0] += 1
+        with changed:
+            changed.wait_for(room_or_failure)
+            if failures:
+                break
+            outstanding += 1
         while True:
             try:
                 scheduler.submit(ids, settings, sink=sink_for(job))
@@ -236,13 +455,14 @@ def run_jobs(engine, jobs: list[Job], model: str, parallel: int, default_max_tok
             except QueueFull:
                 time.sleep(0.01)
             except UserError as exc:
-                in_flight.release()
-                with finished:
-                    outstanding[0] -= 1
+                with changed:
+                    outstanding -= 1
                 refused(job, f"line {job.line}: {exc}")
                 break
-    with finished:
-        finished.wait_for(lambda: outstanding[0] == 0)
+    with changed:
+        changed.wait_for(lambda: outstanding == 0 or failures)
+    if failures:
+        raise failures[0]
 
 
 def run_batch(
@@ -257,7 +477,7 @@ def run_batch(
     """Run every job of `source` not yet in `target`, appending results as they finish."""
     started = time.perf_counter()
     jobs = read_jobs(source)
-    done = finished_ids(target)
+    done = resume_output(source, target)
     pending = [job for job in jobs if job.custom_id not in done]
     summary = Summary(requests=len(jobs), skipped=len(jobs) - len(pending))
     writer = ResultWriter(target)
@@ -347,8 +567,7 @@ def run_batch_ray(
         raise UserError("--ray needs Ray Data: pip install 'pipeshard[ray]'") from None
     started = time.perf_counter()
     jobs = read_jobs(source)
-    done = finished_ids(target)
-    texts = Path(source).read_text(encoding="utf-8").splitlines()
+    done = resume_output(source, target)
     pending = [job for job in jobs if job.custom_id not in done]
     summary = Summary(requests=len(jobs), skipped=len(jobs) - len(pending))
     if not pending:
@@ -364,28 +583,35 @@ def run_batch_ray(
             ) from None
     writer = ResultWriter(target)
     bar = _progress(len(jobs), summary.skipped) if progress else None
+
+    def append(record: dict) -> None:
+        writer.write(record)
+        prompt_tokens, completion_tokens = record["metadata"]["tokens"]
+        summary.prompt_tokens += prompt_tokens
+        summary.generated_tokens += completion_tokens
+        _count(summary, record, None)
+        if bar is not None:
+            bar.update(1)
+
     try:
-        nodes = [node for node in ray.nodes() if node["Alive"]]
-        # Each actor takes a whole node's cores (its engine uses them all), so there is one per node.
-        cores = min(node["Resources"].get("CPU", 1.0) for node in nodes)
-        rows = ray.data.from_items([{"line": job.line, "text": texts[job.line - 1]} for job in pending])
-        results = rows.map_batches(
-            RayWorker,
-            fn_constructor_args=(str(pack), load_options, model, parallel, default_max_tokens),
-            batch_size=4 * parallel,
-            num_cpus=cores,
-            compute=ray.data.ActorPoolStrategy(size=len(nodes)),
-        )
-        for batch in results.iter_batches(batch_size=None):
-            for line in batch["record"]:
-                record = json.loads(line)
-                writer.write(record)
-                prompt_tokens, completion_tokens = record["metadata"]["tokens"]
-                summary.prompt_tokens += prompt_tokens
-                summary.generated_tokens += completion_tokens
-                _count(summary, record, None)
-                if bar is not None:
-                    bar.update(1)
+        for job in pending:  # a line refused as it was read is answered here, not sent to the cluster
+            if job.error is not None:
+                append({**result_record(job, model, None, None, job.error), "metadata": _NO_NODE})
+        rows = _rows_to_send(source, {job.line for job in pending if job.error is None})
+        if rows:
+            nodes = [node for node in ray.nodes() if node["Alive"]]
+            # Each actor takes a whole node's cores (its engine uses them all), so there is one per node.
+            cores = min(node["Resources"].get("CPU", 1.0) for node in nodes)
+            results = ray.data.from_items(rows).map_batches(
+                RayWorker,
+                fn_constructor_args=(str(pack), load_options, model, parallel, default_max_tokens),
+                batch_size=4 * parallel,
+                num_cpus=cores,
+                compute=ray.data.ActorPoolStrategy(size=len(nodes)),
+            )
+            for batch in results.iter_batches(batch_size=None):
+                for line in batch["record"]:
+                    append(json.loads(line))
     finally:
         writer.close()
         if bar is not None:
@@ -394,6 +620,19 @@ def run_batch_ray(
             ray.shutdown()
     summary.wall_s = time.perf_counter() - started
     return summary
+
+
+_NO_NODE = {"node_id": None, "tokens": [0, 0]}
+
+
+def _rows_to_send(source: Path, line_numbers: set[int]) -> list[dict]:
+    """The given lines of IN (ones that read as jobs: whole and UTF-8), as Ray Data rows."""
+    with open(source, "rb") as lines:
+        return [
+            {"line": number, "text": line.decode("utf-8")}
+            for number, line, _ in _numbered_lines(lines)
+            if number in line_numbers
+        ]
 
 
 def _progress(total: int, already: int):

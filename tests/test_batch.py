@@ -111,19 +111,19 @@ def test_a_job_killed_midway_and_rerun_has_every_request_exactly_once(tiny_pack,
     assert answers(out) == expected
 
 
-def test_a_last_line_cut_off_is_dropped_and_redone(tiny_pack, expected, tmp_path):
+def test_a_last_line_cut_off_is_moved_aside_and_redone(tiny_pack, expected, tmp_path):
     job, out = tmp_path / "job.jsonl", tmp_path / "out.jsonl"
     write_job(job, 12, 24)
     assert main(["batch", str(tiny_pack), str(job), str(out)]) == 0
     lines = out.read_bytes().splitlines(keepends=True)
     cut = json.loads(lines[-1])["custom_id"]
-    out.write_bytes(
-        b"".join(lines[:-1]) + lines[-1][: len(lines[-1]) // 2]
-    )  # a kill in the middle of a write
+    fragment = lines[-1][: len(lines[-1]) // 2]
+    out.write_bytes(b"".join(lines[:-1]) + fragment)  # a kill in the middle of a write
     assert main(["batch", str(tiny_pack), str(job), str(out)]) == 0
     redone = answers(out)
     assert redone == {k: v for k, v in expected.items() if int(k.split("-")[1]) < 12}
     assert json.loads(out.read_bytes().splitlines()[-1])["custom_id"] == cut
+    assert (tmp_path / "out.jsonl.damaged").read_bytes() == fragment + b"\n"  # kept, not dropped
 
 
 def test_malformed_lines_become_error_records_and_the_job_goes_on(tiny_pack, tmp_path):
