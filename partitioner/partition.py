@@ -482,11 +482,7 @@ def partition(export_dir: Path, pack: Path, force: bool = False) -> PartitionRes
                     "nodes": len(sub_layer.nodes),
                 }
             )
-        vision = (
-            _vision_section(export_dir, info.vision, dtype, staging, shape_only)
-            if info.vision
-            else None
-        )
+        vision = _vision_section(export_dir, info.vision, dtype, staging, shape_only) if info.vision else None
         for name in (
             "config.json",
             "generation_config.json",
