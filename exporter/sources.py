@@ -32,7 +32,6 @@ BUILTIN_MODELS = {
 }
 # Built-in VLMs: a built-in decoder inside a vision model of a real VLM's shape (random vision weights).
 BUILTIN_VLMS = {"smolvlm-256m": "smollm2-135m"}
-GGUF_MAGIC = b"GGUF"
 TINY_VISION = {**TINY_VLM_CONFIGS, **TINY_QWEN_VL_CONFIGS}
 IMAGE_TEXT_ARCHITECTURES = (*VLM_ARCHITECTURES, *QWEN_VL_ARCHITECTURES)
 
@@ -124,23 +123,11 @@ def _one_gguf_parse():
 
 
 def _check_gguf(path: Path) -> str:
-    """Validate the GGUF header and tensor table; return the architecture name it declares."""
-    with open(path, "rb") as handle:
-        if handle.read(4) != GGUF_MAGIC:
-            raise UserError(f"{path} is not a GGUF file (bad magic bytes)")
-    try:
-        reader = gguf_reader(path)
-        field = reader.fields.get("general.architecture")
-        architecture = bytes(field.parts[field.data[0]]).decode() if field else None
-        size = path.stat().st_size
-        for tensor in reader.tensors:
-            if tensor.data_offset + tensor.n_bytes > size:
-                raise UserError(f"{path} is truncated: tensor {tensor.name} ends past the end of the file")
-    except UserError:
-        raise
-    except Exception as exc:  # gguf raises assorted errors on damaged files
-        raise UserError(f"{path} is not a readable GGUF file ({type(exc).__name__}: {exc})") from None
-    return architecture or "unknown"
+    """Validate the GGUF header (bounded: exporter/gguf_header.py) and the model it describes; return the
+    architecture name it declares."""
+    from pipeshard.exporter.gguf_header import check_model, read_header
+
+    return check_model(read_header(path), path)
 
 
 def _load_pretrained(folder: Path, gguf_file: str | None, dtype):
