@@ -9,6 +9,7 @@ compiler, cmake or npm, or before `make host`, it skips and says why.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -162,3 +163,139 @@ def test_native_host_ctest_matches_the_python_engine(models, tiny_pack, tmp_path
         print(
             "the C# test was skipped: mono and mcs are not installed (apt-get install mono-mcs mono-runtime)"
         )
+
+
+def _edited_pack(pack: Path, folder: Path, edit) -> Path:
+    """A copy of `pack` whose manifest `edit` changed (weights hard-linked, not copied)."""
+    shutil.copytree(pack, folder, copy_function=os.link)
+    manifest = folder / "manifest.json"
+    document = json.loads(manifest.read_text())
+    edit(document, folder)
+    manifest.unlink()  # a hard link to the original's: write a file of its own
+    manifest.write_text(json.dumps(document))
+    return folder
+
+
+def _attention(document: dict) -> dict:
+    return next(s for s in document["sub_layers"] if s["name"] == "L0.attn")
+
+
+def _traversal(document, folder):
+    secret = folder.parent / "secret.bin"
+    secret.write_bytes(b"\7" * _attention(document)["blob"]["bytes"])
+    _attention(document)["blob"]["file"] = "../secret.bin"
+    for weight in _attention(document)["weights"]:
+        weight["file"] = "../secret.bin"
+
+
+def _linked_out(document, folder):
+    secret = folder.parent / "outside.weights"
+    blob = folder / _attention(document)["blob"]["file"]
+    secret.write_bytes(blob.read_bytes())
+    blob.unlink()
+    blob.symlink_to(secret)
+
+
+def _offset(value):
+    def edit(document, folder):
+        for weight in _attention(document)["weights"][1:]:
+            weight["offset"] = value
+
+    return edit
+
+
+def _shape(document, folder):
+    _attention(document)["weights"][0]["shape"][0] *= 1024
+
+
+HOSTILE_PACKS = {
+    "a blob outside the pack (..)": (_traversal, "not a plain file name"),
+    "a blob that is a link out of the pack": (_linked_out, "leads outside the pack"),
+    "an offset 1 MiB past the blob": (_offset(1 << 20), "past the end of its blob"),
+    "an offset 64 KiB past the blob": (_offset(1 << 16), "past the end of its blob"),
+    "a negative offset": (_offset(-8), "offset must be from 0"),
+    "a shape larger than its bytes": (_shape, "not what its shape and dtype hold"),
+    "an absolute chat template": (
+        lambda d, f: d.setdefault("host", {}).update(chat_template="/etc/passwd"),
+        "not a plain file name",
+    ),
+    "hidden size 0": (lambda d, f: d["model"].update(hidden_size=0), "model.hidden_size must be from 1"),
+}
+
+
+def _host(*arguments: str) -> subprocess.CompletedProcess:
+    extensions = next(DEPS.rglob("libortextensions.so"))
+    return subprocess.run(
+        [str(BUILD / "pipeshard-host"), *arguments, "--extensions", str(extensions)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def _refused(done: subprocess.CompletedProcess, fragment: str) -> None:
+    assert done.returncode == 2, (done.returncode, done.stderr[-2000:])
+    assert done.stderr.startswith("error:") and len(done.stderr.splitlines()) == 1, done.stderr
+    assert fragment in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("case", HOSTILE_PACKS)
+def test_the_native_host_refuses_a_pack_reaching_outside_itself_or_its_blobs(tiny_pack, tmp_path, case):
+    reason = _missing_tools()
+    if reason:
+        pytest.skip(reason)
+    edit, fragment = HOSTILE_PACKS[case]
+    pack = _edited_pack(tiny_pack, tmp_path / "pack", edit)
+    _refused(_host(str(pack), "--ids", "1,2,3", "--max-new-tokens", "2"), fragment)
+
+
+def test_the_native_host_refuses_damaged_plans_and_options(tiny_pack, tmp_path):
+    reason = _missing_tools()
+    if reason:
+        pytest.skip(reason)
+    import hashlib
+
+    plans = tmp_path / "plans.json"
+    subprocess.run(
+        [sys.executable, "-P", "-m", "pipeshard", "plan", str(tiny_pack), "--vram", "25%", "--profile"]
+        + ["laptop-8gb", "--context", "256", "--out", str(plans)],
+        check=True,
+        capture_output=True,
+    )
+    document = json.loads(plans.read_text())
+    assert document["pack_sha256"] == hashlib.sha256((tiny_pack / "manifest.json").read_bytes()).hexdigest()
+
+    def damaged(name: str, change) -> str:
+        copy = json.loads(json.dumps(document))
+        change(copy)
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps(copy))
+        return str(path)
+
+    def every_rung(change):
+        def apply(copy):
+            for rung in copy.get("ladder") or [copy]:
+                change(rung)
+
+        return apply
+
+    planned = ("--device", "sim", "--ids", "1,2,3", "--max-new-tokens", "2")
+    for plans_file, fragment in (
+        (damaged("negative", every_rung(lambda r: r.update(budget_bytes=-1))), "budget_bytes must be from 0"),
+        (damaged("tier0", every_rung(lambda r: r["tiers"][0].update(tier=0))), "a tier must be from 1"),
+        (damaged("context", lambda c: c.update(context=1 << 40)), "context must be from 1"),
+        (
+            damaged(
+                "reserve", every_rung(lambda r: r["tiers"][0]["chosen"]["vram"].update(reserve=-(10**12)))
+            ),
+            "vram.reserve must be from 0",
+        ),
+    ):
+        _refused(_host(str(tiny_pack), "--plans", plans_file, *planned), fragment)
+    for option, value, fragment in (
+        ("--vram", "0", "--vram"),
+        ("--temperature", "nan", "--temperature"),
+        ("--threads", "100000", "--threads"),
+        ("--top-p", "2", "--top-p"),
+    ):
+        _refused(_host(str(tiny_pack), "--plans", str(plans), *planned, option, value), fragment)

@@ -23,12 +23,29 @@ int error(const std::string& message) {
 bool parse_size(const std::string& text, uint64_t* bytes) {
     char* end = nullptr;
     double value = std::strtod(text.c_str(), &end);
-    if (end == text.c_str() || value < 0) return false;
+    if (end == text.c_str() || !(value > 0 && value < 1e18)) return false;  // 0 would mean "the largest rung"
     std::string unit(end);
     double scale = unit.empty() || unit == "B" ? 1 : unit == "KiB" ? 1024.0 : unit == "MiB" ? 1048576.0
                    : unit == "GiB" ? 1073741824.0 : -1;
     if (scale < 0) return false;
     *bytes = static_cast<uint64_t>(value * scale);
+    return true;
+}
+
+// A whole number from `least` to `most`, all of `text`; a number from `least` to `most` for parse_number.
+bool parse_int(const char* text, int least, int most, int* out) {
+    char* end = nullptr;
+    long value = std::strtol(text, &end, 10);
+    if (end == text || *end != '\0' || value < least || value > most) return false;
+    *out = static_cast<int>(value);
+    return true;
+}
+
+bool parse_number(const char* text, float least, float most, float* out) {
+    char* end = nullptr;
+    float value = std::strtof(text, &end);
+    if (end == text || *end != '\0' || !(value >= least && value <= most)) return false;  // NaN fails here
+    *out = value;
     return true;
 }
 
@@ -82,14 +99,14 @@ int main(int argc, char** argv) {
         if (arg == "--plans") options.plans_path = v;
         else if (arg == "--device") options.device = v;
         else if (arg == "--extensions") options.extensions_library = v;
-        else if (arg == "--threads") options.threads = std::atoi(v);
-        else if (arg == "--context") options.context = std::atoi(v);
-        else if (arg == "--vram") { if (!parse_size(v, &options.vram_budget_bytes)) return error("--vram: not a size: " + std::string(v)); }
-        else if (arg == "--max-new-tokens") sampling.max_new_tokens = std::atoi(v);
-        else if (arg == "--temperature") sampling.temperature = std::strtof(v, nullptr);
-        else if (arg == "--top-k") sampling.top_k = std::atoi(v);
-        else if (arg == "--top-p") sampling.top_p = std::strtof(v, nullptr);
-        else if (arg == "--repetition-penalty") sampling.repetition_penalty = std::strtof(v, nullptr);
+        else if (arg == "--threads") { if (!parse_int(v, 0, 1024, &options.threads)) return error("--threads: a whole number from 0 (all cores) to 1024, not " + std::string(v)); }
+        else if (arg == "--context") { if (!parse_int(v, 0, 1 << 24, &options.context)) return error("--context: a number of tokens, not " + std::string(v)); }
+        else if (arg == "--vram") { if (!parse_size(v, &options.vram_budget_bytes)) return error("--vram: not a size above 0 (600MiB, 2GiB): " + std::string(v)); }
+        else if (arg == "--max-new-tokens") { if (!parse_int(v, 1, 1 << 24, &sampling.max_new_tokens)) return error("--max-new-tokens: a whole number from 1, not " + std::string(v)); }
+        else if (arg == "--temperature") { if (!parse_number(v, 0, 100, &sampling.temperature)) return error("--temperature: a number from 0 to 100, not " + std::string(v)); }
+        else if (arg == "--top-k") { if (!parse_int(v, 0, 1 << 24, &sampling.top_k)) return error("--top-k: a whole number from 0 (off), not " + std::string(v)); }
+        else if (arg == "--top-p") { if (!parse_number(v, 1e-9f, 1, &sampling.top_p)) return error("--top-p: a number in (0, 1], not " + std::string(v)); }
+        else if (arg == "--repetition-penalty") { if (!parse_number(v, 1e-3f, 100, &sampling.repetition_penalty)) return error("--repetition-penalty: a number from 0.001 to 100, not " + std::string(v)); }
         else if (arg == "--seed") sampling.seed = std::strtoull(v, nullptr, 10);
         else if (arg == "--system") sampling.system_prompt = v;
         else if (arg == "--ids") {

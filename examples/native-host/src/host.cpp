@@ -28,6 +28,7 @@
 namespace pipeshard {
 
 namespace {
+constexpr int kMaxThreads = 1024;  // more intra-op threads than any client CPU has: a typing mistake
 
 const OrtApi* g_api = nullptr;
 
@@ -183,7 +184,8 @@ Host::Host(const std::string& pack_dir, const pipeshard_options& options) {
     if (!has_plans_ && device_kind_ != "cpu")
         fail(PIPESHARD_ERR_ARGUMENT, "device " + device_kind_ + " needs a plans file (`pipeshard plan PACK --vram "
                                      "SIZES --out plans.json`)");
-    if (options.threads < 0) fail(PIPESHARD_ERR_ARGUMENT, "threads must be >= 0");
+    if (options.threads < 0 || options.threads > kMaxThreads)
+        fail(PIPESHARD_ERR_ARGUMENT, "threads must be from 0 (all cores) to " + std::to_string(kMaxThreads));
     if (options.context < 0) fail(PIPESHARD_ERR_ARGUMENT, "context must be >= 0");
 
     if (has_plans_) {
@@ -967,10 +969,12 @@ std::string Host::detokenize(const std::vector<int64_t>& ids) {
 void Host::generate(const std::vector<int64_t>& prompt, const pipeshard_sampling& sampling,
                     pipeshard_token_callback callback, void* user_data) {
     if (sampling.max_new_tokens < 1) fail(PIPESHARD_ERR_ARGUMENT, "max_new_tokens must be at least 1");
-    if (sampling.temperature < 0) fail(PIPESHARD_ERR_ARGUMENT, "temperature must be >= 0");
+    if (!(sampling.temperature >= 0 && sampling.temperature <= 100))
+        fail(PIPESHARD_ERR_ARGUMENT, "temperature must be a number from 0 to 100");
     if (sampling.top_k < 0) fail(PIPESHARD_ERR_ARGUMENT, "top_k must be >= 0 (0 means off)");
     if (!(sampling.top_p > 0 && sampling.top_p <= 1)) fail(PIPESHARD_ERR_ARGUMENT, "top_p must be in (0, 1]");
-    if (!(sampling.repetition_penalty > 0)) fail(PIPESHARD_ERR_ARGUMENT, "repetition_penalty must be > 0");
+    if (!(sampling.repetition_penalty > 0 && sampling.repetition_penalty <= 100))
+        fail(PIPESHARD_ERR_ARGUMENT, "repetition_penalty must be in (0, 100]");
     if (prompt.empty()) fail(PIPESHARD_ERR_ARGUMENT, "the prompt is empty");
     for (int64_t id : prompt)
         if (id < 0 || id >= manifest_.vocab_size)

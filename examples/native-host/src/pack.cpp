@@ -3,6 +3,9 @@
 #include <sys/stat.h>
 
 #include <algorithm>
+#include <cstdlib>
+#include <limits>
+#include <set>
 
 #include "errors.hpp"
 #include "sha256.hpp"
@@ -25,6 +28,41 @@ bool is_directory(const std::string& path) {
     return stat(path.c_str(), &info) == 0 && S_ISDIR(info.st_mode);
 }
 
+// A count, size or offset of a manifest or plans file: an integer from 0 to `most`.
+uint64_t count_of(const Json& value, const std::string& what, int64_t least = 0,
+                  int64_t most = std::numeric_limits<int64_t>::max()) {
+    int64_t number = value.integer();
+    if (number < least || number > most)
+        throw JsonError(what + " must be from " + std::to_string(least) + " to " + std::to_string(most) + ", not " +
+                        std::to_string(number));
+    return static_cast<uint64_t>(number);
+}
+
+// A file the pack names: a plain name (no folder, no "..") of a regular file whose real path lies inside the pack.
+std::string inside_pack(const std::string& folder, const std::string& name, const std::string& what) {
+    if (name.empty() || name == "." || name == ".." || name.find('/') != std::string::npos ||
+        name.find('\\') != std::string::npos)
+        throw JsonError(what + " '" + name + "' is not a plain file name inside the pack");
+    std::string path = folder + "/" + name;
+    char* real_folder = realpath(folder.c_str(), nullptr);
+    char* real_file = realpath(path.c_str(), nullptr);
+    bool found = real_file != nullptr;
+    bool inside = found && real_folder && std::string(real_file).rfind(std::string(real_folder) + "/", 0) == 0;
+    std::free(real_folder);
+    std::free(real_file);
+    if (!found || !is_file(path)) fail(PIPESHARD_ERR_PACK, path + " is missing (listed in manifest.json)");
+    if (!inside) fail(PIPESHARD_ERR_PACK, path + " leads outside the pack (a link): refused");
+    return name;
+}
+
+uint64_t dtype_bytes(const std::string& dtype) {
+    if (dtype == "float32" || dtype == "int32") return 4;
+    if (dtype == "float16" || dtype == "bfloat16") return 2;
+    if (dtype == "int64") return 8;
+    if (dtype == "bool" || dtype == "uint8" || dtype == "int8") return 1;
+    throw JsonError("unsupported dtype '" + dtype + "'");
+}
+
 std::vector<TensorSpec> tensor_specs(const Json& list) {
     std::vector<TensorSpec> specs;
     for (const Json& item : list.items) specs.push_back({item.at("name").str(), item.at("dtype").str(), item.at("shape")});
@@ -41,21 +79,41 @@ SubLayer read_sub_layer(const Json& entry, const std::string& folder) {
     SubLayer sub;
     sub.name = entry.at("name").str();
     sub.kind = entry.at("kind").str();
-    sub.onnx_file = entry.at("files").at("onnx").str();
-    sub.inputs_file = entry.at("files").at("weights_as_inputs").str();
+    std::string where = "sub-layer " + sub.name;
+    sub.onnx_file = inside_pack(folder, entry.at("files").at("onnx").str(), where + "'s onnx file");
+    sub.inputs_file = inside_pack(folder, entry.at("files").at("weights_as_inputs").str(), where + "'s onnx file");
     const Json& blob = entry.at("blob");
+    uint64_t blob_size = 0;
     if (!blob.is_null()) {
-        sub.blob_file = blob.at("file").str();
-        sub.blob_bytes = static_cast<uint64_t>(blob.at("bytes").integer());
+        sub.blob_file = inside_pack(folder, blob.at("file").str(), where + "'s blob");
+        sub.blob_bytes = count_of(blob.at("bytes"), where + "'s blob bytes");
+        std::string path = folder + "/" + sub.blob_file;
+        is_file(path, &blob_size);
+        if (blob_size != sub.blob_bytes)
+            fail(PIPESHARD_ERR_PACK, path + " has " + std::to_string(blob_size) + " bytes, the manifest says " +
+                                         std::to_string(sub.blob_bytes) + " (truncated or corrupt)");
     }
     for (const Json& weight : entry.at("weights").items) {
         WeightSpec spec;
         spec.name = weight.at("name").str();
-        spec.file = weight.at("file").str();
+        std::string what = where + "'s weight " + spec.name;
+        spec.file = inside_pack(folder, weight.at("file").str(), what + "'s file");
+        uint64_t file_size = blob_size;
+        if (spec.file != sub.blob_file) is_file(folder + "/" + spec.file, &file_size);  // a tied weight's blob
         spec.dtype = weight.at("dtype").str();
-        for (const Json& dim : weight.at("shape").items) spec.shape.push_back(dim.integer());
-        spec.offset = static_cast<uint64_t>(weight.at("offset").integer());
-        spec.bytes = static_cast<uint64_t>(weight.at("bytes").integer());
+        uint64_t elements = 1;
+        for (const Json& dim : weight.at("shape").items) {
+            uint64_t size = count_of(dim, what + "'s shape", 0, 1LL << 40);
+            elements = size && elements > std::numeric_limits<uint64_t>::max() / size ? 0 : elements * size;
+            spec.shape.push_back(static_cast<int64_t>(size));
+        }
+        spec.offset = count_of(weight.at("offset"), what + "'s offset");
+        spec.bytes = count_of(weight.at("bytes"), what + "'s bytes");
+        if (elements * dtype_bytes(spec.dtype) != spec.bytes)
+            throw JsonError(what + " has " + std::to_string(spec.bytes) + " bytes, not what its shape and dtype hold");
+        if (spec.offset > file_size || spec.bytes > file_size - spec.offset)
+            throw JsonError(what + " (offset " + std::to_string(spec.offset) + ", " + std::to_string(spec.bytes) +
+                            " bytes) lies past the end of its blob of " + std::to_string(file_size) + " bytes");
         sub.weights.push_back(spec);
     }
     sub.inputs = tensor_specs(entry.at("inputs"));
@@ -68,19 +126,14 @@ SubLayer read_sub_layer(const Json& entry, const std::string& folder) {
     const Json& chunks = entry.at("row_chunks");
     if (!chunks.is_null()) {
         sub.has_row_chunks = true;
-        sub.row_chunks = {chunks.at("weight").str(), chunks.at("rows").integer(),
-                          static_cast<uint64_t>(chunks.at("row_bytes").integer())};
-    }
-    for (const std::string& file : {sub.onnx_file, sub.inputs_file})
-        if (!is_file(folder + "/" + file))
-            fail(PIPESHARD_ERR_PACK, folder + "/" + file + " is missing (listed in manifest.json)");
-    if (!sub.blob_file.empty()) {
-        uint64_t size = 0;
-        std::string path = folder + "/" + sub.blob_file;
-        if (!is_file(path, &size)) fail(PIPESHARD_ERR_PACK, path + " is missing (listed in manifest.json)");
-        if (size != sub.blob_bytes)
-            fail(PIPESHARD_ERR_PACK, path + " has " + std::to_string(size) + " bytes, the manifest says " +
-                                         std::to_string(sub.blob_bytes) + " (truncated or corrupt)");
+        sub.row_chunks = {chunks.at("weight").str(), static_cast<int64_t>(count_of(chunks.at("rows"), where + "'s rows", 1)),
+                          count_of(chunks.at("row_bytes"), where + "'s row bytes", 1)};
+        auto chunked = std::find_if(sub.weights.begin(), sub.weights.end(),
+                                    [&](const WeightSpec& w) { return w.name == sub.row_chunks.weight; });
+        if (chunked == sub.weights.end() ||
+            static_cast<uint64_t>(sub.row_chunks.rows) > chunked->bytes / sub.row_chunks.row_bytes ||
+            static_cast<uint64_t>(sub.row_chunks.rows) * sub.row_chunks.row_bytes != chunked->bytes)
+            throw JsonError(where + "'s row chunks do not match its weight " + sub.row_chunks.weight);
     }
     return sub;
 }
@@ -102,19 +155,25 @@ Manifest read_manifest(const std::string& folder) {
             fail(PIPESHARD_ERR_PACK, path + ": unsupported schema_version (this host reads " +
                                          std::to_string(kPackSchemaVersion) + ")");
         const Json& model = document.at("model");
-        manifest.hidden_size = model.at("hidden_size").integer();
-        manifest.vocab_size = model.at("vocab_size").integer();
-        manifest.max_context = model.at("max_context").integer();
+        manifest.hidden_size = static_cast<int64_t>(count_of(model.at("hidden_size"), "model.hidden_size", 1, 1 << 20));
+        manifest.vocab_size = static_cast<int64_t>(count_of(model.at("vocab_size"), "model.vocab_size", 1, 1 << 24));
+        manifest.max_context = static_cast<int64_t>(count_of(model.at("max_context"), "model.max_context", 1, 1 << 24));
         if (document.has("moe_blocks") && document.at("moe_blocks").size() != 0)
             fail(PIPESHARD_ERR_PACK, path + ": a mixture-of-experts pack; this host runs dense packs only (yet)");
         if (document.has("host")) {
             const Json& host = document.at("host");
             if (host.has("min_onnxruntime")) manifest.min_onnxruntime = host.at("min_onnxruntime").str();
             if (host.has("chat_template") && !host.at("chat_template").is_null())
-                manifest.chat_template_file = host.at("chat_template").str();
+                manifest.chat_template_file = inside_pack(folder, host.at("chat_template").str(), "the chat template");
         }
         for (const Json& entry : document.at("sub_layers").items)
             manifest.sub_layers.push_back(read_sub_layer(entry, folder));
+        std::set<std::string> blobs;
+        for (const SubLayer& sub : manifest.sub_layers) blobs.insert(sub.blob_file);
+        for (const SubLayer& sub : manifest.sub_layers)
+            for (const WeightSpec& weight : sub.weights)
+                if (!blobs.count(weight.file))
+                    throw JsonError(weight.file + " holds weights of " + sub.name + " but is no sub-layer's blob");
     } catch (const JsonError& error) {
         fail(PIPESHARD_ERR_PACK, path + ": " + error.what());
     }
@@ -144,18 +203,18 @@ namespace {
 Plan read_plan(const Json& chosen) {
     Plan plan;
     plan.strategy = chosen.at("strategy").str();
-    plan.tier = static_cast<int>(chosen.at("tier").integer());
+    plan.tier = static_cast<int>(count_of(chosen.at("tier"), "a plan's tier", 0, 1 << 20));
     for (const auto& [unit, placement] : chosen.at("placements").fields) {
         const std::string& where = placement.str();
         if (where != "cpu" && where != "pinned" && where != "streamed")
             throw JsonError("unknown placement '" + where + "' of " + unit);
         plan.placements[unit] = where;
     }
-    if (chosen.has("slots")) plan.slots = static_cast<int>(chosen.at("slots").integer());
+    if (chosen.has("slots")) plan.slots = static_cast<int>(count_of(chosen.at("slots"), "a plan's slots", 0, 64));
     if (chosen.has("prefetch")) plan.prefetch = chosen.at("prefetch").boolean;
     uint64_t total = 0;
     for (const auto& [part, bytes] : chosen.at("vram").fields)
-        if (part != "total") total += static_cast<uint64_t>(bytes.integer());
+        if (part != "total") total += count_of(bytes, "a plan's vram." + part, 0, 1LL << 50);
     plan.vram_total = total;
     return plan;
 }
@@ -179,7 +238,7 @@ PlansFile read_plans(const std::string& path, const Manifest& manifest, std::vec
                                           (document.has("pack") ? document.at("pack").str() : std::string("?")) +
                                           "), not " + manifest.folder + ": its pack_sha256 differs from this "
                                           "pack's manifest.json");
-        plans.context = document.at("context").integer();
+        plans.context = static_cast<int64_t>(count_of(document.at("context"), "context", 1, manifest.max_context));
         if (document.at("batch").integer() != 1)
             fail(PIPESHARD_ERR_PLANS, path + ": made for batches of " +
                                           std::to_string(document.at("batch").integer()) + "; this host runs one "
@@ -192,10 +251,10 @@ PlansFile read_plans(const std::string& path, const Manifest& manifest, std::vec
         }
         for (const Json* rung_json : ladder) {
             Rung rung;
-            rung.budget_bytes = static_cast<uint64_t>(rung_json->at("budget_bytes").integer());
+            rung.budget_bytes = count_of(rung_json->at("budget_bytes"), "budget_bytes", 0, 1LL << 50);
             for (const Json& tier : rung_json->at("tiers").items) {
                 Plan plan = read_plan(tier.at("chosen"));
-                rung.tiers[static_cast<int>(tier.at("tier").integer())] = plan;
+                rung.tiers[static_cast<int>(count_of(tier.at("tier"), "a tier", 1, 1 << 20))] = plan;
             }
             if (rung.tiers.empty()) fail(PIPESHARD_ERR_PLANS, path + ": a rung without tiers");
             plans.rungs.push_back(rung);
