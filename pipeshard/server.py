@@ -13,6 +13,7 @@ import asyncio
 import json
 import logging
 import math
+import socket
 import threading
 import time
 import uuid
@@ -74,7 +75,7 @@ def create_app(state: State):
             status_code=error.status,
         )
 
-    async def body_of(request) -> dict:
+    def check_key(request) -> None:
         if (
             state.settings.api_key
             and request.headers.get("authorization") != f"Bearer {state.settings.api_key}"
@@ -82,21 +83,18 @@ def create_app(state: State):
             raise RequestError(
                 "invalid or missing API key (Authorization: Bearer KEY)", 401, kind="authentication_error"
             )
+
+    async def body_of(request) -> dict:
         size = request.headers.get("content-length")
         if size is not None and size.isdigit() and int(size) > MAX_BODY_BYTES:
             raise RequestError(f"request body over {MAX_BODY_BYTES} bytes", 413)
-        raw = b""
+        chunks, received = [], 0
         async for chunk in request.stream():
-            raw += chunk
-            if len(raw) > MAX_BODY_BYTES:
+            chunks.append(chunk)
+            received += len(chunk)
+            if received > MAX_BODY_BYTES:
                 raise RequestError(f"request body over {MAX_BODY_BYTES} bytes", 413)
-        try:
-            body = json.loads(raw or b"{}")
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise RequestError(f"the body is not valid JSON ({exc})") from None
-        if not isinstance(body, dict):
-            raise RequestError("the body must be a JSON object")
-        return body
+        return await asyncio.to_thread(parse_body, b"".join(chunks))
 
     def ready():
         if state.scheduler is None:
@@ -109,14 +107,21 @@ def create_app(state: State):
             )
         return state.scheduler
 
-    def handler(function):
+    def handler(function, open_route: bool = False):
         async def wrapped(request):
             try:
+                if not open_route:
+                    check_key(request)
                 return await function(request)
             except RequestError as error:
                 return error_response(error)
             except UserError as error:
                 return error_response(RequestError(str(error)))
+            except Exception:  # noqa: BLE001 - a bug answers a server_error object, the server stays up
+                log.exception("request failed")
+                return error_response(
+                    RequestError("internal error (see the server's log)", 500, kind="server_error")
+                )
 
         return wrapped
 
@@ -146,7 +151,8 @@ def create_app(state: State):
     async def chat_completions(request):
         body = await body_of(request)
         scheduler = ready()
-        prompt, images = prompt_with_images(
+        prompt, images = await asyncio.to_thread(
+            prompt_with_images,
             state.engine.codec,
             body,
             chat=True,
@@ -166,7 +172,9 @@ def create_app(state: State):
     async def completions(request):
         body = await body_of(request)
         scheduler = ready()
-        ids = prompt_ids(state.engine.codec, body, chat=False, vocab_size=scheduler.step.vocab_size)
+        ids = await asyncio.to_thread(
+            prompt_ids, state.engine.codec, body, chat=False, vocab_size=scheduler.step.vocab_size
+        )
         return await complete(request, body, scheduler, ids, chat=False)
 
     async def complete(
@@ -308,13 +316,10 @@ def create_app(state: State):
         content = body.get("content")
         if not isinstance(content, str):
             raise RequestError("'content' must be a string", param="content")
-        return JSONResponse(
-            {
-                "tokens": state.engine.codec.encode(
-                    content, add_special_tokens=bool(body.get("add_special", False))
-                )
-            }
+        tokens = await asyncio.to_thread(
+            state.engine.codec.encode, content, add_special_tokens=bool(body.get("add_special", False))
         )
+        return JSONResponse({"tokens": tokens})
 
     async def detokenize(request):
         body = await body_of(request)
@@ -346,7 +351,7 @@ def create_app(state: State):
         return PlainTextResponse(prometheus_text(state), media_type="text/plain; version=0.0.4")
 
     routes = [
-        Route("/health", handler(health)),
+        Route("/health", handler(health, open_route=True)),
         Route("/v1/models", handler(models)),
         Route("/v1/chat/completions", handler(chat_completions), methods=["POST"]),
         Route("/v1/completions", handler(completions), methods=["POST"]),
@@ -356,6 +361,22 @@ def create_app(state: State):
         Route("/metrics", handler(metrics)),
     ]
     return Starlette(routes=routes)
+
+
+def parse_body(raw: bytes) -> dict:
+    """A request body as a JSON object; bad JSON, nesting past Python's limit and text that is not Unicode
+    (lone surrogates such as "\\ud800") are RequestErrors. Run off the event loop: a large body must not stall
+    the other clients."""
+    try:
+        body = json.loads(raw or b"{}")
+        json.dumps(body, ensure_ascii=False).encode()  # a lone surrogate cannot be encoded: refuse it here
+    except (json.JSONDecodeError, UnicodeError) as exc:
+        raise RequestError(f"the body is not valid JSON text ({exc})") from None
+    except RecursionError:
+        raise RequestError("the body is nested too deeply") from None
+    if not isinstance(body, dict):
+        raise RequestError("the body must be a JSON object")
+    return body
 
 
 def completion_document(
@@ -504,7 +525,8 @@ def sampling_settings(body: dict, default_max_tokens: int):
             raise RequestError(f"'{name}' must be {kind} in [{low}, {high}]", param=name)
         return value
 
-    if body.get("n", 1) != 1:
+    n = body.get("n", 1)
+    if isinstance(n, bool) or n != 1:
         raise RequestError("'n' must be 1 (one choice per request)", param="n")
     max_tokens = number("max_completion_tokens", None, 1, 1 << 20, integer=True) or number(
         "max_tokens", default_max_tokens, 1, 1 << 20, integer=True
@@ -519,8 +541,8 @@ def sampling_settings(body: dict, default_max_tokens: int):
     else:
         raise RequestError("'stop' must be a string or a list of up to 4 strings", param="stop")
     seed = body.get("seed")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise RequestError("'seed' must be an integer", param="seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 1 << 64):
+        raise RequestError("'seed' must be an integer in [0, 2**64)", param="seed")
     for ignored in ("frequency_penalty", "presence_penalty"):
         number(ignored, 0.0, -2.0, 2.0)
     return SamplingSettings(
@@ -603,12 +625,22 @@ def serve(
             state.load_error = f"{type(error).__name__}: {error}"
             log.exception("loading failed")
 
+    listening = listen(host, port)
     threading.Thread(target=load, name="pipeshard-load", daemon=True).start()
     config = uvicorn.Config(create_app(state), host=host, port=port, log_level="warning", access_log=False)
     server = uvicorn.Server(config)
     try:
-        server.run()
+        server.run(sockets=[listening])
     finally:
         if state.scheduler is not None:
             state.scheduler.close()
     return 0
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """The server's listening socket, bound before the model loads: a port in use is one error line."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        return socket.create_server((host, port), family=family)
+    except OSError as exc:
+        raise UserError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None

@@ -68,8 +68,10 @@ class TextCodec:
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Token ids of `text`; with `add_special_tokens` the tokenizer adds what it adds to a plain prompt
-        (Gemma's <bos>), as transformers does. A rendered chat template already holds its own."""
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        (Gemma's <bos>), as transformers does. A rendered chat template already holds its own. Through
+        `encode_batch`, which lets go of the GIL while it works (`encode` holds it: a long prompt would stall every
+        other thread, the server's event loop among them)."""
+        return self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)

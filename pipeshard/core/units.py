@@ -22,6 +22,7 @@ _UNITS = {
     "gib": 1024**3,
     "tib": 1024**4,
 }
+MAX_BUDGET_BYTES = 1 << 50  # 1 PiB: no device has more; a larger budget is a typing mistake
 _SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 
 
@@ -60,7 +61,13 @@ def parse_share(text: str) -> float | None:
 def resolve_budget(vram: str | int, minimum_bytes: int, model_bytes: int) -> int:
     """A VRAM budget in bytes: a size (`2GiB`), or a share of the model's weight bytes on top of the
     smallest viable budget (`25%` = minimum + a quarter of the model)."""
+    if isinstance(vram, bool):
+        raise UserError(f"a VRAM budget is a size such as 2GiB or a share such as 25%, not {vram!r}")
     if isinstance(vram, int):
-        return vram
-    share = parse_share(vram)
-    return parse_size(vram) if share is None else minimum_bytes + int(share * model_bytes)
+        budget = vram
+    else:
+        share = parse_share(vram)
+        budget = parse_size(vram) if share is None else minimum_bytes + int(share * model_bytes)
+    if not 0 <= budget <= MAX_BUDGET_BYTES:
+        raise UserError(f"a VRAM budget of {vram} is outside 0 B to 1 PiB")
+    return budget
