@@ -134,7 +134,12 @@ def test_a_damaged_gguf_is_one_error_naming_it_at_once(tmp_path, case):
 
 def test_a_truncated_or_cut_gguf_is_refused(tmp_path):
     whole = gguf_bytes()
-    for size, fragment in ((len(whole) - 1, "truncated"), (40, "cannot fit"), (200, "past the end"), (10, "only 10 bytes")):
+    for size, fragment in (
+        (len(whole) - 1, "truncated"),
+        (40, "cannot fit"),
+        (200, "past the end"),
+        (10, "only 10 bytes"),
+    ):
         path = tmp_path / f"cut{size}.gguf"
         path.write_bytes(whole[:size])
         with pytest.raises(UserError, match=fragment):
