@@ -1122,6 +1122,14 @@ def main(argv: Sequence[str] | None = None, own_process: bool = False) -> int:
     except KeyboardInterrupt:
         print("\nerror: interrupted", file=sys.stderr)
         return 130
+    except Exception as exc:
+        from pipeshard.runtime.capi import OrtError
+
+        if not isinstance(exc, OrtError):
+            raise
+        # The pack's graphs and its manifest disagree (a hand-edited or damaged pack): ONNX Runtime's words.
+        print(f"error: ONNX Runtime refused to run the pack: {exc}", file=sys.stderr)
+        return 2
 
 
 def entry() -> None:

@@ -64,11 +64,14 @@ class ChatTemplate:
         except UserError:
             raise
         except RecursionError:
-            raise UserError(f"{self.origin}: cannot be rendered (it recurses too deeply)") from None
+            raise UserError(
+                f"{self.origin}: cannot be rendered as a chat template (it recurses too deeply)"
+            ) from None
         except Exception as exc:  # noqa: BLE001 - the template is a stranger's code: all it raises is its fault
             line = f"line {exc.lineno}: " if getattr(exc, "lineno", None) else ""
             raise UserError(
-                f"{self.origin}: cannot be rendered ({line}{type(exc).__name__}: {_one_line(str(exc))})"
+                f"{self.origin}: cannot be rendered as a chat template "
+                f"({line}{type(exc).__name__}: {_one_line(str(exc))})"
             ) from None
 
 

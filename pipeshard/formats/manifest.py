@@ -5,6 +5,7 @@ inside its blob; a problem is one UserError naming the file and the field."""
 
 from __future__ import annotations
 
+import math
 import os
 import stat
 from dataclasses import dataclass, field
@@ -54,6 +55,11 @@ class TensorInfo:
         return info
 
 
+# The bytes of one element of each dtype a stored weight may have.
+WEIGHT_DTYPES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int64": 8, "int32": 4, "int8": 1}
+WEIGHT_DTYPES |= {"uint8": 1, "bool": 1}
+
+
 @dataclass(frozen=True)
 class Weight:
     """A stored weight: where in which blob of the pack its bytes are."""
@@ -75,6 +81,10 @@ class Weight:
             fields.int("offset", maximum=MAX_DIMENSION),
             fields.int("bytes", maximum=MAX_DIMENSION),
         )
+        if weight.dtype not in WEIGHT_DTYPES:
+            fields.fail(f"is {weight.dtype!r}, not one of {', '.join(WEIGHT_DTYPES)}", "dtype")
+        if math.prod(weight.shape) * WEIGHT_DTYPES[weight.dtype] != weight.bytes:
+            fields.fail(f"is {weight.bytes}, not the {list(weight.shape)} {weight.dtype} elements' bytes", "bytes")
         fields.done()
         return weight
 
