@@ -84,7 +84,9 @@ class Weight:
         if weight.dtype not in WEIGHT_DTYPES:
             fields.fail(f"is {weight.dtype!r}, not one of {', '.join(WEIGHT_DTYPES)}", "dtype")
         if math.prod(weight.shape) * WEIGHT_DTYPES[weight.dtype] != weight.bytes:
-            fields.fail(f"is {weight.bytes}, not the {list(weight.shape)} {weight.dtype} elements' bytes", "bytes")
+            fields.fail(
+                f"is {weight.bytes}, not the {list(weight.shape)} {weight.dtype} elements' bytes", "bytes"
+            )
         fields.done()
         return weight
 
