@@ -87,7 +87,7 @@ def _check_architecture(model_type: str | None, where: str) -> None:
 
 @functools.lru_cache(maxsize=2)
 def _parsed_gguf(path: str, size: int, modified_ns: int):
-    from gguf import GGUFReader
+    from gguf.gguf_reader import GGUFReader  # the class itself: `gguf.GGUFReader` is replaced while loading
 
     return GGUFReader(path)
 

@@ -522,9 +522,10 @@ def _command_profile(args: argparse.Namespace) -> int:
         2 * len(sweep.dtypes) * len(sweep.shapes) * len(sweep.tiers)
         + len(sweep.attention_tokens) * len(sweep.attention_contexts)
         + 1
-        + (len(PLACEMENTS) * len(sweep.pack_pasts) * len(PACK_TIERS) if args.pack else 0)
     )
-    with tqdm(total=per_thread * len(counts), desc="profile", unit="point", disable=None, leave=False) as bar:
+    per_pack = len(PLACEMENTS) * len(sweep.pack_pasts) * len(PACK_TIERS) if args.pack else 0
+    total = per_thread * len(counts) + per_pack * len(sweep.pack_thread_counts(counts))
+    with tqdm(total=total, desc="profile", unit="point", disable=None, leave=False) as bar:
         document = measure_machine(
             sweep, counts, progress=bar.update, use_cuda=False if args.no_cuda else None, pack=args.pack
         )

@@ -53,6 +53,12 @@ class Sweep:
     heads: int = 16
     head_dim: int = 64
     pack_pasts: tuple[int, ...] = (64, 1024)  # contexts at which `--pack` times the pack's own sub-layers
+    # `--pack` times the pack at every thread count, or only at the largest (what a run uses by default; the
+    # estimator keeps its roofline rates at the others)
+    pack_every_thread_count: bool = True
+
+    def pack_thread_counts(self, thread_counts: list[int]) -> list[int]:
+        return thread_counts if self.pack_every_thread_count else [max(thread_counts)]
 
 
 QUICK = Sweep(
@@ -65,6 +71,7 @@ QUICK = Sweep(
     bandwidth_bytes=256 * MiB,
     seconds_per_point=0.05,
     pack_pasts=(32, 512),
+    pack_every_thread_count=False,
 )
 FULL = Sweep(
     tiers=(1, 4, 16, 64, 256, 1024),
@@ -355,7 +362,7 @@ def measure_machine(
                     progress=progress,
                     device="cuda" if use_cuda else "sim",
                 )
-                for t in thread_counts
+                for t in sweep.pack_thread_counts(thread_counts)
             },
         }
     return {

@@ -48,13 +48,18 @@ def write_job(path, count: int, max_tokens: int) -> None:
 
 def answers(path) -> dict[str, str]:
     """custom_id -> the answer's text, every line of a results file (each custom_id must appear once)."""
-    found: dict[str, str] = {}
-    for line in open(path):
-        record = json.loads(line)
-        assert record["custom_id"] not in found, record["custom_id"]
+    records = [json.loads(line) for line in open(path)]
+    ids = [record["custom_id"] for record in records]
+    assert len(ids) == len(set(ids)), ids
+    return answers_of(records)
+
+
+def answers_of(records: list[dict]) -> dict[str, str]:
+    """custom_id -> the answer's text of result records (OpenAI Batch or plain)."""
+    found = {}
+    for record in records:
         if "response" in record:
-            choice = record["response"]["body"]["choices"][0]
-            found[record["custom_id"]] = choice["message"]["content"]
+            found[record["custom_id"]] = record["response"]["body"]["choices"][0]["message"]["content"]
         else:
             found[record["custom_id"]] = record["output"]
     return found
@@ -109,6 +114,56 @@ def test_a_job_killed_midway_and_rerun_has_every_request_exactly_once(tiny_pack,
     assert 30 <= written < 200, written  # killed in the middle
     subprocess.run(command, check=True, capture_output=True)
     assert answers(out) == expected
+
+
+def test_kills_at_random_points_and_a_damaged_out_lose_no_line_and_double_none(tiny_pack, expected, tmp_path):
+    """kill -9 after a random number of results, three times, with blank, torn and foreign lines put into OUT
+    between the runs: the final OUT holds every custom_id once, and every whole line it ever held."""
+    import random
+
+    rng = random.Random(5)
+    job, out = tmp_path / "job.jsonl", tmp_path / "out.jsonl"
+    write_job(job, 200, 24)
+    command = [
+        sys.executable,
+        "-m",
+        "pipeshard.cli",
+        "batch",
+        str(tiny_pack),
+        str(job),
+        str(out),
+        "--parallel",
+        "2",
+    ]
+    foreign = json.dumps({"custom_id": "other-job", "output": "precious"}) + "\n"
+    kept: list[bytes] = []
+    for _ in range(3):
+        target = (out.read_bytes().count(b"\n") if out.exists() else 0) + rng.randint(5, 40)
+        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and (not out.exists() or out.read_bytes().count(b"\n") < target):
+            time.sleep(0.005)
+        process.send_signal(signal.SIGKILL)
+        process.wait()
+        kept = [
+            line
+            for line in out.read_bytes().splitlines(keepends=True)
+            if line.endswith(b"\n") and line.strip()
+        ]
+        with open(out, "ab") as damage:
+            damage.write(rng.choice([b"\n", b"   \n", b"not json\n", foreign.encode()]))
+    with open(out, "ab") as damage:
+        damage.write(foreign.encode() + b"\n" + b'{"custom_id": "req-1", "outp')  # and a line torn by a kill
+    subprocess.run(command, check=True, capture_output=True)
+    final = out.read_bytes()
+    records = [json.loads(line) for line in final.splitlines()]
+    ids = [r["custom_id"] for r in records if r["custom_id"] != "other-job"]
+    assert sorted(ids) == sorted(expected) and len(ids) == len(set(ids))
+    assert {k: v for k, v in answers_of(records).items() if k != "other-job"} == expected
+    damaged = out.with_name(out.name + ".damaged")
+    aside = damaged.read_bytes() if damaged.exists() else b""
+    assert all(line in final or line in aside for line in kept)  # no line the killed runs left was lost
+    assert b"precious" in final
 
 
 def test_a_last_line_cut_off_is_moved_aside_and_redone(tiny_pack, expected, tmp_path):

@@ -113,8 +113,29 @@ def test_a_misspelt_plans_field_is_refused_at_load(tiny_pack, plans_file, tmp_pa
         (lambda p: p.update(context=10**15), "context"),
         (lambda p: p["ladder"][0]["tiers"][0]["chosen"].update(vram=None), "chosen.vram"),
         (lambda p: p.update(batch=-1), "batch"),
+        (lambda p: p.update(context=0), "context"),
+        (lambda p: p["ladder"][0].update(budget_bytes=float("nan")), "ladder[0].budget_bytes"),
+        (
+            lambda p: p["ladder"][0]["tiers"].extend(
+                [dict(p["ladder"][0]["tiers"][0], tier=t) for t in range(2, 20_000)]
+            ),
+            "ladder[0].tiers has 20",
+        ),
+        (lambda p: p["ladder"][0]["tiers"].append(p["ladder"][0]["tiers"][0]), "planned twice"),
     ],
-    ids=["budget", "tier", "slots", "reserve", "context", "vram", "batch"],
+    ids=[
+        "budget",
+        "tier",
+        "slots",
+        "reserve",
+        "context",
+        "vram",
+        "batch",
+        "context0",
+        "nan",
+        "20000tiers",
+        "twice",
+    ],
 )
 def test_damaged_plans_are_refused_naming_the_field(tiny_pack, plans_file, tmp_path, edit, named):
     document = json.loads(plans_file.read_text())

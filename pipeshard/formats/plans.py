@@ -28,6 +28,7 @@ class Placement(StrEnum):
 PLANS_SCHEMA_VERSION = 2  # 2: the pack's digest (pack_sha256), plans as the runtime's input
 DEFAULT_TIERS = (1, 4, 16, 64, 256, 1024)
 MAX_TIER = 1 << 20  # more new tokens than any step could hold
+MAX_TIERS = 64  # tiers per budget: the planner makes six by default
 MAX_SLOTS = 64
 EXPERT_SLOTS = 2  # streamed experts: copied after their router ran, two in flight per layer
 # streamed experts last: their copies overlap the others' compute
@@ -246,8 +247,13 @@ def read_plans(path: Path, manifest_path: Path, units: list[str], max_context: i
     for rung in ladder:
         budget = rung.int("budget_bytes")
         plans: dict[int, Plan] = {}
-        for entry in rung.objects("tiers"):
+        tiers = rung.objects("tiers")
+        if len(tiers) > MAX_TIERS:
+            rung.fail(f"has {len(tiers)} tiers; a plans file has at most {MAX_TIERS} per budget", "tiers")
+        for entry in tiers:
             tier = entry.int("tier", minimum=1, maximum=MAX_TIER)
+            if tier in plans:
+                entry.fail(f"{tier} is planned twice in one budget", "tier")
             plan = Plan.from_json(entry.object("chosen"), unit_names)
             entry.list("alternatives", [])
             entry.raw("baselines", {})
