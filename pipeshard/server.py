@@ -148,9 +148,22 @@ def create_app(state: State):
             }
         )
 
+    def refuse_overlong(body: dict, scheduler) -> None:
+        """A prompt whose characters cannot fit the context whatever the tokens: refused before tokenizing it."""
+        texts = [body.get("prompt")] + [
+            m.get("content") for m in body.get("messages") or [] if isinstance(m, dict)
+        ]
+        characters = sum(len(t) for t in texts if isinstance(t, str))
+        if characters > scheduler.context * state.engine.codec.max_token_chars:
+            raise RequestError(
+                f"the prompt ({characters} characters) cannot fit the context of {scheduler.context} tokens",
+                param="messages" if "messages" in body else "prompt",
+            )
+
     async def chat_completions(request):
         body = await body_of(request)
         scheduler = ready()
+        refuse_overlong(body, scheduler)
         prompt, images = await asyncio.to_thread(
             prompt_with_images,
             state.engine.codec,
@@ -172,6 +185,7 @@ def create_app(state: State):
     async def completions(request):
         body = await body_of(request)
         scheduler = ready()
+        refuse_overlong(body, scheduler)
         ids = await asyncio.to_thread(
             prompt_ids, state.engine.codec, body, chat=False, vocab_size=scheduler.step.vocab_size
         )

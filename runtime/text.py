@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import json
 import sys
 from pathlib import Path
@@ -72,6 +73,12 @@ class TextCodec:
         `encode_batch`, which lets go of the GIL while it works (`encode` holds it: a long prompt would stall every
         other thread, the server's event loop among them)."""
         return self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The most characters one token can stand for (its vocabulary's longest entry): a text of more than
+        `context * max_token_chars` characters cannot fit the context, known without tokenizing it."""
+        return max(1, max(map(len, self.tokenizer.get_vocab(with_added_tokens=True))))
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)

@@ -90,26 +90,25 @@ def test_a_200_line_job_gives_what_run_gives_prompt_by_prompt(tiny_pack, expecte
     assert "200 requests (0 already done, 0 failed)" in capsys.readouterr().err
 
 
+def batch_command(pack, job, out) -> list[str]:
+    return [sys.executable, "-m", "pipeshard.cli", "batch", str(pack), str(job), str(out), "--parallel", "2"]
+
+
+def kill_after(command: list[str], out, lines: int) -> None:
+    """Start the batch job and SIGKILL it once OUT holds `lines` lines (or after a minute)."""
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and (not out.exists() or out.read_bytes().count(b"\n") < lines):
+        time.sleep(0.005)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+
+
 def test_a_job_killed_midway_and_rerun_has_every_request_exactly_once(tiny_pack, expected, tmp_path):
     job, out = tmp_path / "job.jsonl", tmp_path / "out.jsonl"
     write_job(job, 200, 24)
-    command = [
-        sys.executable,
-        "-m",
-        "pipeshard.cli",
-        "batch",
-        str(tiny_pack),
-        str(job),
-        str(out),
-        "--parallel",
-        "2",
-    ]
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and (not out.exists() or out.read_bytes().count(b"\n") < 30):
-        time.sleep(0.01)
-    process.send_signal(signal.SIGKILL)
-    process.wait()
+    command = batch_command(tiny_pack, job, out)
+    kill_after(command, out, 30)
     written = out.read_bytes().count(b"\n")
     assert 30 <= written < 200, written  # killed in the middle
     subprocess.run(command, check=True, capture_output=True)
@@ -124,27 +123,11 @@ def test_kills_at_random_points_and_a_damaged_out_lose_no_line_and_double_none(t
     rng = random.Random(5)
     job, out = tmp_path / "job.jsonl", tmp_path / "out.jsonl"
     write_job(job, 200, 24)
-    command = [
-        sys.executable,
-        "-m",
-        "pipeshard.cli",
-        "batch",
-        str(tiny_pack),
-        str(job),
-        str(out),
-        "--parallel",
-        "2",
-    ]
+    command = batch_command(tiny_pack, job, out)
     foreign = json.dumps({"custom_id": "other-job", "output": "precious"}) + "\n"
     kept: list[bytes] = []
     for _ in range(3):
-        target = (out.read_bytes().count(b"\n") if out.exists() else 0) + rng.randint(5, 40)
-        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and (not out.exists() or out.read_bytes().count(b"\n") < target):
-            time.sleep(0.005)
-        process.send_signal(signal.SIGKILL)
-        process.wait()
+        kill_after(command, out, (out.read_bytes().count(b"\n") if out.exists() else 0) + rng.randint(5, 40))
         kept = [
             line
             for line in out.read_bytes().splitlines(keepends=True)
