@@ -13,6 +13,7 @@ import asyncio
 import json
 import logging
 import math
+import re
 import socket
 import threading
 import time
@@ -23,6 +24,7 @@ from pipeshard.core.errors import UserError
 
 log = logging.getLogger(__name__)
 MAX_BODY_BYTES = 1 << 20
+SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 # The request fields `sampling_settings` reads (besides n and the ignored penalties).
 SAMPLING_FIELDS = (
     "max_tokens",
@@ -383,7 +385,8 @@ def parse_body(raw: bytes) -> dict:
     the other clients."""
     try:
         body = json.loads(raw or b"{}")
-        json.dumps(body, ensure_ascii=False).encode()  # a lone surrogate cannot be encoded: refuse it here
+        if SURROGATE_ESCAPE.search(raw):  # only a \uD800-\uDFFF escape makes one
+            json.dumps(body, ensure_ascii=False).encode()  # a lone surrogate cannot be encoded
     except (json.JSONDecodeError, UnicodeError) as exc:
         raise RequestError(f"the body is not valid JSON text ({exc})") from None
     except RecursionError:

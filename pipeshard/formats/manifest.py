@@ -56,8 +56,8 @@ class TensorInfo:
 
 
 # The bytes of one element of each dtype a stored weight may have.
-WEIGHT_DTYPES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int64": 8, "int32": 4, "int8": 1}
-WEIGHT_DTYPES |= {"uint8": 1, "bool": 1}
+WEIGHT_ELEMENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int64": 8, "int32": 4}
+WEIGHT_ELEMENT_BYTES |= {"int8": 1, "uint8": 1, "bool": 1}
 
 
 @dataclass(frozen=True)
@@ -81,9 +81,9 @@ class Weight:
             fields.int("offset", maximum=MAX_DIMENSION),
             fields.int("bytes", maximum=MAX_DIMENSION),
         )
-        if weight.dtype not in WEIGHT_DTYPES:
-            fields.fail(f"is {weight.dtype!r}, not one of {', '.join(WEIGHT_DTYPES)}", "dtype")
-        if math.prod(weight.shape) * WEIGHT_DTYPES[weight.dtype] != weight.bytes:
+        if weight.dtype not in WEIGHT_ELEMENT_BYTES:
+            fields.fail(f"is {weight.dtype!r}, not one of {', '.join(WEIGHT_ELEMENT_BYTES)}", "dtype")
+        if math.prod(weight.shape) * WEIGHT_ELEMENT_BYTES[weight.dtype] != weight.bytes:
             fields.fail(
                 f"is {weight.bytes}, not the {list(weight.shape)} {weight.dtype} elements' bytes", "bytes"
             )

@@ -4,6 +4,7 @@
 #include "host.hpp"
 
 #include <algorithm>
+#include <map>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -53,13 +54,13 @@ struct ElementType {
 };
 
 ElementType element_type(const std::string& dtype) {
-    if (dtype == "float32") return {ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT, 4};
-    if (dtype == "float16") return {ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16, 2};
-    if (dtype == "bfloat16") return {ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16, 2};
-    if (dtype == "int64") return {ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64, 8};
-    if (dtype == "int32") return {ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32, 4};
-    if (dtype == "bool") return {ONNX_TENSOR_ELEMENT_DATA_TYPE_BOOL, 1};
-    fail(PIPESHARD_ERR_PACK, "unsupported dtype '" + dtype + "' in manifest.json");
+    static const std::map<std::string, ONNXTensorElementDataType> types = {
+        {"float32", ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT},   {"float16", ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16},
+        {"bfloat16", ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16}, {"int64", ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64},
+        {"int32", ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32},     {"bool", ONNX_TENSOR_ELEMENT_DATA_TYPE_BOOL}};
+    auto found = types.find(dtype);
+    if (found == types.end()) fail(PIPESHARD_ERR_PACK, "unsupported dtype '" + dtype + "' in manifest.json");
+    return {found->second, static_cast<size_t>(dtype_bytes(dtype))};
 }
 
 float half_to_float(uint16_t h) {

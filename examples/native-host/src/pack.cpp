@@ -55,14 +55,6 @@ std::string inside_pack(const std::string& folder, const std::string& name, cons
     return name;
 }
 
-uint64_t dtype_bytes(const std::string& dtype) {
-    if (dtype == "float32" || dtype == "int32") return 4;
-    if (dtype == "float16" || dtype == "bfloat16") return 2;
-    if (dtype == "int64") return 8;
-    if (dtype == "bool" || dtype == "uint8" || dtype == "int8") return 1;
-    throw JsonError("unsupported dtype '" + dtype + "'");
-}
-
 std::vector<TensorSpec> tensor_specs(const Json& list) {
     std::vector<TensorSpec> specs;
     for (const Json& item : list.items) specs.push_back({item.at("name").str(), item.at("dtype").str(), item.at("shape")});
@@ -139,6 +131,14 @@ SubLayer read_sub_layer(const Json& entry, const std::string& folder) {
 }
 
 }  // namespace
+
+uint64_t dtype_bytes(const std::string& dtype) {
+    if (dtype == "float32" || dtype == "int32") return 4;
+    if (dtype == "float16" || dtype == "bfloat16") return 2;
+    if (dtype == "int64") return 8;
+    if (dtype == "bool") return 1;
+    throw JsonError("unsupported dtype '" + dtype + "'");
+}
 
 bool host_only(const SubLayer& sub_layer) { return sub_layer.kind == "prologue" || sub_layer.kind == "embed"; }
 

@@ -91,5 +91,7 @@ PlansFile read_plans(const std::string& path, const Manifest& manifest, std::vec
 
 // Whether a sub-layer always runs on the host (cheap, or reading few rows of a large table).
 bool host_only(const SubLayer& sub_layer);
+// The bytes of one element of a dtype the host runs (a JsonError for any other).
+uint64_t dtype_bytes(const std::string& dtype);
 
 }  // namespace pipeshard
