@@ -128,8 +128,7 @@ def outcome(argv: list[str]) -> tuple[str, str]:
 
 def report(name: str, counts: collections.Counter, failures: list) -> None:
     print(
-        f"\n{name}: {sum(counts.values())} mutations, "
-        + ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
+        f"\n{name}: {sum(counts.values())} runs, " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
     )
     assert not failures, (
         "\n\n".join(failures[:3]) + "\n\nall:\n" + "\n".join(f.strip().splitlines()[-1] for f in failures)
