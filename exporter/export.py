@@ -18,8 +18,10 @@ from pipeshard.formats.export_info import EXPORT_SCHEMA_VERSION, KV_CACHE
 log = logging.getLogger(__name__)
 
 # the stored weights' type -> the torch type the model is loaded in; fp16 and bf16 weights are computed in float32
-# (exporter/half_weights.py), so every export computes in float32 and is checked against PyTorch at one tolerance
-DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
+# (exporter/half_weights.py), so every export computes in float32 and is checked against PyTorch at one tolerance.
+# `gguf`: a GGUF's quantized tensors kept as their blocks (exporter/quantized_weights.py), traced over the
+# dequantized float32 weights transformers loads.
+DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "gguf": "float32"}
 COMPUTE_DTYPE = "fp32"
 LOGIT_TOLERANCE = 1e-3
 MODEL_FILE = "model.onnx"
@@ -107,6 +109,20 @@ def _export_vision(source, staging: Path, opset: int) -> dict:
     return {**description, "max_difference_vs_pytorch": difference, "preprocessing": preprocessing}
 
 
+def stored_dtype(spec, dtype: str) -> str:
+    """The weights' type an export of `spec` stores: `auto` keeps a GGUF language model's quantized blocks
+    (`gguf`) and computes everything else in float32 as traced."""
+    keeps_blocks = spec.gguf_file is not None and not spec.vision
+    if dtype == "auto":
+        return "gguf" if keeps_blocks else "fp32"
+    if dtype == "gguf" and not keeps_blocks:
+        raise UserError(
+            f"--dtype gguf keeps a GGUF language model's quantized blocks; {spec.name} is "
+            + ("a vision-language model" if spec.vision else "not a GGUF file")
+        )
+    return dtype
+
+
 def export_model(
     model: str,
     out: Path,
@@ -116,8 +132,8 @@ def export_model(
     quiet: bool = False,
 ) -> ExportResult:
     """Export MODEL to OUT (atomically): ONNX decoder, weights, config, tokenizer files, export.json."""
-    if dtype not in DTYPES:
-        raise UserError(f"unknown dtype {dtype!r}; choose one of: {', '.join(DTYPES)}")
+    if dtype not in (*DTYPES, "auto"):
+        raise UserError(f"unknown dtype {dtype!r}; choose one of: auto, {', '.join(DTYPES)}")
     out = Path(out)
     if out.exists() and not force:
         raise UserError(f"{out} already exists (use --force to replace it)")
@@ -130,6 +146,7 @@ def export_model(
 
     opset = opset or DEFAULT_OPSET
     spec = resolve_source(model)
+    dtype = stored_dtype(spec, dtype)
     _quiet_third_party_output()
     import torch
 
@@ -145,6 +162,11 @@ def export_model(
         export_config = export_config_for(source.model.config, COMPUTE_DTYPE, image_token_id)
         progress.update()
 
+        stored_rows = None
+        if dtype == "gguf":
+            from pipeshard.exporter.quantized_weights import read_stored_rows
+
+            stored_rows = read_stored_rows(spec.folder / spec.gguf_file)
         progress.set_description("trace + write ONNX")
         vision = _export_vision(source, staging, opset) if source.vlm is not None else None
         export_decoder(source.model, export_config, staging / MODEL_FILE, opset)
@@ -159,6 +181,7 @@ def export_model(
             dims.max_context if export_config.POSITION_ROWS == 1 else None,
             dims.sliding_window or None,
             stored_dtype=dtype,
+            stored_rows=stored_rows,
         )
         progress.update()
 

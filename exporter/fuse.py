@@ -39,7 +39,8 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from pipeshard.core.errors import UserError
-from pipeshard.exporter.half_weights import store_weights_in_half
+from pipeshard.exporter.half_weights import HALF_TYPES, store_weights_in_half
+from pipeshard.exporter.quantized_weights import store_weights_quantized
 from pipeshard.formats.io_names import (
     PADDING_BIAS,
     PAST_PREFIX,
@@ -744,18 +745,22 @@ def fuse_exported_model(
     sliding_window: int | None = None,
     shape_only: bool = False,
     stored_dtype: str = "fp32",
+    stored_rows=None,
 ) -> int:
     """Apply the rewrites to an exported model file in place (its external data file rewritten); with a
     half-precision `stored_dtype`, the product and embedding weights are then stored in it (half_weights.py).
     `shape_only`: the file's weights are references (onnx_export's shape-only trace), and what the rewrites
     compute (the rotary tables) becomes references too: no data file is written. No `max_context`: rotary is
-    never moved into GQA (M-RoPE positions are not the cache's)."""
+    never moved into GQA (M-RoPE positions are not the cache's). `stored_rows`: a GGUF's quantized rows, whose
+    blocks the weights made of them are stored as (quantized_weights.py)."""
     model = onnx.load(str(onnx_path), load_external_data=not shape_only)
     float_type = {"fp32": TensorProto.FLOAT, "fp16": TensorProto.FLOAT16}[dtype]
     fused = fuse_attention(model, heads, kv_heads, head_dim, float_type, max_context, sliding_window)
     pack_sibling_projections(model)
-    if stored_dtype != "fp32":
+    if stored_dtype in HALF_TYPES:
         store_weights_in_half(model, stored_dtype)
+    if stored_rows is not None:
+        store_weights_quantized(model, stored_rows)
     data = onnx_path.with_name(onnx_path.name + ".data")
     if shape_only:
         initializers = model.graph.initializer

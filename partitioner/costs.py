@@ -13,10 +13,11 @@ import math
 import onnx
 
 from pipeshard.core.errors import UserError
+from pipeshard.formats.io_names import HIGH_PLANE_SUFFIX, MINIMUM_TERM_SUFFIX
 from pipeshard.partitioner.graph import SubLayer
 
 Coefficients = dict[str, float]
-DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
+DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}  # activations and KV: the compute dtype
 WEIGHT_PASSTHROUGH_OPS = {"Transpose", "Cast", "Identity", "Reshape"}
 MATMUL_OPS = {"MatMul", "Gemm"}
 
@@ -62,7 +63,11 @@ def counted_flops(sub_layer: SubLayer, model: onnx.ModelProto, dims: dict) -> Co
     per_token_context = 0.0
     for index in sub_layer.nodes:
         node = model.graph.node[index]
-        if node.op_type in MATMUL_OPS:
+        if node.name.endswith((HIGH_PLANE_SUFFIX, MINIMUM_TERM_SUFFIX)):
+            continue  # parts of a quantized product, counted once at its low plane
+        if node.op_type == "MatMulNBits":
+            per_token += 2.0 * _attribute(node, "K") * _attribute(node, "N")
+        elif node.op_type in MATMUL_OPS:
             shapes = [weight_dims(t) for t in node.input[:2]]
             weight = next((s for s in shapes if s is not None and len(s) == 2), None)
             if weight is not None:
@@ -77,6 +82,10 @@ def counted_flops(sub_layer: SubLayer, model: onnx.ModelProto, dims: dict) -> Co
     if per_token_context:
         found["TC"] = per_token_context
     return found
+
+
+def _attribute(node: onnx.NodeProto, name: str) -> int:
+    return next(onnx.helper.get_attribute_value(a) for a in node.attribute if a.name == name)
 
 
 def bytes_moved(sub_layer: SubLayer, kind: str, dims: dict, dtype: str, weight_bytes: int) -> Coefficients:

@@ -21,12 +21,17 @@ from dataclasses import dataclass
 from pipeshard.core.errors import UserError
 from pipeshard.formats.manifest import ModelFacts, SubLayer
 
-ELEMENT_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
+# q4: a GGUF's quantized product as 4-bit planes (exporter/quantized_weights.py); its bytes are counted as stored
+ELEMENT_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "q4": 0.5}
 WEIGHT_DTYPES = {
     "float32": "fp32",
     "float16": "fp16",
     "bfloat16": "bf16",
 }  # manifest weight dtype -> short name
+QUANTIZED_PARTS = (
+    "_q4_",
+    "_minimums",
+)  # names of a quantized product's stored parts: WEIGHT + one of these...
 
 
 def _interpolate_log(points: list[tuple[float, float]], x: float) -> float:
@@ -121,7 +126,7 @@ class Estimator:
         self.element = ELEMENT_BYTES[model.compute_dtype]  # activations and KV
         self.weight_bits = weight_bits  # planning only: every weight read as this many bits
         self.weight_scale = (
-            weight_bits / 8 / ELEMENT_BYTES[self.dtype] if weight_bits else 1.0
+            weight_bits / 8 / ELEMENT_BYTES.get(self.dtype, ELEMENT_BYTES["q4"]) if weight_bits else 1.0
         )  # of stored bytes
         self.model = model
         cpu_threads = profile["cpu"]["threads"]
@@ -221,17 +226,29 @@ class Estimator:
         compute = self.model.compute_dtype
         return compute if compute in table else "fp32"
 
-    def _matmuls(self, entry: SubLayer) -> list[tuple[int, int, str]]:
-        """(K, N, weight dtype) of each matrix product: weights are [K, N] for MatMul, [N, K] for the lm_head
-        Gemm."""
+    def _matmuls(self, entry: SubLayer) -> list[tuple[int, int, str, int]]:
+        """(K, N, weight dtype, stored bytes) of each matrix product: weights are [K, N] for MatMul, [N, K] for
+        the lm_head Gemm; a quantized product's low plane is [N, blocks, block / 2] uint8, and its other parts
+        (a high plane, scales, zero points, minimums) are counted in its bytes."""
         shapes = []
+        quantized = [w for w in entry.weights if w.dtype == "uint8" and len(w.shape) == 3]
+        for weight in quantized:
+            if not weight.name.endswith("_q4_low"):
+                continue
+            product = weight.name[: -len("_q4_low")]
+            parts = [
+                w for w in entry.weights if w.name.startswith(tuple(product + p for p in QUANTIZED_PARTS))
+            ]
+            n, blocks, half_block = weight.shape
+            shapes.append((blocks * half_block * 2, n, "q4", sum(w.bytes for w in parts)))
         for weight in entry.weights:
-            if len(weight.shape) != 2:
+            if len(weight.shape) != 2 or any(part in weight.name for part in QUANTIZED_PARTS):
                 continue
             k, n = weight.shape
             if entry.kind in ("final", "embed") and n == self.model.hidden_size:
                 k, n = n, k  # stored [vocab, hidden]: read transposed
-            shapes.append((k, n, WEIGHT_DTYPES.get(weight.dtype, self.dtype)))
+            dtype = WEIGHT_DTYPES.get(weight.dtype, self.dtype)
+            shapes.append((k, n, dtype, weight.bytes))
         return shapes
 
     def _weight_read_gbps(self, rates: DeviceRates, dtype: str, under_copy: bool) -> float:
@@ -249,12 +266,10 @@ class Estimator:
         if entry.kind in ("prologue",):
             return rates.hop_s
         if entry.kind == "embed":
-            row_bytes = self.model.hidden_size * (
-                self.weight_bits / 8
+            row_bytes = (
+                self.model.hidden_size * self.weight_bits / 8
                 if self.weight_bits
-                else ELEMENT_BYTES[
-                    next((WEIGHT_DTYPES.get(w.dtype, self.dtype) for w in entry.weights), self.dtype)
-                ]
+                else sum(w.bytes for w in entry.weights) / self.model.vocab_size
             )
             return rates.hop_s + tokens * row_bytes / (rates.read_gbps * 1e9)
         measured = self._measured_seconds(entry.kind, tokens, context, "device" if on_device else "cpu")
@@ -265,7 +280,7 @@ class Estimator:
         table = rates.matmul_loaded if under_copy and rates.matmul_loaded else rates.matmul
         read_gbps = rates.read_gbps_loaded if under_copy else rates.read_gbps
         seconds = rates.hop_s + entry.nodes * rates.op_s
-        for k, n, dtype in self._matmuls(entry):
+        for k, n, dtype, stored_bytes in self._matmuls(entry):
             if self.weight_bits:
                 # With assumed bits the measured rates at small M are bound by reading weights of the pack's dtype:
                 # the roofline of the shape's peak rate and the weights' own bytes stands in for them.
@@ -274,9 +289,7 @@ class Estimator:
             else:
                 narrower = self.element / ELEMENT_BYTES[dtype]  # > 1: half-precision weights computed in fp32
                 compute = 2.0 * tokens * k * n / (table.gflops(tokens, k, n, narrower) * 1e9)
-                memory = (
-                    k * n * ELEMENT_BYTES[dtype] / (self._weight_read_gbps(rates, dtype, under_copy) * 1e9)
-                )
+                memory = stored_bytes / (self._weight_read_gbps(rates, dtype, under_copy) * 1e9)
             seconds += max(compute, memory)
         if entry.kind == "attn":
             flops = 4.0 * self.model.num_attention_heads * self.model.head_dim * tokens * context

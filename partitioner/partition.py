@@ -66,6 +66,8 @@ ONNX_DTYPE_NAMES = {
     onnx.TensorProto.INT64: "int64",
     onnx.TensorProto.BOOL: "bool",
     onnx.TensorProto.INT32: "int32",
+    onnx.TensorProto.UINT8: "uint8",
+    onnx.TensorProto.INT8: "int8",
 }
 
 

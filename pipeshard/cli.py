@@ -126,7 +126,8 @@ def _command_export(args: argparse.Namespace) -> int:
 
         if args.opset is not None:
             raise UserError("--opset does not apply to --shape-only (its pack holds no ONNX files)")
-        result = export_shape_only(args.model, args.out, dtype=args.dtype, force=args.force)
+        dtype = "fp32" if args.dtype == "auto" else args.dtype  # a config's weights: described in float32
+        result = export_shape_only(args.model, args.out, dtype=dtype, force=args.force)
         print(
             f"shape-only pack of {args.model} -> {result.pack}: {result.sub_layers} sub-layers, "
             f"{format_bytes(result.weight_bytes)} of weights described (none stored), {result.seconds:.1f} s; "
@@ -794,9 +795,10 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("out", help="output folder")
     export.add_argument(
         "--dtype",
-        default="fp32",
-        help="the weights' type: fp32 (default), fp16 or bf16 "
-        "(half-precision weights are stored so, computed in fp32)",
+        default="auto",
+        help="the weights' type: auto (default: a GGUF's quantized blocks kept as stored, else fp32), gguf "
+        "(Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K ... Q6_K blocks, computed in fp32), fp32, fp16 or bf16 "
+        "(half-precision weights stored so, computed in fp32)",
     )
     export.add_argument("--opset", type=_opset, default=None, help="ONNX opset, 18 to 23 (default 23)")
     export.add_argument("--force", action="store_true", help="replace OUT if it exists")

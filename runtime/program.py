@@ -21,7 +21,7 @@ from functools import partial
 
 import numpy as np
 
-from pipeshard.formats.export_info import NUMPY_DTYPES, numpy_dtype
+from pipeshard.formats.export_info import numpy_dtype
 from pipeshard.formats.io_names import MROPE_ROWS, PADDING_BIAS, SEQLENS, TOTAL
 from pipeshard.formats.manifest import MoeBlock, Pack, SubLayer
 from pipeshard.formats.plans import Placement, Plan
@@ -63,7 +63,7 @@ class Parts:
         chunk = spec.chunk
         chunks = spec.row_chunks if chunk else None
         for weight in spec.weights:
-            dtype = NUMPY_DTYPES[weight.dtype]
+            dtype = numpy_dtype(weight.dtype)
             if chunks and weight.name == chunks.weight:
                 shape = [chunk.end_row - chunk.first_row, *weight.shape[1:]]
                 if buffer is None:

@@ -18,7 +18,7 @@ import numpy as np
 from PIL import Image
 
 from pipeshard.core.errors import UserError
-from pipeshard.formats.export_info import NUMPY_DTYPES, ExportInfo
+from pipeshard.formats.export_info import NUMPY_DTYPES, ExportInfo, numpy_dtype
 from pipeshard.formats.manifest import WEIGHT_ALIGNMENT, Pack, SubLayer
 from pipeshard.formats.vision_inputs import qwen2_5_vl_vision_inputs
 from pipeshard.formats.vision_memory import VisionShape, naive_workspace, tile_runs, vlmopt_peak
@@ -269,7 +269,7 @@ class PackVision:
                 weight.name,
                 memory,
                 self.device.address(buffer) + base + weight.offset,
-                NUMPY_DTYPES[weight.dtype],
+                numpy_dtype(weight.dtype),
                 weight.shape,
                 buffer,
             )

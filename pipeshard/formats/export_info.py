@@ -43,7 +43,7 @@ class ExportInfo:
 
     architecture: str
     dims: dict[str, int]  # the model's dimensions as the export config names them
-    dtype: str  # the stored weights: fp32 | fp16 | bf16
+    dtype: str  # the stored weights: fp32 | fp16 | bf16 | gguf (a GGUF's quantized blocks)
     compute_dtype: str  # activations and KV
     model_file: str
     inputs: list[str]
@@ -67,7 +67,7 @@ class ExportInfo:
             isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1 << 40 for v in dims.values()
         ):
             fields.fail("must map dimension names to non-negative integers", "dims")
-        dtype = fields.str("dtype", choices=("fp32", "fp16", "bf16"))
+        dtype = fields.str("dtype", choices=("fp32", "fp16", "bf16", "gguf"))
         files = {}
         listed = fields.object("files", {})
         for name in list(listed.document):

@@ -19,6 +19,10 @@ TOTAL = "_gqa_total_sequence_length"
 PADDING_BIAS = "_gqa_padding_bias"
 ROTARY_CACHES = ("_gqa_cos_cache", "_gqa_sin_cache")  # the tables' rows 0 .. total - 1, per step
 MROPE_ROWS = 3  # an M-RoPE decoder's position_ids are [3, batch, new tokens]: time, row, column
+# A GGUF's quantized product as the exporter stores it (exporter/quantized_weights.py): the MatMulNBits node of the
+# low 4-bit plane computes the product; a high plane's node and a minimum term's MatMul are parts of the same product.
+HIGH_PLANE_SUFFIX = "_q4_high"
+MINIMUM_TERM_SUFFIX = "_minimum_term"
 # The torch exporter's record of a node's module scopes (`metadata_props`), which sub-layers are cut by.
 SCOPES_KEY = "pkg.torch.onnx.name_scopes"
 

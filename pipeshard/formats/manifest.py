@@ -250,7 +250,7 @@ class ModelFacts:
     """The model's dimensions and types (MoE fields 0 for a dense model)."""
 
     architecture: str
-    dtype: str  # the weights: fp32 | fp16 | bf16
+    dtype: str  # the weights: fp32 | fp16 | bf16 | gguf (quantized blocks)
     compute_dtype: str  # activations and KV
     num_layers: int
     hidden_size: int
@@ -289,7 +289,7 @@ class ModelFacts:
         return self.num_experts > 0
 
 
-DTYPES = ("fp32", "fp16", "bf16")
+DTYPES = ("fp32", "fp16", "bf16", "gguf")  # gguf: a GGUF's quantized blocks as stored
 
 
 @dataclass(frozen=True)

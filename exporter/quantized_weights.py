@@ -1,0 +1,373 @@
+"""A GGUF's quantized matrices kept as stored: what `pipeshard export FILE.gguf OUT` (`--dtype auto`) writes.
+
+The model is traced over transformers' dequantized float32 weights; here every product and embedding weight whose
+rows are rows of a quantized GGUF tensor (found by their exact float32 values, so fused projections made of several
+tensors are found too) is stored back as that tensor's blocks, in ONNX Runtime's own block-quantized ops:
+
+- a product `x @ W` becomes `com.microsoft::MatMulNBits` over 4-bit planes: codes of 4 bits or fewer are one plane
+  (zero point 8 for signed codes, 0 for unsigned ones); wider codes (Q5, Q6, Q8) are split exactly into
+  `16 * high + low`, two planes whose products are summed (MatMulNBits computes 2- and 8-bit weights and float zero
+  points on the CPU by widening all of B to float32 at every call, and 3, 5 and 6 bits not at all);
+- a format's per-block minimum (Q4_1, Q5_1, Q2_K, Q4_K, Q5_K) adds `blocksum(x) @ minimums`;
+- an embedding gathers rows with `com.microsoft::GatherBlockQuantized` over the same planes (a tied output layer and
+  its embedding share them).
+
+Every plane holds the format's integers, each scale its exact float32 value: the graph computes
+`scale * code + minimum` as ggml defines it, summed in another order (float rounding). Weights that are no
+quantized tensor's rows (norms, float tensors) stay as they are.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from pipeshard.exporter.gguf_blocks import FORMATS, Blocks, unpack
+from pipeshard.formats.io_names import HIGH_PLANE_SUFFIX, MINIMUM_TERM_SUFFIX
+
+log = logging.getLogger(__name__)
+
+MS_DOMAIN = "com.microsoft"
+_LOW, _HIGH = "_q4_low", HIGH_PLANE_SUFFIX
+
+
+@dataclass
+class StoredRows:
+    """Every quantized row of a GGUF, found by the digest of its float32 values."""
+
+    tensors: list[Blocks]
+    names: list[str]
+    rows: dict[bytes, tuple[int, int]]  # digest -> (tensor index, row)
+
+    def find(self, matrix: np.ndarray) -> list[tuple[int, int]] | None:
+        """Where each row of `matrix` [rows, columns] is stored, or None if any row is not a quantized row."""
+        found = []
+        for row in matrix:
+            place = self.rows.get(hashlib.blake2b(row.tobytes(), digest_size=16).digest())
+            if place is None:
+                return None
+            found.append(place)
+        return found
+
+
+def read_stored_rows(path: Path) -> StoredRows:
+    """The quantized tensors of the GGUF at PATH, unpacked, with every row's digest."""
+    from pipeshard.exporter.sources import gguf_reader
+
+    tensors, names, rows = [], [], {}
+    for tensor in gguf_reader(path).tensors:
+        format_name = tensor.tensor_type.name
+        if format_name not in FORMATS or len(tensor.shape) != 2:
+            continue
+        blocks = unpack(format_name, np.asarray(tensor.data), int(tensor.shape[0]))
+        index = len(tensors)
+        tensors.append(blocks)
+        names.append(tensor.name)
+        for row, values in enumerate(blocks.dequantized()):
+            rows.setdefault(hashlib.blake2b(values.tobytes(), digest_size=16).digest(), (index, row))
+    return StoredRows(tensors, names, rows)
+
+
+@dataclass
+class Planes:
+    """A matrix [N rows, K columns] as 4-bit planes in MatMulNBits' layout: uint8 [N, blocks, block / 2] per plane,
+    `scales` float32 [N, blocks] (the high plane's are 16 times them: its product is scaled by 16, exactly), the
+    low plane's zero points (None: 8 everywhere), `minimums`."""
+
+    block: int
+    low: np.ndarray
+    low_scales: np.ndarray
+    low_zero_points: np.ndarray | None
+    high: np.ndarray | None
+    minimums: np.ndarray | None
+    formats: tuple[str, ...]
+
+    @property
+    def rows(self) -> int:
+        return self.low.shape[0]
+
+    @property
+    def columns(self) -> int:
+        return self.low.shape[1] * self.block
+
+
+def _pack_nibbles(values: np.ndarray) -> np.ndarray:
+    """Values 0..15 [..., 2n] -> bytes [..., n], the even element in the low nibble (MatMulNBits' order)."""
+    return (values[..., 0::2] | (values[..., 1::2] << 4)).astype(np.uint8)
+
+
+def make_planes(stored: StoredRows, places: list[tuple[int, int]]) -> Planes:
+    """The rows at `places` (in order) as 4-bit planes; a block of 32 is two blocks of 16 where a row of a
+    16-block format is among them."""
+    used = sorted({tensor for tensor, _ in places})
+    block = min(stored.tensors[t].block for t in used)
+    columns = stored.tensors[used[0]].codes.shape[1]
+    codes = np.empty((len(places), columns), np.int8)
+    scales = np.empty((len(places), columns // block), np.float32)
+    minimums = np.zeros_like(scales) if any(stored.tensors[t].minimums is not None for t in used) else None
+    by_tensor: dict[int, list[tuple[int, int]]] = defaultdict(list)
+    for position, (tensor, row) in enumerate(places):
+        by_tensor[tensor].append((position, row))
+    for tensor, pairs in by_tensor.items():
+        blocks = stored.tensors[tensor]
+        positions, rows = (np.array(p) for p in zip(*pairs, strict=True))
+        repeat = blocks.block // block
+        codes[positions] = blocks.codes[rows]
+        scales[positions] = np.repeat(blocks.scales[rows], repeat, axis=1)
+        if blocks.minimums is not None:
+            minimums[positions] = np.repeat(blocks.minimums[rows], repeat, axis=1)
+    grouped = codes.reshape(len(places), -1, block).astype(np.int16)
+    lowest, highest = grouped.min(axis=-1), grouped.max(axis=-1)
+    signed = (lowest >= -8) & (highest <= 7)  # one plane, zero point 8
+    unsigned = ~signed & (lowest >= 0) & (highest <= 15)  # one plane, zero point 0
+    wide = ~signed & ~unsigned
+    low = np.where(signed[..., None], grouped + 8, grouped & 15)
+    zero_points = np.where(signed, 8, 0).astype(np.uint8)
+    high = None
+    if wide.any():
+        high = np.where(wide[..., None], (grouped >> 4) + 8, 8)
+    packed_zero_points = None
+    if not signed.all():
+        padded = np.zeros((len(places), (zero_points.shape[1] + 1) // 2 * 2), np.uint8)
+        padded[:, : zero_points.shape[1]] = zero_points
+        packed_zero_points = _pack_nibbles(padded)
+    return Planes(
+        block,
+        _pack_nibbles(low.astype(np.uint8)),
+        scales,
+        packed_zero_points,
+        None if high is None else _pack_nibbles(high.astype(np.uint8)),
+        minimums,
+        tuple(stored.names[t] for t in used),
+    )
+
+
+class _Rewriter:
+    """Builds the replacement nodes and initializers of one graph."""
+
+    def __init__(self, model: onnx.ModelProto) -> None:
+        self.model = model
+        self.new_initializers: list[TensorProto] = []
+        self.before: dict[int, list[onnx.NodeProto]] = defaultdict(list)
+        self.replaced: set[int] = set()
+
+    def constant(self, name: str, values: np.ndarray) -> str:
+        self.new_initializers.append(numpy_helper.from_array(values, name))
+        return name
+
+    def node(
+        self, like: onnx.NodeProto, op: str, inputs: list[str], output: str, **attributes
+    ) -> onnx.NodeProto:
+        domain = MS_DOMAIN if op in ("MatMulNBits", "GatherBlockQuantized") else ""
+        made = helper.make_node(op, inputs, [output], name=output, domain=domain, **attributes)
+        made.metadata_props.extend(like.metadata_props)
+        self.before[id(like)].append(made)
+        return made
+
+    def stored(self, weight: str, planes: Planes) -> dict[str, str]:
+        """The planes' initializers (made once per weight): name by role."""
+        names = {"low": weight + _LOW, "low_scales": weight + _LOW + "_scales"}
+        if names["low"] in {t.name for t in self.new_initializers}:
+            return self._names(weight, planes)
+        self.constant(names["low"], planes.low)
+        self.constant(names["low_scales"], planes.low_scales)
+        if planes.low_zero_points is not None:
+            self.constant(weight + _LOW + "_zero_points", planes.low_zero_points)
+        if planes.high is not None:
+            self.constant(weight + _HIGH, planes.high)
+        if planes.minimums is not None:
+            self.constant(weight + "_minimums", _narrowest(np.ascontiguousarray(planes.minimums.T)))
+        return self._names(weight, planes)
+
+    @staticmethod
+    def _names(weight: str, planes: Planes) -> dict[str, str]:
+        names = {"low": weight + _LOW, "low_scales": weight + _LOW + "_scales"}
+        if planes.low_zero_points is not None:
+            names["low_zero_points"] = weight + _LOW + "_zero_points"
+        if planes.high is not None:
+            names["high"], names["high_scales"] = weight + _HIGH, names["low_scales"]
+        if planes.minimums is not None:
+            names["minimums"] = weight + "_minimums"
+        return names
+
+    def product(self, node: onnx.NodeProto, x: str, weight: str, planes: Planes) -> None:
+        """`node`'s output = x @ W^T for W [N, K] stored as `planes`."""
+        names = self.stored(weight, planes)
+        output = node.output[0]
+        attributes = {"K": planes.columns, "N": planes.rows, "bits": 4, "block_size": planes.block}
+        low_inputs = [x, names["low"], names["low_scales"]]
+        if "low_zero_points" in names:
+            low_inputs.append(names["low_zero_points"])
+        terms = [self.node(node, "MatMulNBits", low_inputs, output + _LOW, **attributes).output[0]]
+        if "high" in names:
+            high_inputs = [x, names["high"], names["high_scales"]]
+            high = self.node(node, "MatMulNBits", high_inputs, output + _HIGH, **attributes).output[0]
+            terms.append(self._times_16(node, high))
+        if "minimums" in names:
+            shape = self.constant(output + "_block_shape", np.array([0, 0, -1, planes.block], np.int64))
+            blocks = self.node(node, "Reshape", [x, shape], output + "_blocks").output[0]
+            axes = self.constant(output + "_block_axis", np.array([-1], np.int64))
+            sums = self.node(node, "ReduceSum", [blocks, axes], output + "_block_sums", keepdims=0).output[0]
+            minimums = self._as_float(node, names["minimums"], names["minimums"])
+            terms.append(self.node(node, "MatMul", [sums, minimums], output + MINIMUM_TERM_SUFFIX).output[0])
+        self._sum(node, terms, output)
+        self.replaced.add(id(node))
+
+    def gather(self, node: onnx.NodeProto, weight: str, planes: Planes) -> None:
+        """`node`'s output = rows of W [N, K] stored as `planes`, gathered by `node`'s indices [batch, tokens]."""
+        names = self.stored(weight, planes)
+        indices, output = node.input[1], node.output[0]
+        axis = self.constant(output + "_scale_axis", np.array([2], np.int64))
+        scales = self.node(node, "Unsqueeze", [names["low_scales"], axis], output + "_scales").output[0]
+        terms = []
+        for plane in ("low", "high"):
+            if plane not in names:
+                continue
+            inputs = [names[plane], indices, scales]
+            if plane == "low" and "low_zero_points" in names:
+                inputs.append(self.constant(f"{weight}_low_gather_zero_points", _gather_zero_points(planes)))
+            attributes = {"bits": 4, "block_size": planes.block, "gather_axis": 0, "quantize_axis": 2}
+            gathered = self.node(node, "GatherBlockQuantized", inputs, f"{output}_{plane}_rows", **attributes)
+            terms.append(gathered.output[0] if plane == "low" else self._times_16(node, gathered.output[0]))
+        if "minimums" in names:
+            rows = self.node(node, "Gather", [names["minimums"], indices], output + "_minimum_rows", axis=1)
+            rows_as_float = self._as_float(node, rows.output[0], names["minimums"])
+            moved = self.node(node, "Transpose", [rows_as_float], output + "_minimums_moved", perm=[1, 2, 0])
+            last = self.constant(output + "_minimum_axis", np.array([-1], np.int64))
+            terms.append(
+                self.node(node, "Unsqueeze", [moved.output[0], last], output + "_minimum_term").output[0]
+            )
+        blocks = output + "_blocks"
+        self._sum(node, terms, blocks)
+        shape = self.constant(output + "_row_shape", np.array([0, 0, planes.columns], np.int64))
+        self.node(node, "Reshape", [blocks, shape], output)
+        self.replaced.add(id(node))
+
+    def _times_16(self, like: onnx.NodeProto, tensor: str) -> str:
+        """The high plane's term: its codes count 16 low-plane steps."""
+        sixteen = self.constant(tensor + "_step", np.array(16.0, np.float32))
+        return self.node(like, "Mul", [tensor, sixteen], tensor + "_times_16").output[0]
+
+    def _as_float(self, like: onnx.NodeProto, tensor: str, weight: str) -> str:
+        """`tensor` (the initializer `weight`, or what was gathered from it) in float32: read through a Cast
+        where `weight` is stored as float16 (on the CPU, WeightMatMul then reads the stored halves)."""
+        stored = next(t for t in self.new_initializers if t.name == weight)
+        if stored.data_type == TensorProto.FLOAT:
+            return tensor
+        name = (tensor if tensor != weight else like.output[0] + "_minimums") + "_as_float"
+        return self.node(like, "Cast", [tensor], name, to=TensorProto.FLOAT).output[0]
+
+    def _sum(self, like: onnx.NodeProto, terms: list[str], output: str) -> None:
+        total = terms[0]
+        for index, term in enumerate(terms[1:], start=1):
+            name = output if index == len(terms) - 1 else f"{output}_partial{index}"
+            total = self.node(like, "Add", [total, term], name).output[0]
+        if total != output:
+            self.node(like, "Identity", [total], output)
+
+
+def _narrowest(values: np.ndarray) -> np.ndarray:
+    """float16 where it holds every value exactly (Q4_1's and Q5_1's minimums are stored so), else float32."""
+    half = values.astype(np.float16)
+    return half if np.array_equal(half.astype(np.float32), values) else values
+
+
+def _gather_zero_points(planes: Planes) -> np.ndarray:
+    """The low plane's zero points in GatherBlockQuantized's layout [N, blocks, 1] (one per byte)."""
+    packed = planes.low_zero_points
+    unpacked = np.stack([packed & 0xF, packed >> 4], axis=-1).reshape(packed.shape[0], -1)
+    return np.ascontiguousarray(unpacked[:, : planes.low_scales.shape[1], None])
+
+
+def store_weights_quantized(model: onnx.ModelProto, stored: StoredRows) -> dict[str, int]:
+    """Store, in place, every product and embedding weight of `model` whose rows are quantized GGUF rows as
+    those rows' blocks (module doc). Returns how many weights were stored per GGUF format."""
+    initializers = {t.name: t for t in model.graph.initializer}
+    uses: dict[str, list[tuple[onnx.NodeProto, int]]] = defaultdict(list)
+    for node in model.graph.node:
+        for position, name in enumerate(node.input):
+            uses[name].append((node, position))
+    rewriter = _Rewriter(model)
+    counts: dict[str, int] = defaultdict(int)
+    dropped: set[str] = set()
+    for name, tensor in initializers.items():
+        if tensor.data_type != TensorProto.FLOAT or len(tensor.dims) != 2:
+            continue
+        users = _weight_users(name, uses)
+        if users is None:
+            continue
+        values = numpy_helper.to_array(tensor)
+        # A product reads W [K, N] (rows: its columns); an embedding and a transposed product read W [N, K].
+        by_rows = any(kind != "product" for kind, _, _ in users)
+        if by_rows and any(kind == "product" for kind, _, _ in users):
+            continue
+        places = stored.find(np.ascontiguousarray(values if by_rows else values.T))
+        if places is None:
+            continue
+        planes = make_planes(stored, places)
+        for kind, node, x in users:
+            if kind == "gather":
+                rewriter.gather(node, name, planes)
+            else:
+                rewriter.product(node, x, name, planes)
+                if kind == "transposed":
+                    dropped.add(node.input[1])  # the Transpose's output: the node goes
+        dropped.add(name)
+        counts["+".join(sorted({stored.tensors[t].format for t, _ in places}))] += 1
+    _apply(model, rewriter, dropped)
+    return {k: v for k, v in counts.items() if v}
+
+
+def _weight_users(name: str, uses) -> list[tuple[str, onnx.NodeProto, str]] | None:
+    """How a weight is read: ("product", MatMul, x), ("transposed", MatMul after a Transpose, x) or
+    ("gather", Gather, ""); None if it is read any other way."""
+    users = []
+    for node, position in uses.get(name, []):
+        if node.op_type == "MatMul" and position == 1:
+            users.append(("product", node, node.input[0]))
+        elif node.op_type == "Gather" and position == 0 and _attribute(node, "axis", 0) == 0:
+            users.append(("gather", node, ""))
+        elif node.op_type == "Transpose" and _attribute(node, "perm", None) in (None, [1, 0]):
+            after = uses.get(node.output[0], [])
+            if not after or any(n.op_type != "MatMul" or p != 1 for n, p in after):
+                return None
+            users.extend(("transposed", n, n.input[0]) for n, _ in after)
+        else:
+            return None
+    return users or None
+
+
+def _attribute(node: onnx.NodeProto, name: str, default):
+    for attribute in node.attribute:
+        if attribute.name == name:
+            return helper.get_attribute_value(attribute)
+    return default
+
+
+def _apply(model: onnx.ModelProto, rewriter: _Rewriter, dropped: set[str]) -> None:
+    """Swap the replaced nodes for their replacements and the dropped weights for the new initializers."""
+    nodes = []
+    for node in model.graph.node:
+        nodes.extend(rewriter.before[id(node)])
+        if id(node) in rewriter.replaced:
+            continue
+        if node.op_type == "Transpose" and node.output[0] in dropped:
+            continue
+        nodes.append(node)
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
+    kept = [t for t in model.graph.initializer if t.name not in dropped]
+    del model.graph.initializer[:]
+    model.graph.initializer.extend([*kept, *rewriter.new_initializers])
+    kept_info = [v for v in model.graph.value_info if v.name not in dropped]
+    del model.graph.value_info[:]
+    model.graph.value_info.extend(kept_info)
+    if not any(o.domain == MS_DOMAIN for o in model.opset_import):
+        model.opset_import.append(helper.make_opsetid(MS_DOMAIN, 1))
