@@ -126,7 +126,7 @@ def stored_dtype(spec, dtype: str) -> str:
 def export_model(
     model: str,
     out: Path,
-    dtype: str = "fp32",
+    dtype: str = "auto",
     force: bool = False,
     opset: int | None = None,
     quiet: bool = False,

@@ -298,3 +298,34 @@ def test_the_native_host_refuses_damaged_plans_and_options(tiny_pack, tmp_path):
         ("--top-p", "2", "--top-p"),
     ):
         _refused(_host(str(tiny_pack), "--plans", str(plans), *planned, option, value), fragment)
+
+
+@pytest.mark.slow
+def test_the_native_host_runs_a_quantized_pack_with_the_python_engines_tokens(models, tmp_path):
+    """The GGUF's blocks kept as stored (MatMulNBits, GatherBlockQuantized): the same graphs through ONNX Runtime's
+    C API alone, all-CPU and planned on the simulated device."""
+    reason = _missing_tools()
+    if reason:
+        pytest.skip(reason)
+    import pipeshard
+
+    pack = models.pack("smollm2-135m", "gguf")
+    plans = tmp_path / "plans.json"
+    arguments = ["plan", str(pack), "--vram", "10%", "--profile", "laptop-8gb", "--tiers", "1,16,64"]
+    subprocess.run([sys.executable, "-P", "-m", "pipeshard", *arguments, "--out", str(plans)], check=True)
+    engine = pipeshard.load(pack, threads=THREADS)
+    for text in SMOLLM2_PROMPTS:
+        expected = engine.generate(text, max_new_tokens=MAX_NEW_TOKENS)[0].tokens
+        common = [
+            str(pack),
+            text,
+            "--print-ids",
+            "--threads",
+            str(THREADS),
+            "--max-new-tokens",
+            str(MAX_NEW_TOKENS),
+        ]
+        for extra in ([], ["--plans", str(plans), "--device", "sim"]):
+            done = _host(*common, *extra)
+            assert done.returncode == 0, done.stderr[-2000:]
+            assert [int(t) for t in done.stdout.split()] == expected, (text, extra)

@@ -172,3 +172,63 @@ def test_smollm2_pack_holds_the_gguf_blocks_not_float_weights(smollm2_quantized)
     ]
     assert not float_matrices
     assert blob_bytes <= 1.2 * gguf_bytes, (blob_bytes, gguf_bytes)
+
+
+FORMAT_GROUPS = {
+    "legacy": ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"],
+    "k-quants": ["Q6_K", "Q2_K", "Q3_K", "Q4_K", "Q5_K"],
+}
+
+
+@pytest.fixture(scope="module", params=list(FORMAT_GROUPS))
+def tiny_quantized(request, tmp_path_factory):
+    """A tiny llama GGUF whose matrices take the group's formats in turn, exported as stored and partitioned."""
+    import torch
+    from tiny_gguf import write_tiny_llama_gguf
+
+    from pipeshard.exporter import export_model
+    from pipeshard.exporter.sources import load_source, resolve_source
+    from pipeshard.partitioner.partition import partition
+
+    root = tmp_path_factory.mktemp(request.param)
+    gguf = write_tiny_llama_gguf(root / "tiny.gguf", FORMAT_GROUPS[request.param])
+    export_model(str(gguf), root / "export", quiet=True)
+    partition(root / "export", root / "pack")
+    reference = load_source(resolve_source(str(gguf)), torch.float32).model
+    return request.param, root / "export", root / "pack", reference
+
+
+@pytest.mark.slow
+def test_every_format_gives_transformers_tokens_and_logits_on_export_chain_and_sim(tiny_quantized):
+    import torch
+
+    import pipeshard
+    from pipeshard.formats.manifest import load_pack
+
+    group, export, pack, reference = tiny_quantized
+    stored = {w.dtype for e in load_pack(pack).manifest.sub_layers for w in e.weights}
+    assert "uint8" in stored and load_pack(pack).manifest.model.dtype == "gguf"
+    engines = {
+        "export": pipeshard.load(export),
+        "chain": pipeshard.load(pack),
+        "sim": pipeshard.load(pack, vram="30%", device="sim", profile="laptop-8gb", context=256),
+    }
+    eos = set(engines["chain"].codec.eos_token_ids)
+    for prompt in ("The capital of France is", "def fibonacci(n):"):
+        ids = engines["chain"].generator.prompt_ids(prompt, chat_template=False)
+        with torch.no_grad():
+            logits = reference(torch.tensor([ids])).logits[0].numpy()
+            output = reference.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False)
+        theirs = output[0, len(ids) :].tolist()
+        theirs = theirs[: next((i for i, t in enumerate(theirs) if t in eos), len(theirs))]
+        for name, engine in engines.items():
+            (ours,) = engine.generator.generate([ids], pipeshard.api.SamplingSettings(max_new_tokens=16))
+            assert ours.tokens == theirs, (group, name, prompt)
+        step = engines["chain"].step
+        step.all_logits = True
+        step.start(1)
+        ours_logits = step.forward(
+            np.array([ids]), np.ones((1, len(ids)), np.int64), np.arange(len(ids))[None]
+        )
+        assert np.abs(ours_logits[0] - logits).max() <= 1e-4 * max(1.0, np.abs(logits).max()), (group, prompt)
+        step.all_logits = False

@@ -57,7 +57,8 @@ ElementType element_type(const std::string& dtype) {
     static const std::map<std::string, ONNXTensorElementDataType> types = {
         {"float32", ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT},   {"float16", ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16},
         {"bfloat16", ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16}, {"int64", ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64},
-        {"int32", ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32},     {"bool", ONNX_TENSOR_ELEMENT_DATA_TYPE_BOOL}};
+        {"int32", ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32},     {"bool", ONNX_TENSOR_ELEMENT_DATA_TYPE_BOOL},
+        {"uint8", ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8},     {"int8", ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8}};
     auto found = types.find(dtype);
     if (found == types.end()) fail(PIPESHARD_ERR_PACK, "unsupported dtype '" + dtype + "' in manifest.json");
     return {found->second, static_cast<size_t>(dtype_bytes(dtype))};

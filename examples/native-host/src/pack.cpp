@@ -136,7 +136,7 @@ uint64_t dtype_bytes(const std::string& dtype) {
     if (dtype == "float32" || dtype == "int32") return 4;
     if (dtype == "float16" || dtype == "bfloat16") return 2;
     if (dtype == "int64") return 8;
-    if (dtype == "bool") return 1;
+    if (dtype == "bool" || dtype == "uint8" || dtype == "int8") return 1;
     throw JsonError("unsupported dtype '" + dtype + "'");
 }
 
