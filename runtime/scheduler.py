@@ -22,7 +22,14 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from pipeshard.core.errors import UserError
-from pipeshard.runtime.generate import SamplingSettings, _first_stop, _TextStream, choose_next_tokens
+from pipeshard.runtime.generate import (
+    SamplingSettings,
+    TokenLogprob,
+    _first_stop,
+    _TextStream,
+    choose_next_tokens,
+    token_logprobs,
+)
 from pipeshard.runtime.kv import image_rows
 
 log = logging.getLogger(__name__)
@@ -36,7 +43,10 @@ class QueueFull(Exception):
 
 @dataclass
 class Event:
-    """A piece of a request's answer (`text`, its `token`), or its end (`finish_reason` set, `usage` filled)."""
+    """A piece of a request's answer (`text`, its `token`), or its end (`finish_reason` set, `usage` filled). With
+    `settings.logprobs` each event carries the logprobs of the tokens it releases (the end's: those not yet given,
+    an end-of-sequence token's included); with `settings.prompt_logprobs` one event without text, before the
+    first token's, carries the prompt's (the first token's None: nothing precedes it)."""
 
     text: str = ""
     token: int | None = None
@@ -45,6 +55,8 @@ class Event:
     completion_tokens: int = 0
     error: str | None = None
     tokens: list[int] | None = None  # the end's: every generated token
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass
@@ -71,6 +83,10 @@ class Request:
     def __post_init__(self) -> None:
         self.rng = np.random.default_rng(self.settings.seed)
         self.text: _TextStream | None = None
+        self.logprobs: list[TokenLogprob] = []  # of generated tokens not yet sent
+        self.prompt_logprobs: list[TokenLogprob | None] = []
+        # The prompt's last chunk's last row of logits: it scores the next chunk's first token.
+        self.last_prompt_logits: np.ndarray | None = None
 
     @property
     def length(self) -> int:
@@ -293,13 +309,46 @@ class Scheduler:
             if request.positions is None
             else request.positions[:, None, begin:end]
         )
-        logits = self.step.forward(
-            ids, np.ones((1, end), np.int64), positions, slot=request.slot, image_features=features
-        )
+        scored = request.settings.prompt_logprobs is not None
+        if scored:  # every position's logits (the step's output layer then reads every row): this step only
+            self.step.all_logits = True
+        try:
+            logits = self.step.forward(
+                ids, np.ones((1, end), np.int64), positions, slot=request.slot, image_features=features
+            )
+        finally:
+            if scored:
+                self.step.all_logits = False
         request.fed = end
         self.stats.prompt_tokens += end - begin
+        if scored:
+            self._score_prompt(request, logits[0], begin, end)
         if end == len(request.prompt):
-            self._take(request, logits[:, -1, :])
+            self._first_token(request, logits[:, -1, :])
+
+    def _score_prompt(self, request: Request, logits: np.ndarray, begin: int, end: int) -> None:
+        """The logprobs of the prompt's tokens `begin`..`end` (each scored by the logits of the position before
+        it; the first token by nothing); after the last chunk they go out in an event of their own."""
+        top = request.settings.prompt_logprobs
+        if begin == 0:
+            request.prompt_logprobs.append(None)
+        else:
+            request.prompt_logprobs += token_logprobs(
+                request.last_prompt_logits, [request.prompt[begin]], top
+            )
+        request.prompt_logprobs += token_logprobs(logits[:-1], request.prompt[begin + 1 : end], top)
+        request.last_prompt_logits = np.array(logits[-1:])
+        if end == len(request.prompt):
+            request.sink(Event(prompt_logprobs=request.prompt_logprobs))
+            request.last_prompt_logits = None
+
+    def _first_token(self, request: Request, logits: np.ndarray) -> None:
+        """After the prompt: the first token, or the end of a request that asked for none (its prompt's
+        logprobs only)."""
+        if request.settings.max_new_tokens == 0:
+            self._finish(request, "length")
+        else:
+            self._take(request, logits)
 
     def _prefill_group(self, prefilling: list[Request]) -> list[Request]:
         """Requests not yet started, in neighbouring slots, whose prompts fit one chunk: prefilled in one step
@@ -308,7 +357,10 @@ class Scheduler:
             (
                 r
                 for r in prefilling
-                if r.fed == 0 and len(r.prompt) <= PREFILL_CHUNK and r.image_features is None
+                if r.fed == 0
+                and len(r.prompt) <= PREFILL_CHUNK
+                and r.image_features is None
+                and r.settings.prompt_logprobs is None
             ),
             key=lambda r: r.slot,
         )
@@ -338,7 +390,7 @@ class Scheduler:
         for row, request in enumerate(group):
             request.fed = len(request.prompt)
             self.stats.prompt_tokens += len(request.prompt)
-            self._take(request, logits[row : row + 1, -1, :])
+            self._first_token(request, logits[row : row + 1, -1, :])
 
     def _decode(self) -> None:
         """One step over every slot: each running row feeds its last token at its own length. A row still being
@@ -369,7 +421,10 @@ class Scheduler:
         """Choose a request's next token, stream it, and finish the request if it stops."""
         settings = request.settings
         history = [request.prompt + request.generated] if settings.repetition_penalty != 1.0 else []
-        token = int(choose_next_tokens(logits, history, settings, request.rng)[0])
+        outputs = [request.generated] if settings.penalized else None
+        token = int(choose_next_tokens(logits, history, settings, request.rng, outputs)[0])
+        if settings.logprobs is not None:
+            request.logprobs += token_logprobs(logits, [token], settings.logprobs)
         if token in self._eos:
             self._finish(request, "stop")
             return
@@ -378,7 +433,7 @@ class Scheduler:
         self.stats.generated_tokens += 1
         piece, stopped = request.text.add(token)
         if piece:
-            request.sink(Event(text=piece, token=token))
+            request.sink(Event(text=piece, token=token, logprobs=self._sent_logprobs(request)))
         if stopped:
             self._finish(request, "stop")
         elif len(request.generated) >= settings.max_new_tokens or request.length + 1 >= self.context:
@@ -406,8 +461,17 @@ class Scheduler:
                 completion_tokens=len(request.generated),
                 error=error,
                 tokens=list(request.generated),
+                logprobs=self._sent_logprobs(request),
             )
         )
+
+    @staticmethod
+    def _sent_logprobs(request: Request) -> list[TokenLogprob] | None:
+        """The logprobs of the request's tokens not yet sent, handed over now (None when it asked for none)."""
+        if request.settings.logprobs is None:
+            return None
+        sent, request.logprobs = request.logprobs, []
+        return sent
 
 
 def final_text(codec, tokens: list[int], stop_strings: tuple[str, ...]) -> str:
