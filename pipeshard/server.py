@@ -18,7 +18,8 @@ import socket
 import threading
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import partial
 
 from pipeshard.core.errors import UserError
 
@@ -234,10 +235,66 @@ def create_app(state: State):
         check_model(body)
         settings = sampling_settings(body, state.settings.default_max_tokens, chat=False)
         refuse_overlong(body, scheduler)
+        if _is_prompt_list(body.get("prompt")):
+            return await complete_many(request, body, settings, scheduler)
         ids = await asyncio.to_thread(
             prompt_ids, state.engine.codec, body, chat=False, vocab_size=scheduler.step.vocab_size
         )
         return await complete(request, body, settings, scheduler, ids, chat=False)
+
+    async def complete_many(request, body: dict, settings, scheduler):
+        """A completions request of several prompts (a list of texts or of token-id lists, as OpenAI's API takes
+        and lm-evaluation-harness sends): one choice per prompt, `index` its place; not streamed."""
+        if body.get("stream"):
+            raise RequestError("a list of prompts is answered whole: 'stream' must be false", param="stream")
+        model = check_model(body)
+        codec = state.engine.codec
+        vocab_size = scheduler.step.vocab_size
+        prompts = [
+            await asyncio.to_thread(prompt_ids, codec, {"prompt": one}, False, vocab_size)
+            for one in body["prompt"]
+        ]
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+        answers = [
+            Answer(state.texts, False, ids, echoed_prompt({**body, "prompt": one}, ids, codec), settings)
+            for one, ids in zip(body["prompt"], prompts, strict=True)
+        ]
+        from pipeshard.runtime.scheduler import QueueFull
+
+        handles = []
+        try:
+            for index, ids in enumerate(prompts):
+                sink = partial(_put_tagged, loop, events, index)
+                handles.append(scheduler.submit(ids, replace(settings), sink=sink))
+            ends: dict[int, object] = {}
+            while len(ends) < len(prompts):
+                try:
+                    index, event = await asyncio.wait_for(events.get(), timeout=0.5)
+                except TimeoutError:
+                    if await request.is_disconnected():
+                        return PlainTextResponse("", status_code=499)
+                    continue
+                answers[index].add(event)
+                if event.finish_reason is not None:
+                    ends[index] = event
+        except QueueFull as exc:
+            raise RequestError(str(exc), 503, kind="server_error") from None
+        finally:
+            for handle in handles:
+                handle.cancel()  # those still running, when the client left or a prompt was refused
+        if failed := [e for e in ends.values() if e.finish_reason == "error"]:
+            raise RequestError(f"generation failed: {failed[0].error}", 500, kind="server_error")
+        identifier, created = "cmpl-" + uuid.uuid4().hex[:24], int(time.time())
+        documents = [
+            completion_document(False, identifier, model, answer.text, ends[i], created, answer.logprobs())
+            for i, answer in enumerate(answers)
+        ]
+        whole = documents[0]
+        whole["choices"] = [{**d["choices"][0], "index": i} for i, d in enumerate(documents)]
+        for key in whole["usage"]:
+            whole["usage"][key] = sum(d["usage"][key] for d in documents)
+        return JSONResponse(whole)
 
     async def complete(
         request,
@@ -440,6 +497,16 @@ def parse_body(raw: bytes) -> dict:
     if not isinstance(body, dict):
         raise RequestError("the body must be a JSON object")
     return body
+
+
+def _is_prompt_list(prompt) -> bool:
+    """Whether a completions prompt is several prompts: a list of texts, or of token-id lists."""
+    return isinstance(prompt, list) and bool(prompt) and all(isinstance(p, str | list) for p in prompt)
+
+
+def _put_tagged(loop, events: asyncio.Queue, index: int, event) -> None:
+    """A scheduler event of one of a request's prompts, handed to the event loop with the prompt's index."""
+    loop.call_soon_threadsafe(events.put_nowait, (index, event))
 
 
 def echoed_prompt(body: dict, prompt: list[int], codec) -> str | None:

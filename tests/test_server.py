@@ -296,6 +296,25 @@ def test_penalties_change_a_greedy_answer_as_openai_defines_them(running):
     assert most_repeated(presence_penalty=2.0) < plain
 
 
+def test_a_list_of_prompts_gets_one_choice_each_as_each_alone(running):
+    """OpenAI's batched completions prompt (lm-evaluation-harness sends its token ids so): choice i answers prompt
+    i as a request of its own would."""
+    prompts = [[72, 105, 33], [67, 111, 117, 110, 116, 58]]
+    body = {"model": "pack", "max_tokens": 5, "temperature": 0}
+    alone = [
+        httpx.post(running + "/v1/completions", json={**body, "prompt": p}, timeout=60).json()
+        for p in prompts
+    ]
+    together = httpx.post(running + "/v1/completions", json={**body, "prompt": prompts}, timeout=60).json()
+    assert [c["index"] for c in together["choices"]] == [0, 1]
+    assert [c["text"] for c in together["choices"]] == [a["choices"][0]["text"] for a in alone]
+    assert together["usage"]["prompt_tokens"] == len(prompts[0]) + len(prompts[1])
+    texts = httpx.post(running + "/v1/completions", json={**body, "prompt": ["Hi", "Count"]}, timeout=60)
+    assert len(texts.json()["choices"]) == 2
+    streamed = httpx.post(running + "/v1/completions", json={**body, "prompt": prompts, "stream": True})
+    assert streamed.status_code == 400 and streamed.json()["error"]["param"] == "stream"
+
+
 def test_malformed_json_and_oversized_bodies_are_refused(running):
     answer = httpx.post(
         running + "/v1/completions", content=b"{not json", headers={"content-type": "application/json"}
