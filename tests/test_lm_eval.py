@@ -27,20 +27,22 @@ def hf_folder(tmp_path_factory) -> Path:
     return folder
 
 
-def evaluate(model: str, model_args: dict) -> tuple[dict, list[dict]]:
-    """The task's metrics and samples under one of the harness's models."""
+def evaluate(model: str, model_args: dict, task: str = TASK, chat: bool = False) -> tuple[dict, list[dict]]:
+    """A task's metrics and samples under one of the harness's models (`chat`: prompts through the chat
+    template)."""
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 
     results = simple_evaluate(
         model=model,
         model_args=model_args,
-        tasks=[TASK],
+        tasks=[task],
         task_manager=TaskManager(include_path=str(REPO / "tests" / "lm_eval")),
         batch_size=1,
         log_samples=True,
+        apply_chat_template=chat,
     )
-    return results["results"][TASK], results["samples"][TASK]
+    return results["results"][task], results["samples"][task]
 
 
 @pytest.mark.slow  # 40 s here: the harness's two runs of 144 loglikelihood requests
@@ -73,3 +75,26 @@ def test_lm_eval_local_completions_scores_as_its_hf_model(tiny_pack, hf_folder, 
             assert bool(their_greedy) == bool(my_greedy)
     assert ours["acc,none"] == expected["acc,none"]
     assert ours["acc_norm,none"] == expected["acc_norm,none"]
+
+
+@pytest.mark.slow  # about 60 s here
+def test_lm_eval_local_chat_completions_generates_as_its_hf_model(tiny_pack, hf_folder, monkeypatch):
+    """A generate_until task through the chat template: `local-chat-completions` against the server gets the
+    answers the harness's `hf` model generates (greedy, the same stop strings), answer for answer."""
+    monkeypatch.chdir(REPO)
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    task = "pipeshard_tiny_gen"
+    expected, expected_samples = evaluate(
+        "hf", {"pretrained": str(hf_folder), "dtype": "float32", "device": "cpu"}, task, chat=True
+    )
+    with server(tiny_pack, "--parallel", "2", "--context", "512") as base:
+        ours, our_samples = evaluate(
+            "local-chat-completions",
+            {"base_url": f"{base}/v1/chat/completions", "model": "pack", "max_retries": 1},
+            task,
+            chat=True,
+        )
+    answers = [sample["filtered_resps"] for sample in our_samples]
+    assert answers == [sample["filtered_resps"] for sample in expected_samples]
+    assert sum(bool(a[0]) for a in answers) > len(answers) // 2  # answers, not empty strings
+    assert ours["exact_match,none"] == expected["exact_match,none"]
