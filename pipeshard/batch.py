@@ -405,6 +405,7 @@ def run_jobs(engine, jobs: list[Job], model: str, parallel: int, default_max_tok
     from pipeshard.server import (
         Answer,
         RequestError,
+        answer_constraint,
         check_fields,
         echoed_prompt,
         prompt_ids,
@@ -457,6 +458,7 @@ def run_jobs(engine, jobs: list[Job], model: str, parallel: int, default_max_tok
                 {"temperature": 0, **job.body}, default_max_tokens, job.chat if job.openai_form else None
             )
             answer = Answer(texts, job.chat, ids, echoed_prompt(job.body, ids, engine.codec), settings)
+            constraint = answer_constraint(job.body, engine.codec, scheduler.step.vocab_size)
             if settings.seed is not None and settings.seed < 0:
                 raise RequestError("'seed' must be a non-negative integer", param="seed")
         except (RequestError, UserError) as exc:
@@ -469,7 +471,7 @@ def run_jobs(engine, jobs: list[Job], model: str, parallel: int, default_max_tok
             outstanding += 1
         while True:
             try:
-                scheduler.submit(ids, settings, sink=sink_for(job, answer))
+                scheduler.submit(ids, settings, sink=sink_for(job, answer), constraint=constraint)
                 break
             except QueueFull:
                 time.sleep(0.01)

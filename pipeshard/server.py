@@ -45,7 +45,7 @@ SAMPLING_FIELDS = (
     "best_of",
 )
 # Every field each endpoint honours (`user` only names the caller, as OpenAI's does).
-COMMON_FIELDS = {"model", "stream", "stream_options", "user", *SAMPLING_FIELDS}
+COMMON_FIELDS = {"model", "stream", "stream_options", "user", "response_format", *SAMPLING_FIELDS}
 CHAT_FIELDS = COMMON_FIELDS - {"echo", "best_of"} | {"messages"}
 COMPLETION_FIELDS = COMMON_FIELDS - {"max_completion_tokens", "top_logprobs"} | {"prompt"}
 # Fields this server cannot honour: a request that uses one is refused, naming it, unless it holds the value that
@@ -56,10 +56,22 @@ UNSUPPORTED_FIELDS = {
     "parallel_tool_calls": lambda v: v is None,
     "functions": lambda v: v in (None, []),
     "function_call": lambda v: v in (None, "none"),
-    "response_format": lambda v: v is None or v == {"type": "text"},
     "logit_bias": lambda v: v in (None, {}),
     "suffix": lambda v: v in (None, ""),
 }
+
+
+def answer_constraint(body: dict, codec, vocab_size: int):
+    """The grammar a request's answer must match (`response_format` json_object / json_schema: a fresh
+    `pipeshard/structured.py` GrammarConstraint), or None. Compiling a schema can take a while: call off the
+    event loop."""
+    from pipeshard.structured import SchemaError, constraint_for, schema_of
+
+    try:
+        schema = schema_of(body.get("response_format"))
+        return None if schema is None else constraint_for(schema, codec, vocab_size)
+    except SchemaError as error:
+        raise RequestError(str(error), param="response_format") from None
 
 
 class RequestError(Exception):
@@ -266,7 +278,8 @@ def create_app(state: State):
         try:
             for index, ids in enumerate(prompts):
                 sink = partial(_put_tagged, loop, events, index)
-                handles.append(scheduler.submit(ids, replace(settings), sink=sink))
+                constraint = await asyncio.to_thread(answer_constraint, body, codec, vocab_size)
+                handles.append(scheduler.submit(ids, replace(settings), sink=sink, constraint=constraint))
             ends: dict[int, object] = {}
             while len(ends) < len(prompts):
                 try:
@@ -308,6 +321,9 @@ def create_app(state: State):
     ):
         model = check_model(body)
         shapes = Answer(state.texts, chat, prompt, echoed_prompt(body, prompt, state.engine.codec), settings)
+        constraint = await asyncio.to_thread(
+            answer_constraint, body, state.engine.codec, scheduler.step.vocab_size
+        )
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
             raise RequestError("'stream' must be true or false", param="stream")
@@ -325,6 +341,7 @@ def create_app(state: State):
                 sink=lambda e: loop.call_soon_threadsafe(events.put_nowait, e),
                 pixel_values=pixel_values,
                 image_grids=image_grids,
+                constraint=constraint,
             )
         except QueueFull as exc:
             raise RequestError(str(exc), 503, kind="server_error") from None
@@ -553,41 +570,31 @@ class Answer:
             return chat_logprobs(self.texts, self.entries)
         from pipeshard.logprobs import completion_logprobs
 
-        tokens = [e.token for e in self.entries]
-        entries = list(self.entries)
+        tokens, entries = [e.token for e in self.entries], list(self.entries)
         if self.echo:
-            tokens, entries = (
-                self.prompt + tokens,
-                list(self.prompt_entries or [None] * len(self.prompt)) + entries,
-            )
+            tokens = self.prompt + tokens
+            entries = list(self.prompt_entries or [None] * len(self.prompt)) + entries
         return completion_logprobs(self.texts, tokens, entries)
 
     def piece(self, event) -> tuple[str, dict | None]:
         """A streamed chunk's text and `logprobs` for this event (the echoed prompt comes first: with its
         logprobs in the event that carries them, else before the first piece)."""
-        text, entries, tokens = (
-            event.text,
-            list(event.logprobs or []),
-            [e.token for e in event.logprobs or []],
-        )
-        if (
-            self.echo
-            and not self.started
-            and (event.prompt_logprobs is not None or self.settings.logprobs is None)
-        ):
-            self.started = True
-            text = self.echoed + text
+        text, entries = event.text, list(event.logprobs or [])
+        tokens = [e.token for e in entries]
+        if self.echo and not self.started:
             if event.prompt_logprobs is not None:
-                entries, tokens = list(event.prompt_logprobs) + entries, self.prompt + tokens
-        logprobs = None
-        if self.settings.logprobs is not None and (entries or text):
-            from pipeshard.logprobs import chat_logprobs, completion_logprobs
+                text, self.started = self.echoed + text, True
+                tokens, entries = self.prompt + tokens, list(event.prompt_logprobs) + entries
+            elif self.settings.logprobs is None:
+                text, self.started = self.echoed + text, True
+        if self.settings.logprobs is None or not (entries or text):
+            return text, None
+        from pipeshard.logprobs import chat_logprobs, completion_logprobs
 
-            if self.chat:
-                logprobs = chat_logprobs(self.texts, entries)
-            else:
-                logprobs = completion_logprobs(self.texts, tokens, entries, self.length)
-                self.length += sum(len(token) for token in logprobs["tokens"])
+        if self.chat:
+            return text, chat_logprobs(self.texts, entries)
+        logprobs = completion_logprobs(self.texts, tokens, entries, self.length)
+        self.length += sum(len(token) for token in logprobs["tokens"])
         return text, logprobs
 
 

@@ -18,6 +18,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
@@ -39,6 +40,17 @@ PREFILL_GROUP_TOKENS = 1024  # padded prompt tokens of the requests prefilled to
 
 class QueueFull(Exception):
     """Every slot is busy and the queue is at its bound."""
+
+
+class TokenConstraint(Protocol):
+    """What a request's answer must match (a JSON schema's grammar, `pipeshard/structured.py`): the tokens that
+    may come next, and each one chosen. Made for one request, used only on the scheduler's thread."""
+
+    def allowed(self) -> np.ndarray:
+        """A bool mask over the vocabulary: the tokens allowed next."""
+
+    def accept(self, token: int) -> bool:
+        """Take the chosen token; False once the answer is complete (only end-of-sequence may follow)."""
 
 
 @dataclass
@@ -79,6 +91,7 @@ class Request:
     )
     positions: np.ndarray | None = None  # an M-RoPE decoder's prompt positions [3, prompt tokens]
     rope_delta: int = 0  # and what a later token adds to its index
+    constraint: TokenConstraint | None = None
 
     def __post_init__(self) -> None:
         self.rng = np.random.default_rng(self.settings.seed)
@@ -160,12 +173,14 @@ class Scheduler:
         sink: Callable[[Event], None] | None = None,
         pixel_values: np.ndarray | None = None,
         image_grids: np.ndarray | None = None,
+        constraint: TokenConstraint | None = None,
     ) -> RequestStream:
         """Queue a request. Raises UserError for what the request itself gets wrong, QueueFull when the queue is at
         its bound. `sink` (called on the scheduler thread) receives the events instead of the returned stream.
         `pixel_values`: a VLM prompt's images (runtime/vision.py `prepare_images`), for its expanded image tokens;
         the encoder runs on the scheduler's thread, which owns the device; `image_grids` their patch grids
-        (Qwen2.5-VL)."""
+        (Qwen2.5-VL). `constraint`: the grammar the answer must match (tokens outside it are never chosen; the
+        answer ends where it completes)."""
         if pixel_values is not None and getattr(self.engine, "vision", None) is None:
             raise UserError("this model is a text model: it takes no images")
         settings.validate()
@@ -183,6 +198,7 @@ class Scheduler:
             sink or events.put,
             pixel_values=pixel_values,
             image_grids=image_grids,
+            constraint=constraint,
         )
         if getattr(self.step, "mrope", None):
             from pipeshard.runtime.images import mrope_batch_positions
@@ -422,19 +438,24 @@ class Scheduler:
         settings = request.settings
         history = [request.prompt + request.generated] if settings.repetition_penalty != 1.0 else []
         outputs = [request.generated] if settings.penalized else None
-        token = int(choose_next_tokens(logits, history, settings, request.rng, outputs)[0])
+        # A constrained answer chooses among the tokens its grammar allows; its logprobs stay the model's own.
+        allowed = (
+            logits if request.constraint is None else np.where(request.constraint.allowed(), logits, -np.inf)
+        )
+        token = int(choose_next_tokens(allowed, history, settings, request.rng, outputs)[0])
         if settings.logprobs is not None:
             request.logprobs += token_logprobs(logits, [token], settings.logprobs)
         if token in self._eos:
             self._finish(request, "stop")
             return
+        complete = request.constraint is not None and not request.constraint.accept(token)
         request.generated.append(token)
         request.last_token = token
         self.stats.generated_tokens += 1
         piece, stopped = request.text.add(token)
         if piece:
             request.sink(Event(text=piece, token=token, logprobs=self._sent_logprobs(request)))
-        if stopped:
+        if stopped or complete:
             self._finish(request, "stop")
         elif len(request.generated) >= settings.max_new_tokens or request.length + 1 >= self.context:
             self._finish(request, "length")

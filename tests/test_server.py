@@ -230,7 +230,8 @@ HI = [{"role": "user", "content": "hi"}]
         ("/v1/chat/completions", "parallel_tool_calls", True),
         ("/v1/chat/completions", "functions", [{"name": "f", "parameters": {}}]),
         ("/v1/chat/completions", "function_call", "auto"),
-        ("/v1/chat/completions", "response_format", {"type": "json_object"}),
+        ("/v1/chat/completions", "response_format", {"type": "xml"}),
+        ("/v1/chat/completions", "response_format", {"type": "json_schema", "json_schema": {"schema": 5}}),
         ("/v1/chat/completions", "logit_bias", {"5": 10}),
         ("/v1/chat/completions", "n", 2),
         ("/v1/chat/completions", "echo", True),  # completions only
@@ -243,7 +244,11 @@ HI = [{"role": "user", "content": "hi"}]
         ("/v1/completions", "best_of", 3),
         ("/v1/completions", "logprobs", 21),
         ("/v1/completions", "logprobs", True),
-        ("/v1/completions", "response_format", {"type": "json_object"}),
+        (
+            "/v1/completions",
+            "response_format",
+            {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}},
+        ),
         ("/v1/completions", "max_completion_tokens", 3),  # chat only
         ("/v1/completions", "echo", "yes"),
     ],
