@@ -149,10 +149,10 @@ def _job(number: int, text: str) -> Job:
         return Job(number, custom_id, True, chat=url == CHAT_URL, body=body)
     if "messages" in record or "prompt" in record:
         chat = "messages" in record
-        from pipeshard.server import SAMPLING_FIELDS, UNSUPPORTED_FIELDS
+        from pipeshard.server import ANSWER_FIELDS, UNSUPPORTED_FIELDS
 
         # The request's fields; those the server cannot honour too, so that they are refused, not dropped.
-        asked = ("messages", "prompt", *SAMPLING_FIELDS, *UNSUPPORTED_FIELDS)
+        asked = ("messages", "prompt", *ANSWER_FIELDS, *UNSUPPORTED_FIELDS)
         body = {k: v for k, v in record.items() if k in asked}
         return Job(number, custom_id, False, chat=chat, body=body, passthrough=record)
     return Job(

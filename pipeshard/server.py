@@ -44,8 +44,10 @@ SAMPLING_FIELDS = (
     "echo",
     "best_of",
 )
+# The fields that shape an answer (a batch's plain lines take these from their other fields).
+ANSWER_FIELDS = ("response_format", *SAMPLING_FIELDS)
 # Every field each endpoint honours (`user` only names the caller, as OpenAI's does).
-COMMON_FIELDS = {"model", "stream", "stream_options", "user", "response_format", *SAMPLING_FIELDS}
+COMMON_FIELDS = {"model", "stream", "stream_options", "user", *ANSWER_FIELDS}
 CHAT_FIELDS = COMMON_FIELDS - {"echo", "best_of"} | {"messages"}
 COMPLETION_FIELDS = COMMON_FIELDS - {"max_completion_tokens", "top_logprobs"} | {"prompt"}
 # Fields this server cannot honour: a request that uses one is refused, naming it, unless it holds the value that

@@ -107,3 +107,19 @@ def test_the_mask_costs_little_per_token(tiny_llama_export):
     per_token_ms = (time.perf_counter() - started) / tokens * 1e3
     print(f"constrained decoding: {per_token_ms:.3f} ms per token over {tokens} tokens")
     assert per_token_ms < 5
+
+
+def test_a_batch_line_with_a_schema_gets_json_that_validates(tiny_pack, tmp_path):
+    from pipeshard.cli import main
+
+    schema = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}}
+    lines = [
+        {"custom_id": f"q{seed}", "prompt": "JSON:", "temperature": 1.0, "seed": seed, "max_tokens": 200}
+        | {"response_format": schema}
+        for seed in range(4)
+    ]
+    job, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    job.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    assert main(["batch", str(tiny_pack), str(job), str(out)]) == 0
+    for record in map(json.loads, out.read_text().splitlines()):
+        jsonschema.validate(json.loads(record["output"]), SCHEMA)
