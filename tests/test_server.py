@@ -644,3 +644,13 @@ def test_requests_waiting_together_are_prefilled_in_one_step_with_their_solo_tok
     finally:
         release.set()
         scheduler.close()
+
+
+def test_serve_names_its_token_limit_as_run_chat_and_batch_do():
+    from pipeshard.cli import build_parser
+
+    parser = build_parser()
+    for command in (["serve", "p"], ["batch", "p", "in", "out"], ["run", "p", "hi"], ["chat", "p"]):
+        assert parser.parse_args([*command, "--max-new-tokens", "7"]).max_new_tokens == 7
+    assert parser.parse_args(["serve", "p", "--max-tokens", "9"]).max_new_tokens == 9  # the old spelling
+    assert parser.parse_args(["serve", "p"]).max_new_tokens == 256
