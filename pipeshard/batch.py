@@ -149,9 +149,11 @@ def _job(number: int, text: str) -> Job:
         return Job(number, custom_id, True, chat=url == CHAT_URL, body=body)
     if "messages" in record or "prompt" in record:
         chat = "messages" in record
-        from pipeshard.server import SAMPLING_FIELDS
+        from pipeshard.server import ANSWER_FIELDS, UNSUPPORTED_FIELDS
 
-        body = {k: v for k, v in record.items() if k in ("messages", "prompt", *SAMPLING_FIELDS)}
+        # The request's fields; those the server cannot honour too, so that they are refused, not dropped.
+        asked = ("messages", "prompt", *ANSWER_FIELDS, *UNSUPPORTED_FIELDS)
+        body = {k: v for k, v in record.items() if k in asked}
         return Job(number, custom_id, False, chat=chat, body=body, passthrough=record)
     return Job(
         number, custom_id, False, error=f"line {number}: needs messages or prompt (or an OpenAI Batch body)"
@@ -351,8 +353,11 @@ class Summary:
         )
 
 
-def result_record(job: Job, model: str, text: str | None, end, error: str | None) -> dict:
-    """The output line of a job: OpenAI's batch output for its form, or the input's fields plus the answer."""
+def result_record(
+    job: Job, model: str, text: str | None, end, error: str | None, logprobs: dict | None = None
+) -> dict:
+    """The output line of a job: OpenAI's batch output for its form, or the input's fields plus the answer (and its
+    `logprobs` object, as the API's choice has it, when the line asked for them)."""
     from pipeshard.server import completion_document
 
     if job.openai_form:
@@ -374,7 +379,7 @@ def result_record(job: Job, model: str, text: str | None, end, error: str | None
             "response": {
                 "status_code": 200,
                 "request_id": uuid.uuid4().hex,
-                "body": completion_document(job.chat, identifier, model, text, end),
+                "body": completion_document(job.chat, identifier, model, text, end, logprobs=logprobs),
             },
             "error": None,
         }
@@ -386,6 +391,7 @@ def result_record(job: Job, model: str, text: str | None, end, error: str | None
         "output": text,
         "finish_reason": "length" if end.finish_reason == "length" else "stop",
         "usage": {"prompt_tokens": end.prompt_tokens, "completion_tokens": end.completion_tokens},
+        **({"logprobs": logprobs} if logprobs is not None else {}),
     }
 
 
@@ -394,30 +400,39 @@ def run_jobs(engine, jobs: list[Job], model: str, parallel: int, default_max_tok
     event, None for a job refused before it ran). A job cancelled by an interruption gets no record. When
     `on_record` raises (OUT cannot take a result), nothing more is started or recorded and the error is raised
     here, on the caller's thread."""
+    from pipeshard.logprobs import TokenTexts
     from pipeshard.runtime.scheduler import QueueFull
-    from pipeshard.server import RequestError, prompt_ids, sampling_settings
+    from pipeshard.server import (
+        Answer,
+        RequestError,
+        answer_constraint,
+        check_fields,
+        echoed_prompt,
+        prompt_ids,
+        sampling_settings,
+    )
 
     scheduler = engine.serve(parallel=parallel, queue_size=parallel)
     changed = threading.Condition()
     outstanding = 0  # submitted and not finished: at most the slots and as many waiting
     failures: list[Exception] = []
+    texts = TokenTexts(engine.codec)
 
     def refused(job: Job, error: str) -> None:
         on_record(job, result_record(job, model, None, None, error), None)
 
-    def sink_for(job: Job):
-        pieces: list[str] = []
-
+    def sink_for(job: Job, answer: Answer):
         def sink(event) -> None:
             nonlocal outstanding
-            pieces.append(event.text)
+            answer.add(event)
             if event.finish_reason is None:
                 return
             # a cancelled one (the job interrupted) is redone on a rerun
             if event.finish_reason != "cancelled" and not failures:
                 error = event.error if event.finish_reason == "error" else None
                 try:
-                    on_record(job, result_record(job, model, "".join(pieces), event, error), event)
+                    record = result_record(job, model, answer.text, event, error, answer.logprobs())
+                    on_record(job, record, event)
                 except Exception as exc:  # noqa: BLE001 - raised again on the caller's thread
                     failures.append(exc)
             with changed:
@@ -436,8 +451,14 @@ def run_jobs(engine, jobs: list[Job], model: str, parallel: int, default_max_tok
             refused(job, job.error)
             continue
         try:
+            if not job.openai_form:  # the plain form's other fields are the caller's, passed through
+                check_fields(job.body, job.chat)
             ids = prompt_ids(engine.codec, job.body, job.chat, scheduler.step.vocab_size)
-            settings = sampling_settings({"temperature": 0, **job.body}, default_max_tokens)
+            settings = sampling_settings(
+                {"temperature": 0, **job.body}, default_max_tokens, job.chat if job.openai_form else None
+            )
+            answer = Answer(texts, job.chat, ids, echoed_prompt(job.body, ids, engine.codec), settings)
+            constraint = answer_constraint(job.body, engine.codec, scheduler.step.vocab_size)
             if settings.seed is not None and settings.seed < 0:
                 raise RequestError("'seed' must be a non-negative integer", param="seed")
         except (RequestError, UserError) as exc:
@@ -450,7 +471,7 @@ def run_jobs(engine, jobs: list[Job], model: str, parallel: int, default_max_tok
             outstanding += 1
         while True:
             try:
-                scheduler.submit(ids, settings, sink=sink_for(job))
+                scheduler.submit(ids, settings, sink=sink_for(job, answer), constraint=constraint)
                 break
             except QueueFull:
                 time.sleep(0.01)

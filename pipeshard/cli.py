@@ -201,7 +201,7 @@ def _command_serve(args: argparse.Namespace) -> int:
             plans=args.plans,
         )
 
-    settings = ServerSettings(name, args.api_key, args.max_tokens)
+    settings = ServerSettings(name, args.api_key, args.max_new_tokens)
     return serve(load, settings, args.host, args.port, args.parallel, args.queue, args.context)
 
 
@@ -949,8 +949,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--parallel", type=_count(1), default=4, help="requests decoded together (KV slots)")
     serve.add_argument("--queue", type=_count(1), default=64, help="requests waiting for a slot before 503")
     serve.add_argument(
-        "--max-tokens", type=_count(1), default=256, help="new tokens when a request gives none"
+        "--max-new-tokens", type=_count(1), default=256, help="new tokens when a request gives no max_tokens"
     )
+    # The flag's name before run, chat, batch and serve shared one.
+    serve.add_argument("--max-tokens", type=_count(1), dest="max_new_tokens", help=argparse.SUPPRESS)
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
     serve.add_argument(
         "--name", default=None, help="the model's name in the API (default: the pack's folder name)"

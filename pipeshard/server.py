@@ -18,14 +18,15 @@ import socket
 import threading
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import partial
 
 from pipeshard.core.errors import UserError
 
 log = logging.getLogger(__name__)
 MAX_BODY_BYTES = 1 << 20
 SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
-# The request fields `sampling_settings` reads (besides n and the ignored penalties).
+# The request fields `sampling_settings` reads.
 SAMPLING_FIELDS = (
     "max_tokens",
     "max_completion_tokens",
@@ -35,17 +36,59 @@ SAMPLING_FIELDS = (
     "seed",
     "stop",
     "repetition_penalty",
+    "frequency_penalty",
+    "presence_penalty",
+    "n",
+    "logprobs",
+    "top_logprobs",
+    "echo",
+    "best_of",
 )
+# The fields that shape an answer (a batch's plain lines take these from their other fields).
+ANSWER_FIELDS = ("response_format", *SAMPLING_FIELDS)
+# Every field each endpoint honours (`user` only names the caller, as OpenAI's does).
+COMMON_FIELDS = {"model", "stream", "stream_options", "user", *ANSWER_FIELDS}
+CHAT_FIELDS = COMMON_FIELDS - {"echo", "best_of"} | {"messages"}
+COMPLETION_FIELDS = COMMON_FIELDS - {"max_completion_tokens", "top_logprobs"} | {"prompt"}
+# Fields this server cannot honour: a request that uses one is refused, naming it, unless it holds the value that
+# asks for nothing (OpenAI's default).
+UNSUPPORTED_FIELDS = {
+    "tools": lambda v: v in (None, []),
+    "tool_choice": lambda v: v in (None, "none"),
+    "parallel_tool_calls": lambda v: v is None,
+    "functions": lambda v: v in (None, []),
+    "function_call": lambda v: v in (None, "none"),
+    "logit_bias": lambda v: v in (None, {}),
+    "suffix": lambda v: v in (None, ""),
+}
+
+
+def answer_constraint(body: dict, codec, vocab_size: int):
+    """The grammar a request's answer must match (`response_format` json_object / json_schema: a fresh
+    `pipeshard/structured.py` GrammarConstraint), or None. Compiling a schema can take a while: call off the
+    event loop."""
+    from pipeshard.structured import SchemaError, constraint_for, schema_of
+
+    try:
+        schema = schema_of(body.get("response_format"))
+        return None if schema is None else constraint_for(schema, codec, vocab_size)
+    except SchemaError as error:
+        raise RequestError(str(error), param="response_format") from None
 
 
 class RequestError(Exception):
     """What a client got wrong: answered with an OpenAI error object and this status."""
 
     def __init__(
-        self, message: str, status: int = 400, param: str | None = None, kind: str = "invalid_request_error"
+        self,
+        message: str,
+        status: int = 400,
+        param: str | None = None,
+        kind: str = "invalid_request_error",
+        code: str | None = None,
     ) -> None:
         super().__init__(message)
-        self.status, self.param, self.kind = status, param, kind
+        self.status, self.param, self.kind, self.code = status, param, kind, code
 
 
 @dataclass
@@ -62,6 +105,7 @@ class State:
         self.settings = settings
         self.engine = None
         self.scheduler = None
+        self.texts = None  # the tokens' texts for logprobs (pipeshard/logprobs.py TokenTexts)
         self.load_error: str | None = None
         self.started = time.time()
 
@@ -73,7 +117,7 @@ def create_app(state: State):
 
     def error_response(error: RequestError) -> JSONResponse:
         return JSONResponse(
-            {"error": {"message": str(error), "type": error.kind, "param": error.param, "code": None}},
+            {"error": {"message": str(error), "type": error.kind, "param": error.param, "code": error.code}},
             status_code=error.status,
         )
 
@@ -162,9 +206,23 @@ def create_app(state: State):
                 param="messages" if "messages" in body else "prompt",
             )
 
+    def check_model(body: dict) -> str:
+        """The request's model: the served one (also when it names none); another is a 404, as OpenAI's is."""
+        model = body.get("model", state.settings.model_name)
+        if model != state.settings.model_name:
+            raise RequestError(
+                f"the model {model!r} does not exist; this server has {state.settings.model_name!r}",
+                404,
+                param="model",
+                code="model_not_found",
+            )
+        return model
+
     async def chat_completions(request):
         body = await body_of(request)
         scheduler = ready()
+        check_model(body)
+        settings = sampling_settings(body, state.settings.default_max_tokens, chat=True)
         refuse_overlong(body, scheduler)
         prompt, images = await asyncio.to_thread(
             prompt_with_images,
@@ -177,6 +235,7 @@ def create_app(state: State):
         return await complete(
             request,
             body,
+            settings,
             scheduler,
             prompt,
             chat=True,
@@ -187,23 +246,86 @@ def create_app(state: State):
     async def completions(request):
         body = await body_of(request)
         scheduler = ready()
+        check_model(body)
+        settings = sampling_settings(body, state.settings.default_max_tokens, chat=False)
         refuse_overlong(body, scheduler)
+        if _is_prompt_list(body.get("prompt")):
+            return await complete_many(request, body, settings, scheduler)
         ids = await asyncio.to_thread(
             prompt_ids, state.engine.codec, body, chat=False, vocab_size=scheduler.step.vocab_size
         )
-        return await complete(request, body, scheduler, ids, chat=False)
+        return await complete(request, body, settings, scheduler, ids, chat=False)
+
+    async def complete_many(request, body: dict, settings, scheduler):
+        """A completions request of several prompts (a list of texts or of token-id lists, as OpenAI's API takes
+        and lm-evaluation-harness sends): one choice per prompt, `index` its place; not streamed."""
+        if body.get("stream"):
+            raise RequestError("a list of prompts is answered whole: 'stream' must be false", param="stream")
+        model = check_model(body)
+        codec = state.engine.codec
+        vocab_size = scheduler.step.vocab_size
+        prompts = [
+            await asyncio.to_thread(prompt_ids, codec, {"prompt": one}, False, vocab_size)
+            for one in body["prompt"]
+        ]
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+        answers = [
+            Answer(state.texts, False, ids, echoed_prompt({**body, "prompt": one}, ids, codec), settings)
+            for one, ids in zip(body["prompt"], prompts, strict=True)
+        ]
+        from pipeshard.runtime.scheduler import QueueFull
+
+        handles = []
+        try:
+            for index, ids in enumerate(prompts):
+                sink = partial(_put_tagged, loop, events, index)
+                constraint = await asyncio.to_thread(answer_constraint, body, codec, vocab_size)
+                handles.append(scheduler.submit(ids, replace(settings), sink=sink, constraint=constraint))
+            ends: dict[int, object] = {}
+            while len(ends) < len(prompts):
+                try:
+                    index, event = await asyncio.wait_for(events.get(), timeout=0.5)
+                except TimeoutError:
+                    if await request.is_disconnected():
+                        return PlainTextResponse("", status_code=499)
+                    continue
+                answers[index].add(event)
+                if event.finish_reason is not None:
+                    ends[index] = event
+        except QueueFull as exc:
+            raise RequestError(str(exc), 503, kind="server_error") from None
+        finally:
+            for handle in handles:
+                handle.cancel()  # those still running, when the client left or a prompt was refused
+        if failed := [e for e in ends.values() if e.finish_reason == "error"]:
+            raise RequestError(f"generation failed: {failed[0].error}", 500, kind="server_error")
+        identifier, created = "cmpl-" + uuid.uuid4().hex[:24], int(time.time())
+        documents = [
+            completion_document(False, identifier, model, answer.text, ends[i], created, answer.logprobs())
+            for i, answer in enumerate(answers)
+        ]
+        whole = documents[0]
+        whole["choices"] = [{**d["choices"][0], "index": i} for i, d in enumerate(documents)]
+        for key in whole["usage"]:
+            whole["usage"][key] = sum(d["usage"][key] for d in documents)
+        return JSONResponse(whole)
 
     async def complete(
-        request, body: dict, scheduler, prompt: list[int], chat: bool, pixel_values=None, image_grids=None
+        request,
+        body: dict,
+        settings,
+        scheduler,
+        prompt: list[int],
+        chat: bool,
+        pixel_values=None,
+        image_grids=None,
     ):
-        model = body.get("model", state.settings.model_name)
-        if model != state.settings.model_name:
-            raise RequestError(
-                f"unknown model {model!r}; this server has {state.settings.model_name!r}",
-                param="model",
-                kind="invalid_request_error",
-            )
-        settings = sampling_settings(body, state.settings.default_max_tokens)
+        model = check_model(body)
+        shapes = Answer(state.texts, chat, prompt, echoed_prompt(body, prompt, state.engine.codec), settings)
+        constraint = await asyncio.to_thread(
+            answer_constraint, body, state.engine.codec, scheduler.step.vocab_size
+        )
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
             raise RequestError("'stream' must be true or false", param="stream")
@@ -221,6 +343,7 @@ def create_app(state: State):
                 sink=lambda e: loop.call_soon_threadsafe(events.put_nowait, e),
                 pixel_values=pixel_values,
                 image_grids=image_grids,
+                constraint=constraint,
             )
         except QueueFull as exc:
             raise RequestError(str(exc), 503, kind="server_error") from None
@@ -234,16 +357,13 @@ def create_app(state: State):
                 "total_tokens": event.prompt_tokens + event.completion_tokens,
             }
 
-        def choice(text: str, finish: str | None, delta: bool) -> dict:
+        def choice(text: str, finish: str | None, logprobs: dict | None) -> dict:
             if not chat:
-                return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
-            content = (
-                {"role": "assistant", "content": text} if not delta else ({"content": text} if text else {})
-            )
+                return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
             return {
                 "index": 0,
-                ("delta" if delta else "message"): content,
-                "logprobs": None,
+                "delta": {"content": text} if text else {},
+                "logprobs": logprobs,
                 "finish_reason": finish,
             }
 
@@ -251,7 +371,6 @@ def create_app(state: State):
             return "length" if event.finish_reason == "length" else "stop"
 
         if not stream:
-            pieces = []
             try:
                 while True:
                     try:
@@ -261,7 +380,7 @@ def create_app(state: State):
                             handle.cancel()
                             return PlainTextResponse("", status_code=499)
                         continue
-                    pieces.append(event.text)
+                    shapes.add(event)
                     if event.finish_reason is not None:
                         break
             except asyncio.CancelledError:
@@ -269,7 +388,9 @@ def create_app(state: State):
                 raise
             if event.finish_reason == "error":
                 raise RequestError(f"generation failed: {event.error}", 500, kind="server_error")
-            return JSONResponse(completion_document(chat, identifier, model, "".join(pieces), event, created))
+            return JSONResponse(
+                completion_document(chat, identifier, model, shapes.text, event, created, shapes.logprobs())
+            )
 
         async def sse():
             chunk_kind = "chat.completion.chunk" if chat else "text_completion"
@@ -293,14 +414,15 @@ def create_app(state: State):
                 while True:
                     event = await events.get()
                     done = event.finish_reason is not None
-                    if event.text or done:
+                    text, logprobs = shapes.piece(event)
+                    if text or logprobs or done:
                         yield _sse(
                             {
                                 "id": identifier,
                                 "object": chunk_kind,
                                 "created": created,
                                 "model": model,
-                                "choices": [choice(event.text, finish_reason(event) if done else None, True)],
+                                "choices": [choice(text, finish_reason(event) if done else None, logprobs)],
                             }
                         )
                     if done:
@@ -396,10 +518,99 @@ def parse_body(raw: bytes) -> dict:
     return body
 
 
+def _is_prompt_list(prompt) -> bool:
+    """Whether a completions prompt is several prompts: a list of texts, or of token-id lists."""
+    return isinstance(prompt, list) and bool(prompt) and all(isinstance(p, str | list) for p in prompt)
+
+
+def _put_tagged(loop, events: asyncio.Queue, index: int, event) -> None:
+    """A scheduler event of one of a request's prompts, handed to the event loop with the prompt's index."""
+    loop.call_soon_threadsafe(events.put_nowait, (index, event))
+
+
+def echoed_prompt(body: dict, prompt: list[int], codec) -> str | None:
+    """The text a completions request with `echo` gets back before its answer: its prompt as written (token ids
+    decoded); None without `echo` (and for chat, which has none)."""
+    if "messages" in body or body.get("echo") is not True:
+        return None
+    text = body.get("prompt")
+    return text if isinstance(text, str) else codec.decode(prompt, skip_special_tokens=False)
+
+
+class Answer:
+    """One request's answer as it comes (text pieces, logprobs, an echoed prompt), for the OpenAI documents: whole
+    (`add` every event, then `text` and `logprobs()`) or streamed (`piece` of each event)."""
+
+    def __init__(self, texts, chat: bool, prompt: list[int], echoed: str | None, settings) -> None:
+        """`echoed`: the prompt's text when the answer repeats it (completions' `echo`), else None."""
+        self.texts, self.chat, self.prompt, self.settings = texts, chat, prompt, settings
+        self.echo = echoed is not None
+        self.echoed = echoed or ""
+        self.pieces: list[str] = []
+        self.entries: list = []  # generated tokens' TokenLogprobs
+        self.prompt_entries: list | None = None
+        self.length = 0  # characters streamed so far (completions' text_offset)
+        self.started = False  # whether the echoed prompt went out
+
+    @property
+    def text(self) -> str:
+        return self.echoed + "".join(self.pieces)
+
+    def add(self, event) -> None:
+        self.pieces.append(event.text)
+        self.entries += event.logprobs or []
+        if event.prompt_logprobs is not None:
+            self.prompt_entries = event.prompt_logprobs
+
+    def logprobs(self) -> dict | None:
+        """The whole answer's `logprobs` object (None when the request asked for none)."""
+        if self.settings.logprobs is None:
+            return None
+        if self.chat:
+            from pipeshard.logprobs import chat_logprobs
+
+            return chat_logprobs(self.texts, self.entries)
+        from pipeshard.logprobs import completion_logprobs
+
+        tokens, entries = [e.token for e in self.entries], list(self.entries)
+        if self.echo:
+            tokens = self.prompt + tokens
+            entries = list(self.prompt_entries or [None] * len(self.prompt)) + entries
+        return completion_logprobs(self.texts, tokens, entries)
+
+    def piece(self, event) -> tuple[str, dict | None]:
+        """A streamed chunk's text and `logprobs` for this event (the echoed prompt comes first: with its
+        logprobs in the event that carries them, else before the first piece)."""
+        text, entries = event.text, list(event.logprobs or [])
+        tokens = [e.token for e in entries]
+        if self.echo and not self.started:
+            if event.prompt_logprobs is not None:
+                text, self.started = self.echoed + text, True
+                tokens, entries = self.prompt + tokens, list(event.prompt_logprobs) + entries
+            elif self.settings.logprobs is None:
+                text, self.started = self.echoed + text, True
+        if self.settings.logprobs is None or not (entries or text):
+            return text, None
+        from pipeshard.logprobs import chat_logprobs, completion_logprobs
+
+        if self.chat:
+            return text, chat_logprobs(self.texts, entries)
+        logprobs = completion_logprobs(self.texts, tokens, entries, self.length)
+        self.length += sum(len(token) for token in logprobs["tokens"])
+        return text, logprobs
+
+
 def completion_document(
-    chat: bool, identifier: str, model: str, text: str, end, created: int | None = None
+    chat: bool,
+    identifier: str,
+    model: str,
+    text: str,
+    end,
+    created: int | None = None,
+    logprobs: dict | None = None,
 ) -> dict:
-    """A whole answer as OpenAI's chat.completion or text_completion object (`end`: the request's last event)."""
+    """A whole answer as OpenAI's chat.completion or text_completion object (`end`: the request's last event;
+    `logprobs`: the choice's, from `Answer.logprobs`)."""
     finish = "length" if end.finish_reason == "length" else "stop"
     choice = (
         {"index": 0, "message": {"role": "assistant", "content": text}}
@@ -411,7 +622,7 @@ def completion_document(
         "object": "chat.completion" if chat else "text_completion",
         "created": int(time.time()) if created is None else created,
         "model": model,
-        "choices": [{**choice, "logprobs": None, "finish_reason": finish}],
+        "choices": [{**choice, "logprobs": logprobs, "finish_reason": finish}],
         "usage": {
             "prompt_tokens": end.prompt_tokens,
             "completion_tokens": end.completion_tokens,
@@ -523,9 +734,30 @@ def _data_url_image(image_url):
     return image
 
 
-def sampling_settings(body: dict, default_max_tokens: int):
-    """The request's sampling fields as SamplingSettings; each wrong one is a RequestError naming it."""
-    from pipeshard.runtime.generate import SamplingSettings
+def check_fields(body: dict, chat: bool) -> None:
+    """Refuse, naming it, every field the endpoint does not honour: one it cannot (tools, response_format, ...)
+    unless it asks for nothing, and one it does not know (as OpenAI does). None is never silently ignored."""
+    known = CHAT_FIELDS if chat else COMPLETION_FIELDS
+    for name, value in body.items():
+        if name in known:
+            continue
+        if name in UNSUPPORTED_FIELDS:
+            if UNSUPPORTED_FIELDS[name](value):
+                continue
+            raise RequestError(
+                f"'{name}' is not supported by this server", param=name, code="unsupported_field"
+            )
+        endpoint = "chat completions" if chat else "completions"
+        raise RequestError(f"unrecognized request argument for {endpoint}: '{name}'", param=name)
+
+
+def sampling_settings(body: dict, default_max_tokens: int, chat: bool | None = None):
+    """The request's sampling fields as SamplingSettings; each wrong one is a RequestError naming it. With `chat`
+    (True: chat completions, False: completions) every other field is checked too (`check_fields`)."""
+    from pipeshard.runtime.generate import MAX_TOP_LOGPROBS, SamplingSettings
+
+    if chat is not None:
+        check_fields(body, chat)
 
     def number(name: str, default, low: float, high: float, integer: bool = False):
         value = body.get(name, default)
@@ -545,9 +777,32 @@ def sampling_settings(body: dict, default_max_tokens: int):
     n = body.get("n", 1)
     if isinstance(n, bool) or n != 1:
         raise RequestError("'n' must be 1 (one choice per request)", param="n")
-    max_tokens = number("max_completion_tokens", None, 1, 1 << 20, integer=True) or number(
-        "max_tokens", default_max_tokens, 1, 1 << 20, integer=True
-    )
+    best_of = body.get("best_of")
+    if best_of is not None and (isinstance(best_of, bool) or best_of != 1):
+        raise RequestError("'best_of' must be 1 (one candidate per request)", param="best_of")
+    echo = body.get("echo", False)
+    if echo is not None and not isinstance(echo, bool):
+        raise RequestError("'echo' must be true or false", param="echo")
+    logprobs = body.get("logprobs")
+    top_logprobs = body.get("top_logprobs")
+    if chat is False or (chat is None and "messages" not in body):  # completions: logprobs is the count
+        if logprobs is not None:
+            logprobs = number("logprobs", None, 0, MAX_TOP_LOGPROBS, integer=True)
+    else:  # chat: logprobs says whether, top_logprobs how many alternatives
+        if logprobs is not None and not isinstance(logprobs, bool):
+            raise RequestError("'logprobs' must be true or false", param="logprobs")
+        count = number("top_logprobs", None, 0, MAX_TOP_LOGPROBS, integer=True)
+        if top_logprobs is not None and not logprobs:
+            raise RequestError("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+        logprobs = (count or 0) if logprobs else None
+    # echo with no new tokens (a likelihood evaluation): the prompt's logprobs are computed even when not shown
+    prompt_logprobs = logprobs if echo and logprobs is not None else None
+    floor = 0 if echo else 1
+    max_tokens = number("max_completion_tokens", None, floor, 1 << 20, integer=True)
+    if max_tokens is None:
+        max_tokens = number("max_tokens", default_max_tokens, floor, 1 << 20, integer=True)
+    if max_tokens == 0 and prompt_logprobs is None:
+        prompt_logprobs = 0
     stop = body.get("stop")
     if stop is None:
         stops: tuple[str, ...] = ()
@@ -560,8 +815,6 @@ def sampling_settings(body: dict, default_max_tokens: int):
     seed = body.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 1 << 64):
         raise RequestError("'seed' must be an integer in [0, 2**64)", param="seed")
-    for ignored in ("frequency_penalty", "presence_penalty"):
-        number(ignored, 0.0, -2.0, 2.0)
     return SamplingSettings(
         max_new_tokens=max_tokens,
         temperature=number("temperature", 1.0, 0.0, 2.0),
@@ -570,6 +823,10 @@ def sampling_settings(body: dict, default_max_tokens: int):
         repetition_penalty=number("repetition_penalty", 1.0, 1e-3, 10.0),
         seed=seed,
         stop_strings=stops,
+        frequency_penalty=number("frequency_penalty", 0.0, -2.0, 2.0),
+        presence_penalty=number("presence_penalty", 0.0, -2.0, 2.0),
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
     )
 
 
@@ -626,7 +883,10 @@ def serve(
 
     def load() -> None:
         try:
+            from pipeshard.logprobs import TokenTexts
+
             state.engine = engine_loader()
+            state.texts = TokenTexts(state.engine.codec)
             state.scheduler = Scheduler(
                 state.engine, parallel=parallel, queue_size=queue_size, context=context
             )

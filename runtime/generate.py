@@ -39,6 +39,10 @@ class ForwardStep(Protocol):
         step takes the rows of its image tokens' features."""
 
 
+# The most alternatives a token's logprobs may list (vLLM's default bound; OpenAI's chat allows 20).
+MAX_TOP_LOGPROBS = 20
+
+
 @dataclass
 class SamplingSettings:
     """How the next token is chosen; temperature 0 is greedy."""
@@ -50,9 +54,21 @@ class SamplingSettings:
     repetition_penalty: float = 1.0
     seed: int | None = None
     stop_strings: tuple[str, ...] = ()
+    # OpenAI's additive penalties over the tokens generated so far: count x frequency + (count > 0) x presence.
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    # Log-probabilities reported (by the scheduler): each generated token's with its `logprobs` likeliest
+    # alternatives, and with `prompt_logprobs` each prompt token's too (then the answer may have no new tokens).
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+
+    @property
+    def penalized(self) -> bool:
+        """Whether any penalty changes the logits (greedy then is no plain argmax)."""
+        return self.repetition_penalty != 1.0 or bool(self.frequency_penalty or self.presence_penalty)
 
     def validate(self) -> None:
-        if self.max_new_tokens < 1:
+        if self.max_new_tokens < (0 if self.prompt_logprobs is not None else 1):
             raise UserError("--max-new-tokens must be at least 1")
         if self.temperature < 0:
             raise UserError("--temperature must be >= 0")
@@ -62,6 +78,9 @@ class SamplingSettings:
             raise UserError("--top-p must be in (0, 1]")
         if self.repetition_penalty <= 0:
             raise UserError("--repetition-penalty must be > 0")
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None and not 0 <= getattr(self, name) <= MAX_TOP_LOGPROBS:
+                raise UserError(f"{name} must be in [0, {MAX_TOP_LOGPROBS}]")
 
 
 @dataclass
@@ -88,11 +107,44 @@ class Generation:
     step_token_counts: list[int] = field(default_factory=list)
 
 
+@dataclass
+class TokenLogprob:
+    """A token's log-probability under the model's raw logits, and the likeliest tokens there (most likely
+    first), as OpenAI's and vLLM's `logprobs` report them."""
+
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+def token_logprobs(logits: np.ndarray, tokens: list[int], top: int) -> list[TokenLogprob]:
+    """Log-softmax of `logits` [rows, vocab] (raw: before temperature and penalties) at one token per row, with each
+    row's `top` likeliest tokens. The normalizer is summed in float64; no float64 copy of the rows is made."""
+    rows = np.asarray(logits, np.float32)
+    peak = rows.max(axis=-1, keepdims=True)
+    normalizer = peak[:, 0].astype(np.float64) + np.log(np.exp(rows - peak).sum(axis=-1, dtype=np.float64))
+    entries = []
+    for row, token in enumerate(tokens):
+        best: list[tuple[int, float]] = []
+        if top:
+            candidates = np.argpartition(-rows[row], top - 1)[:top]
+            ordered = sorted(candidates.tolist(), key=lambda t: (-rows[row, t], t))
+            best = [(t, float(rows[row, t]) - normalizer[row]) for t in ordered]
+        entries.append(TokenLogprob(token, float(rows[row, token]) - normalizer[row], best))
+    return entries
+
+
 def choose_next_tokens(
-    logits: np.ndarray, history: list[list[int]], settings: SamplingSettings, rng: np.random.Generator
+    logits: np.ndarray,
+    history: list[list[int]],
+    settings: SamplingSettings,
+    rng: np.random.Generator,
+    outputs: list[list[int]] | None = None,
 ) -> np.ndarray:
-    """Pick one token per row of `logits` [batch, vocab] by the sampling settings."""
-    if settings.temperature == 0 and settings.repetition_penalty == 1.0:
+    """Pick one token per row of `logits` [batch, vocab] by the sampling settings. `history`: each row's prompt
+    and generated tokens (the repetition penalty's); `outputs`: its generated ones (the frequency and presence
+    penalties', which OpenAI and vLLM apply to the answer only)."""
+    if settings.temperature == 0 and not settings.penalized:
         return logits.argmax(axis=-1)  # greedy: the model's own dtype has the same argmax, and no copy
     logits = logits.astype(np.float64, copy=True)
     if settings.repetition_penalty != 1.0:
@@ -103,6 +155,11 @@ def choose_next_tokens(
                 logits[row, ids] = np.where(
                     values > 0, values / settings.repetition_penalty, values * settings.repetition_penalty
                 )
+    if settings.frequency_penalty or settings.presence_penalty:
+        for row, produced in enumerate(outputs or []):
+            if produced:
+                ids, counts = np.unique(np.asarray(produced), return_counts=True)
+                logits[row, ids] -= counts * settings.frequency_penalty + settings.presence_penalty
     if settings.temperature == 0:
         return logits.argmax(axis=-1)
     logits /= settings.temperature
@@ -183,6 +240,12 @@ class Generator:
         rows for the prompts' image tokens, in reading order (prompt by prompt); `image_grids` [images, 3] their
         patch grids, which an M-RoPE decoder's positions need."""
         settings.validate()
+        if (
+            settings.max_new_tokens < 1
+            or settings.logprobs is not None
+            or settings.prompt_logprobs is not None
+        ):
+            raise UserError("logprobs and answers without new tokens are the scheduler's (serve, batch)")
         if keep_cache is not None and len(prompts) != 1:
             raise ValueError("keep_cache takes one prompt")
         if not prompts or any(not ids for ids in prompts):
@@ -239,7 +302,7 @@ class Generator:
         stop_reason: list[str | None] = [None] * batch
         eos = set(self.codec.eos_token_ids)
         step_counts: list[int] = []
-        penalized = settings.repetition_penalty != 1.0
+        penalized = settings.penalized
         started = time.perf_counter()
         first_token_at = started
         for step_index in range(settings.max_new_tokens):
@@ -252,7 +315,7 @@ class Generator:
                 fed += input_ids[0].tolist()
             step_counts.append(int(input_ids.size))
             history = [list(p) + g for p, g in zip(prompts, generated, strict=True)] if penalized else []
-            next_tokens = choose_next_tokens(logits, history, settings, rng)
+            next_tokens = choose_next_tokens(logits, history, settings, rng, generated if penalized else None)
             if step_index == 0:
                 first_token_at = time.perf_counter()
             for row, token in enumerate(next_tokens.tolist()):

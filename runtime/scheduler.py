@@ -18,11 +18,19 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
 from pipeshard.core.errors import UserError
-from pipeshard.runtime.generate import SamplingSettings, _first_stop, _TextStream, choose_next_tokens
+from pipeshard.runtime.generate import (
+    SamplingSettings,
+    TokenLogprob,
+    _first_stop,
+    _TextStream,
+    choose_next_tokens,
+    token_logprobs,
+)
 from pipeshard.runtime.kv import image_rows
 
 log = logging.getLogger(__name__)
@@ -34,9 +42,23 @@ class QueueFull(Exception):
     """Every slot is busy and the queue is at its bound."""
 
 
+class TokenConstraint(Protocol):
+    """What a request's answer must match (a JSON schema's grammar, `pipeshard/structured.py`): the tokens that
+    may come next, and each one chosen. Made for one request, used only on the scheduler's thread."""
+
+    def allowed(self) -> np.ndarray:
+        """A bool mask over the vocabulary: the tokens allowed next."""
+
+    def accept(self, token: int) -> bool:
+        """Take the chosen token; False once the answer is complete (only end-of-sequence may follow)."""
+
+
 @dataclass
 class Event:
-    """A piece of a request's answer (`text`, its `token`), or its end (`finish_reason` set, `usage` filled)."""
+    """A piece of a request's answer (`text`, its `token`), or its end (`finish_reason` set, `usage` filled). With
+    `settings.logprobs` each event carries the logprobs of the tokens it releases (the end's: those not yet given,
+    an end-of-sequence token's included); with `settings.prompt_logprobs` one event without text, before the
+    first token's, carries the prompt's (the first token's None: nothing precedes it)."""
 
     text: str = ""
     token: int | None = None
@@ -45,6 +67,8 @@ class Event:
     completion_tokens: int = 0
     error: str | None = None
     tokens: list[int] | None = None  # the end's: every generated token
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass
@@ -67,10 +91,15 @@ class Request:
     )
     positions: np.ndarray | None = None  # an M-RoPE decoder's prompt positions [3, prompt tokens]
     rope_delta: int = 0  # and what a later token adds to its index
+    constraint: TokenConstraint | None = None
 
     def __post_init__(self) -> None:
         self.rng = np.random.default_rng(self.settings.seed)
         self.text: _TextStream | None = None
+        self.logprobs: list[TokenLogprob] = []  # of generated tokens not yet sent
+        self.prompt_logprobs: list[TokenLogprob | None] = []
+        # The prompt's last chunk's last row of logits: it scores the next chunk's first token.
+        self.last_prompt_logits: np.ndarray | None = None
 
     @property
     def length(self) -> int:
@@ -144,12 +173,14 @@ class Scheduler:
         sink: Callable[[Event], None] | None = None,
         pixel_values: np.ndarray | None = None,
         image_grids: np.ndarray | None = None,
+        constraint: TokenConstraint | None = None,
     ) -> RequestStream:
         """Queue a request. Raises UserError for what the request itself gets wrong, QueueFull when the queue is at
         its bound. `sink` (called on the scheduler thread) receives the events instead of the returned stream.
         `pixel_values`: a VLM prompt's images (runtime/vision.py `prepare_images`), for its expanded image tokens;
         the encoder runs on the scheduler's thread, which owns the device; `image_grids` their patch grids
-        (Qwen2.5-VL)."""
+        (Qwen2.5-VL). `constraint`: the grammar the answer must match (tokens outside it are never chosen; the
+        answer ends where it completes)."""
         if pixel_values is not None and getattr(self.engine, "vision", None) is None:
             raise UserError("this model is a text model: it takes no images")
         settings.validate()
@@ -167,6 +198,7 @@ class Scheduler:
             sink or events.put,
             pixel_values=pixel_values,
             image_grids=image_grids,
+            constraint=constraint,
         )
         if getattr(self.step, "mrope", None):
             from pipeshard.runtime.images import mrope_batch_positions
@@ -293,13 +325,46 @@ class Scheduler:
             if request.positions is None
             else request.positions[:, None, begin:end]
         )
-        logits = self.step.forward(
-            ids, np.ones((1, end), np.int64), positions, slot=request.slot, image_features=features
-        )
+        scored = request.settings.prompt_logprobs is not None
+        if scored:  # every position's logits (the step's output layer then reads every row): this step only
+            self.step.all_logits = True
+        try:
+            logits = self.step.forward(
+                ids, np.ones((1, end), np.int64), positions, slot=request.slot, image_features=features
+            )
+        finally:
+            if scored:
+                self.step.all_logits = False
         request.fed = end
         self.stats.prompt_tokens += end - begin
+        if scored:
+            self._score_prompt(request, logits[0], begin, end)
         if end == len(request.prompt):
-            self._take(request, logits[:, -1, :])
+            self._first_token(request, logits[:, -1, :])
+
+    def _score_prompt(self, request: Request, logits: np.ndarray, begin: int, end: int) -> None:
+        """The logprobs of the prompt's tokens `begin`..`end` (each scored by the logits of the position before
+        it; the first token by nothing); after the last chunk they go out in an event of their own."""
+        top = request.settings.prompt_logprobs
+        if begin == 0:
+            request.prompt_logprobs.append(None)
+        else:
+            request.prompt_logprobs += token_logprobs(
+                request.last_prompt_logits, [request.prompt[begin]], top
+            )
+        request.prompt_logprobs += token_logprobs(logits[:-1], request.prompt[begin + 1 : end], top)
+        request.last_prompt_logits = np.array(logits[-1:])
+        if end == len(request.prompt):
+            request.sink(Event(prompt_logprobs=request.prompt_logprobs))
+            request.last_prompt_logits = None
+
+    def _first_token(self, request: Request, logits: np.ndarray) -> None:
+        """After the prompt: the first token, or the end of a request that asked for none (its prompt's
+        logprobs only)."""
+        if request.settings.max_new_tokens == 0:
+            self._finish(request, "length")
+        else:
+            self._take(request, logits)
 
     def _prefill_group(self, prefilling: list[Request]) -> list[Request]:
         """Requests not yet started, in neighbouring slots, whose prompts fit one chunk: prefilled in one step
@@ -308,7 +373,10 @@ class Scheduler:
             (
                 r
                 for r in prefilling
-                if r.fed == 0 and len(r.prompt) <= PREFILL_CHUNK and r.image_features is None
+                if r.fed == 0
+                and len(r.prompt) <= PREFILL_CHUNK
+                and r.image_features is None
+                and r.settings.prompt_logprobs is None
             ),
             key=lambda r: r.slot,
         )
@@ -338,7 +406,7 @@ class Scheduler:
         for row, request in enumerate(group):
             request.fed = len(request.prompt)
             self.stats.prompt_tokens += len(request.prompt)
-            self._take(request, logits[row : row + 1, -1, :])
+            self._first_token(request, logits[row : row + 1, -1, :])
 
     def _decode(self) -> None:
         """One step over every slot: each running row feeds its last token at its own length. A row still being
@@ -369,17 +437,25 @@ class Scheduler:
         """Choose a request's next token, stream it, and finish the request if it stops."""
         settings = request.settings
         history = [request.prompt + request.generated] if settings.repetition_penalty != 1.0 else []
-        token = int(choose_next_tokens(logits, history, settings, request.rng)[0])
+        outputs = [request.generated] if settings.penalized else None
+        # A constrained answer chooses among the tokens its grammar allows; its logprobs stay the model's own.
+        allowed = (
+            logits if request.constraint is None else np.where(request.constraint.allowed(), logits, -np.inf)
+        )
+        token = int(choose_next_tokens(allowed, history, settings, request.rng, outputs)[0])
+        if settings.logprobs is not None:
+            request.logprobs += token_logprobs(logits, [token], settings.logprobs)
         if token in self._eos:
             self._finish(request, "stop")
             return
+        complete = request.constraint is not None and not request.constraint.accept(token)
         request.generated.append(token)
         request.last_token = token
         self.stats.generated_tokens += 1
         piece, stopped = request.text.add(token)
         if piece:
-            request.sink(Event(text=piece, token=token))
-        if stopped:
+            request.sink(Event(text=piece, token=token, logprobs=self._sent_logprobs(request)))
+        if stopped or complete:
             self._finish(request, "stop")
         elif len(request.generated) >= settings.max_new_tokens or request.length + 1 >= self.context:
             self._finish(request, "length")
@@ -406,8 +482,17 @@ class Scheduler:
                 completion_tokens=len(request.generated),
                 error=error,
                 tokens=list(request.generated),
+                logprobs=self._sent_logprobs(request),
             )
         )
+
+    @staticmethod
+    def _sent_logprobs(request: Request) -> list[TokenLogprob] | None:
+        """The logprobs of the request's tokens not yet sent, handed over now (None when it asked for none)."""
+        if request.settings.logprobs is None:
+            return None
+        sent, request.logprobs = request.logprobs, []
+        return sent
 
 
 def final_text(codec, tokens: list[int], stop_strings: tuple[str, ...]) -> str:

@@ -83,6 +83,30 @@ class TextCodec:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes one token stands for: a byte-level BPE token's own (a piece of a character included), else
+        its decoded text's (special tokens as written)."""
+        piece = self.tokenizer.id_to_token(token)
+        if piece is not None and type(self.tokenizer.decoder).__name__ == "ByteLevel":
+            table = _unicode_to_byte()
+            if all(c in table for c in piece):
+                return bytes(table[c] for c in piece)
+        return self.decode([token], skip_special_tokens=False).encode()
+
+
+@functools.cache
+def _unicode_to_byte() -> dict[str, int]:
+    """GPT-2's byte-level alphabet backwards: the printable character each byte is written as -> the byte."""
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
+    others = [b for b in range(256) if b not in printable]
+    table = {chr(b): b for b in printable}
+    table.update({chr(256 + n): b for n, b in enumerate(others)})
+    return table
+
 
 def _return_freed_heap() -> None:
     """Give the C heap's free pages back to the OS (glibc keeps them otherwise); nothing elsewhere."""

@@ -144,3 +144,28 @@ def test_generate_decodes_once_yet_gives_the_streamed_text_and_still_stops_on_a_
     )
     assert stopped.stop_reason == "stop_string" and stopped.text == TEXT[: TEXT.index("here —")]
     assert len(stopped.tokens) < len(script)
+
+
+def test_frequency_and_presence_penalties_count_only_generated_tokens():
+    settings = SamplingSettings(frequency_penalty=0.1, presence_penalty=0.0)
+    # Token 1 (3.0) generated twice: 3.0 - 0.2 = 2.8 < 2.9, so token 2 wins; the prompt's tokens do not count.
+    picked = choose_next_tokens(LOGITS, [[1, 1, 1], []], settings, np.random.default_rng(0), [[1, 1], []])
+    assert picked.tolist() == [2, 0]
+    assert choose_next_tokens(
+        LOGITS, [[1, 1, 1], []], settings, np.random.default_rng(0), [[], []]
+    ).tolist() == [
+        1,
+        0,
+    ]
+    presence = SamplingSettings(presence_penalty=0.2)
+    assert choose_next_tokens(LOGITS, [], presence, np.random.default_rng(0), [[1], [0]]).tolist() == [2, 4]
+
+
+def test_token_logprobs_are_the_log_softmax_with_the_likeliest_first():
+    from pipeshard.runtime.generate import token_logprobs
+
+    expected = LOGITS - np.log(np.exp(LOGITS).sum(axis=-1, keepdims=True))
+    (first, second) = token_logprobs(LOGITS.astype(np.float32), [3, 4], top=2)
+    assert abs(first.logprob - expected[0, 3]) < 1e-6 and abs(second.logprob - expected[1, 4]) < 1e-6
+    assert [t for t, _ in first.top] == [1, 2] and [t for t, _ in second.top] == [0, 4]
+    assert abs(first.top[0][1] - expected[0, 1]) < 1e-6

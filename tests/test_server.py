@@ -183,7 +183,6 @@ def test_models_health_tokenize_and_detokenize(running, tiny_pack):
     "body, param",
     [
         ({"model": "pack", "messages": []}, "messages"),
-        ({"model": "other", "messages": [{"role": "user", "content": "hi"}]}, "model"),
         (
             {"model": "pack", "messages": [{"role": "user", "content": "hi"}], "temperature": -1},
             "temperature",
@@ -199,6 +198,126 @@ def test_bad_requests_are_openai_errors_with_400(running, body, param):
     assert answer.status_code == 400, answer.text
     error = answer.json()["error"]
     assert error["type"] == "invalid_request_error" and error["message"] and error["param"] == param
+
+
+def test_an_unknown_model_is_404_model_not_found_as_openai_answers(running):
+    for route, body in [
+        ("/v1/chat/completions", {"model": "other", "messages": [{"role": "user", "content": "hi"}]}),
+        ("/v1/completions", {"model": "other", "prompt": "hi"}),
+    ]:
+        answer = httpx.post(running + route, json=body)
+        assert answer.status_code == 404, answer.text
+        error = answer.json()["error"]
+        assert (
+            error["code"] == "model_not_found" and error["param"] == "model" and "'other'" in error["message"]
+        )
+    with pytest.raises(openai.NotFoundError):
+        client(running).completions.create(model="other", prompt="hi", max_tokens=1)
+
+
+HI = [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize(
+    "route, field, value",
+    [
+        (
+            "/v1/chat/completions",
+            "tools",
+            [{"type": "function", "function": {"name": "f", "parameters": {}}}],
+        ),
+        ("/v1/chat/completions", "tool_choice", "required"),
+        ("/v1/chat/completions", "parallel_tool_calls", True),
+        ("/v1/chat/completions", "functions", [{"name": "f", "parameters": {}}]),
+        ("/v1/chat/completions", "function_call", "auto"),
+        ("/v1/chat/completions", "response_format", {"type": "xml"}),
+        ("/v1/chat/completions", "response_format", {"type": "json_schema", "json_schema": {"schema": 5}}),
+        ("/v1/chat/completions", "logit_bias", {"5": 10}),
+        ("/v1/chat/completions", "n", 2),
+        ("/v1/chat/completions", "echo", True),  # completions only
+        ("/v1/chat/completions", "top_logprobs", 2),  # without logprobs: true
+        ("/v1/chat/completions", "logprobs", 3),  # chat takes true or false
+        ("/v1/chat/completions", "frequency_penalty", 3.0),
+        ("/v1/chat/completions", "presence_penalty", -2.5),
+        ("/v1/chat/completions", "some_new_option", 1),
+        ("/v1/completions", "suffix", "the end"),
+        ("/v1/completions", "best_of", 3),
+        ("/v1/completions", "logprobs", 21),
+        ("/v1/completions", "logprobs", True),
+        (
+            "/v1/completions",
+            "response_format",
+            {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}},
+        ),
+        ("/v1/completions", "max_completion_tokens", 3),  # chat only
+        ("/v1/completions", "echo", "yes"),
+    ],
+)
+def test_a_field_the_server_does_not_honour_is_a_400_naming_it(running, route, field, value):
+    body = {"model": "pack", "max_tokens": 2, field: value}
+    body.update({"messages": HI} if route == "/v1/chat/completions" else {"prompt": "hi"})
+    answer = httpx.post(running + route, json=body)
+    assert answer.status_code == 400, answer.text
+    assert answer.json()["error"]["param"] == field
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("tools", []),
+        ("tool_choice", "none"),
+        ("response_format", {"type": "text"}),
+        ("logit_bias", {}),
+        ("frequency_penalty", 0.5),
+        ("presence_penalty", 0.5),
+        ("user", "someone"),
+        ("n", 1),
+    ],
+)
+def test_fields_that_ask_for_nothing_or_that_are_honoured_are_accepted(running, field, value):
+    body = {"model": "pack", "messages": HI, "max_tokens": 2, field: value}
+    assert httpx.post(running + "/v1/chat/completions", json=body, timeout=60).status_code == 200
+
+
+def test_penalties_change_a_greedy_answer_as_openai_defines_them(running):
+    """A frequency penalty at its largest keeps a greedy answer from repeating a token as often as it would."""
+
+    def most_repeated(**penalty) -> int:
+        body = {
+            "model": "pack",
+            "messages": HI,
+            "max_tokens": 24,
+            "temperature": 0,
+            "logprobs": True,
+            **penalty,
+        }
+        answer = httpx.post(running + "/v1/chat/completions", json=body, timeout=60).json()
+        tokens = [tuple(entry["bytes"]) for entry in answer["choices"][0]["logprobs"]["content"]]
+        return max(map(tokens.count, tokens))
+
+    plain = most_repeated()
+    assert plain > 1  # the tiny model repeats itself
+    assert most_repeated(frequency_penalty=2.0) < plain
+    assert most_repeated(presence_penalty=2.0) < plain
+
+
+def test_a_list_of_prompts_gets_one_choice_each_as_each_alone(running):
+    """OpenAI's batched completions prompt (lm-evaluation-harness sends its token ids so): choice i answers prompt
+    i as a request of its own would."""
+    prompts = [[72, 105, 33], [67, 111, 117, 110, 116, 58]]
+    body = {"model": "pack", "max_tokens": 5, "temperature": 0}
+    alone = [
+        httpx.post(running + "/v1/completions", json={**body, "prompt": p}, timeout=60).json()
+        for p in prompts
+    ]
+    together = httpx.post(running + "/v1/completions", json={**body, "prompt": prompts}, timeout=60).json()
+    assert [c["index"] for c in together["choices"]] == [0, 1]
+    assert [c["text"] for c in together["choices"]] == [a["choices"][0]["text"] for a in alone]
+    assert together["usage"]["prompt_tokens"] == len(prompts[0]) + len(prompts[1])
+    texts = httpx.post(running + "/v1/completions", json={**body, "prompt": ["Hi", "Count"]}, timeout=60)
+    assert len(texts.json()["choices"]) == 2
+    streamed = httpx.post(running + "/v1/completions", json={**body, "prompt": prompts, "stream": True})
+    assert streamed.status_code == 400 and streamed.json()["error"]["param"] == "stream"
 
 
 def test_malformed_json_and_oversized_bodies_are_refused(running):
@@ -525,3 +644,13 @@ def test_requests_waiting_together_are_prefilled_in_one_step_with_their_solo_tok
     finally:
         release.set()
         scheduler.close()
+
+
+def test_serve_names_its_token_limit_as_run_chat_and_batch_do():
+    from pipeshard.cli import build_parser
+
+    parser = build_parser()
+    for command in (["serve", "p"], ["batch", "p", "in", "out"], ["run", "p", "hi"], ["chat", "p"]):
+        assert parser.parse_args([*command, "--max-new-tokens", "7"]).max_new_tokens == 7
+    assert parser.parse_args(["serve", "p", "--max-tokens", "9"]).max_new_tokens == 9  # the old spelling
+    assert parser.parse_args(["serve", "p"]).max_new_tokens == 256
