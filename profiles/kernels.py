@@ -59,6 +59,32 @@ def weight_matmul_model(k: int, n: int, dtype: str) -> onnx.ModelProto:
     )
 
 
+def quantized_matmul_model(k: int, n: int, block: int = 32) -> onnx.ModelProto:
+    """Y[M, N] = X[M, K] @ W for W stored as one 4-bit plane with uint8 zero points and float32 scales per block
+    (com.microsoft::MatMulNBits): the product a GGUF pack keeps its quantized weights in (random codes)."""
+    rng = np.random.default_rng(0)
+    blocks = k // block
+    inputs = [
+        numpy_helper.from_array(rng.integers(0, 256, (n, blocks, block // 2), dtype=np.uint8), "B"),
+        numpy_helper.from_array(rng.uniform(1e-3, 2e-3, (n, blocks)).astype(np.float32), "S"),
+        numpy_helper.from_array(np.zeros((n, (blocks + 1) // 2), np.uint8), "Z"),
+    ]
+    node = helper.make_node(
+        "MatMulNBits", ["X", "B", "S", "Z"], ["Y"], domain="com.microsoft", K=k, N=n, bits=4, block_size=block
+    )
+    graph = helper.make_graph(
+        [node],
+        "quantized_matmul",
+        [helper.make_tensor_value_info("X", TensorProto.FLOAT, ["M", k])],
+        [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["M", n])],
+        initializer=inputs,
+    )
+    return helper.make_model(
+        graph,
+        opset_imports=[helper.make_operatorsetid("", 21), helper.make_operatorsetid("com.microsoft", 1)],
+    )
+
+
 def attention_model(heads: int, head_dim: int, dtype: str) -> onnx.ModelProto:
     """GroupQueryAttention as the exporter emits it (here with as many KV heads as query heads):
     q/k/v [1, T, heads * head_dim], the past and present one buffer [1, heads, C, head_dim] holding

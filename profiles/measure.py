@@ -27,6 +27,7 @@ from pipeshard.profiles.kernels import (
     matmul_model,
     median_seconds,
     op_chain_model,
+    quantized_matmul_model,
     weight_matmul_model,
 )
 from pipeshard.runtime.ort import cpu_session_options, cuda_usable, import_onnxruntime
@@ -220,24 +221,36 @@ def matmul_read_gbps(ort, threads: int, size_bytes: int, seconds: float, copy_lo
 
 
 def weight_read_gbps(threads: int, size_bytes: int, seconds: float) -> dict[str, float]:
-    """Bytes per second pipeshard's WeightMatMul streams at M=1 from an fp16 / bf16 weight of `size_bytes` (the
-    decode roofline of a half-precision pack's CPU sub-layers), by dtype; empty where the C extension is not built.
-    Through the C-API runtime, as the chain runs it."""
+    """Bytes per second an M=1 product streams from stored weights of about `size_bytes` (the decode roofline of a
+    pack's CPU sub-layers), by dtype: pipeshard's WeightMatMul over fp16 / bf16 weights (where the C extension is
+    built) and MatMulNBits over a GGUF pack's 4-bit planes (`q4`: codes, scales and zero points counted). Through
+    the C-API runtime, as the chain runs it."""
     from pipeshard.runtime import capi
 
-    if not capi.custom_ops_available():
-        return {}
     rt = capi.runtime(threads)
-    side = int(np.sqrt(size_bytes / 2))
-    x, y = np.ones((1, side), np.float32), np.empty((1, side), np.float32)
+    models = {}
+    if capi.custom_ops_available():
+        side = int(np.sqrt(size_bytes / 2))
+        models = {
+            dtype: (weight_matmul_model(side, side, dtype), side, side * side * 2)
+            for dtype in ("fp16", "bf16")
+        }
+    side = int(np.sqrt(size_bytes * 2)) // 32 * 32
+    blocks = side // 32
+    models["q4"] = (
+        quantized_matmul_model(side, side),
+        side,
+        side * (blocks * 16 + blocks * 4 + (blocks + 1) // 2),
+    )
     found = {}
-    for dtype in ("fp16", "bf16"):
-        session = rt.session(weight_matmul_model(side, side, dtype).SerializeToString(), threads=threads)
+    for dtype, (model, width, stored_bytes) in models.items():
+        session = rt.session(model.SerializeToString(), threads=threads)
+        x, y = np.ones((1, width), np.float32), np.empty((1, width), np.float32)
         binding = session.binding()
         binding.bind_input("X", x)
         binding.bind_output("Y", y)
         run = partial(capi.run, session, binding, rt.run_options())
-        found[dtype] = side * side * 2 / median_seconds(run, seconds) / 1e9
+        found[dtype] = stored_bytes / median_seconds(run, seconds) / 1e9
     return found
 
 
