@@ -220,6 +220,7 @@ def export_model(
             "inputs": list(export_config.inputs),
             "position_rows": export_config.POSITION_ROWS,
             "outputs": list(export_config.outputs),
+            **({"quantized_weights": stored_rows.kept} if stored_rows else {}),
             "max_logit_difference_vs_pytorch": difference,
             "onnx_tokenizer_check": tokenizer_check,
             "tools": _versions(),

@@ -22,7 +22,7 @@ from __future__ import annotations
 import hashlib
 import logging
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -45,6 +45,7 @@ class StoredRows:
     tensors: list[Blocks]
     names: list[str]
     rows: dict[bytes, tuple[int, int]]  # digest -> (tensor index, row)
+    kept: dict[str, int] = field(default_factory=dict)  # weights stored as blocks, by their rows' formats
 
     def find(self, matrix: np.ndarray) -> list[tuple[int, int]] | None:
         """Where each row of `matrix` [rows, columns] is stored, or None if any row is not a quantized row."""
@@ -288,7 +289,8 @@ def _gather_zero_points(planes: Planes) -> np.ndarray:
 
 def store_weights_quantized(model: onnx.ModelProto, stored: StoredRows) -> dict[str, int]:
     """Store, in place, every product and embedding weight of `model` whose rows are quantized GGUF rows as
-    those rows' blocks (module doc). Returns how many weights were stored per GGUF format."""
+    those rows' blocks (module doc). Returns (and records in `stored.kept`) how many weights were stored, by the
+    formats of their rows."""
     initializers = {t.name: t for t in model.graph.initializer}
     uses: dict[str, list[tuple[onnx.NodeProto, int]]] = defaultdict(list)
     for node in model.graph.node:
@@ -322,7 +324,8 @@ def store_weights_quantized(model: onnx.ModelProto, stored: StoredRows) -> dict[
         dropped.add(name)
         counts["+".join(sorted({stored.tensors[t].format for t, _ in places}))] += 1
     _apply(model, rewriter, dropped)
-    return {k: v for k, v in counts.items() if v}
+    stored.kept = dict(counts)
+    return stored.kept
 
 
 def _weight_users(name: str, uses) -> list[tuple[str, onnx.NodeProto, str]] | None:

@@ -3,6 +3,7 @@ dequantizes it, products and embeddings over its 4-bit planes equal to the dequa
 and the real SmolLM2 (Q4_1 + Q8_0) and Gemma3 (Q4_K, Q5_0, Q6_K, Q8_0) packs giving transformers' greedy tokens."""
 
 import hashlib
+import json
 
 import numpy as np
 import onnx
@@ -174,15 +175,14 @@ def test_smollm2_pack_holds_the_gguf_blocks_not_float_weights(smollm2_quantized)
     assert blob_bytes <= 1.2 * gguf_bytes, (blob_bytes, gguf_bytes)
 
 
-FORMAT_GROUPS = {
-    "legacy": ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"],
-    "k-quants": ["Q6_K", "Q2_K", "Q3_K", "Q4_K", "Q5_K"],
-}
+# the 15 matrices of the tiny GGUF take these in turn: every format holds one or two roles (the tied embedding Q8_0,
+# the fused q/k/v projections mixing 32- and 16-weight blocks)
+EVERY_FORMAT = ["Q8_0", "Q4_0", "Q6_K", "Q4_1", "Q2_K", "Q5_0", "Q3_K", "Q5_1", "Q4_K", "Q5_K"]
 
 
-@pytest.fixture(scope="module", params=list(FORMAT_GROUPS))
-def tiny_quantized(request, tmp_path_factory):
-    """A tiny llama GGUF whose matrices take the group's formats in turn, exported as stored and partitioned."""
+@pytest.fixture(scope="module")
+def tiny_quantized(tmp_path_factory):
+    """A tiny llama GGUF in every format, exported as stored and partitioned."""
     import torch
     from tiny_gguf import write_tiny_llama_gguf
 
@@ -190,12 +190,12 @@ def tiny_quantized(request, tmp_path_factory):
     from pipeshard.exporter.sources import load_source, resolve_source
     from pipeshard.partitioner.partition import partition
 
-    root = tmp_path_factory.mktemp(request.param)
-    gguf = write_tiny_llama_gguf(root / "tiny.gguf", FORMAT_GROUPS[request.param])
+    root = tmp_path_factory.mktemp("tiny-gguf")
+    gguf = write_tiny_llama_gguf(root / "tiny.gguf", EVERY_FORMAT)
     export_model(str(gguf), root / "export", quiet=True)
     partition(root / "export", root / "pack")
     reference = load_source(resolve_source(str(gguf)), torch.float32).model
-    return request.param, root / "export", root / "pack", reference
+    return root / "export", root / "pack", reference
 
 
 @pytest.mark.slow
@@ -205,9 +205,11 @@ def test_every_format_gives_transformers_tokens_and_logits_on_export_chain_and_s
     import pipeshard
     from pipeshard.formats.manifest import load_pack
 
-    group, export, pack, reference = tiny_quantized
+    export, pack, reference = tiny_quantized
     stored = {w.dtype for e in load_pack(pack).manifest.sub_layers for w in e.weights}
     assert "uint8" in stored and load_pack(pack).manifest.model.dtype == "gguf"
+    formats = json.loads((export / "export.json").read_text())["quantized_weights"]
+    assert set("+".join(formats).split("+")) == set(EVERY_FORMAT)
     engines = {
         "export": pipeshard.load(export),
         "chain": pipeshard.load(pack),
@@ -223,12 +225,12 @@ def test_every_format_gives_transformers_tokens_and_logits_on_export_chain_and_s
         theirs = theirs[: next((i for i, t in enumerate(theirs) if t in eos), len(theirs))]
         for name, engine in engines.items():
             (ours,) = engine.generator.generate([ids], pipeshard.api.SamplingSettings(max_new_tokens=16))
-            assert ours.tokens == theirs, (group, name, prompt)
+            assert ours.tokens == theirs, (name, prompt)
         step = engines["chain"].step
         step.all_logits = True
         step.start(1)
         ours_logits = step.forward(
             np.array([ids]), np.ones((1, len(ids)), np.int64), np.arange(len(ids))[None]
         )
-        assert np.abs(ours_logits[0] - logits).max() <= 1e-4 * max(1.0, np.abs(logits).max()), (group, prompt)
+        assert np.abs(ours_logits[0] - logits).max() <= 1e-4 * max(1.0, np.abs(logits).max()), prompt
         step.all_logits = False

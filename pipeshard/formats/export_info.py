@@ -99,7 +99,7 @@ class ExportInfo:
 
 # Fields that describe how the export was made; nothing downstream reads them.
 DESCRIPTIVE_FIELDS = ("source", "task", "opset", "kv_cache", "max_logit_difference_vs_pytorch", "onnx_tokenizer_check",
-                      "tools")  # fmt: skip
+                      "tools", "quantized_weights")  # fmt: skip
 
 
 def read_export_info(folder: Path) -> ExportInfo:
