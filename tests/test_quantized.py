@@ -234,3 +234,20 @@ def test_every_format_gives_transformers_tokens_and_logits_on_export_chain_and_s
         )
         assert np.abs(ours_logits[0] - logits).max() <= 1e-4 * max(1.0, np.abs(logits).max()), prompt
         step.all_logits = False
+
+
+@pytest.mark.slow
+def test_the_device_graphs_of_a_quantized_pack_have_cuda_kernels_but_the_known_attention_gap(tiny_quantized):
+    """MatMulNBits over the planes and the minimum terms' ops: all in the CUDA EP's kernel
+    table of the pinned onnxruntime-gpu (float32 GroupQueryAttention is issue 41's known gap)."""
+    from test_cuda_kernels import TABLE, KernelTable, device_graphs, missing_kernels
+
+    if not TABLE.is_file():
+        pytest.skip(f"no CUDA kernel table at {TABLE}: `make install` fetches it")
+    table = KernelTable(json.loads(TABLE.read_text()))
+    _, pack, _ = tiny_quantized
+    graphs = device_graphs(pack)
+    ops = {n.op_type for graph in graphs.values() for n in graph.graph.node}
+    assert {"MatMulNBits", "ReduceSum", "Cast"} <= ops  # the embedding (its Gather) stays on the host
+    gaps = [gap for name, graph in graphs.items() for gap in missing_kernels(graph, name, table)]
+    assert {(gap.op, gap.types[0]) for gap in gaps} <= {("com.microsoft::GroupQueryAttention", "float")}, gaps
