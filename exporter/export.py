@@ -165,8 +165,9 @@ def export_model(
         stored_rows = None
         if dtype == "gguf":
             from pipeshard.exporter.quantized_weights import read_stored_rows
+            from pipeshard.exporter.sources import gguf_reader
 
-            stored_rows = read_stored_rows(spec.folder / spec.gguf_file)
+            stored_rows = read_stored_rows(gguf_reader(spec.folder / spec.gguf_file))
         progress.set_description("trace + write ONNX")
         vision = _export_vision(source, staging, opset) if source.vlm is not None else None
         export_decoder(source.model, export_config, staging / MODEL_FILE, opset)

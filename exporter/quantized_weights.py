@@ -23,7 +23,6 @@ import hashlib
 import logging
 from collections import defaultdict
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 import onnx
@@ -58,12 +57,10 @@ class StoredRows:
         return found
 
 
-def read_stored_rows(path: Path) -> StoredRows:
-    """The quantized tensors of the GGUF at PATH, unpacked, with every row's digest."""
-    from pipeshard.exporter.sources import gguf_reader
-
+def read_stored_rows(reader) -> StoredRows:
+    """The quantized tensors of a GGUF (its `gguf.GGUFReader`), unpacked, with every row's digest."""
     tensors, names, rows = [], [], {}
-    for tensor in gguf_reader(path).tensors:
+    for tensor in reader.tensors:
         format_name = tensor.tensor_type.name
         if format_name not in FORMATS or len(tensor.shape) != 2:
             continue

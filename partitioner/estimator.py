@@ -248,7 +248,7 @@ class Estimator:
             if entry.kind in ("final", "embed") and n == self.model.hidden_size:
                 k, n = n, k  # stored [vocab, hidden]: read transposed
             dtype = WEIGHT_DTYPES.get(weight.dtype, self.dtype)
-            shapes.append((k, n, dtype, weight.bytes))
+            shapes.append((k, n, dtype, k * n * ELEMENT_BYTES[dtype]))
         return shapes
 
     def _weight_read_gbps(self, rates: DeviceRates, dtype: str, under_copy: bool) -> float:
