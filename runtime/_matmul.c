@@ -15,7 +15,11 @@
  *     into every tile of TILE_ROWS rows of A (accumulators in registers), one panel per task.
  * The instruction set is chosen at run time (AVX-512, AVX2 + F16C + FMA, or portable code), each compiled with its
  * own target attribute, so the extension builds for any x86-64 (and for other CPUs, portable code only).
- * PIPESHARD_MATMUL_ISA=avx512|avx2|portable forces one (tests check each against numpy). */
+ * PIPESHARD_MATMUL_ISA=avx512|avx2|portable forces one (tests check each against numpy).
+ *
+ * `pipeshard.BlockMatMul` (below) is the same machinery for a weight stored as 4-bit blocks (a GGUF pack's
+ * MatMulNBits planes): the streaming path unpacks and converts the codes in registers, the blocked path dequantizes
+ * each panel to float. */
 #if defined(__GNUC__) || defined(__clang__) /* the vector code below is GCC's vector extensions */
 #include <stdint.h>
 #include <stdlib.h>
@@ -32,6 +36,8 @@ enum { WEIGHT_FP32 = 0, WEIGHT_FP16 = 1, WEIGHT_BF16 = 2 };
 enum { INPUT_A, INPUT_B, INPUT_COUNT };
 #define MAX_DIMS 8
 #define MAX_STREAM_ROWS 4  /* rows of A up to which B is streamed once for all of them */
+#define BLOCK_STREAM_ROWS 16  /* BlockMatMul: rows of A up to which 4-bit blocks are streamed (once per 4 rows;
+                               * measured faster than dequantized panels up to 16 rows) */
 #define STREAM_DEPTH 8  /* rows of B summed in registers before their sums are added up */
 #define STREAM_WIDTH 1024  /* most columns of one streaming task: its sums stay in the L1 cache */
 #define TASK_BYTES (64 * 1024)  /* least weight bytes per streaming task: fewer, and the hand-off outweighs them */
@@ -109,6 +115,7 @@ typedef struct {
     void (*tile)(const float *a, int64_t lda, const float *packed, int64_t k, float *c, int64_t ldc);
     void (*block_rows)(const float *a, int64_t lda, int64_t rows, const BlockWeights *w, int64_t j0, int64_t j1,
                        float *out, int64_t ldo);
+    void (*dequantize_panel)(const BlockWeights *w, int64_t n0, int64_t cols, float *packed, void *scratch);
 } Kernels;
 
 static inline uint64_t load_u64(const uint8_t *from) {
@@ -299,48 +306,22 @@ static void dot_task(void *data, size_t index) {
     p->kernels->dot_rows(p->a, p->k, p->m, p->b, p->type, p->k, j0, j1, p->out, p->n);
 }
 
-/* Rows [n0, n0 + cols) of 4-bit blocks as floats, packed[k][panel] (the columns past `cols` zero): each weight
- * (code - zero point) * scale, rounded once, the operand of `tile`. */
-static void dequantize_panel(const BlockWeights *w, int64_t n0, int64_t cols, int64_t panel, float *packed) {
-    const int64_t half = w->block / 2;
-    for (int64_t c = 0; c < panel; c++) {
-        if (c >= cols) {
-            for (int64_t d = 0; d < w->k; d++) packed[d * panel + c] = 0.0f;
-            continue;
-        }
-        const int64_t j = n0 + c;
-        for (int64_t b = 0; b < w->blocks; b++) {
-            const int64_t at = (j * w->blocks + b) * half;
-            const int zero_point = block_zero_point(w, j, b);
-            const float scale = w->scales[j * w->blocks + b];
-            float *to = packed + b * w->block * panel + c;
-            for (int64_t i = 0; i < half; i++) {
-                int even = (w->low[at + i] & 15) - zero_point, odd = (w->low[at + i] >> 4) - zero_point;
-                if (w->high) {
-                    even += ((w->high[at + i] & 15) - 8) * 16;
-                    odd += ((w->high[at + i] >> 4) - 8) * 16;
-                }
-                to[2 * i * panel] = (float)even * scale;
-                to[(2 * i + 1) * panel] = (float)odd * scale;
-            }
-        }
-    }
-}
-
 /* Blocked task `index`: columns [index panel, ...) of the output, every row of A, B's panel converted once. */
 static void panel_task(void *data, size_t index) {
     Product *p = data;
     const Kernels *kernels = p->kernels;
     const int64_t panel = kernels->panel, rows = kernels->tile_rows, k = p->k;
     const int64_t n0 = (int64_t)index * panel, cols = n0 + panel <= p->n ? panel : p->n - n0;
-    float *packed = malloc(sizeof(float) * (size_t)(k * panel + rows * k + rows * panel));
+    const BlockWeights *w = p->blocks;
+    const size_t scratch = w ? sizeof(float) * (size_t)(2 * w->blocks * panel) + (size_t)(k * panel) : 0;
+    float *packed = malloc(sizeof(float) * (size_t)(k * panel + rows * k + rows * panel) + scratch);
     if (packed == NULL) {
         p->failed = 1;
         return;
     }
     float *padded_a = packed + k * panel, *tile_out = padded_a + rows * k;
-    if (p->blocks)
-        dequantize_panel(p->blocks, n0, cols, panel, packed);
+    if (w)
+        kernels->dequantize_panel(w, n0, cols, packed, tile_out + rows * panel);
     else
         kernels->pack_panel(p->b, p->type, k, p->transposed ? 1 : p->n, p->transposed ? k : 1, n0, cols, packed);
     for (int64_t r = 0; r < p->m; r += rows) {
@@ -495,9 +476,10 @@ static const CustomOp weight_matmul = {
 /* ---- pipeshard.BlockMatMul(A, B, scales[, zero_points[, high]]), attribute block_size: Y = A W^T for W [N, K]
  * stored as 4-bit blocks (BlockWeights), what com.microsoft::MatMulNBits (bits 4) computes, in float: each code
  * minus its zero point an exact integer, every product and sum in float (no quantized activations). A decode step
- * (M <= MAX_STREAM_ROWS) streams W once: A's rows permuted once per call so each vector of codes (a byte's low
- * nibbles, then its high ones) meets its elements, W's rows cut into tasks. A prompt dequantizes panels of W to
- * float and takes WeightMatMul's blocked path. runtime/weight_matmul.py swaps it in for MatMulNBits. ---- */
+ * (M <= MAX_STREAM_ROWS) streams W once: A's rows permuted once per call so each vector of codes (a vector's worth
+ * of bytes: their low nibbles, then their high ones) meets its elements, W's rows cut into tasks; up to
+ * BLOCK_STREAM_ROWS rows W is streamed once per 4 of them. A prompt dequantizes panels of W to float and takes
+ * WeightMatMul's blocked path. runtime/weight_matmul.py swaps it in for MatMulNBits. ---- */
 enum { BLOCK_A, BLOCK_B, BLOCK_SCALES, BLOCK_ZERO_POINTS, BLOCK_HIGH, BLOCK_INPUT_COUNT };
 
 typedef struct {
@@ -583,7 +565,7 @@ static OrtStatus *block_compute(void *kernel_state, void *context) {
         return NULL;
     }
     Product p = {.kernels = kernel->kernels, .a = a->data, .blocks = &w, .out = out, .m = m, .k = k, .n = n};
-    if (m > MAX_STREAM_ROWS) {
+    if (m > BLOCK_STREAM_ROWS) {
         status = parallel(api, context, panel_task, (size_t)((n + p.kernels->panel - 1) / p.kernels->panel), &p);
         if (status == NULL && p.failed) status = fail(api, ORT_FAIL, "BlockMatMul: out of memory");
         return status;
@@ -598,7 +580,13 @@ static OrtStatus *block_compute(void *kernel_state, void *context) {
     int64_t rows = TASK_BYTES / row_bytes > (n + MAX_TASKS - 1) / MAX_TASKS ? TASK_BYTES / row_bytes
                                                                             : (n + MAX_TASKS - 1) / MAX_TASKS;
     p.slice_rows = rows < 2 ? 2 : (rows + 1) / 2 * 2;
-    status = parallel(api, context, block_task, (size_t)((n + p.slice_rows - 1) / p.slice_rows), &p);
+    status = NULL;
+    for (int64_t r = 0; r < m && status == NULL; r += MAX_STREAM_ROWS) { /* W streamed once per 4 rows of A */
+        p.a = permuted + r * k;
+        p.out = out + r * n;
+        p.m = m - r < MAX_STREAM_ROWS ? m - r : MAX_STREAM_ROWS;
+        status = parallel(api, context, block_task, (size_t)((n + p.slice_rows - 1) / p.slice_rows), &p);
+    }
     free(permuted);
     return status;
 }

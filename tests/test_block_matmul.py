@@ -97,7 +97,7 @@ def _block_product(a: np.ndarray, planes: dict, block: int, isa: str, monkeypatc
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("block", [16, 32])
 @pytest.mark.parametrize("zero_points, high", [(True, False), (False, False), (False, True)])
-@pytest.mark.parametrize("rows", [1, 3, 4, 5, 64, 300])
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 16, 17, 64, 300])  # streamed up to 16 rows
 def test_equals_numpy_over_the_codes_minus_zero_points_times_scales(
     isa, block, zero_points, high, rows, monkeypatch
 ):
