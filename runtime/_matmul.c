@@ -473,14 +473,16 @@ static const CustomOp weight_matmul = {
     .KernelComputeV2 = compute,
 };
 
-/* ---- pipeshard.BlockMatMul(A, B, scales[, zero_points[, high]]), attribute block_size: Y = A W^T for W [N, K]
+/* ---- pipeshard.BlockMatMul(A, B, scales[, zero_points[, high[, minimums]]]), attribute block_size: Y = A W^T for W [N, K]
  * stored as 4-bit blocks (BlockWeights), what com.microsoft::MatMulNBits (bits 4) computes, in float: each code
  * minus its zero point an exact integer, every product and sum in float (no quantized activations). A decode step
  * (M <= MAX_STREAM_ROWS) streams W once: A's rows permuted once per call so each vector of codes (a vector's worth
  * of bytes: their low nibbles, then their high ones) meets its elements, W's rows cut into tasks; up to
  * BLOCK_STREAM_ROWS rows W is streamed once per 4 of them. A prompt dequantizes panels of W to float and takes
- * WeightMatMul's blocked path. runtime/weight_matmul.py swaps it in for MatMulNBits. ---- */
-enum { BLOCK_A, BLOCK_B, BLOCK_SCALES, BLOCK_ZERO_POINTS, BLOCK_HIGH, BLOCK_INPUT_COUNT };
+ * WeightMatMul's blocked path. With `minimums` M [blocks, N] (float, float16 or bfloat16: a format's per-block
+ * minimum), Y also gains blocksums(A) M, each block of A's rows summed, then WeightMatMul's product over M.
+ * runtime/weight_matmul.py swaps it in for MatMulNBits (and its minimum term). ---- */
+enum { BLOCK_A, BLOCK_B, BLOCK_SCALES, BLOCK_ZERO_POINTS, BLOCK_HIGH, BLOCK_MINIMUMS, BLOCK_INPUT_COUNT };
 
 typedef struct {
     void *const *api;
@@ -505,6 +507,37 @@ static void block_task(void *data, size_t index) {
     const Product *p = data;
     const int64_t j0 = (int64_t)index * p->slice_rows, j1 = j0 + p->slice_rows < p->n ? j0 + p->slice_rows : p->n;
     p->kernels->block_rows(p->a, p->k, p->m, p->blocks, j0, j1, p->out, p->n);
+}
+
+/* out[r][n] += sum over blocks b of (the sum of block b of A's row r) minimums[b][n]: the minimum term. */
+static OrtStatus *add_minimum_term(void *const *api, void *context, const Kernels *kernels, const float *a,
+                                   int64_t m, const BlockWeights *w, const Tensor *minimums, float *out) {
+    const int type = minimums->element == FLOAT16 ? WEIGHT_FP16 : minimums->element == BFLOAT16 ? WEIGHT_BF16
+                     : minimums->element == FLOAT ? WEIGHT_FP32 : -1;
+    if (type < 0 || minimums->rank != 2 || minimums->dims[0] != w->blocks || minimums->dims[1] != w->n)
+        return fail(api, ORT_INVALID_ARGUMENT, "BlockMatMul: minimums are not [blocks, N] floats");
+    float *sums = malloc(sizeof(float) * (size_t)(m * w->blocks + m * w->n));
+    if (sums == NULL) return fail(api, ORT_FAIL, "BlockMatMul: out of memory");
+    float *term = sums + m * w->blocks;
+    for (int64_t r = 0; r < m; r++)
+        for (int64_t b = 0; b < w->blocks; b++) {
+            float sum = 0.0f;
+            for (int64_t e = 0; e < w->block; e++) sum += a[r * w->k + b * w->block + e];
+            sums[r * w->blocks + b] = sum;
+        }
+    Product q = {.kernels = kernels, .a = sums, .b = minimums->data, .out = term, .type = type, .m = m,
+                 .k = w->blocks, .n = w->n};
+    OrtStatus *status;
+    if (m <= MAX_STREAM_ROWS) {
+        status = stream(api, context, &q, type == WEIGHT_FP32 ? 4 : 2);
+    } else {
+        status = parallel(api, context, panel_task, (size_t)((w->n + kernels->panel - 1) / kernels->panel), &q);
+        if (status == NULL && q.failed) status = fail(api, ORT_FAIL, "BlockMatMul: out of memory");
+    }
+    if (status == NULL)
+        for (int64_t i = 0; i < m * w->n; i++) out[i] += term[i];
+    free(sums);
+    return status;
 }
 
 static int64_t element_count(const Tensor *tensor) {
@@ -568,6 +601,8 @@ static OrtStatus *block_compute(void *kernel_state, void *context) {
     if (m > BLOCK_STREAM_ROWS) {
         status = parallel(api, context, panel_task, (size_t)((n + p.kernels->panel - 1) / p.kernels->panel), &p);
         if (status == NULL && p.failed) status = fail(api, ORT_FAIL, "BlockMatMul: out of memory");
+        if (status == NULL && given[BLOCK_MINIMUMS])
+            status = add_minimum_term(api, context, p.kernels, a->data, m, &w, &in[BLOCK_MINIMUMS], out);
         return status;
     }
     float *permuted = malloc(sizeof(float) * (size_t)(m * k));
@@ -588,6 +623,8 @@ static OrtStatus *block_compute(void *kernel_state, void *context) {
         status = parallel(api, context, block_task, (size_t)((n + p.slice_rows - 1) / p.slice_rows), &p);
     }
     free(permuted);
+    if (status == NULL && given[BLOCK_MINIMUMS])
+        status = add_minimum_term(api, context, p.kernels, a->data, m, &w, &in[BLOCK_MINIMUMS], out);
     return status;
 }
 
@@ -612,11 +649,11 @@ static const char *block_op_name(const void *op) { (void)op; return "BlockMatMul
 static size_t block_input_count(const void *op) { (void)op; return BLOCK_INPUT_COUNT; }
 static int block_input_type(const void *op, size_t index) {
     (void)op;
-    return index == BLOCK_A || index == BLOCK_SCALES ? FLOAT : UINT8;
+    return index == BLOCK_A || index == BLOCK_SCALES ? FLOAT : index == BLOCK_MINIMUMS ? UNDEFINED : UINT8;
 }
 static int block_input_characteristic(const void *op, size_t index) {
     (void)op;
-    return index == BLOCK_ZERO_POINTS || index == BLOCK_HIGH ? OPTIONAL : REQUIRED;
+    return index == BLOCK_ZERO_POINTS || index == BLOCK_HIGH || index == BLOCK_MINIMUMS ? OPTIONAL : REQUIRED;
 }
 
 static const CustomOp block_matmul = {

@@ -21,7 +21,7 @@ from pathlib import Path
 from pipeshard.runtime import protowire as wire
 from pipeshard.runtime.capi import CUSTOM_DOMAIN
 from pipeshard.runtime.decode_attention import decode_attention_node
-from pipeshard.runtime.weight_matmul import scalar_constants, swap_products
+from pipeshard.runtime.weight_matmul import small_constants, swap_products
 
 # ONNX's field numbers (onnx.proto): ModelProto.opset_import / graph; GraphProto.node / initializer / input /
 # output / value_info; NodeProto.output; TensorProto.name; ValueInfoProto.name; OperatorSetIdProto.domain / version.
@@ -137,7 +137,7 @@ def _swap_products(
     """The graph's fields with its products of `weights` swapped for WeightMatMul or BlockMatMul (their Casts, and
     folded planes' nodes, dropped)."""
     at = [index for index, (number, _, _) in enumerate(graph) if number == _GRAPH_NODE]
-    constants = scalar_constants(value for number, _, value in graph if number == _GRAPH_INITIALIZER)
+    constants = small_constants(value for number, _, value in graph if number == _GRAPH_INITIALIZER)
     nodes, swapped = swap_products([graph[index][2] for index in at], weights, outputs, constants)
     replaced = dict(zip(at, nodes, strict=True))
     return [

@@ -4,13 +4,13 @@ instruction set this CPU runs, and the swap of MatMulNBits for it (runtime/weigh
 import numpy as np
 import onnx
 import pytest
-from onnx import TensorProto, helper, numpy_helper
+from onnx import TensorProto, helper
 
 from pipeshard.formats.manifest import load_pack
 from pipeshard.runtime import capi
 from pipeshard.runtime.joined import join
 from pipeshard.runtime.step import Step
-from pipeshard.runtime.weight_matmul import product_weights, swap_products
+from pipeshard.runtime.weight_matmul import product_weights, small_constants, swap_products
 
 pytestmark = pytest.mark.skipif(
     not capi.custom_ops_available(), reason="the C extension (and with it the op) was not built"
@@ -116,12 +116,10 @@ def test_equals_numpy_over_the_codes_minus_zero_points_times_scales(
 
 def _swapped(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
     """`model` with its MatMulNBits swapped as a CPU session's graph is (its inline weights as the stored ones)."""
-    weights = {t.name for t in model.graph.initializer if t.data_type == TensorProto.UINT8}
-    constants = {
-        t.name: float(numpy_helper.to_array(t))
-        for t in model.graph.initializer
-        if not t.dims and t.data_type == TensorProto.FLOAT
+    weights = {
+        t.name for t in model.graph.initializer if t.data_type in (TensorProto.UINT8, TensorProto.FLOAT16)
     }
+    constants = small_constants(t.SerializeToString() for t in model.graph.initializer)
     nodes, swapped = swap_products(
         [n.SerializeToString() for n in model.graph.node],
         weights,
@@ -155,8 +153,8 @@ def _run(model: onnx.ModelProto, inputs: dict[str, np.ndarray], output: str, col
 )
 @pytest.mark.parametrize("rows", [1, 4, 37])
 def test_matmulnbits_swapped_for_block_matmul_computes_what_onnx_runtime_does(formats, rows):
-    """Every plane layout the exporter writes (zero points or none, a high plane folded into its low plane, a
-    minimum term beside), against ONNX Runtime's MatMulNBits over the same planes."""
+    """Every plane layout the exporter writes (zero points or none, a high plane and a minimum term folded into the
+    low plane's op), against ONNX Runtime's MatMulNBits over the same planes."""
     from test_quantized import COLUMNS, _model, _stored_rows
 
     from pipeshard.exporter.quantized_weights import store_weights_quantized
@@ -165,12 +163,15 @@ def test_matmulnbits_swapped_for_block_matmul_computes_what_onnx_runtime_does(fo
     product = np.concatenate(dequantized, axis=0)
     model = _model(np.ascontiguousarray(product.T), dequantized[-1])
     store_weights_quantized(model, stored)
-    nbits = sum(n.op_type == "MatMulNBits" for n in model.graph.node)
     swapped, count = _swapped(model)
-    ops = [n.op_type for n in swapped.graph.node]
-    assert "MatMulNBits" not in ops and ops.count("BlockMatMul") == count
-    high = any(t.name.endswith("_q4_high") for t in model.graph.initializer)
-    assert count == (nbits // 2 if high else nbits)  # each high plane folded into its low plane's op
+    products = [
+        n for n in swapped.graph.node if n.op_type in ("BlockMatMul", "MatMulNBits", "MatMul", "ReduceSum")
+    ]
+    assert [n.op_type for n in products] == ["BlockMatMul"] and count == 1
+    stored = {t.name for t in model.graph.initializer}
+    inputs = list(products[0].input) + [""] * (6 - len(products[0].input))
+    assert inputs[4] == ("product_q4_high" if "product_q4_high" in stored else "")
+    assert inputs[5] == ("product_minimums" if "product_minimums" in stored else "")  # as stored, no Cast
     x = np.random.default_rng(rows).standard_normal((1, rows, COLUMNS)).astype(np.float32)
     ids = np.zeros((1, rows), np.int64)
     columns = product.shape[0]
