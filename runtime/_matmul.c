@@ -78,6 +78,8 @@ static inline float bf16_to_float(uint16_t half) {
 typedef struct {
     const uint8_t *low, *high, *zero_points;
     const float *scales;
+    const void *minimums;  /* where dequantized panels add them: [blocks, N] of minimum_type (a WEIGHT_* type) */
+    int minimum_type;
     int64_t n, k, block, blocks;
 } BlockWeights;
 
@@ -313,7 +315,7 @@ static void panel_task(void *data, size_t index) {
     const int64_t panel = kernels->panel, rows = kernels->tile_rows, k = p->k;
     const int64_t n0 = (int64_t)index * panel, cols = n0 + panel <= p->n ? panel : p->n - n0;
     const BlockWeights *w = p->blocks;
-    const size_t scratch = w ? sizeof(float) * (size_t)(2 * w->blocks * panel) + (size_t)(k * panel) : 0;
+    const size_t scratch = w ? sizeof(float) * (size_t)(3 * w->blocks * panel) + (size_t)(k * panel) : 0;
     float *packed = malloc(sizeof(float) * (size_t)(k * panel + rows * k + rows * panel) + scratch);
     if (packed == NULL) {
         p->failed = 1;
@@ -480,7 +482,9 @@ static const CustomOp weight_matmul = {
  * of bytes: their low nibbles, then their high ones) meets its elements, W's rows cut into tasks; up to
  * BLOCK_STREAM_ROWS rows W is streamed once per 4 of them. A prompt dequantizes panels of W to float and takes
  * WeightMatMul's blocked path. With `minimums` M [blocks, N] (float, float16 or bfloat16: a format's per-block
- * minimum), Y also gains blocksums(A) M, each block of A's rows summed, then WeightMatMul's product over M.
+ * minimum), Y also gains blocksums(A) M: streamed rows add it after (each block of A's rows summed, then
+ * WeightMatMul's product over M), dequantized panels hold (code - zero point) * scale + minimum, as ggml defines
+ * a weight.
  * runtime/weight_matmul.py swaps it in for MatMulNBits (and its minimum term). ---- */
 enum { BLOCK_A, BLOCK_B, BLOCK_SCALES, BLOCK_ZERO_POINTS, BLOCK_HIGH, BLOCK_MINIMUMS, BLOCK_INPUT_COUNT };
 
@@ -598,11 +602,21 @@ static OrtStatus *block_compute(void *kernel_state, void *context) {
         return NULL;
     }
     Product p = {.kernels = kernel->kernels, .a = a->data, .blocks = &w, .out = out, .m = m, .k = k, .n = n};
-    if (m > BLOCK_STREAM_ROWS) {
+    if (m > BLOCK_STREAM_ROWS) { /* the minimums, if any, enter each dequantized weight */
+        BlockWeights with_minimums = w;
+        if (given[BLOCK_MINIMUMS]) {
+            const Tensor *minimums = &in[BLOCK_MINIMUMS];
+            with_minimums.minimums = minimums->data;
+            with_minimums.minimum_type = minimums->element == FLOAT16 ? WEIGHT_FP16
+                                         : minimums->element == BFLOAT16 ? WEIGHT_BF16
+                                         : minimums->element == FLOAT ? WEIGHT_FP32 : -1;
+            if (with_minimums.minimum_type < 0 || minimums->rank != 2 || minimums->dims[0] != blocks ||
+                minimums->dims[1] != n)
+                return fail(api, ORT_INVALID_ARGUMENT, "BlockMatMul: minimums are not [blocks, N] floats");
+        }
+        p.blocks = &with_minimums;
         status = parallel(api, context, panel_task, (size_t)((n + p.kernels->panel - 1) / p.kernels->panel), &p);
         if (status == NULL && p.failed) status = fail(api, ORT_FAIL, "BlockMatMul: out of memory");
-        if (status == NULL && given[BLOCK_MINIMUMS])
-            status = add_minimum_term(api, context, p.kernels, a->data, m, &w, &in[BLOCK_MINIMUMS], out);
         return status;
     }
     float *permuted = malloc(sizeof(float) * (size_t)(m * k));

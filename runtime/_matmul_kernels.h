@@ -361,21 +361,23 @@ ISA_TARGET static void GLUE(block_rows, ISA)(const float *a, int64_t lda, int64_
 }
 
 /* Rows [n0, n0 + cols) of W (cols <= PANEL) as floats, packed[k][PANEL] (the columns past `cols` zero), each
- * weight (code - zero point) * scale rounded once: the operand of `tile`. The rows' bytes are first gathered side by
- * side, bytes[byte][PANEL] (each row read front to back), with their scales and offsets (2^23 + zero point, as in
- * block_step); then each byte of the panel's columns gives two rows of the panel in vectors. `scratch` holds
- * (k / 2) PANEL bytes per plane and 2 blocks PANEL floats. */
+ * weight (code - zero point) * scale (+ its block's minimum, where given) rounded once: the operand of `tile`. The
+ * rows' bytes are first gathered side by side, bytes[byte][PANEL] (each row read front to back), with their scales,
+ * offsets (2^23 + zero point, as in block_step) and minimums; then each byte of the panel's columns gives two rows
+ * of the panel in vectors. `scratch` holds (k / 2) PANEL bytes per plane and 3 blocks PANEL floats. */
 ISA_TARGET static void GLUE(dequantize_panel, ISA)(const BlockWeights *w, int64_t n0, int64_t cols, float *packed,
                                                    void *scratch) {
     const int64_t half = w->block / 2, row_bytes = w->blocks * half, blocks = w->blocks;
-    float *scales = scratch, *offsets = scales + blocks * PANEL;
-    uint8_t *low = (uint8_t *)(offsets + blocks * PANEL), *high = low + row_bytes * PANEL;
+    float *scales = scratch, *offsets = scales + blocks * PANEL, *minimums = offsets + blocks * PANEL;
+    uint8_t *low = (uint8_t *)(minimums + blocks * PANEL), *high = low + row_bytes * PANEL;
     for (int64_t c = 0; c < PANEL; c++) {
         const int64_t j = n0 + c;
         for (int64_t b = 0; b < blocks; b++) {
             scales[b * PANEL + c] = c < cols ? w->scales[j * blocks + b] : 0.0f;
             offsets[b * PANEL + c] = c < cols ? code_offsets[0][block_zero_point(w, j, b) + (w->high ? 128 : 0)]
                                               : code_offsets[0][0];
+            minimums[b * PANEL + c] =
+                    c < cols && w->minimums ? weight_at(w->minimum_type, w->minimums, b * w->n + j) : 0.0f;
         }
         for (int64_t i = 0; i < row_bytes; i++) low[i * PANEL + c] = c < cols ? w->low[j * row_bytes + i] : 0;
         if (w->high)
@@ -387,6 +389,7 @@ ISA_TARGET static void GLUE(dequantize_panel, ISA)(const BlockWeights *w, int64_
         for (int v = 0; v < 2; v++) {
             const FLOATS scale = GLUE(load_fp32, ISA)(scales + b * PANEL + v * LANES);
             const FLOATS offset = GLUE(load_fp32, ISA)(offsets + b * PANEL + v * LANES);
+            const FLOATS minimum = GLUE(load_fp32, ISA)(minimums + b * PANEL + v * LANES);
             for (int64_t i = 0; i < half; i++) {
                 const int64_t at = (b * half + i) * PANEL + v * LANES;
                 const INTS bytes = GLUE(widen_bytes, ISA)(low + at);
@@ -397,8 +400,8 @@ ISA_TARGET static void GLUE(dequantize_panel, ISA)(const BlockWeights *w, int64_
                     odds |= more & 0xf0;
                 }
                 float *to = packed + (b * w->block + 2 * i) * PANEL + v * LANES;
-                GLUE(store, ISA)(to, ((FLOATS)evens - offset) * scale);
-                GLUE(store, ISA)(to + PANEL, ((FLOATS)odds - offset) * scale);
+                GLUE(store, ISA)(to, ((FLOATS)evens - offset) * scale + minimum);
+                GLUE(store, ISA)(to + PANEL, ((FLOATS)odds - offset) * scale + minimum);
             }
         }
 }
