@@ -151,11 +151,18 @@ def _run(model: onnx.ModelProto, inputs: dict[str, np.ndarray], output: str, col
 @pytest.mark.parametrize(
     "formats", [["Q4_0"], ["Q4_1"], ["Q8_0"], ["Q5_1"], ["Q4_K", "Q6_K", "Q8_0"], ["Q2_K"]]
 )
-@pytest.mark.parametrize("rows", [1, 4, 37])
-def test_matmulnbits_swapped_for_block_matmul_computes_what_onnx_runtime_does(formats, rows):
+@pytest.mark.parametrize("rows", [1, 4, 9, 37])  # streamed once, twice (the minimum term added after); panels
+@pytest.mark.parametrize("isa", ISAS)
+def test_matmulnbits_swapped_for_block_matmul_computes_what_onnx_runtime_does(
+    formats, rows, isa, monkeypatch
+):
     """Every plane layout the exporter writes (zero points or none, a high plane and a minimum term folded into the
     low plane's op), against ONNX Runtime's MatMulNBits over the same planes."""
     from test_quantized import COLUMNS, _model, _stored_rows
+
+    if not _supported(isa):
+        pytest.skip(f"this CPU does not run {isa}")
+    monkeypatch.setenv("PIPESHARD_MATMUL_ISA", isa)
 
     from pipeshard.exporter.quantized_weights import store_weights_quantized
 
