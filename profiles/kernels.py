@@ -59,9 +59,10 @@ def weight_matmul_model(k: int, n: int, dtype: str) -> onnx.ModelProto:
     )
 
 
-def quantized_matmul_model(k: int, n: int, block: int = 32) -> onnx.ModelProto:
+def quantized_matmul_model(k: int, n: int, block: int = 32, op: str = "MatMulNBits") -> onnx.ModelProto:
     """Y[M, N] = X[M, K] @ W for W stored as one 4-bit plane with uint8 zero points and float32 scales per block
-    (com.microsoft::MatMulNBits): the product a GGUF pack keeps its quantized weights in (random codes)."""
+    (com.microsoft::MatMulNBits): the product a GGUF pack keeps its quantized weights in (random codes); with
+    op="BlockMatMul", pipeshard's op over the same planes (what the chain's CPU sessions run, runtime/_matmul.c)."""
     rng = np.random.default_rng(0)
     blocks = k // block
     inputs = [
@@ -69,9 +70,21 @@ def quantized_matmul_model(k: int, n: int, block: int = 32) -> onnx.ModelProto:
         numpy_helper.from_array(rng.uniform(1e-3, 2e-3, (n, blocks)).astype(np.float32), "S"),
         numpy_helper.from_array(np.zeros((n, (blocks + 1) // 2), np.uint8), "Z"),
     ]
-    node = helper.make_node(
-        "MatMulNBits", ["X", "B", "S", "Z"], ["Y"], domain="com.microsoft", K=k, N=n, bits=4, block_size=block
-    )
+    if op == "BlockMatMul":
+        node = helper.make_node(
+            "BlockMatMul", ["X", "B", "S", "Z"], ["Y"], domain="pipeshard", block_size=block
+        )
+    else:
+        node = helper.make_node(
+            "MatMulNBits",
+            ["X", "B", "S", "Z"],
+            ["Y"],
+            domain="com.microsoft",
+            K=k,
+            N=n,
+            bits=4,
+            block_size=block,
+        )
     graph = helper.make_graph(
         [node],
         "quantized_matmul",
@@ -81,7 +94,11 @@ def quantized_matmul_model(k: int, n: int, block: int = 32) -> onnx.ModelProto:
     )
     return helper.make_model(
         graph,
-        opset_imports=[helper.make_operatorsetid("", 21), helper.make_operatorsetid("com.microsoft", 1)],
+        opset_imports=[
+            helper.make_operatorsetid("", 21),
+            helper.make_operatorsetid("com.microsoft", 1),
+            helper.make_operatorsetid("pipeshard", 1),
+        ],
     )
 
 

@@ -223,8 +223,9 @@ def matmul_read_gbps(ort, threads: int, size_bytes: int, seconds: float, copy_lo
 def weight_read_gbps(threads: int, size_bytes: int, seconds: float) -> dict[str, float]:
     """Bytes per second an M=1 product streams from stored weights of about `size_bytes` (the decode roofline of a
     pack's CPU sub-layers), by dtype: pipeshard's WeightMatMul over fp16 / bf16 weights (where the C extension is
-    built) and MatMulNBits over a GGUF pack's 4-bit planes (`q4`: codes, scales and zero points counted). Through
-    the C-API runtime, as the chain runs it."""
+    built) and the product over a GGUF pack's 4-bit planes (`q4`: codes, scales and zero points counted), by
+    pipeshard's BlockMatMul where built (what the chain's CPU sessions swap MatMulNBits for), else MatMulNBits.
+    Through the C-API runtime, as the chain runs it."""
     from pipeshard.runtime import capi
 
     rt = capi.runtime(threads)
@@ -238,7 +239,9 @@ def weight_read_gbps(threads: int, size_bytes: int, seconds: float) -> dict[str,
     side = int(np.sqrt(size_bytes * 2)) // 32 * 32
     blocks = side // 32
     models["q4"] = (
-        quantized_matmul_model(side, side),
+        quantized_matmul_model(
+            side, side, op="BlockMatMul" if capi.custom_ops_available() else "MatMulNBits"
+        ),
         side,
         side * (blocks * 16 + blocks * 4 + (blocks + 1) // 2),
     )

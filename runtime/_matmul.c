@@ -15,7 +15,11 @@
  *     into every tile of TILE_ROWS rows of A (accumulators in registers), one panel per task.
  * The instruction set is chosen at run time (AVX-512, AVX2 + F16C + FMA, or portable code), each compiled with its
  * own target attribute, so the extension builds for any x86-64 (and for other CPUs, portable code only).
- * PIPESHARD_MATMUL_ISA=avx512|avx2|portable forces one (tests check each against numpy). */
+ * PIPESHARD_MATMUL_ISA=avx512|avx2|portable forces one (tests check each against numpy).
+ *
+ * `pipeshard.BlockMatMul` (below) is the same machinery for a weight stored as 4-bit blocks (a GGUF pack's
+ * MatMulNBits planes): the streaming path unpacks and converts the codes in registers, the blocked path dequantizes
+ * each panel to float. */
 #if defined(__GNUC__) || defined(__clang__) /* the vector code below is GCC's vector extensions */
 #include <stdint.h>
 #include <stdlib.h>
@@ -32,6 +36,8 @@ enum { WEIGHT_FP32 = 0, WEIGHT_FP16 = 1, WEIGHT_BF16 = 2 };
 enum { INPUT_A, INPUT_B, INPUT_COUNT };
 #define MAX_DIMS 8
 #define MAX_STREAM_ROWS 4  /* rows of A up to which B is streamed once for all of them */
+#define BLOCK_STREAM_ROWS 16  /* BlockMatMul: rows of A up to which 4-bit blocks are streamed (once per 4 rows;
+                               * measured faster than dequantized panels up to 16 rows) */
 #define STREAM_DEPTH 8  /* rows of B summed in registers before their sums are added up */
 #define STREAM_WIDTH 1024  /* most columns of one streaming task: its sums stay in the L1 cache */
 #define TASK_BYTES (64 * 1024)  /* least weight bytes per streaming task: fewer, and the hand-off outweighs them */
@@ -64,6 +70,35 @@ static inline float bf16_to_float(uint16_t half) {
     return value;
 }
 
+/* A matrix W [N, K] of 4-bit codes in blocks (pipeshard.BlockMatMul, the layout of com.microsoft::MatMulNBits):
+ * W[j][e] = (code - zero point) * scale of e's block, with codes uint8 [N, blocks, block / 2] (two per byte, the even
+ * element in the low nibble), scales float [N, blocks], zero points uint8 [N, (blocks + 1) / 2] (two per byte, the
+ * even block's in the low nibble; none: 8 everywhere) and optionally a high plane, codes in the same layout with
+ * zero point 8 counting 16 low steps each: W[j][e] = ((low - zero point) + 16 (high - 8)) * scale. */
+typedef struct {
+    const uint8_t *low, *high, *zero_points;
+    const float *scales;
+    const void *minimums;  /* where dequantized panels add them: [blocks, N] of minimum_type (a WEIGHT_* type) */
+    int minimum_type;
+    int64_t n, k, block, blocks;
+} BlockWeights;
+
+/* 2^23 + z and 2^19 + z for z in [0, 144): what a 4-bit code made the float 2^23 + code (2^19 + code) loses to be
+ * code - zero point (z: the zero point, plus 128 with a high plane's 16 (high - 8)); see block_step. */
+static float code_offsets[2][144];
+
+__attribute__((constructor)) static void fill_code_offsets(void) {
+    for (int z = 0; z < 144; z++) {
+        code_offsets[0][z] = (float)(8388608 + z);
+        code_offsets[1][z] = (float)(524288 + z);
+    }
+}
+
+static inline int block_zero_point(const BlockWeights *w, int64_t j, int64_t b) {
+    if (w->zero_points == NULL) return 8;
+    return (w->zero_points[j * ((w->blocks + 1) / 2) + b / 2] >> (4 * (b & 1))) & 15;
+}
+
 /* One weight of B as a float (tails narrower than a vector). */
 static inline float weight_at(int type, const void *b, int64_t at) {
     return type == WEIGHT_FP16 ? fp16_to_float(((const uint16_t *)b)[at])
@@ -80,7 +115,22 @@ typedef struct {
     void (*pack_panel)(const void *b, int type, int64_t k, int64_t k_stride, int64_t n_stride, int64_t n0,
                        int64_t cols, float *packed);
     void (*tile)(const float *a, int64_t lda, const float *packed, int64_t k, float *c, int64_t ldc);
+    void (*block_rows)(const float *a, int64_t lda, int64_t rows, const BlockWeights *w, int64_t j0, int64_t j1,
+                       float *out, int64_t ldo);
+    void (*dequantize_panel)(const BlockWeights *w, int64_t n0, int64_t cols, float *packed, void *scratch);
 } Kernels;
+
+static inline uint64_t load_u64(const uint8_t *from) {
+    uint64_t bytes;
+    memcpy(&bytes, from, sizeof bytes);
+    return bytes;
+}
+
+static inline uint32_t load_u32(const uint8_t *from) {
+    uint32_t bytes;
+    memcpy(&bytes, from, sizeof bytes);
+    return bytes;
+}
 
 #if X86
 #define ISA avx512
@@ -90,6 +140,11 @@ typedef struct {
 #define load_fp16(p) ((Floats_avx512)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p))))
 #define load_bf16(p) \
     ((Floats_avx512)_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16)))
+#define unpack_nibbles(p)                                                                                   \
+    _mm512_and_si512(_mm512_srlv_epi32(_mm512_cvtepu8_epi32(_mm_set1_epi64x((long long)load_u64(p))),      \
+                                       _mm512_set_epi32(4, 4, 4, 4, 4, 4, 4, 4, 0, 0, 0, 0, 0, 0, 0, 0)), \
+                     _mm512_set1_epi32(15))
+#define widen_bytes(p) _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p)))
 #include "_matmul_kernels.h"
 #undef ISA
 #undef ISA_TARGET
@@ -97,6 +152,8 @@ typedef struct {
 #undef TILE_ROWS
 #undef load_fp16
 #undef load_bf16
+#undef unpack_nibbles
+#undef widen_bytes
 
 #define ISA avx2
 #define ISA_TARGET __attribute__((target("avx2,fma,f16c")))
@@ -105,6 +162,11 @@ typedef struct {
 #define load_fp16(p) ((Floats_avx2)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p))))
 #define load_bf16(p) \
     ((Floats_avx2)_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16)))
+#define unpack_nibbles(p)                                                                                   \
+    _mm256_and_si256(_mm256_srlv_epi32(_mm256_cvtepu8_epi32(_mm_set1_epi32((int)load_u32(p))),              \
+                                       _mm256_set_epi32(4, 4, 4, 4, 0, 0, 0, 0)),                           \
+                     _mm256_set1_epi32(15))
+#define widen_bytes(p) _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p)))
 #include "_matmul_kernels.h"
 #undef ISA
 #undef ISA_TARGET
@@ -112,6 +174,8 @@ typedef struct {
 #undef TILE_ROWS
 #undef load_fp16
 #undef load_bf16
+#undef unpack_nibbles
+#undef widen_bytes
 #endif
 
 /* Portable: the same loops in vectors the compiler lowers to what the baseline target has, halves converted one by
@@ -125,7 +189,27 @@ static inline void halves_to_floats(const uint16_t *from, float *to, int count, 
 #define TILE_ROWS 4
 #define load_fp16(p) load_halves_portable((p), 0)
 #define load_bf16(p) load_halves_portable((p), 1)
+#define unpack_nibbles(p) unpack_nibbles_portable(p)
+#define widen_bytes(p) bytes_as_ints_portable(p)
 typedef float PortableFloats __attribute__((vector_size(8 * sizeof(float))));
+typedef int32_t PortableInts __attribute__((vector_size(8 * sizeof(int32_t))));
+static inline PortableInts unpack_nibbles_portable(const uint8_t *from) {
+    int32_t lanes[8];
+    for (int i = 0; i < 4; i++) {
+        lanes[i] = from[i] & 15;
+        lanes[i + 4] = from[i] >> 4;
+    }
+    PortableInts vector;
+    memcpy(&vector, lanes, sizeof vector);
+    return vector;
+}
+static inline PortableInts bytes_as_ints_portable(const uint8_t *from) {
+    int32_t lanes[8];
+    for (int i = 0; i < 8; i++) lanes[i] = from[i];
+    PortableInts vector;
+    memcpy(&vector, lanes, sizeof vector);
+    return vector;
+}
 static inline PortableFloats load_halves_portable(const uint16_t *from, int bf16) {
     float lanes[8];
     halves_to_floats(from, lanes, 8, bf16);
@@ -140,6 +224,8 @@ static inline PortableFloats load_halves_portable(const uint16_t *from, int bf16
 #undef TILE_ROWS
 #undef load_fp16
 #undef load_bf16
+#undef unpack_nibbles
+#undef widen_bytes
 
 /* The instruction set's kernels: forced by PIPESHARD_MATMUL_ISA, else the best this CPU runs. */
 static const Kernels *choose_kernels(void) {
@@ -193,6 +279,7 @@ typedef struct {
     const Kernels *kernels;
     const float *a;
     const void *b;
+    const BlockWeights *blocks;  /* BlockMatMul: B's 4-bit blocks (then b is unused) */
     float *out, *partials;
     int type, transposed;
     int64_t m, k, n;
@@ -227,13 +314,18 @@ static void panel_task(void *data, size_t index) {
     const Kernels *kernels = p->kernels;
     const int64_t panel = kernels->panel, rows = kernels->tile_rows, k = p->k;
     const int64_t n0 = (int64_t)index * panel, cols = n0 + panel <= p->n ? panel : p->n - n0;
-    float *packed = malloc(sizeof(float) * (size_t)(k * panel + rows * k + rows * panel));
+    const BlockWeights *w = p->blocks;
+    const size_t scratch = w ? sizeof(float) * (size_t)(3 * w->blocks * panel) + (size_t)(k * panel) : 0;
+    float *packed = malloc(sizeof(float) * (size_t)(k * panel + rows * k + rows * panel) + scratch);
     if (packed == NULL) {
         p->failed = 1;
         return;
     }
     float *padded_a = packed + k * panel, *tile_out = padded_a + rows * k;
-    kernels->pack_panel(p->b, p->type, k, p->transposed ? 1 : p->n, p->transposed ? k : 1, n0, cols, packed);
+    if (w)
+        kernels->dequantize_panel(w, n0, cols, packed, tile_out + rows * panel);
+    else
+        kernels->pack_panel(p->b, p->type, k, p->transposed ? 1 : p->n, p->transposed ? k : 1, n0, cols, packed);
     for (int64_t r = 0; r < p->m; r += rows) {
         const int64_t count = r + rows <= p->m ? rows : p->m - r;
         const float *a = p->a + r * k;
@@ -383,12 +475,226 @@ static const CustomOp weight_matmul = {
     .KernelComputeV2 = compute,
 };
 
+/* ---- pipeshard.BlockMatMul(A, B, scales[, zero_points[, high[, minimums]]]), attribute block_size: Y = A W^T for W [N, K]
+ * stored as 4-bit blocks (BlockWeights), what com.microsoft::MatMulNBits (bits 4) computes, in float: each code
+ * minus its zero point an exact integer, every product and sum in float (no quantized activations). A decode step
+ * (M <= MAX_STREAM_ROWS) streams W once: A's rows permuted once per call so each vector of codes (a vector's worth
+ * of bytes: their low nibbles, then their high ones) meets its elements, W's rows cut into tasks; up to
+ * BLOCK_STREAM_ROWS rows W is streamed once per 4 of them. A prompt dequantizes panels of W to float and takes
+ * WeightMatMul's blocked path. With `minimums` M [blocks, N] (float, float16 or bfloat16: a format's per-block
+ * minimum), Y also gains blocksums(A) M: streamed rows add it after (each block of A's rows summed, then
+ * WeightMatMul's product over M), dequantized panels hold (code - zero point) * scale + minimum, as ggml defines
+ * a weight.
+ * runtime/weight_matmul.py swaps it in for MatMulNBits (and its minimum term). ---- */
+enum { BLOCK_A, BLOCK_B, BLOCK_SCALES, BLOCK_ZERO_POINTS, BLOCK_HIGH, BLOCK_MINIMUMS, BLOCK_INPUT_COUNT };
+
+typedef struct {
+    void *const *api;
+    int64_t block;
+    const Kernels *kernels;
+} BlockKernel;
+
+/* Each row of A [rows, k] with every `width` elements reordered evens first, then odds: the order of the codes
+ * the kernels unpack (2 vectors of them from a vector's worth of bytes; one from half of that where a block is
+ * narrower). */
+static void permute_rows(const float *a, int64_t rows, int64_t k, int width, float *to) {
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t g = 0; g < k; g += width)
+            for (int i = 0; i < width / 2; i++) {
+                to[r * k + g + i] = a[r * k + g + 2 * i];
+                to[r * k + g + width / 2 + i] = a[r * k + g + 2 * i + 1];
+            }
+}
+
+/* Decode task `index`: W's rows [index slice_rows, ...) against every row of the permuted A. */
+static void block_task(void *data, size_t index) {
+    const Product *p = data;
+    const int64_t j0 = (int64_t)index * p->slice_rows, j1 = j0 + p->slice_rows < p->n ? j0 + p->slice_rows : p->n;
+    p->kernels->block_rows(p->a, p->k, p->m, p->blocks, j0, j1, p->out, p->n);
+}
+
+/* out[r][n] += sum over blocks b of (the sum of block b of A's row r) minimums[b][n]: the minimum term. */
+static OrtStatus *add_minimum_term(void *const *api, void *context, const Kernels *kernels, const float *a,
+                                   int64_t m, const BlockWeights *w, const Tensor *minimums, float *out) {
+    const int type = minimums->element == FLOAT16 ? WEIGHT_FP16 : minimums->element == BFLOAT16 ? WEIGHT_BF16
+                     : minimums->element == FLOAT ? WEIGHT_FP32 : -1;
+    if (type < 0 || minimums->rank != 2 || minimums->dims[0] != w->blocks || minimums->dims[1] != w->n)
+        return fail(api, ORT_INVALID_ARGUMENT, "BlockMatMul: minimums are not [blocks, N] floats");
+    float *sums = malloc(sizeof(float) * (size_t)(m * w->blocks + m * w->n));
+    if (sums == NULL) return fail(api, ORT_FAIL, "BlockMatMul: out of memory");
+    float *term = sums + m * w->blocks;
+    for (int64_t r = 0; r < m; r++)
+        for (int64_t b = 0; b < w->blocks; b++) {
+            float sum = 0.0f;
+            for (int64_t e = 0; e < w->block; e++) sum += a[r * w->k + b * w->block + e];
+            sums[r * w->blocks + b] = sum;
+        }
+    Product q = {.kernels = kernels, .a = sums, .b = minimums->data, .out = term, .type = type, .m = m,
+                 .k = w->blocks, .n = w->n};
+    OrtStatus *status;
+    if (m <= MAX_STREAM_ROWS) {
+        status = stream(api, context, &q, type == WEIGHT_FP32 ? 4 : 2);
+    } else {
+        status = parallel(api, context, panel_task, (size_t)((w->n + kernels->panel - 1) / kernels->panel), &q);
+        if (status == NULL && q.failed) status = fail(api, ORT_FAIL, "BlockMatMul: out of memory");
+    }
+    if (status == NULL)
+        for (int64_t i = 0; i < m * w->n; i++) out[i] += term[i];
+    free(sums);
+    return status;
+}
+
+static int64_t element_count(const Tensor *tensor) {
+    int64_t count = 1;
+    for (size_t i = 0; i < tensor->rank; i++) count *= tensor->dims[i];
+    return count;
+}
+
+static OrtStatus *block_compute(void *kernel_state, void *context) {
+    const BlockKernel *kernel = kernel_state;
+    void *const *api = kernel->api;
+    OrtStatus *status;
+    Tensor in[BLOCK_INPUT_COUNT];
+    int given[BLOCK_INPUT_COUNT] = {0};
+    for (size_t index = 0; index < BLOCK_INPUT_COUNT; index++) {
+        const void *value = NULL;
+        if ((status = ((GetInputFn)api[KERNEL_CONTEXT_GET_INPUT])(context, index, &value))) return status;
+        if (value == NULL) continue; /* an optional input not given */
+        if ((status = read_tensor(api, value, &in[index]))) return status;
+        given[index] = 1;
+    }
+    const Tensor *a = &in[BLOCK_A], *b = &in[BLOCK_B];
+    if (!given[BLOCK_A] || !given[BLOCK_B] || !given[BLOCK_SCALES])
+        return fail(api, ORT_INVALID_ARGUMENT, "BlockMatMul: A, B and scales are required");
+    if (a->element != FLOAT || a->rank < 1)
+        return fail(api, ORT_INVALID_ARGUMENT, "BlockMatMul: A is not a float tensor of rank >= 1");
+    const int64_t block = kernel->block;
+    if (b->element != UINT8 || b->rank != 3 || b->dims[2] * 2 != block)
+        return fail(api, ORT_INVALID_ARGUMENT, "BlockMatMul: B is not uint8 [N, blocks, block_size / 2]");
+    const int64_t n = b->dims[0], blocks = b->dims[1], k = blocks * block;
+    if (a->dims[a->rank - 1] != k)
+        return fail(api, ORT_INVALID_ARGUMENT, "BlockMatMul: A's last dimension is not B's blocks times block_size");
+    if (in[BLOCK_SCALES].element != FLOAT || element_count(&in[BLOCK_SCALES]) != n * blocks)
+        return fail(api, ORT_INVALID_ARGUMENT, "BlockMatMul: scales are not N x blocks floats");
+    if (given[BLOCK_ZERO_POINTS] && (in[BLOCK_ZERO_POINTS].element != UINT8 ||
+                                     element_count(&in[BLOCK_ZERO_POINTS]) != n * ((blocks + 1) / 2)))
+        return fail(api, ORT_INVALID_ARGUMENT, "BlockMatMul: zero points are not uint8 [N, (blocks + 1) / 2]");
+    if (given[BLOCK_HIGH] && (in[BLOCK_HIGH].element != UINT8 || element_count(&in[BLOCK_HIGH]) != element_count(b)))
+        return fail(api, ORT_INVALID_ARGUMENT, "BlockMatMul: the high plane is not shaped as B");
+    const BlockWeights w = {
+        .low = b->data, .high = given[BLOCK_HIGH] ? in[BLOCK_HIGH].data : NULL,
+        .zero_points = given[BLOCK_ZERO_POINTS] ? in[BLOCK_ZERO_POINTS].data : NULL,
+        .scales = in[BLOCK_SCALES].data, .n = n, .k = k, .block = block, .blocks = blocks,
+    };
+    int64_t m = 1, dims[MAX_DIMS];
+    for (size_t i = 0; i + 1 < a->rank; i++) {
+        dims[i] = a->dims[i];
+        m *= a->dims[i];
+    }
+    dims[a->rank - 1] = n;
+    void *output = NULL;
+    if ((status = ((GetOutputFn)api[KERNEL_CONTEXT_GET_OUTPUT])(context, 0, dims, a->rank, &output))) return status;
+    float *out = NULL;
+    if ((status = ((GetTensorDataFn)api[GET_TENSOR_MUTABLE_DATA])(output, (void **)&out))) return status;
+    if (m == 0 || n == 0) return NULL;
+    if (k == 0) {
+        memset(out, 0, sizeof(float) * (size_t)(m * n));
+        return NULL;
+    }
+    Product p = {.kernels = kernel->kernels, .a = a->data, .blocks = &w, .out = out, .m = m, .k = k, .n = n};
+    if (m > BLOCK_STREAM_ROWS) { /* the minimums, if any, enter each dequantized weight */
+        BlockWeights with_minimums = w;
+        if (given[BLOCK_MINIMUMS]) {
+            const Tensor *minimums = &in[BLOCK_MINIMUMS];
+            with_minimums.minimums = minimums->data;
+            with_minimums.minimum_type = minimums->element == FLOAT16 ? WEIGHT_FP16
+                                         : minimums->element == BFLOAT16 ? WEIGHT_BF16
+                                         : minimums->element == FLOAT ? WEIGHT_FP32 : -1;
+            if (with_minimums.minimum_type < 0 || minimums->rank != 2 || minimums->dims[0] != blocks ||
+                minimums->dims[1] != n)
+                return fail(api, ORT_INVALID_ARGUMENT, "BlockMatMul: minimums are not [blocks, N] floats");
+        }
+        p.blocks = &with_minimums;
+        status = parallel(api, context, panel_task, (size_t)((n + p.kernels->panel - 1) / p.kernels->panel), &p);
+        if (status == NULL && p.failed) status = fail(api, ORT_FAIL, "BlockMatMul: out of memory");
+        return status;
+    }
+    float *permuted = malloc(sizeof(float) * (size_t)(m * k));
+    if (permuted == NULL) return fail(api, ORT_FAIL, "BlockMatMul: out of memory");
+    const int lanes = p.kernels->lanes;
+    permute_rows(a->data, m, k, block % (2 * lanes) == 0 ? 2 * lanes : lanes, permuted);
+    p.a = permuted;
+    /* tasks of at least TASK_BYTES of W, at most MAX_TASKS, an even number of rows each */
+    const int64_t row_bytes = blocks * (block / 2 * (w.high ? 2 : 1) + (int64_t)sizeof(float)) + 1;
+    int64_t rows = TASK_BYTES / row_bytes > (n + MAX_TASKS - 1) / MAX_TASKS ? TASK_BYTES / row_bytes
+                                                                            : (n + MAX_TASKS - 1) / MAX_TASKS;
+    p.slice_rows = rows < 2 ? 2 : (rows + 1) / 2 * 2;
+    status = NULL;
+    for (int64_t r = 0; r < m && status == NULL; r += MAX_STREAM_ROWS) { /* W streamed once per 4 rows of A */
+        p.a = permuted + r * k;
+        p.out = out + r * n;
+        p.m = m - r < MAX_STREAM_ROWS ? m - r : MAX_STREAM_ROWS;
+        status = parallel(api, context, block_task, (size_t)((n + p.slice_rows - 1) / p.slice_rows), &p);
+    }
+    free(permuted);
+    if (status == NULL && given[BLOCK_MINIMUMS])
+        status = add_minimum_term(api, context, p.kernels, a->data, m, &w, &in[BLOCK_MINIMUMS], out);
+    return status;
+}
+
+static OrtStatus *block_create_kernel(const void *op, const void *api_table, const void *info, void **kernel_out) {
+    (void)op;
+    void *const *api = (void *const *)api_table;
+    int64_t block = 0;
+    OrtStatus *status = ((GetAttributeInt64Fn)api[KERNEL_INFO_GET_ATTRIBUTE_INT64])(info, "block_size", &block);
+    if (status != NULL) return status;
+    if (block != 16 && block != 32)
+        return fail(api, ORT_INVALID_ARGUMENT, "BlockMatMul: block_size is not 16 or 32");
+    BlockKernel *kernel = calloc(1, sizeof(BlockKernel));
+    if (kernel == NULL) return fail(api, ORT_FAIL, "BlockMatMul: out of memory");
+    kernel->api = api;
+    kernel->block = block;
+    kernel->kernels = choose_kernels();
+    *kernel_out = kernel;
+    return NULL;
+}
+
+static const char *block_op_name(const void *op) { (void)op; return "BlockMatMul"; }
+static size_t block_input_count(const void *op) { (void)op; return BLOCK_INPUT_COUNT; }
+static int block_input_type(const void *op, size_t index) {
+    (void)op;
+    return index == BLOCK_A || index == BLOCK_SCALES ? FLOAT : index == BLOCK_MINIMUMS ? UNDEFINED : UINT8;
+}
+static int block_input_characteristic(const void *op, size_t index) {
+    (void)op;
+    return index == BLOCK_ZERO_POINTS || index == BLOCK_HIGH || index == BLOCK_MINIMUMS ? OPTIONAL : REQUIRED;
+}
+
+static const CustomOp block_matmul = {
+    .version = 16,
+    .GetName = block_op_name,
+    .GetExecutionProviderType = cpu_provider,
+    .GetInputType = block_input_type,
+    .GetInputTypeCount = block_input_count,
+    .GetOutputType = output_type,
+    .GetOutputTypeCount = output_count,
+    .KernelDestroy = destroy_kernel,
+    .GetInputCharacteristic = block_input_characteristic,
+    .GetOutputCharacteristic = required,
+    .GetInputMemoryType = default_memory,
+    .CreateKernelV2 = block_create_kernel,
+    .KernelComputeV2 = block_compute,
+};
+
 /* The op's OrtCustomOp, for OrtApi::CustomOpDomain_Add, and the instruction set it runs here. */
 const void *pipeshard_weight_matmul_op(void) { return &weight_matmul; }
+const void *pipeshard_block_matmul_op(void) { return &block_matmul; }
 const char *pipeshard_weight_matmul_isa(void) { return choose_kernels()->name; }
 
 #else
-/* Without GCC's vector extensions (MSVC) there is no op: half-precision weights run ONNX Runtime's cast + MatMul. */
+/* Without GCC's vector extensions (MSVC) there are no ops: half-precision weights run ONNX Runtime's cast + MatMul,
+ * 4-bit blocks its MatMulNBits. */
 const void *pipeshard_weight_matmul_op(void) { return 0; }
+const void *pipeshard_block_matmul_op(void) { return 0; }
 const char *pipeshard_weight_matmul_isa(void) { return ""; }
 #endif

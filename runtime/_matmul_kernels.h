@@ -5,6 +5,8 @@
  *   LANES        floats per vector
  *   TILE_ROWS    rows of A in one tile of the blocked product (TILE_ROWS x 2 vectors of accumulators)
  *   load_fp16(p), load_bf16(p)   LANES stored halves at p as one vector of floats
+ *   unpack_nibbles(p)            LANES / 2 bytes at p as LANES int32: their low nibbles, then their high nibbles
+ *   widen_bytes(p)               LANES bytes at p as LANES int32
  * A vector of LANES floats, `Floats`, is GCC's vector extension; the compiler keeps it in registers of the set. */
 
 #define GLUE_(name, isa) name##_##isa
@@ -12,7 +14,18 @@
 #define FLOATS GLUE(Floats, ISA)
 #define PANEL (2 * LANES) /* columns of one packed panel of B */
 
+#define INTS GLUE(Ints, ISA)
+#define NIBBLES GLUE(load_nibbles, ISA)
+
 typedef float FLOATS __attribute__((vector_size(LANES * sizeof(float))));
+typedef int32_t INTS __attribute__((vector_size(LANES * sizeof(int32_t))));
+
+/* LANES codes of a 4-bit plane as integers: the low nibbles of the LANES / 2 bytes at p, then their high nibbles
+ * (the even elements, then the odd ones: the order `permute_rows` (runtime/_matmul.c) gives each LANES of A). */
+ISA_TARGET static inline INTS NIBBLES(const uint8_t *from) { return (INTS)unpack_nibbles(from); }
+
+/* LANES bytes at p as LANES int32. */
+ISA_TARGET static inline INTS GLUE(widen_bytes, ISA)(const uint8_t *from) { return (INTS)widen_bytes(from); }
 
 ISA_TARGET static inline FLOATS GLUE(load_fp32, ISA)(const float *from) {
     FLOATS lanes;
@@ -226,10 +239,177 @@ ISA_TARGET static void GLUE(tile, ISA)(const float *a, int64_t lda, const float 
     }
 }
 
+/* ---- pipeshard.BlockMatMul: 4-bit blocks (BlockWeights, runtime/_matmul.c) ---- */
+
+/* LANES codes of a 4-bit plane as integers: the low nibbles of the LANES / 2 bytes at p, then their high nibbles
+ * (the even elements, then the odd ones: the order `permute_rows` gives each LANES of A). */
+/* One block of W's row, codes at `low` (and `high`), against the block of each row of the permuted A at `a`: each
+ * LANES bytes widened once into their low nibbles (the block's even elements) and high nibbles (the odd ones). A
+ * code becomes a float by its bits: a low nibble c or'ed into the mantissa of 2^23 (whose last bit counts 1) is
+ * 2^23 + c, a high nibble left in place (16 c) in the mantissa of 2^19 (whose last bit counts 1/16) is 2^19 + c;
+ * subtracting 2^23 (2^19) + the zero point leaves c - zero point exactly (one AND-OR and one subtraction, where
+ * an integer subtraction and a conversion would take a shift more). The weights are multiplied into A's elements
+ * lane-wise, the block's lane sums times its scale added to `sums` (one vector per row of A). With HIGH each code
+ * gains 16 (high - 8), exactly. A block narrower than 2 LANES (16 with AVX-512) takes one vector of nibbles from
+ * LANES / 2 bytes. */
+ISA_TARGET static inline __attribute__((always_inline)) void GLUE(block_step, ISA)(
+        const float *a, int64_t lda, const int ROWS, const int BLOCK, const int HIGH, const uint8_t *low,
+        const uint8_t *high, int zero_point, float scale, FLOATS *sums) {
+    const int z = zero_point + (HIGH ? 128 : 0);
+    const FLOATS offset = GLUE(broadcast, ISA)(code_offsets[0][z]);
+    const int32_t magic = 0x4b000000, odd_magic = 0x49000000; /* the bits of 2^23 and 2^19 */
+    FLOATS block_sums[MAX_STREAM_ROWS] = {{0}};
+    if (BLOCK % (2 * LANES) == 0) {
+        const FLOATS odd_offset = GLUE(broadcast, ISA)(code_offsets[1][z]);
+#pragma GCC unroll 4
+        for (int g = 0; g < BLOCK; g += 2 * LANES) {
+            const INTS bytes = GLUE(widen_bytes, ISA)(low + g / 2);
+            INTS evens = (bytes & 15) | magic, odds = (bytes & 0xf0) | odd_magic;
+            if (HIGH) {
+                const INTS more = GLUE(widen_bytes, ISA)(high + g / 2) << 4;
+                evens |= more & 0xf0;
+                odds |= more & 0xf00;
+            }
+            const FLOATS even_weights = (FLOATS)evens - offset, odd_weights = (FLOATS)odds - odd_offset;
+#pragma GCC unroll 4
+            for (int r = 0; r < ROWS; r++) {
+                block_sums[r] += GLUE(load_fp32, ISA)(a + r * lda + g) * even_weights;
+                block_sums[r] += GLUE(load_fp32, ISA)(a + r * lda + g + LANES) * odd_weights;
+            }
+        }
+    } else {
+#pragma GCC unroll 4
+        for (int g = 0; g < BLOCK; g += LANES) {
+            INTS codes = NIBBLES(low + g / 2) | magic;
+            if (HIGH) codes |= NIBBLES(high + g / 2) << 4;
+            const FLOATS weights = (FLOATS)codes - offset;
+#pragma GCC unroll 4
+            for (int r = 0; r < ROWS; r++) block_sums[r] += GLUE(load_fp32, ISA)(a + r * lda + g) * weights;
+        }
+    }
+    const FLOATS scales = GLUE(broadcast, ISA)(scale);
+#pragma GCC unroll 4
+    for (int r = 0; r < ROWS; r++) sums[r] += scales * block_sums[r];
+}
+
+/* out[r][j] = a[r] . W[j] for rows r < ROWS of the permuted A and J rows of W from j (module doc of
+ * runtime/_matmul.c): blocks two at a time, one byte of zero points between them. ROWS, J, BLOCK and HIGH are
+ * constants where it is inlined. */
+ISA_TARGET static inline __attribute__((always_inline)) void GLUE(block_dot_fixed, ISA)(
+        const float *a, int64_t lda, const int ROWS, const BlockWeights *w, const int J, const int BLOCK,
+        const int HIGH, int64_t j, float *out, int64_t ldo) {
+    const int64_t blocks = w->blocks, half = BLOCK / 2, point_stride = (blocks + 1) / 2;
+    FLOATS sums[2][MAX_STREAM_ROWS] = {{{0}}};
+    int64_t b = 0;
+    for (; b + 2 <= blocks; b += 2)
+#pragma GCC unroll 2
+        for (int q = 0; q < J; q++) {
+            const int64_t at = ((j + q) * blocks + b) * half;
+            const int points = w->zero_points ? w->zero_points[(j + q) * point_stride + b / 2] : 0x88;
+            const float *scales = w->scales + (j + q) * blocks + b;
+            GLUE(block_step, ISA)(a + b * BLOCK, lda, ROWS, BLOCK, HIGH, w->low + at, HIGH ? w->high + at : NULL,
+                                  points & 15, scales[0], sums[q]);
+            GLUE(block_step, ISA)(a + (b + 1) * BLOCK, lda, ROWS, BLOCK, HIGH, w->low + at + half,
+                                  HIGH ? w->high + at + half : NULL, points >> 4, scales[1], sums[q]);
+        }
+    if (b < blocks)
+#pragma GCC unroll 2
+        for (int q = 0; q < J; q++) {
+            const int64_t at = ((j + q) * blocks + b) * half;
+            GLUE(block_step, ISA)(a + b * BLOCK, lda, ROWS, BLOCK, HIGH, w->low + at, HIGH ? w->high + at : NULL,
+                                  block_zero_point(w, j + q, b), w->scales[(j + q) * blocks + b], sums[q]);
+        }
+#pragma GCC unroll 4
+    for (int r = 0; r < ROWS; r++)
+#pragma GCC unroll 2
+        for (int q = 0; q < J; q++) out[r * ldo + j + q] = GLUE(lane_sum, ISA)(sums[q][r]);
+}
+
+/* Rows [j0, j1) of W against every row of A, two at a time (two streams of W, twice the sums in flight). Whole
+ * rows: cutting long rows into slabs of A that stay in the L1 cache measured slower (K = 4096 .. 11584). */
+ISA_TARGET static inline __attribute__((always_inline)) void GLUE(block_rows_fixed, ISA)(
+        const float *a, int64_t lda, const int ROWS, const BlockWeights *w, const int BLOCK, const int HIGH,
+        int64_t j0, int64_t j1, float *out, int64_t ldo) {
+    int64_t j = j0;
+    for (; j + 2 <= j1; j += 2) GLUE(block_dot_fixed, ISA)(a, lda, ROWS, w, 2, BLOCK, HIGH, j, out, ldo);
+    if (j < j1) GLUE(block_dot_fixed, ISA)(a, lda, ROWS, w, 1, BLOCK, HIGH, j, out, ldo);
+}
+
+#define BLOCK_ROWS_BY_BLOCK(ROWS, HIGH)                                                                   \
+    switch (w->block) {                                                                                   \
+    case 16: GLUE(block_rows_fixed, ISA)(a, lda, ROWS, w, 16, HIGH, j0, j1, out, ldo); break;             \
+    case 32: GLUE(block_rows_fixed, ISA)(a, lda, ROWS, w, 32, HIGH, j0, j1, out, ldo); break;             \
+    default: break;                                                                                       \
+    }
+#define BLOCK_ROWS_BY_HIGH(ROWS)                        \
+    if (w->high) {                                      \
+        BLOCK_ROWS_BY_BLOCK(ROWS, 1)                    \
+    } else {                                            \
+        BLOCK_ROWS_BY_BLOCK(ROWS, 0)                    \
+    }
+
+/* out[r][j] for rows r < rows (1 .. MAX_STREAM_ROWS) of A, permuted by `permute_rows`, and rows [j0, j1) of W. */
+ISA_TARGET static void GLUE(block_rows, ISA)(const float *a, int64_t lda, int64_t rows, const BlockWeights *w,
+                                             int64_t j0, int64_t j1, float *out, int64_t ldo) {
+    switch (rows) {
+    case 1: BLOCK_ROWS_BY_HIGH(1) break;
+    case 2: BLOCK_ROWS_BY_HIGH(2) break;
+    case 3: BLOCK_ROWS_BY_HIGH(3) break;
+    case 4: BLOCK_ROWS_BY_HIGH(4) break;
+    default: break;
+    }
+}
+
+/* Rows [n0, n0 + cols) of W (cols <= PANEL) as floats, packed[k][PANEL] (the columns past `cols` zero), each
+ * weight (code - zero point) * scale (+ its block's minimum, where given) rounded once: the operand of `tile`. The
+ * rows' bytes are first gathered side by side, bytes[byte][PANEL] (each row read front to back), with their scales,
+ * offsets (2^23 + zero point, as in block_step) and minimums; then each byte of the panel's columns gives two rows
+ * of the panel in vectors. `scratch` holds (k / 2) PANEL bytes per plane and 3 blocks PANEL floats. */
+ISA_TARGET static void GLUE(dequantize_panel, ISA)(const BlockWeights *w, int64_t n0, int64_t cols, float *packed,
+                                                   void *scratch) {
+    const int64_t half = w->block / 2, row_bytes = w->blocks * half, blocks = w->blocks;
+    float *scales = scratch, *offsets = scales + blocks * PANEL, *minimums = offsets + blocks * PANEL;
+    uint8_t *low = (uint8_t *)(minimums + blocks * PANEL), *high = low + row_bytes * PANEL;
+    for (int64_t c = 0; c < PANEL; c++) {
+        const int64_t j = n0 + c;
+        for (int64_t b = 0; b < blocks; b++) {
+            scales[b * PANEL + c] = c < cols ? w->scales[j * blocks + b] : 0.0f;
+            offsets[b * PANEL + c] = c < cols ? code_offsets[0][block_zero_point(w, j, b) + (w->high ? 128 : 0)]
+                                              : code_offsets[0][0];
+            minimums[b * PANEL + c] =
+                    c < cols && w->minimums ? weight_at(w->minimum_type, w->minimums, b * w->n + j) : 0.0f;
+        }
+        for (int64_t i = 0; i < row_bytes; i++) low[i * PANEL + c] = c < cols ? w->low[j * row_bytes + i] : 0;
+        if (w->high)
+            for (int64_t i = 0; i < row_bytes; i++) high[i * PANEL + c] = c < cols ? w->high[j * row_bytes + i] : 0;
+    }
+    const int32_t magic = 0x4b000000; /* the bits of 2^23 */
+    for (int64_t b = 0; b < blocks; b++)
+#pragma GCC unroll 2
+        for (int v = 0; v < 2; v++) {
+            const FLOATS scale = GLUE(load_fp32, ISA)(scales + b * PANEL + v * LANES);
+            const FLOATS offset = GLUE(load_fp32, ISA)(offsets + b * PANEL + v * LANES);
+            const FLOATS minimum = GLUE(load_fp32, ISA)(minimums + b * PANEL + v * LANES);
+            for (int64_t i = 0; i < half; i++) {
+                const int64_t at = (b * half + i) * PANEL + v * LANES;
+                const INTS bytes = GLUE(widen_bytes, ISA)(low + at);
+                INTS evens = (bytes & 15) | magic, odds = (bytes >> 4) | magic;
+                if (w->high) {
+                    const INTS more = GLUE(widen_bytes, ISA)(high + at);
+                    evens |= (more & 15) << 4;
+                    odds |= more & 0xf0;
+                }
+                float *to = packed + (b * w->block + 2 * i) * PANEL + v * LANES;
+                GLUE(store, ISA)(to, ((FLOATS)evens - offset) * scale + minimum);
+                GLUE(store, ISA)(to + PANEL, ((FLOATS)odds - offset) * scale + minimum);
+            }
+        }
+}
+
 static const Kernels GLUE(kernels, ISA) = {
     .name = GLUE_STRING(ISA), .lanes = LANES, .panel = PANEL, .tile_rows = TILE_ROWS,
     .stream_rows = GLUE(stream_rows, ISA), .dot_rows = GLUE(dot_rows, ISA), .pack_panel = GLUE(pack_panel, ISA),
-    .tile = GLUE(tile, ISA),
+    .tile = GLUE(tile, ISA), .block_rows = GLUE(block_rows, ISA), .dequantize_panel = GLUE(dequantize_panel, ISA),
 };
 
 #undef FLOATS
@@ -238,5 +418,9 @@ static const Kernels GLUE(kernels, ISA) = {
 #undef BY_ROWS_AND_TYPE
 #undef STREAM_CALL
 #undef DOT_CALL
+#undef NIBBLES
+#undef INTS
+#undef BLOCK_ROWS_BY_BLOCK
+#undef BLOCK_ROWS_BY_HIGH
 #undef GLUE
 #undef GLUE_

@@ -10,6 +10,7 @@ typedef void *(*RunWithBinding)(void *session, const void *run_options, const vo
 
 const void *pipeshard_decode_attention_op(void); /* runtime/_attention.c */
 const void *pipeshard_weight_matmul_op(void);    /* runtime/_matmul.c */
+const void *pipeshard_block_matmul_op(void);     /* runtime/_matmul.c */
 const char *pipeshard_weight_matmul_isa(void);
 
 /* run_block(run_with_binding, sessions, bindings, count, run_options) -> None, or (index, status) of the
@@ -54,6 +55,12 @@ static PyObject *weight_matmul_op(PyObject *module, PyObject *unused) {
     return PyLong_FromVoidPtr((void *)pipeshard_weight_matmul_op());
 }
 
+static PyObject *block_matmul_op(PyObject *module, PyObject *unused) {
+    (void)module;
+    (void)unused;
+    return PyLong_FromVoidPtr((void *)pipeshard_block_matmul_op());
+}
+
 static PyObject *weight_matmul_isa(PyObject *module, PyObject *unused) {
     (void)module;
     (void)unused;
@@ -67,6 +74,8 @@ static PyMethodDef methods[] = {
      "The address of the DecodeAttention custom op (an OrtCustomOp), for OrtApi::CustomOpDomain_Add."},
     {"weight_matmul_op", weight_matmul_op, METH_NOARGS,
      "The address of the WeightMatMul custom op (an OrtCustomOp), for OrtApi::CustomOpDomain_Add."},
+    {"block_matmul_op", block_matmul_op, METH_NOARGS,
+     "The address of the BlockMatMul custom op (an OrtCustomOp), for OrtApi::CustomOpDomain_Add."},
     {"weight_matmul_isa", weight_matmul_isa, METH_NOARGS,
      "The instruction set WeightMatMul runs on this CPU (avx512, avx2, portable; empty: no op)."},
     {NULL, NULL, 0, NULL},

@@ -258,11 +258,16 @@ class Runtime:
             ) from None
 
     def custom_op_domain(self) -> ctypes.c_void_p | None:
-        """The `pipeshard` op domain (DecodeAttention, runtime/_attention.c; WeightMatMul, runtime/_matmul.c),
+        """The `pipeshard` op domain (DecodeAttention, runtime/_attention.c; WeightMatMul and BlockMatMul,
+        runtime/_matmul.c),
         made at first use; None where the C extension was built without them, or not at all."""
         if self._custom_ops is None and custom_ops_available():
             domain = self.lib.make(self.lib.CreateCustomOpDomain, CUSTOM_DOMAIN.encode())
-            for op in (_runloop.decode_attention_op(), _runloop.weight_matmul_op()):
+            for op in (
+                _runloop.decode_attention_op(),
+                _runloop.weight_matmul_op(),
+                _runloop.block_matmul_op(),
+            ):
                 self.lib.check(self.lib.CustomOpDomain_Add(domain, ctypes.c_void_p(op)))
             self._custom_ops = domain  # lives as long as the process: sessions keep a pointer to it
         return self._custom_ops

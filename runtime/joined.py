@@ -21,7 +21,7 @@ from pathlib import Path
 from pipeshard.runtime import protowire as wire
 from pipeshard.runtime.capi import CUSTOM_DOMAIN
 from pipeshard.runtime.decode_attention import decode_attention_node
-from pipeshard.runtime.weight_matmul import swap_products
+from pipeshard.runtime.weight_matmul import small_constants, swap_products
 
 # ONNX's field numbers (onnx.proto): ModelProto.opset_import / graph; GraphProto.node / initializer / input /
 # output / value_info; NodeProto.output; TensorProto.name; ValueInfoProto.name; OperatorSetIdProto.domain / version.
@@ -134,9 +134,11 @@ def join(
 def _swap_products(
     graph: list[wire.Field], weights: set[str], outputs: set[str]
 ) -> tuple[list[wire.Field], int]:
-    """The graph's fields with its products of `weights` swapped for WeightMatMul (their Casts dropped)."""
+    """The graph's fields with its products of `weights` swapped for WeightMatMul or BlockMatMul (their Casts, and
+    folded planes' nodes, dropped)."""
     at = [index for index, (number, _, _) in enumerate(graph) if number == _GRAPH_NODE]
-    nodes, swapped = swap_products([graph[index][2] for index in at], weights, outputs)
+    constants = small_constants(value for number, _, value in graph if number == _GRAPH_INITIALIZER)
+    nodes, swapped = swap_products([graph[index][2] for index in at], weights, outputs, constants)
     replaced = dict(zip(at, nodes, strict=True))
     return [
         field if index not in replaced else (_GRAPH_NODE, wire.LENGTH, replaced[index])
