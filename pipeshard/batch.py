@@ -354,10 +354,17 @@ class Summary:
 
 
 def result_record(
-    job: Job, model: str, text: str | None, end, error: str | None, logprobs: dict | None = None
+    job: Job,
+    model: str,
+    text: str | None,
+    end,
+    error: str | None,
+    logprobs: dict | None = None,
+    tool_calls: list[dict] | None = None,
 ) -> dict:
-    """The output line of a job: OpenAI's batch output for its form, or the input's fields plus the answer (and its
-    `logprobs` object, as the API's choice has it, when the line asked for them)."""
+    """The output line of a job: OpenAI's batch output for its form, or the input's fields plus the answer (its
+    `logprobs` object, as the API's choice has it, when the line asked for them; `tool_calls` when the answer is
+    calls of the line's tools)."""
     from pipeshard.server import completion_document
 
     if job.openai_form:
@@ -379,13 +386,24 @@ def result_record(
             "response": {
                 "status_code": 200,
                 "request_id": uuid.uuid4().hex,
-                "body": completion_document(job.chat, identifier, model, text, end, logprobs=logprobs),
+                "body": completion_document(
+                    job.chat, identifier, model, text, end, logprobs=logprobs, tool_calls=tool_calls
+                ),
             },
             "error": None,
         }
     record = {**job.passthrough, "custom_id": job.custom_id}
     if error is not None:
         return {**record, "error": error}
+    if tool_calls:
+        return {
+            **record,
+            "output": None,
+            "tool_calls": tool_calls,
+            "finish_reason": "tool_calls",
+            "usage": {"prompt_tokens": end.prompt_tokens, "completion_tokens": end.completion_tokens},
+            **({"logprobs": logprobs} if logprobs is not None else {}),
+        }
     return {
         **record,
         "output": text,
@@ -409,6 +427,7 @@ def run_jobs(engine, jobs: list[Job], model: str, parallel: int, default_max_tok
         check_fields,
         echoed_prompt,
         prompt_ids,
+        request_tools,
         sampling_settings,
     )
 
@@ -431,7 +450,9 @@ def run_jobs(engine, jobs: list[Job], model: str, parallel: int, default_max_tok
             if event.finish_reason != "cancelled" and not failures:
                 error = event.error if event.finish_reason == "error" else None
                 try:
-                    record = result_record(job, model, answer.text, event, error, answer.logprobs())
+                    record = result_record(
+                        job, model, answer.text, event, error, answer.logprobs(), answer.tool_calls()
+                    )
                     on_record(job, record, event)
                 except Exception as exc:  # noqa: BLE001 - raised again on the caller's thread
                     failures.append(exc)
@@ -457,7 +478,14 @@ def run_jobs(engine, jobs: list[Job], model: str, parallel: int, default_max_tok
             settings = sampling_settings(
                 {"temperature": 0, **job.body}, default_max_tokens, job.chat if job.openai_form else None
             )
-            answer = Answer(texts, job.chat, ids, echoed_prompt(job.body, ids, engine.codec), settings)
+            answer = Answer(
+                texts,
+                job.chat,
+                ids,
+                echoed_prompt(job.body, ids, engine.codec),
+                settings,
+                request_tools(job.body) if job.chat else None,
+            )
             constraint = answer_constraint(job.body, engine.codec, scheduler.step.vocab_size)
             if settings.seed is not None and settings.seed < 0:
                 raise RequestError("'seed' must be a non-negative integer", param="seed")
