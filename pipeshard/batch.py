@@ -413,7 +413,15 @@ def result_record(
     }
 
 
-def run_jobs(engine, jobs: list[Job], model: str, parallel: int, default_max_tokens: int, on_record) -> None:
+def run_jobs(
+    engine,
+    jobs: list[Job],
+    model: str,
+    parallel: int,
+    default_max_tokens: int,
+    on_record,
+    prefix_cache_bytes: int = 0,
+) -> None:
     """Every job through the engine's scheduler; `on_record(job, record, end)` as each finishes (`end`: its last
     event, None for a job refused before it ran). A job cancelled by an interruption gets no record. When
     `on_record` raises (OUT cannot take a result), nothing more is started or recorded and the error is raised
@@ -431,7 +439,7 @@ def run_jobs(engine, jobs: list[Job], model: str, parallel: int, default_max_tok
         sampling_settings,
     )
 
-    scheduler = engine.serve(parallel=parallel, queue_size=parallel)
+    scheduler = engine.serve(parallel=parallel, queue_size=parallel, prefix_cache_bytes=prefix_cache_bytes)
     changed = threading.Condition()
     outstanding = 0  # submitted and not finished: at most the slots and as many waiting
     failures: list[Exception] = []
@@ -522,8 +530,10 @@ def run_batch(
     parallel: int,
     default_max_tokens: int,
     progress: bool = True,
+    prefix_cache_bytes: int = 0,
 ) -> Summary:
-    """Run every job of `source` not yet in `target`, appending results as they finish."""
+    """Run every job of `source` not yet in `target`, appending results as they finish (`prefix_cache_bytes`: the
+    prompt prefixes' KV kept across lines)."""
     started = time.perf_counter()
     jobs = read_jobs(source)
     done = resume_output(source, target)
@@ -542,7 +552,7 @@ def run_batch(
                 bar.set_postfix_str(f"{summary.generated_tokens / (time.perf_counter() - started):.1f} tok/s")
 
     try:
-        run_jobs(engine, pending, model, parallel, default_max_tokens, on_record)
+        run_jobs(engine, pending, model, parallel, default_max_tokens, on_record, prefix_cache_bytes)
     finally:
         engine.scheduler.close()
         writer.close()
@@ -568,7 +578,13 @@ class RayWorker:
     """A Ray Data actor: loads the pack once on its node and runs batches of job lines through its scheduler."""
 
     def __init__(
-        self, pack: str, load_options: dict, model: str, parallel: int, default_max_tokens: int
+        self,
+        pack: str,
+        load_options: dict,
+        model: str,
+        parallel: int,
+        default_max_tokens: int,
+        prefix_cache_bytes: int = 0,
     ) -> None:
         import ray
 
@@ -577,6 +593,7 @@ class RayWorker:
         self.engine = pipeshard.load(pack, **load_options)
         self.model, self.parallel, self.default_max_tokens = model, parallel, default_max_tokens
         self.node_id = ray.get_runtime_context().get_node_id()
+        self.prefix_cache_bytes = prefix_cache_bytes
 
     def __call__(self, batch: dict) -> dict:
         jobs = [
@@ -593,7 +610,15 @@ class RayWorker:
             with lock:
                 records.append(json.dumps(record, ensure_ascii=False))
 
-        run_jobs(self.engine, jobs, self.model, self.parallel, self.default_max_tokens, on_record)
+        run_jobs(
+            self.engine,
+            jobs,
+            self.model,
+            self.parallel,
+            self.default_max_tokens,
+            on_record,
+            self.prefix_cache_bytes,
+        )
         return {"record": records}
 
 
@@ -607,6 +632,7 @@ def run_batch_ray(
     default_max_tokens: int,
     load_options: dict,
     progress: bool = True,
+    prefix_cache_bytes: int = 0,
 ) -> Summary:
     """The same job on a Ray cluster: Ray Data spreads the pending lines over one actor per node (each loads the
     pack once and runs its scheduler); the driver appends the results to `target` as batches come back."""
@@ -653,7 +679,14 @@ def run_batch_ray(
             cores = min(node["Resources"].get("CPU", 1.0) for node in nodes)
             results = ray.data.from_items(rows).map_batches(
                 RayWorker,
-                fn_constructor_args=(str(pack), load_options, model, parallel, default_max_tokens),
+                fn_constructor_args=(
+                    str(pack),
+                    load_options,
+                    model,
+                    parallel,
+                    default_max_tokens,
+                    prefix_cache_bytes,
+                ),
                 batch_size=4 * parallel,
                 num_cpus=cores,
                 compute=ray.data.ActorPoolStrategy(size=len(nodes)),

@@ -930,6 +930,13 @@ def prometheus_text(state: State) -> str:
             f"pipeshard_generated_tokens_per_busy_second "
             f"{stats.generated_tokens / stats.busy_s if stats.busy_s else 0.0:.3f}",
         ]
+        cache = scheduler.prefix_cache
+        lines += [
+            f"pipeshard_prefix_cache_budget_bytes {cache.budget_bytes if cache else 0}",
+            f"pipeshard_prefix_cache_bytes {cache.bytes if cache else 0}",
+            f"pipeshard_prefix_cache_reused_tokens_total {cache.reused_tokens if cache else 0}",
+            f"pipeshard_prefix_cache_evicted_blocks_total {cache.evicted_blocks if cache else 0}",
+        ]
         report = scheduler.step.report()
         lines += [
             f'pipeshard_device_info{{device="{report.device}"}} 1',
@@ -954,6 +961,7 @@ def serve(
     parallel: int,
     queue_size: int,
     context: int | None,
+    prefix_cache_bytes: int = 0,
 ) -> int:
     """Listen at once (/health says 503 while loading), load the engine on a thread, serve until Ctrl-C."""
     import uvicorn
@@ -969,7 +977,11 @@ def serve(
             state.engine = engine_loader()
             state.texts = TokenTexts(state.engine.codec)
             state.scheduler = Scheduler(
-                state.engine, parallel=parallel, queue_size=queue_size, context=context
+                state.engine,
+                parallel=parallel,
+                queue_size=queue_size,
+                context=context,
+                prefix_cache_bytes=prefix_cache_bytes,
             )
             print(
                 f"pipeshard serve: http://{host}:{port}/v1 ready (model {settings.model_name}, {parallel} slots, "
