@@ -57,9 +57,9 @@ class PrefixCache:
             self.blocks.move_to_end(key)
         return found
 
-    def kv_of(self, keys: list[tuple]) -> np.ndarray:
-        """The KV of these blocks, one after another along the tokens' axis."""
-        return np.concatenate([self.blocks[key].kv for key in keys], axis=2)
+    def kv_of(self, keys: list[tuple]) -> list[np.ndarray]:
+        """The KV of these blocks, in order (each [pasts, kv heads, BLOCK_TOKENS, head dim])."""
+        return [self.blocks[key].kv for key in keys]
 
     def missing(self, tokens: list[int]) -> tuple[int, int]:
         """The token range of `tokens`' whole blocks not kept yet: (first, end); first == end when none are."""

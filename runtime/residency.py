@@ -281,12 +281,15 @@ class Residency:
             self.device.copy_out_rows(self.kv.buffers[past], buffer, *self._kv_region(row, begin, end))
         return np.stack([self.kv.buffers[past][row, :, begin:end] for past in self.kv.past_names])
 
-    def write_kv(self, row: int, begin: int, values: np.ndarray) -> None:
-        """`read_kv`'s columns into a KV row from column `begin` on, wherever each attention's master is; the KV of
-        streamed attentions already uploaded beside their weights is uploaded again."""
-        end = begin + values.shape[2]
-        for past, value in zip(self.kv.past_names, values, strict=True):
-            self.kv.buffers[past][row, :, begin:end] = value
+    def write_kv(self, row: int, begin: int, pieces: list[np.ndarray]) -> None:
+        """Pieces shaped as `read_kv`'s, one after another, into a KV row from column `begin` on, wherever each
+        attention's master is; the KV of streamed attentions already uploaded beside their weights is uploaded
+        again."""
+        end = begin
+        for piece in pieces:
+            for past, value in zip(self.kv.past_names, piece, strict=True):
+                self.kv.buffers[past][row, :, end : end + piece.shape[2]] = value
+            end += piece.shape[2]
         for past, buffer in self.kv_device.items():
             self.device.copy_in_rows(buffer, self.kv.buffers[past], *self._kv_region(row, begin, end))
         if self.kv_slots:
