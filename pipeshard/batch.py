@@ -342,14 +342,16 @@ class Summary:
     failed: int = 0
     prompt_tokens: int = 0
     generated_tokens: int = 0
+    reused_tokens: int = 0  # prompt tokens the prefix cache gave
     wall_s: float = 0.0
 
     def line(self) -> str:
         rate = self.generated_tokens / self.wall_s if self.wall_s else 0.0
+        reused = f" ({self.reused_tokens} of them from the prefix cache)" if self.reused_tokens else ""
         return (
             f"{self.requests} requests ({self.skipped} already done, {self.failed} failed), "
-            f"{self.prompt_tokens} prompt + {self.generated_tokens} generated tokens in {self.wall_s:.1f} s: "
-            f"{rate:.1f} generated tok/s"
+            f"{self.prompt_tokens} prompt{reused} + {self.generated_tokens} generated tokens in "
+            f"{self.wall_s:.1f} s: {rate:.1f} generated tok/s"
         )
 
 
@@ -440,6 +442,10 @@ def run_jobs(
     )
 
     scheduler = engine.serve(parallel=parallel, queue_size=parallel, prefix_cache_bytes=prefix_cache_bytes)
+    if (
+        prefix_cache_bytes
+    ):  # lines that start alike run one after another: each shared prefix is kept while in use
+        jobs = sorted(jobs, key=_prompt_order)
     changed = threading.Condition()
     outstanding = 0  # submitted and not finished: at most the slots and as many waiting
     failures: list[Exception] = []
@@ -522,6 +528,12 @@ def run_jobs(
         raise failures[0]
 
 
+def _prompt_order(job: Job) -> str:
+    """A job's place when lines are ordered to share prefixes: its messages' or prompt's text (bad lines first)."""
+    prompt = job.body.get("messages", job.body.get("prompt"))
+    return "" if job.error is not None else json.dumps(prompt, ensure_ascii=False)
+
+
 def run_batch(
     engine,
     source: Path,
@@ -553,6 +565,8 @@ def run_batch(
 
     try:
         run_jobs(engine, pending, model, parallel, default_max_tokens, on_record, prefix_cache_bytes)
+        cache = engine.scheduler.prefix_cache
+        summary.reused_tokens = cache.reused_tokens if cache is not None else 0
     finally:
         engine.scheduler.close()
         writer.close()

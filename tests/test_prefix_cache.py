@@ -172,25 +172,27 @@ def test_serve_counts_reused_tokens_and_keeps_texts_across_a_budget_change(tiny_
         assert metric(base, "pipeshard_vram_budget_bytes") == minimum + 300_000
 
 
-def test_batch_with_the_prefix_cache_gives_the_lines_it_gives_without(tiny_pack, tmp_path):
+def test_batch_with_the_prefix_cache_gives_the_lines_it_gives_without(tiny_pack, tmp_path, capsys):
     from pipeshard.cli import main
 
-    lines = [
+    lines = [  # lines of two prefixes, interleaved: the job orders them to share
         {
-            "custom_id": f"q{i}",
-            "messages": [{"role": "user", "content": PREFIX + q}],
+            "custom_id": f"q{i}-{n}",
+            "messages": [{"role": "user", "content": prefix + q}],
             "max_tokens": NEW_TOKENS,
         }
         for i, q in enumerate(QUESTIONS)
+        for n, prefix in enumerate((PREFIX, PREFIX[::-1]))
     ]
     job = tmp_path / "in.jsonl"
     job.write_text("".join(json.dumps(line) + "\n" for line in lines))
     outputs = {}
     for cache in ("0", "1MiB"):
         out = tmp_path / f"out-{cache}.jsonl"
-        assert (
-            main(["batch", str(tiny_pack), str(job), str(out), "--parallel", "4", "--prefix-cache", cache])
-            == 0
-        )
-        outputs[cache] = {r["custom_id"]: r["output"] for r in map(json.loads, out.read_text().splitlines())}
-    assert outputs["1MiB"] == outputs["0"] and len(outputs["0"]) == len(QUESTIONS)
+        command = ["batch", str(tiny_pack), str(job), str(out), "--parallel", "4", "--prefix-cache", cache]
+        assert main(command) == 0
+        outputs[cache] = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(outputs["0"]) == len(outputs["1MiB"]) == len(lines)  # each line once
+    texts = {cache: {r["custom_id"]: r["output"] for r in records} for cache, records in outputs.items()}
+    assert texts["1MiB"] == texts["0"]
+    assert "from the prefix cache" in capsys.readouterr().err
