@@ -580,9 +580,8 @@ class Answer:
         request's ToolSpec (pipeshard/tools.py), whose calls the answer may be."""
         self.texts, self.chat, self.prompt, self.settings = texts, chat, prompt, settings
         self.tools = tools if tools is not None and tools.choice != "none" else None
-        self.holding = (
-            self.tools is not None
-        )  # a streamed answer that may be a call is held back until it is not
+        # A streamed answer that may be a call is held back until it cannot be one.
+        self.holding = self.tools is not None
         self.held_text, self.held_logprobs = "", []
         self.echo = echoed is not None
         self.echoed = echoed or ""
