@@ -31,13 +31,22 @@ class Engine:
         self.generator = Generator(step, codec)
         self.scheduler = None  # set by serve(): then the scheduler's thread owns the step
 
-    def serve(self, parallel: int = 4, queue_size: int = 64, context: int | None = None):
+    def serve(
+        self, parallel: int = 4, queue_size: int = 64, context: int | None = None, prefix_cache_bytes: int = 0
+    ):
         """Hand the step to a continuous-batching scheduler (`runtime/scheduler.py`) of `parallel` slots: from now
-        on requests go through `submit`, from any thread, and share decode steps."""
+        on requests go through `submit`, from any thread, and share decode steps; `prefix_cache_bytes` of prompt
+        prefixes' KV are kept across requests."""
         from pipeshard.runtime.scheduler import Scheduler
 
         if self.scheduler is None:
-            self.scheduler = Scheduler(self, parallel=parallel, queue_size=queue_size, context=context)
+            self.scheduler = Scheduler(
+                self,
+                parallel=parallel,
+                queue_size=queue_size,
+                context=context,
+                prefix_cache_bytes=prefix_cache_bytes,
+            )
         return self.scheduler
 
     def submit(self, prompt: str, chat_template: bool = True, system: str | None = None, **sampling):

@@ -342,22 +342,31 @@ class Summary:
     failed: int = 0
     prompt_tokens: int = 0
     generated_tokens: int = 0
+    reused_tokens: int = 0  # prompt tokens the prefix cache gave
     wall_s: float = 0.0
 
     def line(self) -> str:
         rate = self.generated_tokens / self.wall_s if self.wall_s else 0.0
+        reused = f" ({self.reused_tokens} of them from the prefix cache)" if self.reused_tokens else ""
         return (
             f"{self.requests} requests ({self.skipped} already done, {self.failed} failed), "
-            f"{self.prompt_tokens} prompt + {self.generated_tokens} generated tokens in {self.wall_s:.1f} s: "
-            f"{rate:.1f} generated tok/s"
+            f"{self.prompt_tokens} prompt{reused} + {self.generated_tokens} generated tokens in "
+            f"{self.wall_s:.1f} s: {rate:.1f} generated tok/s"
         )
 
 
 def result_record(
-    job: Job, model: str, text: str | None, end, error: str | None, logprobs: dict | None = None
+    job: Job,
+    model: str,
+    text: str | None,
+    end,
+    error: str | None,
+    logprobs: dict | None = None,
+    tool_calls: list[dict] | None = None,
 ) -> dict:
-    """The output line of a job: OpenAI's batch output for its form, or the input's fields plus the answer (and its
-    `logprobs` object, as the API's choice has it, when the line asked for them)."""
+    """The output line of a job: OpenAI's batch output for its form, or the input's fields plus the answer (its
+    `logprobs` object, as the API's choice has it, when the line asked for them; `tool_calls` when the answer is
+    calls of the line's tools)."""
     from pipeshard.server import completion_document
 
     if job.openai_form:
@@ -379,13 +388,24 @@ def result_record(
             "response": {
                 "status_code": 200,
                 "request_id": uuid.uuid4().hex,
-                "body": completion_document(job.chat, identifier, model, text, end, logprobs=logprobs),
+                "body": completion_document(
+                    job.chat, identifier, model, text, end, logprobs=logprobs, tool_calls=tool_calls
+                ),
             },
             "error": None,
         }
     record = {**job.passthrough, "custom_id": job.custom_id}
     if error is not None:
         return {**record, "error": error}
+    if tool_calls:
+        return {
+            **record,
+            "output": None,
+            "tool_calls": tool_calls,
+            "finish_reason": "tool_calls",
+            "usage": {"prompt_tokens": end.prompt_tokens, "completion_tokens": end.completion_tokens},
+            **({"logprobs": logprobs} if logprobs is not None else {}),
+        }
     return {
         **record,
         "output": text,
@@ -395,7 +415,15 @@ def result_record(
     }
 
 
-def run_jobs(engine, jobs: list[Job], model: str, parallel: int, default_max_tokens: int, on_record) -> None:
+def run_jobs(
+    engine,
+    jobs: list[Job],
+    model: str,
+    parallel: int,
+    default_max_tokens: int,
+    on_record,
+    prefix_cache_bytes: int = 0,
+) -> None:
     """Every job through the engine's scheduler; `on_record(job, record, end)` as each finishes (`end`: its last
     event, None for a job refused before it ran). A job cancelled by an interruption gets no record. When
     `on_record` raises (OUT cannot take a result), nothing more is started or recorded and the error is raised
@@ -409,10 +437,15 @@ def run_jobs(engine, jobs: list[Job], model: str, parallel: int, default_max_tok
         check_fields,
         echoed_prompt,
         prompt_ids,
+        request_tools,
         sampling_settings,
     )
 
-    scheduler = engine.serve(parallel=parallel, queue_size=parallel)
+    scheduler = engine.serve(parallel=parallel, queue_size=parallel, prefix_cache_bytes=prefix_cache_bytes)
+    if (
+        prefix_cache_bytes
+    ):  # lines that start alike run one after another: each shared prefix is kept while in use
+        jobs = sorted(jobs, key=_prompt_order)
     changed = threading.Condition()
     outstanding = 0  # submitted and not finished: at most the slots and as many waiting
     failures: list[Exception] = []
@@ -431,7 +464,9 @@ def run_jobs(engine, jobs: list[Job], model: str, parallel: int, default_max_tok
             if event.finish_reason != "cancelled" and not failures:
                 error = event.error if event.finish_reason == "error" else None
                 try:
-                    record = result_record(job, model, answer.text, event, error, answer.logprobs())
+                    record = result_record(
+                        job, model, answer.text, event, error, answer.logprobs(), answer.tool_calls()
+                    )
                     on_record(job, record, event)
                 except Exception as exc:  # noqa: BLE001 - raised again on the caller's thread
                     failures.append(exc)
@@ -457,7 +492,14 @@ def run_jobs(engine, jobs: list[Job], model: str, parallel: int, default_max_tok
             settings = sampling_settings(
                 {"temperature": 0, **job.body}, default_max_tokens, job.chat if job.openai_form else None
             )
-            answer = Answer(texts, job.chat, ids, echoed_prompt(job.body, ids, engine.codec), settings)
+            answer = Answer(
+                texts,
+                job.chat,
+                ids,
+                echoed_prompt(job.body, ids, engine.codec),
+                settings,
+                request_tools(job.body) if job.chat else None,
+            )
             constraint = answer_constraint(job.body, engine.codec, scheduler.step.vocab_size)
             if settings.seed is not None and settings.seed < 0:
                 raise RequestError("'seed' must be a non-negative integer", param="seed")
@@ -486,6 +528,12 @@ def run_jobs(engine, jobs: list[Job], model: str, parallel: int, default_max_tok
         raise failures[0]
 
 
+def _prompt_order(job: Job) -> str:
+    """A job's place when lines are ordered to share prefixes: its messages' or prompt's text (bad lines first)."""
+    prompt = job.body.get("messages", job.body.get("prompt"))
+    return "" if job.error is not None else json.dumps(prompt, ensure_ascii=False)
+
+
 def run_batch(
     engine,
     source: Path,
@@ -494,8 +542,10 @@ def run_batch(
     parallel: int,
     default_max_tokens: int,
     progress: bool = True,
+    prefix_cache_bytes: int = 0,
 ) -> Summary:
-    """Run every job of `source` not yet in `target`, appending results as they finish."""
+    """Run every job of `source` not yet in `target`, appending results as they finish (`prefix_cache_bytes`: the
+    prompt prefixes' KV kept across lines)."""
     started = time.perf_counter()
     jobs = read_jobs(source)
     done = resume_output(source, target)
@@ -514,7 +564,9 @@ def run_batch(
                 bar.set_postfix_str(f"{summary.generated_tokens / (time.perf_counter() - started):.1f} tok/s")
 
     try:
-        run_jobs(engine, pending, model, parallel, default_max_tokens, on_record)
+        run_jobs(engine, pending, model, parallel, default_max_tokens, on_record, prefix_cache_bytes)
+        cache = engine.scheduler.prefix_cache
+        summary.reused_tokens = cache.reused_tokens if cache is not None else 0
     finally:
         engine.scheduler.close()
         writer.close()
@@ -540,7 +592,13 @@ class RayWorker:
     """A Ray Data actor: loads the pack once on its node and runs batches of job lines through its scheduler."""
 
     def __init__(
-        self, pack: str, load_options: dict, model: str, parallel: int, default_max_tokens: int
+        self,
+        pack: str,
+        load_options: dict,
+        model: str,
+        parallel: int,
+        default_max_tokens: int,
+        prefix_cache_bytes: int = 0,
     ) -> None:
         import ray
 
@@ -549,6 +607,7 @@ class RayWorker:
         self.engine = pipeshard.load(pack, **load_options)
         self.model, self.parallel, self.default_max_tokens = model, parallel, default_max_tokens
         self.node_id = ray.get_runtime_context().get_node_id()
+        self.prefix_cache_bytes = prefix_cache_bytes
 
     def __call__(self, batch: dict) -> dict:
         jobs = [
@@ -565,7 +624,15 @@ class RayWorker:
             with lock:
                 records.append(json.dumps(record, ensure_ascii=False))
 
-        run_jobs(self.engine, jobs, self.model, self.parallel, self.default_max_tokens, on_record)
+        run_jobs(
+            self.engine,
+            jobs,
+            self.model,
+            self.parallel,
+            self.default_max_tokens,
+            on_record,
+            self.prefix_cache_bytes,
+        )
         return {"record": records}
 
 
@@ -579,6 +646,7 @@ def run_batch_ray(
     default_max_tokens: int,
     load_options: dict,
     progress: bool = True,
+    prefix_cache_bytes: int = 0,
 ) -> Summary:
     """The same job on a Ray cluster: Ray Data spreads the pending lines over one actor per node (each loads the
     pack once and runs its scheduler); the driver appends the results to `target` as batches come back."""
@@ -625,7 +693,14 @@ def run_batch_ray(
             cores = min(node["Resources"].get("CPU", 1.0) for node in nodes)
             results = ray.data.from_items(rows).map_batches(
                 RayWorker,
-                fn_constructor_args=(str(pack), load_options, model, parallel, default_max_tokens),
+                fn_constructor_args=(
+                    str(pack),
+                    load_options,
+                    model,
+                    parallel,
+                    default_max_tokens,
+                    prefix_cache_bytes,
+                ),
                 batch_size=4 * parallel,
                 num_cpus=cores,
                 compute=ray.data.ActorPoolStrategy(size=len(nodes)),

@@ -172,6 +172,22 @@ def _port(text: str) -> int:
     return value
 
 
+PREFIX_CACHE_HELP = (
+    "host memory for the KV of prompts' prefixes kept across requests (e.g. 256MiB; default 0: none): a prompt "
+    "that starts like an earlier one prefills only the rest"
+)
+
+
+def _byte_size(text: str) -> int:
+    """An argparse type: a size with a unit (`256MiB`), 0 for none."""
+    from pipeshard.core.units import parse_size
+
+    try:
+        return parse_size(text)
+    except UserError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
 def _command_serve(args: argparse.Namespace) -> int:
     import pipeshard
     from pipeshard.server import ServerSettings, serve
@@ -202,7 +218,9 @@ def _command_serve(args: argparse.Namespace) -> int:
         )
 
     settings = ServerSettings(name, args.api_key, args.max_new_tokens)
-    return serve(load, settings, args.host, args.port, args.parallel, args.queue, args.context)
+    return serve(
+        load, settings, args.host, args.port, args.parallel, args.queue, args.context, args.prefix_cache
+    )
 
 
 def _command_batch(args: argparse.Namespace) -> int:
@@ -242,10 +260,19 @@ def _command_batch(args: argparse.Namespace) -> int:
             args.parallel,
             args.max_new_tokens,
             options,
+            prefix_cache_bytes=args.prefix_cache,
         )
     else:
         engine = pipeshard.load(args.path, **options)
-        summary = run_batch(engine, source, target, model, args.parallel, args.max_new_tokens)
+        summary = run_batch(
+            engine,
+            source,
+            target,
+            model,
+            args.parallel,
+            args.max_new_tokens,
+            prefix_cache_bytes=args.prefix_cache,
+        )
     print(summary.line(), file=sys.stderr)
     return 0
 
@@ -959,6 +986,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--threads", type=_threads, default=None)
     serve.add_argument("--verify", action="store_true", help="check the pack's sha256 sums before serving")
+    serve.add_argument("--prefix-cache", type=_byte_size, default=0, metavar="SIZE", help=PREFIX_CACHE_HELP)
     _add_device_options(serve)
     serve.set_defaults(handler=_command_serve, system=None)
 
@@ -974,6 +1002,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     batch.add_argument("--threads", type=_threads, default=None)
     batch.add_argument("--verify", action="store_true", help="check the pack's sha256 sums first")
+    batch.add_argument("--prefix-cache", type=_byte_size, default=0, metavar="SIZE", help=PREFIX_CACHE_HELP)
     batch.add_argument(
         "--ray",
         default=None,

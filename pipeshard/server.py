@@ -44,18 +44,17 @@ SAMPLING_FIELDS = (
     "echo",
     "best_of",
 )
+# Chat's function calling (pipeshard/tools.py).
+TOOL_FIELDS = ("tools", "tool_choice", "parallel_tool_calls")
 # The fields that shape an answer (a batch's plain lines take these from their other fields).
-ANSWER_FIELDS = ("response_format", *SAMPLING_FIELDS)
+ANSWER_FIELDS = ("response_format", *TOOL_FIELDS, *SAMPLING_FIELDS)
 # Every field each endpoint honours (`user` only names the caller, as OpenAI's does).
 COMMON_FIELDS = {"model", "stream", "stream_options", "user", *ANSWER_FIELDS}
 CHAT_FIELDS = COMMON_FIELDS - {"echo", "best_of"} | {"messages"}
-COMPLETION_FIELDS = COMMON_FIELDS - {"max_completion_tokens", "top_logprobs"} | {"prompt"}
+COMPLETION_FIELDS = COMMON_FIELDS - {"max_completion_tokens", "top_logprobs", *TOOL_FIELDS} | {"prompt"}
 # Fields this server cannot honour: a request that uses one is refused, naming it, unless it holds the value that
 # asks for nothing (OpenAI's default).
 UNSUPPORTED_FIELDS = {
-    "tools": lambda v: v in (None, []),
-    "tool_choice": lambda v: v in (None, "none"),
-    "parallel_tool_calls": lambda v: v is None,
     "functions": lambda v: v in (None, []),
     "function_call": lambda v: v in (None, "none"),
     "logit_bias": lambda v: v in (None, {}),
@@ -64,16 +63,31 @@ UNSUPPORTED_FIELDS = {
 
 
 def answer_constraint(body: dict, codec, vocab_size: int):
-    """The grammar a request's answer must match (`response_format` json_object / json_schema: a fresh
-    `pipeshard/structured.py` GrammarConstraint), or None. Compiling a schema can take a while: call off the
-    event loop."""
+    """The grammar a request's answer must match (a forced tool call's, else `response_format` json_object /
+    json_schema: a fresh `pipeshard/structured.py` GrammarConstraint), or None. Compiling a schema can take a while:
+    call off the event loop."""
     from pipeshard.structured import SchemaError, constraint_for, schema_of
+    from pipeshard.tools import call_schema
 
+    spec = request_tools(body)
+    param = "tools" if spec is not None and spec.forced_call else "response_format"
     try:
-        schema = schema_of(body.get("response_format"))
+        schema = call_schema(spec) if param == "tools" else schema_of(body.get("response_format"))
         return None if schema is None else constraint_for(schema, codec, vocab_size)
     except SchemaError as error:
-        raise RequestError(str(error), param="response_format") from None
+        raise RequestError(str(error), param=param) from None
+
+
+def request_tools(body: dict):
+    """A chat request's tools (pipeshard/tools.py ToolSpec), or None; what is wrong with them a RequestError."""
+    if "messages" not in body:
+        return None
+    from pipeshard.tools import ToolError, tool_spec
+
+    try:
+        return tool_spec(body)
+    except ToolError as error:
+        raise RequestError(str(error), param=error.param) from None
 
 
 class RequestError(Exception):
@@ -322,7 +336,14 @@ def create_app(state: State):
         image_grids=None,
     ):
         model = check_model(body)
-        shapes = Answer(state.texts, chat, prompt, echoed_prompt(body, prompt, state.engine.codec), settings)
+        shapes = Answer(
+            state.texts,
+            chat,
+            prompt,
+            echoed_prompt(body, prompt, state.engine.codec),
+            settings,
+            request_tools(body),
+        )
         constraint = await asyncio.to_thread(
             answer_constraint, body, state.engine.codec, scheduler.step.vocab_size
         )
@@ -357,18 +378,16 @@ def create_app(state: State):
                 "total_tokens": event.prompt_tokens + event.completion_tokens,
             }
 
-        def choice(text: str, finish: str | None, logprobs: dict | None) -> dict:
+        def choice(text: str, finish: str | None, logprobs: dict | None, calls: list[dict] | None) -> dict:
             if not chat:
                 return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
-            return {
-                "index": 0,
-                "delta": {"content": text} if text else {},
-                "logprobs": logprobs,
-                "finish_reason": finish,
-            }
+            delta = {"content": text} if text else {}
+            if calls:
+                delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(calls)]
+            return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
 
-        def finish_reason(event) -> str:
-            return "length" if event.finish_reason == "length" else "stop"
+        def finish_reason(event, calls: list[dict] | None) -> str:
+            return "tool_calls" if calls else "length" if event.finish_reason == "length" else "stop"
 
         if not stream:
             try:
@@ -389,7 +408,16 @@ def create_app(state: State):
             if event.finish_reason == "error":
                 raise RequestError(f"generation failed: {event.error}", 500, kind="server_error")
             return JSONResponse(
-                completion_document(chat, identifier, model, shapes.text, event, created, shapes.logprobs())
+                completion_document(
+                    chat,
+                    identifier,
+                    model,
+                    shapes.text,
+                    event,
+                    created,
+                    shapes.logprobs(),
+                    shapes.tool_calls(),
+                )
             )
 
         async def sse():
@@ -414,7 +442,7 @@ def create_app(state: State):
                 while True:
                     event = await events.get()
                     done = event.finish_reason is not None
-                    text, logprobs = shapes.piece(event)
+                    text, logprobs, calls = shapes.piece(event)
                     if text or logprobs or done:
                         yield _sse(
                             {
@@ -422,7 +450,11 @@ def create_app(state: State):
                                 "object": chunk_kind,
                                 "created": created,
                                 "model": model,
-                                "choices": [choice(text, finish_reason(event) if done else None, logprobs)],
+                                "choices": [
+                                    choice(
+                                        text, finish_reason(event, calls) if done else None, logprobs, calls
+                                    )
+                                ],
                             }
                         )
                     if done:
@@ -541,9 +573,16 @@ class Answer:
     """One request's answer as it comes (text pieces, logprobs, an echoed prompt), for the OpenAI documents: whole
     (`add` every event, then `text` and `logprobs()`) or streamed (`piece` of each event)."""
 
-    def __init__(self, texts, chat: bool, prompt: list[int], echoed: str | None, settings) -> None:
-        """`echoed`: the prompt's text when the answer repeats it (completions' `echo`), else None."""
+    def __init__(
+        self, texts, chat: bool, prompt: list[int], echoed: str | None, settings, tools=None
+    ) -> None:
+        """`echoed`: the prompt's text when the answer repeats it (completions' `echo`), else None; `tools`: the
+        request's ToolSpec (pipeshard/tools.py), whose calls the answer may be."""
         self.texts, self.chat, self.prompt, self.settings = texts, chat, prompt, settings
+        self.tools = tools if tools is not None and tools.choice != "none" else None
+        # A streamed answer that may be a call is held back until it cannot be one.
+        self.holding = self.tools is not None
+        self.held_text, self.held_logprobs = "", []
         self.echo = echoed is not None
         self.echoed = echoed or ""
         self.pieces: list[str] = []
@@ -562,6 +601,12 @@ class Answer:
         if event.prompt_logprobs is not None:
             self.prompt_entries = event.prompt_logprobs
 
+    def tool_calls(self) -> list[dict] | None:
+        """The whole answer as OpenAI's `tool_calls`, when it is calls of the request's tools (else None)."""
+        from pipeshard.tools import parse_tool_calls
+
+        return None if self.tools is None else parse_tool_calls(self.text, self.tools)
+
     def logprobs(self) -> dict | None:
         """The whole answer's `logprobs` object (None when the request asked for none)."""
         if self.settings.logprobs is None:
@@ -578,7 +623,26 @@ class Answer:
             entries = list(self.prompt_entries or [None] * len(self.prompt)) + entries
         return completion_logprobs(self.texts, tokens, entries)
 
-    def piece(self, event) -> tuple[str, dict | None]:
+    def piece(self, event) -> tuple[str, dict | None, list[dict] | None]:
+        """A streamed chunk's text, `logprobs` and `tool_calls` for this event. An answer that may be a tool call
+        is held back until it cannot be one (then it goes out as text) or it ends (then it goes out as calls, when
+        it is calls)."""
+        from pipeshard.tools import may_become_call, parse_tool_calls
+
+        text, logprobs = self._piece(event)
+        if not self.holding:
+            return text, logprobs, None
+        self.held_text += text
+        self.held_logprobs += logprobs["content"] if logprobs else []
+        done = event.finish_reason is not None
+        if not done and (self.tools.forced_call or may_become_call(self.held_text)):
+            return "", None, None
+        self.holding = False
+        calls = parse_tool_calls(self.held_text, self.tools) if done else None
+        held = {"content": self.held_logprobs, "refusal": None} if self.held_logprobs else None
+        return "" if calls else self.held_text, held, calls
+
+    def _piece(self, event) -> tuple[str, dict | None]:
         """A streamed chunk's text and `logprobs` for this event (the echoed prompt comes first: with its
         logprobs in the event that carries them, else before the first piece)."""
         text, entries = event.text, list(event.logprobs or [])
@@ -608,15 +672,17 @@ def completion_document(
     end,
     created: int | None = None,
     logprobs: dict | None = None,
+    tool_calls: list[dict] | None = None,
 ) -> dict:
     """A whole answer as OpenAI's chat.completion or text_completion object (`end`: the request's last event;
-    `logprobs`: the choice's, from `Answer.logprobs`)."""
-    finish = "length" if end.finish_reason == "length" else "stop"
-    choice = (
-        {"index": 0, "message": {"role": "assistant", "content": text}}
-        if chat
-        else {"index": 0, "text": text}
+    `logprobs`: the choice's, from `Answer.logprobs`; `tool_calls`: chat's calls, from `Answer.tool_calls`)."""
+    finish = "tool_calls" if tool_calls else "length" if end.finish_reason == "length" else "stop"
+    message = (
+        {"role": "assistant", "content": None, "tool_calls": tool_calls}
+        if tool_calls
+        else {"role": "assistant", "content": text}
     )
+    choice = {"index": 0, "message": message} if chat else {"index": 0, "text": text}
     return {
         "id": identifier,
         "object": "chat.completion" if chat else "text_completion",
@@ -652,7 +718,10 @@ def prompt_with_images(codec, body: dict, chat: bool, vocab_size: int, vision) -
             or not all(
                 isinstance(m, dict)
                 and isinstance(m.get("role"), str)
-                and isinstance(m.get("content"), str | list)
+                and (
+                    isinstance(m.get("content"), str | list)
+                    or (m["role"] == "assistant" and m.get("content") is None and m.get("tool_calls"))
+                )
                 for m in messages
             )
         ):
@@ -662,11 +731,22 @@ def prompt_with_images(codec, body: dict, chat: bool, vocab_size: int, vision) -
             )
         if codec.template.text is None:
             raise RequestError("this model has no chat template: use /v1/completions", param="messages")
+        from pipeshard.tools import ToolError, check_message_calls, template_messages
+
         images: list = []
-        rendered = [
-            {"role": m["role"], "content": _message_text(m["content"], images, vision)} for m in messages
-        ]
-        text = codec.render_messages(rendered)
+        rendered = []
+        for m in messages:
+            message = {"role": m["role"], "content": _message_text(m.get("content") or "", images, vision)}
+            if m.get("tool_calls") is not None:
+                try:
+                    check_message_calls(m)
+                except ToolError as error:
+                    raise RequestError(str(error), param=error.param) from None
+                message["tool_calls"] = m["tool_calls"]
+            message.update({k: m[k] for k in ("tool_call_id", "name") if isinstance(m.get(k), str)})
+            rendered.append(message)
+        rendered, tools = template_messages(rendered, request_tools(body), codec.template.takes_tools)
+        text = codec.render_messages(rendered, tools)
         if not images:
             return codec.encode(text), None
         from pipeshard.runtime.vision import expand_prompt, prepare_images
@@ -849,6 +929,13 @@ def prometheus_text(state: State) -> str:
             f"pipeshard_generated_tokens_per_busy_second "
             f"{stats.generated_tokens / stats.busy_s if stats.busy_s else 0.0:.3f}",
         ]
+        cache = scheduler.prefix_cache
+        lines += [
+            f"pipeshard_prefix_cache_budget_bytes {cache.budget_bytes if cache else 0}",
+            f"pipeshard_prefix_cache_bytes {cache.bytes if cache else 0}",
+            f"pipeshard_prefix_cache_reused_tokens_total {cache.reused_tokens if cache else 0}",
+            f"pipeshard_prefix_cache_evicted_blocks_total {cache.evicted_blocks if cache else 0}",
+        ]
         report = scheduler.step.report()
         lines += [
             f'pipeshard_device_info{{device="{report.device}"}} 1',
@@ -873,6 +960,7 @@ def serve(
     parallel: int,
     queue_size: int,
     context: int | None,
+    prefix_cache_bytes: int = 0,
 ) -> int:
     """Listen at once (/health says 503 while loading), load the engine on a thread, serve until Ctrl-C."""
     import uvicorn
@@ -888,7 +976,11 @@ def serve(
             state.engine = engine_loader()
             state.texts = TokenTexts(state.engine.codec)
             state.scheduler = Scheduler(
-                state.engine, parallel=parallel, queue_size=queue_size, context=context
+                state.engine,
+                parallel=parallel,
+                queue_size=queue_size,
+                context=context,
+                prefix_cache_bytes=prefix_cache_bytes,
             )
             print(
                 f"pipeshard serve: http://{host}:{port}/v1 ready (model {settings.model_name}, {parallel} slots, "

@@ -228,6 +228,26 @@ class CudaDevice(LedgeredDevice):
             )
         )
 
+    def copy_in_rows(
+        self, target: DeviceBuffer, source: np.ndarray, offset: int, rows: int, width: int, pitch: int
+    ) -> None:
+        """The same runs from the contiguous host array `source` into the device buffer, after the compute stream's
+        work so far (one 2-D copy; a kept prefix's KV into a slot)."""
+        if offset + (rows - 1) * pitch + width > min(target.nbytes, source.nbytes):
+            raise ValueError("copy_in_rows: the region passes the end of a buffer")
+        _check(self.rt.cudaStreamSynchronize(self.compute_stream))
+        _check(
+            self.rt.cudaMemcpy2D(
+                target.pointer + offset,
+                pitch,
+                source.ctypes.data + offset,
+                pitch,
+                width,
+                rows,
+                self.rt.cudaMemcpyKind.cudaMemcpyHostToDevice,
+            )
+        )
+
     def close(self) -> None:
         _check(self.rt.cudaStreamSynchronize(self.copy_stream))
         _check(self.rt.cudaStreamSynchronize(self.compute_stream))

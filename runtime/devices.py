@@ -66,6 +66,9 @@ class Device(Protocol):
     def copy_out_rows(
         self, target: np.ndarray, source, offset: int, rows: int, width: int, pitch: int
     ) -> None: ...
+    def copy_in_rows(
+        self, target, source: np.ndarray, offset: int, rows: int, width: int, pitch: int
+    ) -> None: ...
     def set_budget(self, budget_bytes: int) -> None: ...
     def reserve(self, nbytes: int, purpose: str) -> None: ...
     def unreserve(self, nbytes: int, purpose: str) -> None: ...
@@ -118,14 +121,27 @@ class HostMemoryDevice(LedgeredDevice):
         """`rows` runs of `width` bytes, `pitch` apart from `offset` on, from the device buffer into the same
         places of the contiguous host array `target` (the new rows of a streamed KV cache)."""
         host = target.reshape(-1).view(np.uint8)
-        for region in (host, source):
-            if offset + (rows - 1) * pitch + width > region.nbytes:
-                raise ValueError("copy_out_rows: the region passes the end of a buffer")
-        shape, strides = (rows, width), (pitch, 1)
-        np.copyto(
-            np.lib.stride_tricks.as_strided(host[offset:], shape, strides),
-            np.lib.stride_tricks.as_strided(source[offset:], shape, strides),
-        )
+        np.copyto(*_strided_regions(host, source, offset, rows, width, pitch))
+
+    def copy_in_rows(
+        self, target: np.ndarray, source: np.ndarray, offset: int, rows: int, width: int, pitch: int
+    ) -> None:
+        """The same runs from the contiguous host array `source` into the device buffer `target` (a kept prefix's
+        KV into a slot of a KV cache on the device)."""
+        host = source.reshape(-1).view(np.uint8)
+        np.copyto(*reversed(_strided_regions(host, target, offset, rows, width, pitch)))
+
+
+def _strided_regions(host: np.ndarray, device: np.ndarray, offset: int, rows: int, width: int, pitch: int):
+    """The same `rows` runs of `width` bytes, `pitch` apart from `offset` on, in a host and a device byte array."""
+    for region in (host, device):
+        if offset + (rows - 1) * pitch + width > region.nbytes:
+            raise ValueError("copy_rows: the region passes the end of a buffer")
+    shape, strides = (rows, width), (pitch, 1)
+    return (
+        np.lib.stride_tricks.as_strided(host[offset:], shape, strides),
+        np.lib.stride_tricks.as_strided(device[offset:], shape, strides),
+    )
 
 
 class CpuDevice(HostMemoryDevice):

@@ -274,6 +274,37 @@ class Residency:
                 self.device.free(buffer, "kv")
         (self.kv_on_device.add if to_device else self.kv_on_device.discard)(attn)
 
+    def read_kv(self, row: int, begin: int, end: int) -> np.ndarray:
+        """Columns [begin, end) of a KV row of every attention, [pasts, kv heads, end - begin, head dim] (a copy),
+        from where each one's master is: a device buffer, or the host buffer (the CPU's and streamed attentions')."""
+        for past, buffer in self.kv_device.items():
+            self.device.copy_out_rows(self.kv.buffers[past], buffer, *self._kv_region(row, begin, end))
+        return np.stack([self.kv.buffers[past][row, :, begin:end] for past in self.kv.past_names])
+
+    def write_kv(self, row: int, begin: int, pieces: list[np.ndarray]) -> None:
+        """Pieces shaped as `read_kv`'s, one after another, into a KV row from column `begin` on, wherever each
+        attention's master is; the KV of streamed attentions already uploaded beside their weights is uploaded
+        again."""
+        end = begin
+        for piece in pieces:
+            for past, value in zip(self.kv.past_names, piece, strict=True):
+                self.kv.buffers[past][row, :, end : end + piece.shape[2]] = value
+            end += piece.shape[2]
+        for past, buffer in self.kv_device.items():
+            self.device.copy_in_rows(buffer, self.kv.buffers[past], *self._kv_region(row, begin, end))
+        if self.kv_slots:
+            self.drain()
+            for slot, unit in enumerate(self.slot_unit):
+                if unit in self.kv_streamed:
+                    self._upload_kv(slot, unit)
+
+    def _kv_region(self, row: int, begin: int, end: int) -> tuple[int, int, int, int]:
+        """Columns [begin, end) of a KV row as byte runs of a buffer: offset, runs (one per head), width, pitch."""
+        _, heads, capacity, head_dim = self.kv.shape
+        element = self.kv.dtype.itemsize
+        offset = ((row * heads) * capacity + begin) * head_dim * element
+        return offset, heads, (end - begin) * head_dim * element, capacity * head_dim * element
+
     def _device_kv_buffer(self, host: np.ndarray | None):
         nbytes = host.nbytes if host is not None else 0
         buffer = self.device.alloc(nbytes, "kv")

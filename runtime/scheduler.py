@@ -32,6 +32,7 @@ from pipeshard.runtime.generate import (
     token_logprobs,
 )
 from pipeshard.runtime.kv import image_rows
+from pipeshard.runtime.prefix_cache import BLOCK_TOKENS, PrefixCache
 
 log = logging.getLogger(__name__)
 PREFILL_CHUNK = 256  # prompt tokens per loop turn while other rows are decoding
@@ -82,6 +83,7 @@ class Request:
     cancelled: threading.Event = field(default_factory=threading.Event)
     slot: int | None = None
     fed: int = 0  # prompt tokens in the slot's KV
+    reused: int = 0  # of them, taken from the prefix cache
     generated: list[int] = field(default_factory=list)
     last_token: int = 0
     pixel_values: np.ndarray | None = None  # a VLM's images, encoded when the request gets its slot
@@ -134,13 +136,22 @@ class SchedulerStats:
     prompt_tokens: int = 0
     generated_tokens: int = 0
     steps: int = 0
-    busy_s: float = 0.0  # time spent in steps
+    busy_s: float = 0.0  # time spent in steps (a kept prefix's copies included)
 
 
 class Scheduler:
     """Owns a pack engine's step on a thread of its own; `submit` from any thread."""
 
-    def __init__(self, engine, parallel: int = 4, queue_size: int = 64, context: int | None = None) -> None:
+    def __init__(
+        self,
+        engine,
+        parallel: int = 4,
+        queue_size: int = 64,
+        context: int | None = None,
+        prefix_cache_bytes: int = 0,
+    ) -> None:
+        """`prefix_cache_bytes`: the budget of the prompts' prefixes kept across requests (runtime/prefix_cache.py);
+        0 keeps none."""
         step = engine.step
         if not hasattr(step, "layout"):
             raise UserError(
@@ -154,6 +165,7 @@ class Scheduler:
         self.parallel = parallel
         self.context = min(context or 4096, step.max_context)
         self.stats = SchedulerStats()
+        self.prefix_cache = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes else None
         self._waiting: queue.Queue[Request] = queue.Queue(maxsize=queue_size)
         self._slots: list[Request | None] = [None] * parallel
         self._controls: queue.SimpleQueue = queue.SimpleQueue()
@@ -260,7 +272,7 @@ class Scheduler:
                 continue
             started = time.perf_counter()
             try:
-                prefilling = [r for r in occupied if r.fed < len(r.prompt)]
+                prefilling = self._reuse_prefixes([r for r in occupied if r.fed < len(r.prompt)])
                 group = self._prefill_group(prefilling)
                 if len(group) > 1:
                     self._prefill_together(group)
@@ -314,6 +326,42 @@ class Scheduler:
             self._slots[request.slot] = request
             request.text = _TextStream(self.codec, request.settings.stop_strings)
 
+    def _reuse_prefixes(self, prefilling: list[Request]) -> list[Request]:
+        """Give each request that has computed none of its prompt yet the longest kept prefix of it (its KV copied
+        into the slot); the prefilling requests that go on now, without those that wait for a request ahead of
+        them to prefill (and keep) a longer prefix they share."""
+        if self.prefix_cache is None:
+            return prefilling
+        going: list[Request] = []
+        for request in prefilling:
+            if request.fed == request.reused and self._may_reuse(request):
+                keys = self.prefix_cache.longest(request.prompt[:-1])  # the last token is always fed
+                kept = len(keys) * BLOCK_TOKENS
+                if kept > request.fed:
+                    new = keys[request.fed // BLOCK_TOKENS :]
+                    self.step.write_kv(request.slot, request.fed, self.prefix_cache.kv_of(new))
+                    self.prefix_cache.reused_tokens += kept - request.fed
+                    request.fed = request.reused = kept
+                ahead = [r for r in going if r.fed < len(r.prompt)]
+                if any(_shared(request.prompt, r.prompt) >= request.fed + BLOCK_TOKENS for r in ahead):
+                    continue  # a request ahead computes this prefix: it waits to take it from the cache
+            going.append(request)
+        return going
+
+    @staticmethod
+    def _may_reuse(request: Request) -> bool:
+        """Whether a request can take its prefix from others' KV: not with images (their features, not their
+        tokens, make the KV) nor when it scores its own prompt (every position's logits)."""
+        return request.image_features is None and request.settings.prompt_logprobs is None
+
+    def _keep_prefix(self, request: Request) -> None:
+        """After a request's prompt is in its slot: keep the whole blocks of it the cache has not."""
+        if self.prefix_cache is None or not self._may_reuse(request):
+            return
+        first, end = self.prefix_cache.missing(request.prompt)
+        if end > first:
+            self.prefix_cache.add(request.prompt, first, self.step.read_kv(request.slot, first, end))
+
     def _prefill_chunk(self, request: Request) -> None:
         """The next chunk of a request's prompt into its slot; after the last, its first token."""
         begin = request.fed
@@ -359,8 +407,9 @@ class Scheduler:
             request.last_prompt_logits = None
 
     def _first_token(self, request: Request, logits: np.ndarray) -> None:
-        """After the prompt: the first token, or the end of a request that asked for none (its prompt's
-        logprobs only)."""
+        """After the prompt (kept in the prefix cache): the first token, or the end of a request that asked for
+        none (its prompt's logprobs only)."""
+        self._keep_prefix(request)
         if request.settings.max_new_tokens == 0:
             self._finish(request, "length")
         else:
@@ -500,3 +549,10 @@ def final_text(codec, tokens: list[int], stop_strings: tuple[str, ...]) -> str:
     text = codec.decode(tokens)
     stop_at = _first_stop(text, stop_strings)
     return text if stop_at is None else text[:stop_at]
+
+
+def _shared(first: list[int], second: list[int]) -> int:
+    """How many leading tokens two prompts share."""
+    length = min(len(first), len(second))
+    differ = np.flatnonzero(np.asarray(first[:length]) != np.asarray(second[:length]))
+    return int(differ[0]) if len(differ) else length

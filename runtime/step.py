@@ -325,6 +325,15 @@ class Step:
             self.expert_stats.end_step(batch * tokens)
         return program.logits
 
+    def read_kv(self, row: int, begin: int, end: int) -> np.ndarray:
+        """Columns [begin, end) of KV row `row` of every attention, between steps (a prompt's prefix to keep)."""
+        return self.residency.read_kv(row, begin, end)
+
+    def write_kv(self, row: int, begin: int, pieces: list[np.ndarray]) -> None:
+        """Pieces of `read_kv`'s shape, one after another, into KV row `row` from column `begin` on, between steps
+        (a kept prefix reused)."""
+        self.residency.write_kv(row, begin, pieces)
+
     def _grow_kv(self, batch: int, total: int) -> None:
         """Longer than start() was told: the KV comes home, grows, and plans are made for the new context."""
         self._deactivate()

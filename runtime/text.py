@@ -62,10 +62,10 @@ class TextCodec:
         ]
         return self.render_messages(messages)
 
-    def render_messages(self, messages: list[dict[str, str]]) -> str:
+    def render_messages(self, messages: list[dict], tools: list[dict] | None = None) -> str:
         """A conversation (system, user, assistant, ... messages) through the chat template, ready for the
-        next answer."""
-        return self.template.render(messages)
+        next answer (with `tools` for a template that takes them)."""
+        return self.template.render(messages, tools)
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Token ids of `text`; with `add_special_tokens` the tokenizer adds what it adds to a plain prompt

@@ -77,6 +77,54 @@ def test_lm_eval_local_completions_scores_as_its_hf_model(tiny_pack, hf_folder, 
     assert ours["acc_norm,none"] == expected["acc_norm,none"]
 
 
+@pytest.fixture(scope="module")
+def smollm2_hf_folder(tmp_path_factory) -> Path:
+    """SmolLM2-135M as a Hugging Face folder: the built-in GGUF's weights as transformers dequantizes them (what
+    the fp32 export holds), and its tokenizer."""
+    import torch
+
+    from pipeshard.exporter.sources import load_source, resolve_source
+
+    folder = tmp_path_factory.mktemp("smollm2-hf")
+    source = load_source(resolve_source("smollm2-135m"), torch.float32)
+    source.model.save_pretrained(folder)
+    source.tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.slow  # about 60 s here once exported: 144 loglikelihood requests through transformers, then the server
+def test_lm_eval_local_completions_scores_smollm2_as_its_hf_model(models, smollm2_hf_folder, monkeypatch):
+    monkeypatch.chdir(REPO)
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    expected, expected_samples = evaluate(
+        "hf", {"pretrained": str(smollm2_hf_folder), "dtype": "float32", "device": "cpu"}
+    )
+    with server(models.pack("smollm2-135m"), "--parallel", "2", "--context", "512") as base:
+        ours, our_samples = evaluate(
+            "local-completions",
+            {
+                "base_url": f"{base}/v1/completions",
+                "model": "pack",
+                "tokenizer_backend": "huggingface",
+                "tokenizer": str(smollm2_hf_folder),
+                "max_length": 512,
+                "num_concurrent": 1,
+                "max_retries": 1,
+            },
+        )
+    assert len(our_samples) == len(expected_samples) == 36
+    for theirs, mine in zip(expected_samples, our_samples, strict=True):
+        for (their_ll, their_greedy), (my_ll, my_greedy) in zip(
+            theirs["filtered_resps"], mine["filtered_resps"], strict=True
+        ):
+            assert (
+                float(my_ll) < 0 and abs(float(their_ll) - float(my_ll)) < 1e-3
+            )  # 30 layers of fp32 rounding
+            assert bool(their_greedy) == bool(my_greedy)
+    assert ours["acc,none"] == expected["acc,none"] and ours["acc_norm,none"] == expected["acc_norm,none"]
+    assert expected["acc,none"] > 0.25  # a real model: better than chance on these easy questions (0.5 here)
+
+
 @pytest.mark.slow  # about 60 s here
 def test_lm_eval_local_chat_completions_generates_as_its_hf_model(tiny_pack, hf_folder, monkeypatch):
     """A generate_until task through the chat template: `local-chat-completions` against the server gets the

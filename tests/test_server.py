@@ -221,13 +221,10 @@ HI = [{"role": "user", "content": "hi"}]
 @pytest.mark.parametrize(
     "route, field, value",
     [
-        (
-            "/v1/chat/completions",
-            "tools",
-            [{"type": "function", "function": {"name": "f", "parameters": {}}}],
-        ),
-        ("/v1/chat/completions", "tool_choice", "required"),
-        ("/v1/chat/completions", "parallel_tool_calls", True),
+        ("/v1/chat/completions", "tools", [{"type": "function", "function": {"parameters": {}}}]),
+        ("/v1/chat/completions", "tool_choice", "required"),  # without tools
+        ("/v1/chat/completions", "parallel_tool_calls", "yes"),
+        ("/v1/completions", "tools", [{"type": "function", "function": {"name": "f"}}]),  # chat only
         ("/v1/chat/completions", "functions", [{"name": "f", "parameters": {}}]),
         ("/v1/chat/completions", "function_call", "auto"),
         ("/v1/chat/completions", "response_format", {"type": "xml"}),
@@ -266,6 +263,8 @@ def test_a_field_the_server_does_not_honour_is_a_400_naming_it(running, route, f
     [
         ("tools", []),
         ("tool_choice", "none"),
+        ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+        ("parallel_tool_calls", False),
         ("response_format", {"type": "text"}),
         ("logit_bias", {}),
         ("frequency_penalty", 0.5),

@@ -48,8 +48,22 @@ class ChatTemplate:
                 raise UserError(f"{template_path} is not UTF-8 text ({exc.reason})") from None
         return cls(config.get("chat_template"), bos, eos, f"{config_path} (chat_template)")
 
-    def render(self, messages: list[dict[str, str]]) -> str:
-        """A conversation (system, user, assistant, ... messages), ready for the next answer."""
+    @functools.cached_property
+    def takes_tools(self) -> bool:
+        """Whether the template reads a `tools` variable (the functions transformers' `apply_chat_template(tools=)`
+        passes): if not, a request's tools need another way into the prompt."""
+        if not self.text:
+            return False
+        from jinja2 import meta
+
+        try:
+            return "tools" in meta.find_undeclared_variables(_sandbox_class()(self.origin).parse(self.text))
+        except Exception:  # noqa: BLE001 - a template that does not parse fails with its own error when rendered
+            return False
+
+    def render(self, messages: list[dict], tools: list[dict] | None = None) -> str:
+        """A conversation (system, user, assistant, ... messages), ready for the next answer; `tools` (OpenAI's
+        function tools) as transformers passes them, only to a template that `takes_tools`."""
         if not self.text:
             raise UserError("this model has no chat template; use --no-chat-template")
         environment = _sandbox_class()(self.origin)
@@ -60,6 +74,7 @@ class ChatTemplate:
                 add_generation_prompt=True,
                 bos_token=self.bos_token or "",
                 eos_token=self.eos_token or "",
+                **({"tools": tools} if tools is not None else {}),
             )
         except UserError:
             raise
