@@ -43,3 +43,23 @@ def test_chain_and_sim_give_transformers_greedy_tokens(gemma3):
             generated = engine.generate(prompt, chat_template=False, max_new_tokens=NEW_TOKENS)[0].tokens
             assert generated == expected[: len(generated)] and len(generated) >= 8, (kind, prompt[:30])
     assert len(source.tokenizer(PROMPTS[-1]).input_ids) > 512
+
+
+def test_kept_quantized_the_chain_gives_transformers_greedy_tokens(gemma3, models):
+    """The Q4_K_M file's Q4_K, Q5_0, Q6_K and Q8_0 tensors kept as stored (`--dtype gguf`): transformers' tokens."""
+    import json
+
+    _, _, source = gemma3
+    export = models.export("gemma3-270m", "gguf")
+    kept = json.loads((export / "export.json").read_text())["quantized_weights"]
+    assert {"Q4_K", "Q5_0", "Q6_K", "Q8_0"} <= set("+".join(kept).split("+"))
+    engine = pipeshard.load(models.pack("gemma3-270m", "gguf"))
+    for prompt in PROMPTS:
+        prompt_ids = source.tokenizer(prompt).input_ids
+        with torch.no_grad():
+            output = source.model.generate(
+                torch.tensor([prompt_ids]), max_new_tokens=NEW_TOKENS, do_sample=False
+            )
+        expected = output[0, len(prompt_ids) :].tolist()
+        generated = engine.generate(prompt, chat_template=False, max_new_tokens=NEW_TOKENS)[0].tokens
+        assert generated == expected[: len(generated)] and len(generated) >= 8, prompt[:30]
