@@ -386,6 +386,20 @@ static OrtStatus *stream(void *const *api, void *context, Product *p, size_t ele
     return status;
 }
 
+/* The product's output [A's leading dims..., N], and M, the rows of A. */
+static OrtStatus *product_output(void *const *api, void *context, const Tensor *a, int64_t n, int64_t *m, float **out) {
+    int64_t dims[MAX_DIMS];
+    *m = 1;
+    for (size_t i = 0; i + 1 < a->rank; i++) {
+        dims[i] = a->dims[i];
+        *m *= a->dims[i];
+    }
+    dims[a->rank - 1] = n;
+    void *output = NULL;
+    OrtStatus *status = ((GetOutputFn)api[KERNEL_CONTEXT_GET_OUTPUT])(context, 0, dims, a->rank, &output);
+    return status ? status : ((GetTensorDataFn)api[GET_TENSOR_MUTABLE_DATA])(output, (void **)out);
+}
+
 static OrtStatus *compute(void *kernel_state, void *context) {
     const Kernel *kernel = kernel_state;
     void *const *api = kernel->api;
@@ -406,16 +420,9 @@ static OrtStatus *compute(void *kernel_state, void *context) {
     const int64_t k = a->dims[a->rank - 1], n = kernel->trans_b ? b->dims[0] : b->dims[1];
     if ((kernel->trans_b ? b->dims[1] : b->dims[0]) != k)
         return fail(api, ORT_INVALID_ARGUMENT, "WeightMatMul: the inner dimensions of A and B differ");
-    int64_t m = 1, dims[MAX_DIMS];
-    for (size_t i = 0; i + 1 < a->rank; i++) {
-        dims[i] = a->dims[i];
-        m *= a->dims[i];
-    }
-    dims[a->rank - 1] = n;
-    void *output = NULL;
-    if ((status = ((GetOutputFn)api[KERNEL_CONTEXT_GET_OUTPUT])(context, 0, dims, a->rank, &output))) return status;
+    int64_t m = 0;
     float *out = NULL;
-    if ((status = ((GetTensorDataFn)api[GET_TENSOR_MUTABLE_DATA])(output, (void **)&out))) return status;
+    if ((status = product_output(api, context, a, n, &m, &out))) return status;
     if (m == 0 || n == 0) return NULL;
     if (k == 0) {
         memset(out, 0, sizeof(float) * (size_t)(m * n));
@@ -586,16 +593,9 @@ static OrtStatus *block_compute(void *kernel_state, void *context) {
         .zero_points = given[BLOCK_ZERO_POINTS] ? in[BLOCK_ZERO_POINTS].data : NULL,
         .scales = in[BLOCK_SCALES].data, .n = n, .k = k, .block = block, .blocks = blocks,
     };
-    int64_t m = 1, dims[MAX_DIMS];
-    for (size_t i = 0; i + 1 < a->rank; i++) {
-        dims[i] = a->dims[i];
-        m *= a->dims[i];
-    }
-    dims[a->rank - 1] = n;
-    void *output = NULL;
-    if ((status = ((GetOutputFn)api[KERNEL_CONTEXT_GET_OUTPUT])(context, 0, dims, a->rank, &output))) return status;
+    int64_t m = 0;
     float *out = NULL;
-    if ((status = ((GetTensorDataFn)api[GET_TENSOR_MUTABLE_DATA])(output, (void **)&out))) return status;
+    if ((status = product_output(api, context, a, n, &m, &out))) return status;
     if (m == 0 || n == 0) return NULL;
     if (k == 0) {
         memset(out, 0, sizeof(float) * (size_t)(m * n));

@@ -106,3 +106,24 @@ def smollm2_export(models) -> Path:
 def smollm2_half_export(request, models) -> Path:
     """SmolLM2 exported with fp16, then bf16 weights (computed in fp32)."""
     return models.export("smollm2-135m", request.param)
+
+
+# the 15 matrices of the tiny GGUF take these in turn: every format holds one or two roles (the tied embedding Q8_0,
+# the fused q/k/v projections mixing 32- and 16-weight blocks)
+EVERY_FORMAT = ["Q8_0", "Q4_0", "Q6_K", "Q4_1", "Q2_K", "Q5_0", "Q3_K", "Q5_1", "Q4_K", "Q5_K"]
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf(tmp_path_factory) -> tuple[Path, Path, Path]:
+    """A tiny llama GGUF in every quantized format (tests/tiny_gguf.py), exported as stored and partitioned once:
+    (the GGUF, its export, its pack)."""
+    from tiny_gguf import write_tiny_llama_gguf
+
+    from pipeshard.exporter import export_model
+    from pipeshard.partitioner.partition import partition
+
+    root = tmp_path_factory.mktemp("tiny-gguf")
+    gguf = write_tiny_llama_gguf(root / "tiny.gguf", EVERY_FORMAT)
+    export_model(str(gguf), root / "export", quiet=True)
+    partition(root / "export", root / "pack")
+    return gguf, root / "export", root / "pack"

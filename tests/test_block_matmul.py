@@ -190,24 +190,8 @@ def test_matmulnbits_swapped_for_block_matmul_computes_what_onnx_runtime_does(
     assert np.all(np.abs(ours - theirs) <= 2e-6 * scale)
 
 
-@pytest.fixture(scope="module")
-def tiny_quantized_pack(tmp_path_factory):
-    """A tiny llama GGUF in every format, exported as stored and partitioned."""
-    from test_quantized import EVERY_FORMAT
-    from tiny_gguf import write_tiny_llama_gguf
-
-    from pipeshard.exporter import export_model
-    from pipeshard.partitioner.partition import partition
-
-    root = tmp_path_factory.mktemp("tiny-gguf-block")
-    gguf = write_tiny_llama_gguf(root / "tiny.gguf", EVERY_FORMAT)
-    export_model(str(gguf), root / "export", quiet=True)
-    partition(root / "export", root / "pack")
-    return root / "pack"
-
-
-def test_a_quantized_packs_chain_computes_the_unswapped_graphs_logits(tiny_quantized_pack):
-    pack = tiny_quantized_pack
+def test_a_quantized_packs_chain_computes_the_unswapped_graphs_logits(tiny_gguf):
+    _, _, pack = tiny_gguf
     swapped_ops = []
     for entry in load_pack(pack).sub_layers:
         weights = product_weights(entry.weights, float_weights=False)

@@ -8,6 +8,7 @@ import json
 import numpy as np
 import onnx
 import pytest
+from conftest import EVERY_FORMAT
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 from onnx import TensorProto, helper, numpy_helper
@@ -175,27 +176,15 @@ def test_smollm2_pack_holds_the_gguf_blocks_not_float_weights(smollm2_quantized)
     assert blob_bytes <= 1.2 * gguf_bytes, (blob_bytes, gguf_bytes)
 
 
-# the 15 matrices of the tiny GGUF take these in turn: every format holds one or two roles (the tied embedding Q8_0,
-# the fused q/k/v projections mixing 32- and 16-weight blocks)
-EVERY_FORMAT = ["Q8_0", "Q4_0", "Q6_K", "Q4_1", "Q2_K", "Q5_0", "Q3_K", "Q5_1", "Q4_K", "Q5_K"]
-
-
 @pytest.fixture(scope="module")
-def tiny_quantized(tmp_path_factory):
-    """A tiny llama GGUF in every format, exported as stored and partitioned."""
+def tiny_quantized(tiny_gguf):
+    """The every-format tiny GGUF's export and pack, and transformers' model of the GGUF."""
     import torch
-    from tiny_gguf import write_tiny_llama_gguf
 
-    from pipeshard.exporter import export_model
     from pipeshard.exporter.sources import load_source, resolve_source
-    from pipeshard.partitioner.partition import partition
 
-    root = tmp_path_factory.mktemp("tiny-gguf")
-    gguf = write_tiny_llama_gguf(root / "tiny.gguf", EVERY_FORMAT)
-    export_model(str(gguf), root / "export", quiet=True)
-    partition(root / "export", root / "pack")
-    reference = load_source(resolve_source(str(gguf)), torch.float32).model
-    return root / "export", root / "pack", reference
+    gguf, export, pack = tiny_gguf
+    return export, pack, load_source(resolve_source(str(gguf)), torch.float32).model
 
 
 @pytest.mark.slow
