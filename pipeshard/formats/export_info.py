@@ -29,6 +29,8 @@ NUMPY_DTYPES = {
     "float32": np.dtype(np.float32),
     "float16": np.dtype(np.float16),
     "bfloat16": BFLOAT16,
+    "uint8": np.dtype(np.uint8),  # a GGUF pack's planes: looked up per streamed unit, so kept in the table
+    "int8": np.dtype(np.int8),
 }
 
 
