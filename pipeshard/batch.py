@@ -588,6 +588,10 @@ def _count(summary: Summary, record: dict, end) -> None:
         summary.generated_tokens += end.completion_tokens
 
 
+# How long a Ray job waits for its workers (one per node, each loading the pack) before it gives up.
+ACTOR_START_LIMIT_S = 300
+
+
 class RayWorker:
     """A Ray Data actor: loads the pack once on its node and runs batches of job lines through its scheduler."""
 
@@ -691,6 +695,8 @@ def run_batch_ray(
             nodes = [node for node in ray.nodes() if node["Alive"]]
             # Each actor takes a whole node's cores (its engine uses them all), so there is one per node.
             cores = min(node["Resources"].get("CPU", 1.0) for node in nodes)
+            # Ray Data waits forever for actors by default; a cluster that cannot place one is an error instead.
+            ray.data.DataContext.get_current().wait_for_min_actors_s = ACTOR_START_LIMIT_S
             results = ray.data.from_items(rows).map_batches(
                 RayWorker,
                 fn_constructor_args=(
@@ -705,9 +711,15 @@ def run_batch_ray(
                 num_cpus=cores,
                 compute=ray.data.ActorPoolStrategy(size=len(nodes)),
             )
-            for batch in results.iter_batches(batch_size=None):
-                for line in batch["record"]:
-                    append(json.loads(line))
+            try:
+                for batch in results.iter_batches(batch_size=None):
+                    for line in batch["record"]:
+                        append(json.loads(line))
+            except ray.exceptions.GetTimeoutError:
+                raise UserError(
+                    f"--ray {address}: the cluster started no worker within {ACTOR_START_LIMIT_S} s "
+                    f"({len(nodes)} wanted, {cores:g} CPUs each); the lines done so far are kept in {target}"
+                ) from None
     finally:
         writer.close()
         if bar is not None:

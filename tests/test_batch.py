@@ -203,6 +203,7 @@ def _ray_processes() -> set[int]:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(420)
 def test_the_job_on_a_two_node_ray_cluster_spreads_and_gives_the_same_results(tiny_pack, expected, tmp_path):
     ray = pytest.importorskip("ray")
     from ray.cluster_utils import Cluster
