@@ -59,8 +59,14 @@ class RateTable:
             self.by_shape.setdefault((row["K"], row["N"]), []).append((float(row["M"]), float(row["gflops"])))
         for points in self.by_shape.values():
             points.sort()
+        self._nearest: dict[tuple[int, int], tuple[int, int]] = {}
 
     def nearest_shape(self, k: int, n: int) -> tuple[int, int]:
+        if (k, n) not in self._nearest:
+            self._nearest[k, n] = self._find_nearest(k, n)
+        return self._nearest[k, n]
+
+    def _find_nearest(self, k: int, n: int) -> tuple[int, int]:
         def distance(shape: tuple[int, int]) -> float:
             return abs(math.log(shape[0] * shape[1] / (k * n))) + 0.25 * abs(
                 math.log(shape[0] / shape[1] * n / k)
