@@ -299,17 +299,21 @@ def _streamed_expert_run(
     once its router ran and the slot's previous expert finished, then computed on the device), without an
     interval per unit: one copy and one device interval for the run. Returns when the last one ends."""
     copy_began = copy_free = free["copy"]
-    began = free["gpu"]
-    for name in run:
-        position = position_in_group[name]
-        for ahead in group[position : position + EXPERT_SLOTS]:
-            if ahead not in copy_end:
-                behind = position_in_group[ahead] - EXPERT_SLOTS
-                slot_free = compute_end[group[behind]] if behind >= 0 else 0.0
+    began = end = free["gpu"]
+    first = position_in_group[run[0]]
+    # ends[j]: when the expert at position first - EXPERT_SLOTS + j finished (0 before the group's start)
+    ends = [compute_end[group[first - k]] if first - k >= 0 else 0.0 for k in range(EXPERT_SLOTS, 0, -1)]
+    for offset, name in enumerate(run):
+        position = first + offset
+        for ahead in range(position, min(position + EXPERT_SLOTS, len(group))):
+            if group[ahead] not in copy_end:
+                slot_free = ends[ahead - first]  # the slot's previous expert, EXPERT_SLOTS before it
                 copy_free = max(copy_free, gate_end_s, slot_free) + copy_s
-                copy_end[ahead] = copy_free
-        end = max(free["gpu"], copy_end[name]) + compute_s
-        compute_end[name] = free["gpu"] = end
+                copy_end[group[ahead]] = copy_free
+        end = max(end, copy_end[name]) + compute_s
+        compute_end[name] = end
+        ends.append(end)
+    free["gpu"] = end
     if copy_free > copy_began:
         timeline.append(Interval("copy", label, copy_began, copy_free))
         free["copy"] = copy_free
