@@ -166,10 +166,14 @@ class Planner:
         return entry.kv.bytes_per_token * self.context * self.batch if entry.kv else 0
 
     def workspace_bytes(self, tier: int) -> int:
-        """Activation workspace on the device for one step of `tier` tokens (the largest sub-layer's)."""
+        """Activation workspace on the device for one step of `tier` tokens (the largest sub-layer's). A GPU runs
+        the exported GroupQueryAttention as fused, tiled kernels (flash / memory-efficient) that keep only each
+        query row's softmax statistics, never the T x C scores; the simulated device runs the CPU kernel, which
+        holds every head's fp32 scores."""
         element = self.estimator.element
         hidden, inter = self.model.hidden_size, self.model.intermediate_size
-        scores = 4 * self.model.num_attention_heads * tier * min(self.context, 1 << 20)
+        heads = self.model.num_attention_heads
+        scores = 4 * heads * tier * (min(self.context, 1 << 20) if self.device_shares_cpu else 2)
         logits = 4 * min(tier, self.batch) * self.model.vocab_size  # the output layer: each sequence's last
         return tier * element * (4 * hidden + 3 * inter) + max(scores, logits)
 
