@@ -44,9 +44,11 @@ from pipeshard.partitioner.simulate import Simulation, simulate
 
 log = logging.getLogger(__name__)
 
-EXACT_SEARCH_UNITS = (
-    128  # up to this many placeable units the search simulates each move (see Planner.dynamic)
-)
+OP_OFFLOAD_MIN_TOKENS = 32  # llama.cpp's batch size from which CPU-resident weights are used on the GPU
+# up to this many placeable units the dynamic search simulates each move (see Planner.dynamic)
+EXACT_SEARCH_UNITS = 128
+# The paper artifact's execution strategies (its src/llama-pipeline.h), as baselines priced by our estimator.
+ARTIFACT_STRATEGIES = ("full-gpu", "full-gpu-no-output", "static-attn-prio", "shard-attn-prio", "full-shard")
 KV_STREAMING_SHARE = (
     0.1  # plans streaming KV are tried once all the KV passes this share of the usable budget
 )
@@ -156,6 +158,7 @@ class Planner:
         self._prefix_cache: dict[tuple, tuple[list[SubLayer], list[int]]] = {}
         self._class_cache: dict[tuple[int, bool], tuple[list[UnitClass], dict[str, int]]] = {}
         self._room_cache: dict[tuple[int, bool], int] = {}
+        self._orders: dict[str, list[SubLayer]] = {}
         self._warm_base: dict[int, tuple[int, bool]] = {}
         self._warm_shares: dict[tuple[int, int, bool], dict[tuple, float]] = {}
         # Small packs are searched unit by unit with the simulation; large ones over classes in closed form.
@@ -393,7 +396,7 @@ class Planner:
         order and slots) is within the budget, found by bisection, so a budget change costs no walk over the
         units; with the VRAM the plan takes."""
         order = priority or self.priority
-        key = (tuple(sorted(set(base.values()))), id(order), slots, kv_streaming)
+        key = (tuple(base.values()), id(order), slots, kv_streaming)
         if key not in self._prefix_cache:
             kv_streamed = self.streamed_attentions(base, self.placeable) if kv_streaming else frozenset()
             unpinned = self.vram(base, 1, slots, kv_streamed)
@@ -755,11 +758,17 @@ class Planner:
         if name == "layers":
             # Whole layers in order, then the rest (the output layer) once every layer is in: with nothing
             # streamed, a prefix's VRAM is its weights and KV plus what every plan with a unit on the device needs.
+            # From OP_OFFLOAD_MIN_TOKENS tokens on, llama.cpp computes the CPU layers' products on the GPU, copying
+            # their weights over when used (its operation offload): streamed without prefetch through one slot.
+            offload = tier >= OP_OFFLOAD_MIN_TOKENS
             by_layer: dict[int | None, list[SubLayer]] = {}
             for e in self.placeable:
                 by_layer.setdefault(e.layer, []).append(e)
-            fixed = self.workspace_bytes(tier) + VramBreakdown(ep_overhead=self.ep_overhead).total
-            placements = {e.name: Placement.CPU for e in self.placeable}
+            slot = max(self.weight_bytes[e.name] for e in self.placeable) if offload else 0
+            fixed = self.workspace_bytes(tier) + slot + VramBreakdown(ep_overhead=self.ep_overhead).total
+            left = Placement.STREAMED if offload else Placement.CPU
+            # (the attention of a CPU layer stays with its KV, in host memory)
+            placements = {e.name: Placement.CPU if e.kind == "attn" else left for e in self.placeable}
             used = fixed
             layers = sorted(layer for layer in by_layer if layer is not None)
             for layer in [*layers, None]:
@@ -768,7 +777,19 @@ class Planner:
                 if used > budget_bytes:
                     break
                 placements.update({e.name: Placement.PINNED for e in units})
-            return self.evaluate("layers", tier, placements, budget_bytes, slots=0, detail=detail)
+            plan = self.evaluate(
+                "layers",
+                tier,
+                placements,
+                budget_bytes,
+                slots=int(offload),
+                prefetch=not offload,
+                detail=detail,
+            )
+            if offload and not self.fits(plan):  # no room for the copies: the CPU layers compute on the CPU
+                placements = {n: Placement.CPU if p == left else p for n, p in placements.items()}
+                plan = self.evaluate("layers", tier, placements, budget_bytes, slots=0, detail=detail)
+            return plan
         if name == "offload":
             streamed_all = {e.name: Placement.STREAMED for e in self.placeable}
             if self.vram(streamed_all, tier, 1).total > budget_bytes:
@@ -780,6 +801,68 @@ class Planner:
                 "offload", tier, placements, budget_bytes, slots=1, prefetch=False, detail=detail
             )
         raise UserError(f"unknown baseline {name!r}; known: {', '.join(BASELINES)}")
+
+    # -- the paper artifact's strategies ------------------------------------------------------------------------
+    def artifact_plan(self, name: str, tier: int, budget_bytes: int) -> Plan | None:
+        """The plan one of the paper artifact's strategies (ARTIFACT_STRATEGIES) would make here, placed layer by
+        layer as its plan builder does and priced by our estimator, so plan quality compares apart from
+        calibration; None where it is not viable. The output layer stays on the CPU unless a strategy pins it
+        (FULL_GPU; a MoE model's, once every attention is pinned)."""
+        cpu = Placement.CPU
+        layered = self._layer_orders()
+        attentions, rest, everything = layered["attn"], layered["rest"], layered["all"]
+        final = [e for e in self.placeable if e.kind == "final"]
+        output_first = final if self.routing_share else []  # a MoE model: the output layer before the FFN
+        options: list[Option] = []
+        if name in ("full-gpu", "full-gpu-no-output"):
+            placements = {e.name: Placement.PINNED for e in self.placeable}
+            if name == "full-gpu-no-output":
+                placements.update(dict.fromkeys((e.name for e in final), cpu))
+            options = [Option(name, placements, 0, False)]
+        elif name == "static-attn-prio":
+            base = {e.name: cpu for e in self.placeable}
+            order = self._order(name, [*attentions, *output_first, *rest])
+            options = [Option(name, self._pin_prefix(tier, base, 0, budget_bytes, order), 0, False)]
+        elif name == "shard-attn-prio":
+            for kv_streaming in self.kv_streaming_modes(budget_bytes):
+                base = {e.name: Placement.STREAMED if e.kind == "attn" else cpu for e in self.placeable}
+                placements = self._pin_prefix(tier, base, 1, budget_bytes, attentions, kv_streaming)
+                if all(placements[e.name] == Placement.PINNED for e in attentions):
+                    # every attention pinned: the FFN streamed through the slot, whole layers pinned in order
+                    base = {e.name: Placement.STREAMED for e in self.placeable}
+                    base.update({**dict.fromkeys((e.name for e in final), cpu), **placements})
+                    placements = self._pin_prefix(
+                        tier, base, 1, budget_bytes, self._order(name, [*output_first, *rest])
+                    )
+                options.append(Option(name, placements, 1, kv_streaming))
+        elif name == "full-shard":
+            for kv_streaming in self.kv_streaming_modes(budget_bytes):
+                base = {e.name: cpu if e.kind == "final" else Placement.STREAMED for e in self.placeable}
+                placements = self._pin_prefix(tier, base, 2, budget_bytes, everything, kv_streaming)
+                options.append(Option(name, placements, 2, kv_streaming))
+        else:
+            raise UserError(f"unknown artifact strategy {name!r}; known: {', '.join(ARTIFACT_STRATEGIES)}")
+        plans = [
+            self.evaluate(name, tier, o.placements, budget_bytes, o.slots, kv_streaming=o.kv_streaming)
+            for o in options
+        ]
+        viable = [p for p in plans if self.fits(p)]
+        return min(viable, key=lambda p: p.step_s) if viable else None
+
+    def _layer_orders(self) -> dict[str, list[SubLayer]]:
+        """The artifact's orders, by layer: the attentions, the other units of the layers, and both (whole layers)."""
+        if "all" not in self._orders:
+            by_layer = sorted(
+                (e for e in self.placeable if e.layer is not None), key=lambda e: (e.layer, e.kind != "attn")
+            )
+            self._orders["attn"] = [e for e in by_layer if e.kind == "attn"]
+            self._orders["rest"] = [e for e in by_layer if e.kind != "attn"]
+            self._orders["all"] = by_layer
+        return self._orders
+
+    def _order(self, name: str, units: list[SubLayer]) -> list[SubLayer]:
+        """`units` kept under `name`, so that the pin-prefix cache sees one list per order."""
+        return self._orders.setdefault(name, units)
 
     # -- per tier ---------------------------------------------------------------------------------------------------
     def check_budget(self, budget_bytes: int) -> None:
