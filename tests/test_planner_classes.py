@@ -116,3 +116,23 @@ def test_the_pin_prefix_is_the_longest_that_fits(moe_manifest):
         if pinned < len(planner.priority):
             one_more = {**placements, planner.priority[pinned].name: Placement.PINNED}
             assert planner.vram(one_more, 16, 0).total > budget
+
+
+@pytest.mark.parametrize("share", [0.1, 0.4, 1.2])
+def test_the_artifact_strategies_fit_and_our_choice_is_no_slower(moe_manifest, share):
+    from pipeshard.partitioner.planner import ARTIFACT_STRATEGIES
+
+    planner = Planner(moe_manifest, load_profile("desktop-24gb"), context=256)
+    budget = planner.minimum_budget() + int(planner.model_bytes * share)
+    for tier in (1, 256):
+        artifact = [planner.artifact_plan(name, tier, budget) for name in ARTIFACT_STRATEGIES]
+        viable = [p for p in artifact if p is not None]
+        assert viable and all(p.vram.total <= budget for p in viable)
+        assert planner.strategies(tier, budget)[0].step_s <= min(p.step_s for p in viable) * (1 + 1e-9)
+
+
+def test_layers_baseline_offloads_large_batches_to_the_device(moe_manifest):
+    planner = Planner(moe_manifest, load_profile("desktop-24gb"), context=256)
+    budget = planner.minimum_budget() + int(planner.model_bytes * 0.5)
+    decode, prefill = planner.baseline("layers", 1, budget), planner.baseline("layers", 256, budget)
+    assert decode.counts()["streamed"] == 0 and prefill.counts()["streamed"] > 0 and not prefill.prefetch
