@@ -593,9 +593,9 @@ class Planner:
         return option.score
 
     def choose(self, tier: int, budget_bytes: int) -> Plan:
-        """The plan to run at `tier` within `budget_bytes`: the fastest of the three strategies (at scale the
-        best closed-form score, the one simulated exactly), without the baselines and timelines `plan_tier`
-        adds. What the runtime asks for after a budget change."""
+        """The plan to run at `tier` within `budget_bytes`: the fastest of the three strategies and the artifact's
+        placements (at scale the best closed-form score, the one simulated exactly), without the baselines and
+        timelines `plan_tier` adds. What the runtime asks for after a budget change."""
         if not self.at_scale:
             return self.strategies(tier, budget_bytes)[0]
         self.check_budget(budget_bytes)
@@ -603,6 +603,7 @@ class Planner:
             *self._gpu_only_options(tier, budget_bytes),
             *self._static_options(tier, budget_bytes),
             *self._dynamic_options(tier, budget_bytes, warm=True),
+            *self._seed_options(tier, budget_bytes),
         ]
         options.sort(key=lambda o: self._option_score(tier, o))
         for option in options:
@@ -764,8 +765,8 @@ class Planner:
             by_layer: dict[int | None, list[SubLayer]] = {}
             for e in self.placeable:
                 by_layer.setdefault(e.layer, []).append(e)
-            slot = max(self.weight_bytes[e.name] for e in self.placeable) if offload else 0
-            fixed = self.workspace_bytes(tier) + slot + VramBreakdown(ep_overhead=self.ep_overhead).total
+            slots = self._streaming_room(1, False) if offload else 0
+            fixed = self.workspace_bytes(tier) + slots + VramBreakdown(ep_overhead=self.ep_overhead).total
             left = Placement.STREAMED if offload else Placement.CPU
             # (the attention of a CPU layer stays with its KV, in host memory)
             placements = {e.name: Placement.CPU if e.kind == "attn" else left for e in self.placeable}
@@ -803,11 +804,10 @@ class Planner:
         raise UserError(f"unknown baseline {name!r}; known: {', '.join(BASELINES)}")
 
     # -- the paper artifact's strategies ------------------------------------------------------------------------
-    def artifact_plan(self, name: str, tier: int, budget_bytes: int) -> Plan | None:
-        """The plan one of the paper artifact's strategies (ARTIFACT_STRATEGIES) would make here, placed layer by
-        layer as its plan builder does and priced by our estimator, so plan quality compares apart from
-        calibration; None where it is not viable. The output layer stays on the CPU unless a strategy pins it
-        (FULL_GPU; a MoE model's, once every attention is pinned)."""
+    def _artifact_options(self, name: str, tier: int, budget_bytes: int) -> list[Option]:
+        """The placements one of the artifact's strategies makes (fitting or not), layer by layer as its plan
+        builder does. The output layer stays on the CPU unless a strategy pins it (FULL_GPU; a MoE model's, once
+        every attention is pinned)."""
         cpu = Placement.CPU
         layered = self._layer_orders()
         attentions, rest, everything = layered["attn"], layered["rest"], layered["all"]
@@ -842,12 +842,44 @@ class Planner:
                 options.append(Option(name, placements, 2, kv_streaming))
         else:
             raise UserError(f"unknown artifact strategy {name!r}; known: {', '.join(ARTIFACT_STRATEGIES)}")
+        return options
+
+    def artifact_plan(self, name: str, tier: int, budget_bytes: int) -> Plan | None:
+        """The plan one of the paper artifact's strategies (ARTIFACT_STRATEGIES) would make here, placed layer by
+        layer as its plan builder does and priced by our estimator, so plan quality compares apart from
+        calibration; None where it is not viable."""
         plans = [
             self.evaluate(name, tier, o.placements, budget_bytes, o.slots, kv_streaming=o.kv_streaming)
-            for o in options
+            for o in self._artifact_options(name, tier, budget_bytes)
         ]
         viable = [p for p in plans if self.fits(p)]
         return min(viable, key=lambda p: p.step_s) if viable else None
+
+    def _seed_options(self, tier: int, budget_bytes: int) -> list[Option]:
+        """The artifact's placements that fit, as candidates of our own strategies (named by what they are: no
+        unit streamed is static, none on the CPU gpu-only, else dynamic): our choice is never slower than the
+        artifact's under the same estimator."""
+        seeds = []
+        for name in ARTIFACT_STRATEGIES:
+            for option in self._artifact_options(name, tier, budget_bytes):
+                placements = option.placements
+                kv_streamed = (
+                    self.streamed_attentions(placements, self.placeable)
+                    if option.kv_streaming
+                    else frozenset()
+                )
+                if self.vram(placements, tier, option.slots, kv_streamed).total > budget_bytes:
+                    continue
+                kinds = {placements[e.name] for e in self.placeable}
+                strategy = (
+                    "static"
+                    if Placement.STREAMED not in kinds
+                    else "gpu-only"
+                    if Placement.CPU not in kinds
+                    else "dynamic"
+                )
+                seeds.append(Option(strategy, placements, option.slots, option.kv_streaming))
+        return seeds
 
     def _layer_orders(self) -> dict[str, list[SubLayer]]:
         """The artifact's orders, by layer: the attentions, the other units of the layers, and both (whole layers)."""
@@ -878,7 +910,15 @@ class Planner:
         their timelines)."""
         self.check_budget(budget_bytes)
         plans = [policy(tier, budget_bytes, detail) for policy in (self.gpu_only, self.static, self.dynamic)]
-        return sorted((p for p in plans if p is not None), key=lambda p: p.step_s)
+        best = {p.strategy: p for p in plans if p is not None}
+        for seed in self._seed_options(tier, budget_bytes):
+            current = best.get(seed.strategy)
+            if current is not None and self.at_scale and self._option_score(tier, seed) >= current.step_s:
+                continue  # at scale a seed is simulated only where its closed-form score beats the plan
+            plan = self._best_of(tier, budget_bytes, [seed], detail)
+            if plan is not None and (current is None or plan.step_s < current.step_s * (1 - 1e-9)):
+                best[seed.strategy] = plan
+        return sorted(best.values(), key=lambda p: p.step_s)
 
     def plan_tier(self, tier: int, budget_bytes: int) -> dict:
         """Every strategy's plan at `tier` within `budget_bytes`, fastest first (`chosen`), and the baselines."""
