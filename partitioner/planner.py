@@ -64,6 +64,7 @@ class Option:
     slots: int
     kv_streaming: bool
     score: float | None = None
+    vram_bytes: int | None = None
 
 
 class Planner:
@@ -815,31 +816,34 @@ class Planner:
         output_first = final if self.routing_share else []  # a MoE model: the output layer before the FFN
         options: list[Option] = []
         if name in ("full-gpu", "full-gpu-no-output"):
+            if self.model_bytes > budget_bytes:
+                return []  # the weights alone exceed the budget
             placements = {e.name: Placement.PINNED for e in self.placeable}
             if name == "full-gpu-no-output":
                 placements.update(dict.fromkeys((e.name for e in final), cpu))
-            options = [Option(name, placements, 0, False)]
+            options = [Option(name, placements, 0, False, vram_bytes=self.vram(placements, tier, 0).total)]
         elif name == "static-attn-prio":
             base = {e.name: cpu for e in self.placeable}
             order = self._order(name, [*attentions, *output_first, *rest])
-            options = [Option(name, self._pin_prefix(tier, base, 0, budget_bytes, order), 0, False)]
+            placements, vram_bytes = self._pinned(tier, base, 0, budget_bytes, order)
+            options = [Option(name, placements, 0, False, vram_bytes=vram_bytes)]
         elif name == "shard-attn-prio":
             for kv_streaming in self.kv_streaming_modes(budget_bytes):
                 base = {e.name: Placement.STREAMED if e.kind == "attn" else cpu for e in self.placeable}
-                placements = self._pin_prefix(tier, base, 1, budget_bytes, attentions, kv_streaming)
+                placements, vram_bytes = self._pinned(tier, base, 1, budget_bytes, attentions, kv_streaming)
                 if all(placements[e.name] == Placement.PINNED for e in attentions):
                     # every attention pinned: the FFN streamed through the slot, whole layers pinned in order
                     base = {e.name: Placement.STREAMED for e in self.placeable}
                     base.update({**dict.fromkeys((e.name for e in final), cpu), **placements})
-                    placements = self._pin_prefix(
+                    placements, vram_bytes = self._pinned(
                         tier, base, 1, budget_bytes, self._order(name, [*output_first, *rest])
                     )
-                options.append(Option(name, placements, 1, kv_streaming))
+                options.append(Option(name, placements, 1, kv_streaming, vram_bytes=vram_bytes))
         elif name == "full-shard":
             for kv_streaming in self.kv_streaming_modes(budget_bytes):
                 base = {e.name: cpu if e.kind == "final" else Placement.STREAMED for e in self.placeable}
-                placements = self._pin_prefix(tier, base, 2, budget_bytes, everything, kv_streaming)
-                options.append(Option(name, placements, 2, kv_streaming))
+                placements, vram_bytes = self._pinned(tier, base, 2, budget_bytes, everything, kv_streaming)
+                options.append(Option(name, placements, 2, kv_streaming, vram_bytes=vram_bytes))
         else:
             raise UserError(f"unknown artifact strategy {name!r}; known: {', '.join(ARTIFACT_STRATEGIES)}")
         return options
@@ -863,12 +867,7 @@ class Planner:
         for name in ARTIFACT_STRATEGIES:
             for option in self._artifact_options(name, tier, budget_bytes):
                 placements = option.placements
-                kv_streamed = (
-                    self.streamed_attentions(placements, self.placeable)
-                    if option.kv_streaming
-                    else frozenset()
-                )
-                if self.vram(placements, tier, option.slots, kv_streamed).total > budget_bytes:
+                if option.vram_bytes > budget_bytes:
                     continue
                 kinds = {placements[e.name] for e in self.placeable}
                 strategy = (
