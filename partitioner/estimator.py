@@ -3,7 +3,8 @@
 A sub-layer's time is the sum, over its matrix products, of
     max(2·T·K·N / achieved FLOP/s(T, K, N),  K·N·element / achieved read bandwidth)
 (element: the bytes of the weight's stored dtype, whose read bandwidth the profile measures per dtype),
-plus its attention, max(4·heads·head_dim·T·C / achieved attention FLOP/s(T, C), KV bytes / bandwidth),
+plus its attention, max(4·heads·head_dim·T·C / achieved attention FLOP/s(T, C), KV bytes / bandwidth) (the
+attention rate, measured with one KV head per query head, scaled for grouped-query attention: AttentionTable),
 plus one hop and a measured per-node cost for each of its graph nodes. The KV bytes are the
 manifest's cost-model traffic per context token. Where the profile timed this very pack (profile --pack) at a
 placement, its times are used instead (docs/profile-db.md). Achieved rates come from the profile's tables: the
@@ -59,8 +60,14 @@ class RateTable:
             self.by_shape.setdefault((row["K"], row["N"]), []).append((float(row["M"]), float(row["gflops"])))
         for points in self.by_shape.values():
             points.sort()
+        self._nearest: dict[tuple[int, int], tuple[int, int]] = {}
 
     def nearest_shape(self, k: int, n: int) -> tuple[int, int]:
+        if (k, n) not in self._nearest:
+            self._nearest[k, n] = self._find_nearest(k, n)
+        return self._nearest[k, n]
+
+    def _find_nearest(self, k: int, n: int) -> tuple[int, int]:
         def distance(shape: tuple[int, int]) -> float:
             return abs(math.log(shape[0] * shape[1] / (k * n))) + 0.25 * abs(
                 math.log(shape[0] / shape[1] * n / k)
@@ -81,7 +88,7 @@ class RateTable:
 
 
 class AttentionTable:
-    """Achieved attention GFLOP/s by (T, C)."""
+    """Achieved attention GFLOP/s by (T, C), measured with as many KV heads as query heads (the profile's kernel)."""
 
     def __init__(self, rows: list[dict]) -> None:
         self.by_context: dict[int, list[tuple[float, float]]] = {}
@@ -89,11 +96,16 @@ class AttentionTable:
             self.by_context.setdefault(row["C"], []).append((float(row["T"]), float(row["gflops"])))
         for points in self.by_context.values():
             points.sort()
+        self.peak_gflops = max((float(row["gflops"]) for row in rows), default=0.0)
 
-    def gflops(self, tokens: int, context: int) -> float:
+    def gflops(self, tokens: int, context: int, queries_per_kv_head: float = 1.0) -> float:
+        """The rate at (T, C) for a model whose query heads share KV heads (grouped-query attention): the same
+        FLOPs read `queries_per_kv_head` times fewer KV bytes, so where the measured rate is bound by reading the
+        KV it is that many times higher, up to the best rate the table measured."""
         contexts = sorted(self.by_context)
         per_context = [(float(c), _interpolate_log(self.by_context[c], tokens)) for c in contexts]
-        return _interpolate_log(per_context, context)
+        rate = _interpolate_log(per_context, context)
+        return max(rate, min(rate * queries_per_kv_head, self.peak_gflops))
 
 
 @dataclass
@@ -293,10 +305,12 @@ class Estimator:
             seconds += max(compute, memory)
         if entry.kind == "attn":
             flops = 4.0 * self.model.num_attention_heads * self.model.head_dim * tokens * context
+            queries_per_kv_head = self.model.num_attention_heads / max(self.model.num_key_value_heads, 1)
             # The cost model's KV traffic per context token (its C term), else the KV's own bytes per token.
             kv_bytes = entry.cost.bytes.get("C", entry.kv.bytes_per_token if entry.kv else 0) * context
             seconds += max(
-                flops / (rates.attention.gflops(tokens, context) * 1e9), kv_bytes / (read_gbps * 1e9)
+                flops / (rates.attention.gflops(tokens, context, queries_per_kv_head) * 1e9),
+                kv_bytes / (read_gbps * 1e9),
             )
         return seconds
 

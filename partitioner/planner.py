@@ -8,9 +8,11 @@ live in their own modules.
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import logging
 import time
+from dataclasses import dataclass
 
 from pipeshard.core.errors import UserError
 from pipeshard.core.version import __version__
@@ -27,18 +29,42 @@ from pipeshard.formats.plans import (
     VramBreakdown,
     planning_units,
 )
-from pipeshard.partitioner.estimator import Estimator
+from pipeshard.partitioner.classes import (
+    UnitClass,
+    best_count,
+    class_counts,
+    class_placements,
+    class_step_s,
+    nearest_best,
+    streamed_vram,
+    unit_classes,
+)
+from pipeshard.partitioner.estimator import QUANTIZED_PARTS, Estimator
 from pipeshard.partitioner.simulate import Simulation, simulate
 
 log = logging.getLogger(__name__)
 
-DYNAMIC_MOVES = (
-    128  # up to this many candidates, the dynamic search tries each alone (see Planner.dynamic) ...
-)
-DYNAMIC_BLOCKS = 32  # ... beyond it, this many blocks of neighbours
+OP_OFFLOAD_MIN_TOKENS = 32  # llama.cpp's batch size from which CPU-resident weights are used on the GPU
+# up to this many placeable units the dynamic search simulates each move (see Planner.dynamic)
+EXACT_SEARCH_UNITS = 128
+# The paper artifact's execution strategies (its src/llama-pipeline.h), as baselines priced by our estimator.
+ARTIFACT_STRATEGIES = ("full-gpu", "full-gpu-no-output", "static-attn-prio", "shard-attn-prio", "full-shard")
 KV_STREAMING_SHARE = (
     0.1  # plans streaming KV are tried once all the KV passes this share of the usable budget
 )
+
+
+@dataclass
+class Option:
+    """A candidate plan before its exact simulation: placements, slots, KV mode, and its closed-form score once
+    computed."""
+
+    strategy: str
+    placements: dict[str, str]
+    slots: int
+    kv_streaming: bool
+    score: float | None = None
+    vram_bytes: int | None = None
 
 
 class Planner:
@@ -107,16 +133,51 @@ class Planner:
             ),
         )
         self._cost_cache: dict[int, tuple[dict, dict, float]] = {}
+        # What the estimator reads of a unit, less its name: units with equal signatures cost the same.
+        self.cost_signature = {
+            e.name: (
+                e.kind,
+                e.nodes,
+                e.cost.bytes.get("C"),
+                e.kv.bytes_per_token if e.kv else None,
+                e.chunk.share if e.chunk else None,
+                tuple(
+                    (
+                        w.shape,
+                        w.dtype,
+                        w.bytes,
+                        w.name.endswith("_q4_low"),
+                        any(p in w.name for p in QUANTIZED_PARTS),
+                    )
+                    for w in e.weights
+                ),
+            )
+            for e in self.units
+        }
+        largest = max(self.placeable, key=lambda e: self.weight_bytes[e.name], default=None)
+        self.largest_first = [largest, *(e for e in self.priority if e is not largest)] if largest else []
+        self._prefix_cache: dict[tuple, tuple[list[SubLayer], list[int]]] = {}
+        self._class_cache: dict[tuple[int, bool], tuple[list[UnitClass], dict[str, int]]] = {}
+        self._room_cache: dict[tuple[int, bool], int] = {}
+        self._orders: dict[str, list[SubLayer]] = {}
+        self._warm_base: dict[int, tuple[int, bool]] = {}
+        self._warm_shares: dict[tuple[int, int, bool], dict[tuple, float]] = {}
+        # Small packs are searched unit by unit with the simulation; large ones over classes in closed form.
+        self.at_scale = len(self.placeable) > EXACT_SEARCH_UNITS
 
     # -- accounting -------------------------------------------------------------------------------------------------
     def kv_bytes(self, entry: SubLayer) -> int:
         return entry.kv.bytes_per_token * self.context * self.batch if entry.kv else 0
 
     def workspace_bytes(self, tier: int) -> int:
-        """Activation workspace on the device for one step of `tier` tokens (the largest sub-layer's)."""
+        """Activation workspace on the device for one step of `tier` tokens (the largest sub-layer's). A GPU runs
+        the exported GroupQueryAttention as fused, tiled kernels (flash / memory-efficient) that keep only each
+        query row's softmax statistics, never the T x C scores; the simulated device runs the CPU kernel, which
+        holds every head's fp32 scores."""
         element = self.estimator.element
         hidden, inter = self.model.hidden_size, self.model.intermediate_size
-        scores = 4 * self.model.num_attention_heads * tier * min(self.context, 1 << 20)
+        heads = self.model.num_attention_heads
+        scores = 4 * heads * tier * (min(self.context, 1 << 20) if self.device_shares_cpu else 2)
         logits = 4 * min(tier, self.batch) * self.model.vocab_size  # the output layer: each sequence's last
         return tier * element * (4 * hidden + 3 * inter) + max(scores, logits)
 
@@ -189,12 +250,7 @@ class Planner:
                     for name in kv_streamed
                 },
             }
-        slowdown = 1.0
-        if any(p == Placement.STREAMED for p in full.values()):
-            factors = self.profile["contention"]["cpu_matmul_slowdown_under_copy"].get(
-                str(self.estimator.threads), {}
-            )
-            slowdown = _nearest_tier_factor(factors, tier)
+        slowdown = self._copy_slowdown(tier) if any(p == Placement.STREAMED for p in full.values()) else 1.0
         simulation: Simulation = simulate(
             self.units,
             full,
@@ -252,6 +308,11 @@ class Planner:
     def clear_costs(self) -> None:
         """Forget cached estimates (after context or batch changed)."""
         self._cost_cache.clear()
+        self._prefix_cache.clear()
+        self._class_cache.clear()
+        self._room_cache.clear()
+        self._warm_shares.clear()
+        self._warm_base.clear()
 
     def resize(self, batch: int, context: int) -> None:
         """Make later plans for `batch` sequences of `context` tokens (the device's KV is sized by them)."""
@@ -273,14 +334,18 @@ class Planner:
                     p = self.routing_share[e.name]
                     share[e.name] = 1.0 - (1.0 - p) ** tier
                     tokens[e.name] = tier * p / share[e.name] if share[e.name] > 0 else 0.0
-            compute = {
-                e.name: {
-                    device: share[e.name]
-                    * estimator.compute_seconds(e, tokens[e.name], self.context, device == "gpu")
-                    for device in ("cpu", "gpu")
-                }
-                for e in self.units
-            }
+            # Alike units (a layer's experts, every layer's attention) cost the same: estimated once.
+            estimates: dict[tuple, dict[str, float]] = {}
+            compute = {}
+            for e in self.units:
+                key = (self.cost_signature[e.name], tokens[e.name], share[e.name])
+                if key not in estimates:
+                    estimates[key] = {
+                        device: share[e.name]
+                        * estimator.compute_seconds(e, tokens[e.name], self.context, device == "gpu")
+                        for device in ("cpu", "gpu")
+                    }
+                compute[e.name] = estimates[key]
             # A row chunk's bytes are its own (its share is of the layer's compute); an expert is copied only in
             # the steps that chose it.
             copies = {
@@ -291,6 +356,13 @@ class Planner:
             activation = estimator.copy_seconds(tier * self.model.hidden_size * estimator.element)
             self._cost_cache[tier] = (compute, copies, activation)
         return self._cost_cache[tier]
+
+    def _copy_slowdown(self, tier: int) -> float:
+        """How much slower CPU work runs beside a copy at `tier` (the profile's contention factor)."""
+        factors = self.profile["contention"]["cpu_matmul_slowdown_under_copy"].get(
+            str(self.estimator.threads), {}
+        )
+        return _nearest_tier_factor(factors, tier)
 
     @staticmethod
     def fits(plan: Plan) -> bool:
@@ -308,21 +380,52 @@ class Planner:
         kv_streaming: bool = False,
         room_bytes: int = 0,
     ) -> dict[str, str]:
+        return self._pinned(tier, base, slots, budget_bytes, priority, kv_streaming, room_bytes)[0]
+
+    def _pinned(
+        self,
+        tier: int,
+        base: dict[str, str],
+        slots: int,
+        budget_bytes: int,
+        priority: list[SubLayer] | None = None,
+        kv_streaming: bool = False,
+        room_bytes: int = 0,
+    ) -> tuple[dict[str, str], int]:
         """Pin in priority order while the plan still fits `budget_bytes` with `room_bytes` to spare (placements
-        not pinned keep `base`). The VRAM of each longer prefix is updated from the previous one (what `vram` would
-        add up anew), so this is linear in the units. With `kv_streaming`, streamed attentions keep their KV in
-        host memory (one KV slot beside each staging slot while any is left); a pinned attention's KV is
-        resident."""
+        not pinned keep `base`): the longest prefix whose running-maximum VRAM (`_prefix_vram`, cached per base,
+        order and slots) is within the budget, found by bisection, so a budget change costs no walk over the
+        units; with the VRAM the plan takes."""
         order = priority or self.priority
+        key = (tuple(base.values()), id(order), slots, kv_streaming)
+        if key not in self._prefix_cache:
+            kv_streamed = self.streamed_attentions(base, self.placeable) if kv_streaming else frozenset()
+            unpinned = self.vram(base, 1, slots, kv_streamed)
+            self._prefix_cache[key] = (order, unpinned, *self._prefix_vram(base, slots, order, kv_streaming))
+        _, unpinned, totals, running_max = self._prefix_cache[key]
+        workspace = self.workspace_bytes(tier)
+        count = bisect.bisect_right(running_max, budget_bytes - workspace - room_bytes)
+        placements = {**base, **dict.fromkeys((e.name for e in order[:count]), Placement.PINNED)}
+        if count:
+            return placements, totals[count - 1] + workspace
+        return placements, unpinned.total + (workspace - unpinned.workspace if unpinned.workspace else 0)
+
+    def _prefix_vram(
+        self, base: dict[str, str], slots: int, order: list[SubLayer], kv_streaming: bool
+    ) -> tuple[list[int], list[int]]:
+        """For each prefix length n >= 1 of `order` pinned over `base`, the VRAM it takes and the most any of the
+        prefixes up to n takes, less the tier's workspace (what `vram` would add up anew; the latter
+        non-decreasing, so bisectable). With
+        `kv_streaming`, streamed attentions keep their KV in host memory (one KV slot beside each staging slot
+        while any is left); a pinned attention's KV is resident."""
         placements = dict(base)
         in_order = {e.name for e in order}
         weights = self.weight_bytes
         kv_streamed = self.streamed_attentions(base, self.placeable) if kv_streaming else frozenset()
-        vram = self.vram(base, tier, slots, kv_streamed)
+        vram = self.vram(base, 1, slots, kv_streamed)
         pinned, kv = vram.pinned_weights, vram.kv_cache
         kv_slot = slots * max((self.kv_bytes(self.by_name[name]) for name in kv_streamed), default=0)
         kv_streams_left = len(kv_streamed)
-        on_device = sum(1 for e in self.placeable if base[e.name] != Placement.CPU)
         # The staging slots are as large as the largest unit still streamed: the largest outside `order`, or the
         # largest of those after the prefix (suffix maxima over `order`), for ring units and experts apart.
         streamed_left = {False: 0, True: 0}
@@ -343,110 +446,266 @@ class Planner:
                     else 0
                 )
                 suffix[is_expert][index] = max(suffix[is_expert][index + 1], own)
-        fixed = vram.ep_overhead + vram.reserve + room_bytes
-        workspace = self.workspace_bytes(tier)
+        fixed = vram.ep_overhead + vram.reserve
+        totals, running_max = [], []
+        most = 0
         for index, entry in enumerate(order):
             name = entry.name
-            was = base[name]
+            was = placements[name]
             is_expert = entry.kind == "expert"
-            left = dict(streamed_left)
             if was == Placement.STREAMED:
-                left[is_expert] -= 1
-            trial_pinned = pinned + weights[name] - (weights[name] if was == Placement.PINNED else 0)
-            trial_kv = kv + (self.kv_bytes(entry) if was == Placement.CPU or name in kv_streamed else 0)
-            trial_kv_streams = kv_streams_left - (1 if name in kv_streamed else 0)
-            trial_on_device = on_device + (1 if was == Placement.CPU else 0)
-            largest = {x: max(largest_outside[x], suffix[x][index + 1]) for x in (False, True)}
-            total = (
-                trial_pinned
-                + trial_kv
-                + (slots * largest[False] if left[False] else 0)
-                + (kv_slot if trial_kv_streams else 0)
-                + EXPERT_SLOTS * (largest[True] if left[True] else 0)
-                + (workspace if trial_on_device else 0)
-                + fixed
-            )
-            if total > budget_bytes:
-                break
-            placements[name] = Placement.PINNED
-            pinned, kv, on_device, streamed_left = trial_pinned, trial_kv, trial_on_device, left
-            kv_streams_left = trial_kv_streams
-        return placements
+                streamed_left[is_expert] -= 1
+            pinned += weights[name] - (weights[name] if was == Placement.PINNED else 0)
+            kv += self.kv_bytes(entry) if was == Placement.CPU or name in kv_streamed else 0
+            kv_streams_left -= 1 if name in kv_streamed else 0
+            total = pinned + kv + fixed + (kv_slot if kv_streams_left else 0)
+            if streamed_left[False]:
+                total += slots * max(largest_outside[False], suffix[False][index + 1])
+            if streamed_left[True]:
+                total += EXPERT_SLOTS * max(largest_outside[True], suffix[True][index + 1])
+            most = max(most, total)
+            totals.append(total)
+            running_max.append(most)
+        return totals, running_max
 
-    def gpu_only(self, tier: int, budget_bytes: int) -> Plan | None:
+    def _gpu_only_options(self, tier: int, budget_bytes: int) -> list[Option]:
         """Everything on the GPU: pin by priority, stream the rest through 2 slots (1 if 2 do not fit), their KV
         resident or (where that cannot fit) streamed with them. Every staging slot is as large as the largest
         streamed sub-layer, so pinning that one first (a big output layer) can free more memory than it takes:
         both orders are tried."""
         streamed_all = {e.name: Placement.STREAMED for e in self.placeable}
-        largest = max(self.placeable, key=lambda e: self.weight_bytes[e.name])
-        largest_first = [largest, *(e for e in self.priority if e is not largest)]
-        candidates = []
+        options = []
         for kv_streaming in self.kv_streaming_modes(budget_bytes):
-            kv_streamed = (
-                self.streamed_attentions(streamed_all, self.placeable) if kv_streaming else frozenset()
-            )
-            for priority in (self.priority, largest_first):
+            for priority in (self.priority, self.largest_first):
                 for slots in (STAGING_SLOTS, 1):
-                    placements = self._pin_prefix(
+                    placements, vram_bytes = self._pinned(
                         tier, streamed_all, slots, budget_bytes, priority, kv_streaming
                     )
-                    still_streamed = kv_streamed & self.streamed_attentions(placements, self.placeable)
-                    if self.vram(placements, tier, slots, still_streamed).total <= budget_bytes:
-                        candidates.append(
-                            self.evaluate(
-                                "gpu-only",
-                                tier,
-                                placements,
-                                budget_bytes,
-                                slots=slots,
-                                kv_streaming=kv_streaming,
-                            )
-                        )
+                    if vram_bytes <= budget_bytes:
+                        options.append(Option("gpu-only", placements, slots, kv_streaming))
                         break
-        return min(candidates, key=lambda p: p.step_s) if candidates else None
+        return options
 
-    def static(self, tier: int, budget_bytes: int) -> Plan:
+    def gpu_only(self, tier: int, budget_bytes: int, detail: bool = False) -> Plan | None:
+        return self._best_of(tier, budget_bytes, self._gpu_only_options(tier, budget_bytes), detail)
+
+    def static(self, tier: int, budget_bytes: int, detail: bool = False) -> Plan:
+        return self._best_of(tier, budget_bytes, self._static_options(tier, budget_bytes), detail)
+
+    def _static_options(self, tier: int, budget_bytes: int) -> list[Option]:
         placements = self._pin_prefix(tier, {e.name: Placement.CPU for e in self.placeable}, 0, budget_bytes)
-        return self.evaluate("static", tier, placements, budget_bytes, slots=0)
+        return [Option("static", placements, 0, False)]
+
+    def _best_of(
+        self, tier: int, budget_bytes: int, options: list[Option], detail: bool = False
+    ) -> Plan | None:
+        """The fastest of `options`: each simulated, or at scale the best closed-form score simulated alone
+        (`detail`: with its timeline)."""
+        if not options:
+            return None
+        if self.at_scale and len(options) > 1:
+            options = [min(options, key=lambda o: self._option_score(tier, o))]
+        plans = [
+            self.evaluate(
+                o.strategy,
+                tier,
+                o.placements,
+                budget_bytes,
+                o.slots,
+                detail=detail,
+                kv_streaming=o.kv_streaming,
+            )
+            for o in options
+        ]
+        best = min(plans, key=lambda p: p.step_s)
+        return best if self.fits(best) else None
 
     def _streaming_room(self, slots: int, kv_streaming: bool) -> int:
         """What moving units to streaming needs on top of the pinned ones: the staging slots (as large as the
         largest ring unit), the experts' slots, and with `kv_streaming` the KV slots."""
-        ring = [e for e in self.placeable if e.kind != "expert"]
-        experts = [e for e in self.placeable if e.kind == "expert"]
-        attentions = [e for e in self.placeable if e.kind == "attn"]
-        return (
-            slots * max((self.weight_bytes[e.name] for e in ring), default=0)
-            + EXPERT_SLOTS * max((self.weight_bytes[e.name] for e in experts), default=0)
-            + (slots * max((self.kv_bytes(e) for e in attentions), default=0) if kv_streaming else 0)
-        )
+        key = (slots, kv_streaming)
+        if key not in self._room_cache:
+            ring = [e for e in self.placeable if e.kind != "expert"]
+            experts = [e for e in self.placeable if e.kind == "expert"]
+            attentions = [e for e in self.placeable if e.kind == "attn"]
+            self._room_cache[key] = (
+                slots * max((self.weight_bytes[e.name] for e in ring), default=0)
+                + EXPERT_SLOTS * max((self.weight_bytes[e.name] for e in experts), default=0)
+                + (slots * max((self.kv_bytes(e) for e in attentions), default=0) if kv_streaming else 0)
+            )
+        return self._room_cache[key]
 
-    def dynamic(self, tier: int, budget_bytes: int) -> Plan | None:
+    def dynamic(self, tier: int, budget_bytes: int, detail: bool = False) -> Plan | None:
         """Pin as static, leaving room for the slots; then, in order of the time they would save on the GPU, move
         the remaining sub-layers from the CPU to streaming (their KV resident, or streamed where the budget calls
-        for it), keeping each move that the simulation says helps (one simulation per move: cheap enough to
-        replan between steps). A move is one sub-layer, or with more than DYNAMIC_MOVES candidates (MoE packs of
-        thousands of experts) one of DYNAMIC_BLOCKS blocks of neighbours in that order."""
+        for it), keeping each move that helps. Up to EXACT_SEARCH_UNITS placeable units each move is one
+        sub-layer judged by the simulation; beyond (MoE packs of thousands of experts) the moves are over classes
+        of alike units, judged in closed form (`_class_moves`), and only the winner is simulated."""
+        if self.at_scale:
+            return self._best_of(tier, budget_bytes, self._dynamic_options(tier, budget_bytes), detail)
         best_plan = None
-        all_cpu = {e.name: Placement.CPU for e in self.placeable}
         compute, copies, _ = self._costs(tier)
+        for placements, slots, kv_streaming, _ in self._dynamic_bases(tier, budget_bytes):
+            plan = self._dynamic_moves(tier, placements, budget_bytes, slots, kv_streaming, compute, copies)
+            if plan is not None and (best_plan is None or plan.step_s < best_plan.step_s):
+                best_plan = plan
+        return self.detailed(best_plan) if detail and best_plan else best_plan
+
+    def _dynamic_bases(self, tier: int, budget_bytes: int) -> list[tuple[dict[str, str], int, bool, int]]:
+        """Where the dynamic search starts: the static pins with room left for the slots, per KV mode and slot
+        count, with the VRAM each takes."""
+        all_cpu = {e.name: Placement.CPU for e in self.placeable}
+        bases = []
         for kv_streaming in self.kv_streaming_modes(budget_bytes):
             for slots in (STAGING_SLOTS, 1):
-                placements = self._pin_prefix(
-                    tier,
-                    all_cpu,
-                    slots,
-                    budget_bytes,
-                    kv_streaming=kv_streaming,
-                    room_bytes=self._streaming_room(slots, kv_streaming),
+                room = self._streaming_room(slots, kv_streaming)
+                placements, vram_bytes = self._pinned(
+                    tier, all_cpu, slots, budget_bytes, kv_streaming=kv_streaming, room_bytes=room
                 )
-                plan = self._dynamic_moves(
-                    tier, placements, budget_bytes, slots, kv_streaming, compute, copies
+                bases.append((placements, slots, kv_streaming, vram_bytes))
+        return bases
+
+    def _dynamic_options(self, tier: int, budget_bytes: int, warm: bool = False) -> list[Option]:
+        """The class search's best plan over the starting points; `warm`: only from the starting point the last
+        choice at this tier took (when it is still one), each group from the share it chose."""
+        bases = self._dynamic_bases(tier, budget_bytes)
+        last = self._warm_base.get(tier)
+        if warm and any((slots, kv) == last for _, slots, kv, _ in bases):
+            bases = [b for b in bases if (b[1], b[2]) == last]
+        best = None
+        for placements, slots, kv_streaming, vram_bytes in bases:
+            score, streamed = self._class_moves(
+                tier, placements, budget_bytes - vram_bytes, slots, kv_streaming, warm
+            )
+            if streamed is not None and (best is None or score < best[0]):
+                best = (score, placements, streamed, slots, kv_streaming)
+        if best is None:
+            return []
+        score, placements, streamed, slots, kv_streaming = best
+        self._warm_base[tier] = (slots, kv_streaming)
+        classes, class_of = self._classes(tier, kv_streaming)
+        pinned, _ = class_counts(classes, placements, class_of)
+        moved = {**placements, **class_placements(classes, pinned, streamed)}
+        return [Option("dynamic", moved, slots, kv_streaming, score)]
+
+    def _option_score(self, tier: int, option: Option) -> float:
+        if option.score is None:
+            option.score = self._class_score(tier, option.placements, option.slots, option.kv_streaming)
+        return option.score
+
+    def choose(self, tier: int, budget_bytes: int) -> Plan:
+        """The plan to run at `tier` within `budget_bytes`: the fastest of the three strategies and the artifact's
+        placements (at scale the best closed-form score, the one simulated exactly), without the baselines and
+        timelines `plan_tier` adds. What the runtime asks for after a budget change."""
+        if not self.at_scale:
+            return self.strategies(tier, budget_bytes)[0]
+        self.check_budget(budget_bytes)
+        options = [
+            *self._gpu_only_options(tier, budget_bytes),
+            *self._static_options(tier, budget_bytes),
+            *self._dynamic_options(tier, budget_bytes, warm=True),
+            *self._seed_options(tier, budget_bytes),
+        ]
+        options.sort(key=lambda o: self._option_score(tier, o))
+        for option in options:
+            plan = self._best_of(tier, budget_bytes, [option])
+            if plan is not None:
+                return plan
+        return self.static(tier, budget_bytes)
+
+    def _classes(self, tier: int, kv_streaming: bool) -> tuple[list[UnitClass], dict[str, int]]:
+        """The chain's classes of alike units at `tier` (a streamed attention's copy with its KV's, when it
+        streams), and each unit's class index; made once per tier."""
+        key = (tier, kv_streaming)
+        if key not in self._class_cache:
+            compute, copies, _ = self._costs(tier)
+            if kv_streaming:
+                copies = {
+                    **copies,
+                    **{
+                        e.name: copies[e.name] + self._kv_copy_seconds(e, tier)
+                        for e in self.placeable
+                        if e.kind == "attn"
+                    },
+                }
+            classes = unit_classes(
+                self.units,
+                compute,
+                copies,
+                self.copy_gates,
+                {e.name for e in self.placeable},
+                self.kv_bytes,
+                self.weight_bytes,
+            )
+            class_of = {name: index for index, c in enumerate(classes) for name in c.names}
+            self._class_cache[key] = (classes, class_of)
+        return self._class_cache[key]
+
+    def _class_score(self, tier: int, placements: dict[str, str], slots: int, kv_streaming: bool) -> float:
+        """The closed-form step time of unit-level placements (`class_step_s`)."""
+        classes, class_of = self._classes(tier, kv_streaming)
+        pinned, streamed = class_counts(classes, placements, class_of)
+        return self._score_counts(tier, classes, pinned, streamed, slots)
+
+    def _score_counts(
+        self, tier: int, classes: list[UnitClass], pinned: list[int], streamed: list[int], slots: int
+    ) -> float:
+        _, _, activation = self._costs(tier)
+        slowdown = self._copy_slowdown(tier) if any(streamed) else 1.0
+        return class_step_s(classes, pinned, streamed, slots, activation, slowdown, self.device_shares_cpu)
+
+    def _class_moves(
+        self,
+        tier: int,
+        placements: dict[str, str],
+        room_bytes: int,
+        slots: int,
+        kv_streaming: bool,
+        warm: bool = False,
+    ) -> tuple[float, list[int] | None]:
+        """The dynamic split over classes: the CPU units of alike classes (the same costs and pinned count: every
+        unpinned MoE layer's experts, every CPU attention) form a group; in order of the time a unit would save
+        on the GPU, each group takes the count to stream (per class for experts, a most-popular prefix; evenly
+        spaced classes for ring units) that minimises the closed-form step time, kept where it helps, within
+        `room_bytes` of VRAM beside the pinned units for what streaming takes (`streamed_vram`). With `warm`,
+        each group's search starts from the share the last search at this tier chose (a budget change moves it
+        little). Returns (score, streamed count per class), the counts None when streaming nothing is best."""
+        classes, class_of = self._classes(tier, kv_streaming)
+        pinned, streamed = class_counts(classes, placements, class_of)
+        groups: dict[tuple, list[int]] = {}
+        for index, unit_class in enumerate(classes):
+            free = len(unit_class.names) - pinned[index]
+            if unit_class.placeable and free > 0:
+                key = (unit_class.gate is None, unit_class.cpu_s, unit_class.gpu_s, unit_class.copy_s, free)
+                groups.setdefault(key, []).append(index)
+        best = self._score_counts(tier, classes, pinned, streamed, slots)
+        shares = self._warm_shares.setdefault((tier, slots, kv_streaming), {})
+        for key in sorted(groups, key=lambda k: k[2] + k[3] - k[1]):
+            members = groups[key]
+            is_ring, free = key[0], key[4]
+
+            def fits(count: int, members=members, is_ring=is_ring, base=streamed) -> bool:
+                trial = _with_streamed(base, members, is_ring, count)
+                return streamed_vram(classes, trial, slots, kv_streaming) <= room_bytes
+
+            # More streamed units take more VRAM (resident KV, larger slots): the counts that fit are a prefix.
+            most = _last_true(0, len(members) if is_ring else free, fits)
+
+            def score_of(count: int, members=members, is_ring=is_ring, base=streamed) -> float:
+                return self._score_counts(
+                    tier, classes, pinned, _with_streamed(base, members, is_ring, count), slots
                 )
-                if plan is not None and (best_plan is None or plan.step_s < best_plan.step_s):
-                    best_plan = plan
-        return best_plan
+
+            share = shares.get(key[:4]) if warm else None
+            count, score = (
+                best_count(0, most, score_of)
+                if share is None
+                else nearest_best(round(share * most), 0, most, score_of)
+            )
+            shares[key[:4]] = count / most if most else 0.0
+            if count and score < best * (1 - 1e-9):
+                best, streamed = score, _with_streamed(streamed, members, is_ring, count)
+        return best, streamed if any(streamed) else None
 
     def _dynamic_moves(
         self,
@@ -463,9 +722,8 @@ class Planner:
         best = self.evaluate(
             "dynamic", tier, placements, budget_bytes, slots=slots, kv_streaming=kv_streaming
         )
-        moves = len(candidates) if len(candidates) <= DYNAMIC_MOVES else DYNAMIC_BLOCKS
-        for block in _blocks(candidates, moves):
-            trial = {**best.placements, **dict.fromkeys(block, Placement.STREAMED)}
+        for name in candidates:
+            trial = {**best.placements, name: Placement.STREAMED}
             plan = self.evaluate("dynamic", tier, trial, budget_bytes, slots=slots, kv_streaming=kv_streaming)
             if self.fits(plan) and plan.step_s < best.step_s * (1 - 1e-9):
                 best = plan
@@ -489,19 +747,30 @@ class Planner:
         return best
 
     # -- baselines --------------------------------------------------------------------------------------------------
-    def baseline(self, name: str, tier: int, budget_bytes: int) -> Plan | None:
+    def baseline(self, name: str, tier: int, budget_bytes: int, detail: bool = False) -> Plan | None:
         if name in ("monolithic", "cpu"):
             return self.evaluate(
-                name, tier, {e.name: Placement.CPU for e in self.placeable}, budget_bytes, slots=0
+                name,
+                tier,
+                {e.name: Placement.CPU for e in self.placeable},
+                budget_bytes,
+                slots=0,
+                detail=detail,
             )
         if name == "layers":
             # Whole layers in order, then the rest (the output layer) once every layer is in: with nothing
             # streamed, a prefix's VRAM is its weights and KV plus what every plan with a unit on the device needs.
+            # From OP_OFFLOAD_MIN_TOKENS tokens on, llama.cpp computes the CPU layers' products on the GPU, copying
+            # their weights over when used (its operation offload): streamed without prefetch through one slot.
+            offload = tier >= OP_OFFLOAD_MIN_TOKENS
             by_layer: dict[int | None, list[SubLayer]] = {}
             for e in self.placeable:
                 by_layer.setdefault(e.layer, []).append(e)
-            fixed = self.workspace_bytes(tier) + VramBreakdown(ep_overhead=self.ep_overhead).total
-            placements = {e.name: Placement.CPU for e in self.placeable}
+            slots = self._streaming_room(1, False) if offload else 0
+            fixed = self.workspace_bytes(tier) + slots + VramBreakdown(ep_overhead=self.ep_overhead).total
+            left = Placement.STREAMED if offload else Placement.CPU
+            # (the attention of a CPU layer stays with its KV, in host memory)
+            placements = {e.name: Placement.CPU if e.kind == "attn" else left for e in self.placeable}
             used = fixed
             layers = sorted(layer for layer in by_layer if layer is not None)
             for layer in [*layers, None]:
@@ -510,7 +779,19 @@ class Planner:
                 if used > budget_bytes:
                     break
                 placements.update({e.name: Placement.PINNED for e in units})
-            return self.evaluate("layers", tier, placements, budget_bytes, slots=0)
+            plan = self.evaluate(
+                "layers",
+                tier,
+                placements,
+                budget_bytes,
+                slots=int(offload),
+                prefetch=not offload,
+                detail=detail,
+            )
+            if offload and not self.fits(plan):  # no room for the copies: the CPU layers compute on the CPU
+                placements = {n: Placement.CPU if p == left else p for n, p in placements.items()}
+                plan = self.evaluate("layers", tier, placements, budget_bytes, slots=0, detail=detail)
+            return plan
         if name == "offload":
             streamed_all = {e.name: Placement.STREAMED for e in self.placeable}
             if self.vram(streamed_all, tier, 1).total > budget_bytes:
@@ -518,8 +799,101 @@ class Planner:
             placements = self._pin_prefix(
                 tier, streamed_all, 1, budget_bytes, self.placeable
             )  # in manifest order
-            return self.evaluate("offload", tier, placements, budget_bytes, slots=1, prefetch=False)
+            return self.evaluate(
+                "offload", tier, placements, budget_bytes, slots=1, prefetch=False, detail=detail
+            )
         raise UserError(f"unknown baseline {name!r}; known: {', '.join(BASELINES)}")
+
+    # -- the paper artifact's strategies ------------------------------------------------------------------------
+    def _artifact_options(self, name: str, tier: int, budget_bytes: int) -> list[Option]:
+        """The placements one of the artifact's strategies makes (fitting or not), layer by layer as its plan
+        builder does. The output layer stays on the CPU unless a strategy pins it (FULL_GPU; a MoE model's, once
+        every attention is pinned)."""
+        cpu = Placement.CPU
+        layered = self._layer_orders()
+        attentions, rest, everything = layered["attn"], layered["rest"], layered["all"]
+        final = [e for e in self.placeable if e.kind == "final"]
+        output_first = final if self.routing_share else []  # a MoE model: the output layer before the FFN
+        options: list[Option] = []
+        if name in ("full-gpu", "full-gpu-no-output"):
+            if self.model_bytes > budget_bytes:
+                return []  # the weights alone exceed the budget
+            placements = {e.name: Placement.PINNED for e in self.placeable}
+            if name == "full-gpu-no-output":
+                placements.update(dict.fromkeys((e.name for e in final), cpu))
+            options = [Option(name, placements, 0, False, vram_bytes=self.vram(placements, tier, 0).total)]
+        elif name == "static-attn-prio":
+            base = {e.name: cpu for e in self.placeable}
+            order = self._order(name, [*attentions, *output_first, *rest])
+            placements, vram_bytes = self._pinned(tier, base, 0, budget_bytes, order)
+            options = [Option(name, placements, 0, False, vram_bytes=vram_bytes)]
+        elif name == "shard-attn-prio":
+            for kv_streaming in self.kv_streaming_modes(budget_bytes):
+                base = {e.name: Placement.STREAMED if e.kind == "attn" else cpu for e in self.placeable}
+                placements, vram_bytes = self._pinned(tier, base, 1, budget_bytes, attentions, kv_streaming)
+                if all(placements[e.name] == Placement.PINNED for e in attentions):
+                    # every attention pinned: the FFN streamed through the slot, whole layers pinned in order
+                    base = {e.name: Placement.STREAMED for e in self.placeable}
+                    base.update({**dict.fromkeys((e.name for e in final), cpu), **placements})
+                    placements, vram_bytes = self._pinned(
+                        tier, base, 1, budget_bytes, self._order(name, [*output_first, *rest])
+                    )
+                options.append(Option(name, placements, 1, kv_streaming, vram_bytes=vram_bytes))
+        elif name == "full-shard":
+            for kv_streaming in self.kv_streaming_modes(budget_bytes):
+                base = {e.name: cpu if e.kind == "final" else Placement.STREAMED for e in self.placeable}
+                placements, vram_bytes = self._pinned(tier, base, 2, budget_bytes, everything, kv_streaming)
+                options.append(Option(name, placements, 2, kv_streaming, vram_bytes=vram_bytes))
+        else:
+            raise UserError(f"unknown artifact strategy {name!r}; known: {', '.join(ARTIFACT_STRATEGIES)}")
+        return options
+
+    def artifact_plan(self, name: str, tier: int, budget_bytes: int) -> Plan | None:
+        """The plan one of the paper artifact's strategies (ARTIFACT_STRATEGIES) would make here, placed layer by
+        layer as its plan builder does and priced by our estimator, so plan quality compares apart from
+        calibration; None where it is not viable."""
+        plans = [
+            self.evaluate(name, tier, o.placements, budget_bytes, o.slots, kv_streaming=o.kv_streaming)
+            for o in self._artifact_options(name, tier, budget_bytes)
+        ]
+        viable = [p for p in plans if self.fits(p)]
+        return min(viable, key=lambda p: p.step_s) if viable else None
+
+    def _seed_options(self, tier: int, budget_bytes: int) -> list[Option]:
+        """The artifact's placements that fit, as candidates of our own strategies (named by what they are: no
+        unit streamed is static, none on the CPU gpu-only, else dynamic): our choice is never slower than the
+        artifact's under the same estimator."""
+        seeds = []
+        for name in ARTIFACT_STRATEGIES:
+            for option in self._artifact_options(name, tier, budget_bytes):
+                placements = option.placements
+                if option.vram_bytes > budget_bytes:
+                    continue
+                kinds = {placements[e.name] for e in self.placeable}
+                strategy = (
+                    "static"
+                    if Placement.STREAMED not in kinds
+                    else "gpu-only"
+                    if Placement.CPU not in kinds
+                    else "dynamic"
+                )
+                seeds.append(Option(strategy, placements, option.slots, option.kv_streaming))
+        return seeds
+
+    def _layer_orders(self) -> dict[str, list[SubLayer]]:
+        """The artifact's orders, by layer: the attentions, the other units of the layers, and both (whole layers)."""
+        if "all" not in self._orders:
+            by_layer = sorted(
+                (e for e in self.placeable if e.layer is not None), key=lambda e: (e.layer, e.kind != "attn")
+            )
+            self._orders["attn"] = [e for e in by_layer if e.kind == "attn"]
+            self._orders["rest"] = [e for e in by_layer if e.kind != "attn"]
+            self._orders["all"] = by_layer
+        return self._orders
+
+    def _order(self, name: str, units: list[SubLayer]) -> list[SubLayer]:
+        """`units` kept under `name`, so that the pin-prefix cache sees one list per order."""
+        return self._orders.setdefault(name, units)
 
     # -- per tier ---------------------------------------------------------------------------------------------------
     def check_budget(self, budget_bytes: int) -> None:
@@ -530,20 +904,32 @@ class Planner:
                 f"{self.minimum_budget() / 1024**2:.0f} MiB (EP overhead + reserve)"
             )
 
+    def strategies(self, tier: int, budget_bytes: int, detail: bool = False) -> list[Plan]:
+        """The viable plans of the three strategies at `tier` within `budget_bytes`, fastest first (`detail`: with
+        their timelines)."""
+        self.check_budget(budget_bytes)
+        plans = [policy(tier, budget_bytes, detail) for policy in (self.gpu_only, self.static, self.dynamic)]
+        best = {p.strategy: p for p in plans if p is not None}
+        for seed in self._seed_options(tier, budget_bytes):
+            current = best.get(seed.strategy)
+            if current is not None and self.at_scale and self._option_score(tier, seed) >= current.step_s:
+                continue  # at scale a seed is simulated only where its closed-form score beats the plan
+            plan = self._best_of(tier, budget_bytes, [seed], detail)
+            if plan is not None and (current is None or plan.step_s < current.step_s * (1 - 1e-9)):
+                best[seed.strategy] = plan
+        return sorted(best.values(), key=lambda p: p.step_s)
+
     def plan_tier(self, tier: int, budget_bytes: int) -> dict:
         """Every strategy's plan at `tier` within `budget_bytes`, fastest first (`chosen`), and the baselines."""
-        self.check_budget(budget_bytes)
-        policies = (self.gpu_only, self.static, self.dynamic)
-        candidates = [
-            self.detailed(p) for p in (policy(tier, budget_bytes) for policy in policies) if p is not None
-        ]
-        candidates.sort(key=lambda p: p.step_s)
-        baselines = {name: self.baseline(name, tier, budget_bytes) for name in ("layers", "offload")}
+        candidates = self.strategies(tier, budget_bytes, detail=True)
+        baselines = {
+            name: self.baseline(name, tier, budget_bytes, detail=True) for name in ("layers", "offload")
+        }
         return {
             "tier": tier,
             "chosen": candidates[0],
             "alternatives": candidates[1:],
-            "baselines": {k: self.detailed(v) for k, v in baselines.items() if v is not None},
+            "baselines": {k: v for k, v in baselines.items() if v is not None},
         }
 
     def plan_for(self, strategy: str, tier: int, budget_bytes: int) -> Plan:
@@ -567,7 +953,7 @@ class Planner:
                     tier,
                     budget_bytes / 1024**2,
                 )
-            plan = self.plan_tier(tier, budget_bytes)["chosen"]
+            plan = self.choose(tier, budget_bytes)
         return plan
 
     def detailed(self, plan: Plan) -> Plan:
@@ -590,11 +976,29 @@ class Planner:
         return {"budget_bytes": budget_bytes, "tiers": per_tier, "planning_s": time.perf_counter() - started}
 
 
-def _blocks(names: list[str], most: int) -> list[list[str]]:
-    """`names` cut into at most `most` consecutive blocks of near-equal size (one name each when they are few)."""
-    count = min(len(names), most)
-    bounds = [round(i * len(names) / count) for i in range(count + 1)] if count else [0]
-    return [names[bounds[i] : bounds[i + 1]] for i in range(count)]
+def _last_true(low: int, high: int, holds) -> int:
+    """The largest x in [low, high] where `holds(x)`, for a predicate true up to some x and false after (low
+    when it holds nowhere above low)."""
+    while low < high:
+        middle = (low + high + 1) // 2
+        if holds(middle):
+            low = middle
+        else:
+            high = middle - 1
+    return low
+
+
+def _with_streamed(streamed: list[int], members: list[int], is_ring: bool, count: int) -> list[int]:
+    """Class counts with `count` more streamed in the group `members`: per expert class `count` of its units;
+    of ring classes `count` classes spread evenly over the group."""
+    counts = list(streamed)
+    if is_ring:
+        for j in range(count):
+            counts[members[j * len(members) // count]] = 1
+    else:
+        for index in members:
+            counts[index] = count
+    return counts
 
 
 def expert_routing_shares(manifest: Manifest, stats: dict | None) -> dict[str, float]:

@@ -46,29 +46,38 @@ def _collapsed_runs(
     sub_layers: list[SubLayer],
     placements: dict[str, str],
     compute_s: dict[str, dict[str, float]],
+    copy_s: dict[str, float],
     gates: dict[str, str],
+    device_shares_cpu: bool,
 ) -> list[tuple[SubLayer, list[str]]]:
-    """The chain as (unit, []) steps, except that within a long run of one MoE layer's experts placed alike (not
-    streamed) and taking the same time, the units after the first COLLAPSE_AFTER are one step (unit, [names]).
-    Such units run back to back on one device; only the first few can overlap a copy issued before the run
-    (the contention check looks at the last COLLAPSE_AFTER intervals), so the step time is the one the
-    unit-by-unit loop gives, at the cost of a few steps per layer instead of one per expert."""
+    """The chain as (unit, []) steps, except that within a long run of one MoE layer's experts placed alike and
+    taking the same time (and copy time, when streamed), the units after the first COLLAPSE_AFTER (for streamed
+    ones, after the first) are one step (unit, [names]). Pinned or CPU ones run back to back on one device; only
+    the first few can overlap a copy issued before the run (the contention check looks at the last
+    COLLAPSE_AFTER intervals). Streamed ones run on the device through their own slots, and no ring copy can be
+    issued during the run (ring slots free only when ring units compute), so their copies and computes follow a
+    recurrence without the unit-by-unit bookkeeping, unless the device shares the CPU (the contention check then
+    applies to them too). So the step time is the one the unit-by-unit loop gives, at the cost of a few steps per
+    layer instead of one per expert."""
     runs: list[tuple[SubLayer, list[str]]] = []
     index = 0
     while index < len(sub_layers):
         entry = sub_layers[index]
         name = entry.name
+        place = placements.get(name)
         end = index + 1
-        if name in gates and placements[name] != Placement.STREAMED:
-            device = "cpu" if placements[name] == Placement.CPU else "gpu"
+        if name in gates and (place != Placement.STREAMED or not device_shares_cpu):
+            device = "cpu" if place == Placement.CPU else "gpu"
             while (
                 end < len(sub_layers)
                 and gates.get(sub_layers[end].name) == gates[name]
-                and placements[sub_layers[end].name] == placements[name]
+                and placements[sub_layers[end].name] == place
                 and compute_s[sub_layers[end].name][device] == compute_s[name][device]
+                and (place != Placement.STREAMED or copy_s[sub_layers[end].name] == copy_s[name])
             ):
                 end += 1
-        single = min(end, index + COLLAPSE_AFTER)
+        streamed_run = place == Placement.STREAMED and name in gates and not device_shares_cpu
+        single = min(end, index + (1 if streamed_run else COLLAPSE_AFTER))
         runs += [(e, []) for e in sub_layers[index:single]]
         if single < end:
             runs.append((sub_layers[single], [e.name for e in sub_layers[single:end]]))
@@ -76,7 +85,7 @@ def _collapsed_runs(
     return runs
 
 
-PAIRWISE_OVERLAP_LIMIT = 4096  # compute intervals summed pair by pair; more through sorted prefix sums
+PAIRWISE_OVERLAP_LIMIT = 256  # compute intervals summed pair by pair; more through sorted prefix sums
 
 
 def _overlap_with(intervals: list[tuple[float, float]]):
@@ -147,7 +156,7 @@ def simulate(
         if placements[entry.name] == Placement.STREAMED and entry.name in gates:
             gated_streamed[gates[entry.name]].append(entry.name)
     position_in_group = {name: i for group in gated_streamed.values() for i, name in enumerate(group)}
-    runs = _collapsed_runs(sub_layers, placements, compute_s, gates)
+    runs = _collapsed_runs(sub_layers, placements, compute_s, copy_s, gates, device_shares_cpu)
     gated_copy_end: dict[str, float] = {}
     gated_compute_end: dict[str, float] = {}
     ended: dict[str, float] = {}
@@ -185,6 +194,24 @@ def simulate(
             name = entry.name
             place = placements[name]
             device = "cpu" if place == Placement.CPU else "gpu"
+            if repeats and place == Placement.STREAMED:  # more streamed experts like the one before
+                ready = _streamed_expert_run(
+                    repeats,
+                    gated_streamed[gates[name]],
+                    position_in_group,
+                    gated_copy_end,
+                    gated_compute_end,
+                    ended[gates[name]],
+                    copy_s[name],
+                    compute_s[name]["gpu"],
+                    free,
+                    timeline,
+                    name,
+                )
+                for other in repeats:
+                    per_sub_layer[other] = compute_s[name]["gpu"]
+                    ended[other] = gated_compute_end[other]
+                continue
             if (
                 repeats
             ):  # more units like the one before, on the same device: back to back, nothing to wait for
@@ -253,3 +280,42 @@ def simulate(
         Interval(i.resource, i.sub_layer, i.start_s - window_start, i.end_s - window_start) for i in in_window
     ]
     return Simulation(window_end - window_start, per_sub_layer, shifted, copy_busy, min(hidden, copy_busy))
+
+
+def _streamed_expert_run(
+    run: list[str],
+    group: list[str],
+    position_in_group: dict[str, int],
+    copy_end: dict[str, float],
+    compute_end: dict[str, float],
+    gate_end_s: float,
+    copy_s: float,
+    compute_s: float,
+    free: dict[str, float],
+    timeline: list[Interval],
+    label: str,
+) -> float:
+    """The unit loop's recurrence for a run of alike streamed experts (each copied into one of EXPERT_SLOTS slots
+    once its router ran and the slot's previous expert finished, then computed on the device), without an
+    interval per unit: one copy and one device interval for the run. Returns when the last one ends."""
+    copy_began = copy_free = free["copy"]
+    began = end = free["gpu"]
+    first = position_in_group[run[0]]
+    # ends[j]: when the expert at position first - EXPERT_SLOTS + j finished (0 before the group's start)
+    ends = [compute_end[group[first - k]] if first - k >= 0 else 0.0 for k in range(EXPERT_SLOTS, 0, -1)]
+    for offset, name in enumerate(run):
+        position = first + offset
+        for ahead in range(position, min(position + EXPERT_SLOTS, len(group))):
+            if group[ahead] not in copy_end:
+                slot_free = ends[ahead - first]  # the slot's previous expert, EXPERT_SLOTS before it
+                copy_free = max(copy_free, gate_end_s, slot_free) + copy_s
+                copy_end[group[ahead]] = copy_free
+        end = max(end, copy_end[name]) + compute_s
+        compute_end[name] = end
+        ends.append(end)
+    free["gpu"] = end
+    if copy_free > copy_began:
+        timeline.append(Interval("copy", label, copy_began, copy_free))
+        free["copy"] = copy_free
+    timeline.append(Interval("gpu", label, began, free["gpu"]))
+    return free["gpu"]
