@@ -22,6 +22,7 @@ HOST = REPO / "examples" / "native-host"
 DEPS = REPO / "build" / "native-host" / "deps"
 BUILD = REPO / "build" / "native-host" / "build"
 MAX_NEW_TOKENS = 24
+SESSION_MAX_NEW_TOKENS = 8  # per turn of the two-session case, which generates eleven times
 THREADS = 2
 CONTEXT = 512
 
@@ -74,6 +75,7 @@ def test_native_host_ctest_matches_the_python_engine(models, tiny_pack, tmp_path
     if reason:
         pytest.skip(reason)
     from tokenizers import Tokenizer
+    from transformers import AutoTokenizer
 
     import pipeshard
     from pipeshard.exporter.tokenizer_onnx import CHECK_STRINGS
@@ -127,6 +129,30 @@ def test_native_host_ctest_matches_the_python_engine(models, tiny_pack, tmp_path
         for text in CHECK_STRINGS
     ]
     rungs = sorted(int(rung["budget_bytes"]) for rung in document["ladder"])
+    template = AutoTokenizer.from_pretrained(str(pack))
+    histories = [
+        [{"role": "user", "content": SMOLLM2_PROMPTS[0]}],
+        [
+            {"role": "user", "content": SMOLLM2_PROMPTS[0]},
+            {"role": "assistant", "content": "Paris, of course."},
+            {"role": "user", "content": SMOLLM2_PROMPTS[1]},
+        ],
+        [
+            {"role": "system", "content": "You are a pirate captain."},
+            {"role": "user", "content": "Ahoy!"},
+            {"role": "assistant", "content": "Ahoy, matey!\nWhat brings ye here?"},
+            {"role": "user", "content": "Treasure."},
+            {"role": "assistant", "content": "Arr."},
+            {"role": "user", "content": SMOLLM2_PROMPTS[2]},
+        ],
+    ]
+    chat_renders = [
+        {
+            "messages": history,
+            "text": template.apply_chat_template(history, tokenize=False, add_generation_prompt=True),
+        }
+        for history in histories
+    ]
     expected = {
         "pack": str(pack),
         "plans": str(plans),
@@ -135,8 +161,15 @@ def test_native_host_ctest_matches_the_python_engine(models, tiny_pack, tmp_path
         "max_new_tokens": MAX_NEW_TOKENS,
         "prompts": prompts,
         "check_strings": checks,
-        "ladder": {"budget_after": 5, "small_budget_bytes": rungs[0] + 1, "small_rung_bytes": rungs[0]},
+        "ladder": {
+            "budget_after": 5,
+            "small_budget_bytes": rungs[0] + 1,
+            "small_rung_bytes": rungs[0],
+            "large_rung_bytes": rungs[-1],
+        },
         "too_small_budget_bytes": rungs[0] - 1,
+        "chat_renders": chat_renders,
+        "session_max_new_tokens": SESSION_MAX_NEW_TOKENS,
     }
     expected_path = tmp_path / "expected.json"
     expected_path.write_text(json.dumps(expected))

@@ -73,15 +73,9 @@ static class Program
         {
             List<long> ids = host.Generate(cases[0].Prompt, sampling);
             Expect(ids.SequenceEqual(cases[0].Ids), "with the plans file: C# [" + string.Join(" ", ids) + "]");
-            try
-            {
-                host.SetVramBudget(1024);
-                Expect(false, "a 1 KiB budget is refused");
-            }
-            catch (PipeshardException error)
-            {
-                Expect(error.Status == Status.BudgetTooSmall, "a 1 KiB budget is refused: " + error.Message);
-            }
+            host.SetVramBudget(1024);
+            Expect(host.Generate(cases[0].Prompt, sampling).SequenceEqual(cases[0].Ids),
+                   "a 1 KiB budget runs the all-CPU rung with the same tokens");
             Console.WriteLine("     report: " + host.Report());
         }
         try
