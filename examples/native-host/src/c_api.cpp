@@ -1,6 +1,8 @@
 // The C ABI: every entry point catches what the library throws and turns it into a status and a message (kept per
 // calling thread, so that threads calling one host do not overwrite each other's).
+#include <atomic>
 #include <chrono>
+#include <functional>
 #include <cstring>
 #include <mutex>
 #include <set>
@@ -15,6 +17,7 @@
 
 struct pipeshard_host {
     std::unique_ptr<pipeshard::Runner> runner;
+    std::atomic<bool> budget_task_queued{false};
     std::mutex sessions_mutex;
     std::set<pipeshard_session*> sessions;
 };
@@ -87,6 +90,22 @@ void close_session(pipeshard_session* session) {
         std::string ignored;
         host->runner->run(forget, &ignored);
     }
+}
+
+// A budget change reaches a running request between two steps; an idle host applies it on the worker at once
+// (one such task queued at a time, however often the game calls).
+pipeshard_status budget_changed(pipeshard_host* host, const std::function<void(pipeshard::Host&)>& change) {
+    pipeshard::Host& engine = host->runner->host();
+    pipeshard_status status = guarded(g_error, [&] { change(engine); });
+    if (status == PIPESHARD_OK && !host->budget_task_queued.exchange(true)) {
+        auto task = std::make_unique<pipeshard::Task>();
+        task->body = [host, &engine] {
+            host->budget_task_queued = false;
+            engine.apply_budget();
+        };
+        host->runner->submit(std::move(task));
+    }
+    return status;
 }
 
 }  // namespace
@@ -330,17 +349,17 @@ pipeshard_status pipeshard_detokenize(pipeshard_host* host, const int64_t* ids, 
 
 pipeshard_status pipeshard_set_vram_budget(pipeshard_host* host, uint64_t budget_bytes) {
     if (!host) return null_argument("host");
-    return guarded(g_error, [&] { host->runner->host().set_vram_budget(budget_bytes); });
+    return budget_changed(host, [&](pipeshard::Host& engine) { engine.set_vram_budget(budget_bytes); });
 }
 
 pipeshard_status pipeshard_set_auto_budget(pipeshard_host* host, uint64_t reserve_bytes) {
     if (!host) return null_argument("host");
-    return guarded(g_error, [&] { host->runner->host().set_auto_budget(reserve_bytes); });
+    return budget_changed(host, [&](pipeshard::Host& engine) { engine.set_auto_budget(reserve_bytes); });
 }
 
 pipeshard_status pipeshard_set_free_vram(pipeshard_host* host, uint64_t free_bytes) {
     if (!host) return null_argument("host");
-    return guarded(g_error, [&] { host->runner->host().set_free_vram(free_bytes); });
+    return budget_changed(host, [&](pipeshard::Host& engine) { engine.set_free_vram(free_bytes); });
 }
 
 pipeshard_status pipeshard_release(pipeshard_host* host) {

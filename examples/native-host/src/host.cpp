@@ -722,6 +722,11 @@ void Host::apply_release() {
     if (release_requested_.exchange(false)) release_device();
 }
 
+void Host::apply_budget() {
+    std::lock_guard<std::mutex> lock(report_mutex_);
+    apply_pending_budget();
+}
+
 // After a step stopped part way (cancelled): the ring's copies restart from the first streamed unit.
 void Host::restart_ring() {
     if (!active_ || streamed_.empty()) return;

@@ -117,6 +117,7 @@ public:
     void request_release() { release_requested_ = true; }
     bool release_pending() const { return release_requested_.load(); }
     void apply_release();  // the worker, when no request runs
+    void apply_budget();   // the worker, when no request runs: a rung left behind frees its device memory now
     std::string report() const;
 
 private:

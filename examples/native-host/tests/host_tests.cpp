@@ -149,7 +149,12 @@ int budget_ladder(const Json& expected, const std::string& extensions) {
                std::string::npos, "the smaller rung runs after the change: " + after);
     status = pipeshard_release(host);
     expect(status == PIPESHARD_OK && has(report(host), "\"device_bytes\": 0,"), "release frees the device: " + report(host));
+    expect(pipeshard_warmup(host) == PIPESHARD_OK && !has(report(host), "\"device_bytes\": 0,"),
+           "warmup uploads the rung's weights again: " + report(host));
     status = pipeshard_set_vram_budget(host, static_cast<uint64_t>(expected.at("too_small_budget_bytes").integer()));
+    for (int wait = 0; wait < 1000 && !has(report(host), "\"device_bytes\": 0,"); ++wait)
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    expect(has(report(host), "\"device_bytes\": 0,"), "an idle host gives the memory back when its budget drops");
     Collected again;
     status = status == PIPESHARD_OK ? pipeshard_generate(host, prompt.at("text").str().c_str(), &sampling, collect, &again)
                                     : status;
@@ -203,16 +208,20 @@ struct Done {
     std::string message;
     std::chrono::steady_clock::time_point at;
     std::atomic<int> tokens{0};
+    std::string pieces, text;  // what on_token saw; what on_done said
 };
 
-int count_token(int64_t, const char*, void* user_data) {
-    ++static_cast<Done*>(user_data)->tokens;
+int count_token(int64_t, const char* piece, void* user_data) {
+    auto* done = static_cast<Done*>(user_data);
+    ++done->tokens;
+    done->pieces += piece;  // only the worker thread writes it
     return 0;
 }
 
-void on_done(pipeshard_request_id, pipeshard_status status, const char*, const char* message, void* user_data) {
+void on_done(pipeshard_request_id, pipeshard_status status, const char* text, const char* message, void* user_data) {
     auto* done = static_cast<Done*>(user_data);
     std::lock_guard<std::mutex> lock(done->mutex);
+    done->text = text;
     done->at = std::chrono::steady_clock::now();
     done->status = status;
     done->message = message;
@@ -310,8 +319,24 @@ int async_cancel(const Json& expected, const std::string& extensions) {
     pipeshard_submit(host, nullptr, prompt.at("text").str().c_str(), &sampling, count_token, on_done, &second, &queued);
     pipeshard_cancel(host, queued);
     expect(pipeshard_wait(host, running, -1) == PIPESHARD_OK && first.tokens > 0, "the request before it runs");
-    expect(pipeshard_wait(host, queued, -1) == PIPESHARD_ERR_CANCELLED && second.tokens == 0,
+    pipeshard_status queued_status = pipeshard_wait(host, queued, -1);
+    expect(queued_status == PIPESHARD_ERR_CANCELLED && second.tokens == 0,
            "a queued request cancelled: " + second.message);
+    // A stop string: the answer ends before it, on_token and on_done alike.
+    std::string whole = text_of(host, want);
+    std::string stop = whole.substr(whole.size() / 2, 5);
+    std::string before = whole.substr(0, whole.find(stop));
+    const char* stops[] = {"no such text", stop.c_str()};
+    pipeshard_sampling stopping = sampling;
+    stopping.stop_strings = stops;
+    stopping.stop_string_count = 2;
+    Done stopped;
+    pipeshard_request_id request = 0;
+    pipeshard_submit(host, nullptr, prompt.at("text").str().c_str(), &stopping, count_token, on_done, &stopped, &request);
+    pipeshard_status ended = pipeshard_wait(host, request, -1);
+    expect(ended == PIPESHARD_OK && stopped.pieces == before && stopped.text == before,
+           "the stop string \"" + stop + "\" ends the answer before it: \"" + stopped.pieces + "\" / \"" + stopped.text +
+               "\"");
     pipeshard_session_close(session);
     pipeshard_close(host);
     return failures;
