@@ -6,7 +6,10 @@
 using System;
 using System.Collections.Generic;
 using System.IO;
+using System.Diagnostics;
 using System.Linq;
+using System.Threading;
+using System.Threading.Tasks;
 using Pipeshard;
 
 static class Program
@@ -40,6 +43,56 @@ static class Program
         {
             Console.Error.WriteLine("error: " + error.Message);
             return 2;
+        }
+    }
+
+    // GenerateAsync with a token callback, a cancelled long prefill, and two sessions taking turns on one host.
+    static void AsyncCancelAndSessions(string extensions, string pack, int threads, Sampling sampling, string prompt,
+                                       List<long> expectedIds, string otherPrompt)
+    {
+        var options = new HostOptions { ExtensionsLibrary = extensions, Threads = threads, Context = 2560 };
+        using (var host = new PipeshardHost(pack, options))
+        {
+            string expected = host.Detokenize(expectedIds.ToArray());
+            string streamed = "";
+            string answer = host.GenerateAsync(prompt, sampling, piece => streamed += piece).Result;
+            Expect(answer == expected && streamed == expected, "GenerateAsync: \"" + answer + "\"");
+
+            string longPrompt = string.Concat(Enumerable.Repeat("The quick brown fox jumps over the lazy dog near the river bank. ", 140));
+            var cancellation = new CancellationTokenSource();
+            Task<string> running = host.GenerateAsync(longPrompt, sampling, null, cancellation.Token);
+            Thread.Sleep(300);
+            var clock = Stopwatch.StartNew();
+            cancellation.Cancel();
+            try
+            {
+                running.Wait();
+                Expect(false, "a cancelled GenerateAsync ends cancelled");
+            }
+            catch (AggregateException error)
+            {
+                Expect(error.InnerException is TaskCanceledException && running.IsCanceled,
+                       "a cancelled GenerateAsync ends cancelled after " + clock.Elapsed.TotalMilliseconds.ToString("F1") +
+                       " ms (" + error.InnerException.GetType().Name + ")");
+            }
+            sampling = new Sampling { MaxNewTokens = 8 };  // a prefix of the answers above: greedy
+            string after = host.GenerateAsync(prompt, sampling).Result;
+            Expect(after.Length > 0 && expected.StartsWith(after), "the host answers after a cancel: \"" + after + "\"");
+            string pirateSystem = "You are a pirate captain. Answer briefly.";
+            string pirateExpected = host.GenerateAsync(prompt, new Sampling { MaxNewTokens = 8, SystemPrompt = pirateSystem }).Result;
+            using (ChatSession guard = host.CreateSession(), pirate = host.CreateSession(pirateSystem))
+            {
+                var turns = new[] { guard.SayAsync(prompt, sampling), pirate.SayAsync(prompt, sampling),
+                                    guard.SayAsync(otherPrompt, sampling), pirate.SayAsync(otherPrompt, sampling) };
+                Task.WaitAll(turns);
+                Expect(turns[0].Result == after, "session 1, turn 1 is the one-shot answer: \"" + turns[0].Result + "\"");
+                Expect(turns[1].Result == pirateExpected, "session 2, turn 1 is the one-shot answer with its system prompt: \"" +
+                                                          turns[1].Result + "\"");
+                Expect(guard.Turns == 2 && pirate.Turns == 2, "each session keeps its own two turns");
+                pirate.Rollback();
+                string again = pirate.SayAsync(otherPrompt, sampling).Result;
+                Expect(again == turns[3].Result && pirate.Turns == 2, "a rolled-back turn said again: \"" + again + "\"");
+            }
         }
     }
 
@@ -78,6 +131,7 @@ static class Program
                    "a 1 KiB budget runs the all-CPU rung with the same tokens");
             Console.WriteLine("     report: " + host.Report());
         }
+        AsyncCancelAndSessions(extensions, pack, threads, sampling, cases[0].Prompt, cases[0].Ids, cases[1].Prompt);
         try
         {
             new PipeshardHost("/nonexistent/pack").Dispose();
