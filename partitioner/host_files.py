@@ -80,9 +80,12 @@ def _conversation_pieces(template) -> dict | None:
         return None
     # with_system: before S, S->U1, U1->A1, A1->U2, U2->A2, A2->U3, after U3; without: the same from U1 on.
     user_after, assistant_after = with_system[2], with_system[3]
-    if not (with_system[4] == without[1] == without[3] == user_after and with_system[5] == without[2] == without[4]):
-        return None
-    if without[2] != assistant_after or without[5] != with_system[6]:
+    repeated = (
+        with_system[4] == without[1] == without[3] == user_after
+        and with_system[5] == without[2] == without[4] == assistant_after
+        and without[5] == with_system[6]
+    )
+    if not repeated:
         return None
     return {
         "system_before": with_system[0],

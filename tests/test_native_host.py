@@ -197,6 +197,58 @@ def test_native_host_ctest_matches_the_python_engine(models, tiny_pack, tmp_path
         )
 
 
+CHATML_TEMPLATE = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}{% endif %}"
+    "{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n'}}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def _rendered_with_pieces(pieces: dict, messages: list[dict]) -> str:
+    """A conversation as the native host renders it from chat_template.json's pieces (src/conversation.cpp)."""
+    if messages[0]["role"] == "system":
+        text, rest = pieces["system_before"] + messages[0]["content"] + pieces["system_after"], messages[1:]
+    else:
+        text, rest = pieces["first_user_before"], messages
+    for index, message in enumerate(rest):
+        if message["role"] == "assistant":
+            after = pieces["assistant_after"]
+        else:
+            after = pieces["generation_prompt" if index == len(rest) - 1 else "user_after"]
+        text += message["content"] + after
+    return text
+
+
+def test_the_conversation_pieces_rebuild_multi_turn_histories_and_refuse_a_template_that_edits(tmp_path):
+    from pipeshard.formats.chat_template import ChatTemplate
+    from pipeshard.partitioner.host_files import prerendered_chat_template
+
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHATML_TEMPLATE}))
+    pieces = prerendered_chat_template(tmp_path)["conversation"]
+    template = ChatTemplate.read(tmp_path)
+    turns = [
+        ("user", "Hi"),
+        ("assistant", "Hello!\nHow can I help?"),
+        ("user", "A riddle."),
+        ("assistant", ""),
+    ]
+    turns += [("user", "Another, {{ please }}.")]
+    for system in ([], [("system", "You are a guard.")]):
+        for length in (1, 3, 5):
+            history = [{"role": role, "content": content} for role, content in system + turns[:length]]
+            assert _rendered_with_pieces(pieces, history) == template.render(history)
+    # A template that changes an assistant's text: one-turn prompts still render, conversations do not.
+    edits = CHATML_TEMPLATE.replace(
+        "message['content']",
+        "(message['content'] | upper if message['role'] == 'assistant' else message['content'])",
+    )
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": edits}))
+    edited = prerendered_chat_template(tmp_path)
+    assert edited["user"] == {"before": pieces["first_user_before"], "after": pieces["generation_prompt"]}
+    assert edited["conversation"] is None
+
+
 def _edited_pack(pack: Path, folder: Path, edit) -> Path:
     """A copy of `pack` whose manifest `edit` changed (copied, not hard-linked: ONNX refuses weight files with
     several links, and the shared pack must stay as it was)."""

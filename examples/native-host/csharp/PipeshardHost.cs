@@ -293,7 +293,6 @@ namespace Pipeshard
                 }
                 if (cancellation.CanBeCanceled)
                 {
-                    request.Cancellation = cancellation;
                     IntPtr host = handle;
                     request.Registration = cancellation.Register(() =>
                     {
@@ -411,7 +410,6 @@ namespace Pipeshard
             // Continuations run on the thread pool, never on the host's worker (where a blocking call would be refused).
             public readonly TaskCompletionSource<string> Completion =
                 new TaskCompletionSource<string>(TaskCreationOptions.RunContinuationsAsynchronously);
-            public CancellationToken Cancellation;
             public CancellationTokenRegistration Registration;
             public bool Ended;
         }
