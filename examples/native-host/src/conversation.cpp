@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 
@@ -16,7 +17,7 @@ namespace {
 constexpr const char* kSessionMagic = "pipeshard-session\n";
 constexpr int kSessionSchemaVersion = 1;
 
-std::string quoted(const std::string& text) {
+std::string json_string(const std::string& text) {
     std::string out = "\"";
     for (unsigned char c : text) {
         if (c == '"' || c == '\\') {
@@ -149,12 +150,12 @@ void Host::save(Conversation& conversation, const std::string& path) {
     }
     std::ostringstream header;
     header << "{\"schema_version\": " << kSessionSchemaVersion << ", \"pack_manifest_sha256\": "
-           << quoted(manifest_sha256_) << ", \"system\": " << (conversation.has_system ? quoted(conversation.system)
+           << json_string(manifest_sha256_) << ", \"system\": " << (conversation.has_system ? json_string(conversation.system)
                                                                                          : std::string("null"))
            << ", \"turns\": [";
     for (size_t i = 0; i < conversation.turns.size(); ++i)
-        header << (i ? ", " : "") << "{\"role\": " << quoted(conversation.turns[i].role)
-               << ", \"content\": " << quoted(conversation.turns[i].content) << "}";
+        header << (i ? ", " : "") << "{\"role\": " << json_string(conversation.turns[i].role)
+               << ", \"content\": " << json_string(conversation.turns[i].content) << "}";
     header << "], \"cached\": [";
     for (size_t i = 0; i < conversation.cached.size(); ++i) header << (i ? ", " : "") << conversation.cached[i];
     header << "], \"kv_bytes\": [";
@@ -171,7 +172,9 @@ void Host::save(Conversation& conversation, const std::string& path) {
             fail(PIPESHARD_ERR_ARGUMENT, path + ": cannot be written");
         }
     }
-    if (std::rename(temporary.c_str(), path.c_str()) != 0) {
+    std::error_code error;
+    std::filesystem::rename(std::filesystem::u8path(temporary), std::filesystem::u8path(path), error);
+    if (error) {
         std::remove(temporary.c_str());
         fail(PIPESHARD_ERR_ARGUMENT, path + ": cannot be written");
     }

@@ -19,6 +19,9 @@
 #include "sha256.hpp"
 
 #if defined(_WIN32)
+#ifndef NOMINMAX
+#define NOMINMAX
+#endif
 #include <windows.h>
 #else
 #include <fcntl.h>
@@ -93,6 +96,18 @@ std::vector<int> version_numbers(const std::string& version) {
     std::string part;
     while (std::getline(in, part, '.')) numbers.push_back(std::atoi(part.c_str()));
     return numbers;
+}
+
+// A path as ONNX Runtime takes it: UTF-16 on Windows, the bytes elsewhere.
+std::basic_string<ORTCHAR_T> ort_path(const std::string& path) {
+#if defined(_WIN32)
+    int length = MultiByteToWideChar(CP_UTF8, 0, path.c_str(), -1, nullptr, 0);
+    std::wstring wide(static_cast<size_t>(length > 0 ? length - 1 : 0), L'\0');
+    if (length > 1) MultiByteToWideChar(CP_UTF8, 0, path.c_str(), -1, &wide[0], length);
+    return wide;
+#else
+    return path;
+#endif
 }
 
 double seconds_since(std::chrono::steady_clock::time_point start) {
@@ -345,7 +360,7 @@ OrtSession* Host::make_session(const std::string& file, bool on_device) {
     }
     OrtSession* session = nullptr;
     std::string path = manifest_.folder + "/" + file;
-    check(ort().CreateSession(env_, path.c_str(), options, &session));
+    check(ort().CreateSession(env_, ort_path(path).c_str(), options, &session));
     return session;
 }
 
@@ -404,7 +419,7 @@ void Host::load_text(const char* extensions_library) {
     check(ort().CreateSessionOptions(&tokenizer_options_));
     check(ort().DisablePerSessionThreads(tokenizer_options_));
     check(ort().SetSessionLogSeverityLevel(tokenizer_options_, 3));
-    OrtStatus* status = ort().RegisterCustomOpsLibrary_V2(tokenizer_options_, extensions_library);
+    OrtStatus* status = ort().RegisterCustomOpsLibrary_V2(tokenizer_options_, ort_path(extensions_library).c_str());
     if (status) {
         std::string message = ort().GetErrorMessage(status);
         ort().ReleaseStatus(status);
@@ -414,7 +429,7 @@ void Host::load_text(const char* extensions_library) {
     for (auto [file, session] : {std::pair<const char*, OrtSession**>{"tokenizer.onnx", &tokenizer_},
                                  std::pair<const char*, OrtSession**>{"detokenizer.onnx", &detokenizer_}}) {
         std::string path = folder + "/" + file;
-        status = ort().CreateSession(env_, path.c_str(), tokenizer_options_, session);
+        status = ort().CreateSession(env_, ort_path(path).c_str(), tokenizer_options_, session);
         if (status) {
             std::string message = ort().GetErrorMessage(status);
             ort().ReleaseStatus(status);

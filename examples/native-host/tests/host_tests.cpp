@@ -8,6 +8,7 @@
 #include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <mutex>
 #include <string>
@@ -66,6 +67,14 @@ int collect(int64_t token, const char* piece, void* user_data) {
         collected->budget_status = collected->free_vram ? pipeshard_set_free_vram(collected->host, collected->budget_bytes)
                                                         : pipeshard_set_vram_budget(collected->host, collected->budget_bytes);
     return 0;
+}
+
+// A folder under the system's temporary folder, made when missing.
+std::string scratch_folder(const std::string& name) {
+    std::error_code error;
+    std::filesystem::path folder = std::filesystem::temp_directory_path(error) / name;
+    std::filesystem::create_directories(folder, error);
+    return folder.u8string();
 }
 
 bool has(const std::string& text, const std::string& fragment) { return text.find(fragment) != std::string::npos; }
@@ -387,7 +396,7 @@ int sessions(const Json& expected, const std::string& extensions) {
     pipeshard_session_turns(characters[1].session, &turns[1]);
     expect(turns[0] == 2 && turns[1] == 2, "each session holds its own two turns");
 
-    std::string path = std::string(std::getenv("TMPDIR") ? std::getenv("TMPDIR") : "/tmp") + "/pipeshard-session.bin";
+    std::string path = scratch_folder("pipeshard-host-test") + "/session.bin";
     expect(pipeshard_session_save(characters[1].session, path.c_str()) == PIPESHARD_OK,
            std::string("save a session: ") + pipeshard_last_error(host));
     pipeshard_session* restored = nullptr;
@@ -450,9 +459,11 @@ int bad_input(const Json* expected, const std::string& extensions) {
     pipeshard_options options;
     pipeshard_default_options(&options);
     expect_open_error("a missing pack", "/nonexistent/pack", options, PIPESHARD_ERR_PACK);
-    std::string scratch = std::string(std::getenv("TMPDIR") ? std::getenv("TMPDIR") : "/tmp") + "/pipeshard-host-test";
-    std::string command = "mkdir -p '" + scratch + "/corrupt' '" + scratch + "/future'";
-    if (std::system(command.c_str()) != 0) return ++failures;
+    std::string scratch = scratch_folder("pipeshard-host-test");
+    std::error_code error;
+    std::filesystem::create_directories(scratch + "/corrupt", error);
+    std::filesystem::create_directories(scratch + "/future", error);
+    if (error) return ++failures;
     std::ofstream(scratch + "/corrupt/manifest.json") << "{\"schema_version\": 2, \"model\": {";
     expect_open_error("a corrupt manifest", scratch + "/corrupt", options, PIPESHARD_ERR_PACK);
     std::ofstream(scratch + "/future/manifest.json") << "{\"schema_version\": 99}";
