@@ -1,9 +1,11 @@
 """The native host (examples/native-host): its CTest cases against the Python engine's tokens on SmolLM2.
 
-`make host` fetches the two npm packages and builds the host; this test writes what the CTest cases compare
+`make host` fetches the two npm packages and builds the host; these tests write what the CTest cases compare
 against (the Python engine's greedy tokens for three prompts, all-CPU and with a saved plans file whose top rung
-streams weights; the tokenizer's check strings), configures the build with it and runs `ctest`. Without a C++
-compiler, cmake or npm, or before `make host`, it skips and says why.
+streams weights; the tokenizer's check strings; transformers' renderings of multi-turn chats), configure the build
+with it and run `ctest` (requests, cancellation, sessions and budgets included); the Windows build (`make
+host-windows`) runs the same cases under Wine. Without a C++ compiler, cmake or npm, or before `make host`, they
+skip and say why.
 """
 
 from __future__ import annotations
@@ -21,6 +23,9 @@ REPO = Path(__file__).resolve().parents[1]
 HOST = REPO / "examples" / "native-host"
 DEPS = REPO / "build" / "native-host" / "deps"
 BUILD = REPO / "build" / "native-host" / "build"
+WINDOWS_BUILD = REPO / "build" / "native-host" / "build-windows"
+MINGW = "x86_64-w64-mingw32-g++-posix"
+WINE = Path("/usr/lib/wine/wine64")
 MAX_NEW_TOKENS = 24
 SESSION_MAX_NEW_TOKENS = 8  # per turn of the two-session case, which generates eleven times
 THREADS = 2
@@ -69,11 +74,14 @@ def _plan_ladder(pack: Path, out: Path) -> dict:
     return document
 
 
-@pytest.mark.slow
-def test_native_host_ctest_matches_the_python_engine(models, tiny_pack, tmp_path):
+@pytest.fixture(scope="module")
+def host_expected(models, tiny_pack, tmp_path_factory) -> Path:
+    """What the CTest cases compare against (the Python engine's tokens, plans, chat renders), written once for the
+    Linux and the Windows build."""
     reason = _missing_tools()
     if reason:
         pytest.skip(reason)
+    tmp_path = tmp_path_factory.mktemp("native-host")
     from tokenizers import Tokenizer
     from transformers import AutoTokenizer
 
@@ -178,23 +186,53 @@ def test_native_host_ctest_matches_the_python_engine(models, tiny_pack, tmp_path
         f"{p['text']}\t{' '.join(map(str, p['cpu_tokens']))}" for p in prompts
     ]
     Path(f"{expected_path}.tsv").write_text("\n".join(lines) + "\n")
+    return expected_path
 
-    subprocess.run(
-        ["cmake", "-S", str(HOST), "-B", str(BUILD), f"-DPIPESHARD_TEST_EXPECTED={expected_path}"],
-        check=True,
-        capture_output=True,
-    )
-    subprocess.run(["cmake", "--build", str(BUILD), "-j", "2"], check=True, capture_output=True)
+
+def _ctest(build: Path, expected: Path, *configure: str) -> str:
+    """Configure `build` with the expected file, build it and run its CTest cases; their output."""
+    command = [
+        "cmake",
+        "-S",
+        str(HOST),
+        "-B",
+        str(build),
+        f"-DPIPESHARD_TEST_EXPECTED={expected}",
+        *configure,
+    ]
+    subprocess.run(command, check=True, capture_output=True)
+    subprocess.run(["cmake", "--build", str(build), "-j", "2"], check=True, capture_output=True)
     result = subprocess.run(
-        ["ctest", "--test-dir", str(BUILD), "--output-on-failure"], capture_output=True, text=True
+        ["ctest", "--test-dir", str(build), "--output-on-failure"], capture_output=True, text=True
     )
     print(result.stdout[-6000:], result.stderr[-2000:])
     assert result.returncode == 0, result.stdout[-6000:]
-    listed = subprocess.run(["ctest", "--test-dir", str(BUILD), "-N"], capture_output=True, text=True).stdout
+    return subprocess.run(["ctest", "--test-dir", str(build), "-N"], capture_output=True, text=True).stdout
+
+
+@pytest.mark.slow
+def test_native_host_ctest_matches_the_python_engine(host_expected):
+    listed = _ctest(BUILD, host_expected)
     if "csharp_tokens" not in listed:
         print(
             "the C# test was skipped: mono and mcs are not installed (apt-get install mono-mcs mono-runtime)"
         )
+
+
+@pytest.mark.slow
+def test_the_windows_build_passes_the_same_ctest_cases_under_wine(host_expected):
+    """The host cross-built for Windows x64 with mingw-w64 against the npm packages' Windows DLLs, its CTest cases
+    run under Wine (slow: a second build of the host, and every case again under Wine)."""
+    if shutil.which(MINGW) is None or not WINE.is_file():
+        pytest.skip(
+            f"the Windows build needs {MINGW} and {WINE}: `make host-windows` installs them where it may"
+        )
+    if not (DEPS / "windows-x64" / ".complete").is_file():
+        pytest.skip("the npm packages' Windows DLLs are not unpacked: `make host-windows` does it")
+    listed = _ctest(
+        WINDOWS_BUILD, host_expected, f"-DCMAKE_TOOLCHAIN_FILE={HOST / 'cmake' / 'mingw-w64-x86_64.cmake'}"
+    )
+    assert "exported_names" in listed and "sessions" in listed
 
 
 CHATML_TEMPLATE = (

@@ -9,8 +9,8 @@
  * (pipeshard_generate*, pipeshard_session_say, _rollback, _save, pipeshard_release, pipeshard_warmup) queue their work
  * on the worker and wait for it, so they fail with PIPESHARD_ERR_ARGUMENT when called from a callback.
  * pipeshard_cancel, pipeshard_set_vram_budget and pipeshard_set_free_vram take effect between two sub-layer runs or
- * two steps of the request running. pipeshard_last_error(host) is per host: read it on the thread that failed,
- * before another call. See docs/native-host.md. */
+ * two steps of the request running. pipeshard_last_error is kept per calling thread: read it on the thread whose
+ * call failed, before its next call; a request's own failure reaches its on_done. See docs/native-host.md. */
 #ifndef PIPESHARD_HOST_H
 #define PIPESHARD_HOST_H
 
@@ -87,7 +87,9 @@ typedef struct pipeshard_message {
 } pipeshard_message;
 
 /* Called once per generated token with its id and the text it completes (UTF-8, maybe empty while a multi-byte
- * character is incomplete; empty without an extensions library). Return nonzero to stop generating. */
+ * character is incomplete or the text could still begin a stop string; empty without an extensions library), on
+ * the worker thread. Return nonzero to stop generating. With stop strings, a last call with token_id -1 hands on
+ * the text held back when no stop string came. */
 typedef int (*pipeshard_token_callback)(int64_t token_id, const char* text_piece, void* user_data);
 
 /* Called once when a request ends, on the worker thread: PIPESHARD_OK (end of sequence, max_new_tokens, a stop
@@ -181,12 +183,13 @@ PIPESHARD_API pipeshard_status pipeshard_warmup(pipeshard_host* host);
  * and at peak, streamed bytes, the last generation's prompt/decode timings and tokens/s). */
 PIPESHARD_API pipeshard_status pipeshard_report(pipeshard_host* host, char* json, size_t capacity, size_t* length);
 
-/* The last error of `host` (of this thread's last pipeshard_open when NULL); never NULL, "" when none. */
+/* This thread's last failed call's message (`host` is not needed: NULL works too); never NULL, "" after a call
+ * that succeeded. */
 PIPESHARD_API const char* pipeshard_last_error(const pipeshard_host* host);
 PIPESHARD_API const char* pipeshard_status_name(pipeshard_status status);
 
-/* Cancel what is queued or running, stop the worker, release the sessions, device memory and KV cache (close the
- * host's conversation sessions first). NULL is ignored. */
+/* Cancel what is queued or running, stop the worker, free the host's sessions (their handles are invalid after),
+ * the ONNX Runtime sessions, device memory and KV cache. NULL is ignored; from a callback it does nothing. */
 PIPESHARD_API void pipeshard_close(pipeshard_host* host);
 
 #ifdef __cplusplus
