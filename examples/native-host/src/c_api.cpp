@@ -57,8 +57,9 @@ pipeshard::TokenSink sink_of(pipeshard_token_callback callback, void* user_data)
     };
 }
 
-// Generation on the worker, waited for: the blocking calls.
-pipeshard_status generate_blocking(pipeshard_host* host, std::function<std::vector<int64_t>()> prompt,
+// Generation on the worker, waited for: the blocking calls. `prompt` gives the ids there.
+pipeshard_status generate_blocking(pipeshard_host* host,
+                                   const std::function<std::vector<int64_t>(const pipeshard::Sampling&)>& prompt,
                                    const pipeshard_sampling* sampling, pipeshard_token_callback callback,
                                    void* user_data) {
     pipeshard::Sampling chosen;
@@ -67,7 +68,7 @@ pipeshard_status generate_blocking(pipeshard_host* host, std::function<std::vect
     std::string message;
     pipeshard::Host& engine = host->runner->host();
     status = host->runner->run(
-        [&] { engine.generate(prompt(), chosen, sink_of(callback, user_data)); }, &message);
+        [&] { engine.generate(prompt(chosen), chosen, sink_of(callback, user_data)); }, &message);
     return finished(status, message);
 }
 
@@ -151,11 +152,10 @@ pipeshard_status pipeshard_generate(pipeshard_host* host, const char* prompt, co
     if (!host) return null_argument("host");
     if (!prompt) return null_argument("prompt");
     std::string text = prompt;
-    pipeshard::Sampling chosen;
-    pipeshard_status status = guarded(g_error, [&] { chosen = sampling_of(sampling); });
-    if (status != PIPESHARD_OK) return status;
     pipeshard::Host& engine = host->runner->host();
-    return generate_blocking(host, [&] { return engine.prompt_ids(text, chosen); }, sampling, callback, user_data);
+    return generate_blocking(
+        host, [&](const pipeshard::Sampling& chosen) { return engine.prompt_ids(text, chosen); }, sampling, callback,
+        user_data);
 }
 
 pipeshard_status pipeshard_generate_ids(pipeshard_host* host, const int64_t* prompt_ids, size_t prompt_length,
@@ -164,7 +164,7 @@ pipeshard_status pipeshard_generate_ids(pipeshard_host* host, const int64_t* pro
     if (!host) return null_argument("host");
     if (!prompt_ids && prompt_length) return null_argument("prompt_ids");
     std::vector<int64_t> ids(prompt_ids, prompt_ids + prompt_length);
-    return generate_blocking(host, [&] { return ids; }, sampling, callback, user_data);
+    return generate_blocking(host, [&](const pipeshard::Sampling&) { return ids; }, sampling, callback, user_data);
 }
 
 pipeshard_status pipeshard_submit(pipeshard_host* host, pipeshard_session* session, const char* prompt,
