@@ -107,10 +107,10 @@ public:
     std::unique_ptr<Conversation> load(const std::string& path);
     void forget(Conversation* conversation);  // before it is freed
     void warmup();
-    void release_device();
-
-    // Any thread: take effect between two steps (the cancel flag between two sub-layer runs).
+    // The running request's cancel flag, looked at between two sub-layer runs (nullptr between requests).
     void set_cancel_flag(const std::atomic<bool>* flag) { cancel_ = flag; }
+
+    // Any thread: take effect between two steps.
     void set_vram_budget(uint64_t budget_bytes);
     void set_auto_budget(uint64_t reserve_bytes);
     void set_free_vram(uint64_t free_bytes);
@@ -203,6 +203,7 @@ private:
     void apply_pending_budget();
 
     uint64_t auto_budget() const;
+    void release_device();
     void restart_ring();
     void make_resident(Conversation* conversation);
     void store_cells(Conversation& conversation);
