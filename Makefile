@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-stamp
 DEMO_DIR := build/demo
 DEMO_PROMPT := "What is the capital of France? Answer in one sentence."
 
-.PHONY: demo test install lint clean peers bench host host-if-possible
+.PHONY: demo test install lint clean peers bench host host-windows host-if-possible
 
 $(BIN)/python:
 	$(shell command -v $(PYTHON) >/dev/null 2>&1 && echo $(PYTHON) || echo python3) -m venv $(VENV)
@@ -81,9 +81,25 @@ host:
 	cmake -S examples/native-host -B $(HOST_BUILD) -DPIPESHARD_DEPS_DIR=$(CURDIR)/$(HOST_DEPS) >/dev/null
 	cmake --build $(HOST_BUILD) -j 2
 
-# `make test` builds the host first where it can; tests/test_native_host.py then runs its CTest cases.
+# Windows x64, cross-built with mingw-w64 against the same packages' Windows DLLs; its CTest cases run under Wine.
+# Debian's cross compiler and Wine are installed when missing and apt-get may be used (root), as mono is above.
+HOST_WINDOWS_BUILD := build/native-host/build-windows
+host-windows:
+	examples/native-host/fetch_deps.sh $(CURDIR)/$(HOST_DEPS)
+	@command -v x86_64-w64-mingw32-g++-posix >/dev/null && [ -x /usr/lib/wine/wine64 ] || { [ "$$(id -u)" = 0 ] \
+		&& command -v apt-get >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
+		g++-mingw-w64-x86-64-posix wine64 >/dev/null; } \
+		|| echo "mingw-w64 or Wine not installed: the Windows build is skipped (apt-get install g++-mingw-w64-x86-64-posix wine64)"
+	@if command -v x86_64-w64-mingw32-g++-posix >/dev/null; then \
+		cmake -S examples/native-host -B $(HOST_WINDOWS_BUILD) -DPIPESHARD_DEPS_DIR=$(CURDIR)/$(HOST_DEPS) \
+			-DCMAKE_TOOLCHAIN_FILE=$(CURDIR)/examples/native-host/cmake/mingw-w64-x86_64.cmake >/dev/null \
+		&& cmake --build $(HOST_WINDOWS_BUILD) -j 2; fi
+
+# `make test` builds the host first where it can (and its Windows build); tests/test_native_host.py then runs their
+# CTest cases.
 host-if-possible:
-	@if command -v c++ >/dev/null && command -v cmake >/dev/null && command -v npm >/dev/null; then $(MAKE) --no-print-directory host; \
+	@if command -v c++ >/dev/null && command -v cmake >/dev/null && command -v npm >/dev/null; then \
+		$(MAKE) --no-print-directory host host-windows; \
 	else echo "skipping the native host: it needs a C++ compiler, cmake and npm (tests/test_native_host.py skips too)"; fi
 
 test: $(STAMP) $(ORT_HEADER) $(ORT_KERNELS) host-if-possible

@@ -2,8 +2,9 @@
 
 The ONNX tokenizer graphs are stored at the lowest IR version that holds their opsets: an export may stamp them
 with the newest IR its onnx package knows, which older ONNX Runtimes (the Unity plugin's 1.29) refuse. The chat
-template is rendered in advance into the strings around one user turn (and a system turn), so a host needs no
-Jinja engine; a template that does more with a message than paste it in is not rendered, and the host then says so.
+template is rendered in advance into the strings around one user turn (and a system turn), and around each message
+of a multi-turn conversation, so a host needs no Jinja engine; a template that does more with a message than paste it
+in is not rendered, and the host then says so.
 """
 
 from __future__ import annotations
@@ -58,6 +59,41 @@ def prerendered_chat_template(folder: Path) -> dict | None:
         "template_sha256": hashlib.sha256(template.text.encode()).hexdigest(),
         "user": {"before": user[0], "after": user[1]},
         "system_user": {"before": with_system[0], "between": with_system[1], "after": with_system[2]},
+        "conversation": _conversation_pieces(template),
+    }
+
+
+def _conversation_pieces(template) -> dict | None:
+    """The strings around each message of a conversation (an optional system message, then user and assistant in
+    turn, ending with a user's), or None when three turns do not repeat the same pieces."""
+
+    def turns(tag: str, system: bool) -> tuple[list, list]:
+        roles = (["system"] if system else []) + ["user", "assistant"] * 2 + ["user"]
+        marked = [(role, f"\ue004{tag}{index}{role}\ue004") for index, role in enumerate(roles)]
+        other = [(role, f"\ue005{tag}{index} other {role}\ue005") for index, role in enumerate(roles)]
+        return marked, other
+
+    try:
+        with_system = _split(template, *turns("s", True))
+        without = _split(template, *turns("u", False))
+    except (UserError, ValueError):
+        return None
+    # with_system: before S, S->U1, U1->A1, A1->U2, U2->A2, A2->U3, after U3; without: the same from U1 on.
+    user_after, assistant_after = with_system[2], with_system[3]
+    repeated = (
+        with_system[4] == without[1] == without[3] == user_after
+        and with_system[5] == without[2] == without[4] == assistant_after
+        and without[5] == with_system[6]
+    )
+    if not repeated:
+        return None
+    return {
+        "system_before": with_system[0],
+        "system_after": with_system[1],
+        "first_user_before": without[0],
+        "user_after": user_after,
+        "assistant_after": assistant_after,
+        "generation_prompt": with_system[6],
     }
 
 

@@ -1,9 +1,11 @@
 """The native host (examples/native-host): its CTest cases against the Python engine's tokens on SmolLM2.
 
-`make host` fetches the two npm packages and builds the host; this test writes what the CTest cases compare
+`make host` fetches the two npm packages and builds the host; these tests write what the CTest cases compare
 against (the Python engine's greedy tokens for three prompts, all-CPU and with a saved plans file whose top rung
-streams weights; the tokenizer's check strings), configures the build with it and runs `ctest`. Without a C++
-compiler, cmake or npm, or before `make host`, it skips and says why.
+streams weights; the tokenizer's check strings; transformers' renderings of multi-turn chats), configure the build
+with it and run `ctest` (requests, cancellation, sessions and budgets included); the Windows build (`make
+host-windows`) runs the same cases under Wine. Without a C++ compiler, cmake or npm, or before `make host`, they
+skip and say why.
 """
 
 from __future__ import annotations
@@ -21,7 +23,11 @@ REPO = Path(__file__).resolve().parents[1]
 HOST = REPO / "examples" / "native-host"
 DEPS = REPO / "build" / "native-host" / "deps"
 BUILD = REPO / "build" / "native-host" / "build"
+WINDOWS_BUILD = REPO / "build" / "native-host" / "build-windows"
+MINGW = "x86_64-w64-mingw32-g++-posix"
+WINE = Path("/usr/lib/wine/wine64")
 MAX_NEW_TOKENS = 24
+SESSION_MAX_NEW_TOKENS = 8  # per turn of the two-session case, which generates eleven times
 THREADS = 2
 CONTEXT = 512
 
@@ -68,12 +74,16 @@ def _plan_ladder(pack: Path, out: Path) -> dict:
     return document
 
 
-@pytest.mark.slow
-def test_native_host_ctest_matches_the_python_engine(models, tiny_pack, tmp_path):
+@pytest.fixture(scope="module")
+def host_expected(models, tiny_pack, tmp_path_factory) -> Path:
+    """What the CTest cases compare against (the Python engine's tokens, plans, chat renders), written once for the
+    Linux and the Windows build."""
     reason = _missing_tools()
     if reason:
         pytest.skip(reason)
+    tmp_path = tmp_path_factory.mktemp("native-host")
     from tokenizers import Tokenizer
+    from transformers import AutoTokenizer
 
     import pipeshard
     from pipeshard.exporter.tokenizer_onnx import CHECK_STRINGS
@@ -127,6 +137,30 @@ def test_native_host_ctest_matches_the_python_engine(models, tiny_pack, tmp_path
         for text in CHECK_STRINGS
     ]
     rungs = sorted(int(rung["budget_bytes"]) for rung in document["ladder"])
+    template = AutoTokenizer.from_pretrained(str(pack))
+    histories = [
+        [{"role": "user", "content": SMOLLM2_PROMPTS[0]}],
+        [
+            {"role": "user", "content": SMOLLM2_PROMPTS[0]},
+            {"role": "assistant", "content": "Paris, of course."},
+            {"role": "user", "content": SMOLLM2_PROMPTS[1]},
+        ],
+        [
+            {"role": "system", "content": "You are a pirate captain."},
+            {"role": "user", "content": "Ahoy!"},
+            {"role": "assistant", "content": "Ahoy, matey!\nWhat brings ye here?"},
+            {"role": "user", "content": "Treasure."},
+            {"role": "assistant", "content": "Arr."},
+            {"role": "user", "content": SMOLLM2_PROMPTS[2]},
+        ],
+    ]
+    chat_renders = [
+        {
+            "messages": history,
+            "text": template.apply_chat_template(history, tokenize=False, add_generation_prompt=True),
+        }
+        for history in histories
+    ]
     expected = {
         "pack": str(pack),
         "plans": str(plans),
@@ -135,8 +169,15 @@ def test_native_host_ctest_matches_the_python_engine(models, tiny_pack, tmp_path
         "max_new_tokens": MAX_NEW_TOKENS,
         "prompts": prompts,
         "check_strings": checks,
-        "ladder": {"budget_after": 5, "small_budget_bytes": rungs[0] + 1, "small_rung_bytes": rungs[0]},
+        "ladder": {
+            "budget_after": 5,
+            "small_budget_bytes": rungs[0] + 1,
+            "small_rung_bytes": rungs[0],
+            "large_rung_bytes": rungs[-1],
+        },
         "too_small_budget_bytes": rungs[0] - 1,
+        "chat_renders": chat_renders,
+        "session_max_new_tokens": SESSION_MAX_NEW_TOKENS,
     }
     expected_path = tmp_path / "expected.json"
     expected_path.write_text(json.dumps(expected))
@@ -145,23 +186,105 @@ def test_native_host_ctest_matches_the_python_engine(models, tiny_pack, tmp_path
         f"{p['text']}\t{' '.join(map(str, p['cpu_tokens']))}" for p in prompts
     ]
     Path(f"{expected_path}.tsv").write_text("\n".join(lines) + "\n")
+    return expected_path
 
-    subprocess.run(
-        ["cmake", "-S", str(HOST), "-B", str(BUILD), f"-DPIPESHARD_TEST_EXPECTED={expected_path}"],
-        check=True,
-        capture_output=True,
-    )
-    subprocess.run(["cmake", "--build", str(BUILD), "-j", "2"], check=True, capture_output=True)
+
+def _ctest(build: Path, expected: Path, *configure: str) -> str:
+    """Configure `build` with the expected file, build it and run its CTest cases; their output."""
+    command = [
+        "cmake",
+        "-S",
+        str(HOST),
+        "-B",
+        str(build),
+        f"-DPIPESHARD_TEST_EXPECTED={expected}",
+        *configure,
+    ]
+    subprocess.run(command, check=True, capture_output=True)
+    subprocess.run(["cmake", "--build", str(build), "-j", "2"], check=True, capture_output=True)
     result = subprocess.run(
-        ["ctest", "--test-dir", str(BUILD), "--output-on-failure"], capture_output=True, text=True
+        ["ctest", "--test-dir", str(build), "--output-on-failure"], capture_output=True, text=True
     )
     print(result.stdout[-6000:], result.stderr[-2000:])
     assert result.returncode == 0, result.stdout[-6000:]
-    listed = subprocess.run(["ctest", "--test-dir", str(BUILD), "-N"], capture_output=True, text=True).stdout
+    return subprocess.run(["ctest", "--test-dir", str(build), "-N"], capture_output=True, text=True).stdout
+
+
+@pytest.mark.slow
+def test_native_host_ctest_matches_the_python_engine(host_expected):
+    listed = _ctest(BUILD, host_expected)
     if "csharp_tokens" not in listed:
         print(
             "the C# test was skipped: mono and mcs are not installed (apt-get install mono-mcs mono-runtime)"
         )
+
+
+@pytest.mark.slow
+def test_the_windows_build_passes_the_same_ctest_cases_under_wine(host_expected):
+    """The host cross-built for Windows x64 with mingw-w64 against the npm packages' Windows DLLs, its CTest cases
+    run under Wine (slow: a second build of the host, and every case again under Wine)."""
+    if shutil.which(MINGW) is None or not WINE.is_file():
+        pytest.skip(
+            f"the Windows build needs {MINGW} and {WINE}: `make host-windows` installs them where it may"
+        )
+    if not (DEPS / "windows-x64" / ".complete").is_file():
+        pytest.skip("the npm packages' Windows DLLs are not unpacked: `make host-windows` does it")
+    listed = _ctest(
+        WINDOWS_BUILD, host_expected, f"-DCMAKE_TOOLCHAIN_FILE={HOST / 'cmake' / 'mingw-w64-x86_64.cmake'}"
+    )
+    assert "exported_names" in listed and "sessions" in listed
+
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}{% endif %}"
+    "{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n'}}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def _rendered_with_pieces(pieces: dict, messages: list[dict]) -> str:
+    """A conversation as the native host renders it from chat_template.json's pieces (src/conversation.cpp)."""
+    if messages[0]["role"] == "system":
+        text, rest = pieces["system_before"] + messages[0]["content"] + pieces["system_after"], messages[1:]
+    else:
+        text, rest = pieces["first_user_before"], messages
+    for index, message in enumerate(rest):
+        if message["role"] == "assistant":
+            after = pieces["assistant_after"]
+        else:
+            after = pieces["generation_prompt" if index == len(rest) - 1 else "user_after"]
+        text += message["content"] + after
+    return text
+
+
+def test_the_conversation_pieces_rebuild_multi_turn_histories_and_refuse_a_template_that_edits(tmp_path):
+    from pipeshard.formats.chat_template import ChatTemplate
+    from pipeshard.partitioner.host_files import prerendered_chat_template
+
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHATML_TEMPLATE}))
+    pieces = prerendered_chat_template(tmp_path)["conversation"]
+    template = ChatTemplate.read(tmp_path)
+    turns = [
+        ("user", "Hi"),
+        ("assistant", "Hello!\nHow can I help?"),
+        ("user", "A riddle."),
+        ("assistant", ""),
+    ]
+    turns += [("user", "Another, {{ please }}.")]
+    for system in ([], [("system", "You are a guard.")]):
+        for length in (1, 3, 5):
+            history = [{"role": role, "content": content} for role, content in system + turns[:length]]
+            assert _rendered_with_pieces(pieces, history) == template.render(history)
+    # A template that changes an assistant's text: one-turn prompts still render, conversations do not.
+    edits = CHATML_TEMPLATE.replace(
+        "message['content']",
+        "(message['content'] | upper if message['role'] == 'assistant' else message['content'])",
+    )
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": edits}))
+    edited = prerendered_chat_template(tmp_path)
+    assert edited["user"] == {"before": pieces["first_user_before"], "after": pieces["generation_prompt"]}
+    assert edited["conversation"] is None
 
 
 def _edited_pack(pack: Path, folder: Path, edit) -> Path:

@@ -6,7 +6,10 @@
 using System;
 using System.Collections.Generic;
 using System.IO;
+using System.Diagnostics;
 using System.Linq;
+using System.Threading;
+using System.Threading.Tasks;
 using Pipeshard;
 
 static class Program
@@ -43,6 +46,53 @@ static class Program
         }
     }
 
+    // GenerateAsync with a token callback, a cancelled long prefill, and two sessions taking turns on one host (an
+    // all-CPU one, whose context holds the long prompt).
+    static void AsyncCancelAndSessions(PipeshardHost host, Sampling sampling, string prompt, List<long> expectedIds,
+                                       string otherPrompt)
+    {
+        string expected = host.Detokenize(expectedIds.ToArray());
+        string streamed = "";
+        string answer = host.GenerateAsync(prompt, sampling, piece => streamed += piece).Result;
+        Expect(answer == expected && streamed == expected, "GenerateAsync: \"" + answer + "\"");
+
+        string longPrompt = string.Concat(Enumerable.Repeat("The quick brown fox jumps over the lazy dog near the river bank. ", 140));
+        var cancellation = new CancellationTokenSource();
+        Task<string> running = host.GenerateAsync(longPrompt, sampling, null, cancellation.Token);
+        Thread.Sleep(300);
+        var clock = Stopwatch.StartNew();
+        cancellation.Cancel();
+        try
+        {
+            running.Wait();
+            Expect(false, "a cancelled GenerateAsync ends cancelled");
+        }
+        catch (AggregateException error)
+        {
+            Expect(error.InnerException is TaskCanceledException && running.IsCanceled,
+                   "a cancelled GenerateAsync ends cancelled after " + clock.Elapsed.TotalMilliseconds.ToString("F1") +
+                   " ms (" + error.InnerException.GetType().Name + ")");
+        }
+        sampling = new Sampling { MaxNewTokens = 8 };  // a prefix of the answers above: greedy
+        string after = host.GenerateAsync(prompt, sampling).Result;
+        Expect(after.Length > 0 && expected.StartsWith(after), "the host answers after a cancel: \"" + after + "\"");
+        string pirateSystem = "You are a pirate captain. Answer briefly.";
+        string pirateExpected = host.GenerateAsync(prompt, new Sampling { MaxNewTokens = 8, SystemPrompt = pirateSystem }).Result;
+        using (ChatSession guard = host.CreateSession(), pirate = host.CreateSession(pirateSystem))
+        {
+            var turns = new[] { guard.SayAsync(prompt, sampling), pirate.SayAsync(prompt, sampling),
+                                guard.SayAsync(otherPrompt, sampling), pirate.SayAsync(otherPrompt, sampling) };
+            Task.WaitAll(turns);
+            Expect(turns[0].Result == after, "session 1, turn 1 is the one-shot answer: \"" + turns[0].Result + "\"");
+            Expect(turns[1].Result == pirateExpected, "session 2, turn 1 is the one-shot answer with its system prompt: \"" +
+                                                      turns[1].Result + "\"");
+            Expect(guard.Turns == 2 && pirate.Turns == 2, "each session keeps its own two turns");
+            pirate.Rollback();
+            string again = pirate.SayAsync(otherPrompt, sampling).Result;
+            Expect(again == turns[3].Result && pirate.Turns == 2, "a rolled-back turn said again: \"" + again + "\"");
+        }
+    }
+
     static int Check(string extensions, string expectedPath)
     {
         string[] lines = File.ReadAllLines(expectedPath);
@@ -67,21 +117,16 @@ static class Program
             Expect(host.Detokenize(hello) == "Hello, world!", "Tokenize/Detokenize round trip: " + string.Join(" ", hello));
             var stopped = host.Generate(cases[0].Prompt, sampling, (id, piece) => false);
             Expect(stopped.Count == 1, "a callback returning false stops after its token");
+            AsyncCancelAndSessions(host, sampling, cases[0].Prompt, cases[0].Ids, cases[1].Prompt);
         }
         var options = new HostOptions { ExtensionsLibrary = extensions, Threads = threads, PlansPath = plans, Device = "sim" };
         using (var host = new PipeshardHost(pack, options))
         {
             List<long> ids = host.Generate(cases[0].Prompt, sampling);
             Expect(ids.SequenceEqual(cases[0].Ids), "with the plans file: C# [" + string.Join(" ", ids) + "]");
-            try
-            {
-                host.SetVramBudget(1024);
-                Expect(false, "a 1 KiB budget is refused");
-            }
-            catch (PipeshardException error)
-            {
-                Expect(error.Status == Status.BudgetTooSmall, "a 1 KiB budget is refused: " + error.Message);
-            }
+            host.SetVramBudget(1024);
+            Expect(host.Generate(cases[0].Prompt, sampling).SequenceEqual(cases[0].Ids),
+                   "a 1 KiB budget runs the all-CPU rung with the same tokens");
             Console.WriteLine("     report: " + host.Report());
         }
         try

@@ -2,7 +2,7 @@
 //   pipeshard-host PACK "prompt" [--plans FILE --device sim|cuda [--vram SIZE]] [--extensions LIB] [--threads N]
 //                  [--context N] [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P]
 //                  [--repetition-penalty R] [--seed S] [--system TEXT] [--no-chat-template] [--ids 1,2,3]
-//                  [--budget-after N:SIZE] [--print-ids] [--report]
+//                  [--budget-after N:SIZE] [--auto-reserve SIZE] [--stop TEXT]... [--print-ids] [--report]
 // Bad input: one line starting with "error:" on stderr, exit status 2.
 #include <cstdio>
 #include <cstdlib>
@@ -60,7 +60,7 @@ struct Session {
 
 int on_token(int64_t token_id, const char* piece, void* user_data) {
     auto* session = static_cast<Session*>(user_data);
-    session->ids.push_back(token_id);
+    if (token_id >= 0) session->ids.push_back(token_id);  // -1: text held back while it could begin a stop string
     if (!session->print_ids) {
         std::fputs(piece, stdout);
         std::fflush(stdout);
@@ -84,6 +84,7 @@ int main(int argc, char** argv) {
     std::vector<int64_t> prompt_ids;
     bool report = false;
     Session session;
+    std::vector<const char*> stops;
     for (int i = 1; i < argc; ++i) {
         std::string arg = argv[i];
         auto value = [&]() -> const char* {
@@ -109,6 +110,11 @@ int main(int argc, char** argv) {
         else if (arg == "--repetition-penalty") { if (!parse_number(v, 1e-3f, 100, &sampling.repetition_penalty)) return error("--repetition-penalty: a number from 0.001 to 100, not " + std::string(v)); }
         else if (arg == "--seed") sampling.seed = std::strtoull(v, nullptr, 10);
         else if (arg == "--system") sampling.system_prompt = v;
+        else if (arg == "--stop") stops.push_back(v);
+        else if (arg == "--auto-reserve") {
+            if (!parse_size(v, &options.vram_reserve_bytes)) return error("--auto-reserve: not a size above 0 (1GiB): " + std::string(v));
+            options.budget_mode = PIPESHARD_BUDGET_AUTO;
+        }
         else if (arg == "--ids") {
             std::stringstream in(v);
             std::string part;
@@ -125,6 +131,8 @@ int main(int argc, char** argv) {
     }
     if (positional.empty() || (positional.size() < 2 && prompt_ids.empty()))
         return error("usage: pipeshard-host PACK PROMPT [options] (or --ids 1,2,3 instead of PROMPT)");
+    sampling.stop_strings = stops.data();
+    sampling.stop_string_count = stops.size();
     if (pipeshard_open(positional[0].c_str(), &options, &session.host) != PIPESHARD_OK)
         return error(pipeshard_last_error(nullptr));
     pipeshard_status status = prompt_ids.empty()

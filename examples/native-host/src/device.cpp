@@ -8,6 +8,9 @@
 #include <vector>
 
 #if defined(_WIN32)
+#ifndef NOMINMAX
+#define NOMINMAX
+#endif
 #include <windows.h>
 #else
 #include <dlfcn.h>
@@ -46,6 +49,7 @@ public:
     void drain() override {}
     const OrtMemoryInfo* memory_info() const override { return memory_; }
     void add_provider(OrtSessionOptions*) override {}
+    bool free_memory(uint64_t*) override { return false; }
 
 private:
     const OrtApi* api_;
@@ -68,6 +72,7 @@ struct CudaRuntime {
     int (*event_synchronize)(Event) = nullptr;
     int (*memcpy_async)(void*, const void*, size_t, int, Stream) = nullptr;
     int (*memcpy_sync)(void*, const void*, size_t, int) = nullptr;
+    int (*mem_get_info)(size_t*, size_t*) = nullptr;
     const char* (*error_string)(int) = nullptr;
     void* library = nullptr;
 
@@ -101,6 +106,7 @@ struct CudaRuntime {
         resolve(event_synchronize, "cudaEventSynchronize");
         resolve(memcpy_async, "cudaMemcpyAsync");
         resolve(memcpy_sync, "cudaMemcpy");
+        resolve(mem_get_info, "cudaMemGetInfo");
         resolve(error_string, "cudaGetErrorString");
     }
 
@@ -175,6 +181,13 @@ public:
     void drain() override { cuda_.check(cuda_.stream_synchronize(copy_stream_), "cudaStreamSynchronize"); }
 
     const OrtMemoryInfo* memory_info() const override { return memory_; }
+
+    bool free_memory(uint64_t* bytes) override {
+        size_t free_bytes = 0, total_bytes = 0;
+        if (cuda_.mem_get_info(&free_bytes, &total_bytes) != 0) return false;
+        *bytes = free_bytes;
+        return true;
+    }
 
     void add_provider(OrtSessionOptions* options) override {
         OrtCUDAProviderOptionsV2* cuda_options = nullptr;

@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <memory>
 #include <string>
 
@@ -31,6 +32,8 @@ public:
     virtual const OrtMemoryInfo* memory_info() const = 0;
     // Registers the device's execution provider on a session's options (nothing for sim: the CPU EP).
     virtual void add_provider(OrtSessionOptions* options) = 0;
+    // The device memory free now, where the device can say (cuda: cudaMemGetInfo); false where it cannot (sim).
+    virtual bool free_memory(uint64_t* bytes) = 0;
 };
 
 // Throws std::runtime_error (the host maps it to PIPESHARD_ERR_DEVICE) when the device is not usable here.

@@ -16,8 +16,12 @@
 #include <thread>
 
 #include "errors.hpp"
+#include "sha256.hpp"
 
 #if defined(_WIN32)
+#ifndef NOMINMAX
+#define NOMINMAX
+#endif
 #include <windows.h>
 #else
 #include <fcntl.h>
@@ -30,6 +34,7 @@ namespace pipeshard {
 
 namespace {
 constexpr int kMaxThreads = 1024;  // more intra-op threads than any client CPU has: a typing mistake
+constexpr int kAllCpuPrefillChunk = 64;  // prompt tokens per step without plans: cancel acts between steps
 
 const OrtApi* g_api = nullptr;
 
@@ -93,6 +98,18 @@ std::vector<int> version_numbers(const std::string& version) {
     return numbers;
 }
 
+// A path as ONNX Runtime takes it: UTF-16 on Windows, the bytes elsewhere.
+std::basic_string<ORTCHAR_T> ort_path(const std::string& path) {
+#if defined(_WIN32)
+    int length = MultiByteToWideChar(CP_UTF8, 0, path.c_str(), -1, nullptr, 0);
+    std::wstring wide(static_cast<size_t>(length > 0 ? length - 1 : 0), L'\0');
+    if (length > 1) MultiByteToWideChar(CP_UTF8, 0, path.c_str(), -1, &wide[0], length);
+    return wide;
+#else
+    return path;
+#endif
+}
+
 double seconds_since(std::chrono::steady_clock::time_point start) {
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
@@ -101,12 +118,6 @@ const std::string& input_dtype_of(const SubLayer& sub, const std::string& name) 
     for (const TensorSpec& input : sub.inputs)
         if (input.name == name) return input.dtype;
     fail(PIPESHARD_ERR_PACK, sub.name + ": no input " + name);
-}
-
-std::string mib(uint64_t bytes) {
-    char text[32];
-    std::snprintf(text, sizeof text, "%.1f MiB", static_cast<double>(bytes) / (1024.0 * 1024.0));
-    return text;
 }
 
 bool ends_incomplete(const std::string& text) {
@@ -189,6 +200,14 @@ Host::Host(const std::string& pack_dir, const pipeshard_options& options) {
     if (options.threads < 0 || options.threads > kMaxThreads)
         fail(PIPESHARD_ERR_ARGUMENT, "threads must be from 0 (all cores) to " + std::to_string(kMaxThreads));
     if (options.context < 0) fail(PIPESHARD_ERR_ARGUMENT, "context must be >= 0");
+    if (options.budget_mode != PIPESHARD_BUDGET_FIXED && options.budget_mode != PIPESHARD_BUDGET_AUTO)
+        fail(PIPESHARD_ERR_ARGUMENT, "budget_mode must be PIPESHARD_BUDGET_FIXED (0) or PIPESHARD_BUDGET_AUTO (1)");
+    if (options.prefill_chunk_tokens < 0) fail(PIPESHARD_ERR_ARGUMENT, "prefill_chunk_tokens must be >= 0");
+    try {
+        manifest_sha256_ = sha256_file(manifest_.folder + "/manifest.json");
+    } catch (const std::runtime_error& error) {
+        fail(PIPESHARD_ERR_PACK, error.what());
+    }
 
     if (has_plans_) {
         plans_ = read_plans(options.plans_path, manifest_, units_);
@@ -197,12 +216,28 @@ Host::Host(const std::string& pack_dir, const pipeshard_options& options) {
                                           std::to_string(plans_.context) + " tokens, less than the " +
                                           std::to_string(options.context) + " asked for");
         capacity_ = options.context ? options.context : plans_.context;
+        // The floor of every ladder: a 0-byte rung with the smallest rung's tiers, every unit on the CPU.
+        if (plans_.rungs.back().budget_bytes > 0) {
+            Rung floor;
+            floor.all_cpu = true;
+            for (const auto& entry : plans_.rungs.back().tiers) {
+                Plan plan;
+                plan.strategy = "all-cpu";
+                plan.tier = entry.first;
+                plan.prefetch = false;
+                for (const Unit& unit : units_) plan.placements[unit.name] = "cpu";
+                floor.tiers[entry.first] = plan;
+            }
+            plans_.rungs.push_back(floor);
+        }
         budget_bytes_ = options.vram_budget_bytes ? options.vram_budget_bytes : plans_.rungs.front().budget_bytes;
+        if (options.budget_mode == PIPESHARD_BUDGET_AUTO) {
+            // Until the device or the game says what is free, nothing is.
+            auto_budget_ = true;
+            reserve_bytes_ = options.vram_reserve_bytes;
+            budget_bytes_ = 0;
+        }
         rung_ = rung_for(budget_bytes_);
-        if (rung_ < 0)
-            fail(PIPESHARD_ERR_BUDGET, "a VRAM budget of " + mib(budget_bytes_) + " is below every rung of " +
-                                           plans_.path + " (the smallest is " + mib(plans_.rungs.back().budget_bytes) +
-                                           "): make plans for this budget");
         pending_budget_ = budget_bytes_;
         int slots = 0;
         for (const Rung& rung : plans_.rungs)
@@ -220,6 +255,9 @@ Host::Host(const std::string& pack_dir, const pipeshard_options& options) {
         capacity_ = options.context ? options.context : std::min<int64_t>(4096, manifest_.max_context);
         load_env(options.threads);
     }
+    int largest = largest_tier();
+    prefill_chunk_ = options.prefill_chunk_tokens ? options.prefill_chunk_tokens : largest ? largest : kAllCpuPrefillChunk;
+    if (largest) prefill_chunk_ = std::min(prefill_chunk_, largest);
     if (capacity_ > manifest_.max_context)
         fail(PIPESHARD_ERR_ARGUMENT, "context " + std::to_string(capacity_) + " is beyond the model's " +
                                          std::to_string(manifest_.max_context) + " tokens");
@@ -242,6 +280,7 @@ Host::Host(const std::string& pack_dir, const pipeshard_options& options) {
         bool on_cpu = !has_plans_ || host_only(manifest_.sub_layers[unit.sub_layer]) || u == whole_output_unit_;
         for (const Rung& rung : plans_.rungs)
             for (const auto& entry : rung.tiers) {
+                if (rung.all_cpu) continue;  // made when a budget first drops that low
                 auto placed = entry.second.placements.find(unit.name);
                 on_cpu |= placed != entry.second.placements.end() && placed->second == "cpu";
             }
@@ -321,7 +360,7 @@ OrtSession* Host::make_session(const std::string& file, bool on_device) {
     }
     OrtSession* session = nullptr;
     std::string path = manifest_.folder + "/" + file;
-    check(ort().CreateSession(env_, path.c_str(), options, &session));
+    check(ort().CreateSession(env_, ort_path(path).c_str(), options, &session));
     return session;
 }
 
@@ -380,7 +419,7 @@ void Host::load_text(const char* extensions_library) {
     check(ort().CreateSessionOptions(&tokenizer_options_));
     check(ort().DisablePerSessionThreads(tokenizer_options_));
     check(ort().SetSessionLogSeverityLevel(tokenizer_options_, 3));
-    OrtStatus* status = ort().RegisterCustomOpsLibrary_V2(tokenizer_options_, extensions_library);
+    OrtStatus* status = ort().RegisterCustomOpsLibrary_V2(tokenizer_options_, ort_path(extensions_library).c_str());
     if (status) {
         std::string message = ort().GetErrorMessage(status);
         ort().ReleaseStatus(status);
@@ -390,7 +429,7 @@ void Host::load_text(const char* extensions_library) {
     for (auto [file, session] : {std::pair<const char*, OrtSession**>{"tokenizer.onnx", &tokenizer_},
                                  std::pair<const char*, OrtSession**>{"detokenizer.onnx", &detokenizer_}}) {
         std::string path = folder + "/" + file;
-        status = ort().CreateSession(env_, path.c_str(), tokenizer_options_, session);
+        status = ort().CreateSession(env_, ort_path(path).c_str(), tokenizer_options_, session);
         if (status) {
             std::string message = ort().GetErrorMessage(status);
             ort().ReleaseStatus(status);
@@ -423,10 +462,21 @@ void Host::allocate_kv() {
                 if (input.name == past) spec = &input;
             if (!spec) fail(PIPESHARD_ERR_PACK, sub.name + ": its past " + past + " is not among its inputs");
             std::vector<int64_t> shape;
-            for (const Json& dim : spec->shape.items)
-                shape.push_back(dim.is_number() ? dim.integer() : dim.str() == "batch" ? 1 : capacity_);
+            size_t sequence_axis = 0;
+            for (const Json& dim : spec->shape.items) {
+                bool positions = !dim.is_number() && dim.str() != "batch";
+                if (positions) sequence_axis = shape.size();
+                shape.push_back(dim.is_number() ? dim.integer() : positions ? capacity_ : 1);
+            }
             size_t bytes = element_type(spec->dtype).bytes;
             for (int64_t dim : shape) bytes *= static_cast<size_t>(dim);
+            size_t rows = 1, position_bytes = element_type(spec->dtype).bytes;
+            for (size_t axis = 0; axis < shape.size(); ++axis) {
+                if (axis < sequence_axis) rows *= static_cast<size_t>(shape[axis]);
+                if (axis > sequence_axis) position_bytes *= static_cast<size_t>(shape[axis]);
+            }
+            cache.rows.push_back(rows);
+            cache.position_bytes.push_back(position_bytes);
             cache.host.emplace_back(bytes, 0);
             cache.host_values.push_back(tensor(cpu_memory_, cache.host.back().data(), bytes, shape, spec->dtype));
         }
@@ -623,10 +673,25 @@ void Host::activate(const Plan* plan) {
     }
 }
 
+// The AUTO budget: the device's free memory (the game's figure when it gave one) plus what this host holds, minus
+// the reserve; the budget in force when no figure is known.
+uint64_t Host::auto_budget() const {
+    uint64_t free_bytes = 0;
+    if (has_game_free_) {
+        free_bytes = game_free_bytes_;
+    } else if (!device_->free_memory(&free_bytes)) {
+        return budget_bytes_;
+    }
+    uint64_t usable = free_bytes + device_bytes_, reserve = reserve_bytes_;
+    return usable > reserve ? usable - reserve : 0;
+}
+
 void Host::apply_pending_budget() {
-    uint64_t budget = pending_budget_.load();
-    if (!has_plans_ || budget == budget_bytes_) return;
-    int rung = rung_for(budget);  // set_vram_budget checked that one fits
+    if (release_requested_.exchange(false)) release_device();
+    if (!has_plans_) return;
+    uint64_t budget = auto_budget_ ? auto_budget() : pending_budget_.load();
+    if (budget == budget_bytes_) return;
+    int rung = rung_for(budget);  // the all-CPU rung fits every budget
     if (rung != rung_) deactivate();
     rung_ = rung;
     budget_bytes_ = budget;
@@ -636,12 +701,60 @@ void Host::set_vram_budget(uint64_t budget_bytes) {
     if (!has_plans_)
         fail(PIPESHARD_ERR_ARGUMENT, "this host runs every unit on the CPU: open it with a plans file (a budget "
                                      "ladder) to change budgets");
-    int rung = rung_for(budget_bytes);
-    if (rung < 0)
-        fail(PIPESHARD_ERR_BUDGET, "a VRAM budget of " + mib(budget_bytes) + " is below every rung of " +
-                                       plans_.path + " (the smallest is " + mib(plans_.rungs.back().budget_bytes) +
-                                       "); nothing changed");
     pending_budget_ = budget_bytes;
+    auto_budget_ = false;
+}
+
+void Host::set_auto_budget(uint64_t reserve_bytes) {
+    if (!has_plans_)
+        fail(PIPESHARD_ERR_ARGUMENT, "this host runs every unit on the CPU: open it with a plans file (a budget "
+                                     "ladder) to follow the free device memory");
+    reserve_bytes_ = reserve_bytes;
+    auto_budget_ = true;
+}
+
+void Host::set_free_vram(uint64_t free_bytes) {
+    game_free_bytes_ = free_bytes;
+    has_game_free_ = true;
+}
+
+// Free every device buffer and the device sessions (ONNX Runtime's device arenas with them); the KV comes home.
+void Host::release_device() {
+    deactivate();
+    for (auto entry = device_sessions_.begin(); entry != device_sessions_.end();) {
+        auto binding = bindings_.find(entry->second);
+        if (binding != bindings_.end()) {
+            ort().ReleaseIoBinding(binding->second);
+            bindings_.erase(binding);
+        }
+        ort().ReleaseSession(entry->second);
+        entry = device_sessions_.erase(entry);
+    }
+}
+
+void Host::apply_release() {
+    std::lock_guard<std::mutex> lock(report_mutex_);
+    if (release_requested_.exchange(false)) release_device();
+}
+
+void Host::apply_budget() {
+    std::lock_guard<std::mutex> lock(report_mutex_);
+    apply_pending_budget();
+}
+
+// After a step stopped part way (cancelled): the ring's copies restart from the first streamed unit.
+void Host::restart_ring() {
+    if (!active_ || streamed_.empty()) return;
+    device_->drain();
+    slot_holds_.assign(slots_.size(), -1);
+    if (active_->prefetch)
+        for (int k = 0; k < static_cast<int>(std::min(slots_.size(), streamed_.size())); ++k) start_copy(k, k);
+}
+
+void Host::warmup() {
+    make_resident(nullptr);
+    int64_t token = 0;
+    feed(&token, 1, 0, nullptr);
 }
 
 // ---- The step --------------------------------------------------------------------------------------------------
@@ -665,13 +778,19 @@ void Host::clear_values() {
     values_.clear();
 }
 
-void Host::forward(const int64_t* ids, int64_t tokens, int64_t past) {
-    int64_t largest = largest_tier();
-    if (largest > 0 && tokens > largest) {  // a prompt longer than the largest tier: chunks of it, in order
-        for (int64_t begin = 0; begin < tokens; begin += largest)
-            forward(ids + begin, std::min(largest, tokens - begin), past + begin);
-        return;
+// The tokens in steps of at most prefill_chunk_ (the largest tier with plans), each a forward of its own; a
+// conversation holds each step's tokens once the step has run.
+void Host::feed(const int64_t* ids, int64_t tokens, int64_t past, Conversation* conversation) {
+    for (int64_t begin = 0; begin < tokens; begin += prefill_chunk_) {
+        int64_t count = std::min<int64_t>(prefill_chunk_, tokens - begin);
+        forward(ids + begin, count, past + begin);
+        if (conversation) conversation->cached.insert(conversation->cached.end(), ids + begin, ids + begin + count);
     }
+}
+
+void Host::forward(const int64_t* ids, int64_t tokens, int64_t past) {
+    if (cancel_requested()) fail(PIPESHARD_ERR_CANCELLED, "cancelled");
+    std::lock_guard<std::mutex> lock(report_mutex_);
     apply_pending_budget();
     int tier = 0;
     const Plan* plan = plan_for(tokens, &tier);
@@ -698,10 +817,23 @@ void Host::forward(const int64_t* ids, int64_t tokens, int64_t past) {
     size_t logit_bytes = static_cast<size_t>(manifest_.vocab_size) * element_type(logits_dtype_).bytes;
     logits_bytes_.resize(logit_bytes);
     try {
-        for (const Run& run : runs_) run_unit(run, tokens);
+        for (const Run& run : runs_) {
+            if (cancel_requested()) {
+                restart_ring();
+                fail(PIPESHARD_ERR_CANCELLED, "cancelled");
+            }
+            run_unit(run, tokens);
+        }
+    } catch (const HostError& error) {
+        if (error.status == PIPESHARD_ERR_CANCELLED) throw;
+        try {
+            deactivate();
+        } catch (...) {
+        }
+        throw;
     } catch (...) {
-        // Failed mid-step: the ring and the KV are in an unknown state; release the device (the next generation
-        // starts from an empty cache anyway).
+        // Failed mid-step: the ring and the KV are in an unknown state; release the device (generate forgets the
+        // conversation's cells).
         try {
             deactivate();
         } catch (...) {
@@ -848,7 +980,7 @@ void Host::read_logits() {
 
 // ---- Generation ------------------------------------------------------------------------------------------------
 
-int64_t Host::choose(const pipeshard_sampling& sampling, const std::vector<int64_t>& history, std::mt19937_64& rng) {
+int64_t Host::choose(const Sampling& sampling, const std::vector<int64_t>& history, std::mt19937_64& rng) {
     std::vector<double> scores(logits_.begin(), logits_.end());
     if (sampling.repetition_penalty != 1.0f) {
         std::vector<int64_t> seen(history);
@@ -888,15 +1020,44 @@ int64_t Host::choose(const pipeshard_sampling& sampling, const std::vector<int64
     return static_cast<int64_t>(pick(rng));
 }
 
-std::vector<int64_t> Host::prompt_ids(const char* prompt, const pipeshard_sampling& sampling) {
+Sampling Sampling::from(const pipeshard_sampling& sampling) {
+    if (sampling.max_new_tokens < 1) fail(PIPESHARD_ERR_ARGUMENT, "max_new_tokens must be at least 1");
+    if (!(sampling.temperature >= 0 && sampling.temperature <= 100))
+        fail(PIPESHARD_ERR_ARGUMENT, "temperature must be a number from 0 to 100");
+    if (sampling.top_k < 0) fail(PIPESHARD_ERR_ARGUMENT, "top_k must be >= 0 (0 means off)");
+    if (!(sampling.top_p > 0 && sampling.top_p <= 1)) fail(PIPESHARD_ERR_ARGUMENT, "top_p must be in (0, 1]");
+    if (!(sampling.repetition_penalty > 0 && sampling.repetition_penalty <= 100))
+        fail(PIPESHARD_ERR_ARGUMENT, "repetition_penalty must be in (0, 100]");
+    if (sampling.stop_string_count && !sampling.stop_strings)
+        fail(PIPESHARD_ERR_ARGUMENT, "stop_strings is NULL with a stop_string_count of " +
+                                         std::to_string(sampling.stop_string_count));
+    Sampling copy;
+    copy.max_new_tokens = sampling.max_new_tokens;
+    copy.temperature = sampling.temperature;
+    copy.top_k = sampling.top_k;
+    copy.top_p = sampling.top_p;
+    copy.repetition_penalty = sampling.repetition_penalty;
+    copy.seed = sampling.seed;
+    copy.use_chat_template = sampling.use_chat_template != 0;
+    copy.has_system = sampling.system_prompt != nullptr;
+    if (copy.has_system) copy.system = sampling.system_prompt;
+    for (size_t i = 0; i < sampling.stop_string_count; ++i) {
+        if (!sampling.stop_strings[i] || !sampling.stop_strings[i][0])
+            fail(PIPESHARD_ERR_ARGUMENT, "stop string " + std::to_string(i) + " is NULL or empty");
+        copy.stop_strings.emplace_back(sampling.stop_strings[i]);
+    }
+    return copy;
+}
+
+std::vector<int64_t> Host::prompt_ids(const std::string& prompt, const Sampling& sampling) {
     std::string text = prompt;
     if (sampling.use_chat_template) {
         if (!has_chat_template_)
             fail(PIPESHARD_ERR_ARGUMENT, manifest_.folder + " has no pre-rendered chat template (chat_template.json): "
                                          "pass use_chat_template = 0 and a prompt in the model's own format");
-        if (sampling.system_prompt) {
+        if (sampling.has_system) {
             const Json& form = chat_template_.at("system_user");
-            text = form.at("before").str() + sampling.system_prompt + form.at("between").str() + text +
+            text = form.at("before").str() + sampling.system + form.at("between").str() + text +
                    form.at("after").str();
         } else {
             const Json& form = chat_template_.at("user");
@@ -968,15 +1129,27 @@ std::string Host::detokenize(const std::vector<int64_t>& ids) {
     return text;
 }
 
-void Host::generate(const std::vector<int64_t>& prompt, const pipeshard_sampling& sampling,
-                    pipeshard_token_callback callback, void* user_data) {
-    if (sampling.max_new_tokens < 1) fail(PIPESHARD_ERR_ARGUMENT, "max_new_tokens must be at least 1");
-    if (!(sampling.temperature >= 0 && sampling.temperature <= 100))
-        fail(PIPESHARD_ERR_ARGUMENT, "temperature must be a number from 0 to 100");
-    if (sampling.top_k < 0) fail(PIPESHARD_ERR_ARGUMENT, "top_k must be >= 0 (0 means off)");
-    if (!(sampling.top_p > 0 && sampling.top_p <= 1)) fail(PIPESHARD_ERR_ARGUMENT, "top_p must be in (0, 1]");
-    if (!(sampling.repetition_penalty > 0 && sampling.repetition_penalty <= 100))
-        fail(PIPESHARD_ERR_ARGUMENT, "repetition_penalty must be in (0, 100]");
+namespace {
+
+// Where the first stop string begins in `text` (npos: none), and how many bytes at its end could still begin one.
+size_t stop_position(const std::string& text, const std::vector<std::string>& stops, size_t* held_back) {
+    size_t first = std::string::npos;
+    *held_back = 0;
+    for (const std::string& stop : stops) {
+        first = std::min(first, text.find(stop));
+        for (size_t length = std::min(stop.size() - 1, text.size()); length > *held_back; --length)
+            if (text.compare(text.size() - length, length, stop, 0, length) == 0) {
+                *held_back = length;
+                break;
+            }
+    }
+    return first;
+}
+
+}  // namespace
+
+Answer Host::generate(const std::vector<int64_t>& prompt, const Sampling& sampling, const TokenSink& sink,
+                      Conversation* conversation) {
     if (prompt.empty()) fail(PIPESHARD_ERR_ARGUMENT, "the prompt is empty");
     for (int64_t id : prompt)
         if (id < 0 || id >= manifest_.vocab_size)
@@ -986,50 +1159,93 @@ void Host::generate(const std::vector<int64_t>& prompt, const pipeshard_sampling
         fail(PIPESHARD_ERR_CONTEXT, "the prompt (" + std::to_string(prompt.size()) + " tokens) and max_new_tokens (" +
                                         std::to_string(sampling.max_new_tokens) + ") exceed the context of " +
                                         std::to_string(capacity_) + " tokens");
-    std::mt19937_64 rng(sampling.seed);
-    std::vector<int64_t> history(prompt), generated;
-    std::string emitted;
-    last_ = GenerationTimes{};
-    last_.prompt_tokens = prompt.size();
-    last_.stop_reason = "length";
-    auto started = std::chrono::steady_clock::now();
-    forward(prompt.data(), static_cast<int64_t>(prompt.size()), 0);
-    auto first_token_at = started;
-    int64_t past = static_cast<int64_t>(prompt.size());
-    for (int step = 0; step < sampling.max_new_tokens; ++step) {
-        int64_t token = choose(sampling, history, rng);
-        if (step == 0) {
-            first_token_at = std::chrono::steady_clock::now();
-            last_.prefill_s = seconds_since(started);
-        }
-        if (std::find(eos_ids_.begin(), eos_ids_.end(), token) != eos_ids_.end()) {
-            last_.stop_reason = "eos";
-            break;
-        }
-        generated.push_back(token);
-        history.push_back(token);
-        std::string piece;
-        if (detokenizer_) {
-            std::string text = detokenize(generated);
-            if (!ends_incomplete(text) && text.size() >= emitted.size() && text.compare(0, emitted.size(), emitted) == 0) {
-                piece = text.substr(emitted.size());
-                emitted = text;
-            }
-        }
-        last_.generated_tokens = generated.size();
-        if (callback && callback(token, piece.c_str(), user_data) != 0) {
-            last_.stop_reason = "callback";
-            break;
-        }
-        if (step + 1 == sampling.max_new_tokens) break;
-        forward(&token, 1, past);
-        ++past;
-        ++last_.decode_steps;
+    if (!sampling.stop_strings.empty() && !detokenizer_)
+        fail(PIPESHARD_ERR_ARGUMENT, "stop strings need the detokenizer: open the host with extensions_library");
+    make_resident(conversation);
+    int64_t past = 0;
+    if (conversation) {  // the cells it holds of the prompt's first tokens (at least one token is fed)
+        std::vector<int64_t>& cached = conversation->cached;
+        while (past < static_cast<int64_t>(std::min(cached.size(), prompt.size() - 1)) &&
+               cached[static_cast<size_t>(past)] == prompt[static_cast<size_t>(past)])
+            ++past;
+        cached.resize(static_cast<size_t>(past));
     }
-    last_.decode_s = seconds_since(first_token_at);
+    std::mt19937_64 rng(sampling.seed);
+    std::vector<int64_t> history(prompt);
+    Answer answer;
+    std::string emitted;  // the text handed to the sink so far
+    GenerationTimes times;
+    times.prompt_tokens = prompt.size();
+    times.stop_reason = "length";
+    auto started = std::chrono::steady_clock::now();
+    auto first_token_at = started;
+    try {
+        feed(prompt.data() + past, static_cast<int64_t>(prompt.size()) - past, past, conversation);
+        past = static_cast<int64_t>(prompt.size());
+        for (int step = 0; step < sampling.max_new_tokens; ++step) {
+            int64_t token = choose(sampling, history, rng);
+            if (step == 0) {
+                first_token_at = std::chrono::steady_clock::now();
+                times.prefill_s = seconds_since(started);
+            }
+            if (std::find(eos_ids_.begin(), eos_ids_.end(), token) != eos_ids_.end()) {
+                times.stop_reason = "eos";
+                break;
+            }
+            answer.tokens.push_back(token);
+            history.push_back(token);
+            std::string piece;
+            bool stopped = false;
+            if (detokenizer_) {
+                std::string text = detokenize(answer.tokens);
+                if (!ends_incomplete(text)) {
+                    size_t held_back = 0;
+                    size_t stop = stop_position(text, sampling.stop_strings, &held_back);
+                    stopped = stop != std::string::npos;
+                    size_t shown = stopped ? stop : text.size() - held_back;
+                    if (shown >= emitted.size() && text.compare(0, emitted.size(), emitted) == 0) {
+                        piece = text.substr(emitted.size(), shown - emitted.size());
+                        emitted = text.substr(0, shown);
+                    }
+                }
+            }
+            times.generated_tokens = answer.tokens.size();
+            if (sink && !sink(token, piece)) {
+                times.stop_reason = "callback";
+                break;
+            }
+            if (stopped) {
+                times.stop_reason = "stop";
+                break;
+            }
+            if (step + 1 == sampling.max_new_tokens) break;
+            feed(&token, 1, past, conversation);
+            ++past;
+            ++times.decode_steps;
+        }
+    } catch (const HostError& error) {
+        if (conversation && error.status != PIPESHARD_ERR_CANCELLED) conversation->cached.clear();
+        throw;
+    } catch (...) {
+        if (conversation) conversation->cached.clear();
+        throw;
+    }
+    times.decode_s = seconds_since(first_token_at);
+    if (!sampling.stop_strings.empty() && times.stop_reason != "stop" && times.stop_reason != "callback") {
+        std::string text = detokenize(answer.tokens);  // what was held back while it could begin a stop string
+        if (!ends_incomplete(text) && text.size() > emitted.size() && sink) sink(-1, text.substr(emitted.size()));
+    }
+    {
+        std::lock_guard<std::mutex> lock(report_mutex_);
+        last_ = times;
+    }
+    answer.text = emitted;
+    if (detokenizer_ && times.stop_reason != "stop") answer.text = detokenize(answer.tokens);
+    return answer;
 }
 
 std::string Host::report() const {
+    std::lock_guard<std::mutex> lock(report_mutex_);
     std::ostringstream out;
     out << "{\"device\": \"" << device_kind_ << "\", \"onnxruntime\": \"" << OrtGetApiBase()->GetVersionString()
         << "\", \"context\": " << capacity_ << ", \"budget_bytes\": " << budget_bytes_;
@@ -1041,7 +1257,8 @@ std::string Host::report() const {
             out << (first ? "" : ", ") << "\"" << tier << "\": \"" << plan.strategy << "\"";
             first = false;
         }
-        out << "}, \"active_tier\": " << (active_ ? active_->tier : 0);
+        out << "}, \"active_tier\": " << (active_ ? active_->tier : 0) << ", \"budget_mode\": \""
+            << (auto_budget_ ? "auto" : "fixed") << "\"";
     }
     out << ", \"steps\": " << steps_ << ", \"plan_switches\": " << plan_switches_ << ", \"tier_steps\": {";
     bool first = true;

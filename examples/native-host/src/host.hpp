@@ -5,8 +5,10 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <random>
 #include <string>
 #include <vector>
@@ -22,14 +24,53 @@ namespace pipeshard {
 class MappedFile;
 
 // One attention's cache: a [1, kv_heads, capacity, head_dim] buffer per past name, on the host and (while its
-// attention runs on the device) on the device; bound as both the past input and the present output.
+// attention runs on the device) on the device; bound as both the past input and the present output. A buffer is
+// `rows` rows (batch x heads) of `capacity` positions of `position_bytes` each.
 struct KvCache {
     std::vector<std::vector<uint8_t>> host;
     std::vector<OrtValue*> host_values;
     std::vector<void*> device;
     std::vector<OrtValue*> device_values;
+    std::vector<size_t> rows, position_bytes;
     bool on_device = false;
 };
+
+// How one request chooses its tokens: pipeshard_sampling checked and copied (its strings owned).
+struct Sampling {
+    int max_new_tokens = 64;
+    float temperature = 0, top_p = 1, repetition_penalty = 1;
+    int top_k = 0;
+    uint64_t seed = 0;
+    bool use_chat_template = true;
+    bool has_system = false;
+    std::string system;
+    std::vector<std::string> stop_strings;
+
+    // Throws HostError(PIPESHARD_ERR_ARGUMENT) on a value out of range.
+    static Sampling from(const pipeshard_sampling& sampling);
+};
+
+struct Message {
+    std::string role, content;
+};
+
+// One conversation (a session of the C ABI): its history, the tokens whose KV cells it holds, and those cells
+// while another conversation's are in the host's cache (`kv`: per past buffer, each row's first cached positions).
+struct Conversation {
+    bool has_system = false;
+    std::string system;
+    std::vector<Message> turns;  // user, assistant, user, assistant, ...
+    std::vector<int64_t> cached;
+    std::vector<std::vector<uint8_t>> kv;
+};
+
+struct Answer {
+    std::vector<int64_t> tokens;
+    std::string text;
+};
+
+// Sees each token and the text it completes; returns false to stop.
+using TokenSink = std::function<bool(int64_t token, const std::string& piece)>;
 
 // One session run of a step: a unit, where it computes, and (streamed) its place in the ring.
 struct Run {
@@ -51,15 +92,33 @@ public:
     Host(const Host&) = delete;
     Host& operator=(const Host&) = delete;
 
-    std::vector<int64_t> prompt_ids(const char* prompt, const pipeshard_sampling& sampling);
-    std::vector<int64_t> tokenize(const std::string& text);
-    std::string detokenize(const std::vector<int64_t>& ids);
-    void generate(const std::vector<int64_t>& prompt, const pipeshard_sampling& sampling,
-                  pipeshard_token_callback callback, void* user_data);
-    void set_vram_budget(uint64_t budget_bytes);
-    std::string report() const;
+    // Everything below runs on the runner's worker thread, except where it says "any thread".
+    std::vector<int64_t> prompt_ids(const std::string& prompt, const Sampling& sampling);
+    std::vector<int64_t> tokenize(const std::string& text);     // any thread
+    std::string detokenize(const std::vector<int64_t>& ids);    // any thread
+    // With a conversation: its cells are loaded, the prompt's tokens it holds already are not fed again, and the
+    // tokens fed are added to what it holds as each step ends.
+    Answer generate(const std::vector<int64_t>& prompt, const Sampling& sampling, const TokenSink& sink,
+                    Conversation* conversation = nullptr);
+    // A user's next turn in the conversation; it joins the history unless cancelled or failed.
+    Answer say(Conversation& conversation, const std::string& user, const Sampling& sampling, const TokenSink& sink);
+    std::string render_chat(const std::vector<Message>& messages) const;  // any thread
+    void save(Conversation& conversation, const std::string& path);
+    std::unique_ptr<Conversation> load(const std::string& path);
+    void forget(Conversation* conversation);  // before it is freed
+    void warmup();
+    // The running request's cancel flag, looked at between two sub-layer runs (nullptr between requests).
+    void set_cancel_flag(const std::atomic<bool>* flag) { cancel_ = flag; }
 
-    std::string last_error;
+    // Any thread: take effect between two steps.
+    void set_vram_budget(uint64_t budget_bytes);
+    void set_auto_budget(uint64_t reserve_bytes);
+    void set_free_vram(uint64_t free_bytes);
+    void request_release() { release_requested_ = true; }
+    bool release_pending() const { return release_requested_.load(); }
+    void apply_release();  // the worker, when no request runs
+    void apply_budget();   // the worker, when no request runs: a rung left behind frees its device memory now
+    std::string report() const;
 
 private:
     Manifest manifest_;
@@ -70,6 +129,8 @@ private:
     std::string device_kind_ = "cpu";
     std::unique_ptr<Device> device_;
     int64_t capacity_ = 0;
+    int prefill_chunk_ = 0;
+    std::string manifest_sha256_;
 
     OrtEnv* env_ = nullptr;
     OrtMemoryInfo* cpu_memory_ = nullptr;
@@ -90,6 +151,9 @@ private:
     // The plans in force: the rung (index into plans_.rungs), and the tier plan now on the device.
     int rung_ = -1;
     std::atomic<uint64_t> pending_budget_{0};  // what set_vram_budget asked for, taken between steps
+    std::atomic<bool> auto_budget_{false};
+    std::atomic<uint64_t> reserve_bytes_{0}, game_free_bytes_{0};
+    std::atomic<bool> has_game_free_{false}, release_requested_{false};
     uint64_t budget_bytes_ = 0;
     const Plan* active_ = nullptr;
     std::vector<Run> runs_;
@@ -107,6 +171,10 @@ private:
     std::vector<uint8_t> logits_bytes_;
     std::string logits_dtype_ = "float32";
     std::vector<float> logits_;
+
+    const std::atomic<bool>* cancel_ = nullptr;
+    Conversation* resident_ = nullptr;  // whose cells the cache holds (nullptr: a one-shot prompt's, or none)
+    mutable std::mutex report_mutex_;   // a step, and report() from another thread
 
     // What the host has done.
     uint64_t steps_ = 0, plan_switches_ = 0, streamed_weight_bytes_ = 0;
@@ -134,6 +202,17 @@ private:
     void start_copy(int streamed_index, int slot);
     void apply_pending_budget();
 
+    uint64_t auto_budget() const;
+    void release_device();
+    void restart_ring();
+    void make_resident(Conversation* conversation);
+    void store_cells(Conversation& conversation);
+    void load_cells(Conversation& conversation);
+    void sync_kv_to_host();
+    void sync_kv_to_device();
+    bool cancel_requested() const { return cancel_ && cancel_->load(std::memory_order_relaxed); }
+
+    void feed(const int64_t* ids, int64_t tokens, int64_t past, Conversation* conversation);
     void forward(const int64_t* ids, int64_t tokens, int64_t past);
     void run_unit(const Run& run, int64_t tokens);
     OrtValue* tensor(const OrtMemoryInfo* memory, void* data, size_t bytes, const std::vector<int64_t>& shape,
@@ -141,7 +220,7 @@ private:
     void set_value(const std::string& name, OrtValue* value);
     void clear_values();
     void read_logits();
-    int64_t choose(const pipeshard_sampling& sampling, const std::vector<int64_t>& history, std::mt19937_64& rng);
+    int64_t choose(const Sampling& sampling, const std::vector<int64_t>& history, std::mt19937_64& rng);
 };
 
 }  // namespace pipeshard

@@ -1,9 +1,8 @@
 #include "pack.hpp"
 
-#include <sys/stat.h>
-
 #include <algorithm>
 #include <cstdlib>
+#include <filesystem>
 #include <limits>
 #include <set>
 
@@ -16,16 +15,18 @@ namespace {
 constexpr int64_t kPackSchemaVersion = 2;
 constexpr int64_t kPlansSchemaVersion = 2;
 
+namespace fs = std::filesystem;
+
 bool is_file(const std::string& path, uint64_t* size = nullptr) {
-    struct stat info {};
-    if (stat(path.c_str(), &info) != 0 || !S_ISREG(info.st_mode)) return false;
-    if (size) *size = static_cast<uint64_t>(info.st_size);
-    return true;
+    std::error_code error;
+    if (!fs::is_regular_file(fs::u8path(path), error)) return false;
+    if (size) *size = static_cast<uint64_t>(fs::file_size(fs::u8path(path), error));
+    return !error;
 }
 
 bool is_directory(const std::string& path) {
-    struct stat info {};
-    return stat(path.c_str(), &info) == 0 && S_ISDIR(info.st_mode);
+    std::error_code error;
+    return fs::is_directory(fs::u8path(path), error);
 }
 
 // A count, size or offset of a manifest or plans file: an integer from 0 to `most`.
@@ -44,12 +45,11 @@ std::string inside_pack(const std::string& folder, const std::string& name, cons
         name.find('\\') != std::string::npos)
         throw JsonError(what + " '" + name + "' is not a plain file name inside the pack");
     std::string path = folder + "/" + name;
-    char* real_folder = realpath(folder.c_str(), nullptr);
-    char* real_file = realpath(path.c_str(), nullptr);
-    bool found = real_file != nullptr;
-    bool inside = found && real_folder && std::string(real_file).rfind(std::string(real_folder) + "/", 0) == 0;
-    std::free(real_folder);
-    std::free(real_file);
+    std::error_code folder_error, file_error;
+    fs::path real_folder = fs::canonical(fs::u8path(folder), folder_error);
+    fs::path real_file = fs::canonical(fs::u8path(path), file_error);
+    bool found = !file_error;
+    bool inside = found && !folder_error && real_file.parent_path() == real_folder;
     if (!found || !is_file(path)) fail(PIPESHARD_ERR_PACK, path + " is missing (listed in manifest.json)");
     if (!inside) fail(PIPESHARD_ERR_PACK, path + " leads outside the pack (a link): refused");
     return name;

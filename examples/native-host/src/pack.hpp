@@ -72,6 +72,7 @@ struct Plan {
 struct Rung {
     uint64_t budget_bytes = 0;
     std::map<int, Plan> tiers;
+    bool all_cpu = false;  // the 0-byte rung the host adds below a plans file's ladder
 };
 
 struct PlansFile {
