@@ -8,9 +8,10 @@ import sys
 
 from setuptools import Extension, setup
 
-FLAGS = (
-    [] if sys.platform == "win32" else ["-O3"]
-)  # MSVC builds the run loop only (the ops are GCC / Clang C)
+# MSVC builds the run loop only (the ops are GCC / Clang C). -O2, not -O3: the kernels unroll where their pragmas say,
+# and -O3's further unrolling of the weight product op's three instruction sets cost minutes of compile time for no
+# speed (docs/benchmarks.md).
+FLAGS = [] if sys.platform == "win32" else ["-O2"]
 setup(
     ext_modules=[
         Extension(
