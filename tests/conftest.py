@@ -102,12 +102,6 @@ def smollm2_export(models) -> Path:
     return models.export("smollm2-135m")
 
 
-@pytest.fixture(scope="session", params=["fp16", "bf16"])
-def smollm2_half_export(request, models) -> Path:
-    """SmolLM2 exported with fp16, then bf16 weights (computed in fp32)."""
-    return models.export("smollm2-135m", request.param)
-
-
 # the 15 matrices of the tiny GGUF take these in turn: every format holds one or two roles (the tied embedding Q8_0,
 # the fused q/k/v projections mixing 32- and 16-weight blocks)
 EVERY_FORMAT = ["Q8_0", "Q4_0", "Q6_K", "Q4_1", "Q2_K", "Q5_0", "Q3_K", "Q5_1", "Q4_K", "Q5_K"]
