@@ -1,148 +1,35 @@
 """Every node of a device sub-layer graph has a CUDA kernel for its op, opset and types in the pinned
-onnxruntime-gpu (tests/ort_kernels.py's table): ONNX Runtime would otherwise run it on the CPU without a word.
-
-Nodes are matched the way ONNX Runtime's kernel registry matches them: the node's since-version at the model's
-opset (its schema's), then each type constraint of the kernel against the first present argument the schema binds
-to it."""
+onnxruntime-gpu (tests/ort_kernels.py's table, checked by runtime/kernel_check.py): ONNX Runtime would otherwise run
+it on the CPU without a word."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import NamedTuple
 
 import onnx
 import pytest
 from onnx import TensorProto, helper
 from ort_kernels import ONNXRUNTIME_GPU, TABLE
 
+from pipeshard.api import Engine
+from pipeshard.core.errors import UserError
 from pipeshard.formats.manifest import load_pack
-from pipeshard.formats.plans import HOST_ONLY_KINDS
+from pipeshard.formats.plans import HOST_ONLY_KINDS, Placement
+from pipeshard.partitioner.planner import Planner
+from pipeshard.profiles.db import load_profile
+from pipeshard.runtime.devices import make_device
+from pipeshard.runtime.kernel_check import KernelTable, Missing, missing_kernels
+from pipeshard.runtime.plansource import PlanBook
+from pipeshard.runtime.step import Step
+from pipeshard.runtime.text import TextCodec
 
-OPEN_ENDED = 2**31 - 1  # a registration's since_to when no newer version of the op replaces it
 KNOWN_GAP = (
     "issue 41, the gap to close next: every attention sub-layer's com.microsoft::GroupQueryAttention computes in "
     "float32 (fp16 packs too: their weights are half, their activations float32), and ONNX Runtime's CUDA "
     "GroupQueryAttention has float16/bfloat16 kernels only, so on the CUDA EP each attention would run on the CPU"
 )
 TINY_PACKS = [("tiny:llama", "fp32"), ("tiny:moe", "fp32"), ("tiny:llama", "fp16")]
-
-
-class Missing(NamedTuple):
-    """A node the CUDA EP has no kernel for, with its input types (`-` for an absent optional input)."""
-
-    sub_layer: str
-    node: str
-    op: str
-    types: tuple[str, ...]
-
-
-class KernelTable:
-    """The CUDA registrations and the operator schemas of tests/ort_kernels.py's table."""
-
-    def __init__(self, table: dict) -> None:
-        self.kernels: dict[tuple[str, str], list[tuple[int, int, dict[str, list[str]]]]] = {}
-        for domain, op, since_from, since_to, constraints in table["cuda"]:
-            self.kernels.setdefault((domain, op), []).append((since_from, since_to, constraints))
-        self.schemas: dict[str, dict[str, list]] = table["schemas"]
-
-    def schema(self, domain: str, op: str, opset: int) -> tuple[int, list, list] | None:
-        """(since_version, inputs, outputs) of the op's newest schema at OPSET, or None where there is none."""
-        versions = [v for v in self.schemas.get(domain, {}).get(op, []) if v[0] <= opset]
-        return tuple(versions[-1]) if versions else None
-
-    def has_kernel(self, node: onnx.NodeProto, domain: str, opset: int, types: dict[str, str]) -> bool:
-        schema = self.schema(domain, node.op_type, opset)
-        if schema is None:
-            return False
-        since, inputs, outputs = schema
-        return any(
-            _version_matches(since_from, since_to, since)
-            and all(
-                (bound := _first_binding(name, node, inputs, outputs, types)) is None or bound in allowed
-                for name, allowed in constraints.items()
-            )
-            for since_from, since_to, constraints in self.kernels.get((domain, node.op_type), [])
-        )
-
-
-def _version_matches(since_from: int, since_to: int, since: int) -> bool:
-    """ONNX Runtime's rule: an open-ended registration serves only the schema version it starts at."""
-    return since_from == since or (since_from < since and since_to != OPEN_ENDED and since_to >= since)
-
-
-def _formal(formals: list, index: int) -> str | None:
-    """The type string of argument INDEX (a variadic last parameter takes all the rest)."""
-    if index < len(formals):
-        return formals[index][0]
-    return formals[-1][0] if formals and formals[-1][1] == "Variadic" else None
-
-
-def _first_binding(name: str, node: onnx.NodeProto, inputs: list, outputs: list, types: dict[str, str]):
-    """The type of the first present input, then output, whose parameter has type string NAME."""
-    for arguments, formals in ((node.input, inputs), (node.output, outputs)):
-        for index, argument in enumerate(arguments):
-            if argument and _formal(formals, index) == name and argument in types:
-                return types[argument]
-    return None
-
-
-def _type_name(value: onnx.ValueInfoProto | onnx.TensorProto) -> str | None:
-    element = value.data_type if isinstance(value, onnx.TensorProto) else value.type.tensor_type.elem_type
-    return f"tensor({TensorProto.DataType.Name(element).lower()})" if element else None
-
-
-def tensor_types(model: onnx.ModelProto, table: KernelTable) -> dict[str, str]:
-    """Every value's tensor type: ONNX's type inference, with the outputs of ops it has no schema for (ONNX
-    Runtime's com.microsoft ops) typed from ONNX Runtime's schema, repeated until nothing new is learned."""
-    opsets = {_domain(o.domain): o.version for o in model.opset_import}
-    model = onnx.ModelProto.FromString(model.SerializeToString())
-    for _ in range(len(model.graph.node) + 1):  # each round types at least one more node's outputs
-        inferred = onnx.shape_inference.infer_shapes(model)
-        graph = inferred.graph
-        types = {
-            value.name: name
-            for value in (*graph.input, *graph.output, *graph.value_info, *graph.initializer)
-            if (name := _type_name(value))
-        }
-        learned = {}
-        for node in graph.node:
-            domain = _domain(node.domain)
-            schema = table.schema(domain, node.op_type, opsets.get(domain, 0))
-            for index, output in enumerate(node.output):
-                if not output or output in types:
-                    continue
-                formal = _formal(schema[2], index) if schema else None
-                if formal and formal.startswith("tensor("):
-                    learned[output] = formal
-                elif formal and (bound := _first_binding(formal, node, schema[1], [], types)):
-                    learned[output] = bound
-        if not learned:
-            break
-        for name, type_name in learned.items():
-            element = TensorProto.DataType.Value(type_name[len("tensor(") : -1].upper())
-            model.graph.value_info.append(helper.make_tensor_value_info(name, element, None))
-    return types
-
-
-def _domain(domain: str) -> str:
-    return "" if domain == "ai.onnx" else domain
-
-
-def missing_kernels(model: onnx.ModelProto, sub_layer: str, table: KernelTable) -> list[Missing]:
-    """The nodes of MODEL with no CUDA kernel for their op, opset and types."""
-    opsets = {_domain(o.domain): o.version for o in model.opset_import}
-    types = tensor_types(model, table)
-    missing = []
-    for node in model.graph.node:
-        domain = _domain(node.domain)
-        if node.op_type == "Constant" and not domain:
-            continue  # ONNX Runtime makes it an initializer when it loads the graph: no kernel runs it
-        if not table.has_kernel(node, domain, opsets.get(domain, 0), types):
-            op = f"{domain}::{node.op_type}" if domain else node.op_type
-            argument_types = tuple(types.get(a, "?")[len("tensor(") : -1] if a else "-" for a in node.input)
-            missing.append(Missing(sub_layer, node.name, op, argument_types))
-    return missing
 
 
 def device_graphs(pack: Path) -> dict[str, onnx.ModelProto]:
@@ -249,3 +136,27 @@ def test_a_tiny_pack_lacks_no_cuda_kernel_beyond_the_known_gap(tiny_pack_gaps):
     assert {(gap.op, gap.types[0]) for gap in tiny_pack_gaps} <= {
         ("com.microsoft::GroupQueryAttention", "float")
     }
+
+
+def device_engine(pack: Path, kernel_table: KernelTable | None) -> Engine:
+    """PACK on a sim device with every placeable sub-layer streamed (each runs in its device session), its device
+    graphs checked against KERNEL_TABLE at load as a cuda device checks them."""
+    planner = Planner(load_pack(pack).manifest, load_profile("laptop-8gb"), context=128)
+    budget = planner.minimum_budget() + 4_000_000
+    placements = {u.name: Placement.STREAMED for u in planner.placeable}
+    book = PlanBook([u.name for u in planner.units], source=planner, budget_bytes=budget, strategy="gpu-only")
+    step = Step(pack, make_device("sim", budget, kernel_table=kernel_table), book)
+    for tier in step.tiers:
+        step.plans[tier] = planner.evaluate("gpu-only", tier, placements, budget)
+    engine = Engine(step, TextCodec(pack), pack)
+    engine.codec.eos_token_ids = []
+    return engine
+
+
+def test_a_device_refuses_a_graph_its_kernel_table_lacks_in_one_line_naming_the_node(tiny_pack, table):
+    with pytest.raises(UserError) as refused:
+        device_engine(Path(tiny_pack), table).generate(["hi"], max_new_tokens=2)
+    message = str(refused.value)
+    assert "\n" not in message
+    assert message.startswith("L0.attn: node ") and "com.microsoft::GroupQueryAttention(float, " in message
+    assert f"no CUDAExecutionProvider kernel in onnxruntime {ONNXRUNTIME_GPU}" in message
