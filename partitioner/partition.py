@@ -403,7 +403,7 @@ def partition(export_dir: Path, pack: Path, force: bool = False) -> PartitionRes
             f"known: {', '.join(sorted(RULES_BY_ARCHITECTURE))}"
         )
     dims, dtype = info.dims, info.dtype
-    compute = info.compute_dtype  # activations and KV (half-precision weights compute in fp32)
+    compute = info.compute_dtype  # activations (half-precision weights compute in fp32); KV: attention_dtype
     model = onnx.load(export_dir / info.model_file, load_external_data=False)
     graph = build_graph(model)
     assignment = assign_sub_layers(model, graph, rules)
@@ -452,7 +452,7 @@ def partition(export_dir: Path, pack: Path, force: bool = False) -> PartitionRes
                 kv = {
                     "past": [t for t in sub_layer.inputs if t.startswith(PAST_PREFIX)],
                     "present": [t for t in sub_layer.outputs if t.startswith(PRESENT_PREFIX)],
-                    "bytes_per_token": kv_bytes_per_token(dims, compute),
+                    "bytes_per_token": kv_bytes_per_token(dims, info.attention_dtype),
                 }
             entries.append(
                 {
@@ -479,7 +479,9 @@ def partition(export_dir: Path, pack: Path, force: bool = False) -> PartitionRes
                     else None,
                     "cost": {
                         "flops": checked_flops(sub_layer, model, dims),
-                        "bytes": bytes_moved(sub_layer, sub_layer.kind, dims, compute, weight_bytes),
+                        "bytes": bytes_moved(
+                            sub_layer, sub_layer.kind, dims, compute, weight_bytes, info.attention_dtype
+                        ),
                     },
                     "nodes": len(sub_layer.nodes),
                 }
@@ -509,6 +511,7 @@ def partition(export_dir: Path, pack: Path, force: bool = False) -> PartitionRes
                 "architecture": info.architecture,
                 "dtype": dtype,
                 "compute_dtype": compute,
+                "attention_dtype": info.attention_dtype,
                 "num_layers": dims["num_layers"],
                 "hidden_size": dims["hidden_size"],
                 "intermediate_size": dims["intermediate_size"],

@@ -94,7 +94,8 @@ class Step:
         self.hidden_size = model.hidden_size
         self.vocab_size = model.vocab_size
         self.kv_heads, self.head_dim = model.num_key_value_heads, model.head_dim
-        self.dtype = NUMPY_DTYPES[model.compute_dtype]  # activations and KV; weights may be half precision
+        self.dtype = NUMPY_DTYPES[model.compute_dtype]  # activations; weights may be half precision
+        kv_dtype = NUMPY_DTYPES[model.kv_dtype]  # the fused attention's and its cache's
         self.device = device or CpuDevice()
         # The units the plans place: the plan source's (its row chunks of the output layer), else the pack's own.
         units = book.source.units if book and book.planned else planning_units(self.pack.sub_layers)
@@ -110,7 +111,7 @@ class Step:
             threads,
             optimize,
             prepack,
-            decode_attention=decode_attention and self.dtype == np.float32 and self.head_dim % 8 == 0,
+            decode_attention=decode_attention and kv_dtype == np.float32 and self.head_dim % 8 == 0,
             weight_matmul=weight_matmul,
             fp32_weight_matmul=fp32_weight_matmul,
         )
@@ -126,7 +127,7 @@ class Step:
             [past for e in layout.in_line if e.kv for past in e.kv.past],
             self.kv_heads,
             self.head_dim,
-            self.dtype,
+            kv_dtype,
         )
         self.residency = Residency(self.device, layout, self.pack, self.kv, self.stats)
         vision = self.pack.manifest.vision.facts if self.pack.manifest.vision else None  # the export's dict
