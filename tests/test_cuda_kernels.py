@@ -5,6 +5,7 @@ it on the CPU without a word."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import onnx
@@ -12,10 +13,14 @@ import pytest
 from onnx import TensorProto, helper
 from ort_kernels import ONNXRUNTIME_GPU, TABLE
 
+import pipeshard
 from pipeshard.api import Engine
 from pipeshard.core.errors import UserError
+from pipeshard.core.fsutil import sha256_file
+from pipeshard.exporter.fuse import attention_in_half
 from pipeshard.formats.manifest import load_pack
 from pipeshard.formats.plans import HOST_ONLY_KINDS, Placement
+from pipeshard.partitioner.partition import partition
 from pipeshard.partitioner.planner import Planner
 from pipeshard.profiles.db import load_profile
 from pipeshard.runtime.devices import make_device
@@ -24,22 +29,55 @@ from pipeshard.runtime.plansource import PlanBook
 from pipeshard.runtime.step import Step
 from pipeshard.runtime.text import TextCodec
 
-KNOWN_GAP = (
-    "issue 41, the gap to close next: every attention sub-layer's com.microsoft::GroupQueryAttention computes in "
-    "float32 (fp16 packs too: their weights are half, their activations float32), and ONNX Runtime's CUDA "
-    "GroupQueryAttention has float16/bfloat16 kernels only, so on the CUDA EP each attention would run on the CPU"
-)
-TINY_PACKS = [("tiny:llama", "fp32"), ("tiny:moe", "fp32"), ("tiny:llama", "fp16")]
+# Every kind of device graph, from the session's exports: (name, weights' dtype) -> what it shows.
+DEVICE_GRAPH_KINDS = {
+    ("tiny:llama", "fp32"): "dense",
+    ("tiny:moe", "fp32"): "MoE: router and one graph per expert",
+    ("tiny:llama", "fp16"): "half-precision weights (Casts to float32)",
+    ("tiny:smolvlm", "fp32"): "VLM: vision blocks (fused Attention) beside the decoder",
+    ("tiny:qwen2_5_vl", "fp32"): "Qwen2.5-VL: windowed vision attention, M-RoPE decoder",
+}
 
 
 def device_graphs(pack: Path) -> dict[str, onnx.ModelProto]:
-    """The graphs a pack's sub-layers run on the device with: their weights-as-inputs files."""
+    """The graphs a pack runs on a device: its sub-layers' and vision blocks' weights-as-inputs files."""
     loaded = load_pack(pack)
+    vision = loaded.manifest.vision.sub_layers if loaded.manifest.vision else ()
     return {
         entry.name: onnx.load(loaded.path(entry.files["weights_as_inputs"]), load_external_data=False)
-        for entry in loaded.manifest.sub_layers
+        for entry in (*loaded.manifest.sub_layers, *vision)
         if entry.kind not in HOST_ONLY_KINDS
     }
+
+
+def cuda_gaps(pack: Path, table: KernelTable) -> list[Missing]:
+    return [
+        missing
+        for name, graph in device_graphs(pack).items()
+        for missing in missing_kernels(graph, name, table)
+    ]
+
+
+def half_attention_pack(export: Path, folder: Path) -> Path:
+    """EXPORT as `--attention-dtype fp16` writes it (its fused graph through the exporter's attention_in_half, the
+    weights hard-linked), partitioned into FOLDER/pack."""
+    copy = folder / "export"
+    copy.mkdir(parents=True)
+    for path in export.iterdir():
+        if path.is_file():
+            os.link(path, copy / path.name)
+    info = json.loads((export / "export.json").read_text())
+    model_file = copy / info["model_file"]
+    model = onnx.load(model_file, load_external_data=False)
+    assert attention_in_half(model) > 0
+    model_file.unlink()  # a hard link: the original stays as it is
+    onnx.save(model, model_file)
+    info["attention_dtype"] = "fp16"
+    info["files"][model_file.name] = {"bytes": model_file.stat().st_size, "sha256": sha256_file(model_file)}
+    (copy / "export.json").unlink()
+    (copy / "export.json").write_text(json.dumps(info))
+    partition(copy, folder / "pack")
+    return folder / "pack"
 
 
 @pytest.fixture(scope="module")
@@ -120,21 +158,29 @@ def test_an_op_of_a_domain_without_cuda_kernels_is_named(table):
     assert missing == [Missing("planted", "custom", "pipeshard.test::Unknown", ("float",))]
 
 
-@pytest.fixture(scope="module", params=TINY_PACKS, ids=["-".join(p) for p in TINY_PACKS])
-def tiny_pack_gaps(request, models, table) -> list[Missing]:
-    """The nodes of a tiny pack's device graphs with no CUDA kernel."""
-    graphs = device_graphs(models.pack(*request.param))
-    return [missing for name, graph in graphs.items() for missing in missing_kernels(graph, name, table)]
+@pytest.fixture(scope="module", params=list(DEVICE_GRAPH_KINDS), ids=list(DEVICE_GRAPH_KINDS.values()))
+def export_of_each_kind(request, models) -> Path:
+    return models.export(*request.param)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=KNOWN_GAP)
-def test_every_device_node_of_a_tiny_pack_has_a_cuda_kernel(tiny_pack_gaps):
-    assert tiny_pack_gaps == [], "\n".join(map(str, tiny_pack_gaps))
+def test_with_attention_in_half_every_device_node_of_every_kind_has_a_cuda_kernel(
+    export_of_each_kind, table, tmp_path
+):
+    gaps = cuda_gaps(half_attention_pack(export_of_each_kind, tmp_path), table)
+    assert gaps == [], "\n".join(map(str, gaps))
 
 
-def test_a_tiny_pack_lacks_no_cuda_kernel_beyond_the_known_gap(tiny_pack_gaps):
-    assert {(gap.op, gap.types[0]) for gap in tiny_pack_gaps} <= {
-        ("com.microsoft::GroupQueryAttention", "float")
+def test_with_attention_in_half_every_node_of_a_quantized_pack_has_a_cuda_kernel(tiny_gguf, table, tmp_path):
+    _, export, _ = tiny_gguf
+    gaps = cuda_gaps(half_attention_pack(export, tmp_path), table)
+    assert gaps == [], "\n".join(map(str, gaps))
+
+
+def test_with_attention_in_float32_the_cuda_ep_lacks_exactly_each_attention(tiny_pack, table):
+    """What `--device cuda` refuses a default export for: its float32 GroupQueryAttention, one per layer."""
+    gaps = cuda_gaps(Path(tiny_pack), table)
+    assert {(gap.sub_layer, gap.op, gap.types[0]) for gap in gaps} == {
+        (f"L{layer}.attn", "com.microsoft::GroupQueryAttention", "float") for layer in range(len(gaps))
     }
 
 
@@ -160,3 +206,11 @@ def test_a_device_refuses_a_graph_its_kernel_table_lacks_in_one_line_naming_the_
     assert "\n" not in message
     assert message.startswith("L0.attn: node ") and "com.microsoft::GroupQueryAttention(float, " in message
     assert f"no CUDAExecutionProvider kernel in onnxruntime {ONNXRUNTIME_GPU}" in message
+
+
+def test_a_device_checking_the_cuda_table_runs_every_sub_layer_of_a_half_attention_pack(models, table):
+    pack = Path(models.pack("tiny:llama", attention="fp16"))
+    chain = pipeshard.load(pack)
+    chain.codec.eos_token_ids = []
+    expected = chain.generate(["hi"], max_new_tokens=8)[0].tokens
+    assert device_engine(pack, table).generate(["hi"], max_new_tokens=8)[0].tokens == expected
