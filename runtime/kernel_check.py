@@ -185,9 +185,14 @@ def refuse_missing_kernels(model: Path | bytes, sub_layer: str, table: KernelTab
     )
     missing = missing_kernels(graph, sub_layer, table)
     if missing:
+        first = missing[0]
         more = f" (and {len(missing) - 1} more nodes)" if len(missing) > 1 else ""
+        advice = (
+            "; export with `--attention-dtype fp16` (docs/precision.md)"
+            if first.op.endswith("GroupQueryAttention") and first.types[0] == "float"
+            else ""
+        )
         raise UserError(
-            f"{missing[0]} has no {table.provider} kernel in onnxruntime {table.version}{more}: the device session "
-            "would run it on the CPU; export with `--attention-dtype fp16` for fused device attention "
-            "(docs/precision.md)"
+            f"{first} has no {table.provider} kernel in onnxruntime {table.version}{more}: the device session would "
+            f"run it on the CPU{advice}"
         )
