@@ -40,6 +40,7 @@ from pipeshard.partitioner.graph import (
     build_graph,
     cut,
     expert_index,
+    fused_transposed_products,
     hoist_step_invariants,
     keep_embedding_whole,
     merge_duplicate_prologue_nodes,
@@ -250,6 +251,8 @@ def _sub_model(
     model, sub_layer, infos, initializers, placements, weights_as_inputs: bool, row_chunks: str | None = None
 ) -> onnx.ModelProto:
     nodes = [model.graph.node[i] for i in sub_layer.nodes]
+    if weights_as_inputs:  # the device's variant
+        nodes = fused_transposed_products(nodes)
     inputs = [infos[name] for name in sub_layer.inputs]
     outputs = [infos[name] for name in sub_layer.outputs]
     if weights_as_inputs and row_chunks:  # the logits of a row chunk are as wide as the chunk

@@ -25,13 +25,43 @@ CUDA_PROVIDER = "CUDAExecutionProvider"
 OPEN_ENDED = 2**31 - 1  # a registration's since_to when no newer version of the op replaces it
 
 
+NO_KERNEL = "no kernel"
+SHAPE_ON_CPU = "shape computation"
+# What ONNX Runtime's CUDA EP places on the CPU EP by itself (GetCpuPreferredNodes): a node all of whose inputs are
+# constants, graph inputs or CPU tensors — the outputs of these ops, and of nodes placed so — and none of them a CPU
+# tensor its kernel takes on the CPU anyway (these ops' inputs at these places).
+CPU_OUTPUT_OPS = frozenset({"Shape", "Size"})
+CPU_INPUTS = {
+    "Reshape": {1},
+    "Expand": {1},
+    "Slice": {1, 2, 3, 4},
+    "Split": {1},
+    "Squeeze": {1},
+    "Unsqueeze": {1},
+    "Tile": {1},
+    "ConstantOfShape": {0},
+    "Range": {0, 1, 2},
+    "TopK": {1},
+    "ReduceSum": {1},
+    "ReduceMean": {1},
+    "ReduceMax": {1},
+    "Pad": {1, 2},
+    "Resize": {1, 2, 3},
+    "OneHot": {1},
+    "GroupQueryAttention": {6},
+}
+_HALF_TYPES = ("tensor(float16)", "tensor(bfloat16)")
+
+
 class Missing(NamedTuple):
-    """A node the EP has no kernel for, with its input types (`-` for an absent optional input)."""
+    """A node the EP would not run, with its input types (`-` for an absent optional input): it has no kernel for
+    them, or ONNX Runtime places it on the CPU EP as a shape computation."""
 
     sub_layer: str
     node: str
     op: str
     types: tuple[str, ...]
+    why: str = NO_KERNEL
 
     def __str__(self) -> str:
         return f"{self.sub_layer}: node {self.node!r}, {self.op}({', '.join(self.types)})"
@@ -163,16 +193,49 @@ def missing_kernels(model: onnx.ModelProto, sub_layer: str, table: KernelTable) 
     """The nodes of MODEL with no kernel in the table for their op, opset and types."""
     opsets = {_domain(o.domain): o.version for o in model.opset_import}
     types = tensor_types(model, table)
+    on_cpu = cpu_preferred_nodes(model, types)
     missing = []
     for node in model.graph.node:
         domain = _domain(node.domain)
         if node.op_type == "Constant" and not domain:
             continue  # ONNX Runtime makes it an initializer when it loads the graph: no kernel runs it
-        if not table.has_kernel(node, domain, opsets.get(domain, 0), types):
+        has_kernel = table.has_kernel(node, domain, opsets.get(domain, 0), types)
+        if not has_kernel or node.name in on_cpu:
             op = f"{domain}::{node.op_type}" if domain else node.op_type
             argument_types = tuple(types.get(a, "?")[len("tensor(") : -1] if a else "-" for a in node.input)
-            missing.append(Missing(sub_layer, node.name, op, argument_types))
+            missing.append(
+                Missing(
+                    sub_layer, node.name, op, argument_types, NO_KERNEL if not has_kernel else SHAPE_ON_CPU
+                )
+            )
     return missing
+
+
+def cpu_preferred_nodes(model: onnx.ModelProto, types: dict[str, str]) -> set[str]:
+    """The names of the nodes ONNX Runtime's CUDA EP would hand to the CPU EP as shape computations
+    (`CPU_OUTPUT_OPS`), which a session without CPU fallback refuses."""
+    graph = model.graph
+    constants = {i.name for i in graph.initializer} | {
+        n.output[0] for n in graph.node if n.op_type == "Constant" and not n.domain
+    }
+    graph_inputs = {i.name for i in graph.input}
+    cpu_tensors = {out for n in graph.node if n.op_type in CPU_OUTPUT_OPS for out in n.output}
+    placed: set[str] = set()
+    for node in graph.node:  # in topological order, as exported
+        if node.op_type in CPU_OUTPUT_OPS or not any(name in cpu_tensors for name in node.input):
+            continue
+        takes_on_cpu = CPU_INPUTS.get(node.op_type, set())
+        if all(
+            not name
+            or types.get(name) not in _HALF_TYPES
+            and (
+                name in constants or name in graph_inputs or name in cpu_tensors and index not in takes_on_cpu
+            )
+            for index, name in enumerate(node.input)
+        ):
+            placed.add(node.name)
+            cpu_tensors.update(node.output)
+    return placed
 
 
 def refuse_missing_kernels(model: Path | bytes, sub_layer: str, table: KernelTable) -> None:
@@ -192,7 +255,9 @@ def refuse_missing_kernels(model: Path | bytes, sub_layer: str, table: KernelTab
             if first.op.endswith("GroupQueryAttention") and first.types[0] == "float"
             else ""
         )
-        raise UserError(
-            f"{first} has no {table.provider} kernel in onnxruntime {table.version}{more}: the device session would "
-            f"run it on the CPU{advice}"
+        problem = (
+            f"has no {table.provider} kernel in onnxruntime {table.version}"
+            if first.why == NO_KERNEL
+            else f"is a shape computation ONNX Runtime's {table.provider} hands to the CPU"
         )
+        raise UserError(f"{first} {problem}{more}: the device session would run it on the CPU{advice}")

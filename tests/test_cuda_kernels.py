@@ -24,7 +24,7 @@ from pipeshard.partitioner.partition import partition
 from pipeshard.partitioner.planner import Planner
 from pipeshard.profiles.db import load_profile
 from pipeshard.runtime.devices import make_device
-from pipeshard.runtime.kernel_check import KernelTable, Missing, missing_kernels
+from pipeshard.runtime.kernel_check import SHAPE_ON_CPU, KernelTable, Missing, missing_kernels
 from pipeshard.runtime.plansource import PlanBook
 from pipeshard.runtime.step import Step
 from pipeshard.runtime.text import TextCodec
@@ -214,3 +214,27 @@ def test_a_device_checking_the_cuda_table_runs_every_sub_layer_of_a_half_attenti
     chain.codec.eos_token_ids = []
     expected = chain.generate(["hi"], max_new_tokens=8)[0].tokens
     assert device_engine(pack, table).generate(["hi"], max_new_tokens=8)[0].tokens == expected
+
+
+def _reshaped_by_shape(concatenated: bool) -> onnx.ModelProto:
+    """y = Reshape(x, Shape(x)), or with the shape passed through a Concat first."""
+    nodes = [helper.make_node("Shape", ["x"], ["shape"], name="shape")]
+    if concatenated:
+        nodes.append(helper.make_node("Concat", ["shape"], ["joined"], name="join", axis=0))
+    nodes.append(helper.make_node("Reshape", ["x", nodes[-1].output[0]], ["y"], name="reshape"))
+    graph = helper.make_graph(
+        nodes,
+        "shaped",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["a", 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+
+
+def test_a_shape_computation_the_cuda_ep_hands_to_the_cpu_is_named(table):
+    """ONNX Runtime's CUDA EP places a Concat of Shape's output on the CPU EP (a session without CPU fallback
+    refuses it); a Reshape reading Shape's output directly takes it on the CPU and stays on CUDA."""
+    assert missing_kernels(_reshaped_by_shape(concatenated=False), "planted", table) == []
+    assert missing_kernels(_reshaped_by_shape(concatenated=True), "planted", table) == [
+        Missing("planted", "join", "Concat", ("int64",), SHAPE_ON_CPU)
+    ]
