@@ -5,7 +5,7 @@ it on the CPU without a word."""
 from __future__ import annotations
 
 import json
-import os
+import shutil
 from pathlib import Path
 
 import onnx
@@ -59,22 +59,20 @@ def cuda_gaps(pack: Path, table: KernelTable) -> list[Missing]:
 
 
 def half_attention_pack(export: Path, folder: Path) -> Path:
-    """EXPORT as `--attention-dtype fp16` writes it (its fused graph through the exporter's attention_in_half, the
-    weights hard-linked), partitioned into FOLDER/pack."""
+    """EXPORT as `--attention-dtype fp16` writes it (its fused graph through the exporter's attention_in_half),
+    partitioned into FOLDER/pack. Copied, not hard-linked: onnx refuses external data with several links."""
     copy = folder / "export"
     copy.mkdir(parents=True)
     for path in export.iterdir():
         if path.is_file():
-            os.link(path, copy / path.name)
+            shutil.copyfile(path, copy / path.name)
     info = json.loads((export / "export.json").read_text())
     model_file = copy / info["model_file"]
     model = onnx.load(model_file, load_external_data=False)
     assert attention_in_half(model) > 0
-    model_file.unlink()  # a hard link: the original stays as it is
     onnx.save(model, model_file)
     info["attention_dtype"] = "fp16"
     info["files"][model_file.name] = {"bytes": model_file.stat().st_size, "sha256": sha256_file(model_file)}
-    (copy / "export.json").unlink()
     (copy / "export.json").write_text(json.dumps(info))
     partition(copy, folder / "pack")
     return folder / "pack"
