@@ -1,7 +1,7 @@
 """`--attention-dtype fp16`, the export a GPU runs: every attention and its KV cache in float16, the rest in float32.
 Lossless there means: greedy tokens identical to transformers running the same weights with its attention in float16
-(exporter/half_attention.py) on every plan, logits within float16's tolerance, and KV bytes halved in the pack and
-in the planner's VRAM figures (docs/precision.md)."""
+(exporter/half_attention.py) on every plan (dense and MoE), logits within float16's tolerance, and KV bytes halved in
+the pack and in the planner's VRAM figures (docs/precision.md)."""
 
 from pathlib import Path
 
@@ -41,16 +41,15 @@ def _transformers_tokens(model, prompt_ids: list[int]) -> list[int]:
     return output[0, len(prompt_ids) :].tolist()
 
 
-def test_every_plan_gives_the_tokens_of_transformers_with_attention_in_float16(half_pack, models, reference):
+@pytest.mark.parametrize("architecture", ["llama", "moe"])
+def test_every_plan_gives_the_tokens_of_transformers_with_attention_in_float16(architecture, models):
+    reference = use_attention_dtype(build_tiny_model(architecture)[0], "fp16")
+    pack = models.pack(f"tiny:{architecture}", attention="fp16")
     engines = {
-        "export": pipeshard.load(models.export("tiny:llama", attention="fp16")),
-        "chain": pipeshard.load(half_pack),
-        "sim static": pipeshard.load(
-            half_pack, vram="30%", device="sim", profile="laptop-8gb", plan="static"
-        ),
-        "sim gpu-only": pipeshard.load(
-            half_pack, vram="10%", device="sim", profile="laptop-8gb", plan="gpu-only"
-        ),
+        "export": pipeshard.load(models.export(f"tiny:{architecture}", attention="fp16")),
+        "chain": pipeshard.load(pack),
+        "sim static": pipeshard.load(pack, vram="30%", device="sim", profile="laptop-8gb", plan="static"),
+        "sim gpu-only": pipeshard.load(pack, vram="10%", device="sim", profile="laptop-8gb", plan="gpu-only"),
     }
     for engine in engines.values():
         engine.codec.eos_token_ids = []
