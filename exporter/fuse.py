@@ -42,6 +42,7 @@ from pipeshard.core.errors import UserError
 from pipeshard.exporter.half_weights import HALF_TYPES, store_weights_in_half
 from pipeshard.exporter.quantized_weights import store_weights_quantized
 from pipeshard.formats.io_names import (
+    GQA_BIAS_INPUT,
     PADDING_BIAS,
     PAST_PREFIX,
     PRESENT_PREFIX,
@@ -660,11 +661,10 @@ def fuse_attention(
 
 
 _HALF_LOWEST = float(np.finfo(np.float16).min)  # a bias's "masked" in float16: finite, as in float32
-_GQA_BIAS = 10
 _GQA_TABLES = (
     7,
     8,
-    _GQA_BIAS,
+    GQA_BIAS_INPUT,
 )  # cos cache, sin cache, attention bias: made once per step, read by every attention
 
 
@@ -695,7 +695,7 @@ def attention_in_half(model: onnx.ModelProto) -> int:
                 graph.producer.get(name, node) if shared else node
             )  # a table's cast belongs where it is made
             half = f"{name}_half"
-            casts = _half_casts(name, half, index == _GQA_BIAS)
+            casts = _half_casts(name, half, index == GQA_BIAS_INPUT)
             ordered += [_metadata_from(cast, source) for cast in casts]
             if shared:
                 _declare(model, half, TensorProto.FLOAT16, _dims_of(model, name))

@@ -226,10 +226,10 @@ def export_decoder(
 
 def max_logit_difference(
     model, export_config: DecoderWithPastExportConfig, onnx_path: Path, attention_dtype: str = "fp32"
-) -> float:
+) -> tuple[float, float]:
     """Largest |logit| difference between ONNX Runtime and PyTorch (fp32, its attention in ATTENTION_DTYPE) on the
     dummy inputs, with the KV cache given both ways: a past of its own (present allocated by ORT), and the
-    runtimes' way, one buffer of larger capacity bound as both past and present."""
+    runtimes' way, one buffer of larger capacity bound as both past and present; and PyTorch's largest |logit|."""
     import onnxruntime
     import torch
 
@@ -270,7 +270,8 @@ def max_logit_difference(
         torch_logits = _decoder_with_past(
             reference, export_config.dims.num_layers, export_config.image_token_id
         )(*reference_args)[0].numpy()
-    return max(
+    difference = max(
         float(np.abs(logits.astype(np.float32) - torch_logits).max())
         for logits in (own_past_logits, shared_logits)
     )
+    return difference, float(np.abs(torch_logits).max())

@@ -20,6 +20,7 @@ import onnx
 from onnx import TensorProto, helper
 
 from pipeshard.core.errors import UserError
+from pipeshard.formats.io_names import GQA_BIAS_INPUT
 
 CUDA_PROVIDER = "CUDAExecutionProvider"
 OPEN_ENDED = 2**31 - 1  # a registration's since_to when no newer version of the op replaces it
@@ -27,6 +28,7 @@ OPEN_ENDED = 2**31 - 1  # a registration's since_to when no newer version of the
 
 NO_KERNEL = "no kernel"
 SHAPE_ON_CPU = "shape computation"
+BIAS_REFUSED = "attention bias"  # the CUDA GroupQueryAttention kernel fails a run given an attention_bias
 # What ONNX Runtime's CUDA EP places on the CPU EP by itself (GetCpuPreferredNodes): a node all of whose inputs are
 # constants, graph inputs or CPU tensors — the outputs of these ops, and of nodes placed so — and none of them a CPU
 # tensor its kernel takes on the CPU anyway (these ops' inputs at these places).
@@ -200,14 +202,17 @@ def missing_kernels(model: onnx.ModelProto, sub_layer: str, table: KernelTable) 
         if node.op_type == "Constant" and not domain:
             continue  # ONNX Runtime makes it an initializer when it loads the graph: no kernel runs it
         has_kernel = table.has_kernel(node, domain, opsets.get(domain, 0), types)
-        if not has_kernel or node.name in on_cpu:
+        biased = (
+            table.provider == CUDA_PROVIDER
+            and node.op_type == "GroupQueryAttention"
+            and len(node.input) > GQA_BIAS_INPUT
+            and bool(node.input[GQA_BIAS_INPUT])
+        )
+        if not has_kernel or node.name in on_cpu or biased:
             op = f"{domain}::{node.op_type}" if domain else node.op_type
             argument_types = tuple(types.get(a, "?")[len("tensor(") : -1] if a else "-" for a in node.input)
-            missing.append(
-                Missing(
-                    sub_layer, node.name, op, argument_types, NO_KERNEL if not has_kernel else SHAPE_ON_CPU
-                )
-            )
+            why = NO_KERNEL if not has_kernel else SHAPE_ON_CPU if node.name in on_cpu else BIAS_REFUSED
+            missing.append(Missing(sub_layer, node.name, op, argument_types, why))
     return missing
 
 
@@ -255,9 +260,11 @@ def refuse_missing_kernels(model: Path | bytes, sub_layer: str, table: KernelTab
             if first.op.endswith("GroupQueryAttention") and first.types[0] == "float"
             else ""
         )
-        problem = (
-            f"has no {table.provider} kernel in onnxruntime {table.version}"
-            if first.why == NO_KERNEL
-            else f"is a shape computation ONNX Runtime's {table.provider} hands to the CPU"
-        )
-        raise UserError(f"{first} {problem}{more}: the device session would run it on the CPU{advice}")
+        problem = {
+            NO_KERNEL: f"has no {table.provider} kernel in onnxruntime {table.version}{more}: the device session "
+            "would run it on the CPU",
+            SHAPE_ON_CPU: f"is a shape computation ONNX Runtime's {table.provider} hands to the CPU{more}: the "
+            "device session would run it there",
+            BIAS_REFUSED: f"takes an attention bias, which ONNX Runtime's CUDA kernel refuses at run time{more}",
+        }[first.why]
+        raise UserError(f"{first} {problem}{advice}")

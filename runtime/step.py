@@ -23,9 +23,10 @@ from pathlib import Path
 
 import numpy as np
 
+from pipeshard.core.errors import UserError
 from pipeshard.formats.export_info import NUMPY_DTYPES
 from pipeshard.formats.manifest import load_pack
-from pipeshard.formats.plans import Plan, planning_units
+from pipeshard.formats.plans import Placement, Plan, planning_units
 from pipeshard.runtime import capi
 from pipeshard.runtime.devices import CpuDevice, Device
 from pipeshard.runtime.experts import ExpertRunner
@@ -304,6 +305,8 @@ class Step:
             return np.concatenate(pieces, axis=1)
         tier = self.book.tier_for(batch * tokens)
         plan = self.book.plan_for(tier)
+        if not self.pack.model.device_attention_masks_padding and not attention_mask.all():
+            self._refuse_padding_on_device(plan)
         if plan is not self.residency.active:
             self._activate(plan)
         program = self._program
@@ -325,6 +328,21 @@ class Step:
         if self.moe:
             self.expert_stats.end_step(batch * tokens)
         return program.logits
+
+    def _refuse_padding_on_device(self, plan: Plan) -> None:
+        """A step with padding, and an attention the plan puts on the device, whose graph takes no padding mask
+        (float16 attention: ModelFacts.device_attention_masks_padding)."""
+        on_device = [
+            e.name
+            for e in self.layout.in_line
+            if e.kv and plan.placements.get(e.name, Placement.CPU) != Placement.CPU
+        ]
+        if on_device:
+            raise UserError(
+                f"a batch of sequences of different lengths with {on_device[0]} on the device: float16 attention "
+                "on a device takes no padding mask (ONNX Runtime's CUDA GroupQueryAttention refuses an attention "
+                "bias); run the sequences one at a time, or plan with attention on the CPU"
+            )
 
     def read_kv(self, row: int, begin: int, end: int) -> np.ndarray:
         """Columns [begin, end) of KV row `row` of every attention, between steps (a prompt's prefix to keep)."""

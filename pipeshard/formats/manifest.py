@@ -272,6 +272,13 @@ class ModelFacts:
     def kv_dtype(self) -> str:
         return self.attention_dtype
 
+    @property
+    def device_attention_masks_padding(self) -> bool:
+        """False for float16 attention: its device graphs run ONNX Runtime's CUDA GroupQueryAttention, which refuses
+        an attention bias, so they have none, and a step with padding (a batch of different lengths) cannot run an
+        attention on the device."""
+        return self.attention_dtype != "fp16"
+
     @classmethod
     def from_json(cls, fields: Fields) -> ModelFacts:
         dtype = fields.str("dtype", choices=DTYPES)
