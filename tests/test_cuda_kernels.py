@@ -24,7 +24,7 @@ from pipeshard.partitioner.partition import partition
 from pipeshard.partitioner.planner import Planner
 from pipeshard.profiles.db import load_profile
 from pipeshard.runtime.devices import make_device
-from pipeshard.runtime.kernel_check import SHAPE_ON_CPU, KernelTable, Missing, missing_kernels
+from pipeshard.runtime.kernel_check import BIAS_REFUSED, SHAPE_ON_CPU, KernelTable, Missing, missing_kernels
 from pipeshard.runtime.plansource import PlanBook
 from pipeshard.runtime.step import Step
 from pipeshard.runtime.text import TextCodec
@@ -129,6 +129,16 @@ def test_a_float32_group_query_attention_is_named(table):
 
 def test_a_float16_group_query_attention_has_a_cuda_kernel(table):
     assert missing_kernels(_group_query_attention(TensorProto.FLOAT16), "planted", table) == []
+
+
+def test_a_group_query_attention_given_a_bias_is_named(table):
+    """ONNX Runtime's CUDA GQA kernel fails a run given an attention_bias (input 10)."""
+    model = _group_query_attention(TensorProto.FLOAT16)
+    node = model.graph.node[0]
+    node.input.extend(["", "", "", "bias"])
+    model.graph.input.append(helper.make_tensor_value_info("bias", TensorProto.FLOAT16, None))
+    (missing,) = missing_kernels(model, "planted", table)
+    assert (missing.node, missing.why) == ("layers.0.attn", BIAS_REFUSED)
 
 
 def _one_hot(opset: int) -> onnx.ModelProto:

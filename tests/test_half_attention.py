@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import pipeshard
+from pipeshard.core.errors import UserError
 from pipeshard.exporter.export import HALF_ATTENTION_RELATIVE_TOLERANCE
 from pipeshard.exporter.half_attention import use_attention_dtype
 from pipeshard.exporter.tiny import build_tiny_model
@@ -84,3 +85,16 @@ def test_the_kv_cache_is_float16_in_the_pack_and_in_the_planners_vram(half_pack,
     planners = [Planner(pack.manifest, profile, context=256) for pack in (half, full)]
     kv_cache = [sum(p.kv_bytes(e) for e in p.placeable) for p in planners]
     assert 2 * kv_cache[0] == kv_cache[1] > 0
+
+
+def test_a_padded_batch_with_float16_attention_on_the_device_is_refused_in_one_line(models):
+    """The device variant takes no padding mask (ONNX Runtime's CUDA GQA refuses an attention bias); the chain,
+    whose graphs keep it, runs the batch."""
+    pack = models.pack("tiny:llama", attention="fp16")
+    prompts = ["Hi", "What is the capital of France, and why is it famous?"]
+    assert all(g.tokens for g in pipeshard.load(pack).generate(prompts, max_new_tokens=4))
+    engine = pipeshard.load(pack, vram="60%", device="sim", profile="laptop-8gb", plan="static")
+    assert engine.step.book.plan_for(1).placements["L0.attn"] != "cpu"  # static pins attention first
+    with pytest.raises(UserError) as refused:
+        engine.generate(prompts, max_new_tokens=4)
+    assert "\n" not in str(refused.value) and "on the device" in str(refused.value)
