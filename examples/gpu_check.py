@@ -110,7 +110,7 @@ def environment(device: str) -> dict:
         session = onnxruntime.InferenceSession(hop_model(8).SerializeToString(), providers=_providers(device))
         found["session_providers"] = session.get_providers()
         if found["session_providers"][0] != "CUDAExecutionProvider":
-            raise SystemExit(f"CUDA EP did not load: the session got {found['session_providers']}")
+            raise RuntimeError(f"CUDA EP did not load: the session got {found['session_providers']}")
         session.run(None, {"X": np.ones((1, 1, 8), np.float32)})
         from pipeshard.profiles.measure_cuda import CudaRuntime
 
