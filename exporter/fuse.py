@@ -42,6 +42,7 @@ from pipeshard.core.errors import UserError
 from pipeshard.exporter.half_weights import HALF_TYPES, store_weights_in_half
 from pipeshard.exporter.quantized_weights import store_weights_quantized
 from pipeshard.formats.io_names import (
+    GQA_BIAS_INPUT,
     PADDING_BIAS,
     PAST_PREFIX,
     PRESENT_PREFIX,
@@ -659,6 +660,79 @@ def fuse_attention(
     return len(attentions)
 
 
+_HALF_LOWEST = float(np.finfo(np.float16).min)  # a bias's "masked" in float16: finite, as in float32
+_GQA_TABLES = (
+    7,
+    8,
+    GQA_BIAS_INPUT,
+)  # cos cache, sin cache, attention bias: made once per step, read by every attention
+
+
+def attention_in_half(model: onnx.ModelProto) -> int:
+    """Every GroupQueryAttention computes in float16 (ONNX Runtime's CUDA kernels are float16 / bfloat16 only; its
+    CPU EP has float16 ones too): q, k and v cast to float16 before it and its output back to float32 after it, the
+    past and present KV declared float16 (half the bytes to pin, stream and read), and the rotary tables and the
+    bias cast once where every attention reads them (the bias raised to float16's lowest first: float32's would
+    become -inf, and a padding row masked everywhere would turn to NaN). The rest of the model computes as before.
+    Returns how many attentions."""
+    graph = _Graph(model)
+    halves: dict[str, str] = {}  # a table or bias -> its float16 copy
+    ordered: list[onnx.NodeProto] = []
+    attentions = 0
+    for node in list(graph.nodes):
+        if node.op_type != "GroupQueryAttention":
+            ordered.append(node)
+            continue
+        attentions += 1
+        for index, name in enumerate(node.input):
+            shared = index in _GQA_TABLES
+            if not name or not (index <= 2 or shared):
+                continue
+            if name in halves:
+                node.input[index] = halves[name]
+                continue
+            source = (
+                graph.producer.get(name, node) if shared else node
+            )  # a table's cast belongs where it is made
+            half = f"{name}_half"
+            casts = _half_casts(name, half, index == GQA_BIAS_INPUT)
+            ordered += [_metadata_from(cast, source) for cast in casts]
+            if shared:
+                _declare(model, half, TensorProto.FLOAT16, _dims_of(model, name))
+                halves[name] = half
+            node.input[index] = half
+        output = node.output[0]
+        node.output[0] = f"{output}_half"
+        back = helper.make_node(
+            "Cast", [node.output[0]], [output], name=f"{output}_float", to=TensorProto.FLOAT
+        )
+        ordered += [node, _metadata_from(back, node)]
+    del graph.nodes[:]
+    graph.nodes.extend(ordered)
+    for value in (*model.graph.input, *model.graph.output):
+        if value.name.startswith((PAST_PREFIX, PRESENT_PREFIX)):
+            value.type.tensor_type.elem_type = TensorProto.FLOAT16
+    return attentions
+
+
+def _half_casts(name: str, half: str, bias: bool) -> list[onnx.NodeProto]:
+    """NAME cast to float16 as HALF; a bias first raised to float16's lowest value."""
+    if not bias:
+        return [helper.make_node("Cast", [name], [half], name=half, to=TensorProto.FLOAT16)]
+    lowest = f"{half}_lowest"
+    return [
+        helper.make_node(
+            "Constant",
+            [],
+            [lowest],
+            name=lowest,
+            value=helper.make_tensor("v", TensorProto.FLOAT, [], [_HALF_LOWEST]),
+        ),
+        helper.make_node("Max", [name, lowest], [f"{half}_raised"], name=f"{half}_raised"),
+        helper.make_node("Cast", [f"{half}_raised"], [half], name=half, to=TensorProto.FLOAT16),
+    ]
+
+
 def _remove_dead_nodes(model: onnx.ModelProto) -> None:
     graph_outputs = {o.name for o in model.graph.output}
     nodes = model.graph.node
@@ -746,16 +820,20 @@ def fuse_exported_model(
     shape_only: bool = False,
     stored_dtype: str = "fp32",
     stored_rows=None,
+    attention_dtype: str = "fp32",
 ) -> int:
     """Apply the rewrites to an exported model file in place (its external data file rewritten); with a
     half-precision `stored_dtype`, the product and embedding weights are then stored in it (half_weights.py).
     `shape_only`: the file's weights are references (onnx_export's shape-only trace), and what the rewrites
     compute (the rotary tables) becomes references too: no data file is written. No `max_context`: rotary is
     never moved into GQA (M-RoPE positions are not the cache's). `stored_rows`: a GGUF's quantized rows, whose
-    blocks the weights made of them are stored as (quantized_weights.py)."""
+    blocks the weights made of them are stored as (quantized_weights.py). `attention_dtype` fp16: every
+    attention and its KV cache in float16 (`attention_in_half`)."""
     model = onnx.load(str(onnx_path), load_external_data=not shape_only)
     float_type = {"fp32": TensorProto.FLOAT, "fp16": TensorProto.FLOAT16}[dtype]
     fused = fuse_attention(model, heads, kv_heads, head_dim, float_type, max_context, sliding_window)
+    if attention_dtype == "fp16":
+        attention_in_half(model)
     pack_sibling_projections(model)
     if stored_dtype in HALF_TYPES:
         store_weights_in_half(model, stored_dtype)

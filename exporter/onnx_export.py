@@ -11,6 +11,7 @@ import numpy as np
 
 from pipeshard.exporter.configs import DecoderWithPastExportConfig
 from pipeshard.exporter.fuse import stored_externally
+from pipeshard.exporter.half_attention import use_attention_dtype
 from pipeshard.exporter.layer_copies import LayerCopyError, copy_layers, layer_plan, traced_prefix
 from pipeshard.exporter.moe_blocks import moe_export_form
 from pipeshard.exporter.vlm import IMAGE_MERGE, image_merge_module
@@ -223,10 +224,12 @@ def export_decoder(
     program.save(str(onnx_path), external_data=True)
 
 
-def max_logit_difference(model, export_config: DecoderWithPastExportConfig, onnx_path: Path) -> float:
-    """Largest |logit| difference between ONNX Runtime and PyTorch (fp32) on the dummy inputs, with the KV
-    cache given both ways: a past of its own (present allocated by ORT), and the runtimes' way, one
-    buffer of larger capacity bound as both past and present."""
+def max_logit_difference(
+    model, export_config: DecoderWithPastExportConfig, onnx_path: Path, attention_dtype: str = "fp32"
+) -> tuple[float, float]:
+    """Largest |logit| difference between ONNX Runtime and PyTorch (fp32, its attention in ATTENTION_DTYPE) on the
+    dummy inputs, with the KV cache given both ways: a past of its own (present allocated by ORT), and the
+    runtimes' way, one buffer of larger capacity bound as both past and present; and PyTorch's largest |logit|."""
     import onnxruntime
     import torch
 
@@ -235,7 +238,11 @@ def max_logit_difference(model, export_config: DecoderWithPastExportConfig, onnx
     options = onnxruntime.SessionOptions()
     options.log_severity_level = 3
     session = onnxruntime.InferenceSession(str(onnx_path), options, providers=["CPUExecutionProvider"])
-    feeds = {name: tensor.numpy() for name, tensor in zip(export_config.inputs, args, strict=True)}
+    kinds = {i.name: i.type for i in session.get_inputs()}
+    feeds = {
+        name: tensor.numpy().astype(np.float16) if kinds[name] == "tensor(float16)" else tensor.numpy()
+        for name, tensor in zip(export_config.inputs, args, strict=True)
+    }
     (own_past_logits,) = session.run(["logits"], feeds)
     binding = session.io_binding()
     binding.bind_output("logits")  # first bound, first returned
@@ -254,13 +261,17 @@ def max_logit_difference(model, export_config: DecoderWithPastExportConfig, onnx
     shared_logits = binding.get_outputs()[0].numpy()
     # The reference is PyTorch in fp32: its CPU fp16 kernels are themselves further from fp32 (0.37 on
     # SmolLM2's logits) than ONNX Runtime's fp16 graph is (0.03).
-    reference = model if model.dtype == torch.float32 else copy.deepcopy(model).float()
+    reference = (
+        model if model.dtype == torch.float32 and attention_dtype == "fp32" else copy.deepcopy(model).float()
+    )
+    use_attention_dtype(reference, attention_dtype)
     reference_args = [a.float() if a.is_floating_point() else a for a in args]
     with torch.no_grad():
         torch_logits = _decoder_with_past(
             reference, export_config.dims.num_layers, export_config.image_token_id
         )(*reference_args)[0].numpy()
-    return max(
+    difference = max(
         float(np.abs(logits.astype(np.float32) - torch_logits).max())
         for logits in (own_past_logits, shared_logits)
     )
+    return difference, float(np.abs(torch_logits).max())

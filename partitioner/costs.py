@@ -88,11 +88,14 @@ def _attribute(node: onnx.NodeProto, name: str) -> int:
     return next(onnx.helper.get_attribute_value(a) for a in node.attribute if a.name == name)
 
 
-def bytes_moved(sub_layer: SubLayer, kind: str, dims: dict, dtype: str, weight_bytes: int) -> Coefficients:
-    """Memory traffic per step: weights once, activations per token, KV traffic per context token."""
+def bytes_moved(
+    sub_layer: SubLayer, kind: str, dims: dict, dtype: str, weight_bytes: int, kv_dtype: str | None = None
+) -> Coefficients:
+    """Memory traffic per step: weights once, activations (DTYPE) per token, KV traffic (KV_DTYPE, DTYPE unless
+    given) per context token."""
     element = DTYPE_BYTES[dtype]
     hidden = dims["hidden_size"]
-    kv_per_token = kv_bytes_per_token(dims, dtype) if kind == "attn" else 0
+    kv_per_token = kv_bytes_per_token(dims, kv_dtype or dtype) if kind == "attn" else 0
     if kind == "embed":
         return {"T": float(2 * hidden * element)}  # a Gather reads only the rows it needs
     if kind == "prologue":

@@ -291,6 +291,34 @@ def untranspose_tied_weights(model: onnx.ModelProto, assignment: dict[int, str])
     _drop_nodes(model, assignment, unused)
 
 
+def fused_transposed_products(nodes: list[onnx.NodeProto]) -> list[onnx.NodeProto]:
+    """NODES with each product `untranspose_tied_weights` wrote (Shape, Concat, Reshape, Gemm(transB=1), Reshape)
+    as one `com.microsoft::FusedMatMul(x, W, transB=1)`: for a device session. ONNX Runtime's CUDA EP hands the
+    Shape -> Concat of the output's shape to the CPU EP, which a session without CPU fallback refuses; FusedMatMul
+    keeps x's leading dimensions itself and reads W in place (CUDA and CPU kernels)."""
+    by_output = {node.output[0]: node for node in nodes}
+    replaced: dict[str, onnx.NodeProto] = {}  # the output of a product's last Reshape -> its FusedMatMul
+    dropped: set[str] = set()
+    for node in nodes:
+        if node.op_type != "Gemm" or not (match := re.fullmatch(r"(_gemm_\d+_)y2d", node.output[0])):
+            continue
+        prefix = match.group(1)
+        flatten = by_output[prefix + "x2d"]
+        (unflatten,) = [n for n in nodes if n.input and n.input[0] == node.output[0]]
+        fused = helper.make_node(
+            "FusedMatMul",
+            [flatten.input[0], node.input[1]],
+            [unflatten.output[0]],
+            name=prefix + "fused",
+            domain="com.microsoft",
+            transB=1,
+        )
+        fused.metadata_props.extend(node.metadata_props)
+        replaced[unflatten.output[0]] = fused
+        dropped |= {prefix + part for part in ("lead", "out_features", "out_shape", "flat", "x2d", "y2d")}
+    return [replaced.get(node.output[0], node) for node in nodes if node.output[0] not in dropped]
+
+
 def topologically_sorted(
     model: onnx.ModelProto, assignment: dict[int, str]
 ) -> tuple[onnx.ModelProto, dict[int, str]]:

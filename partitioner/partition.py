@@ -23,7 +23,7 @@ from pipeshard.core.errors import UserError
 from pipeshard.core.fsutil import atomic_output_dir, check_output_dir, sha256_file, write_json_atomic
 from pipeshard.core.version import __version__
 from pipeshard.formats.export_info import read_export_info
-from pipeshard.formats.io_names import PAST_PREFIX, PRESENT_PREFIX
+from pipeshard.formats.io_names import GQA_BIAS_INPUT, PAST_PREFIX, PRESENT_PREFIX
 from pipeshard.formats.manifest import MANIFEST_NAME, PACK_SCHEMA_VERSION, WEIGHT_ALIGNMENT
 from pipeshard.partitioner.costs import (
     DTYPE_BYTES,
@@ -40,6 +40,7 @@ from pipeshard.partitioner.graph import (
     build_graph,
     cut,
     expert_index,
+    fused_transposed_products,
     hoist_step_invariants,
     keep_embedding_whole,
     merge_duplicate_prologue_nodes,
@@ -247,9 +248,22 @@ def row_prefix_outputs(model: onnx.ModelProto, sub_layer, initializers) -> dict[
 
 
 def _sub_model(
-    model, sub_layer, infos, initializers, placements, weights_as_inputs: bool, row_chunks: str | None = None
+    model,
+    sub_layer,
+    infos,
+    initializers,
+    placements,
+    weights_as_inputs: bool,
+    row_chunks: str | None = None,
+    unmasked_attention: bool = False,
 ) -> onnx.ModelProto:
+    """A sub-layer's graph: weights as stored (`onnx`), or as inputs (`weights_as_inputs`, the device's variant,
+    whose attentions take no bias with `unmasked_attention`: ModelFacts.device_attention_masks_padding)."""
     nodes = [model.graph.node[i] for i in sub_layer.nodes]
+    if weights_as_inputs:  # the device's variant
+        nodes = fused_transposed_products(nodes)
+        if unmasked_attention:
+            nodes = [_without_attention_bias(node) for node in nodes]
     inputs = [infos[name] for name in sub_layer.inputs]
     outputs = [infos[name] for name in sub_layer.outputs]
     if weights_as_inputs and row_chunks:  # the logits of a row chunk are as wide as the chunk
@@ -284,6 +298,16 @@ def _sub_model(
     )
     sub_model.functions.extend(model.functions)
     return sub_model
+
+
+def _without_attention_bias(node: onnx.NodeProto) -> onnx.NodeProto:
+    """A GroupQueryAttention without its attention bias (input 10); other nodes as they are."""
+    if node.op_type != "GroupQueryAttention" or len(node.input) <= GQA_BIAS_INPUT:
+        return node
+    copy = onnx.NodeProto()
+    copy.CopyFrom(node)
+    copy.input[GQA_BIAS_INPUT] = ""
+    return copy
 
 
 def _copy_shared_weights(model: onnx.ModelProto, assignment: dict[int, str]) -> None:
@@ -403,7 +427,7 @@ def partition(export_dir: Path, pack: Path, force: bool = False) -> PartitionRes
             f"known: {', '.join(sorted(RULES_BY_ARCHITECTURE))}"
         )
     dims, dtype = info.dims, info.dtype
-    compute = info.compute_dtype  # activations and KV (half-precision weights compute in fp32)
+    compute = info.compute_dtype  # activations (half-precision weights compute in fp32); KV: attention_dtype
     model = onnx.load(export_dir / info.model_file, load_external_data=False)
     graph = build_graph(model)
     assignment = assign_sub_layers(model, graph, rules)
@@ -441,7 +465,16 @@ def partition(export_dir: Path, pack: Path, force: bool = False) -> PartitionRes
                 files = {}
             for variant, as_inputs in (("onnx", False), ("weights_as_inputs", True)) if files else ():
                 onnx.save(
-                    _sub_model(model, sub_layer, infos, initializers, placements, as_inputs, chunkable),
+                    _sub_model(
+                        model,
+                        sub_layer,
+                        infos,
+                        initializers,
+                        placements,
+                        as_inputs,
+                        chunkable,
+                        unmasked_attention=info.attention_dtype == "fp16",
+                    ),
                     staging / files[variant],
                 )
             weights = _weight_records(sub_layer, initializers, placements)
@@ -452,7 +485,7 @@ def partition(export_dir: Path, pack: Path, force: bool = False) -> PartitionRes
                 kv = {
                     "past": [t for t in sub_layer.inputs if t.startswith(PAST_PREFIX)],
                     "present": [t for t in sub_layer.outputs if t.startswith(PRESENT_PREFIX)],
-                    "bytes_per_token": kv_bytes_per_token(dims, compute),
+                    "bytes_per_token": kv_bytes_per_token(dims, info.attention_dtype),
                 }
             entries.append(
                 {
@@ -479,7 +512,9 @@ def partition(export_dir: Path, pack: Path, force: bool = False) -> PartitionRes
                     else None,
                     "cost": {
                         "flops": checked_flops(sub_layer, model, dims),
-                        "bytes": bytes_moved(sub_layer, sub_layer.kind, dims, compute, weight_bytes),
+                        "bytes": bytes_moved(
+                            sub_layer, sub_layer.kind, dims, compute, weight_bytes, info.attention_dtype
+                        ),
                     },
                     "nodes": len(sub_layer.nodes),
                 }
@@ -509,6 +544,7 @@ def partition(export_dir: Path, pack: Path, force: bool = False) -> PartitionRes
                 "architecture": info.architecture,
                 "dtype": dtype,
                 "compute_dtype": compute,
+                "attention_dtype": info.attention_dtype,
                 "num_layers": dims["num_layers"],
                 "hidden_size": dims["hidden_size"],
                 "intermediate_size": dims["intermediate_size"],

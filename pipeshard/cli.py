@@ -16,6 +16,7 @@ from pipeshard.core.errors import UserError
 from pipeshard.core.fsutil import make_parent
 from pipeshard.core.units import format_bytes
 from pipeshard.core.version import __version__
+from pipeshard.formats.export_info import ATTENTION_DTYPES
 
 VRAM_HELP = (
     "VRAM budget: a size (2GiB, 512MiB) or a share of the model's weights on top of the minimum (25%%)"
@@ -137,7 +138,13 @@ def _command_export(args: argparse.Namespace) -> int:
     from pipeshard.exporter import export_model
 
     result = export_model(
-        args.model, args.out, dtype=args.dtype, force=args.force, opset=args.opset, quiet=args.quiet
+        args.model,
+        args.out,
+        dtype=args.dtype,
+        force=args.force,
+        opset=args.opset,
+        quiet=args.quiet,
+        attention_dtype=args.attention_dtype,
     )
     total = sum(result.files.values())
     print(
@@ -826,6 +833,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="the weights' type: auto (default: a GGUF's quantized blocks kept as stored, else fp32), gguf "
         "(Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K ... Q6_K blocks, computed in fp32), fp32, fp16 or bf16 "
         "(half-precision weights stored so, computed in fp32)",
+    )
+    export.add_argument(
+        "--attention-dtype",
+        default="fp32",
+        choices=ATTENTION_DTYPES,
+        help="what the fused attention and its KV cache compute in: fp32 (default) or fp16, which a GPU's fused "
+        "attention needs (ONNX Runtime's CUDA GroupQueryAttention is float16/bfloat16 only) and which halves the "
+        "KV cache; checked against transformers with its attention in float16 (docs/precision.md)",
     )
     export.add_argument("--opset", type=_opset, default=None, help="ONNX opset, 18 to 23 (default 23)")
     export.add_argument("--force", action="store_true", help="replace OUT if it exists")

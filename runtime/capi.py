@@ -236,7 +236,8 @@ class Runtime:
         """A session over a model file, or over a serialized model whose external data lie in `weights_folder`.
         `initializers`: arrays used in place of the model's initializers of those names (not copied; kept while
         the session lives); sessions made with the same `shared` and the same arrays prepack them once.
-        `cuda_options`: run on the CUDA EP with these provider options (nodes it lacks fall back to the CPU)."""
+        `cuda_options`: run on the CUDA EP with these provider options; a node it has no kernel for makes ONNX
+        Runtime refuse the session (one `error:` line), never a silent CPU fallback."""
         try:
             return Session(
                 self,
@@ -250,6 +251,11 @@ class Runtime:
                 cuda_options,
             )
         except OrtError as error:
+            if cuda_options is not None:
+                raise UserError(
+                    f"{model if isinstance(model, Path) else 'a joined device graph'}: ONNX Runtime refused it on "
+                    f"the CUDA EP ({str(error).splitlines()[0][:300]})"
+                ) from None
             if not isinstance(model, Path):
                 raise
             raise UserError(
@@ -349,6 +355,8 @@ class Session:
             if not prepack:
                 lib.check(lib.AddSessionConfigEntry(options, b"session.disable_prepacking", b"1"))
             if cuda_options is not None:
+                # A node the CUDA EP has no kernel for fails the session instead of running on the CPU unseen.
+                lib.check(lib.AddSessionConfigEntry(options, b"session.disable_cpu_ep_fallback", b"1"))
                 _append_cuda(lib, options, cuda_options)
             container = shared.pointer if shared is not None else None
             if isinstance(model, bytes):

@@ -68,10 +68,12 @@ class CopyTicket:
 class CudaDevice(LedgeredDevice):
     kind = "cuda"  # DeviceKind.CUDA (runtime/devices.py imports this module, not the other way)
 
-    def __init__(self, budget_bytes: int, runtime=None, device_id: int = 0) -> None:
+    def __init__(self, budget_bytes: int, runtime=None, device_id: int = 0, kernel_table=None) -> None:
+        """`kernel_table`: the CUDA EP's kernels (runtime/kernel_check.py) every device graph is checked against."""
         if runtime is None:
             from cuda.bindings import runtime
         super().__init__(budget_bytes)
+        self.kernel_table = kernel_table
         self.rt = runtime
         self.device_id = device_id
         _check(self.rt.cudaSetDevice(device_id))

@@ -49,6 +49,9 @@ class Device(Protocol):
     kind: str
     ledger: Ledger
     cuda_options: dict[str, str] | None  # the CUDA EP's options for device sessions; None: the CPU EP
+    kernel_table: (
+        object  # a KernelTable every device graph must pass at load (runtime/kernel_check.py); None: none
+    )
     copied_bytes: int
     copy_seconds: float
 
@@ -166,12 +169,14 @@ class CpuDevice(HostMemoryDevice):
 
 
 class SimDevice(HostMemoryDevice):
-    """Host memory posing as device memory, with a budget and an asynchronous copy engine."""
+    """Host memory posing as device memory, with a budget and an asynchronous copy engine. With a kernel table
+    (the CUDA EP's, read offline) its device graphs are refused at load as a CUDA device would refuse them."""
 
     kind = DeviceKind.SIM
 
-    def __init__(self, budget_bytes: int) -> None:
+    def __init__(self, budget_bytes: int, kernel_table=None) -> None:
         super().__init__(budget_bytes)
+        self.kernel_table = kernel_table
         self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pipeshard-prefetch")
 
     def upload(self, target: np.ndarray, source: np.ndarray) -> Future:
@@ -215,14 +220,16 @@ def _drop_mapped_pages(source: np.ndarray) -> None:
         mapped.madvise(mmap.MADV_DONTNEED)
 
 
-def make_device(kind: str, budget_bytes: int) -> Device:
-    """The device of a name; `cuda` only when the CUDA EP really loads."""
+def make_device(kind: str, budget_bytes: int, kernel_table=None) -> Device:
+    """The device of a name; `cuda` only when the CUDA EP really loads, its graphs checked against the kernels of
+    the onnxruntime in this process. `kernel_table`: what a `sim` device checks its graphs against (none by
+    default)."""
     if kind == DeviceKind.CPU:
         return CpuDevice(budget_bytes)
     if kind == DeviceKind.SIM:
-        return SimDevice(budget_bytes)
+        return SimDevice(budget_bytes, kernel_table)
     if kind == DeviceKind.CUDA:
-        from pipeshard.runtime.ort import cuda_usable
+        from pipeshard.runtime.ort import cuda_usable, import_onnxruntime
 
         if not cuda_usable():
             raise UserError(
@@ -230,6 +237,7 @@ def make_device(kind: str, budget_bytes: int) -> Device:
                 "and cuDNN 9, and check `nvidia-smi`); use --device sim or cpu"
             )
         from pipeshard.runtime.cuda_device import CudaDevice
+        from pipeshard.runtime.kernel_check import kernel_table as registered_kernels
 
-        return CudaDevice(budget_bytes)
+        return CudaDevice(budget_bytes, kernel_table=registered_kernels(import_onnxruntime()))
     raise UserError(f"unknown device {kind!r}; choose {', '.join(DEVICE_KINDS)}")

@@ -44,6 +44,7 @@ class LedgeredDevice:
     """What every device shares: a ledger that every byte of device memory is charged to."""
 
     cuda_options: dict[str, str] | None = None
+    kernel_table = None  # runtime/kernel_check.py's KernelTable: device graphs are checked against it at load
 
     def __init__(self, budget_bytes: int) -> None:
         self.ledger = Ledger(budget_bytes)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeshard.formats.export_info import read_export_info
+from pipeshard.formats.export_info import NUMPY_DTYPES, read_export_info
 from pipeshard.formats.io_names import IMAGE_FEATURES, PAST_PREFIX, present_name
 from pipeshard.runtime import capi
 from pipeshard.runtime.kv import HostKvCache, check_step_shape, mrope_settings
@@ -26,20 +26,24 @@ class MonolithicStep:
         self.session = rt.session(self.folder / self.info.model_file, threads, optimize)
         past_names = [name for name in self.info.inputs if name.startswith(PAST_PREFIX)]
         self.kv = HostKvCache(
-            past_names, int(dims["num_key_value_heads"]), int(dims["head_dim"]), self.info.activation_dtype
+            past_names,
+            int(dims["num_key_value_heads"]),
+            int(dims["head_dim"]),
+            NUMPY_DTYPES[self.info.attention_dtype],
         )
+        activations = self.info.activation_dtype
         self.vocab_size = int(dims["vocab_size"])
         self.binding = self.session.binding()
         self.run_options = rt.run_options()
-        self._logits = np.empty(0, self.kv.dtype)
+        self._logits = np.empty(0, activations)
         self.takes_images = IMAGE_FEATURES in self.info.inputs
         self.image_token_id = int(self.info.vision["image_token_id"]) if self.takes_images else None
-        self._no_features = np.zeros((0, int(dims["hidden_size"])), self.kv.dtype)
+        self._no_features = np.zeros((0, int(dims["hidden_size"])), activations)
         self.mrope = mrope_settings(self.info.position_rows, self.info.vision)
 
     def start(self, batch_size: int, context: int | None = None) -> None:
         self.binding.clear()  # lets the old KV buffers go before the new ones are made
-        self._logits = np.empty(0, self.kv.dtype)  # rebound at the next step
+        self._logits = np.empty(0, self._no_features.dtype)  # rebound at the next step
         self.kv.reset(batch_size, context)
         self._bind_kv()
 
@@ -69,11 +73,11 @@ class MonolithicStep:
             binding.bind_input(
                 IMAGE_FEATURES,
                 np.ascontiguousarray(
-                    self._no_features if image_features is None else image_features, self.kv.dtype
+                    self._no_features if image_features is None else image_features, self._no_features.dtype
                 ),
             )
         if self._logits.shape[:2] != (batch, tokens):  # logits land in our buffer: no output is fetched back
-            self._logits = np.empty((batch, tokens, self.vocab_size), self.kv.dtype)
+            self._logits = np.empty((batch, tokens, self.vocab_size), self._no_features.dtype)
             binding.bind_output("logits", self._logits)
         capi.run(self.session, binding, self.run_options)
         return self._logits

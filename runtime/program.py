@@ -46,7 +46,7 @@ class Parts:
     device_memory: object  # the ONNX Runtime memory info device buffers are bound with
     run_options: object
     tables: dict[str, np.ndarray]  # the rotary tables, bound whole
-    dtype: np.dtype  # activations and KV
+    dtype: np.dtype  # activations (the KV's is kv.dtype)
     vocab_size: int
     mrope: bool  # position ids of 3 rows
 
@@ -110,7 +110,7 @@ class Program:
         hidden_size = layout.hidden_size
         # Where a device's KV buffer holds the step's rows: (byte offset, shape), for every KV binding.
         self.first_row, self.row_count = rows or (0, kv.batch)
-        row_bytes = int(np.prod(kv.shape[1:])) * np.dtype(dtype).itemsize
+        row_bytes = int(np.prod(kv.shape[1:])) * kv.dtype.itemsize
         self.kv_view = (self.first_row * row_bytes, (self.row_count, *kv.shape[1:]))
         self.all_logits = all_logits
         self.decoding = shape[1] == 1 and layout.skippable_prologue is not None
@@ -270,8 +270,8 @@ class Program:
             row_offset, kv_shape = self.kv_view
             kv = parts.layout.entries[unit].kv
             for past, present, buffer in zip(kv.past, kv.present, residency.kv_slots[slot], strict=True):
-                parts.bind_device(stage, past, buffer, row_offset, parts.dtype, kv_shape)
-                parts.bind_device(stage, present, buffer, row_offset, parts.dtype, kv_shape, output=True)
+                parts.bind_device(stage, past, buffer, row_offset, parts.kv.dtype, kv_shape)
+                parts.bind_device(stage, present, buffer, row_offset, parts.kv.dtype, kv_shape, output=True)
 
     def _bind_stage(self, stage: Stage) -> None:
         """(Re)bind everything of a stage that stays put for the plan and batch shape: KV, residual buffers, fixed
@@ -290,8 +290,8 @@ class Program:
                     if owner in residency.kv_streamed
                     else residency.kv_device[past]
                 )
-                parts.bind_device(stage, past, buffer, row_offset, dtype, kv_shape)
-                parts.bind_device(stage, present, buffer, row_offset, dtype, kv_shape, output=True)
+                parts.bind_device(stage, past, buffer, row_offset, parts.kv.dtype, kv_shape)
+                parts.bind_device(stage, present, buffer, row_offset, parts.kv.dtype, kv_shape, output=True)
             else:
                 host = parts.kv.buffers[past][self.first_row : self.first_row + self.row_count]
                 binding.bind_input(past, host)

@@ -33,6 +33,18 @@ JOINED_KEPT_PLANS = 4
 _NO_ROLES = Roles(frozenset(), frozenset(), frozenset())
 
 
+def device_session(
+    rt: capi.Runtime, device: Device, model: Path, name: str, threads: int | None, optimize: bool = True
+) -> capi.Session:
+    """A sub-layer's session on the device: its graph checked against the device's kernel table first, so a node
+    the device has no kernel for is one `error:` line naming it (runtime/kernel_check.py)."""
+    if device.kernel_table is not None:
+        from pipeshard.runtime.kernel_check import refuse_missing_kernels
+
+        refuse_missing_kernels(model, name, device.kernel_table)
+    return rt.session(model, threads, optimize, cuda_options=device.cuda_options)
+
+
 class Stage:
     """One session run: a sub-layer's (or a row chunk's), or a stretch of sub-layers joined into one, with its
     boundary names sorted by how they are bound and the side whose buffers it reads and writes."""
@@ -108,7 +120,7 @@ class Sessions:
         """`decode_attention`, `weight_matmul`, `fp32_weight_matmul`: the swaps asked for (runtime/decode_attention.py,
         runtime/weight_matmul.py), made only where the custom ops are built."""
         self.pack, self.layout, self.device = pack, layout, device
-        self._rt = rt
+        self._rt, self._threads, self._optimize = rt, threads, optimize
         self.decode_attention = decode_attention and capi.custom_ops_available()
         self.weight_matmul = weight_matmul and capi.custom_ops_available()
         self.fp32_weight_matmul = self.weight_matmul and fp32_weight_matmul
@@ -122,7 +134,7 @@ class Sessions:
             shared=self._shared_weights,
             weights_folder=pack.folder,
         )
-        self._device_session = partial(
+        self._joined_device_session = partial(
             rt.session, threads=threads, optimize=optimize, cuda_options=device.cuda_options
         )
         self._cpu: dict[str, Stage] = {}
@@ -157,7 +169,14 @@ class Sessions:
                 ),
                 None,
             )
-            session = shared or self._device_session(self.pack.path(entry.files["weights_as_inputs"]))
+            session = shared or device_session(
+                self._rt,
+                self.device,
+                self.pack.path(entry.files["weights_as_inputs"]),
+                entry.name,
+                self._threads,
+                self._optimize,
+            )
             self._device[name] = self._stage_of(entry, session, on_device=True, name=name)
         return self._device[name]
 
@@ -297,7 +316,7 @@ class Sessions:
                 continue
             weight_names = {w.name for stage in piece for w in entries[stage.name].weights}
             if on_device:
-                session = self._device_session(joined.model)
+                session = self._joined_device_session(joined.model)  # nodes of sub-layers checked at load
             else:
                 weights: dict[str, np.ndarray] = {}
                 for stage in piece:

@@ -23,9 +23,10 @@ from pathlib import Path
 
 import numpy as np
 
+from pipeshard.core.errors import UserError
 from pipeshard.formats.export_info import NUMPY_DTYPES
 from pipeshard.formats.manifest import load_pack
-from pipeshard.formats.plans import Plan, planning_units
+from pipeshard.formats.plans import Placement, Plan, planning_units
 from pipeshard.runtime import capi
 from pipeshard.runtime.devices import CpuDevice, Device
 from pipeshard.runtime.experts import ExpertRunner
@@ -94,7 +95,8 @@ class Step:
         self.hidden_size = model.hidden_size
         self.vocab_size = model.vocab_size
         self.kv_heads, self.head_dim = model.num_key_value_heads, model.head_dim
-        self.dtype = NUMPY_DTYPES[model.compute_dtype]  # activations and KV; weights may be half precision
+        self.dtype = NUMPY_DTYPES[model.compute_dtype]  # activations; weights may be half precision
+        kv_dtype = NUMPY_DTYPES[model.kv_dtype]  # the fused attention's and its cache's
         self.device = device or CpuDevice()
         # The units the plans place: the plan source's (its row chunks of the output layer), else the pack's own.
         units = book.source.units if book and book.planned else planning_units(self.pack.sub_layers)
@@ -110,7 +112,7 @@ class Step:
             threads,
             optimize,
             prepack,
-            decode_attention=decode_attention and self.dtype == np.float32 and self.head_dim % 8 == 0,
+            decode_attention=decode_attention and kv_dtype == np.float32 and self.head_dim % 8 == 0,
             weight_matmul=weight_matmul,
             fp32_weight_matmul=fp32_weight_matmul,
         )
@@ -126,7 +128,7 @@ class Step:
             [past for e in layout.in_line if e.kv for past in e.kv.past],
             self.kv_heads,
             self.head_dim,
-            self.dtype,
+            kv_dtype,
         )
         self.residency = Residency(self.device, layout, self.pack, self.kv, self.stats)
         vision = self.pack.manifest.vision.facts if self.pack.manifest.vision else None  # the export's dict
@@ -303,6 +305,8 @@ class Step:
             return np.concatenate(pieces, axis=1)
         tier = self.book.tier_for(batch * tokens)
         plan = self.book.plan_for(tier)
+        if not self.pack.model.device_attention_masks_padding and not attention_mask.all():
+            self._refuse_padding_on_device(plan)
         if plan is not self.residency.active:
             self._activate(plan)
         program = self._program
@@ -324,6 +328,21 @@ class Step:
         if self.moe:
             self.expert_stats.end_step(batch * tokens)
         return program.logits
+
+    def _refuse_padding_on_device(self, plan: Plan) -> None:
+        """A step with padding, and an attention the plan puts on the device, whose graph takes no padding mask
+        (float16 attention: ModelFacts.device_attention_masks_padding)."""
+        on_device = [
+            e.name
+            for e in self.layout.in_line
+            if e.kv and plan.placements.get(e.name, Placement.CPU) != Placement.CPU
+        ]
+        if on_device:
+            raise UserError(
+                f"a batch of sequences of different lengths with {on_device[0]} on the device: float16 attention "
+                "on a device takes no padding mask (ONNX Runtime's CUDA GroupQueryAttention refuses an attention "
+                "bias); run the sequences one at a time, or plan with attention on the CPU"
+            )
 
     def read_kv(self, row: int, begin: int, end: int) -> np.ndarray:
         """Columns [begin, end) of KV row `row` of every attention, between steps (a prompt's prefix to keep)."""

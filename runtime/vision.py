@@ -25,6 +25,7 @@ from pipeshard.formats.vision_memory import VisionShape, naive_workspace, tile_r
 from pipeshard.runtime import capi
 from pipeshard.runtime.devices import DeviceKind
 from pipeshard.runtime.images import expand_image_tokens, image_placeholder, load_image, preprocess
+from pipeshard.runtime.stages import device_session
 
 PIXEL_VALUES, IMAGE_FEATURES = "pixel_values", "image_features"
 WEIGHTS, WORKSPACE = "vision weights", "vision workspace"
@@ -133,10 +134,12 @@ class PackVision:
     def _session(self, entry: SubLayer) -> capi.Session:
         if entry.name not in self._sessions:
             if self.on_device:
-                session = self._rt.session(
+                session = device_session(
+                    self._rt,
+                    self.device,
                     self.pack.path(entry.files["weights_as_inputs"]),
+                    entry.name,
                     self._threads,
-                    cuda_options=self.device.cuda_options,
                 )
             else:
                 session = self._rt.session(self.pack.path(entry.files["onnx"]), self._threads)

@@ -37,15 +37,19 @@ def _export_fingerprint() -> str:
     return digest.hexdigest()
 
 
-def _export_once(model: str, folder: Path, dtype: str = "fp32") -> Path:
+def _export_once(model: str, folder: Path, dtype: str = "fp32", attention: str = "fp32") -> Path:
     """Export unless an export made by the same code and libraries is already there."""
     from pipeshard.exporter import export_model
 
     stamp = folder / FINGERPRINT_FILE
     if not (stamp.is_file() and stamp.read_text() == _export_fingerprint()):
-        export_model(model, folder, dtype=dtype, force=True, quiet=True)
+        export_model(model, folder, dtype=dtype, force=True, quiet=True, attention_dtype=attention)
         stamp.write_text(_export_fingerprint())
     return folder
+
+
+def _folder_name(name: str, dtype: str, attention: str) -> str:
+    return f"{name.replace(':', '-')}-{dtype}" + ("" if attention == "fp32" else f"-attention-{attention}")
 
 
 class Models:
@@ -54,26 +58,27 @@ class Models:
 
     def __init__(self, root: Path) -> None:
         self.root = root
-        self.partition_seconds: dict[tuple[str, str], float] = {}  # how long each pack took to make
-        self._exports: dict[tuple[str, str], Path] = {}
-        self._packs: dict[tuple[str, str], Path] = {}
+        self.partition_seconds: dict[tuple[str, str, str], float] = {}  # how long each pack took to make
+        self._exports: dict[tuple[str, str, str], Path] = {}
+        self._packs: dict[tuple[str, str, str], Path] = {}
 
-    def export(self, name: str, dtype: str = "fp32") -> Path:
-        """NAME (`tiny:ARCH` or a built-in model) exported with DTYPE weights, kept under CACHE between runs."""
-        key = (name, dtype)
+    def export(self, name: str, dtype: str = "fp32", attention: str = "fp32") -> Path:
+        """NAME (`tiny:ARCH` or a built-in model) exported with DTYPE weights and ATTENTION (`--attention-dtype`),
+        kept under CACHE between runs."""
+        key = (name, dtype, attention)
         if key not in self._exports:
-            folder = CACHE / f"{name.replace(':', '-')}-{dtype}"
-            self._exports[key] = _export_once(name, folder, dtype)
+            folder = CACHE / _folder_name(*key)
+            self._exports[key] = _export_once(name, folder, dtype, attention)
         return self._exports[key]
 
-    def pack(self, name: str, dtype: str = "fp32") -> Path:
-        """The pack of `export(name, dtype)`, partitioned once per session."""
+    def pack(self, name: str, dtype: str = "fp32", attention: str = "fp32") -> Path:
+        """The pack of `export(name, dtype, attention)`, partitioned once per session."""
         from pipeshard.partitioner.partition import partition
 
-        key = (name, dtype)
+        key = (name, dtype, attention)
         if key not in self._packs:
-            export = self.export(name, dtype)
-            folder = self.root / f"{name.replace(':', '-')}-{dtype}" / "pack"
+            export = self.export(*key)
+            folder = self.root / _folder_name(*key) / "pack"
             started = time.perf_counter()
             partition(export, folder)
             self.partition_seconds[key] = time.perf_counter() - started

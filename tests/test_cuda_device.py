@@ -192,13 +192,21 @@ def test_every_cuda_call_of_the_device_exists_in_the_real_bindings():
     assert called and not [name for name in called if not hasattr(runtime, name)]
 
 
-def test_cuda_sessions_and_memory_go_through_the_c_api():
-    """The C API path a CUDA device's sessions take: a memory info for CUDA memory is made, and appending the CUDA
-    EP reaches ONNX Runtime, which on this CPU-only build says it has no CUDA (a wrong table index or argument
-    list would crash or fail otherwise)."""
+def test_cuda_sessions_and_memory_go_through_the_c_api(monkeypatch):
+    """The C API path a CUDA device's sessions take: a memory info for CUDA memory is made, CPU fallback is refused,
+    and appending the CUDA EP reaches ONNX Runtime, which on this CPU-only build says it has no CUDA (a wrong table
+    index or argument list would crash or fail otherwise): one `error:` line."""
+    from pipeshard.core.errors import UserError
     from pipeshard.runtime import capi
 
     rt = capi.runtime()
+    entries = []
+    add_entry = rt.lib.AddSessionConfigEntry
+    monkeypatch.setattr(
+        rt.lib,
+        "AddSessionConfigEntry",
+        lambda options, key, value: entries.append((key, value)) or add_entry(options, key, value),
+    )
     assert rt.memory_info("Cuda", 0).value and rt.memory_info("Cuda", 0) is rt.memory_info("Cuda", 0)
     from onnx import TensorProto, helper
 
@@ -210,7 +218,12 @@ def test_cuda_sessions_and_memory_go_through_the_c_api():
     )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
     model.ir_version = 10
-    with pytest.raises(capi.OrtError, match="(?i)cuda"):
+    with pytest.raises(UserError, match="(?i)refused it on the CUDA EP .*cuda") as refused:
         rt.session(
             model.SerializeToString(), cuda_options={"device_id": "0", "do_copy_in_default_stream": "0"}
         )
+    assert "\n" not in str(refused.value)
+    assert (b"session.disable_cpu_ep_fallback", b"1") in entries
+    entries.clear()
+    rt.session(model.SerializeToString())
+    assert entries and all(key != b"session.disable_cpu_ep_fallback" for key, _ in entries)

@@ -1,158 +1,81 @@
 """Every node of a device sub-layer graph has a CUDA kernel for its op, opset and types in the pinned
-onnxruntime-gpu (tests/ort_kernels.py's table): ONNX Runtime would otherwise run it on the CPU without a word.
-
-Nodes are matched the way ONNX Runtime's kernel registry matches them: the node's since-version at the model's
-opset (its schema's), then each type constraint of the kernel against the first present argument the schema binds
-to it."""
+onnxruntime-gpu (tests/ort_kernels.py's table, checked by runtime/kernel_check.py): ONNX Runtime would otherwise run
+it on the CPU without a word."""
 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
-from typing import NamedTuple
 
 import onnx
 import pytest
 from onnx import TensorProto, helper
 from ort_kernels import ONNXRUNTIME_GPU, TABLE
 
+import pipeshard
+from pipeshard.api import Engine
+from pipeshard.core.errors import UserError
+from pipeshard.core.fsutil import sha256_file
+from pipeshard.exporter.fuse import attention_in_half
 from pipeshard.formats.manifest import load_pack
-from pipeshard.formats.plans import HOST_ONLY_KINDS
+from pipeshard.formats.plans import HOST_ONLY_KINDS, Placement
+from pipeshard.partitioner.partition import partition
+from pipeshard.partitioner.planner import Planner
+from pipeshard.profiles.db import load_profile
+from pipeshard.runtime.devices import make_device
+from pipeshard.runtime.kernel_check import BIAS_REFUSED, SHAPE_ON_CPU, KernelTable, Missing, missing_kernels
+from pipeshard.runtime.plansource import PlanBook
+from pipeshard.runtime.step import Step
+from pipeshard.runtime.text import TextCodec
 
-OPEN_ENDED = 2**31 - 1  # a registration's since_to when no newer version of the op replaces it
-KNOWN_GAP = (
-    "issue 41, the gap to close next: every attention sub-layer's com.microsoft::GroupQueryAttention computes in "
-    "float32 (fp16 packs too: their weights are half, their activations float32), and ONNX Runtime's CUDA "
-    "GroupQueryAttention has float16/bfloat16 kernels only, so on the CUDA EP each attention would run on the CPU"
-)
-TINY_PACKS = [("tiny:llama", "fp32"), ("tiny:moe", "fp32"), ("tiny:llama", "fp16")]
-
-
-class Missing(NamedTuple):
-    """A node the CUDA EP has no kernel for, with its input types (`-` for an absent optional input)."""
-
-    sub_layer: str
-    node: str
-    op: str
-    types: tuple[str, ...]
-
-
-class KernelTable:
-    """The CUDA registrations and the operator schemas of tests/ort_kernels.py's table."""
-
-    def __init__(self, table: dict) -> None:
-        self.kernels: dict[tuple[str, str], list[tuple[int, int, dict[str, list[str]]]]] = {}
-        for domain, op, since_from, since_to, constraints in table["cuda"]:
-            self.kernels.setdefault((domain, op), []).append((since_from, since_to, constraints))
-        self.schemas: dict[str, dict[str, list]] = table["schemas"]
-
-    def schema(self, domain: str, op: str, opset: int) -> tuple[int, list, list] | None:
-        """(since_version, inputs, outputs) of the op's newest schema at OPSET, or None where there is none."""
-        versions = [v for v in self.schemas.get(domain, {}).get(op, []) if v[0] <= opset]
-        return tuple(versions[-1]) if versions else None
-
-    def has_kernel(self, node: onnx.NodeProto, domain: str, opset: int, types: dict[str, str]) -> bool:
-        schema = self.schema(domain, node.op_type, opset)
-        if schema is None:
-            return False
-        since, inputs, outputs = schema
-        return any(
-            _version_matches(since_from, since_to, since)
-            and all(
-                (bound := _first_binding(name, node, inputs, outputs, types)) is None or bound in allowed
-                for name, allowed in constraints.items()
-            )
-            for since_from, since_to, constraints in self.kernels.get((domain, node.op_type), [])
-        )
-
-
-def _version_matches(since_from: int, since_to: int, since: int) -> bool:
-    """ONNX Runtime's rule: an open-ended registration serves only the schema version it starts at."""
-    return since_from == since or (since_from < since and since_to != OPEN_ENDED and since_to >= since)
-
-
-def _formal(formals: list, index: int) -> str | None:
-    """The type string of argument INDEX (a variadic last parameter takes all the rest)."""
-    if index < len(formals):
-        return formals[index][0]
-    return formals[-1][0] if formals and formals[-1][1] == "Variadic" else None
-
-
-def _first_binding(name: str, node: onnx.NodeProto, inputs: list, outputs: list, types: dict[str, str]):
-    """The type of the first present input, then output, whose parameter has type string NAME."""
-    for arguments, formals in ((node.input, inputs), (node.output, outputs)):
-        for index, argument in enumerate(arguments):
-            if argument and _formal(formals, index) == name and argument in types:
-                return types[argument]
-    return None
-
-
-def _type_name(value: onnx.ValueInfoProto | onnx.TensorProto) -> str | None:
-    element = value.data_type if isinstance(value, onnx.TensorProto) else value.type.tensor_type.elem_type
-    return f"tensor({TensorProto.DataType.Name(element).lower()})" if element else None
-
-
-def tensor_types(model: onnx.ModelProto, table: KernelTable) -> dict[str, str]:
-    """Every value's tensor type: ONNX's type inference, with the outputs of ops it has no schema for (ONNX
-    Runtime's com.microsoft ops) typed from ONNX Runtime's schema, repeated until nothing new is learned."""
-    opsets = {_domain(o.domain): o.version for o in model.opset_import}
-    model = onnx.ModelProto.FromString(model.SerializeToString())
-    for _ in range(len(model.graph.node) + 1):  # each round types at least one more node's outputs
-        inferred = onnx.shape_inference.infer_shapes(model)
-        graph = inferred.graph
-        types = {
-            value.name: name
-            for value in (*graph.input, *graph.output, *graph.value_info, *graph.initializer)
-            if (name := _type_name(value))
-        }
-        learned = {}
-        for node in graph.node:
-            domain = _domain(node.domain)
-            schema = table.schema(domain, node.op_type, opsets.get(domain, 0))
-            for index, output in enumerate(node.output):
-                if not output or output in types:
-                    continue
-                formal = _formal(schema[2], index) if schema else None
-                if formal and formal.startswith("tensor("):
-                    learned[output] = formal
-                elif formal and (bound := _first_binding(formal, node, schema[1], [], types)):
-                    learned[output] = bound
-        if not learned:
-            break
-        for name, type_name in learned.items():
-            element = TensorProto.DataType.Value(type_name[len("tensor(") : -1].upper())
-            model.graph.value_info.append(helper.make_tensor_value_info(name, element, None))
-    return types
-
-
-def _domain(domain: str) -> str:
-    return "" if domain == "ai.onnx" else domain
-
-
-def missing_kernels(model: onnx.ModelProto, sub_layer: str, table: KernelTable) -> list[Missing]:
-    """The nodes of MODEL with no CUDA kernel for their op, opset and types."""
-    opsets = {_domain(o.domain): o.version for o in model.opset_import}
-    types = tensor_types(model, table)
-    missing = []
-    for node in model.graph.node:
-        domain = _domain(node.domain)
-        if node.op_type == "Constant" and not domain:
-            continue  # ONNX Runtime makes it an initializer when it loads the graph: no kernel runs it
-        if not table.has_kernel(node, domain, opsets.get(domain, 0), types):
-            op = f"{domain}::{node.op_type}" if domain else node.op_type
-            argument_types = tuple(types.get(a, "?")[len("tensor(") : -1] if a else "-" for a in node.input)
-            missing.append(Missing(sub_layer, node.name, op, argument_types))
-    return missing
+# Every kind of device graph, from the session's exports: (name, weights' dtype) -> what it shows.
+DEVICE_GRAPH_KINDS = {
+    ("tiny:llama", "fp32"): "dense",
+    ("tiny:moe", "fp32"): "MoE: router and one graph per expert",
+    ("tiny:llama", "fp16"): "half-precision weights (Casts to float32)",
+    ("tiny:smolvlm", "fp32"): "VLM: vision blocks (fused Attention) beside the decoder",
+    ("tiny:qwen2_5_vl", "fp32"): "Qwen2.5-VL: windowed vision attention, M-RoPE decoder",
+}
 
 
 def device_graphs(pack: Path) -> dict[str, onnx.ModelProto]:
-    """The graphs a pack's sub-layers run on the device with: their weights-as-inputs files."""
+    """The graphs a pack runs on a device: its sub-layers' and vision blocks' weights-as-inputs files."""
     loaded = load_pack(pack)
+    vision = loaded.manifest.vision.sub_layers if loaded.manifest.vision else ()
     return {
         entry.name: onnx.load(loaded.path(entry.files["weights_as_inputs"]), load_external_data=False)
-        for entry in loaded.manifest.sub_layers
+        for entry in (*loaded.manifest.sub_layers, *vision)
         if entry.kind not in HOST_ONLY_KINDS
     }
+
+
+def cuda_gaps(pack: Path, table: KernelTable) -> list[Missing]:
+    return [
+        missing
+        for name, graph in device_graphs(pack).items()
+        for missing in missing_kernels(graph, name, table)
+    ]
+
+
+def half_attention_pack(export: Path, folder: Path) -> Path:
+    """EXPORT as `--attention-dtype fp16` writes it (its fused graph through the exporter's attention_in_half),
+    partitioned into FOLDER/pack. Copied, not hard-linked: onnx refuses external data with several links."""
+    copy = folder / "export"
+    copy.mkdir(parents=True)
+    for path in export.iterdir():
+        if path.is_file():
+            shutil.copyfile(path, copy / path.name)
+    info = json.loads((export / "export.json").read_text())
+    model_file = copy / info["model_file"]
+    model = onnx.load(model_file, load_external_data=False)
+    assert attention_in_half(model) > 0
+    onnx.save(model, model_file)
+    info["attention_dtype"] = "fp16"
+    info["files"][model_file.name] = {"bytes": model_file.stat().st_size, "sha256": sha256_file(model_file)}
+    (copy / "export.json").write_text(json.dumps(info))
+    partition(copy, folder / "pack")
+    return folder / "pack"
 
 
 @pytest.fixture(scope="module")
@@ -208,6 +131,16 @@ def test_a_float16_group_query_attention_has_a_cuda_kernel(table):
     assert missing_kernels(_group_query_attention(TensorProto.FLOAT16), "planted", table) == []
 
 
+def test_a_group_query_attention_given_a_bias_is_named(table):
+    """ONNX Runtime's CUDA GQA kernel fails a run given an attention_bias (input 10)."""
+    model = _group_query_attention(TensorProto.FLOAT16)
+    node = model.graph.node[0]
+    node.input.extend(["", "", "", "bias"])
+    model.graph.input.append(helper.make_tensor_value_info("bias", TensorProto.FLOAT16, None))
+    (missing,) = missing_kernels(model, "planted", table)
+    assert (missing.node, missing.why) == ("layers.0.attn", BIAS_REFUSED)
+
+
 def _one_hot(opset: int) -> onnx.ModelProto:
     inputs = [
         helper.make_tensor_value_info("indices", TensorProto.INT64, [3]),
@@ -233,19 +166,83 @@ def test_an_op_of_a_domain_without_cuda_kernels_is_named(table):
     assert missing == [Missing("planted", "custom", "pipeshard.test::Unknown", ("float",))]
 
 
-@pytest.fixture(scope="module", params=TINY_PACKS, ids=["-".join(p) for p in TINY_PACKS])
-def tiny_pack_gaps(request, models, table) -> list[Missing]:
-    """The nodes of a tiny pack's device graphs with no CUDA kernel."""
-    graphs = device_graphs(models.pack(*request.param))
-    return [missing for name, graph in graphs.items() for missing in missing_kernels(graph, name, table)]
+@pytest.fixture(scope="module", params=list(DEVICE_GRAPH_KINDS), ids=list(DEVICE_GRAPH_KINDS.values()))
+def export_of_each_kind(request, models) -> Path:
+    return models.export(*request.param)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=KNOWN_GAP)
-def test_every_device_node_of_a_tiny_pack_has_a_cuda_kernel(tiny_pack_gaps):
-    assert tiny_pack_gaps == [], "\n".join(map(str, tiny_pack_gaps))
+def test_with_attention_in_half_every_device_node_of_every_kind_has_a_cuda_kernel(
+    export_of_each_kind, table, tmp_path
+):
+    gaps = cuda_gaps(half_attention_pack(export_of_each_kind, tmp_path), table)
+    assert gaps == [], "\n".join(map(str, gaps))
 
 
-def test_a_tiny_pack_lacks_no_cuda_kernel_beyond_the_known_gap(tiny_pack_gaps):
-    assert {(gap.op, gap.types[0]) for gap in tiny_pack_gaps} <= {
-        ("com.microsoft::GroupQueryAttention", "float")
+def test_with_attention_in_half_every_node_of_a_quantized_pack_has_a_cuda_kernel(tiny_gguf, table, tmp_path):
+    _, export, _ = tiny_gguf
+    gaps = cuda_gaps(half_attention_pack(export, tmp_path), table)
+    assert gaps == [], "\n".join(map(str, gaps))
+
+
+def test_with_attention_in_float32_the_cuda_ep_lacks_exactly_each_attention(tiny_pack, table):
+    """What `--device cuda` refuses a default export for: its float32 GroupQueryAttention, one per layer."""
+    gaps = cuda_gaps(Path(tiny_pack), table)
+    assert {(gap.sub_layer, gap.op, gap.types[0]) for gap in gaps} == {
+        (f"L{layer}.attn", "com.microsoft::GroupQueryAttention", "float") for layer in range(len(gaps))
     }
+
+
+def device_engine(pack: Path, kernel_table: KernelTable | None) -> Engine:
+    """PACK on a sim device with every placeable sub-layer streamed (each runs in its device session), its device
+    graphs checked against KERNEL_TABLE at load as a cuda device checks them."""
+    planner = Planner(load_pack(pack).manifest, load_profile("laptop-8gb"), context=128)
+    budget = planner.minimum_budget() + 4_000_000
+    placements = {u.name: Placement.STREAMED for u in planner.placeable}
+    book = PlanBook([u.name for u in planner.units], source=planner, budget_bytes=budget, strategy="gpu-only")
+    step = Step(pack, make_device("sim", budget, kernel_table=kernel_table), book)
+    for tier in step.tiers:
+        step.plans[tier] = planner.evaluate("gpu-only", tier, placements, budget)
+    engine = Engine(step, TextCodec(pack), pack)
+    engine.codec.eos_token_ids = []
+    return engine
+
+
+def test_a_device_refuses_a_graph_its_kernel_table_lacks_in_one_line_naming_the_node(tiny_pack, table):
+    with pytest.raises(UserError) as refused:
+        device_engine(Path(tiny_pack), table).generate(["hi"], max_new_tokens=2)
+    message = str(refused.value)
+    assert "\n" not in message
+    assert message.startswith("L0.attn: node ") and "com.microsoft::GroupQueryAttention(float, " in message
+    assert f"no CUDAExecutionProvider kernel in onnxruntime {ONNXRUNTIME_GPU}" in message
+
+
+def test_a_device_checking_the_cuda_table_runs_every_sub_layer_of_a_half_attention_pack(models, table):
+    pack = Path(models.pack("tiny:llama", attention="fp16"))
+    chain = pipeshard.load(pack)
+    chain.codec.eos_token_ids = []
+    expected = chain.generate(["hi"], max_new_tokens=8)[0].tokens
+    assert device_engine(pack, table).generate(["hi"], max_new_tokens=8)[0].tokens == expected
+
+
+def _reshaped_by_shape(concatenated: bool) -> onnx.ModelProto:
+    """y = Reshape(x, Shape(x)), or with the shape passed through a Concat first."""
+    nodes = [helper.make_node("Shape", ["x"], ["shape"], name="shape")]
+    if concatenated:
+        nodes.append(helper.make_node("Concat", ["shape"], ["joined"], name="join", axis=0))
+    nodes.append(helper.make_node("Reshape", ["x", nodes[-1].output[0]], ["y"], name="reshape"))
+    graph = helper.make_graph(
+        nodes,
+        "shaped",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["a", 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+
+
+def test_a_shape_computation_the_cuda_ep_hands_to_the_cpu_is_named(table):
+    """ONNX Runtime's CUDA EP places a Concat of Shape's output on the CPU EP (a session without CPU fallback
+    refuses it); a Reshape reading Shape's output directly takes it on the CPU and stays on CUDA."""
+    assert missing_kernels(_reshaped_by_shape(concatenated=False), "planted", table) == []
+    assert missing_kernels(_reshaped_by_shape(concatenated=True), "planted", table) == [
+        Missing("planted", "join", "Concat", ("int64",), SHAPE_ON_CPU)
+    ]

@@ -22,6 +22,9 @@ KV_CACHE = {
 # bfloat16 (runtime/capi.py)
 BFLOAT16 = np.dtype([("bfloat16", "<u2")])
 # numpy types of the dtype names exports and packs use (model dtype; ONNX names of weights)
+# What `pipeshard export --attention-dtype` offers: float16 is what ONNX Runtime's CUDA GroupQueryAttention has
+# kernels for and its CPU EP runs too (bfloat16 has CUDA kernels only), so a sim device runs the same graphs.
+ATTENTION_DTYPES = ("fp32", "fp16")
 NUMPY_DTYPES = {
     "fp32": np.dtype(np.float32),
     "fp16": np.dtype(np.float16),
@@ -46,7 +49,7 @@ class ExportInfo:
     architecture: str
     dims: dict[str, int]  # the model's dimensions as the export config names them
     dtype: str  # the stored weights: fp32 | fp16 | bf16 | gguf (a GGUF's quantized blocks)
-    compute_dtype: str  # activations and KV
+    compute_dtype: str  # activations
     model_file: str
     inputs: list[str]
     outputs: list[str]
@@ -55,6 +58,7 @@ class ExportInfo:
     vision: dict | None = None  # a VLM's vision graph: its file, dims, image token and preprocessing
     shape_only: bool = False
     files: dict[str, FileDigest] = field(default_factory=dict)  # sizes checked at load, digests by --verify
+    attention_dtype: str = "fp32"  # the fused attention's inputs, output and KV cache (docs/precision.md)
 
     @property
     def activation_dtype(self) -> np.dtype:
@@ -83,7 +87,8 @@ class ExportInfo:
             architecture=fields.str("architecture"),
             dims=dims,
             dtype=dtype,
-            compute_dtype=fields.str("compute_dtype", dtype, choices=("fp32", "fp16", "bf16")),
+            compute_dtype=(compute := fields.str("compute_dtype", dtype, choices=("fp32", "fp16", "bf16"))),
+            attention_dtype=fields.str("attention_dtype", compute, choices=("fp32", "fp16", "bf16")),
             model_file=fields.str("model_file"),
             inputs=fields.str_list("inputs"),
             outputs=fields.str_list("outputs"),

@@ -17,6 +17,7 @@ IMAGE_FEATURES = "image_features"  # a VLM decoder's rows for the step's image t
 SEQLENS = "_gqa_seqlens_k"
 TOTAL = "_gqa_total_sequence_length"
 PADDING_BIAS = "_gqa_padding_bias"
+GQA_BIAS_INPUT = 10  # com.microsoft::GroupQueryAttention's attention_bias: its input at this index
 ROTARY_CACHES = ("_gqa_cos_cache", "_gqa_sin_cache")  # the tables' rows 0 .. total - 1, per step
 MROPE_ROWS = 3  # an M-RoPE decoder's position_ids are [3, batch, new tokens]: time, row, column
 # A GGUF's quantized product as the exporter stores it (exporter/quantized_weights.py): the MatMulNBits node of the

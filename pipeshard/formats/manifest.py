@@ -251,7 +251,7 @@ class ModelFacts:
 
     architecture: str
     dtype: str  # the weights: fp32 | fp16 | bf16 | gguf (quantized blocks)
-    compute_dtype: str  # activations and KV
+    compute_dtype: str  # activations
     num_layers: int
     hidden_size: int
     intermediate_size: int
@@ -266,12 +266,25 @@ class ModelFacts:
     expert_intermediate_size: int = 0
     sliding_window: int = 0
     position_rows: int = 1  # 3: M-RoPE, position_ids [3, batch, tokens]
+    attention_dtype: str = "fp32"  # the fused attention's inputs, output and KV cache
+
+    @property
+    def kv_dtype(self) -> str:
+        return self.attention_dtype
+
+    @property
+    def device_attention_masks_padding(self) -> bool:
+        """False for float16 attention: its device graphs run ONNX Runtime's CUDA GroupQueryAttention, which refuses
+        an attention bias, so they have none, and a step with padding (a batch of different lengths) cannot run an
+        attention on the device."""
+        return self.attention_dtype != "fp16"
 
     @classmethod
     def from_json(cls, fields: Fields) -> ModelFacts:
         dtype = fields.str("dtype", choices=DTYPES)
         values: dict[str, Any] = {"architecture": fields.str("architecture"), "dtype": dtype}
         values["compute_dtype"] = fields.str("compute_dtype", dtype, choices=DTYPES)
+        values["attention_dtype"] = fields.str("attention_dtype", values["compute_dtype"], choices=DTYPES)
         for name in ("num_layers", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
                      "head_dim", "vocab_size", "max_context"):  # fmt: skip
             values[name] = fields.int(name, minimum=1, maximum=MAX_DIMENSION)
