@@ -13,6 +13,7 @@ to it. Only the CUDA path imports this module (it loads onnx).
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import NamedTuple
 
@@ -102,15 +103,23 @@ class KernelTable:
         )
 
 
-def kernel_table(onnxruntime_module, provider: str = CUDA_PROVIDER) -> KernelTable:
-    """The kernel registrations of PROVIDER in the onnxruntime loaded in this process (ONNX Runtime builds them in
-    code: none are written in the wheel)."""
+def registrations(onnxruntime_module, provider: str = CUDA_PROVIDER) -> dict:
+    """The kernel registrations of PROVIDER in the onnxruntime loaded in this process, with the schemas of their
+    domains, as the table file holds them (ONNX Runtime builds them in code: none are written in the wheel)."""
     state = onnxruntime_module.capi._pybind_state
-    kernels = [
-        [k.domain, k.op_name, *k.version_range, {name: sorted(t) for name, t in k.type_constraints.items()}]
-        for k in state.get_all_opkernel_def()
-        if k.provider == provider
-    ]
+    kernels = sorted(
+        (
+            [
+                k.domain,
+                k.op_name,
+                *k.version_range,
+                {name: sorted(t) for name, t in k.type_constraints.items()},
+            ]
+            for k in state.get_all_opkernel_def()
+            if k.provider == provider
+        ),
+        key=json.dumps,
+    )
     domains = {kernel[0] for kernel in kernels}
     schemas: dict[str, dict[str, list]] = {}
     for schema in state.get_all_operator_schema():
@@ -124,8 +133,12 @@ def kernel_table(onnxruntime_module, provider: str = CUDA_PROVIDER) -> KernelTab
             )
     for versions in (v for ops in schemas.values() for v in ops.values()):
         versions.sort(key=lambda version: version[0])
-    table = {"onnxruntime_gpu": onnxruntime_module.__version__, "cuda": kernels, "schemas": schemas}
-    return KernelTable(table, provider)
+    return {"onnxruntime_gpu": onnxruntime_module.__version__, "cuda": kernels, "schemas": schemas}
+
+
+def kernel_table(onnxruntime_module, provider: str = CUDA_PROVIDER) -> KernelTable:
+    """The kernel table of PROVIDER in the onnxruntime loaded in this process."""
+    return KernelTable(registrations(onnxruntime_module, provider), provider)
 
 
 def _version_matches(since_from: int, since_to: int, since: int) -> bool:

@@ -98,38 +98,12 @@ def _output(*command: str | Path) -> str:
 def write_registry(path: str) -> None:
     """Inside the wheel's onnxruntime: every CUDA kernel definition, and the schemas of their domains."""
     import onnxruntime
-    import onnxruntime.capi.onnxruntime_pybind11_state as ort_state
+
+    from pipeshard.runtime.kernel_check import registrations
 
     if onnxruntime.__version__ != ONNXRUNTIME_GPU:
         raise RuntimeError(f"loaded onnxruntime {onnxruntime.__version__} from {onnxruntime.__file__}")
-    kernels = sorted(
-        (
-            [
-                k.domain,
-                k.op_name,
-                *k.version_range,
-                {name: sorted(types) for name, types in k.type_constraints.items()},
-            ]
-            for k in ort_state.get_all_opkernel_def()
-            if k.provider == CUDA_PROVIDER
-        ),
-        key=json.dumps,
-    )
-    domains = {kernel[0] for kernel in kernels}
-    schemas: dict[str, dict[str, list]] = {}
-    for schema in ort_state.get_all_operator_schema():
-        if schema.domain in domains:
-            schemas.setdefault(schema.domain, {}).setdefault(schema.name, []).append(
-                [
-                    schema.since_version,
-                    [[p.typeStr, p.option.name] for p in schema.inputs],
-                    [[p.typeStr, p.option.name] for p in schema.outputs],
-                ]
-            )
-    for versions in (v for ops in schemas.values() for v in ops.values()):
-        versions.sort(key=lambda version: version[0])
-    table = {"onnxruntime_gpu": onnxruntime.__version__, "cuda": kernels, "schemas": schemas}
-    Path(path).write_text(json.dumps(table, sort_keys=True))
+    Path(path).write_text(json.dumps(registrations(onnxruntime, CUDA_PROVIDER), sort_keys=True))
 
 
 if __name__ == "__main__":
