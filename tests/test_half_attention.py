@@ -98,3 +98,57 @@ def test_a_padded_batch_with_float16_attention_on_the_device_is_refused_in_one_l
     with pytest.raises(UserError) as refused:
         engine.generate(prompts, max_new_tokens=4)
     assert "\n" not in str(refused.value) and "on the device" in str(refused.value)
+
+
+def test_a_vlm_gives_the_tokens_of_transformers_with_its_decoders_attention_in_float16(models, tmp_path):
+    """tiny:smolvlm with `--attention-dtype fp16` (the decoder's attention and KV in float16; its vision blocks keep
+    float32), one image, on the export, the chain and two plans on sim: transformers' greedy tokens with the same
+    attention types, up to the first step whose top two logits are closer than float16's tolerance (a random tiny
+    VLM's logits are nearly flat: there a rounding step may pick either)."""
+    from PIL import Image
+
+    from pipeshard.exporter.vlm import build_tiny_vlm, image_processor_for
+
+    model, _, processor = build_tiny_vlm("smolvlm")
+    use_attention_dtype(model, "fp16")
+    model.config.vision_config._attn_implementation = "sdpa"  # the vision blocks as the export keeps them
+    image = tmp_path / "photo.png"
+    Image.fromarray((np.random.default_rng(5).random((300, 500, 3)) * 255).astype(np.uint8)).save(image)
+    pixels = image_processor_for(processor)(images=[[Image.open(image).convert("RGB")]], return_tensors="pt")
+    pack = models.pack("tiny:smolvlm", attention="fp16")
+    engines = {
+        "export": pipeshard.load(models.export("tiny:smolvlm", attention="fp16")),
+        "chain": pipeshard.load(pack),
+        "sim static": pipeshard.load(pack, vram="30%", device="sim", profile="laptop-8gb", plan="static"),
+        "sim gpu-only": pipeshard.load(pack, vram="10%", device="sim", profile="laptop-8gb", plan="gpu-only"),
+    }
+    results = {}
+    for kind, engine in engines.items():
+        engine.codec.eos_token_ids = []
+        (results[kind],) = engine.generate(
+            "Describe the image.", images=[str(image)], max_new_tokens=NEW_TOKENS
+        )
+    prompt_ids = results["chain"].prompt_tokens
+    ids = torch.tensor([prompt_ids])
+    with torch.no_grad():
+        output = model.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            pixel_values=pixels["pixel_values"],
+            pixel_attention_mask=pixels["pixel_attention_mask"],
+            max_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            output_scores=True,
+            return_dict_in_generate=True,
+        )
+    expected = output.sequences[0, len(prompt_ids) :].tolist()
+    decided = len(expected)
+    for index, scores in enumerate(output.scores):
+        top_two = torch.topk(scores[0], 2).values
+        if top_two[0] - top_two[1] < HALF_ATTENTION_RELATIVE_TOLERANCE * scores[0].abs().max():
+            decided = index + 1  # this step's token may differ; nothing after it can be compared
+            break
+    assert decided >= 6, decided
+    for kind, result in results.items():
+        assert result.prompt_tokens == prompt_ids, kind
+        assert result.tokens[: decided - 1] == expected[: decided - 1], kind
