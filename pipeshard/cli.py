@@ -1177,7 +1177,7 @@ def main(argv: Sequence[str] | None = None, own_process: bool = False) -> int:
         if not isinstance(exc, OrtError):
             raise
         # The pack's graphs and its manifest disagree (a hand-edited or damaged pack): ONNX Runtime's words.
-        print(f"error: ONNX Runtime refused to run the pack: {exc}", file=sys.stderr)
+        print(f"error: ONNX Runtime refused to run the pack: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
 
 

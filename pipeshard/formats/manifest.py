@@ -445,6 +445,10 @@ class Manifest:
             for name in (block.router, *block.experts):
                 if name not in names:
                     fields.fail(f"names {name!r}, which is not a sub-layer", "moe_blocks")
+        if not manifest.shape_only:  # only a shape-only pack has no graphs
+            for entry in manifest.sub_layers:
+                if "onnx" not in entry.files:
+                    fields.fail(f"of {entry.name!r} names no graph (files.onnx)", "sub_layers")
         return manifest
 
     def sub_layer(self, name: str) -> SubLayer:
