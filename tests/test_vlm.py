@@ -543,10 +543,15 @@ def _vision_comparable(vision: dict) -> dict:
     """A manifest's vision section with each tensor named by where it comes from (a graph input, or the sub-layer
     and output that makes it) and the weights the exporter numbers (`val_137`) unnamed: the rest as it is."""
     source = {t["name"]: t["name"] for t in vision["graph_inputs"]}
-    source |= {t["name"]: f"{e['name']}:{k}" for e in vision["sub_layers"] for k, t in enumerate(e["outputs"])}
+    source |= {
+        t["name"]: f"{e['name']}:{k}" for e in vision["sub_layers"] for k, t in enumerate(e["outputs"])
+    }
 
     def weight(w: dict) -> dict:
-        return {**w, "name": w["name"] if w["name"].startswith(("patch_embed.", "blocks.", "merger.")) else None}
+        return {
+            **w,
+            "name": w["name"] if w["name"].startswith(("patch_embed.", "blocks.", "merger.")) else None,
+        }
 
     return {
         **vision,
@@ -586,8 +591,9 @@ def test_a_qwen_vision_probe_repeated_is_the_whole_towers_trace(tiny_qwen, tmp_p
 
 @pytest.mark.slow
 def test_cosmos_shape_only_pack_plans_the_encoder_at_image_sizes(tmp_path):
-    """cosmos-reason1-7b --shape-only (its 7B vision tower probed with two blocks, no weights): plan --image-size predicts
-    VLMOpt's least peak at least 10x under the naive port's at 1440p; a weights export of it is one error line."""
+    """cosmos-reason1-7b --shape-only (its 7B vision tower probed with two blocks, no weights): plan --image-size
+    predicts VLMOpt's least peak at least 10x under the naive port's at 1440p; a weights export of it is one error
+    line."""
     pack = tmp_path / "cosmos"
     done = subprocess.run(
         [
