@@ -1,13 +1,15 @@
 """`pipeshard export MODEL OUT --shape-only`: a model pack from a config alone, for planning.
 
-MODEL is a config (below), or `cosmos-reason1-7b`: Qwen2.5-VL-7B's vision tower (traced whole) and decoder.
+MODEL is a config (below), or `cosmos-reason1-7b`: Qwen2.5-VL-7B's vision tower and decoder.
 
 The model is built with its weights on torch's meta device (nothing is allocated) and traced as the real
 export traces it; the weights become references to a data file that is never written, so the pack has every
 shape, byte count and cost coefficient and no weights. A model of many identical layers is traced with
 `PROBE_LAYERS` of them (and a MoE model with a few experts per layer), and the pack's manifest is that probe's
 with its last layer (its last expert) repeated (partitioner/repeat.py; tests check the result against the pack
-made from real weights).
+made from real weights). A Qwen2.5-VL's vision tower is probed alike: one windowed-attention block and one
+full-attention block, each repeated where the real tower has a block of its kind (tests check the result against
+the whole tower's trace).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from pipeshard.formats.export_info import EXPORT_SCHEMA_VERSION, KV_CACHE
 
 log = logging.getLogger(__name__)
 PROBE_LAYERS = 2  # layer 0 and one layer that stands for every later one
+PROBE_VISION_FULLATT = [1]  # a vision probe of two blocks: block 0 windowed, block 1 full-attention
 MODEL_FILE = "model.onnx"
 
 
@@ -170,9 +173,21 @@ def _trace_probe(config, dtype: str, folder: Path) -> None:
     )
 
 
-def _trace_vlm_probe(vlm_config, dtype: str, folder: Path, layers: int) -> None:
-    """A Qwen2.5-VL's shape-only export folder: its decoder probed with `layers` layers (M-RoPE positions, the
-    image features merged into the embedding), and its whole vision tower, both on the meta device."""
+def vlm_probe_config(vlm_config, layers: int = PROBE_LAYERS):
+    """The same Qwen2.5-VL with its decoder's first `layers` layers and a vision tower of two blocks, the first
+    windowed and the second full-attention (repeat_vision_blocks copies each to the real tower's blocks)."""
+    probe = copy.deepcopy(vlm_config)
+    probe.text_config.num_hidden_layers = min(layers, vlm_config.text_config.num_hidden_layers)
+    if getattr(probe.text_config, "layer_types", None):
+        probe.text_config.layer_types = probe.text_config.layer_types[: probe.text_config.num_hidden_layers]
+    probe.vision_config.depth = len(PROBE_VISION_FULLATT) + 1
+    probe.vision_config.fullatt_block_indexes = list(PROBE_VISION_FULLATT)
+    return probe
+
+
+def trace_vlm(vlm_config, dtype: str, folder: Path) -> None:
+    """A Qwen2.5-VL's shape-only export folder: its decoder (M-RoPE positions, the image features merged into the
+    embedding) and its vision tower, both on the meta device, traced as `vlm_config` has them."""
     import torch
     from transformers import Qwen2_5_VLForConditionalGeneration
 
@@ -184,16 +199,12 @@ def _trace_vlm_probe(vlm_config, dtype: str, folder: Path, layers: int) -> None:
     from pipeshard.exporter.onnx_export import DEFAULT_OPSET, export_decoder
 
     _quiet_third_party_output()
-    probe = copy.deepcopy(vlm_config)
-    probe.text_config.num_hidden_layers = min(layers, vlm_config.text_config.num_hidden_layers)
-    if getattr(probe.text_config, "layer_types", None):
-        probe.text_config.layer_types = probe.text_config.layer_types[: probe.text_config.num_hidden_layers]
     with torch.device("meta"):
-        vlm = Qwen2_5_VLForConditionalGeneration(probe).to(getattr(torch, DTYPES[dtype])).eval()
-    preprocessing = preprocessing_config(qwen2_vl_image_processor(probe), probe)
+        vlm = Qwen2_5_VLForConditionalGeneration(vlm_config).to(getattr(torch, DTYPES[dtype])).eval()
+    preprocessing = preprocessing_config(qwen2_vl_image_processor(vlm_config), vlm_config)
     qwen_vl.trace_vision(vlm, folder / "vision.onnx", DEFAULT_OPSET, preprocessing, shape_only=True)
     decoder = qwen_vl.text_decoder(vlm)
-    export_config = export_config_for(decoder.config, dtype, int(probe.image_token_id))
+    export_config = export_config_for(decoder.config, dtype, int(vlm_config.image_token_id))
     export_decoder(decoder, export_config, folder / MODEL_FILE, DEFAULT_OPSET, shape_only=True)
     dims = export_config.dims
     fuse_exported_model(
@@ -231,19 +242,20 @@ def _trace_vlm_probe(vlm_config, dtype: str, folder: Path, layers: int) -> None:
 
 def trace_shape_probe(model: str, dtype: str, export_dir: Path, probe_layers: int = PROBE_LAYERS):
     """Trace MODEL's config (a probe of `probe_layers` layers) into `export_dir` with weights on the meta device;
-    returns the full config, whose layer and expert counts the probe's pack is then repeated to."""
+    returns the full config (a VLM's whole Qwen2_5_VLConfig), whose layer, expert and vision block counts the
+    probe's pack is then repeated to."""
     from pipeshard.exporter.export import DTYPES
     from pipeshard.exporter.qwen_vl import COSMOS_NAME, cosmos_config
 
     if dtype not in DTYPES:
         raise UserError(f"unknown dtype {dtype!r}; choose one of: {', '.join(DTYPES)}")
     force_offline()
-    vlm_config = cosmos_config() if model == COSMOS_NAME else None
-    config = vlm_config.text_config if vlm_config else load_config(model)
-    if vlm_config:
-        _trace_vlm_probe(vlm_config, dtype, export_dir, probe_layers)
-    else:
-        _trace_probe(probe_config(config, probe_layers, {"fp32": 4, "fp16": 2}[dtype]), dtype, export_dir)
+    if model == COSMOS_NAME:
+        vlm_config = cosmos_config()
+        trace_vlm(vlm_probe_config(vlm_config, probe_layers), dtype, export_dir)
+        return vlm_config
+    config = load_config(model)
+    _trace_probe(probe_config(config, probe_layers, {"fp32": 4, "fp16": 2}[dtype]), dtype, export_dir)
     return config
 
 

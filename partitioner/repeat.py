@@ -4,7 +4,9 @@ Shape-only packs (exporter/shape_only.py) trace a model with two of its layers: 
 for every later one (alike in sub-layers, weights, shapes, KV and costs). Layer i of the result is a copy
 of that layer under the names layer i has: its sub-layers `L{i}.*`, weights `model.layers.{i}.*`, KV
 `past_key_values.{i}.*` / `present.{i}.*`; tensors the exporter numbered (`add_961`) get the suffix `@L{i}`,
-and the residual stream into layer i is the one out of layer i - 1.
+and the residual stream into layer i is the one out of layer i - 1. A vision tower's blocks are repeated alike
+(repeat_vision_blocks): its probe has one windowed-attention block and one full-attention block, and each block
+of the result is a copy of the probe's block of its kind.
 """
 
 from __future__ import annotations
@@ -106,6 +108,91 @@ def repeat_layers(manifest: dict, num_layers: int) -> dict:
     result["model"]["num_layers"] = num_layers
     result["kv_bytes_per_token"] = sum(e["kv"]["bytes_per_token"] for e in result["sub_layers"] if e["kv"])
     result["total_weight_bytes"] = sum(e["blob"]["bytes"] for e in result["sub_layers"] if e["blob"])
+    return result
+
+
+def repeat_vision_blocks(manifest: dict, num_layers: int, fullatt_block_indexes: list[int]) -> dict:
+    """`manifest` with a vision tower of `num_layers` blocks, those in `fullatt_block_indexes` full-attention:
+    block i is a copy of the traced block of its kind (windowed or full) under block i's names: sub-layers
+    `V{i}.*`, weights `blocks.{i}.*`, numbered tensors and weights with the suffix `@V{i}` (block i keeps the
+    traced names where it is the traced block it copies), its residual stream in the one out of block i - 1."""
+    vision = manifest["vision"]
+    traced, traced_full = vision["num_layers"], set(vision["fullatt_block_indexes"])
+    full = set(fullatt_block_indexes)
+    if (num_layers, full) == (traced, traced_full):
+        return manifest
+    entries = vision["sub_layers"]
+    blocks = {b: [e for e in entries if e["layer"] == b] for b in range(traced)}
+    template = {}
+    for is_full in {b in full for b in range(num_layers)}:
+        template[is_full] = next((b for b in range(traced) if (b in traced_full) == is_full), None)
+        if template[is_full] is None:
+            kind = "full-attention" if is_full else "windowed"
+            raise UserError(f"the traced vision tower has no {kind} block to repeat")
+    first, end = entries.index(blocks[0][0]), entries.index(blocks[traced - 1][-1]) + 1
+    made = {b: {t["name"] for e in blocks[b] for t in e["outputs"]} for b in range(traced)}
+    after = {b: entries[entries.index(blocks[b][-1]) + 1] for b in range(traced)}
+    residual_out = {}
+    for b in range(traced):
+        (residual_out[b],) = {t["name"] for t in after[b]["inputs"]} & made[b] or {None}
+    residual_in = {b: residual_out[b - 1] for b in range(1, traced)}
+    (residual_in[0],) = {t["name"] for t in blocks[0][0]["inputs"]} & {
+        t["name"] for t in entries[first - 1]["outputs"]
+    } or {None}
+    if None in residual_in.values() or None in residual_out.values():
+        raise UserError("the traced vision blocks are not joined by one residual stream; cannot repeat them")
+
+    def residual(block: int) -> str:
+        """The residual stream out of block `block` of the result (block -1: the stream into block 0)."""
+        if block < 0:
+            return residual_in[0]
+        source = template[block in full]
+        return tensor(residual_out[source], source, block)
+
+    def tensor(name: str, source: int, block: int) -> str:
+        if name == residual_in[source]:
+            return residual(block - 1)
+        if name in made[source] and block != source:
+            return f"{name}@V{block}"
+        return name
+
+    def weight(name: str, source: int, block: int) -> str:
+        marker = f"blocks.{source}."
+        if marker in name:
+            return name.replace(marker, f"blocks.{block}.", 1)
+        return name if block == source else f"{name}@V{block}"
+
+    def unit(name: str, source: int, block: int) -> str:
+        prefix = f"V{source}."
+        return f"V{block}." + name[len(prefix) :] if name.startswith(prefix) else name
+
+    def copied(entry: dict, block: int) -> dict:
+        source = entry["layer"]
+        new = copy.deepcopy(entry)
+        new["name"], new["layer"] = unit(entry["name"], source, block), block
+        if new.get("blob"):
+            new["blob"]["file"] = unit(new["blob"]["file"], source, block)
+        for w in new["weights"]:
+            w["name"], w["file"] = weight(w["name"], source, block), unit(w["file"], source, block)
+        for side in ("inputs", "outputs"):
+            for t in new[side]:
+                t["name"] = tensor(t["name"], source, block)
+        return new
+
+    result = copy.deepcopy(manifest)
+    head, tail = result["vision"]["sub_layers"][:first], result["vision"]["sub_layers"][end:]
+    repeated = [copied(e, block) for block in range(num_layers) for e in blocks[template[block in full]]]
+    for entry in tail:
+        for t in entry["inputs"]:
+            t["name"] = residual(num_layers - 1) if t["name"] == residual_out[traced - 1] else t["name"]
+    result["vision"]["sub_layers"] = head + repeated + tail
+    result["vision"]["num_layers"] = num_layers
+    result["vision"]["fullatt_block_indexes"] = sorted(full)
+    if "fullatt_block_indexes" in result["vision"].get("preprocessing", {}):  # the host's attention groups
+        result["vision"]["preprocessing"]["fullatt_block_indexes"] = sorted(full)
+    result["vision"]["total_weight_bytes"] = sum(
+        e["blob"]["bytes"] for e in result["vision"]["sub_layers"] if e["blob"]
+    )
     return result
 
 

@@ -1,6 +1,7 @@
 """`pipeshard export MODEL OUT --shape-only`: a model pack from a config alone, for planning. The exporter
-traces a probe of a few layers on the meta device, the partitioner cuts it, and its last layer (its last expert)
-is repeated to the model's counts (docs/model-pack.md, "Shape-only packs")."""
+traces a probe of a few layers on the meta device, the partitioner cuts it, and its last layer (its last expert,
+a vision tower's windowed and full-attention blocks) is repeated to the model's counts (docs/model-pack.md,
+"Shape-only packs")."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from pipeshard.core.fsutil import atomic_output_dir, check_output_dir, write_jso
 from pipeshard.exporter.shape_only import PROBE_LAYERS, expert_count, trace_shape_probe
 from pipeshard.formats.manifest import MANIFEST_NAME
 from pipeshard.partitioner.partition import partition
-from pipeshard.partitioner.repeat import repeat_experts, repeat_layers
+from pipeshard.partitioner.repeat import repeat_experts, repeat_layers, repeat_vision_blocks
 
 
 @dataclass
@@ -37,13 +38,16 @@ def export_shape_only(
     with tempfile.TemporaryDirectory(prefix="pipeshard-shape-only-") as scratch:
         export_dir, probe_pack = Path(scratch) / "export", Path(scratch) / "pack"
         export_dir.mkdir()
-        config = trace_shape_probe(model, dtype, export_dir, probe_layers)
+        traced = trace_shape_probe(model, dtype, export_dir, probe_layers)
+        config, vision = getattr(traced, "text_config", traced), getattr(traced, "vision_config", None)
         partition(export_dir, probe_pack)
         manifest = json.loads((probe_pack / MANIFEST_NAME).read_text())
         experts = expert_count(config)
         if experts:
             manifest = repeat_experts(manifest, experts)
         manifest = repeat_layers(manifest, config.num_hidden_layers)
+        if vision is not None:
+            manifest = repeat_vision_blocks(manifest, vision.depth, list(vision.fullatt_block_indexes))
         manifest["source"] = {"config": model, "shape_only": True}
         with atomic_output_dir(out, force) as staging:
             config.save_pretrained(staging)

@@ -539,10 +539,61 @@ def test_a_decode_row_shorter_than_the_step_gets_its_own_logits(qwen_pack):
     assert np.abs(together - alone).max() < 1e-4
 
 
+def _vision_comparable(vision: dict) -> dict:
+    """A manifest's vision section with each tensor named by where it comes from (a graph input, or the sub-layer
+    and output that makes it) and the weights the exporter numbers (`val_137`) unnamed: the rest as it is."""
+    source = {t["name"]: t["name"] for t in vision["graph_inputs"]}
+    source |= {
+        t["name"]: f"{e['name']}:{k}" for e in vision["sub_layers"] for k, t in enumerate(e["outputs"])
+    }
+
+    def weight(w: dict) -> dict:
+        return {
+            **w,
+            "name": w["name"] if w["name"].startswith(("patch_embed.", "blocks.", "merger.")) else None,
+        }
+
+    return {
+        **vision,
+        "sub_layers": [
+            {
+                **e,
+                "weights": [weight(w) for w in e["weights"]],
+                "inputs": [{**t, "name": source[t["name"]]} for t in e["inputs"]],
+                "outputs": [{**t, "name": source[t["name"]]} for t in e["outputs"]],
+            }
+            for e in vision["sub_layers"]
+        ],
+    }
+
+
+@pytest.mark.slow
+def test_a_qwen_vision_probe_repeated_is_the_whole_towers_trace(tiny_qwen, tmp_path):
+    """Shape-only vision: a probe of one windowed and one full-attention block, repeated to the tiny tower's
+    4 blocks (1 and 3 full attention), is the manifest's vision section of the whole tower traced."""
+    from pipeshard.exporter.shape_only import trace_vlm, vlm_probe_config
+    from pipeshard.partitioner.partition import partition
+    from pipeshard.partitioner.repeat import repeat_vision_blocks
+
+    config = tiny_qwen[0].config
+    vision = {}
+    for name, traced in (("whole", config), ("probe", vlm_probe_config(config))):
+        (tmp_path / name).mkdir()
+        trace_vlm(traced, "fp16", tmp_path / name)
+        partition(tmp_path / name, tmp_path / f"{name}-pack")
+        vision[name] = json.loads((tmp_path / f"{name}-pack" / "manifest.json").read_text())["vision"]
+    assert vision["probe"]["num_layers"] == 2 and vision["probe"]["fullatt_block_indexes"] == [1]
+    repeated = repeat_vision_blocks({"vision": vision["probe"]}, 4, [1, 3])["vision"]
+    assert _vision_comparable(repeated) == _vision_comparable(vision["whole"])
+    names = [w["name"] for e in repeated["sub_layers"] for w in e["weights"]]
+    assert len(names) == len(set(names)) and "blocks.2.attn.proj.weight" in names
+
+
 @pytest.mark.slow
 def test_cosmos_shape_only_pack_plans_the_encoder_at_image_sizes(tmp_path):
-    """cosmos-reason1-7b --shape-only (its 7B vision tower traced whole, no weights): plan --image-size predicts
-    VLMOpt's least peak at least 10x under the naive port's at 1440p; a weights export of it is one error line."""
+    """cosmos-reason1-7b --shape-only (its 7B vision tower probed with two blocks, no weights): plan --image-size
+    predicts VLMOpt's least peak at least 10x under the naive port's at 1440p; a weights export of it is one error
+    line."""
     pack = tmp_path / "cosmos"
     done = subprocess.run(
         [
