@@ -712,13 +712,14 @@ class Planner:
         kv_streaming: bool,
         warm: bool = False,
     ) -> tuple[float, list[int] | None]:
-        """The dynamic split over classes from `pinned` units per class (the rest on the CPU): the CPU units of alike classes (the same costs and pinned count: every
-        unpinned MoE layer's experts, every CPU attention) form a group; in order of the time a unit would save
-        on the GPU, each group takes the count to stream (per class for experts, a most-popular prefix; evenly
-        spaced classes for ring units) that minimises the closed-form step time, kept where it helps, within
-        `room_bytes` of VRAM beside the pinned units for what streaming takes (`streamed_vram`). With `warm`,
-        each group's search starts from the share the last search at this tier chose (a budget change moves it
-        little). Returns (score, streamed count per class), the counts None when streaming nothing is best."""
+        """The dynamic split over classes from `pinned` units per class (the rest on the CPU): the CPU units of
+        alike classes (the same costs and pinned count: every unpinned MoE layer's experts, every CPU attention)
+        form a group; in order of the time a unit would save on the GPU, each group takes the count to stream (per
+        class for experts, a most-popular prefix; evenly spaced classes for ring units) that minimises the
+        closed-form step time, kept where it helps, within `room_bytes` of VRAM beside the pinned units for what
+        streaming takes (`streamed_vram`). With `warm`, each group's search starts from the share the last search
+        at this tier chose (a budget change moves it little). Returns (score, streamed count per class), the counts
+        None when streaming nothing is best."""
         classes, _ = self._classes(tier, kv_streaming)
         streamed = [0] * len(classes)
         groups: dict[tuple, list[int]] = {}
