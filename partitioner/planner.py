@@ -49,6 +49,7 @@ OP_OFFLOAD_MIN_TOKENS = 32  # llama.cpp's batch size from which CPU-resident wei
 EXACT_SEARCH_UNITS = 128
 # The paper artifact's execution strategies (its src/llama-pipeline.h), as baselines priced by our estimator.
 ARTIFACT_STRATEGIES = ("full-gpu", "full-gpu-no-output", "static-attn-prio", "shard-attn-prio", "full-shard")
+SCORE_CACHE_ENTRIES = 4096  # closed-form scores remembered before the cache starts over
 KV_STREAMING_SHARE = (
     0.1  # plans streaming KV are tried once all the KV passes this share of the usable budget
 )
@@ -160,9 +161,11 @@ class Planner:
         self.largest_first = [largest, *(e for e in self.priority if e is not largest)] if largest else []
         self._prefix_cache: dict[tuple, tuple] = {}  # (order, base VRAM, totals, running maxima, base)
         self._runs_cache: dict[tuple, tuple] = {}  # per prefix key and classes: (base counts, order's runs)
+        self._score_cache: dict[tuple, float] = {}  # per tier, classes and counts: the closed-form step time
         self._class_cache: dict[tuple[int, bool], tuple[list[UnitClass], dict[str, int]]] = {}
         self._room_cache: dict[tuple[int, bool], int] = {}
         self._orders: dict[str, list[SubLayer]] = {}
+        self._bases: dict[str, dict[str, str]] = {}
         self._warm_base: dict[int, tuple[int, bool]] = {}
         self._warm_shares: dict[tuple[int, int, bool], dict[tuple, float]] = {}
         # Small packs are searched unit by unit with the simulation; large ones over classes in closed form.
@@ -187,22 +190,34 @@ class Planner:
     def vram(
         self, placements: dict[str, str], tier: int, slots: int, kv_streamed: frozenset[str] = frozenset()
     ) -> VramBreakdown:
-        on_device = [e for e in self.placeable if placements[e.name] != Placement.CPU]
-        streamed = [e for e in on_device if placements[e.name] == Placement.STREAMED and e.kind != "expert"]
-        streamed_experts = [
-            e for e in on_device if placements[e.name] == Placement.STREAMED and e.kind == "expert"
-        ]
+        """What `placements` take in VRAM at `tier` with `slots` staging slots (`kv_streamed`: the streamed
+        attentions whose KV streams with them), in one pass over the placeable units."""
+        weights = self.weight_bytes
+        pinned = kv = ring_slot = kv_slot = expert_slot = 0
+        any_on_device = any_ring = False
+        for entry in self.placeable:
+            placement = placements[entry.name]
+            if placement == Placement.CPU:
+                continue
+            any_on_device = True
+            if entry.kv and entry.name not in kv_streamed:
+                kv += self.kv_bytes(entry)
+            if placement == Placement.PINNED:
+                pinned += weights[entry.name]
+            elif entry.kind == "expert":
+                expert_slot = max(expert_slot, weights[entry.name])
+            elif placement == Placement.STREAMED:
+                any_ring = True
+                ring_slot = max(ring_slot, weights[entry.name])
+                if entry.name in kv_streamed:
+                    kv_slot = max(kv_slot, self.kv_bytes(entry))
         return VramBreakdown(
-            pinned_weights=sum(
-                self.weight_bytes[e.name] for e in on_device if placements[e.name] == Placement.PINNED
-            ),
-            kv_cache=sum(self.kv_bytes(e) for e in on_device if e.name not in kv_streamed),
-            staging_slots=slots * max((self.weight_bytes[e.name] for e in streamed), default=0)
-            if streamed
-            else 0,
-            kv_staging=slots * max((self.kv_bytes(e) for e in streamed if e.name in kv_streamed), default=0),
-            expert_slots=EXPERT_SLOTS * max((self.weight_bytes[e.name] for e in streamed_experts), default=0),
-            workspace=self.workspace_bytes(tier) if on_device else 0,
+            pinned_weights=pinned,
+            kv_cache=kv,
+            staging_slots=slots * ring_slot if any_ring else 0,
+            kv_staging=slots * kv_slot,
+            expert_slots=EXPERT_SLOTS * expert_slot,
+            workspace=self.workspace_bytes(tier) if any_on_device else 0,
             ep_overhead=self.ep_overhead,
         )
 
@@ -313,6 +328,7 @@ class Planner:
         self._cost_cache.clear()
         self._prefix_cache.clear()
         self._runs_cache.clear()
+        self._score_cache.clear()
         self._class_cache.clear()
         self._room_cache.clear()
         self._warm_shares.clear()
@@ -699,9 +715,17 @@ class Planner:
     def _score_counts(
         self, tier: int, classes: list[UnitClass], pinned: list[int], streamed: list[int], slots: int
     ) -> float:
-        _, _, activation = self._costs(tier)
-        slowdown = self._copy_slowdown(tier) if any(streamed) else 1.0
-        return class_step_s(classes, pinned, streamed, slots, activation, slowdown, self.device_shares_cpu)
+        """`class_step_s` of class counts, remembered (searches and budget changes score the same counts again)."""
+        key = (tier, id(classes), tuple(pinned), tuple(streamed), slots)
+        if key not in self._score_cache:
+            if len(self._score_cache) >= SCORE_CACHE_ENTRIES:
+                self._score_cache.clear()
+            _, _, activation = self._costs(tier)
+            slowdown = self._copy_slowdown(tier) if any(streamed) else 1.0
+            self._score_cache[key] = class_step_s(
+                classes, pinned, streamed, slots, activation, slowdown, self.device_shares_cpu
+            )
+        return self._score_cache[key]
 
     def _class_moves(
         self,
@@ -861,8 +885,13 @@ class Planner:
         every attention is pinned)."""
         cpu = Placement.CPU
         layered = self._layer_orders()
-        attentions, rest, everything = layered["attn"], layered["rest"], layered["all"]
-        final = [e for e in self.placeable if e.kind == "final"]
+        attentions, rest, everything, final = (
+            layered["attn"],
+            layered["rest"],
+            layered["all"],
+            layered["final"],
+        )
+        bases = self._artifact_bases()
         output_first = final if self.routing_share else []  # a MoE model: the output layer before the FFN
         options: list[Option] = []
         if name in ("full-gpu", "full-gpu-no-output"):
@@ -873,15 +902,13 @@ class Planner:
                 placements.update(dict.fromkeys((e.name for e in final), cpu))
             options = [Option(name, placements, 0, False, vram_bytes=self.vram(placements, tier, 0).total)]
         elif name == "static-attn-prio":
-            base = {e.name: cpu for e in self.placeable}
             order = self._order(name, [*attentions, *output_first, *rest])
-            placements, vram_bytes, prefix = self._pinned(tier, base, 0, budget_bytes, order)
+            placements, vram_bytes, prefix = self._pinned(tier, bases["all-cpu"], 0, budget_bytes, order)
             options = [Option(name, placements, 0, False, vram_bytes=vram_bytes, prefix=prefix)]
         elif name == "shard-attn-prio":
             for kv_streaming in self.kv_streaming_modes(budget_bytes):
-                base = {e.name: Placement.STREAMED if e.kind == "attn" else cpu for e in self.placeable}
                 placements, vram_bytes, prefix = self._pinned(
-                    tier, base, 1, budget_bytes, attentions, kv_streaming
+                    tier, bases["attn-streamed"], 1, budget_bytes, attentions, kv_streaming
                 )
                 if all(placements[e.name] == Placement.PINNED for e in attentions):
                     # every attention pinned: the FFN streamed through the slot, whole layers pinned in order
@@ -895,9 +922,8 @@ class Planner:
                 )
         elif name == "full-shard":
             for kv_streaming in self.kv_streaming_modes(budget_bytes):
-                base = {e.name: cpu if e.kind == "final" else Placement.STREAMED for e in self.placeable}
                 placements, vram_bytes, prefix = self._pinned(
-                    tier, base, 2, budget_bytes, everything, kv_streaming
+                    tier, bases["all-streamed"], 2, budget_bytes, everything, kv_streaming
                 )
                 options.append(
                     Option(name, placements, 2, kv_streaming, vram_bytes=vram_bytes, prefix=prefix)
@@ -937,7 +963,8 @@ class Planner:
         return seeds
 
     def _layer_orders(self) -> dict[str, list[SubLayer]]:
-        """The artifact's orders, by layer: the attentions, the other units of the layers, and both (whole layers)."""
+        """The artifact's orders, by layer: the attentions, the other units of the layers, both (whole layers);
+        and the output layer."""
         if "all" not in self._orders:
             by_layer = sorted(
                 (e for e in self.placeable if e.layer is not None), key=lambda e: (e.layer, e.kind != "attn")
@@ -945,7 +972,23 @@ class Planner:
             self._orders["attn"] = [e for e in by_layer if e.kind == "attn"]
             self._orders["rest"] = [e for e in by_layer if e.kind != "attn"]
             self._orders["all"] = by_layer
+            self._orders["final"] = [e for e in self.placeable if e.kind == "final"]
         return self._orders
+
+    def _artifact_bases(self) -> dict[str, dict[str, str]]:
+        """The placements the artifact's strategies pin over (made once; `_pinned` copies what it changes):
+        everything on the CPU, the attentions streamed and the rest on the CPU, all but the output layer
+        streamed."""
+        if not self._bases:
+            cpu, streamed = Placement.CPU, Placement.STREAMED
+            self._bases["all-cpu"] = {e.name: cpu for e in self.placeable}
+            self._bases["attn-streamed"] = {
+                e.name: streamed if e.kind == "attn" else cpu for e in self.placeable
+            }
+            self._bases["all-streamed"] = {
+                e.name: cpu if e.kind == "final" else streamed for e in self.placeable
+            }
+        return self._bases
 
     def _order(self, name: str, units: list[SubLayer]) -> list[SubLayer]:
         """`units` kept under `name`, so that the pin-prefix cache sees one list per order."""

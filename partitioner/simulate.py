@@ -303,9 +303,12 @@ def _streamed_expert_run(
     first = position_in_group[run[0]]
     # ends[j]: when the expert at position first - EXPERT_SLOTS + j finished (0 before the group's start)
     ends = [compute_end[group[first - k]] if first - k >= 0 else 0.0 for k in range(EXPERT_SLOTS, 0, -1)]
+    reach = len(group)
     for offset, name in enumerate(run):
         position = first + offset
-        for ahead in range(position, min(position + EXPERT_SLOTS, len(group))):
+        # copies up to EXPERT_SLOTS ahead: the first expert's all, each later one's only the one newly in reach
+        nearest = position if offset == 0 else position + EXPERT_SLOTS - 1
+        for ahead in range(nearest, min(position + EXPERT_SLOTS, reach)):
             if group[ahead] not in copy_end:
                 slot_free = ends[ahead - first]  # the slot's previous expert, EXPERT_SLOTS before it
                 copy_free = max(copy_free, gate_end_s, slot_free) + copy_s
