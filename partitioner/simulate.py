@@ -30,15 +30,21 @@ def _experts_by_placement(
 ) -> list[SubLayer]:
     """Within each run of gated units (a MoE layer's experts), pinned first, then CPU, then streamed:
     the runtime's order, so the streamed experts' copies overlap the others' compute."""
+    run_order = sorted(EXPERT_RUN_ORDER, key=EXPERT_RUN_ORDER.get)
     ordered: list[SubLayer] = []
     group: list[SubLayer] = []
+
+    def close_group() -> None:
+        for placement in run_order:
+            ordered.extend(e for e in group if placements[e.name] == placement)
+        group.clear()
+
     for entry in sub_layers:
         gate = gates.get(entry.name)
         if group and gate != gates[group[0].name]:
-            ordered += sorted(group, key=lambda e: EXPERT_RUN_ORDER[placements[e.name]])
-            group = []
+            close_group()
         (group if gate is not None else ordered).append(entry)
-    ordered += sorted(group, key=lambda e: EXPERT_RUN_ORDER[placements[e.name]])
+    close_group()
     return ordered
 
 
