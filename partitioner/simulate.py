@@ -35,8 +35,11 @@ def _experts_by_placement(
     group: list[SubLayer] = []
 
     def close_group() -> None:
+        by_placement: dict[str, list[SubLayer]] = {placement: [] for placement in run_order}
+        for entry in group:
+            by_placement[placements[entry.name]].append(entry)
         for placement in run_order:
-            ordered.extend(e for e in group if placements[e.name] == placement)
+            ordered.extend(by_placement[placement])
         group.clear()
 
     for entry in sub_layers:
@@ -74,13 +77,17 @@ def _collapsed_runs(
         end = index + 1
         if name in gates and (place != Placement.STREAMED or not device_shares_cpu):
             device = "cpu" if place == Placement.CPU else "gpu"
-            while (
-                end < len(sub_layers)
-                and gates.get(sub_layers[end].name) == gates[name]
-                and placements[sub_layers[end].name] == place
-                and compute_s[sub_layers[end].name][device] == compute_s[name][device]
-                and (place != Placement.STREAMED or copy_s[sub_layers[end].name] == copy_s[name])
-            ):
+            gate, seconds, copy_seconds = gates[name], compute_s[name][device], copy_s[name]
+            streamed = place == Placement.STREAMED
+            while end < len(sub_layers):
+                other = sub_layers[end].name
+                if (
+                    gates.get(other) != gate
+                    or placements[other] != place
+                    or compute_s[other][device] != seconds
+                    or (streamed and copy_s[other] != copy_seconds)
+                ):
+                    break
                 end += 1
         streamed_run = place == Placement.STREAMED and name in gates and not device_shares_cpu
         single = min(end, index + (1 if streamed_run else COLLAPSE_AFTER))
