@@ -171,22 +171,27 @@ def class_step_s(
         free[device] = start + duration
         return free[device]
 
+    # per class, its non-empty blocks in the order they run: pinned, on the CPU, streamed
+    blocks_of = []
+    for unit_class, pins, streams in zip(classes, pinned, streamed, strict=True):
+        blocks = (
+            ("gpu", pins, False),
+            ("cpu", len(unit_class.names) - pins - streams, False),
+            ("gpu", streams, True),
+        )
+        blocks_of.append([block for block in blocks if block[1]])
     ready = 0.0
     previous = "cpu"
     step_ends = []
     for _ in range(STEPS):
-        for index, unit_class in enumerate(classes):
-            count = len(unit_class.names)
-            pins, streams = pinned[index], streamed[index]
-            blocks = (("gpu", pins, False), ("cpu", count - pins - streams, False), ("gpu", streams, True))
+        for unit_class, blocks in zip(classes, blocks_of, strict=True):
             for device, units, is_streamed in blocks:
-                if not units:
-                    continue
                 if device != previous:
                     free["copy"] = max(free["copy"], ready) + activation_s
                     ready = free["copy"]
                     previous = device
-                issue_ring_copies()
+                if len(ring_copy_end) < total_ring:
+                    issue_ring_copies()
                 if not is_streamed:
                     seconds = unit_class.cpu_s if device == "cpu" else unit_class.gpu_s
                     ready = run_block(device, units, seconds, ready)
@@ -206,7 +211,7 @@ def class_step_s(
                     free["copy"] = max(free["copy"], first_copy + units * copy)
                     free["gpu"] = ready = end
             ended[unit_class.names[-1]] = ready
-            if unit_class.gate is None and count == 1:
+            if unit_class.gate is None and len(unit_class.names) == 1:
                 ended[unit_class.names[0]] = ready
         if previous != "cpu":
             free["copy"] = max(free["copy"], ready) + activation_s

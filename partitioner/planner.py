@@ -49,6 +49,7 @@ OP_OFFLOAD_MIN_TOKENS = 32  # llama.cpp's batch size from which CPU-resident wei
 EXACT_SEARCH_UNITS = 128
 # The paper artifact's execution strategies (its src/llama-pipeline.h), as baselines priced by our estimator.
 ARTIFACT_STRATEGIES = ("full-gpu", "full-gpu-no-output", "static-attn-prio", "shard-attn-prio", "full-shard")
+SCORE_CACHE_ENTRIES = 4096  # closed-form scores remembered before the cache starts over
 KV_STREAMING_SHARE = (
     0.1  # plans streaming KV are tried once all the KV passes this share of the usable budget
 )
@@ -65,6 +66,8 @@ class Option:
     kv_streaming: bool
     score: float | None = None
     vram_bytes: int | None = None
+    prefix: tuple[tuple, int] | None = None  # placements that are a pinned prefix: its cache key and length
+    counts: tuple[list[int], list[int]] | None = None  # (pinned, streamed) per class, once counted
 
 
 class Planner:
@@ -156,10 +159,13 @@ class Planner:
         }
         largest = max(self.placeable, key=lambda e: self.weight_bytes[e.name], default=None)
         self.largest_first = [largest, *(e for e in self.priority if e is not largest)] if largest else []
-        self._prefix_cache: dict[tuple, tuple[list[SubLayer], list[int]]] = {}
+        self._prefix_cache: dict[tuple, tuple] = {}  # (order, base VRAM, totals, running maxima, base)
+        self._runs_cache: dict[tuple, tuple] = {}  # per prefix key and classes: (base counts, order's runs)
+        self._score_cache: dict[tuple, float] = {}  # per tier, classes and counts: the closed-form step time
         self._class_cache: dict[tuple[int, bool], tuple[list[UnitClass], dict[str, int]]] = {}
         self._room_cache: dict[tuple[int, bool], int] = {}
         self._orders: dict[str, list[SubLayer]] = {}
+        self._bases: dict[str, dict[str, str]] = {}
         self._warm_base: dict[int, tuple[int, bool]] = {}
         self._warm_shares: dict[tuple[int, int, bool], dict[tuple, float]] = {}
         # Small packs are searched unit by unit with the simulation; large ones over classes in closed form.
@@ -184,22 +190,34 @@ class Planner:
     def vram(
         self, placements: dict[str, str], tier: int, slots: int, kv_streamed: frozenset[str] = frozenset()
     ) -> VramBreakdown:
-        on_device = [e for e in self.placeable if placements[e.name] != Placement.CPU]
-        streamed = [e for e in on_device if placements[e.name] == Placement.STREAMED and e.kind != "expert"]
-        streamed_experts = [
-            e for e in on_device if placements[e.name] == Placement.STREAMED and e.kind == "expert"
-        ]
+        """What `placements` take in VRAM at `tier` with `slots` staging slots (`kv_streamed`: the streamed
+        attentions whose KV streams with them), in one pass over the placeable units."""
+        weights = self.weight_bytes
+        pinned = kv = ring_slot = kv_slot = expert_slot = 0
+        any_on_device = any_ring = False
+        for entry in self.placeable:
+            placement = placements[entry.name]
+            if placement == Placement.CPU:
+                continue
+            any_on_device = True
+            if entry.kv and entry.name not in kv_streamed:
+                kv += self.kv_bytes(entry)
+            if placement == Placement.PINNED:
+                pinned += weights[entry.name]
+            elif entry.kind == "expert":
+                expert_slot = max(expert_slot, weights[entry.name])
+            elif placement == Placement.STREAMED:
+                any_ring = True
+                ring_slot = max(ring_slot, weights[entry.name])
+                if entry.name in kv_streamed:
+                    kv_slot = max(kv_slot, self.kv_bytes(entry))
         return VramBreakdown(
-            pinned_weights=sum(
-                self.weight_bytes[e.name] for e in on_device if placements[e.name] == Placement.PINNED
-            ),
-            kv_cache=sum(self.kv_bytes(e) for e in on_device if e.name not in kv_streamed),
-            staging_slots=slots * max((self.weight_bytes[e.name] for e in streamed), default=0)
-            if streamed
-            else 0,
-            kv_staging=slots * max((self.kv_bytes(e) for e in streamed if e.name in kv_streamed), default=0),
-            expert_slots=EXPERT_SLOTS * max((self.weight_bytes[e.name] for e in streamed_experts), default=0),
-            workspace=self.workspace_bytes(tier) if on_device else 0,
+            pinned_weights=pinned,
+            kv_cache=kv,
+            staging_slots=slots * ring_slot if any_ring else 0,
+            kv_staging=slots * kv_slot,
+            expert_slots=EXPERT_SLOTS * expert_slot,
+            workspace=self.workspace_bytes(tier) if any_on_device else 0,
             ep_overhead=self.ep_overhead,
         )
 
@@ -309,6 +327,8 @@ class Planner:
         """Forget cached estimates (after context or batch changed)."""
         self._cost_cache.clear()
         self._prefix_cache.clear()
+        self._runs_cache.clear()
+        self._score_cache.clear()
         self._class_cache.clear()
         self._room_cache.clear()
         self._warm_shares.clear()
@@ -391,24 +411,59 @@ class Planner:
         priority: list[SubLayer] | None = None,
         kv_streaming: bool = False,
         room_bytes: int = 0,
-    ) -> tuple[dict[str, str], int]:
+    ) -> tuple[dict[str, str], int, tuple[tuple, int]]:
         """Pin in priority order while the plan still fits `budget_bytes` with `room_bytes` to spare (placements
         not pinned keep `base`): the longest prefix whose running-maximum VRAM (`_prefix_vram`, cached per base,
         order and slots) is within the budget, found by bisection, so a budget change costs no walk over the
-        units; with the VRAM the plan takes."""
+        units; with the VRAM the plan takes and the prefix (cache key, length) for `_prefix_counts`."""
         order = priority or self.priority
         key = (tuple(base.values()), id(order), slots, kv_streaming)
         if key not in self._prefix_cache:
             kv_streamed = self.streamed_attentions(base, self.placeable) if kv_streaming else frozenset()
             unpinned = self.vram(base, 1, slots, kv_streamed)
-            self._prefix_cache[key] = (order, unpinned, *self._prefix_vram(base, slots, order, kv_streaming))
-        _, unpinned, totals, running_max = self._prefix_cache[key]
+            prefix_vram = self._prefix_vram(base, slots, order, kv_streaming)
+            self._prefix_cache[key] = (order, unpinned, *prefix_vram, base)
+        _, unpinned, totals, running_max, _ = self._prefix_cache[key]
         workspace = self.workspace_bytes(tier)
         count = bisect.bisect_right(running_max, budget_bytes - workspace - room_bytes)
         placements = {**base, **dict.fromkeys((e.name for e in order[:count]), Placement.PINNED)}
         if count:
-            return placements, totals[count - 1] + workspace
-        return placements, unpinned.total + (workspace - unpinned.workspace if unpinned.workspace else 0)
+            return placements, totals[count - 1] + workspace, (key, count)
+        vram_bytes = unpinned.total + (workspace - unpinned.workspace if unpinned.workspace else 0)
+        return placements, vram_bytes, (key, count)
+
+    def _prefix_counts(
+        self, prefix: tuple[tuple, int], tier: int, kv_streaming: bool
+    ) -> tuple[list[int], list[int]]:
+        """`class_counts` of a pinned prefix (from `_pinned`) without a pass over the units: the base's counts
+        and the order's runs of units of one class and one base placement, made once per prefix cache key and
+        tier, then per length a pass over the runs it covers."""
+        key, count = prefix
+        runs_key = (key, tier, kv_streaming)
+        if runs_key not in self._runs_cache:
+            order, _, _, _, base = self._prefix_cache[key]
+            classes, class_of = self._classes(tier, kv_streaming)
+            runs: list[list] = []  # [class index, base placement, units]
+            for entry in order:
+                run = (class_of[entry.name], base[entry.name])
+                if runs and (runs[-1][0], runs[-1][1]) == run:
+                    runs[-1][2] += 1
+                else:
+                    runs.append([*run, 1])
+            self._runs_cache[runs_key] = (class_counts(classes, base, class_of), runs)
+        (base_pinned, base_streamed), runs = self._runs_cache[runs_key]
+        pinned, streamed = list(base_pinned), list(base_streamed)
+        left = count
+        for index, placement, units in runs:
+            if not left:
+                break
+            taken = min(units, left)
+            left -= taken
+            if placement != Placement.PINNED:
+                pinned[index] += taken
+            if placement == Placement.STREAMED:
+                streamed[index] -= taken
+        return pinned, streamed
 
     def _prefix_vram(
         self, base: dict[str, str], slots: int, order: list[SubLayer], kv_streaming: bool
@@ -478,11 +533,11 @@ class Planner:
         for kv_streaming in self.kv_streaming_modes(budget_bytes):
             for priority in (self.priority, self.largest_first):
                 for slots in (STAGING_SLOTS, 1):
-                    placements, vram_bytes = self._pinned(
+                    placements, vram_bytes, prefix = self._pinned(
                         tier, streamed_all, slots, budget_bytes, priority, kv_streaming
                     )
                     if vram_bytes <= budget_bytes:
-                        options.append(Option("gpu-only", placements, slots, kv_streaming))
+                        options.append(Option("gpu-only", placements, slots, kv_streaming, prefix=prefix))
                         break
         return options
 
@@ -493,8 +548,9 @@ class Planner:
         return self._best_of(tier, budget_bytes, self._static_options(tier, budget_bytes), detail)
 
     def _static_options(self, tier: int, budget_bytes: int) -> list[Option]:
-        placements = self._pin_prefix(tier, {e.name: Placement.CPU for e in self.placeable}, 0, budget_bytes)
-        return [Option("static", placements, 0, False)]
+        all_cpu = {e.name: Placement.CPU for e in self.placeable}
+        placements, _, prefix = self._pinned(tier, all_cpu, 0, budget_bytes)
+        return [Option("static", placements, 0, False, prefix=prefix)]
 
     def _best_of(
         self, tier: int, budget_bytes: int, options: list[Option], detail: bool = False
@@ -545,24 +601,26 @@ class Planner:
             return self._best_of(tier, budget_bytes, self._dynamic_options(tier, budget_bytes), detail)
         best_plan = None
         compute, copies, _ = self._costs(tier)
-        for placements, slots, kv_streaming, _ in self._dynamic_bases(tier, budget_bytes):
+        for placements, slots, kv_streaming, _, _ in self._dynamic_bases(tier, budget_bytes):
             plan = self._dynamic_moves(tier, placements, budget_bytes, slots, kv_streaming, compute, copies)
             if plan is not None and (best_plan is None or plan.step_s < best_plan.step_s):
                 best_plan = plan
         return self.detailed(best_plan) if detail and best_plan else best_plan
 
-    def _dynamic_bases(self, tier: int, budget_bytes: int) -> list[tuple[dict[str, str], int, bool, int]]:
+    def _dynamic_bases(
+        self, tier: int, budget_bytes: int
+    ) -> list[tuple[dict[str, str], int, bool, int, tuple]]:
         """Where the dynamic search starts: the static pins with room left for the slots, per KV mode and slot
-        count, with the VRAM each takes."""
+        count, with the VRAM each takes and its pinned prefix."""
         all_cpu = {e.name: Placement.CPU for e in self.placeable}
         bases = []
         for kv_streaming in self.kv_streaming_modes(budget_bytes):
             for slots in (STAGING_SLOTS, 1):
                 room = self._streaming_room(slots, kv_streaming)
-                placements, vram_bytes = self._pinned(
+                placements, vram_bytes, prefix = self._pinned(
                     tier, all_cpu, slots, budget_bytes, kv_streaming=kv_streaming, room_bytes=room
                 )
-                bases.append((placements, slots, kv_streaming, vram_bytes))
+                bases.append((placements, slots, kv_streaming, vram_bytes, prefix))
         return bases
 
     def _dynamic_options(self, tier: int, budget_bytes: int, warm: bool = False) -> list[Option]:
@@ -570,27 +628,40 @@ class Planner:
         choice at this tier took (when it is still one), each group from the share it chose."""
         bases = self._dynamic_bases(tier, budget_bytes)
         last = self._warm_base.get(tier)
-        if warm and any((slots, kv) == last for _, slots, kv, _ in bases):
+        if warm and any((slots, kv) == last for _, slots, kv, _, _ in bases):
             bases = [b for b in bases if (b[1], b[2]) == last]
         best = None
-        for placements, slots, kv_streaming, vram_bytes in bases:
+        for placements, slots, kv_streaming, vram_bytes, prefix in bases:
+            pinned, _ = self._prefix_counts(prefix, tier, kv_streaming)
             score, streamed = self._class_moves(
-                tier, placements, budget_bytes - vram_bytes, slots, kv_streaming, warm
+                tier, pinned, budget_bytes - vram_bytes, slots, kv_streaming, warm
             )
             if streamed is not None and (best is None or score < best[0]):
-                best = (score, placements, streamed, slots, kv_streaming)
+                best = (score, placements, pinned, streamed, slots, kv_streaming)
         if best is None:
             return []
-        score, placements, streamed, slots, kv_streaming = best
+        score, placements, pinned, streamed, slots, kv_streaming = best
         self._warm_base[tier] = (slots, kv_streaming)
-        classes, class_of = self._classes(tier, kv_streaming)
-        pinned, _ = class_counts(classes, placements, class_of)
+        classes, _ = self._classes(tier, kv_streaming)
         moved = {**placements, **class_placements(classes, pinned, streamed)}
-        return [Option("dynamic", moved, slots, kv_streaming, score)]
+        return [Option("dynamic", moved, slots, kv_streaming, score, counts=(pinned, streamed))]
+
+    def _option_counts(self, tier: int, option: Option) -> tuple[list[int], list[int]]:
+        """An option's (pinned, streamed) per class: from its pinned prefix where it is one, else counted."""
+        if option.counts is None:
+            if option.prefix is not None:
+                option.counts = self._prefix_counts(option.prefix, tier, option.kv_streaming)
+            else:
+                classes, class_of = self._classes(tier, option.kv_streaming)
+                option.counts = class_counts(classes, option.placements, class_of)
+        return option.counts
 
     def _option_score(self, tier: int, option: Option) -> float:
+        """An option's closed-form step time (`class_step_s`), computed once."""
         if option.score is None:
-            option.score = self._class_score(tier, option.placements, option.slots, option.kv_streaming)
+            classes, _ = self._classes(tier, option.kv_streaming)
+            pinned, streamed = self._option_counts(tier, option)
+            option.score = self._score_counts(tier, classes, pinned, streamed, option.slots)
         return option.score
 
     def choose(self, tier: int, budget_bytes: int) -> Plan:
@@ -641,37 +712,40 @@ class Planner:
             self._class_cache[key] = (classes, class_of)
         return self._class_cache[key]
 
-    def _class_score(self, tier: int, placements: dict[str, str], slots: int, kv_streaming: bool) -> float:
-        """The closed-form step time of unit-level placements (`class_step_s`)."""
-        classes, class_of = self._classes(tier, kv_streaming)
-        pinned, streamed = class_counts(classes, placements, class_of)
-        return self._score_counts(tier, classes, pinned, streamed, slots)
-
     def _score_counts(
         self, tier: int, classes: list[UnitClass], pinned: list[int], streamed: list[int], slots: int
     ) -> float:
-        _, _, activation = self._costs(tier)
-        slowdown = self._copy_slowdown(tier) if any(streamed) else 1.0
-        return class_step_s(classes, pinned, streamed, slots, activation, slowdown, self.device_shares_cpu)
+        """`class_step_s` of class counts, remembered (searches and budget changes score the same counts again)."""
+        key = (tier, id(classes), tuple(pinned), tuple(streamed), slots)
+        if key not in self._score_cache:
+            if len(self._score_cache) >= SCORE_CACHE_ENTRIES:
+                self._score_cache.clear()
+            _, _, activation = self._costs(tier)
+            slowdown = self._copy_slowdown(tier) if any(streamed) else 1.0
+            self._score_cache[key] = class_step_s(
+                classes, pinned, streamed, slots, activation, slowdown, self.device_shares_cpu
+            )
+        return self._score_cache[key]
 
     def _class_moves(
         self,
         tier: int,
-        placements: dict[str, str],
+        pinned: list[int],
         room_bytes: int,
         slots: int,
         kv_streaming: bool,
         warm: bool = False,
     ) -> tuple[float, list[int] | None]:
-        """The dynamic split over classes: the CPU units of alike classes (the same costs and pinned count: every
-        unpinned MoE layer's experts, every CPU attention) form a group; in order of the time a unit would save
-        on the GPU, each group takes the count to stream (per class for experts, a most-popular prefix; evenly
-        spaced classes for ring units) that minimises the closed-form step time, kept where it helps, within
-        `room_bytes` of VRAM beside the pinned units for what streaming takes (`streamed_vram`). With `warm`,
-        each group's search starts from the share the last search at this tier chose (a budget change moves it
-        little). Returns (score, streamed count per class), the counts None when streaming nothing is best."""
-        classes, class_of = self._classes(tier, kv_streaming)
-        pinned, streamed = class_counts(classes, placements, class_of)
+        """The dynamic split over classes from `pinned` units per class (the rest on the CPU): the CPU units of
+        alike classes (the same costs and pinned count: every unpinned MoE layer's experts, every CPU attention)
+        form a group; in order of the time a unit would save on the GPU, each group takes the count to stream (per
+        class for experts, a most-popular prefix; evenly spaced classes for ring units) that minimises the
+        closed-form step time, kept where it helps, within `room_bytes` of VRAM beside the pinned units for what
+        streaming takes (`streamed_vram`). With `warm`, each group's search starts from the share the last search
+        at this tier chose (a budget change moves it little). Returns (score, streamed count per class), the counts
+        None when streaming nothing is best."""
+        classes, _ = self._classes(tier, kv_streaming)
+        streamed = [0] * len(classes)
         groups: dict[tuple, list[int]] = {}
         for index, unit_class in enumerate(classes):
             free = len(unit_class.names) - pinned[index]
@@ -811,8 +885,13 @@ class Planner:
         every attention is pinned)."""
         cpu = Placement.CPU
         layered = self._layer_orders()
-        attentions, rest, everything = layered["attn"], layered["rest"], layered["all"]
-        final = [e for e in self.placeable if e.kind == "final"]
+        attentions, rest, everything, final = (
+            layered["attn"],
+            layered["rest"],
+            layered["all"],
+            layered["final"],
+        )
+        bases = self._artifact_bases()
         output_first = final if self.routing_share else []  # a MoE model: the output layer before the FFN
         options: list[Option] = []
         if name in ("full-gpu", "full-gpu-no-output"):
@@ -823,27 +902,32 @@ class Planner:
                 placements.update(dict.fromkeys((e.name for e in final), cpu))
             options = [Option(name, placements, 0, False, vram_bytes=self.vram(placements, tier, 0).total)]
         elif name == "static-attn-prio":
-            base = {e.name: cpu for e in self.placeable}
             order = self._order(name, [*attentions, *output_first, *rest])
-            placements, vram_bytes = self._pinned(tier, base, 0, budget_bytes, order)
-            options = [Option(name, placements, 0, False, vram_bytes=vram_bytes)]
+            placements, vram_bytes, prefix = self._pinned(tier, bases["all-cpu"], 0, budget_bytes, order)
+            options = [Option(name, placements, 0, False, vram_bytes=vram_bytes, prefix=prefix)]
         elif name == "shard-attn-prio":
             for kv_streaming in self.kv_streaming_modes(budget_bytes):
-                base = {e.name: Placement.STREAMED if e.kind == "attn" else cpu for e in self.placeable}
-                placements, vram_bytes = self._pinned(tier, base, 1, budget_bytes, attentions, kv_streaming)
+                placements, vram_bytes, prefix = self._pinned(
+                    tier, bases["attn-streamed"], 1, budget_bytes, attentions, kv_streaming
+                )
                 if all(placements[e.name] == Placement.PINNED for e in attentions):
                     # every attention pinned: the FFN streamed through the slot, whole layers pinned in order
                     base = {e.name: Placement.STREAMED for e in self.placeable}
                     base.update({**dict.fromkeys((e.name for e in final), cpu), **placements})
-                    placements, vram_bytes = self._pinned(
+                    placements, vram_bytes, prefix = self._pinned(
                         tier, base, 1, budget_bytes, self._order(name, [*output_first, *rest])
                     )
-                options.append(Option(name, placements, 1, kv_streaming, vram_bytes=vram_bytes))
+                options.append(
+                    Option(name, placements, 1, kv_streaming, vram_bytes=vram_bytes, prefix=prefix)
+                )
         elif name == "full-shard":
             for kv_streaming in self.kv_streaming_modes(budget_bytes):
-                base = {e.name: cpu if e.kind == "final" else Placement.STREAMED for e in self.placeable}
-                placements, vram_bytes = self._pinned(tier, base, 2, budget_bytes, everything, kv_streaming)
-                options.append(Option(name, placements, 2, kv_streaming, vram_bytes=vram_bytes))
+                placements, vram_bytes, prefix = self._pinned(
+                    tier, bases["all-streamed"], 2, budget_bytes, everything, kv_streaming
+                )
+                options.append(
+                    Option(name, placements, 2, kv_streaming, vram_bytes=vram_bytes, prefix=prefix)
+                )
         else:
             raise UserError(f"unknown artifact strategy {name!r}; known: {', '.join(ARTIFACT_STRATEGIES)}")
         return options
@@ -866,22 +950,21 @@ class Planner:
         seeds = []
         for name in ARTIFACT_STRATEGIES:
             for option in self._artifact_options(name, tier, budget_bytes):
-                placements = option.placements
                 if option.vram_bytes > budget_bytes:
                     continue
-                kinds = {placements[e.name] for e in self.placeable}
-                strategy = (
-                    "static"
-                    if Placement.STREAMED not in kinds
-                    else "gpu-only"
-                    if Placement.CPU not in kinds
-                    else "dynamic"
+                classes, _ = self._classes(tier, option.kv_streaming)
+                pinned, streamed = self._option_counts(tier, option)
+                on_cpu = any(
+                    c.placeable and len(c.names) > pins + streams
+                    for c, pins, streams in zip(classes, pinned, streamed, strict=True)
                 )
-                seeds.append(Option(strategy, placements, option.slots, option.kv_streaming))
+                option.strategy = "static" if not any(streamed) else "dynamic" if on_cpu else "gpu-only"
+                seeds.append(option)
         return seeds
 
     def _layer_orders(self) -> dict[str, list[SubLayer]]:
-        """The artifact's orders, by layer: the attentions, the other units of the layers, and both (whole layers)."""
+        """The artifact's orders, by layer: the attentions, the other units of the layers, both (whole layers);
+        and the output layer."""
         if "all" not in self._orders:
             by_layer = sorted(
                 (e for e in self.placeable if e.layer is not None), key=lambda e: (e.layer, e.kind != "attn")
@@ -889,7 +972,23 @@ class Planner:
             self._orders["attn"] = [e for e in by_layer if e.kind == "attn"]
             self._orders["rest"] = [e for e in by_layer if e.kind != "attn"]
             self._orders["all"] = by_layer
+            self._orders["final"] = [e for e in self.placeable if e.kind == "final"]
         return self._orders
+
+    def _artifact_bases(self) -> dict[str, dict[str, str]]:
+        """The placements the artifact's strategies pin over (made once; `_pinned` copies what it changes):
+        everything on the CPU, the attentions streamed and the rest on the CPU, all but the output layer
+        streamed."""
+        if not self._bases:
+            cpu, streamed = Placement.CPU, Placement.STREAMED
+            self._bases["all-cpu"] = {e.name: cpu for e in self.placeable}
+            self._bases["attn-streamed"] = {
+                e.name: streamed if e.kind == "attn" else cpu for e in self.placeable
+            }
+            self._bases["all-streamed"] = {
+                e.name: cpu if e.kind == "final" else streamed for e in self.placeable
+            }
+        return self._bases
 
     def _order(self, name: str, units: list[SubLayer]) -> list[SubLayer]:
         """`units` kept under `name`, so that the pin-prefix cache sees one list per order."""

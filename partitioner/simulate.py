@@ -30,15 +30,24 @@ def _experts_by_placement(
 ) -> list[SubLayer]:
     """Within each run of gated units (a MoE layer's experts), pinned first, then CPU, then streamed:
     the runtime's order, so the streamed experts' copies overlap the others' compute."""
+    run_order = sorted(EXPERT_RUN_ORDER, key=EXPERT_RUN_ORDER.get)
     ordered: list[SubLayer] = []
     group: list[SubLayer] = []
+
+    def close_group() -> None:
+        by_placement: dict[str, list[SubLayer]] = {placement: [] for placement in run_order}
+        for entry in group:
+            by_placement[placements[entry.name]].append(entry)
+        for placement in run_order:
+            ordered.extend(by_placement[placement])
+        group.clear()
+
     for entry in sub_layers:
         gate = gates.get(entry.name)
         if group and gate != gates[group[0].name]:
-            ordered += sorted(group, key=lambda e: EXPERT_RUN_ORDER[placements[e.name]])
-            group = []
+            close_group()
         (group if gate is not None else ordered).append(entry)
-    ordered += sorted(group, key=lambda e: EXPERT_RUN_ORDER[placements[e.name]])
+    close_group()
     return ordered
 
 
@@ -68,13 +77,17 @@ def _collapsed_runs(
         end = index + 1
         if name in gates and (place != Placement.STREAMED or not device_shares_cpu):
             device = "cpu" if place == Placement.CPU else "gpu"
-            while (
-                end < len(sub_layers)
-                and gates.get(sub_layers[end].name) == gates[name]
-                and placements[sub_layers[end].name] == place
-                and compute_s[sub_layers[end].name][device] == compute_s[name][device]
-                and (place != Placement.STREAMED or copy_s[sub_layers[end].name] == copy_s[name])
-            ):
+            gate, seconds, copy_seconds = gates[name], compute_s[name][device], copy_s[name]
+            streamed = place == Placement.STREAMED
+            while end < len(sub_layers):
+                other = sub_layers[end].name
+                if (
+                    gates.get(other) != gate
+                    or placements[other] != place
+                    or compute_s[other][device] != seconds
+                    or (streamed and copy_s[other] != copy_seconds)
+                ):
+                    break
                 end += 1
         streamed_run = place == Placement.STREAMED and name in gates and not device_shares_cpu
         single = min(end, index + (1 if streamed_run else COLLAPSE_AFTER))
@@ -303,9 +316,12 @@ def _streamed_expert_run(
     first = position_in_group[run[0]]
     # ends[j]: when the expert at position first - EXPERT_SLOTS + j finished (0 before the group's start)
     ends = [compute_end[group[first - k]] if first - k >= 0 else 0.0 for k in range(EXPERT_SLOTS, 0, -1)]
+    reach = len(group)
     for offset, name in enumerate(run):
         position = first + offset
-        for ahead in range(position, min(position + EXPERT_SLOTS, len(group))):
+        # copies up to EXPERT_SLOTS ahead: the first expert's all, each later one's only the one newly in reach
+        nearest = position if offset == 0 else position + EXPERT_SLOTS - 1
+        for ahead in range(nearest, min(position + EXPERT_SLOTS, reach)):
             if group[ahead] not in copy_end:
                 slot_free = ends[ahead - first]  # the slot's previous expert, EXPERT_SLOTS before it
                 copy_free = max(copy_free, gate_end_s, slot_free) + copy_s
