@@ -70,6 +70,16 @@ class Option:
     counts: tuple[list[int], list[int]] | None = None  # (pinned, streamed) per class, once counted
 
 
+def _device_bytes(entry: SubLayer) -> int:
+    """What a unit takes on the device, which is what the runtime uploads: a row chunk's rows, else its blob as
+    stored (the weights with their alignment)."""
+    if entry.chunk:
+        return entry.weight_bytes
+    if entry.blob is not None:
+        return entry.blob.bytes
+    return sum(w.bytes for w in entry.weights)
+
+
 class Planner:
     """Makes plans for one pack, profile, context and batch, for whatever budget each call names; replanning is
     cheap (no I/O). A plan source for the runtime (runtime/plansource.py `PlanSource`): the budget is the caller's
@@ -112,10 +122,7 @@ class Planner:
             for weight in entry.weights:
                 owned[(weight.file, weight.offset)] = weight.bytes
         scale = self.estimator.weight_scale
-        self.weight_bytes = {
-            e.name: round(scale * (e.weight_bytes if e.chunk else sum(w.bytes for w in e.weights)))
-            for e in self.units
-        }
+        self.weight_bytes = {e.name: round(scale * _device_bytes(e)) for e in self.units}
         self.model_bytes = round(scale * sum(owned.values()))
         self.placeable = [e for e in self.units if e.kind not in HOST_ONLY_KINDS]
         self.routing_share = expert_routing_shares(manifest, expert_stats)

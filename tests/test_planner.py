@@ -27,7 +27,14 @@ def scaled_manifest(manifest: Manifest, factor: int) -> Manifest:
         shape = (weight.shape[0], weight.shape[1] * factor) if len(weight.shape) == 2 else weight.shape
         return replace(weight, bytes=weight.bytes * factor, shape=shape)
 
-    sub_layers = tuple(replace(e, weights=tuple(scaled(w) for w in e.weights)) for e in manifest.sub_layers)
+    sub_layers = tuple(
+        replace(
+            e,
+            weights=tuple(scaled(w) for w in e.weights),
+            blob=replace(e.blob, bytes=e.blob.bytes * factor) if e.blob else None,
+        )
+        for e in manifest.sub_layers
+    )
     return replace(manifest, sub_layers=sub_layers)
 
 
