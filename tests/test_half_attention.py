@@ -106,6 +106,7 @@ def test_a_vlm_gives_the_tokens_of_transformers_with_its_decoders_attention_in_f
     attention types, up to the first step whose top two logits are closer than float16's tolerance (a random tiny
     VLM's logits are nearly flat: there a rounding step may pick either)."""
     from PIL import Image
+    from test_vlm import reference_output
 
     from pipeshard.exporter.vlm import build_tiny_vlm, image_processor_for
 
@@ -114,7 +115,6 @@ def test_a_vlm_gives_the_tokens_of_transformers_with_its_decoders_attention_in_f
     model.config.vision_config._attn_implementation = "sdpa"  # the vision blocks as the export keeps them
     image = tmp_path / "photo.png"
     Image.fromarray((np.random.default_rng(5).random((300, 500, 3)) * 255).astype(np.uint8)).save(image)
-    pixels = image_processor_for(processor)(images=[[Image.open(image).convert("RGB")]], return_tensors="pt")
     pack = models.pack("tiny:smolvlm", attention="fp16")
     engines = {
         "export": pipeshard.load(models.export("tiny:smolvlm", attention="fp16")),
@@ -129,18 +129,14 @@ def test_a_vlm_gives_the_tokens_of_transformers_with_its_decoders_attention_in_f
             "Describe the image.", images=[str(image)], max_new_tokens=NEW_TOKENS
         )
     prompt_ids = results["chain"].prompt_tokens
-    ids = torch.tensor([prompt_ids])
-    with torch.no_grad():
-        output = model.generate(
-            input_ids=ids,
-            attention_mask=torch.ones_like(ids),
-            pixel_values=pixels["pixel_values"],
-            pixel_attention_mask=pixels["pixel_attention_mask"],
-            max_new_tokens=NEW_TOKENS,
-            do_sample=False,
-            output_scores=True,
-            return_dict_in_generate=True,
-        )
+    output = reference_output(
+        (model, None, image_processor_for(processor)),
+        prompt_ids,
+        [image],
+        max_new_tokens=NEW_TOKENS,
+        output_scores=True,
+        return_dict_in_generate=True,
+    )
     expected = output.sequences[0, len(prompt_ids) :].tolist()
     decided = len(expected)
     for index, scores in enumerate(output.scores):

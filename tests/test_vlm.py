@@ -52,23 +52,28 @@ def images(tmp_path_factory) -> list[Path]:
     return paths
 
 
-def reference_tokens(tiny_vlm, prompt_ids: list[int], paths: list[Path]) -> list[int]:
-    """transformers' greedy tokens for the same ids, its own image processor making the pixels."""
+def reference_output(tiny_vlm, prompt_ids: list[int], paths: list[Path], **options):
+    """transformers' greedy `generate` for the same ids, its own image processor making the pixels (`options`:
+    more of generate's arguments)."""
     import torch
 
     model, _, image_processor = tiny_vlm
     pixels = image_processor(images=[[Image.open(p).convert("RGB") for p in paths]], return_tensors="pt")
     ids = torch.tensor([prompt_ids])
     with torch.no_grad():
-        out = model.generate(
+        return model.generate(
             input_ids=ids,
             attention_mask=torch.ones_like(ids),
             pixel_values=pixels["pixel_values"],
             pixel_attention_mask=pixels["pixel_attention_mask"],
-            max_new_tokens=NEW_TOKENS,
             do_sample=False,
+            **{"max_new_tokens": NEW_TOKENS, **options},
         )
-    return out[0, len(prompt_ids) :].tolist()
+
+
+def reference_tokens(tiny_vlm, prompt_ids: list[int], paths: list[Path]) -> list[int]:
+    """transformers' greedy tokens for the same ids, its own image processor making the pixels."""
+    return reference_output(tiny_vlm, prompt_ids, paths)[0, len(prompt_ids) :].tolist()
 
 
 def test_export_describes_three_parts_with_dynamic_tiles(vlm_export):
