@@ -397,18 +397,6 @@ class Planner:
         return plan.vram.total <= plan.budget_bytes
 
     # -- policies ---------------------------------------------------------------------------------------------------
-    def _pin_prefix(
-        self,
-        tier: int,
-        base: dict[str, str],
-        slots: int,
-        budget_bytes: int,
-        priority: list[SubLayer] | None = None,
-        kv_streaming: bool = False,
-        room_bytes: int = 0,
-    ) -> dict[str, str]:
-        return self._pinned(tier, base, slots, budget_bytes, priority, kv_streaming, room_bytes)[0]
-
     def _pinned(
         self,
         tier: int,
@@ -816,7 +804,7 @@ class Planner:
 
     def exhaustive_dynamic(self, tier: int, budget_bytes: int, slots: int = STAGING_SLOTS) -> Plan:
         """The true optimum of the dynamic split under the same estimator (2^n: small packs only)."""
-        base = self._pin_prefix(tier, {e.name: Placement.CPU for e in self.placeable}, slots, budget_bytes)
+        base = self._pinned(tier, {e.name: Placement.CPU for e in self.placeable}, slots, budget_bytes)[0]
         free = [n for n, p in base.items() if p == Placement.CPU]
         best = self.evaluate("dynamic", tier, base, budget_bytes, slots=slots)
         for choice in itertools.product((Placement.CPU, Placement.STREAMED), repeat=len(free)):
@@ -877,9 +865,9 @@ class Planner:
             streamed_all = {e.name: Placement.STREAMED for e in self.placeable}
             if self.vram(streamed_all, tier, 1).total > budget_bytes:
                 return None
-            placements = self._pin_prefix(
-                tier, streamed_all, 1, budget_bytes, self.placeable
-            )  # in manifest order
+            placements = self._pinned(tier, streamed_all, 1, budget_bytes, self.placeable)[
+                0
+            ]  # manifest order
             return self.evaluate(
                 "offload", tier, placements, budget_bytes, slots=1, prefetch=False, detail=detail
             )

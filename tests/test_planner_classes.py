@@ -110,7 +110,7 @@ def test_the_pin_prefix_is_the_longest_that_fits(moe_manifest):
     all_cpu = {e.name: Placement.CPU for e in planner.placeable}
     for share in (0.05, 0.2, 0.5, 0.9):
         budget = planner.minimum_budget() + int(planner.model_bytes * share)
-        placements = planner._pin_prefix(16, all_cpu, 0, budget)
+        placements = planner._pinned(16, all_cpu, 0, budget)[0]
         pinned = sum(p == Placement.PINNED for p in placements.values())
         assert planner.vram(placements, 16, 0).total <= budget
         if pinned < len(planner.priority):
