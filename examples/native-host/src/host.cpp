@@ -525,7 +525,7 @@ void* Host::device_allocate(uint64_t bytes, const std::string& purpose) {
     }
     device_allocations_[buffer] = bytes;
     device_bytes_ += bytes;
-    peak_device_bytes_ = std::max(peak_device_bytes_, device_bytes_);
+    peak_device_bytes_ = std::max<uint64_t>(peak_device_bytes_, device_bytes_);
     return buffer;
 }
 
@@ -790,19 +790,23 @@ void Host::feed(const int64_t* ids, int64_t tokens, int64_t past, Conversation* 
 
 void Host::forward(const int64_t* ids, int64_t tokens, int64_t past) {
     if (cancel_requested()) fail(PIPESHARD_ERR_CANCELLED, "cancelled");
-    std::lock_guard<std::mutex> lock(report_mutex_);
-    apply_pending_budget();
-    int tier = 0;
-    const Plan* plan = plan_for(tokens, &tier);
-    if (!plan) {
-        if (!active_ && runs_.empty()) {
-            for (size_t u = 0; u < units_.size(); ++u) runs_.push_back({u, "cpu", -1});
+    {
+        // What report() reads changes here, under its lock; the units then run without it, so a report from
+        // another thread never waits for a whole step.
+        std::lock_guard<std::mutex> lock(report_mutex_);
+        apply_pending_budget();
+        int tier = 0;
+        const Plan* plan = plan_for(tokens, &tier);
+        if (!plan) {
+            if (!active_ && runs_.empty()) {
+                for (size_t u = 0; u < units_.size(); ++u) runs_.push_back({u, "cpu", -1});
+            }
+        } else if (plan != active_) {
+            activate(plan);
         }
-    } else if (plan != active_) {
-        activate(plan);
+        ++steps_;
+        ++tier_steps_[tier];
     }
-    ++steps_;
-    ++tier_steps_[tier];
     int64_t total = past + tokens;
     input_ids_.assign(ids, ids + tokens);
     attention_mask_.assign(static_cast<size_t>(total), 1);
@@ -826,21 +830,23 @@ void Host::forward(const int64_t* ids, int64_t tokens, int64_t past) {
         }
     } catch (const HostError& error) {
         if (error.status == PIPESHARD_ERR_CANCELLED) throw;
-        try {
-            deactivate();
-        } catch (...) {
-        }
+        deactivate_after_failure();
         throw;
     } catch (...) {
-        // Failed mid-step: the ring and the KV are in an unknown state; release the device (generate forgets the
-        // conversation's cells).
-        try {
-            deactivate();
-        } catch (...) {
-        }
+        deactivate_after_failure();
         throw;
     }
     read_logits();
+}
+
+// Failed mid-step: the ring and the KV are in an unknown state; release the device (generate forgets the
+// conversation's cells).
+void Host::deactivate_after_failure() {
+    std::lock_guard<std::mutex> lock(report_mutex_);
+    try {
+        deactivate();
+    } catch (...) {
+    }
 }
 
 void Host::run_unit(const Run& run, int64_t tokens) {

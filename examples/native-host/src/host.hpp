@@ -163,7 +163,7 @@ private:
     std::vector<int> slot_holds_;     // streamed index each slot holds (or is receiving), -1 none
     uint64_t slot_bytes_ = 0;
     std::map<void*, uint64_t> device_allocations_;
-    uint64_t device_bytes_ = 0, peak_device_bytes_ = 0;
+    std::atomic<uint64_t> device_bytes_{0}, peak_device_bytes_{0};  // report() reads them while units run
 
     // Step state.
     std::map<std::string, OrtValue*> values_;  // what runs hand on by name (ORT-allocated outputs, step inputs)
@@ -174,10 +174,10 @@ private:
 
     const std::atomic<bool>* cancel_ = nullptr;
     Conversation* resident_ = nullptr;  // whose cells the cache holds (nullptr: a one-shot prompt's, or none)
-    mutable std::mutex report_mutex_;   // a step, and report() from another thread
+    mutable std::mutex report_mutex_;   // a step's plan and budget changes, and report() from another thread
 
     // What the host has done.
-    uint64_t steps_ = 0, plan_switches_ = 0, streamed_weight_bytes_ = 0;
+    std::atomic<uint64_t> steps_{0}, plan_switches_{0}, streamed_weight_bytes_{0};
     std::map<int, uint64_t> tier_steps_;
     GenerationTimes last_;
 
@@ -194,6 +194,7 @@ private:
     int rung_for(uint64_t budget_bytes) const;
     void activate(const Plan* plan);
     void deactivate();
+    void deactivate_after_failure();
     void* device_allocate(uint64_t bytes, const std::string& purpose);
     void device_release(void* buffer);
     std::pair<std::string, uint64_t> unit_bytes(const Unit& unit) const;  // (file, offset); size by unit_size
