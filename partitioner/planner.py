@@ -908,7 +908,8 @@ class Planner:
                 if all(placements[e.name] == Placement.PINNED for e in attentions):
                     # every attention pinned: the FFN streamed through the slot, whole layers pinned in order
                     base = {e.name: Placement.STREAMED for e in self.placeable}
-                    base.update({**dict.fromkeys((e.name for e in final), cpu), **placements})
+                    base.update(dict.fromkeys((e.name for e in final), cpu))
+                    base.update({n: p for n, p in placements.items() if p == Placement.PINNED})
                     placements, vram_bytes, prefix = self._pinned(
                         tier, base, 1, budget_bytes, self._order(name, [*output_first, *rest])
                     )

@@ -136,3 +136,14 @@ def test_layers_baseline_offloads_large_batches_to_the_device(moe_manifest):
     budget = planner.minimum_budget() + int(planner.model_bytes * 0.8)
     decode, prefill = planner.baseline("layers", 1, budget), planner.baseline("layers", 256, budget)
     assert decode.counts()["streamed"] == 0 and prefill.counts()["streamed"] > 0 and not prefill.prefetch
+
+
+def test_shard_attn_prio_streams_the_ffn_once_every_attention_is_pinned(moe_manifest):
+    """The artifact's shard-attn-prio: attentions pinned first; with all of them pinned and room left, the rest of
+    the model streams through the slot (none of it left on the CPU but the output layer)."""
+    planner = Planner(moe_manifest, load_profile("desktop-24gb"), context=256)
+    budget = planner.minimum_budget() + int(planner.model_bytes * 0.5)
+    plan = planner.artifact_plan("shard-attn-prio", 1, budget)
+    kinds = {unit.name: unit.kind for unit in planner.placeable}
+    assert all(plan.placements[n] == Placement.PINNED for n, kind in kinds.items() if kind == "attn")
+    assert plan.counts()["streamed"] > 0 and plan.vram.total <= budget
