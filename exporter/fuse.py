@@ -734,19 +734,21 @@ def _half_casts(name: str, half: str, bias: bool) -> list[onnx.NodeProto]:
 
 
 def _remove_dead_nodes(model: onnx.ModelProto) -> None:
+    """Drop nodes whose outputs nothing uses, then initializers nothing reads; in place (rebuilding the lists
+    would copy every weight)."""
     graph_outputs = {o.name for o in model.graph.output}
     nodes = model.graph.node
     while True:
         used = {t for node in nodes for t in node.input} | graph_outputs
-        alive = [n for n in nodes if any(out in used for out in n.output)]
-        if len(alive) == len(nodes):
+        dead = [i for i, node in enumerate(nodes) if not any(out in used for out in node.output)]
+        if not dead:
             break
-        del nodes[:]
-        nodes.extend(alive)
+        for i in reversed(dead):
+            del nodes[i]
     used = {t for node in nodes for t in node.input}
-    kept = [i for i in model.graph.initializer if i.name in used]
-    del model.graph.initializer[:]
-    model.graph.initializer.extend(kept)
+    initializers = model.graph.initializer
+    for i in reversed([i for i, tensor in enumerate(initializers) if tensor.name not in used]):
+        del initializers[i]
 
 
 def _declare_kv_buffers(model: onnx.ModelProto) -> None:

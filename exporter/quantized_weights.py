@@ -363,9 +363,10 @@ def _apply(model: onnx.ModelProto, rewriter: _Rewriter, dropped: set[str]) -> No
         nodes.append(node)
     del model.graph.node[:]
     model.graph.node.extend(nodes)
-    kept = [t for t in model.graph.initializer if t.name not in dropped]
-    del model.graph.initializer[:]
-    model.graph.initializer.extend([*kept, *rewriter.new_initializers])
+    initializers = model.graph.initializer  # in place: rebuilding the list would copy every kept weight
+    for i in reversed([i for i, tensor in enumerate(initializers) if tensor.name in dropped]):
+        del initializers[i]
+    initializers.extend(rewriter.new_initializers)
     kept_info = [v for v in model.graph.value_info if v.name not in dropped]
     del model.graph.value_info[:]
     model.graph.value_info.extend(kept_info)

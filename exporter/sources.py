@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 import importlib
 import importlib.util
@@ -107,8 +108,19 @@ def _one_gguf_parse():
     import transformers.modeling_gguf_pytorch_utils as gguf_loading
 
     original_reader, original_name_map = gguf.GGUFReader, gguf.get_tensor_name_map
-    original_bar = gguf_loading.tqdm
+    original_bar, original_checkpoint = gguf_loading.tqdm, gguf_loading.load_gguf_checkpoint
     gguf.GGUFReader = lambda path, mode="r": gguf_reader(path) if mode == "r" else original_reader(path, mode)
+    # the config and the tokenizer each ask for the file's metadata (its whole vocabulary): read once
+    metadata = {}
+
+    def load_checkpoint(path, return_tensors=False, **kwargs):
+        if return_tensors or kwargs:
+            return original_checkpoint(path, return_tensors, **kwargs)
+        if path not in metadata:
+            metadata[path] = original_checkpoint(path, return_tensors=False)
+        return copy.deepcopy(metadata[path])
+
+    gguf_loading.load_gguf_checkpoint = load_checkpoint
     # transformers asks for the same tensor-name map once per module of the model; it is a pure function
     gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(original_name_map)
     # the export's own progress bar is the one shown (its dequantization bar only with -v)
@@ -119,7 +131,7 @@ def _one_gguf_parse():
         yield
     finally:
         gguf.GGUFReader, gguf.get_tensor_name_map = original_reader, original_name_map
-        gguf_loading.tqdm = original_bar
+        gguf_loading.tqdm, gguf_loading.load_gguf_checkpoint = original_bar, original_checkpoint
 
 
 def _check_gguf(path: Path) -> str:
@@ -143,7 +155,7 @@ def _load_pretrained(folder: Path, gguf_file: str | None, dtype):
         where = str(folder / gguf_file) if gguf_file else str(folder)
         _check_architecture(config.model_type, where)
         check_supported_features(config, where)
-        model = model_class.from_pretrained(folder, dtype=torch.float32, **kwargs)
+        model = model_class.from_pretrained(folder, config=config, dtype=torch.float32, **kwargs)
         if gguf_file:
             model = _plain_copy(model)
         tokenizer = AutoTokenizer.from_pretrained(folder, **kwargs)
