@@ -102,8 +102,11 @@ host-if-possible:
 		$(MAKE) --no-print-directory host host-windows; \
 	else echo "skipping the native host: it needs a C++ compiler, cmake and npm (tests/test_native_host.py skips too)"; fi
 
+# Two pytest workers, a test file each at a time (its module fixtures made once); the exports they share are made
+# once, under a lock (tests/conftest.py).
+TEST_WORKERS ?= 2
 test: $(STAMP) $(ORT_HEADER) $(ORT_KERNELS) host-if-possible
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

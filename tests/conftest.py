@@ -3,6 +3,7 @@ kept between runs under build/test-cache while the code that made them is unchan
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
 import os
@@ -42,9 +43,13 @@ def _export_once(model: str, folder: Path, dtype: str = "fp32", attention: str =
     from pipeshard.exporter import export_model
 
     stamp = folder / FINGERPRINT_FILE
-    if not (stamp.is_file() and stamp.read_text() == _export_fingerprint()):
-        export_model(model, folder, dtype=dtype, force=True, quiet=True, attention_dtype=attention)
-        stamp.write_text(_export_fingerprint())
+    CACHE.mkdir(parents=True, exist_ok=True)
+    # `make test` runs two pytest workers: the one that exports first holds the folder, the other waits for it
+    with open(CACHE / f"{folder.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (stamp.is_file() and stamp.read_text() == _export_fingerprint()):
+            export_model(model, folder, dtype=dtype, force=True, quiet=True, attention_dtype=attention)
+            stamp.write_text(_export_fingerprint())
     return folder
 
 
