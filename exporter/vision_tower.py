@@ -159,7 +159,12 @@ def load_folder(folder, where: str):
     import torch
     from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
 
-    config = AutoConfig.from_pretrained(folder)
+    from huggingface_hub.errors import StrictDataclassError
+
+    try:
+        config = AutoConfig.from_pretrained(folder)
+    except (ValueError, TypeError, KeyError, StrictDataclassError) as exc:  # transformers validates known fields
+        raise UserError(f"{where}: transformers refuses its config.json: {' '.join(str(exc).split())}") from None
     check_config(config, where)
     try:
         vlm = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32)
