@@ -105,7 +105,7 @@ def _export_vision(source, staging: Path, opset: int) -> dict:
     if qwen_vl.is_qwen_vl(source.vlm.config.model_type):
         difference = qwen_vl.export_vision(source.vlm, staging / vlm.VISION_FILE, opset, preprocessing)
         description = qwen_vl.vision_description(source.vlm)
-    elif not vlm.is_vlm_architecture(source.vlm.config.model_type):  # the generic path (exporter/vision_tower.py)
+    elif not vlm.is_vlm_architecture(source.vlm.config.model_type):  # exporter/vision_tower.py
         where = source.description.get("path", source.description["name"])
         difference = vision_tower.export_vision(source.vlm, staging / vlm.VISION_FILE, opset, where)
         description = vision_tower.vision_description(source.vlm)

@@ -33,7 +33,9 @@ def preprocessing_config(image_processor, model_config, tokenizer=None) -> dict[
         config = _idefics3_config(image_processor, model_config)
     elif model_type in QWEN2_VL_MODEL_TYPES:
         config = _qwen2_vl_config(image_processor, model_config)
-    elif getattr(getattr(model_config, "vision_config", None), "model_type", None) in vision_tower.TOWER_TYPES:
+    elif (
+        getattr(getattr(model_config, "vision_config", None), "model_type", None) in vision_tower.TOWER_TYPES
+    ):
         config = _llava_config(image_processor, model_config)
     else:
         raise ValueError(f"no image preprocessing for model type {model_type!r}")

@@ -239,7 +239,10 @@ def resolve_source(model: str) -> SourceSpec:
     if not any(path.glob("*.safetensors")):
         raise UserError(f"{path} has no weights (*.safetensors)")
     return SourceSpec(
-        "hf-folder", path.name, path.absolute(), vision=generic_vision or model_type in IMAGE_TEXT_ARCHITECTURES
+        "hf-folder",
+        path.name,
+        path.absolute(),
+        vision=generic_vision or model_type in IMAGE_TEXT_ARCHITECTURES,
     )
 
 

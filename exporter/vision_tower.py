@@ -18,7 +18,6 @@ from __future__ import annotations
 from typing import Any
 
 from pipeshard.core.errors import UserError
-from pipeshard.formats.vision_inputs import PREPROCESSING_SCHEMA_VERSION
 
 FAMILY = "llava"  # export.json's vision family and preprocessing family of this path
 TOWER_TYPES = ("clip_vision_model", "siglip_vision_model")
@@ -78,7 +77,9 @@ def check_config(config, where: str) -> None:
         )
     for field in ("vision_feature_layer", "vision_feature_select_strategy", "projector_hidden_act"):
         if getattr(config, field, None) is None:
-            raise UserError(f"{where}: a {config.model_type} model without {field} does not fit the generic vision path")
+            raise UserError(
+                f"{where}: a {config.model_type} model without {field} does not fit the generic vision path"
+            )
     layer = config.vision_feature_layer
     if not isinstance(layer, int):
         raise UserError(
@@ -93,7 +94,9 @@ def check_config(config, where: str) -> None:
             f"{', '.join(SELECT_STRATEGIES)}"
         )
     if getattr(config, "image_token_id", None) is None:
-        raise UserError(f"{where}: a {config.model_type} model without image_token_id does not fit the generic vision path")
+        raise UserError(
+            f"{where}: a {config.model_type} model without image_token_id does not fit the generic vision path"
+        )
 
 
 def check_modules(vlm, where: str) -> None:
@@ -103,7 +106,9 @@ def check_modules(vlm, where: str) -> None:
     inner = getattr(vlm, "model", None)
     for name in ("vision_tower", PROJECTOR, "language_model"):
         if not isinstance(getattr(inner, name, None), torch.nn.Module):
-            raise UserError(f"{where}: {type(vlm).__name__} has no model.{name}; the generic vision path needs one")
+            raise UserError(
+                f"{where}: {type(vlm).__name__} has no model.{name}; the generic vision path needs one"
+            )
     kinds = [type(module).__name__ for module in getattr(inner, PROJECTOR).children()]
     linear = [isinstance(module, torch.nn.Linear) for module in getattr(inner, PROJECTOR).children()]
     if len(kinds) != 3 or linear != [True, False, True]:
@@ -157,14 +162,20 @@ def _probe_image():
 def load_folder(folder, where: str):
     """A Hugging Face folder of a model that fits: the model, its tokenizer and image processor."""
     import torch
-    from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
-
     from huggingface_hub.errors import StrictDataclassError
+    from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
 
     try:
         config = AutoConfig.from_pretrained(folder)
-    except (ValueError, TypeError, KeyError, StrictDataclassError) as exc:  # transformers validates known fields
-        raise UserError(f"{where}: transformers refuses its config.json: {' '.join(str(exc).split())}") from None
+    except (
+        ValueError,
+        TypeError,
+        KeyError,
+        StrictDataclassError,
+    ) as exc:  # transformers validates known fields
+        raise UserError(
+            f"{where}: transformers refuses its config.json: {' '.join(str(exc).split())}"
+        ) from None
     check_config(config, where)
     try:
         vlm = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32)
@@ -176,9 +187,13 @@ def load_folder(folder, where: str):
     except (OSError, ValueError, TypeError) as exc:
         raise UserError(f"{where}: no usable processor ({exc})") from None
     if not hasattr(processor, "image_processor") or not hasattr(processor, "tokenizer"):
-        raise UserError(f"{where}: the processor ({type(processor).__name__}) has no image processor and tokenizer")
+        raise UserError(
+            f"{where}: the processor ({type(processor).__name__}) has no image processor and tokenizer"
+        )
     if getattr(processor, "image_token", IMAGE_TOKEN) != IMAGE_TOKEN:
-        raise UserError(f"{where}: the processor's image token is {processor.image_token!r}, not {IMAGE_TOKEN!r}")
+        raise UserError(
+            f"{where}: the processor's image token is {processor.image_token!r}, not {IMAGE_TOKEN!r}"
+        )
     check_processor(processor, vlm.config, where)
     from pipeshard.exporter.image_processing import preprocessing_config
 
@@ -303,7 +318,9 @@ def check_against_transformers(vlm, tower, where: str) -> float:
         try:
             theirs = vlm.model.get_image_features(pixel_values=pixels, return_dict=True).pooler_output
         except (TypeError, ValueError, RuntimeError) as exc:
-            raise UserError(f"{where}: transformers' get_image_features does not take plain pixels ({exc})") from None
+            raise UserError(
+                f"{where}: transformers' get_image_features does not take plain pixels ({exc})"
+            ) from None
         theirs = torch.cat(list(theirs)).reshape(-1, ours.shape[-1]) if len(theirs) else None
     if theirs is None or theirs.shape != ours.shape:
         raise UserError(

@@ -248,7 +248,9 @@ def vision_tower(vlm):
 def export_vision(vlm, onnx_path: Path, opset: int) -> float:
     """Export the vision tower to `onnx_path` (weights beside it), dynamic over tiles; returns the largest
     difference from PyTorch on a tile count other than the traced one."""
-    return export_tile_tower(vision_tower(vlm), vlm.config.vision_config.image_size, vlm.dtype, onnx_path, opset)
+    return export_tile_tower(
+        vision_tower(vlm), vlm.config.vision_config.image_size, vlm.dtype, onnx_path, opset
+    )
 
 
 def export_tile_tower(tower, size: int, dtype, onnx_path: Path, opset: int) -> float:

@@ -67,7 +67,11 @@ LLAVA_VISION_RULES: list[tuple[str, str]] = [
     (r"(?:^|\.)vision_model\.pre_layrnorm$", "vision_embed"),
     *VISION_RULES,
 ]
-VISION_RULES_BY_FAMILY = {"idefics3": VISION_RULES, "qwen2_vl": QWEN_VISION_RULES, "llava": LLAVA_VISION_RULES}
+VISION_RULES_BY_FAMILY = {
+    "idefics3": VISION_RULES,
+    "qwen2_vl": QWEN_VISION_RULES,
+    "llava": LLAVA_VISION_RULES,
+}
 
 RULES_BY_ARCHITECTURE: dict[str, list[tuple[str, str]]] = {
     "llama": DECODER_RULES,

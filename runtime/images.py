@@ -25,8 +25,8 @@ class ImageInputs:
     """The vision graph's inputs for the images of one prompt, and how each image lays out in the prompt.
 
     pixel_values is float32: idefics3 [tiles, 3, S, S] (every image's tiles, in order, each image's global
-    view last); llava [images, 3, S, S]; qwen2_vl [patches, C * temporal_patch * patch * patch]. image_tokens[i] is the number of
-    image-token positions image i fills in the prompt (= its rows of image features).
+    view last); llava [images, 3, S, S]; qwen2_vl [patches, C * temporal_patch * patch * patch]. image_tokens[i]
+    is the number of image-token positions image i fills in the prompt (= its rows of image features).
     """
 
     family: str
@@ -251,7 +251,9 @@ def _center_crop(image: Image.Image, height: int, width: int) -> Image.Image:
         padded = np.zeros((padded_rows, padded_cols, *pixels.shape[2:]), pixels.dtype)
         padded[top_pad : top_pad + rows, left_pad : left_pad + cols] = pixels
         pixels, top, left = padded, top + top_pad, left + left_pad
-    return Image.fromarray(np.ascontiguousarray(pixels[max(top, 0) : top + height, max(left, 0) : left + width]))
+    return Image.fromarray(
+        np.ascontiguousarray(pixels[max(top, 0) : top + height, max(left, 0) : left + width])
+    )
 
 
 def _preprocess_llava(images: list[Image.Image], config: dict) -> ImageInputs:
@@ -263,7 +265,9 @@ def _preprocess_llava(images: list[Image.Image], config: dict) -> ImageInputs:
         if config["crop_height"]:
             image = _center_crop(image, config["crop_height"], config["crop_width"])
         if image.size != (size, size):
-            raise UserError(f"an image of {image.width}x{image.height} pixels; this model takes {size}x{size}")
+            raise UserError(
+                f"an image of {image.width}x{image.height} pixels; this model takes {size}x{size}"
+            )
         pixels.append(_rescale_and_normalize(image, config))
     return ImageInputs("llava", np.stack(pixels), [config["image_seq_len"]] * len(images))
 
