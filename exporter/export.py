@@ -98,13 +98,17 @@ def _quiet_third_party_output() -> None:
 
 def _export_vision(source, staging: Path, opset: int) -> dict:
     """A VLM's vision graph beside the decoder, checked against PyTorch; its description for export.json."""
-    from pipeshard.exporter import qwen_vl, vlm
+    from pipeshard.exporter import qwen_vl, vision_tower, vlm
     from pipeshard.exporter.image_processing import preprocessing_config
 
     preprocessing = preprocessing_config(source.image_processor, source.vlm.config)
     if qwen_vl.is_qwen_vl(source.vlm.config.model_type):
         difference = qwen_vl.export_vision(source.vlm, staging / vlm.VISION_FILE, opset, preprocessing)
         description = qwen_vl.vision_description(source.vlm)
+    elif not vlm.is_vlm_architecture(source.vlm.config.model_type):  # exporter/vision_tower.py
+        where = source.description.get("path", source.description["name"])
+        difference = vision_tower.export_vision(source.vlm, staging / vlm.VISION_FILE, opset, where)
+        description = vision_tower.vision_description(source.vlm)
     else:
         difference = vlm.export_vision(source.vlm, staging / vlm.VISION_FILE, opset)
         description = vlm.vision_description(source.vlm)

@@ -11,6 +11,7 @@ from typing import Any
 
 from PIL import Image
 
+from pipeshard.exporter import vision_tower
 from pipeshard.formats.vision_inputs import PREPROCESSING_SCHEMA_VERSION
 
 IDEFICS3_MODEL_TYPES = ("idefics3", "smolvlm")
@@ -32,6 +33,10 @@ def preprocessing_config(image_processor, model_config, tokenizer=None) -> dict[
         config = _idefics3_config(image_processor, model_config)
     elif model_type in QWEN2_VL_MODEL_TYPES:
         config = _qwen2_vl_config(image_processor, model_config)
+    elif (
+        getattr(getattr(model_config, "vision_config", None), "model_type", None) in vision_tower.TOWER_TYPES
+    ):
+        config = _llava_config(image_processor, model_config)
     else:
         raise ValueError(f"no image preprocessing for model type {model_type!r}")
     if tokenizer is not None:
@@ -153,11 +158,42 @@ def _qwen2_vl_config(image_processor, model_config) -> dict[str, Any]:
     }
 
 
+def _llava_config(image_processor, model_config) -> dict[str, Any]:
+    """A CLIP / SigLIP image processor (exporter/vision_tower.py): resize by the shortest edge or to a height and
+    width, an optional center crop; each image one run of `image_seq_len` image tokens."""
+    size = dict(image_processor.size)
+    if set(size) - {"shortest_edge", "height", "width"} or not (
+        size.get("shortest_edge") or (size.get("height") and size.get("width"))
+    ):
+        raise ValueError(f"the image processor's size {size} is not a shortest edge or a height and width")
+    if getattr(image_processor, "do_pad", None):
+        raise ValueError("the image processor pads images; the generic vision path does not")
+    if not getattr(image_processor, "do_convert_rgb", True):
+        raise ValueError("the runtime always converts images to RGB; this processor does not")
+    crop = dict(image_processor.crop_size) if getattr(image_processor, "do_center_crop", False) else {}
+    return {
+        "schema_version": PREPROCESSING_SCHEMA_VERSION,
+        "family": vision_tower.FAMILY,
+        **_common(image_processor),
+        "shortest_edge": size.get("shortest_edge"),
+        "height": size.get("height"),
+        "width": size.get("width"),
+        "crop_height": crop.get("height"),
+        "crop_width": crop.get("width"),
+        "image_size": int(model_config.vision_config.image_size),
+        "image_seq_len": vision_tower.tokens_per_image(model_config),
+        "image_token": vision_tower.IMAGE_TOKEN,
+        "image_token_id": int(model_config.image_token_id),
+    }
+
+
 def _special_tokens(config: dict[str, Any]) -> list[str]:
     if config["family"] == "idefics3":
         grid = range(1, (config["max_tile_grid"] or 0) + 1)
         tiles = [config["row_col_token"].format(row=row, col=col) for row in grid for col in grid]
         return [config["image_token"], config["fake_image_token"], config["global_image_token"], *tiles]
+    if config["family"] == vision_tower.FAMILY:
+        return [config["image_token"]]
     return [config["image_token"], config["vision_start_token"], config["vision_end_token"]]
 
 

@@ -23,6 +23,7 @@ from pipeshard.exporter.qwen_vl import (
     TINY_QWEN_VL_CONFIGS,
 )
 from pipeshard.exporter.tiny import TINY_CONFIGS, build_tiny_model
+from pipeshard.exporter.vision_tower import TINY_LLAVA_CONFIGS, has_vision_and_text
 from pipeshard.exporter.vlm import TINY_VLM_CONFIGS, VLM_ARCHITECTURES, check_vlm_config
 
 # name -> (package, GGUF file in it). A package whose file comes in parts has an `assemble(output_path)` that
@@ -33,7 +34,7 @@ BUILTIN_MODELS = {
 }
 # Built-in VLMs: a built-in decoder inside a vision model of a real VLM's shape (random vision weights).
 BUILTIN_VLMS = {"smolvlm-256m": "smollm2-135m"}
-TINY_VISION = {**TINY_VLM_CONFIGS, **TINY_QWEN_VL_CONFIGS}
+TINY_VISION = {**TINY_VLM_CONFIGS, **TINY_QWEN_VL_CONFIGS, **TINY_LLAVA_CONFIGS}
 IMAGE_TEXT_ARCHITECTURES = (*VLM_ARCHITECTURES, *QWEN_VL_ARCHITECTURES)
 
 
@@ -239,23 +240,40 @@ def resolve_source(model: str) -> SourceSpec:
     if not config_path.is_file():
         raise UserError(f"{path} is not a model folder (no config.json)")
     try:
-        model_type = json.loads(config_path.read_text()).get("model_type")
+        config = json.loads(config_path.read_text())
+        model_type = config.get("model_type")
     except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as exc:
         raise UserError(f"{config_path} is not a valid config ({exc})") from None
-    _check_architecture(model_type, str(config_path))
+    # a vision tower beside a decoder, of no family above: the generic vision path judges it when loading
+    generic_vision = model_type not in IMAGE_TEXT_ARCHITECTURES and has_vision_and_text(config)
+    if not generic_vision:
+        _check_architecture(model_type, str(config_path))
     if not any(path.glob("*.safetensors")):
         raise UserError(f"{path} has no weights (*.safetensors)")
-    return SourceSpec("hf-folder", path.name, path.absolute(), vision=model_type in IMAGE_TEXT_ARCHITECTURES)
+    return SourceSpec(
+        "hf-folder",
+        path.name,
+        path.absolute(),
+        vision=generic_vision or model_type in IMAGE_TEXT_ARCHITECTURES,
+    )
 
 
 def _load_vlm(spec: SourceSpec, dtype) -> LoadedSource:
     """A VLM and its language decoder: tiny, built around a built-in decoder, or from a folder."""
-    from pipeshard.exporter import qwen_vl
+    from pipeshard.exporter import qwen_vl, vision_tower
     from pipeshard.exporter.image_processing import qwen2_vl_image_processor
     from pipeshard.exporter.vlm import build_smolvlm_256m, build_tiny_vlm, image_processor_for, text_decoder
 
     tiny = spec.name.split(":", 1)[1] if spec.kind == "tiny" else spec.name
-    if tiny in TINY_QWEN_VL_CONFIGS or tiny in QWEN_VL_PROBES:
+    if spec.kind == "tiny" and tiny in TINY_LLAVA_CONFIGS:
+        vlm, processor = vision_tower.build_tiny(tiny)
+        tokenizer, image_processor = processor.tokenizer, processor.image_processor
+    elif spec.kind == "hf-folder" and _folder_model_type(spec.folder) not in IMAGE_TEXT_ARCHITECTURES:
+        from pipeshard.exporter.offline import force_offline
+
+        force_offline()
+        vlm, tokenizer, image_processor = vision_tower.load_folder(spec.folder, str(spec.folder))
+    elif tiny in TINY_QWEN_VL_CONFIGS or tiny in QWEN_VL_PROBES:
         vlm, tokenizer, processor = qwen_vl.build_tiny_qwen_vl(tiny)
         image_processor = qwen2_vl_image_processor(vlm.config, **processor)
     elif spec.kind == "tiny":
@@ -280,8 +298,17 @@ def _load_vlm(spec: SourceSpec, dtype) -> LoadedSource:
         except (OSError, ValueError) as exc:
             raise UserError(f"{spec.folder}: no usable image processor ({exc})") from None
     vlm = vlm.to(dtype).eval()
-    decoder = qwen_vl.text_decoder(vlm) if qwen_vl.is_qwen_vl(vlm.config.model_type) else text_decoder(vlm)
+    if qwen_vl.is_qwen_vl(vlm.config.model_type):
+        decoder = qwen_vl.text_decoder(vlm)
+    elif vlm.config.model_type in VLM_ARCHITECTURES:
+        decoder = text_decoder(vlm)
+    else:
+        decoder = vision_tower.text_decoder(vlm)
     return LoadedSource(decoder, tokenizer, spec.describe(), vlm=vlm, image_processor=image_processor)
+
+
+def _folder_model_type(folder: Path) -> str | None:
+    return json.loads((folder / "config.json").read_text()).get("model_type")
 
 
 def load_source(spec: SourceSpec, dtype) -> LoadedSource:

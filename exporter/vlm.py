@@ -248,15 +248,21 @@ def vision_tower(vlm):
 def export_vision(vlm, onnx_path: Path, opset: int) -> float:
     """Export the vision tower to `onnx_path` (weights beside it), dynamic over tiles; returns the largest
     difference from PyTorch on a tile count other than the traced one."""
+    return export_tile_tower(
+        vision_tower(vlm), vlm.config.vision_config.image_size, vlm.dtype, onnx_path, opset
+    )
+
+
+def export_tile_tower(tower, size: int, dtype, onnx_path: Path, opset: int) -> float:
+    """Export a tower of pixel values [tiles, 3, size, size] -> features [rows, hidden] to `onnx_path`, dynamic
+    over tiles; returns the largest difference from PyTorch on a tile count other than the traced one."""
     import numpy as np
     import onnx
     import onnxruntime
     import torch
 
-    tower = vision_tower(vlm)
-    size = vlm.config.vision_config.image_size
     generator = torch.Generator().manual_seed(0)
-    traced = torch.randn(3, 3, size, size, generator=generator).to(vlm.dtype)
+    traced = torch.randn(3, 3, size, size, generator=generator).to(dtype)
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")
         program = torch.onnx.export(
@@ -279,12 +285,12 @@ def export_vision(vlm, onnx_path: Path, opset: int) -> float:
     # The dynamo exporter silently fixes a dimension it cannot prove dynamic: a fixed tile count would fail later.
     if not isinstance(dims["pixel_values"][0], str) or not isinstance(dims["image_features"][0], str):
         raise RuntimeError(f"the vision graph lost its dynamic tile dimension: {dims}")
-    check = torch.randn(2, 3, size, size, generator=generator).to(vlm.dtype)
+    check = torch.randn(2, 3, size, size, generator=generator).to(dtype)
     session = onnxruntime.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"])
     (ours,) = session.run(None, {"pixel_values": check.numpy()})
     with torch.no_grad():
         reference = tower.float()(check.float()).numpy()
-    tower.to(vlm.dtype)
+    tower.to(dtype)
     return float(np.abs(ours.astype(np.float32) - reference).max())
 
 

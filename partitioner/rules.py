@@ -61,7 +61,17 @@ QWEN_VISION_RULES: list[tuple[str, str]] = [
     (r"(?:^|\.)merger(\..*)?$", "projector"),
     (r"^_empty_nn_module_stack_from_metadata_hook$|^$", "prologue"),
 ]
-VISION_RULES_BY_FAMILY = {"idefics3": VISION_RULES, "qwen2_vl": QWEN_VISION_RULES}
+# A CLIP / SigLIP tower with a LLaVA projector in the same form (exporter/vision_tower.py); CLIP's pre-norm joins
+# the embedding.
+LLAVA_VISION_RULES: list[tuple[str, str]] = [
+    (r"(?:^|\.)vision_model\.pre_layrnorm$", "vision_embed"),
+    *VISION_RULES,
+]
+VISION_RULES_BY_FAMILY = {
+    "idefics3": VISION_RULES,
+    "qwen2_vl": QWEN_VISION_RULES,
+    "llava": LLAVA_VISION_RULES,
+}
 
 RULES_BY_ARCHITECTURE: dict[str, list[tuple[str, str]]] = {
     "llama": DECODER_RULES,

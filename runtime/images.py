@@ -25,8 +25,8 @@ class ImageInputs:
     """The vision graph's inputs for the images of one prompt, and how each image lays out in the prompt.
 
     pixel_values is float32: idefics3 [tiles, 3, S, S] (every image's tiles, in order, each image's global
-    view last); qwen2_vl [patches, C * temporal_patch * patch * patch]. image_tokens[i] is the number of
-    image-token positions image i fills in the prompt (= its rows of image features).
+    view last); llava [images, 3, S, S]; qwen2_vl [patches, C * temporal_patch * patch * patch]. image_tokens[i]
+    is the number of image-token positions image i fills in the prompt (= its rows of image features).
     """
 
     family: str
@@ -67,7 +67,7 @@ def to_rgb(image: Image.Image) -> Image.Image:
 def image_placeholder(config: dict) -> str:
     """What a prompt holds for one image before expansion (what the model's chat template writes)."""
     _check_config(config)
-    if config["family"] == "idefics3":
+    if config["family"] in ("idefics3", "llava"):
         return config["image_token"]
     return config["vision_start_token"] + config["image_token"] + config["vision_end_token"]
 
@@ -80,6 +80,8 @@ def preprocess(images: list[Image.Image], config: dict) -> ImageInputs:
     rgb = [to_rgb(image) for image in images]
     if config["family"] == "idefics3":
         return _preprocess_idefics3(rgb, config)
+    if config["family"] == "llava":
+        return _preprocess_llava(rgb, config)
     return _preprocess_qwen2_vl(rgb, config)
 
 
@@ -113,7 +115,7 @@ def _check_config(config: dict) -> None:
             f"the pack's image preprocessing has schema_version {version}; this pipeshard reads "
             f"{PREPROCESSING_SCHEMA_VERSION} (re-export the pack)"
         )
-    if config.get("family") not in ("idefics3", "qwen2_vl"):
+    if config.get("family") not in ("idefics3", "qwen2_vl", "llava"):
         raise UserError(f"the pack's image preprocessing family {config.get('family')!r} is not known")
 
 
@@ -221,6 +223,53 @@ def _idefics3_image_text(rows: int, cols: int, config: dict) -> str:
         ]
         row_texts.append("".join(tiles) + "\n")
     return "".join(row_texts) + "\n" + global_view
+
+
+# --- A CLIP / SigLIP tower (exporter/vision_tower.py): one fixed-size image, one run of image tokens.
+
+
+def llava_resized_size(height: int, width: int, config: dict) -> tuple[int, int]:
+    """The size the processor resizes to: the shortest edge to `shortest_edge` (the longer one truncated to
+    keep the aspect ratio), or the fixed height and width."""
+    edge = config["shortest_edge"]
+    if not edge:
+        return config["height"], config["width"]
+    short, long = (width, height) if width <= height else (height, width)
+    new_long = int(edge * long / short)
+    return (new_long, edge) if width <= height else (edge, new_long)
+
+
+def _center_crop(image: Image.Image, height: int, width: int) -> Image.Image:
+    """The processor's center crop: the middle height x width, an image smaller than that padded with zeros
+    around it first."""
+    pixels = np.asarray(image)
+    rows, cols = pixels.shape[:2]
+    top, left = (rows - height) // 2, (cols - width) // 2
+    if top < 0 or left < 0:
+        padded_rows, padded_cols = max(height, rows), max(width, cols)
+        top_pad, left_pad = math.ceil((padded_rows - rows) / 2), math.ceil((padded_cols - cols) / 2)
+        padded = np.zeros((padded_rows, padded_cols, *pixels.shape[2:]), pixels.dtype)
+        padded[top_pad : top_pad + rows, left_pad : left_pad + cols] = pixels
+        pixels, top, left = padded, top + top_pad, left + left_pad
+    return Image.fromarray(
+        np.ascontiguousarray(pixels[max(top, 0) : top + height, max(left, 0) : left + width])
+    )
+
+
+def _preprocess_llava(images: list[Image.Image], config: dict) -> ImageInputs:
+    size = config["image_size"]
+    pixels = []
+    for image in images:
+        if config["do_resize"]:
+            image = _resize(image, *llava_resized_size(image.height, image.width, config), config)
+        if config["crop_height"]:
+            image = _center_crop(image, config["crop_height"], config["crop_width"])
+        if image.size != (size, size):
+            raise UserError(
+                f"an image of {image.width}x{image.height} pixels; this model takes {size}x{size}"
+            )
+        pixels.append(_rescale_and_normalize(image, config))
+    return ImageInputs("llava", np.stack(pixels), [config["image_seq_len"]] * len(images))
 
 
 # --- Qwen2-VL / Qwen2.5-VL: native resolution, rounded to whole merged patches, flattened patch by patch.

@@ -369,7 +369,7 @@ def test_a_pack_of_another_schema_or_a_prompt_with_the_wrong_image_count_is_a_us
     with pytest.raises(UserError, match="schema_version 99"):
         images.preprocess([loaded[0]], {**config, "schema_version": 99})
     with pytest.raises(UserError, match="family"):
-        images.preprocess([loaded[0]], {**config, "family": "llava"})
+        images.preprocess([loaded[0]], {**config, "family": "pixtral"})
 
 
 # --- loading

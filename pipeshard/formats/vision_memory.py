@@ -25,7 +25,7 @@ QUERY_TILE_STEP = 64
 class VisionShape:
     """What the estimate needs of a vision tower."""
 
-    family: str  # "idefics3" or "qwen2_vl"
+    family: str  # "idefics3", "llava" (fixed-size images, as tiles) or "qwen2_vl"
     hidden_size: int
     intermediate_size: int
     num_heads: int
@@ -34,7 +34,7 @@ class VisionShape:
     weight_bytes: int  # the whole tower's
     largest_block_bytes: int  # the largest streamed block's blob, alignment included (a staging slot)
     itemsize: int  # bytes per activation element
-    tile_size: int = 0  # idefics3: a tile's side in pixels
+    tile_size: int = 0  # idefics3, llava: a tile's (an image's) side in pixels
     merge_size: int = 1  # qwen2_vl: patches merged per side
     window_patches: int = 0  # qwen2_vl: patches per side of an attention window
     full_attention_layers: int = 0  # qwen2_vl: blocks that attend over the whole image
@@ -94,7 +94,7 @@ def image_patches(shape: VisionShape, width: int, height: int, tiles: int = 0) -
     """(patches the tower sees, patches per attention group at its widest): for idefics3, `tiles` tiles (the
     preprocessing's count, global view included) of patches per tile; for qwen2_vl the image of width x height
     resized to multiples of patch x merge."""
-    if shape.family == "idefics3":
+    if shape.family != "qwen2_vl":  # idefics3 tiles, llava images
         per_tile = (shape.tile_size // shape.patch_size) ** 2
         return tiles * per_tile, per_tile
     unit = shape.patch_size * shape.merge_size
@@ -132,7 +132,7 @@ def tile_runs(shape: VisionShape, tiles: int, workspace_bytes: int) -> tuple[int
 
 def vlmopt_peak(shape: VisionShape, patches: int, keys: int, workspace_bytes: int) -> VisionPeak:
     """Streamed weights, query-tiled attention within `workspace_bytes`, the decoder released first."""
-    if shape.family == "idefics3":
+    if shape.family != "qwen2_vl":  # idefics3 tiles, llava images
         per_run, reserved = tile_runs(shape, patches // keys, workspace_bytes)
         activations = _activations(shape, per_run * keys)
         return VisionPeak(2 * shape.largest_block_bytes, activations, reserved - activations, 0)
