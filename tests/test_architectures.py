@@ -182,6 +182,7 @@ def test_longrope_exports_stop_at_the_original_context(from_hf_folder, capsys):
 )
 def test_a_feature_the_export_would_get_wrong_is_one_error_naming_it(settings, feature, tmp_path, capsys):
     _hf_folder(settings, tmp_path / "hf")
+    capsys.readouterr()  # what save_pretrained printed (its progress bar, the first time in a process)
     assert main(["export", str(tmp_path / "hf"), str(tmp_path / "export"), "--quiet"]) == 2
     error = capsys.readouterr().err.strip()
     assert error.startswith("error:") and feature in error and len(error.splitlines()) == 1
