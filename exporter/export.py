@@ -98,13 +98,17 @@ def _quiet_third_party_output() -> None:
 
 def _export_vision(source, staging: Path, opset: int) -> dict:
     """A VLM's vision graph beside the decoder, checked against PyTorch; its description for export.json."""
-    from pipeshard.exporter import qwen_vl, vlm
+    from pipeshard.exporter import gemma3_vl, qwen_vl, vlm
     from pipeshard.exporter.image_processing import preprocessing_config
 
     preprocessing = preprocessing_config(source.image_processor, source.vlm.config)
     if qwen_vl.is_qwen_vl(source.vlm.config.model_type):
         difference = qwen_vl.export_vision(source.vlm, staging / vlm.VISION_FILE, opset, preprocessing)
         description = qwen_vl.vision_description(source.vlm)
+    elif gemma3_vl.is_gemma3_vl(source.vlm.config.model_type):
+        tower = gemma3_vl.vision_tower(source.vlm)
+        difference = vlm.export_vision(source.vlm, staging / vlm.VISION_FILE, opset, tower)
+        description = gemma3_vl.vision_description(source.vlm)
     else:
         difference = vlm.export_vision(source.vlm, staging / vlm.VISION_FILE, opset)
         description = vlm.vision_description(source.vlm)
@@ -195,6 +199,8 @@ def export_model(
             stored_dtype=dtype,
             stored_rows=stored_rows,
             attention_dtype=attention_dtype,
+            # masks that let a query see later keys (Gemma 3's image runs) go to the attention whole
+            mask_as_bias=getattr(source.model, "MASK_READS_INPUT_IDS", False),
         )
         progress.update()
 

@@ -245,15 +245,15 @@ def vision_tower(vlm):
     return VisionTower().eval()
 
 
-def export_vision(vlm, onnx_path: Path, opset: int) -> float:
-    """Export the vision tower to `onnx_path` (weights beside it), dynamic over tiles; returns the largest
-    difference from PyTorch on a tile count other than the traced one."""
+def export_vision(vlm, onnx_path: Path, opset: int, tower=None) -> float:
+    """Export the vision tower (`vision_tower`'s, or `tower` of the same contract) to `onnx_path` (weights beside
+    it), dynamic over tiles; returns the largest difference from PyTorch on a tile count other than the traced one."""
     import numpy as np
     import onnx
     import onnxruntime
     import torch
 
-    tower = vision_tower(vlm)
+    tower = tower if tower is not None else vision_tower(vlm)
     size = vlm.config.vision_config.image_size
     generator = torch.Generator().manual_seed(0)
     traced = torch.randn(3, 3, size, size, generator=generator).to(vlm.dtype)
@@ -312,7 +312,7 @@ def vision_description(vlm) -> dict:
 
 def check_vlm_config(config, where: str) -> None:
     """Refuse VLM configs whose decoder or vision tower the export does not handle."""
-    if config.model_type == "qwen2_5_vl":
+    if config.model_type in ("qwen2_5_vl", "gemma3"):  # checked by their own modules
         return
     text_type = getattr(config.text_config, "model_type", None)
     if text_type != "llama":
