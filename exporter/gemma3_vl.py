@@ -22,6 +22,7 @@ GEMMA3_VL_ARCHITECTURES = ("gemma3",)
 # each image feature row takes.
 IMAGE_TOKENS = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"}
 VISION_SEED = 4321
+EMBED_STD = 0.1
 
 # A tiny Gemma 3: 2 SigLIP layers over 32 px images of 4 px patches (64 patches), pooled 2 x 2 to 16 image tokens;
 # the tiny Gemma 3 decoder (local layers of window 16, so the window cuts through image runs) without the final
@@ -37,7 +38,7 @@ TINY_GEMMA3_VL_CONFIGS: dict[str, dict[str, Any]] = {
             "patch_size": 4,
         },
         "mm_tokens_per_image": 16,
-        "text_overrides": {"final_logit_softcapping": None},
+        "text_overrides": {"final_logit_softcapping": None, "tie_word_embeddings": False},
     },
 }
 
@@ -68,8 +69,10 @@ def _seed(model) -> None:
                 continue
             if name.startswith("model.vision_tower."):
                 parameter.normal_(0.0, 1.0 / parameter[0].numel() ** 0.5)
+            elif "embed" in name:  # Gemma scales embeddings by sqrt(hidden): at the layers' scale after it
+                parameter.normal_(0.0, EMBED_STD)
             else:
-                parameter.normal_(0.0, 0.5 if "embed" in name else 0.15)
+                parameter.normal_(0.0, 0.5 if name == "lm_head.weight" else 0.15)
         text = model.config.text_config
         embedded = float(model.get_input_embeddings().weight.std()) * text.hidden_size**0.5
         projection = model.model.multi_modal_projector.mm_input_projection_weight
@@ -156,7 +159,9 @@ def image_block_masks(input_ids, attention_mask, image_token_id: int, sliding_wi
     new, total = input_ids.shape[1], attention_mask.shape[1]
     query = (torch.arange(new) + (total - new)).unsqueeze(-1)
     key = torch.arange(total).unsqueeze(0)
-    is_image = input_ids == image_token_id
+    # Not `input_ids == image_token_id`: the exporter would merge that with the image merge's own comparison, and
+    # the masks (the prologue's) would then read a node of the embedding's sub-layer.
+    is_image = (input_ids >= image_token_id) & (input_ids <= image_token_id)
     previous = torch.nn.functional.pad(is_image, (1, 0))[:, :-1]
     runs = torch.cumsum((is_image & ~previous).to(torch.int64), dim=1)
     runs = torch.where(is_image, runs, torch.zeros_like(runs))  # 0: not an image token

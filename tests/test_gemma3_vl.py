@@ -61,9 +61,11 @@ def gemma3_pack(gemma3_export, tmp_path_factory) -> Path:
     return out
 
 
-def reference_tokens(tiny_gemma3, prompt_ids: list[int], paths: list[Path]) -> list[int]:
+def reference_tokens(
+    tiny_gemma3, prompt_ids: list[int], paths: list[Path], image_attention: bool = True
+) -> list[int]:
     """Gemma3ForConditionalGeneration.generate's greedy tokens for the same ids, the saved processor's pixels and
-    token types (which turn on the bidirectional attention within each image)."""
+    token types (which turn on the bidirectional attention within each image; off without `image_attention`)."""
     import torch
     from transformers import AutoProcessor
 
@@ -76,7 +78,7 @@ def reference_tokens(tiny_gemma3, prompt_ids: list[int], paths: list[Path]) -> l
             input_ids=ids,
             attention_mask=torch.ones_like(ids),
             pixel_values=pixels["pixel_values"],
-            token_type_ids=(ids == model.config.image_token_id).long(),
+            token_type_ids=(ids == model.config.image_token_id).long() if image_attention else None,
             max_new_tokens=NEW_TOKENS,
             do_sample=False,
         )
@@ -107,6 +109,16 @@ def test_preprocessing_is_bit_identical_to_the_processor(tiny_gemma3, images):
     expanded = expand_image_tokens(text, preprocess(pictures[:2], config), config)
     reference = processor(text=[text], images=[pictures[:2]], return_tensors="np")
     assert processor.tokenizer(expanded)["input_ids"] == reference["input_ids"][0].tolist()
+
+
+def test_the_image_attention_changes_the_tiny_models_tokens(tiny_gemma3, images):
+    """What makes the token comparisons below able to fail: with causal attention alone over the image tokens,
+    transformers' greedy tokens differ for one image and for two."""
+    _, processor, _ = tiny_gemma3
+    for paths in (images[:1], images):
+        text = "<start_of_image>" * len(paths) + PROMPT
+        ids = processor(text=[text], images=[[Image.open(p) for p in paths]])["input_ids"][0]
+        assert reference_tokens(tiny_gemma3, ids, paths) != reference_tokens(tiny_gemma3, ids, paths, False)
 
 
 def test_image_masks_equal_transformers_masks(tiny_gemma3):
