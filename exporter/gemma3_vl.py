@@ -20,7 +20,11 @@ from pipeshard.core.errors import UserError
 GEMMA3_VL_ARCHITECTURES = ("gemma3",)
 # The tokenizer's image tokens (Gemma 3's names): the placeholder a prompt holds, its closing fence, and the token
 # each image feature row takes.
-IMAGE_TOKENS = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"}
+IMAGE_TOKENS = {
+    "boi_token": "<start_of_image>",
+    "eoi_token": "<end_of_image>",
+    "image_token": "<image_soft_token>",
+}
 VISION_SEED = 4321
 EMBED_STD = 0.1
 
@@ -131,7 +135,9 @@ def check_gemma3_vl(vlm, image_processor, where: str) -> None:
     config = vlm.config
     vision = config.vision_config
     if vision.model_type != "siglip_vision_model":
-        raise UserError(f"{where}: a Gemma 3 vision tower of type {vision.model_type!r} is not supported (siglip)")
+        raise UserError(
+            f"{where}: a Gemma 3 vision tower of type {vision.model_type!r} is not supported (siglip)"
+        )
     if getattr(image_processor, "do_pan_and_scan", False):
         raise UserError(f"{where}: Gemma 3's pan-and-scan image crops (do_pan_and_scan) are not supported")
     patches = vision.image_size // vision.patch_size

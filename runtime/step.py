@@ -301,7 +301,9 @@ class Step:
                         attention_mask[:, : past + end],
                         position_ids[..., begin:end],
                         slot,
-                        image_features=image_rows(input_ids[0], begin, end, self.image_token_id, image_features),
+                        image_features=image_rows(
+                            input_ids[0], begin, end, self.image_token_id, image_features
+                        ),
                     )
                 )
                 for begin, end in zip(bounds[:-1], bounds[1:], strict=True)

@@ -71,7 +71,9 @@ def reference_tokens(
 
     model, _, folder = tiny_gemma3
     processor = AutoProcessor.from_pretrained(folder)
-    pixels = processor.image_processor(images=[Image.open(p).convert("RGB") for p in paths], return_tensors="pt")
+    pixels = processor.image_processor(
+        images=[Image.open(p).convert("RGB") for p in paths], return_tensors="pt"
+    )
     ids = torch.tensor([prompt_ids])
     with torch.no_grad():
         out = model.generate(
