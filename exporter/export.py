@@ -175,6 +175,12 @@ def export_model(
             source.vlm.float()  # its vision graph too (stored in fp32)
             image_token_id = int(source.vlm.config.image_token_id)
         export_config = export_config_for(source.model.config, COMPUTE_DTYPE, image_token_id)
+        mask_as_bias = getattr(source.model, "MASK_READS_INPUT_IDS", False)
+        if mask_as_bias and attention_dtype != COMPUTE_DTYPE:
+            raise UserError(
+                f"{spec.name}: attention within an image's tokens needs the mask as an attention bias, which "
+                f"{attention_dtype} attention on a device drops; export with --attention-dtype {COMPUTE_DTYPE}"
+            )
         progress.update()
 
         stored_rows = None
@@ -200,7 +206,7 @@ def export_model(
             stored_rows=stored_rows,
             attention_dtype=attention_dtype,
             # masks that let a query see later keys (Gemma 3's image runs) go to the attention whole
-            mask_as_bias=getattr(source.model, "MASK_READS_INPUT_IDS", False),
+            mask_as_bias=mask_as_bias,
         )
         progress.update()
 

@@ -214,3 +214,11 @@ def test_pan_and_scan_is_refused_with_one_line(tiny_gemma3):
             check_gemma3_vl(model, processor.image_processor, "folder")
     finally:
         processor.image_processor.do_pan_and_scan = None
+
+
+def test_half_attention_is_refused_with_one_line(tmp_path):
+    """float16 attention's device graphs drop the attention bias, where the image runs' mask lives."""
+    from pipeshard.exporter import export_model
+
+    with pytest.raises(UserError, match="attention within an image's tokens needs the mask"):
+        export_model("tiny:gemma3_vl", tmp_path / "out", quiet=True, attention_dtype="fp16")
