@@ -222,3 +222,16 @@ def test_half_attention_is_refused_with_one_line(tmp_path):
 
     with pytest.raises(UserError, match="attention within an image's tokens needs the mask"):
         export_model("tiny:gemma3_vl", tmp_path / "out", quiet=True, attention_dtype="fp16")
+
+
+def test_chunk_ends_move_before_an_image_run():
+    from pipeshard.runtime.kv import chunk_end
+
+    ids = [1, 2, 9, 9, 9, 9, 3, 9, 9, 4]
+    assert chunk_end(ids, 0, 4, 9) == 2  # would end inside the first run: ends before it
+    assert chunk_end(ids, 2, 4, 9) == 6  # the run fits whole
+    assert chunk_end(ids, 6, 2, 9) == 7  # before the second run
+    assert chunk_end(ids, 0, 4, None) == 4  # models without image attention cut anywhere
+    assert chunk_end(ids, 8, 4, 9) == 10
+    with pytest.raises(UserError, match="run of 4 tokens does not fit a prefill chunk of 3"):
+        chunk_end(ids, 2, 3, 9)
