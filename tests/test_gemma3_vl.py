@@ -191,6 +191,19 @@ def test_tokens_equal_transformers_with_one_and_two_images(
 
 
 @pytest.mark.slow  # exports the HF folder
+def test_a_batch_of_prompts_with_other_images_gives_each_its_tokens(gemma3_pack, images, tiny_gemma3):
+    """Left padding: the shorter prompt's padded columns are masked, its image runs found in its own row."""
+    engine = pipeshard.load(gemma3_pack)
+    results = engine.generate(
+        [PROMPT, "Compare them."],
+        images=[[str(images[1])], [str(p) for p in images]],
+        max_new_tokens=NEW_TOKENS,
+    )
+    for result, paths in zip(results, [images[1:], images], strict=True):
+        assert result.tokens == reference_tokens(tiny_gemma3, result.prompt_tokens, paths)
+
+
+@pytest.mark.slow  # exports the HF folder
 def test_prefill_chunks_keep_each_image_whole(gemma3_pack, images, tiny_gemma3):
     """Tiers of at most 24 tokens: the chunks end before an image's 16 tokens rather than inside them (the
     tokens equal transformers'); at most 8, an image's run fits no chunk: one error naming it."""
