@@ -98,13 +98,17 @@ def _quiet_third_party_output() -> None:
 
 def _export_vision(source, staging: Path, opset: int) -> dict:
     """A VLM's vision graph beside the decoder, checked against PyTorch; its description for export.json."""
-    from pipeshard.exporter import qwen_vl, vision_tower, vlm
+    from pipeshard.exporter import gemma3_vl, qwen_vl, vision_tower, vlm
     from pipeshard.exporter.image_processing import preprocessing_config
 
     preprocessing = preprocessing_config(source.image_processor, source.vlm.config)
     if qwen_vl.is_qwen_vl(source.vlm.config.model_type):
         difference = qwen_vl.export_vision(source.vlm, staging / vlm.VISION_FILE, opset, preprocessing)
         description = qwen_vl.vision_description(source.vlm)
+    elif gemma3_vl.is_gemma3_vl(source.vlm.config.model_type):
+        tower, size = gemma3_vl.vision_tower(source.vlm), source.vlm.config.vision_config.image_size
+        difference = vlm.export_tile_tower(tower, size, source.vlm.dtype, staging / vlm.VISION_FILE, opset)
+        description = gemma3_vl.vision_description(source.vlm)
     elif not vlm.is_vlm_architecture(source.vlm.config.model_type):  # exporter/vision_tower.py
         where = source.description.get("path", source.description["name"])
         difference = vision_tower.export_vision(source.vlm, staging / vlm.VISION_FILE, opset, where)
@@ -175,6 +179,12 @@ def export_model(
             source.vlm.float()  # its vision graph too (stored in fp32)
             image_token_id = int(source.vlm.config.image_token_id)
         export_config = export_config_for(source.model.config, COMPUTE_DTYPE, image_token_id)
+        mask_as_bias = getattr(source.model, "MASK_READS_INPUT_IDS", False)
+        if mask_as_bias and attention_dtype != COMPUTE_DTYPE:
+            raise UserError(
+                f"{spec.name}: attention within an image's tokens needs the mask as an attention bias, which "
+                f"{attention_dtype} attention on a device drops; export with --attention-dtype {COMPUTE_DTYPE}"
+            )
         progress.update()
 
         stored_rows = None
@@ -199,6 +209,8 @@ def export_model(
             stored_dtype=dtype,
             stored_rows=stored_rows,
             attention_dtype=attention_dtype,
+            # masks that let a query see later keys (Gemma 3's image runs) go to the attention whole
+            mask_as_bias=mask_as_bias,
         )
         progress.update()
 

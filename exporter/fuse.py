@@ -557,10 +557,13 @@ def fuse_attention(
     float_type: int = TensorProto.FLOAT,
     max_context: int | None = None,
     sliding_window: int | None = None,
+    mask_as_bias: bool = False,
 ) -> int:
     """Rewrite every exported attention into GroupQueryAttention; returns how many were rewritten.
     With `max_context`, plainly rotated attentions get packed q/k/v and GQA's own rotary. An attention whose
-    mask is the sliding window of the model's config gets GQA's local window over the whole in-place cache."""
+    mask is the sliding window of the model's config gets GQA's local window over the whole in-place cache.
+    `mask_as_bias`: every mask is kept whole as the bias of a non-causal GQA (a mask that lets a query see later
+    keys, as Gemma 3's within an image, which the plain-mask check feeds no such input to see)."""
     derive_past_length(model, kv_heads, head_dim)
     graph = _Graph(model)
     attentions = [n for n in graph.nodes if n.op_type == "Attention" and n.domain in ("", "ai.onnx")]
@@ -577,7 +580,7 @@ def fuse_attention(
         if not mask:
             raise UserError(f"attention rewrite: {attention.name} has no mask input")
         if mask not in biases:
-            windows[mask] = _mask_window(model, mask, sliding_window)
+            windows[mask] = None if mask_as_bias else _mask_window(model, mask, sliding_window)
             if windows[mask] is None:
                 biases[mask], nodes = _additive_bias(graph, mask, float_type)
                 prologue += nodes
@@ -632,6 +635,7 @@ def fuse_attention(
             **({"scale": float(attributes["scale"])} if "scale" in attributes else {}),
             **({"softcap": float(attributes["softcap"])} if attributes.get("softcap") else {}),
             **({"local_window_size": windows[mask]} if (windows[mask] or 0) > 0 else {}),
+            **({"causal": 0} if mask_as_bias else {}),
         )
         added.append(_metadata_from(gqa, attention))
         removed += [attention, out_transpose, out_reshape, k_concat, v_concat]
@@ -823,6 +827,7 @@ def fuse_exported_model(
     stored_dtype: str = "fp32",
     stored_rows=None,
     attention_dtype: str = "fp32",
+    mask_as_bias: bool = False,
 ) -> int:
     """Apply the rewrites to an exported model file in place (its external data file rewritten); with a
     half-precision `stored_dtype`, the product and embedding weights are then stored in it (half_weights.py).
@@ -830,10 +835,12 @@ def fuse_exported_model(
     compute (the rotary tables) becomes references too: no data file is written. No `max_context`: rotary is
     never moved into GQA (M-RoPE positions are not the cache's). `stored_rows`: a GGUF's quantized rows, whose
     blocks the weights made of them are stored as (quantized_weights.py). `attention_dtype` fp16: every
-    attention and its KV cache in float16 (`attention_in_half`)."""
+    attention and its KV cache in float16 (`attention_in_half`). `mask_as_bias`: see `fuse_attention`."""
     model = onnx.load(str(onnx_path), load_external_data=not shape_only)
     float_type = {"fp32": TensorProto.FLOAT, "fp16": TensorProto.FLOAT16}[dtype]
-    fused = fuse_attention(model, heads, kv_heads, head_dim, float_type, max_context, sliding_window)
+    fused = fuse_attention(
+        model, heads, kv_heads, head_dim, float_type, max_context, sliding_window, mask_as_bias
+    )
     if attention_dtype == "fp16":
         attention_in_half(model)
     pack_sibling_projections(model)

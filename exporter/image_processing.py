@@ -16,6 +16,7 @@ from pipeshard.formats.vision_inputs import PREPROCESSING_SCHEMA_VERSION
 
 IDEFICS3_MODEL_TYPES = ("idefics3", "smolvlm")
 QWEN2_VL_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
+GEMMA3_MODEL_TYPES = ("gemma3",)
 # Constants of the transformers processors, recorded so the runtime need not know them.
 IDEFICS3_MAX_RESOLUTION = 4096  # the longest edge Idefics3 processing ever resizes to
 QWEN2_VL_MAX_ASPECT_RATIO = 200  # Qwen2-VL's smart_resize refuses more elongated images
@@ -33,6 +34,8 @@ def preprocessing_config(image_processor, model_config, tokenizer=None) -> dict[
         config = _idefics3_config(image_processor, model_config)
     elif model_type in QWEN2_VL_MODEL_TYPES:
         config = _qwen2_vl_config(image_processor, model_config)
+    elif model_type in GEMMA3_MODEL_TYPES:
+        config = _gemma3_config(image_processor, model_config)
     elif (
         getattr(getattr(model_config, "vision_config", None), "model_type", None) in vision_tower.TOWER_TYPES
     ):
@@ -41,7 +44,7 @@ def preprocessing_config(image_processor, model_config, tokenizer=None) -> dict[
         raise ValueError(f"no image preprocessing for model type {model_type!r}")
     if tokenizer is not None:
         config["token_ids"] = _special_token_ids(tokenizer, _special_tokens(config))
-        tokenizer_id = config["token_ids"][config["image_token"]]
+        tokenizer_id = config["token_ids"][config.get("soft_token", config["image_token"])]
         if tokenizer_id != config["image_token_id"]:
             raise ValueError(
                 f"the tokenizer's {config['image_token']} is id {tokenizer_id} but the model's "
@@ -187,7 +190,38 @@ def _llava_config(image_processor, model_config) -> dict[str, Any]:
     }
 
 
+def _gemma3_config(image_processor, model_config) -> dict[str, Any]:
+    """Gemma 3 (no pan-and-scan): each image resized to the tower's square, one run of soft tokens. As in
+    Gemma3Processor, `image_token` is what a prompt holds for an image (the start-of-image token), expanded into
+    blank lines, itself, `mm_tokens_per_image` soft tokens (`image_token_id`, the rows of features), the end-of-image
+    token and blank lines."""
+    from pipeshard.exporter.gemma3_vl import IMAGE_TOKENS
+
+    size = image_processor.size
+    height, width = size.get("height"), size.get("width")
+    image_size = model_config.vision_config.image_size
+    if image_processor.do_resize and (height, width) != (image_size, image_size):
+        raise ValueError(f"the processor resizes to {size} but the vision tower takes {image_size} px")
+    if getattr(image_processor, "do_pan_and_scan", False):
+        raise ValueError("Gemma 3's pan-and-scan crops (do_pan_and_scan) are not supported")
+    if not getattr(image_processor, "do_convert_rgb", True):
+        raise ValueError("the runtime always converts images to RGB; this processor does not")
+    return {
+        "schema_version": PREPROCESSING_SCHEMA_VERSION,
+        "family": "gemma3",
+        **_common(image_processor),
+        "image_size": int(image_size),
+        "image_seq_len": int(model_config.mm_tokens_per_image),
+        "image_token": IMAGE_TOKENS["boi_token"],
+        "end_of_image_token": IMAGE_TOKENS["eoi_token"],
+        "soft_token": IMAGE_TOKENS["image_token"],
+        "image_token_id": int(model_config.image_token_id),
+    }
+
+
 def _special_tokens(config: dict[str, Any]) -> list[str]:
+    if config["family"] == "gemma3":
+        return [config["image_token"], config["end_of_image_token"], config["soft_token"]]
     if config["family"] == "idefics3":
         grid = range(1, (config["max_tile_grid"] or 0) + 1)
         tiles = [config["row_col_token"].format(row=row, col=col) for row in grid for col in grid]

@@ -42,8 +42,10 @@ def _decoder_with_past(model, num_layers: int, image_token_id: int | None = None
             # No config: every layer a full DynamicLayer, so present = Concat(past, new) everywhere; a sliding
             # window stays in the attention mask (config-built sliding layers would crop the cache instead).
             cache = DynamicCache(ddp_cache_data=[(past[2 * i], past[2 * i + 1]) for i in range(num_layers)])
+            # A decoder whose mask reads the ids (Gemma 3's image blocks, exporter/gemma3_vl.py) takes both.
+            ids_too = getattr(model, "MASK_READS_INPUT_IDS", False)
             out = model(
-                input_ids=None if inputs_embeds is not None else input_ids,
+                input_ids=None if inputs_embeds is not None and not ids_too else input_ids,
                 inputs_embeds=inputs_embeds,
                 attention_mask=attention_mask,
                 position_ids=position_ids,

@@ -16,6 +16,7 @@ from typing import Any
 
 from pipeshard.core.errors import UserError
 from pipeshard.exporter.configs import SUPPORTED_ARCHITECTURES, check_supported_features
+from pipeshard.exporter.gemma3_vl import GEMMA3_VL_ARCHITECTURES, TINY_GEMMA3_VL_CONFIGS
 from pipeshard.exporter.qwen_vl import (
     COSMOS_NAME,
     QWEN_VL_ARCHITECTURES,
@@ -34,8 +35,8 @@ BUILTIN_MODELS = {
 }
 # Built-in VLMs: a built-in decoder inside a vision model of a real VLM's shape (random vision weights).
 BUILTIN_VLMS = {"smolvlm-256m": "smollm2-135m"}
-TINY_VISION = {**TINY_VLM_CONFIGS, **TINY_QWEN_VL_CONFIGS, **TINY_LLAVA_CONFIGS}
-IMAGE_TEXT_ARCHITECTURES = (*VLM_ARCHITECTURES, *QWEN_VL_ARCHITECTURES)
+TINY_VISION = {**TINY_VLM_CONFIGS, **TINY_QWEN_VL_CONFIGS, **TINY_GEMMA3_VL_CONFIGS, **TINY_LLAVA_CONFIGS}
+IMAGE_TEXT_ARCHITECTURES = (*VLM_ARCHITECTURES, *QWEN_VL_ARCHITECTURES, *GEMMA3_VL_ARCHITECTURES)
 
 
 @dataclass
@@ -260,7 +261,7 @@ def resolve_source(model: str) -> SourceSpec:
 
 def _load_vlm(spec: SourceSpec, dtype) -> LoadedSource:
     """A VLM and its language decoder: tiny, built around a built-in decoder, or from a folder."""
-    from pipeshard.exporter import qwen_vl, vision_tower
+    from pipeshard.exporter import gemma3_vl, qwen_vl, vision_tower
     from pipeshard.exporter.image_processing import qwen2_vl_image_processor
     from pipeshard.exporter.vlm import build_smolvlm_256m, build_tiny_vlm, image_processor_for, text_decoder
 
@@ -276,6 +277,9 @@ def _load_vlm(spec: SourceSpec, dtype) -> LoadedSource:
     elif tiny in TINY_QWEN_VL_CONFIGS or tiny in QWEN_VL_PROBES:
         vlm, tokenizer, processor = qwen_vl.build_tiny_qwen_vl(tiny)
         image_processor = qwen2_vl_image_processor(vlm.config, **processor)
+    elif tiny in TINY_GEMMA3_VL_CONFIGS:
+        vlm, tokenizer, processor = gemma3_vl.build_tiny_gemma3_vl(tiny)
+        image_processor = processor.image_processor
     elif spec.kind == "tiny":
         vlm, tokenizer, processor = build_tiny_vlm(tiny)
         image_processor = image_processor_for(processor)
@@ -297,9 +301,13 @@ def _load_vlm(spec: SourceSpec, dtype) -> LoadedSource:
             image_processor = AutoImageProcessor.from_pretrained(spec.folder, use_fast=False)
         except (OSError, ValueError) as exc:
             raise UserError(f"{spec.folder}: no usable image processor ({exc})") from None
+    if gemma3_vl.is_gemma3_vl(vlm.config.model_type):
+        gemma3_vl.check_gemma3_vl(vlm, image_processor, spec.name)
     vlm = vlm.to(dtype).eval()
     if qwen_vl.is_qwen_vl(vlm.config.model_type):
         decoder = qwen_vl.text_decoder(vlm)
+    elif gemma3_vl.is_gemma3_vl(vlm.config.model_type):
+        decoder = gemma3_vl.text_decoder(vlm)
     elif vlm.config.model_type in VLM_ARCHITECTURES:
         decoder = text_decoder(vlm)
     else:

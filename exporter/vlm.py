@@ -318,7 +318,7 @@ def vision_description(vlm) -> dict:
 
 def check_vlm_config(config, where: str) -> None:
     """Refuse VLM configs whose decoder or vision tower the export does not handle."""
-    if config.model_type == "qwen2_5_vl":
+    if config.model_type in ("qwen2_5_vl", "gemma3"):  # checked by their own modules
         return
     text_type = getattr(config.text_config, "model_type", None)
     if text_type != "llama":

@@ -21,7 +21,7 @@ DECODE_OP = "DecodeAttention"
 # seqlens_k), and the attributes it implements only at these values.
 _ABSENT_INPUTS = (1, 2, 9)  # key, value, position_ids
 _COS_CACHE, _SIN_CACHE, _PAST_KEY = 7, 8, 3
-_DEFAULT_ATTRIBUTES = {"rotary_interleaved": 0, "softcap": 0.0, "smooth_softmax": 0}
+_DEFAULT_ATTRIBUTES = {"rotary_interleaved": 0, "softcap": 0.0, "smooth_softmax": 0, "causal": 1}
 
 
 def _is_attention(node: list[wire.Field]) -> bool:

@@ -67,7 +67,7 @@ def to_rgb(image: Image.Image) -> Image.Image:
 def image_placeholder(config: dict) -> str:
     """What a prompt holds for one image before expansion (what the model's chat template writes)."""
     _check_config(config)
-    if config["family"] in ("idefics3", "llava"):
+    if config["family"] in ("idefics3", "gemma3", "llava"):
         return config["image_token"]
     return config["vision_start_token"] + config["image_token"] + config["vision_end_token"]
 
@@ -80,6 +80,8 @@ def preprocess(images: list[Image.Image], config: dict) -> ImageInputs:
     rgb = [to_rgb(image) for image in images]
     if config["family"] == "idefics3":
         return _preprocess_idefics3(rgb, config)
+    if config["family"] == "gemma3":
+        return _preprocess_gemma3(rgb, config)
     if config["family"] == "llava":
         return _preprocess_llava(rgb, config)
     return _preprocess_qwen2_vl(rgb, config)
@@ -100,6 +102,8 @@ def expand_image_tokens(text: str, inputs: ImageInputs, config: dict) -> str:
             _idefics3_image_text(rows, cols, config)
             for rows, cols in zip(inputs.rows, inputs.cols, strict=True)
         ]
+    elif config["family"] == "gemma3":
+        runs = [_gemma3_image_text(config)] * len(inputs.image_tokens)
     else:
         runs = [config["image_token"] * count for count in inputs.image_tokens]
     expanded = [pieces[0]]
@@ -115,7 +119,7 @@ def _check_config(config: dict) -> None:
             f"the pack's image preprocessing has schema_version {version}; this pipeshard reads "
             f"{PREPROCESSING_SCHEMA_VERSION} (re-export the pack)"
         )
-    if config.get("family") not in ("idefics3", "qwen2_vl", "llava"):
+    if config.get("family") not in ("idefics3", "qwen2_vl", "gemma3", "llava"):
         raise UserError(f"the pack's image preprocessing family {config.get('family')!r} is not known")
 
 
@@ -223,6 +227,24 @@ def _idefics3_image_text(rows: int, cols: int, config: dict) -> str:
         ]
         row_texts.append("".join(tiles) + "\n")
     return "".join(row_texts) + "\n" + global_view
+
+
+# --- Gemma 3: every image resized to the tower's square (no pan-and-scan), one run of soft tokens.
+
+
+def _preprocess_gemma3(images: list[Image.Image], config: dict) -> ImageInputs:
+    size = config["image_size"]
+    pixels = [
+        _rescale_and_normalize(_resize(image, size, size, config) if config["do_resize"] else image, config)
+        for image in images
+    ]
+    return ImageInputs("gemma3", np.stack(pixels), [config["image_seq_len"]] * len(images))
+
+
+def _gemma3_image_text(config: dict) -> str:
+    """One image's prompt text as Gemma3Processor writes it."""
+    soft = config["soft_token"] * config["image_seq_len"]
+    return f"\n\n{config['image_token']}{soft}{config['end_of_image_token']}\n\n"
 
 
 # --- A CLIP / SigLIP tower (exporter/vision_tower.py): one fixed-size image, one run of image tokens.

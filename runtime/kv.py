@@ -73,3 +73,23 @@ def image_rows(token_ids, begin: int, end: int, image_token_id: int | None, feat
     ids = np.asarray(token_ids)
     first = int(np.count_nonzero(ids[:begin] == image_token_id))
     return features[first : first + int(np.count_nonzero(ids[begin:end] == image_token_id))]
+
+
+def chunk_end(token_ids, begin: int, limit: int, run_token_id: int | None) -> int:
+    """Where the prefill chunk from `begin` of at most `limit` tokens ends. With `run_token_id` (a decoder whose
+    image tokens attend to their whole run within one step: Gemma 3) no chunk ends inside a run of that token;
+    a run longer than a chunk is a UserError."""
+    ids = np.asarray(token_ids).reshape(-1)
+    end = min(len(ids), begin + limit)
+    if run_token_id is None or end == len(ids) or ids[end - 1] != run_token_id or ids[end] != run_token_id:
+        return end
+    start = end - 1
+    while start > begin and ids[start - 1] == run_token_id:
+        start -= 1
+    if start == begin:
+        length = int(np.argmin(np.append(ids[begin:], -1) == run_token_id))
+        raise UserError(
+            f"an image's run of {length} tokens does not fit a prefill chunk of {limit} tokens (this model "
+            "attends within an image's run in one step); plan with a token tier of at least that many"
+        )
+    return start

@@ -101,7 +101,8 @@ def vision_table(vision: VisionSection) -> str:
     facts = vision.facts  # the export's description of the tower (a dict)
     patches = int(facts["patches_per_tile"])
     lines = [
-        f"vision tower ({facts['family']}): {facts['num_layers']} blocks over {facts['image_size']} px tiles, "
+        f"vision tower ({facts.get('model', facts['family'])}): {facts['num_layers']} blocks over "
+        f"{facts['image_size']} px tiles, "
         f"{patches} patches and {facts['tokens_per_tile']} image tokens per tile; per tile:",
         f"{'block':<16} {'weights MiB':>11} {'GFLOP':>9} {'MiB moved':>10}",
     ]

@@ -31,7 +31,7 @@ from pipeshard.runtime.generate import (
     choose_next_tokens,
     token_logprobs,
 )
-from pipeshard.runtime.kv import image_rows
+from pipeshard.runtime.kv import chunk_end, image_rows
 from pipeshard.runtime.prefix_cache import BLOCK_TOKENS, PrefixCache
 
 log = logging.getLogger(__name__)
@@ -365,7 +365,8 @@ class Scheduler:
     def _prefill_chunk(self, request: Request) -> None:
         """The next chunk of a request's prompt into its slot; after the last, its first token."""
         begin = request.fed
-        end = min(len(request.prompt), begin + PREFILL_CHUNK)
+        run_token = self.step.image_token_id if getattr(self.step, "whole_image_runs", False) else None
+        end = chunk_end(request.prompt, begin, PREFILL_CHUNK, run_token)
         ids = np.array([request.prompt[begin:end]], np.int64)
         features = image_rows(request.prompt, begin, end, self.step.image_token_id, request.image_features)
         positions = (

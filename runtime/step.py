@@ -30,7 +30,7 @@ from pipeshard.formats.plans import Placement, Plan, planning_units
 from pipeshard.runtime import capi
 from pipeshard.runtime.devices import CpuDevice, Device
 from pipeshard.runtime.experts import ExpertRunner
-from pipeshard.runtime.kv import HostKvCache, check_step_shape, image_rows, mrope_settings
+from pipeshard.runtime.kv import HostKvCache, check_step_shape, chunk_end, image_rows, mrope_settings
 from pipeshard.runtime.moe import ExpertStats
 from pipeshard.runtime.plansource import PlanBook
 from pipeshard.runtime.program import Parts, Program, read_tables
@@ -133,6 +133,8 @@ class Step:
         self.residency = Residency(self.device, layout, self.pack, self.kv, self.stats)
         vision = self.pack.manifest.vision.facts if self.pack.manifest.vision else None  # the export's dict
         self.image_token_id = int(vision["image_token_id"]) if vision else None
+        # Gemma 3: an image's tokens attend to their whole run, which must come in one step.
+        self.whole_image_runs = bool(vision and vision.get("bidirectional_image_runs"))
         # An M-RoPE decoder (3 position rows): what its positions are computed from.
         self.mrope = mrope_settings(model.position_rows, vision)
         self._tables = read_tables(self.pack, layout)
@@ -288,19 +290,23 @@ class Step:
             # A prompt longer than the largest tier: chunks of it (bounds activation memory too). A batch's
             # prompts go in one step: GQA on the CPU takes several new tokens after a past only for batch 1.
             past = total - tokens
+            run_token = self.image_token_id if self.whole_image_runs else None
+            bounds = [0]
+            while bounds[-1] < tokens:
+                bounds.append(chunk_end(input_ids[0], bounds[-1], largest, run_token))
             pieces = [
                 np.array(
                     self.forward(
-                        input_ids[:, begin : begin + largest],
-                        attention_mask[:, : past + min(begin + largest, tokens)],
-                        position_ids[..., begin : begin + largest],
+                        input_ids[:, begin:end],
+                        attention_mask[:, : past + end],
+                        position_ids[..., begin:end],
                         slot,
                         image_features=image_rows(
-                            input_ids[0], begin, begin + largest, self.image_token_id, image_features
+                            input_ids[0], begin, end, self.image_token_id, image_features
                         ),
                     )
                 )
-                for begin in range(0, tokens, largest)
+                for begin, end in zip(bounds[:-1], bounds[1:], strict=True)
             ]
             return np.concatenate(pieces, axis=1)
         tier = self.book.tier_for(batch * tokens)
