@@ -188,9 +188,14 @@ class Planner:
         """A VLM's vision blocks placed for an encode of this size within `budget_bytes` (partitioner/vision_plan.py;
         runtime/vision.py `VisionPlans`): `policy` "auto" (the fastest found, which always fits), "streamed"
         (VLMOpt's) or "cpu"; None when that policy does not fit."""
+        return self.vision_planner.plan(EncodeSize(tiles, patches, keys), budget_bytes, policy)
+
+    @property
+    def vision_planner(self) -> VisionPlanner:
+        """The vision blocks' planner (a VLM's pack only), made on first use."""
         if self._vision is None:
             self._vision = VisionPlanner(self.manifest.vision, self.estimator)
-        return self._vision.plan(EncodeSize(tiles, patches, keys), budget_bytes, policy)
+        return self._vision
 
     # -- accounting -------------------------------------------------------------------------------------------------
     def kv_bytes(self, entry: SubLayer) -> int:
