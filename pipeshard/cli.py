@@ -698,10 +698,10 @@ def _vision_plan(pack, planner, budget: int, sizes: list[tuple[int, int]]) -> st
         images = 1 if shape.family == "qwen2_vl" else tiles
         plans = {policy: planner.vision_plan(images, patches, keys, budget, policy) for policy in POLICIES}
         chosen = plans["auto"]
+        runs = f", in runs of {chosen.tiles_per_run} of its {tiles}" if shape.family != "qwen2_vl" else ""
         lines.append(
-            f"    placed: {_placement_runs(vision, chosen.placements)}; {format_bytes(chosen.peak_bytes)}, "
-            f"{chosen.tiles_per_run if shape.family != 'qwen2_vl' else images} "
-            f"{'tiles' if shape.family != 'qwen2_vl' else 'image(s)'} per run"
+            f"    placed: {_placement_runs(vision, chosen.placements)}; {format_bytes(chosen.peak_bytes)} on the "
+            f"device{runs}"
         )
         times = ", ".join(
             f"{label} {plans[policy].predicted_s:.2f} s" if plans[policy] else f"{label} does not fit"
