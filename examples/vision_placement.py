@@ -4,10 +4,11 @@ predicted and (with --measure) measured on the simulated device.
     python examples/vision_placement.py PACK --profile PROFILE [--vram 25%] [--image-size 1280x720,...]
                                         [--measure] [--repeat 3] [--threads 2]
 
-Each row: an image size, a policy, its placement (blocks pinned / streamed / on the CPU), the tiles per run, the
-device bytes it holds, the predicted encode time and, measured, the median encode time over --repeat (after one
-warm-up) and the ledger's peak while encoding, against the budget. The decoder's memory is released before an
-encode that needs it (VLMOpt), so the budget is the encoder's.
+Each row: an image size, a policy (the planner's `auto`, VLMOpt's `streamed`, `cpu`, and `mixed`: pinned, streamed
+and CPU blocks in turns, a check of the estimator on every placement at once), its placement (blocks pinned /
+streamed / on the CPU), the tiles per run, the device bytes it holds, the predicted encode time and, measured, the
+median encode time over --repeat (after one warm-up) and the encoder's peak on the device's ledger. The decoder's
+memory is released before an encode that needs it (VLMOpt), so the budget is the encoder's.
 """
 
 from __future__ import annotations
@@ -20,19 +21,18 @@ from PIL import Image
 
 import pipeshard
 from pipeshard.core.units import format_bytes
+from pipeshard.partitioner.vision_plan import POLICIES, EncodeSize
 from pipeshard.runtime.vision import encode_prepared, encode_size, index_inputs, prepare_images
 
-POLICIES = ("auto", "streamed", "cpu")
 
+class Fixed:
+    """A vision plan source that answers one plan."""
 
-class Policy:
-    """The step's planner asked for one policy's vision plans."""
-
-    def __init__(self, planner, policy: str) -> None:
-        self.planner, self.policy = planner, policy
+    def __init__(self, plan) -> None:
+        self.plan = plan
 
     def vision_plan(self, tiles: int, patches: int, keys: int, budget_bytes: int):
-        return self.planner.vision_plan(tiles, patches, keys, budget_bytes, self.policy)
+        return self.plan
 
 
 def placement_text(plan) -> str:
@@ -66,24 +66,27 @@ def main() -> None:
     for size in args.image_size.split(","):
         width, height = (int(v) for v in size.split("x"))
         prepared = prepare_images(vision.config, [Image.new("RGB", (width, height), (90, 140, 200))])
-        for policy in POLICIES:
-            vision.plans = Policy(planner, policy)
-            vision.peak_device_bytes = 0
+        tiles, patches, keys = encode_size(
+            vision.shape, prepared.pixel_values, index_inputs(vision.config, prepared.grids)
+        )
+        plans = {policy: planner.vision_plan(tiles, patches, keys, budget, policy) for policy in POLICIES}
+        plans["mixed"] = planner.vision_planner.mixed(EncodeSize(tiles, patches, keys), budget)
+        for policy, plan in plans.items():
+            if plan is None:
+                print(f"| {width}x{height} | {tiles} | {patches:,} | {policy} | does not fit | | | | | |")
+                continue
             measured, peak = "", ""
             if args.measure:
+                vision.plans = Fixed(plan)
                 encode_prepared(vision, prepared)  # warm-up: sessions made, pages read
+                vision.encoder_peak_bytes = 0
                 samples = []
                 for _ in range(args.repeat):
                     started = time.perf_counter()
                     encode_prepared(vision, prepared)
                     samples.append(time.perf_counter() - started)
                 measured = f"{statistics.median(samples):.2f} s"
-                peak = f"{format_bytes(vision.encoder_peak_bytes)} (of {format_bytes(budget)})"
-                vision.encoder_peak_bytes = 0
-            tiles, patches, keys = encode_size(
-                vision.shape, prepared.pixel_values, index_inputs(vision.config, prepared.grids)
-            )
-            plan = planner.vision_plan(tiles, patches, keys, budget, policy)
+                peak = format_bytes(vision.encoder_peak_bytes)
             print(
                 f"| {width}x{height} | {tiles} | {patches:,} | {policy} | {placement_text(plan)} | "
                 f"{plan.tiles_per_run} | {format_bytes(plan.peak_bytes)} | {plan.predicted_s:.2f} s | {measured} | "

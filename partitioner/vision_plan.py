@@ -167,3 +167,13 @@ class VisionPlanner:
                 break
             best = better
         return best
+
+    def mixed(self, size: EncodeSize, budget_bytes: int) -> VisionPlan | None:
+        """Pinned, streamed and CPU blocks in turns, the last pinned ones streamed instead until it fits: every
+        placement at once, for checking the estimator and the runtime against each other (None: nothing fits)."""
+        kinds = (PIN, STREAM, CPU)
+        placements = {e.name: kinds[i % 3] if e.blob else CPU for i, e in enumerate(self.entries)}
+        pinned = [name for name, placement in placements.items() if placement == PIN]
+        while (plan := self.lay_out(placements, size, budget_bytes, "mixed")) is None and pinned:
+            placements[pinned.pop()] = STREAM
+        return plan

@@ -53,12 +53,6 @@ def image(tmp_path_factory) -> Path:
     return path
 
 
-def mixed_placements(entries) -> dict[str, str]:
-    """Every kind of placement, in turns along the blocks."""
-    kinds = (PIN, STREAM, CPU)
-    return {entry.name: kinds[index % 3] for index, entry in enumerate(entries)}
-
-
 def size_of(vision, prepared) -> EncodeSize:
     return EncodeSize(
         *encode_size(vision.shape, prepared.pixel_values, index_inputs(vision.config, prepared.grids))
@@ -107,7 +101,7 @@ def test_the_runtime_runs_a_mixed_placement_with_the_chains_features_and_tokens(
     prepared = prepare_images(vision.config, [str(image)])
     size = size_of(vision, prepared)
     entries = vision.entries
-    plan = planner.vision_planner.lay_out(mixed_placements(entries), size, budget, "mixed")
+    plan = planner.vision_planner.mixed(size, budget)
     assert plan is not None and set(plan.counts()) == {PIN, STREAM, CPU}
     vision.plans = FixedPlan(plan)
     features = encode_prepared(vision, prepared)
@@ -175,8 +169,8 @@ def test_smolvlm_256m_encoder_at_25_percent_on_sim_is_predicted_within_20_percen
     prepared = prepare_images(vision.config, [str(path)])
     size = size_of(vision, prepared)
     chosen = planner.vision_plan(size.tiles, size.patches, size.keys, budget)
-    mixed = planner.vision_planner.lay_out(mixed_placements(vision.entries), size, budget, "mixed")
-    assert mixed is not None
+    mixed = planner.vision_planner.mixed(size, budget)
+    assert mixed is not None and set(mixed.counts()) == {PIN, STREAM, CPU}
     for plan in (chosen, mixed):
         vision.plans = FixedPlan(plan)
         encode_prepared(vision, prepared)  # warm-up
