@@ -68,6 +68,19 @@ class VisionPlanner:
             )
         return self._seconds[key]
 
+    def _compute_seconds(
+        self, index: int, tokens: int, size: EncodeSize, on_device: bool, copying_s: float
+    ) -> float:
+        """A block's seconds while copies run for `copying_s` more: the share of its work done beside them at the
+        rate under copy load (a CPU's, and the simulated device's, which computes on the same cores)."""
+        idle = self.block_seconds(index, tokens, size, on_device, False)
+        if copying_s <= 0 or (on_device and not self.device_is_sim):
+            return idle
+        loaded = self.block_seconds(index, tokens, size, on_device, True)
+        if copying_s >= loaded:
+            return loaded
+        return copying_s + idle * (1 - copying_s / loaded)
+
     def _crossing_seconds(self, tokens: int) -> float:
         """A device block's activations in and out over the link (the runtime reads every block's output back to
         the host); nothing on the simulated device, whose memory is the host's."""
@@ -119,8 +132,7 @@ class VisionPlanner:
                     issue_through(position)
                     now = max(now, copy_end[position])
                 # Copies still running beside this block slow a CPU's compute (the simulated device's too).
-                busy = copy_free > now and (not on_device or self.device_is_sim)
-                now += self.block_seconds(index, tokens, size, on_device, busy)
+                now += self._compute_seconds(index, tokens, size, on_device, copy_free - now)
                 if on_device:
                     now += self._crossing_seconds(tokens)
                 if position is not None:
