@@ -704,7 +704,7 @@ def _vision_plan(pack, planner, budget: int, sizes: list[tuple[int, int]]) -> st
             f"device{runs}"
         )
         times = ", ".join(
-            f"{label} {plans[policy].predicted_s:.2f} s" if plans[policy] else f"{label} does not fit"
+            f"{label} {plans[policy].predicted_s:.3f} s" if plans[policy] else f"{label} does not fit"
             for policy, label in (("auto", "placed"), ("streamed", "VLMOpt all-streamed"), ("cpu", "all-CPU"))
         )
         lines.append(f"    encode predicted: {times}")

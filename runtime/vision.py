@@ -2,11 +2,12 @@
 image placeholders expanded into the image tokens those features fill.
 
 An export folder runs its `vision.onnx` as one session. A pack runs its vision blocks one after another: on the
-CPU from the mapped blobs, or on a device the VLMOpt way (the paper's three parts): each block's weights stream
-from host memory through two staging slots while the block before computes, so the vision weights are never
-resident; the tiles go through in runs whose activations and attention workspace fit the budget the decoder
-leaves; and every byte is released before the decoder's prefill, so peak device memory is the larger of the
-two, not their sum.
+CPU from the mapped blobs, or on a device as a vision plan places each block (the planner's, for the encode's
+patch count; without a planner VLMOpt's, every block streamed): pinned blocks uploaded once per encode into one
+buffer, streamed ones from host memory through two staging slots while the blocks before compute, the rest on
+the CPU; the tiles go through in runs whose activations and attention workspace fit the budget; and every byte
+is released before the decoder's prefill (the decoder's memory released first when both do not fit), so vision
+and decoder weights are never resident together and peak device memory is the larger of the two, not their sum.
 """
 
 from __future__ import annotations
