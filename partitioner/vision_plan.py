@@ -4,7 +4,7 @@ The estimator prices each block on the CPU and on the device at the run's patch 
 link; `encode_seconds` plays an encode as the runtime runs it (runtime/vision.py): passes of tiles over the blocks
 in order, each device block waiting for its weights, the copies in one queue in the order the blocks need them
 (pinned blocks once per encode, streamed ones every pass, each into the slot the streamed block two before it
-freed). `plan_vision` returns the fastest placement found that fits the budget, starting from VLMOpt's all-streamed,
+freed). `VisionPlanner.plan` returns the fastest placement found within the budget, starting from VLMOpt's all-streamed,
 the all-CPU encoder and the CPU prefixes before streamed blocks, improved one block at a time. Every byte is the
 encoder's alone: the decoder's memory is released before it runs (VLMOpt's rule), so the budget is all its.
 """
@@ -49,6 +49,7 @@ class VisionPlanner:
         self.full_attention = set(vision.facts.get("fullatt_block_indexes") or ())
         self.device_is_sim = estimator.profile["device"]["kind"] == "sim"
         self._seconds: dict[tuple, float] = {}
+        self._plans: dict[tuple, VisionPlan | None] = {}
         self._itemsize = self.shape.itemsize
 
     def _context(self, entry: SubLayer, size: EncodeSize) -> int:
@@ -151,13 +152,17 @@ class VisionPlanner:
         return None if plan is None else replace(plan, predicted_s=self.encode_seconds(plan, size))
 
     def plan(self, size: EncodeSize, budget_bytes: int, policy: str = "auto") -> VisionPlan | None:
-        """The plan of `policy` for `size` within `budget_bytes` (None: it does not fit)."""
-        names = [e.name for e in self.entries]
-        if policy == "cpu":
-            return self.lay_out(dict.fromkeys(names, CPU), size, budget_bytes, policy)
-        if policy == "streamed":
-            return self.lay_out(dict.fromkeys(names, STREAM), size, budget_bytes, policy)
-        return self._search(size, budget_bytes)
+        """The plan of `policy` for `size` within `budget_bytes` (None: it does not fit), made once per key."""
+        key = (size, budget_bytes, policy)
+        if key not in self._plans:
+            names = [e.name for e in self.entries]
+            if policy == "cpu":
+                self._plans[key] = self.lay_out(dict.fromkeys(names, CPU), size, budget_bytes, policy)
+            elif policy == "streamed":
+                self._plans[key] = self.lay_out(dict.fromkeys(names, STREAM), size, budget_bytes, policy)
+            else:
+                self._plans[key] = self._search(size, budget_bytes)
+        return self._plans[key]
 
     def _search(self, size: EncodeSize, budget_bytes: int) -> VisionPlan:
         """The fastest placement found: the best of the seeds, then the best single-block change while one helps."""

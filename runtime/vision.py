@@ -216,17 +216,23 @@ class PackVision:
                 f"less than one tile needs with its weights streamed"
             )
         self.last_plan = plan
-        pinned = self.device.alloc(plan.pinned_bytes, WEIGHTS) if plan.pinned_bytes else None
+        pinned = {
+            entry.name: self.device.alloc(resident_bytes(entry), WEIGHTS)
+            for entry in self.entries
+            if plan.placements[entry.name] == PIN and entry.blob
+        }
         slots = [self.device.alloc(plan.slot_bytes, WEIGHTS) for _ in range(2)] if plan.slot_bytes else []
         self.device.reserve(plan.workspace_bytes, WORKSPACE)
         try:
             return self._run_placed(pixel_values, plan, pinned, slots)
         finally:
             self.device.unreserve(plan.workspace_bytes, WORKSPACE)
-            for buffer in [*slots, *([pinned] if pinned is not None else [])]:
+            for buffer in [*slots, *pinned.values()]:
                 self.device.free(buffer, WEIGHTS)
 
-    def _run_placed(self, pixel_values: np.ndarray, plan: VisionPlan, pinned, slots: list) -> np.ndarray:
+    def _run_placed(
+        self, pixel_values: np.ndarray, plan: VisionPlan, pinned: dict, slots: list
+    ) -> np.ndarray:
         """Every block over each run of tiles where the plan puts it. The copies go in one queue in the order the
         blocks need them (formats/vision_memory.py `copy_sequence`); a streamed copy is issued once the streamed
         block two before it, whose slot it takes, has computed."""
@@ -235,17 +241,13 @@ class PackVision:
         starts = range(0, len(pixel_values), per_run)
         sequence = copy_sequence(entries, placements, len(starts))
         waits = copy_ready(sequence, placements, entries)
-        where: list[tuple[object, int]] = []  # each copy's buffer and offset
-        offsets, offset, streamed = {}, 0, 0
-        for entry in entries:
-            if placements[entry.name] == PIN:
-                offsets[entry.name], offset = offset, offset + resident_bytes(entry)
+        where, streamed = [], 0  # each copy's buffer: a pinned block's own, or the slot of a streamed one
         for _, index in sequence:
             name = entries[index].name
             if placements[name] == PIN:
-                where.append((pinned, offsets[name]))
+                where.append(pinned[name])
             else:
-                where.append((slots[streamed % 2], 0))
+                where.append(slots[streamed % 2])
                 streamed += 1
         position_of = {copy: position for position, copy in enumerate(sequence)}
         copies: list = []
@@ -255,8 +257,7 @@ class PackVision:
             while len(copies) < len(sequence) and (
                 waits[len(copies)] is None or waits[len(copies)] in computed
             ):
-                buffer, base = where[len(copies)]
-                copies.append(self._upload(entries[sequence[len(copies)][1]], buffer[base:]))
+                copies.append(self._upload(entries[sequence[len(copies)][1]], where[len(copies)]))
 
         issue()
         features = []
@@ -269,8 +270,7 @@ class PackVision:
                     self._run_block(entry, values, placement != CPU)
                     continue
                 copies[position].result()
-                buffer, base = where[position]
-                self._run_block(entry, values, True, buffer, base)
+                self._run_block(entry, values, True, where[position])
                 computed.add(position)
                 issue()
             features.append(values[IMAGE_FEATURES].numpy())
