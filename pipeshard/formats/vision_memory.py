@@ -237,14 +237,14 @@ def lay_out_plan(
     shape: VisionShape | None = None,
 ) -> VisionPlan | None:
     """The memory of `placements` for an encode of `tiles` tiles / `patches` patches (groups of `keys` attending
-    together) within `budget_bytes` (`shape`: the section's, when the caller has it): the pinned blocks' buffer,
+    together) within `budget_bytes` (`shape`: the section's, when the caller has it): the pinned blocks' buffers,
     two slots of the largest streamed block, and the workspace of the runs that fit what is left; None when one
     run does not fit."""
     shape = shape or VisionShape.from_pack(vision)
     entries = vision.sub_layers
-    pinned = sum(resident_bytes(e) for e in entries if placements[e.name] == "pinned")
-    slot = max((e.blob.bytes for e in entries if placements[e.name] == "streamed" and e.blob), default=0)
-    if all(placements[e.name] == "cpu" for e in entries):
+    pinned = sum(resident_bytes(e) for e in entries if placements[e.name] == PIN)
+    slot = max((e.blob.bytes for e in entries if placements[e.name] == STREAM and e.blob), default=0)
+    if all(placements[e.name] == CPU for e in entries):
         return VisionPlan(policy, patches, dict(placements), max(tiles, 1), 0, 0, 0)
     free = budget_bytes - pinned - 2 * slot
     if free <= 0:
