@@ -283,7 +283,9 @@ def _vision_of(step, threads: int | None):
     if step.pack.manifest.vision is None:
         return None
     plans = step.book.source if step.book.planned else None
-    return PackVision(step.pack, step.device, threads, release_decoder=step.release_device_memory, plans=plans)
+    return PackVision(
+        step.pack, step.device, threads, release_decoder=step.release_device_memory, plans=plans
+    )
 
 
 def read_expert_stats(path: str | Path | None) -> dict | None:
