@@ -289,9 +289,26 @@ class Estimator:
             measured = self._measured_seconds(entry.kind, tokens, context, "cpu")  # sim computes on the CPU
         if measured is not None:
             return measured * (self._cpu_slowdown if under_copy else 1.0)
+        read_gbps = rates.read_gbps_loaded if under_copy else rates.read_gbps
+        seconds = (
+            rates.hop_s + entry.nodes * rates.op_s + self._products_seconds(entry, tokens, rates, under_copy)
+        )
+        if entry.kind == "attn":
+            flops = 4.0 * self.model.num_attention_heads * self.model.head_dim * tokens * context
+            queries_per_kv_head = self.model.num_attention_heads / max(self.model.num_key_value_heads, 1)
+            # The cost model's KV traffic per context token (its C term), else the KV's own bytes per token.
+            kv_bytes = entry.cost.bytes.get("C", entry.kv.bytes_per_token if entry.kv else 0) * context
+            seconds += max(
+                flops / (rates.attention.gflops(tokens, context, queries_per_kv_head) * 1e9),
+                kv_bytes / (read_gbps * 1e9),
+            )
+        return seconds
+
+    def _products_seconds(self, entry: SubLayer, tokens: int, rates: DeviceRates, under_copy: bool) -> float:
+        """The roofline of the sub-layer's matrix products over `tokens` rows."""
         table = rates.matmul_loaded if under_copy and rates.matmul_loaded else rates.matmul
         read_gbps = rates.read_gbps_loaded if under_copy else rates.read_gbps
-        seconds = rates.hop_s + entry.nodes * rates.op_s
+        seconds = 0.0
         for k, n, dtype, stored_bytes in self._matmuls(entry):
             if self.weight_bits:
                 # With assumed bits the measured rates at small M are bound by reading weights of the pack's dtype:
@@ -303,16 +320,33 @@ class Estimator:
                 compute = 2.0 * tokens * k * n / (table.gflops(tokens, k, n, narrower) * 1e9)
                 memory = stored_bytes / (self._weight_read_gbps(rates, dtype, under_copy) * 1e9)
             seconds += max(compute, memory)
-        if entry.kind == "attn":
-            flops = 4.0 * self.model.num_attention_heads * self.model.head_dim * tokens * context
-            queries_per_kv_head = self.model.num_attention_heads / max(self.model.num_key_value_heads, 1)
-            # The cost model's KV traffic per context token (its C term), else the KV's own bytes per token.
-            kv_bytes = entry.cost.bytes.get("C", entry.kv.bytes_per_token if entry.kv else 0) * context
-            seconds += max(
-                flops / (rates.attention.gflops(tokens, context, queries_per_kv_head) * 1e9),
-                kv_bytes / (read_gbps * 1e9),
-            )
         return seconds
+
+    def vision_seconds(
+        self, entry: SubLayer, tokens: int, context: int, on_device: bool, under_copy: bool = False
+    ) -> float:
+        """A vision block over `tokens` patches that each attend to `context` patches: its products' roofline as a
+        sub-layer's, FLOPs its cost model counts beyond them (the patch embedding's convolution) at the rate of a
+        square product of the tower's width, its attention (the cost model's T x C term) at the attention rate,
+        one hop and its nodes."""
+        rates = self.device if on_device else self.cpu
+        table = rates.matmul_loaded if under_copy and rates.matmul_loaded else rates.matmul
+        seconds = (
+            rates.hop_s + entry.nodes * rates.op_s + self._products_seconds(entry, tokens, rates, under_copy)
+        )
+        products = sum(2.0 * k * n for k, n, _, _ in self._matmuls(entry))
+        if (other := entry.cost.flops.get("T", 0.0) - products) > 0:
+            width = max((w.shape[0] for w in entry.weights if len(w.shape) >= 2), default=1)
+            seconds += other * tokens / (table.gflops(tokens, width, width) * 1e9)
+        if attention := entry.cost.flops.get("TC", 0.0):
+            seconds += attention * tokens * context / (rates.attention.gflops(tokens, context) * 1e9)
+        return seconds
+
+    def link_seconds(self, size_bytes: int) -> float:
+        """One copy of `size_bytes` over the link, idle (activations crossing between the CPU and the device)."""
+        if size_bytes <= 0:
+            return 0.0
+        return size_bytes / (_interpolate_log([(float(b), g) for b, g in self.link_rows], size_bytes) * 1e9)
 
     def copy_seconds(self, size_bytes: int, under_cpu_load: bool = False, tokens: int = 1) -> float:
         """Host-to-device copy of `size_bytes` (beside compute of `tokens`-token steps: at the rate the pack's

@@ -29,6 +29,7 @@ from pipeshard.formats.plans import (
     VramBreakdown,
     planning_units,
 )
+from pipeshard.formats.vision_memory import VisionPlan
 from pipeshard.partitioner.classes import (
     UnitClass,
     best_count,
@@ -41,6 +42,7 @@ from pipeshard.partitioner.classes import (
 )
 from pipeshard.partitioner.estimator import QUANTIZED_PARTS, Estimator
 from pipeshard.partitioner.simulate import Simulation, simulate
+from pipeshard.partitioner.vision_plan import EncodeSize, VisionPlanner
 
 log = logging.getLogger(__name__)
 
@@ -177,6 +179,23 @@ class Planner:
         self._warm_shares: dict[tuple[int, int, bool], dict[tuple, float]] = {}
         # Small packs are searched unit by unit with the simulation; large ones over classes in closed form.
         self.at_scale = len(self.placeable) > EXACT_SEARCH_UNITS
+
+        self._vision: VisionPlanner | None = None  # made on the first vision plan
+
+    def vision_plan(
+        self, tiles: int, patches: int, keys: int, budget_bytes: int, policy: str = "auto"
+    ) -> VisionPlan | None:
+        """A VLM's vision blocks placed for an encode of this size within `budget_bytes` (partitioner/vision_plan.py;
+        runtime/vision.py `VisionPlans`): `policy` "auto" (the fastest found, which always fits), "streamed"
+        (VLMOpt's) or "cpu"; None when that policy does not fit."""
+        return self.vision_planner.plan(EncodeSize(tiles, patches, keys), budget_bytes, policy)
+
+    @property
+    def vision_planner(self) -> VisionPlanner:
+        """The vision blocks' planner (a VLM's pack only), made on first use."""
+        if self._vision is None:
+            self._vision = VisionPlanner(self.manifest.vision, self.estimator)
+        return self._vision
 
     # -- accounting -------------------------------------------------------------------------------------------------
     def kv_bytes(self, entry: SubLayer) -> int:

@@ -273,7 +273,8 @@ def _engine(make_step, folder: Path, threads: int | None = None) -> Engine:
 
 def _vision_of(step, threads: int | None):
     """A VLM's image encoder on the step's side: the export's vision graph beside a monolithic step, the pack's
-    vision blocks on the step's device (which gives the decoder's memory back if the encoder needs it)."""
+    vision blocks on the step's device, placed by the step's planner (which gives the decoder's memory back if the
+    encoder needs it)."""
     from pipeshard.runtime.monolithic import MonolithicStep
     from pipeshard.runtime.vision import ExportVision, PackVision
 
@@ -281,7 +282,10 @@ def _vision_of(step, threads: int | None):
         return ExportVision(step.folder, step.info, threads) if step.takes_images else None
     if step.pack.manifest.vision is None:
         return None
-    return PackVision(step.pack, step.device, threads, release_decoder=step.release_device_memory)
+    plans = step.book.source if step.book.planned else None
+    return PackVision(
+        step.pack, step.device, threads, release_decoder=step.release_device_memory, plans=plans
+    )
 
 
 def read_expert_stats(path: str | Path | None) -> dict | None:

@@ -616,7 +616,7 @@ def _command_plan(args: argparse.Namespace) -> int:
     if args.explain and not args.json:
         print(_explained(planner, planned, args.batch))
     if image_sizes and not args.json:
-        print(_vision_plan(pack, budget, image_sizes))
+        print(_vision_plan(pack, planner, budget, image_sizes))
     document = plans_document(
         planner,
         planned,
@@ -661,12 +661,14 @@ def _image_sizes(text: str | None) -> list[tuple[int, int]]:
     return sizes
 
 
-def _vision_plan(pack, budget: int, sizes: list[tuple[int, int]]) -> str:
+def _vision_plan(pack, planner, budget: int, sizes: list[tuple[int, int]]) -> str:
     """A VLM's vision encoder at each image size under the budget: tiles, patches and its predicted device peak
-    streamed the VLMOpt way (the decoder's memory released first), beside a naive port's."""
+    streamed the VLMOpt way (the decoder's memory released first), beside a naive port's; then the planner's
+    placement of its blocks and the predicted encode time beside VLMOpt's all-streamed and the all-CPU encoder."""
     from PIL import Image
 
     from pipeshard.formats.vision_memory import VisionShape, image_patches, naive_peak, vlmopt_peak
+    from pipeshard.partitioner.vision_plan import POLICIES
     from pipeshard.runtime.images import preprocess
 
     vision = pack.manifest.vision
@@ -693,7 +695,33 @@ def _vision_plan(pack, budget: int, sizes: list[tuple[int, int]]) -> str:
             f"{format_bytes(least)}), naive {format_bytes(naive.total)} + the decoder's plan "
             f"({naive.total / least:.1f}x the least)"
         )
+        images = 1 if shape.family == "qwen2_vl" else tiles
+        plans = {policy: planner.vision_plan(images, patches, keys, budget, policy) for policy in POLICIES}
+        chosen = plans["auto"]
+        runs = f", in runs of {chosen.tiles_per_run} of its {tiles}" if shape.family != "qwen2_vl" else ""
+        lines.append(
+            f"    placed: {_placement_runs(vision, chosen.placements)}; {format_bytes(chosen.peak_bytes)} on the "
+            f"device{runs}"
+        )
+        times = ", ".join(
+            f"{label} {plans[policy].predicted_s:.3f} s" if plans[policy] else f"{label} does not fit"
+            for policy, label in (("auto", "placed"), ("streamed", "VLMOpt all-streamed"), ("cpu", "all-CPU"))
+        )
+        lines.append(f"    encode predicted: {times}")
     return "\n".join(lines)
+
+
+def _placement_runs(vision, placements: dict[str, str]) -> str:
+    """The blocks' placements as runs of consecutive blocks: `vision_embed..V3.ffn streamed, V4.attn cpu`."""
+    runs: list[list] = []
+    for entry in vision.sub_layers:
+        if runs and runs[-1][2] == placements[entry.name]:
+            runs[-1][1] = entry.name
+        else:
+            runs.append([entry.name, entry.name, placements[entry.name]])
+    return ", ".join(
+        f"{first}..{last} {where}" if first != last else f"{first} {where}" for first, last, where in runs
+    )
 
 
 def _explained(planner, planned: dict, batch: int) -> str:

@@ -2,26 +2,39 @@
 image placeholders expanded into the image tokens those features fill.
 
 An export folder runs its `vision.onnx` as one session. A pack runs its vision blocks one after another: on the
-CPU from the mapped blobs, or on a device the VLMOpt way (the paper's three parts): each block's weights stream
-from host memory through two staging slots while the block before computes, so the vision weights are never
-resident; the tiles go through in runs whose activations and attention workspace fit the budget the decoder
-leaves; and every byte is released before the decoder's prefill, so peak device memory is the larger of the
-two, not their sum.
+CPU from the mapped blobs, or on a device as a vision plan places each block (the planner's, for the encode's
+patch count; without a planner VLMOpt's, every block streamed): pinned blocks uploaded once per encode into one
+buffer, streamed ones from host memory through two staging slots while the blocks before compute, the rest on
+the CPU; the tiles go through in runs whose activations and attention workspace fit the budget; and every byte
+is released before the decoder's prefill (the decoder's memory released first when both do not fit), so vision
+and decoder weights are never resident together and peak device memory is the larger of the two, not their sum.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 from PIL import Image
 
 from pipeshard.core.errors import UserError
 from pipeshard.formats.export_info import NUMPY_DTYPES, ExportInfo, numpy_dtype
-from pipeshard.formats.manifest import WEIGHT_ALIGNMENT, Pack, SubLayer
+from pipeshard.formats.manifest import Pack, SubLayer
 from pipeshard.formats.vision_inputs import qwen2_5_vl_vision_inputs
-from pipeshard.formats.vision_memory import VisionShape, naive_workspace, tile_runs, vlmopt_peak
+from pipeshard.formats.vision_memory import (
+    CPU,
+    PIN,
+    STREAM,
+    VisionPlan,
+    VisionShape,
+    copy_ready,
+    copy_sequence,
+    lay_out_plan,
+    naive_workspace,
+    resident_bytes,
+)
 from pipeshard.runtime import capi
 from pipeshard.runtime.devices import DeviceKind
 from pipeshard.runtime.images import expand_image_tokens, image_placeholder, load_image, preprocess
@@ -91,10 +104,19 @@ class ExportVision:
         return binding.outputs()[0].numpy()
 
 
+class VisionPlans(Protocol):
+    """What the encoder asks of whoever places its blocks (the planner satisfies it)."""
+
+    def vision_plan(self, tiles: int, patches: int, keys: int, budget_bytes: int) -> VisionPlan:
+        """The placement of every vision block for an encode of `tiles` tiles (Qwen2.5-VL: images) and `patches`
+        patches in groups of at most `keys` that attend together, within `budget_bytes`."""
+
+
 class PackVision:
-    """A pack's vision blocks, on the CPU (a `DeviceKind.CPU` device) or on the device: streamed (VLMOpt), or with
-    `naive` as a plain port does it (every weight resident, every score stored, the decoder kept), for comparing
-    their peak device memory on the simulated device."""
+    """A pack's vision blocks, on the CPU (a `DeviceKind.CPU` device) or on the device as a vision plan places them
+    (`plans`: the planner; without one, VLMOpt's: every block streamed), or with `naive` as a plain port does it
+    (every weight resident, every score stored, the decoder kept), for comparing their peak device memory on the
+    simulated device."""
 
     def __init__(
         self,
@@ -104,9 +126,10 @@ class PackVision:
         release_decoder=None,
         naive: bool = False,
         workspace_bytes: int | None = None,
+        plans: VisionPlans | None = None,
     ) -> None:
-        """`workspace_bytes`: the most the encoder's activations and attention take at once (default: whatever
-        the budget leaves)."""
+        """`workspace_bytes`: the most VLMOpt's activations and attention take at once (default: whatever the
+        budget leaves); a planner's plans say their own."""
         self.pack = pack
         self.description = vision = pack.manifest.vision
         self.config = vision.facts["preprocessing"]  # the export's, as it wrote it
@@ -116,10 +139,12 @@ class PackVision:
         self.release_decoder = release_decoder  # frees the decoder's device memory when the encoder needs it
         self.naive = naive
         self.workspace_bytes = workspace_bytes
+        self.plans = plans
+        self.last_plan: VisionPlan | None = None  # the plan the last encode on the device ran
         self._rt = capi.runtime(threads)
         self._threads = threads
         self._run_options = self._rt.run_options()
-        self._sessions: dict[str, capi.Session] = {}
+        self._sessions: dict[tuple[str, bool], capi.Session] = {}
         self.peak_device_bytes = 0  # the ledger's peak while encoding, over every encode
         self.encoder_peak_bytes = 0  # the same, less what the decoder held meanwhile
         self._held = self._peak_before_release = 0
@@ -131,9 +156,9 @@ class PackVision:
     def on_device(self) -> bool:
         return self.device.kind != DeviceKind.CPU
 
-    def _session(self, entry: SubLayer) -> capi.Session:
-        if entry.name not in self._sessions:
-            if self.on_device:
+    def _session(self, entry: SubLayer, on_device: bool) -> capi.Session:
+        if (entry.name, on_device) not in self._sessions:
+            if on_device:
                 session = device_session(
                     self._rt,
                     self.device,
@@ -143,8 +168,8 @@ class PackVision:
                 )
             else:
                 session = self._rt.session(self.pack.path(entry.files["onnx"]), self._threads)
-            self._sessions[entry.name] = session
-        return self._sessions[entry.name]
+            self._sessions[entry.name, on_device] = session
+        return self._sessions[entry.name, on_device]
 
     def encode(self, pixel_values: np.ndarray, grid_thw: np.ndarray | None = None) -> np.ndarray:
         """Image features of the tiles (idefics3) or patches of images of `grid_thw` (qwen2_vl)."""
@@ -156,52 +181,100 @@ class PackVision:
         started_peak, ledger.peak = ledger.peak, ledger.used
         self._held, self._peak_before_release = ledger.used, 0
         try:
-            return self._encode_naive(pixel_values) if self.naive else self._encode_streamed(pixel_values)
+            return self._encode_naive(pixel_values) if self.naive else self._encode_placed(pixel_values)
         finally:
             self.peak_device_bytes = max(self.peak_device_bytes, ledger.peak, self._peak_before_release)
             # What the encoder itself took: above what the decoder held meanwhile.
             self.encoder_peak_bytes = max(self.encoder_peak_bytes, ledger.peak - self._held)
             ledger.peak = max(started_peak, ledger.peak, self._peak_before_release)
 
-    def _encode_streamed(self, pixel_values: np.ndarray) -> np.ndarray:
-        """VLMOpt: two staging slots, tiles in runs whose workspace fits what the budget leaves."""
-        ledger, shape, tiles = self.device.ledger, self.shape, len(pixel_values)
-        slot_bytes = shape.largest_block_bytes
-        if ledger.used + 2 * slot_bytes + self._runs(1, 0)[1] > ledger.budget_bytes and self.release_decoder:
+    def _plan(self, tiles: int, patches: int, keys: int, budget_bytes: int) -> VisionPlan | None:
+        """The planner's plan within the budget, else VLMOpt's within `budget_bytes` (and the workspace bound)."""
+        if self.plans is not None:
+            return self.plans.vision_plan(tiles, patches, keys, self.device.ledger.budget_bytes)
+        if self.workspace_bytes is not None:
+            budget_bytes = min(budget_bytes, 2 * self.shape.largest_block_bytes + self.workspace_bytes)
+        placements = {entry.name: STREAM for entry in self.entries}
+        return lay_out_plan(
+            self.description, placements, tiles, patches, keys, budget_bytes, "streamed", self.shape
+        )
+
+    def _encode_placed(self, pixel_values: np.ndarray) -> np.ndarray:
+        """The plan's placement: pinned blocks uploaded once into one buffer, streamed ones through two slots, the
+        rest on the CPU, the tiles in the plan's runs; the decoder's memory released first when both do not fit."""
+        ledger = self.device.ledger
+        tiles, patches, keys = encode_size(self.shape, pixel_values, self._indices)
+        plan = self._plan(tiles, patches, keys, ledger.budget_bytes - ledger.used)
+        if (plan is None or ledger.used + plan.peak_bytes > ledger.budget_bytes) and self.release_decoder:
             self._peak_before_release = ledger.peak
             self.release_decoder()  # the decoder's plan comes back at its next step
             self._held = ledger.peak = ledger.used
-        free = ledger.budget_bytes - ledger.used - 2 * slot_bytes
-        if self.workspace_bytes is not None:
-            free = min(free, self.workspace_bytes)
-        per_run, reserved = self._runs(tiles, max(free, 0))
-        if reserved > free:
+            plan = plan or self._plan(tiles, patches, keys, ledger.budget_bytes - ledger.used)
+        if plan is None or ledger.used + plan.peak_bytes > ledger.budget_bytes:
             raise UserError(
-                f"the VRAM budget leaves {max(free, 0)} bytes for the vision encoder, less than one tile "
-                f"needs ({reserved} bytes)"
+                f"the VRAM budget leaves {max(ledger.budget_bytes - ledger.used, 0)} bytes for the vision encoder, "
+                f"less than one tile needs with its weights streamed"
             )
-        slots = [self.device.alloc(slot_bytes, WEIGHTS) for _ in range(2)]
-        self.device.reserve(reserved, WORKSPACE)
+        self.last_plan = plan
+        pinned = {
+            entry.name: self.device.alloc(resident_bytes(entry), WEIGHTS)
+            for entry in self.entries
+            if plan.placements[entry.name] == PIN and entry.blob
+        }
+        slots = [self.device.alloc(plan.slot_bytes, WEIGHTS) for _ in range(2)] if plan.slot_bytes else []
+        self.device.reserve(plan.workspace_bytes, WORKSPACE)
         try:
-            return np.concatenate(
-                [
-                    self._run_all(pixel_values[first : first + per_run], slots)
-                    for first in range(0, tiles, per_run)
-                ]
-            )
+            return self._run_placed(pixel_values, plan, pinned, slots)
         finally:
-            self.device.unreserve(reserved, WORKSPACE)
-            for slot in slots:
-                self.device.free(slot, WEIGHTS)
+            self.device.unreserve(plan.workspace_bytes, WORKSPACE)
+            for buffer in [*slots, *pinned.values()]:
+                self.device.free(buffer, WEIGHTS)
 
-    def _runs(self, tiles: int, free: int) -> tuple[int, int]:
-        """How many tiles go through at once and the workspace they reserve within `free` bytes. Qwen2.5-VL's
-        patches attend across windows and whole images: one run of them all, its attention in query tiles."""
-        if self.shape.family != "qwen2_vl":
-            return tile_runs(self.shape, tiles, free)
-        keys = int(self._indices["image_rows"].shape[1])
-        peak = vlmopt_peak(self.shape, len(self._indices["rotary_ids"]), keys, free)
-        return max(tiles, 1), peak.activations + peak.attention
+    def _run_placed(
+        self, pixel_values: np.ndarray, plan: VisionPlan, pinned: dict, slots: list
+    ) -> np.ndarray:
+        """Every block over each run of tiles where the plan puts it. The copies go in one queue in the order the
+        blocks need them (formats/vision_memory.py `copy_sequence`); a streamed copy is issued once the streamed
+        block two before it, whose slot it takes, has computed."""
+        entries, placements = self.entries, plan.placements
+        per_run = len(pixel_values) if self.shape.family == "qwen2_vl" else plan.tiles_per_run
+        starts = range(0, len(pixel_values), per_run)
+        sequence = copy_sequence(entries, placements, len(starts))
+        waits = copy_ready(sequence, placements, entries)
+        where, streamed = [], 0  # each copy's buffer: a pinned block's own, or the slot of a streamed one
+        for _, index in sequence:
+            name = entries[index].name
+            if placements[name] == PIN:
+                where.append(pinned[name])
+            else:
+                where.append(slots[streamed % 2])
+                streamed += 1
+        position_of = {copy: position for position, copy in enumerate(sequence)}
+        copies: list = []
+        computed: set[int] = set()
+
+        def issue() -> None:
+            while len(copies) < len(sequence) and (
+                waits[len(copies)] is None or waits[len(copies)] in computed
+            ):
+                copies.append(self._upload(entries[sequence[len(copies)][1]], where[len(copies)]))
+
+        issue()
+        features = []
+        for run, first in enumerate(starts):
+            values: dict[str, object] = {PIXEL_VALUES: pixel_values[first : first + per_run], **self._indices}
+            for index, entry in enumerate(entries):
+                placement = placements[entry.name]
+                position = position_of.get((run, index), position_of.get((0, index)))
+                if placement == CPU or not entry.blob:
+                    self._run_block(entry, values, placement != CPU)
+                    continue
+                copies[position].result()
+                self._run_block(entry, values, True, where[position])
+                computed.add(position)
+                issue()
+            features.append(values[IMAGE_FEATURES].numpy())
+        return np.concatenate(features)
 
     def _encode_naive(self, pixel_values: np.ndarray) -> np.ndarray:
         """Every weight uploaded and resident, every tile at once with all its scores."""
@@ -212,58 +285,52 @@ class PackVision:
         else:
             keys = (self.shape.tile_size // self.shape.patch_size) ** 2
             reserved = naive_workspace(self.shape, len(pixel_values) * keys, keys)
-        weights = self.device.alloc(sum(_resident_bytes(entry) for entry in self.entries), WEIGHTS)
+        weights = self.device.alloc(sum(resident_bytes(entry) for entry in self.entries), WEIGHTS)
         self.device.reserve(reserved, WORKSPACE)
         try:
             offset = 0
             for entry in self.entries:
                 if entry.blob:
                     self._upload(entry, weights[offset:]).result()
-                offset += _resident_bytes(entry)
-            return self._run_all(pixel_values, [weights], resident=True)
+                offset += resident_bytes(entry)
+            return self._run_all(pixel_values, weights)
         finally:
             self.device.unreserve(reserved, WORKSPACE)
             self.device.free(weights, WEIGHTS)
 
     def _upload(self, entry: SubLayer, slot):
         blob = entry.blob
-        if blob is None:
-            return None
         source = self.device.host_source(self.pack.path(blob.file), 0, blob.bytes)
         self.streamed_bytes += blob.bytes
         return self.device.upload(slot, source)
 
-    def _run_all(self, pixel_values: np.ndarray, slots: list | None, resident: bool = False) -> np.ndarray:
-        """Every block over these tiles. With two slots, block i + 1's weights copy while block i computes; with
-        the weights `resident` in one buffer, each block reads its part of it."""
+    def _run_all(self, pixel_values: np.ndarray, resident) -> np.ndarray:
+        """Every block over these tiles: on the CPU, or on the device reading its part of the `resident` buffer of
+        every vision weight."""
         values: dict[str, object] = {PIXEL_VALUES: pixel_values, **self._indices}
-        streamed = slots is not None and not resident
-        copies = [self._upload(self.entries[0], slots[0])] if streamed else []
         offset = 0
-        for index, entry in enumerate(self.entries):
-            session = self._session(entry)
-            binding = session.binding()
-            if streamed:
-                if index + 1 < len(self.entries):
-                    copies.append(self._upload(self.entries[index + 1], slots[(index + 1) % 2]))
-                if copies[index] is not None:
-                    copies[index].result()
-                self._bind_weights(binding, entry, slots[index % 2], 0)
-            elif resident:
-                self._bind_weights(binding, entry, slots[0], offset)
-                offset += _resident_bytes(entry)
-            for tensor in entry.inputs:
-                value = values[tensor.name]
-                if isinstance(value, np.ndarray):
-                    binding.bind_input(tensor.name, value)
-                else:
-                    binding.bind_value_input(tensor.name, value)
-            for tensor in entry.outputs:
-                binding.bind_output_to_cpu(tensor.name)
-            capi.run(session, binding, self._run_options)
-            for tensor, value in zip(entry.outputs, binding.outputs(), strict=True):
-                values[tensor.name] = value
+        for entry in self.entries:
+            self._run_block(entry, values, resident is not None, resident, offset)
+            offset += resident_bytes(entry)
         return values[IMAGE_FEATURES].numpy()
+
+    def _run_block(self, entry: SubLayer, values: dict, on_device: bool, buffer=None, base: int = 0) -> None:
+        """One block over `values` (its outputs added to them), its weights at `base` in `buffer` on the device."""
+        session = self._session(entry, on_device)
+        binding = session.binding()
+        if on_device and entry.weights:
+            self._bind_weights(binding, entry, buffer, base)
+        for tensor in entry.inputs:
+            value = values[tensor.name]
+            if isinstance(value, np.ndarray):
+                binding.bind_input(tensor.name, value)
+            else:
+                binding.bind_value_input(tensor.name, value)
+        for tensor in entry.outputs:
+            binding.bind_output_to_cpu(tensor.name)
+        capi.run(session, binding, self._run_options)
+        for tensor, value in zip(entry.outputs, binding.outputs(), strict=True):
+            values[tensor.name] = value
 
     def _bind_weights(self, binding: capi.Binding, entry: SubLayer, buffer, base: int) -> None:
         memory = self.device.memory_info(self._rt)
@@ -276,12 +343,6 @@ class PackVision:
                 weight.shape,
                 buffer,
             )
-
-
-def _resident_bytes(entry: SubLayer) -> int:
-    """A block's room in a buffer of every vision weight: its blob, to the weights' alignment."""
-    nbytes = entry.blob.bytes if entry.blob else 0
-    return -(-nbytes // WEIGHT_ALIGNMENT) * WEIGHT_ALIGNMENT
 
 
 @dataclass
@@ -325,6 +386,16 @@ def image_grids(images: list[EncodedImage]) -> np.ndarray | None:
     """The patch grids of encoded images [images, 3] (what an M-RoPE decoder's positions need), or None."""
     grids = [image.grid_thw for image in images if image.grid_thw is not None]
     return np.stack(grids) if grids else None
+
+
+def encode_size(shape: VisionShape, pixel_values: np.ndarray, indices: dict) -> tuple[int, int, int]:
+    """(tiles, patches, keys) of an encode, a vision plan's tier: idefics3 tiles of patches that attend within
+    their tile; qwen2_vl images (`indices`: `index_inputs`'s) whose patches attend within their image at the
+    widest."""
+    if shape.family == "qwen2_vl":
+        return len(indices["image_rows"]), len(indices["rotary_ids"]), int(indices["image_rows"].shape[1])
+    per_tile = (shape.tile_size // shape.patch_size) ** 2
+    return len(pixel_values), len(pixel_values) * per_tile, per_tile
 
 
 def index_inputs(config: dict, grid_thw: np.ndarray | None) -> dict[str, np.ndarray]:

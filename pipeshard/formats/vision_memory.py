@@ -14,9 +14,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from pipeshard.formats.manifest import WEIGHT_ALIGNMENT
+from pipeshard.formats.plans import Placement
+
 if TYPE_CHECKING:
     from pipeshard.formats.manifest import VisionSection
 
+# a vision block's placements
+PIN, STREAM, CPU = Placement.PINNED.value, Placement.STREAMED.value, Placement.CPU.value
 SCORE_BYTES = 4  # attention scores and softmax in fp32
 QUERY_TILE_STEP = 64
 
@@ -175,3 +180,101 @@ def qwen2_5_vl_shape(vision: dict, itemsize: int = 2) -> VisionShape:
         window_patches=vision["window_size"] // vision["patch_size"],
         full_attention_layers=len(vision.get("fullatt_block_indexes", [])),
     )
+
+
+def encoder_workspace(shape: VisionShape, tiles: int, patches: int, keys: int, free: int) -> tuple[int, int]:
+    """(tiles per run, bytes reserved) of the encoder's activations and attention within `free` bytes: idefics3
+    tiles in runs that fit; qwen2_vl every patch in one run (its full-attention blocks see them all), the scores'
+    query tiles taking what the activations leave."""
+    if shape.family != "qwen2_vl":
+        return tile_runs(shape, tiles, free)
+    peak = vlmopt_peak(shape, patches, keys, free)
+    return max(tiles, 1), peak.activations + peak.attention
+
+
+@dataclass(frozen=True)
+class VisionPlan:
+    """How the encoder runs images of one patch count (its tier): each block pinned (uploaded once per encode and
+    held until it ends), streamed (through two staging slots) or on the CPU; the tiles per run, the slot, pinned
+    and workspace bytes; the planner's predicted seconds (0 when no planner priced it). Every byte is released
+    when the encode ends, before the decoder's prefill (VLMOpt: vision and decoder weights never held together)."""
+
+    policy: str  # "auto" (the planner's choice), "streamed" (VLMOpt: every block streamed), "cpu"
+    patches: int
+    placements: dict[str, str]
+    tiles_per_run: int
+    slot_bytes: int
+    pinned_bytes: int
+    workspace_bytes: int
+    predicted_s: float = 0.0
+
+    @property
+    def peak_bytes(self) -> int:
+        """Device bytes the encode holds at once."""
+        return self.pinned_bytes + 2 * self.slot_bytes + self.workspace_bytes
+
+    def counts(self) -> dict[str, int]:
+        counted: dict[str, int] = {}
+        for placement in self.placements.values():
+            counted[placement] = counted.get(placement, 0) + 1
+        return counted
+
+
+def resident_bytes(entry) -> int:
+    """A block's room in a device buffer: its blob, to the weights' alignment."""
+    nbytes = entry.blob.bytes if entry.blob else 0
+    return -(-nbytes // WEIGHT_ALIGNMENT) * WEIGHT_ALIGNMENT
+
+
+def lay_out_plan(
+    vision: VisionSection,
+    placements: dict[str, str],
+    tiles: int,
+    patches: int,
+    keys: int,
+    budget_bytes: int,
+    policy: str,
+    shape: VisionShape | None = None,
+) -> VisionPlan | None:
+    """The memory of `placements` for an encode of `tiles` tiles / `patches` patches (groups of `keys` attending
+    together) within `budget_bytes` (`shape`: the section's, when the caller has it): the pinned blocks' buffers,
+    two slots of the largest streamed block, and the workspace of the runs that fit what is left; None when one
+    run does not fit."""
+    shape = shape or VisionShape.from_pack(vision)
+    entries = vision.sub_layers
+    pinned = sum(resident_bytes(e) for e in entries if placements[e.name] == PIN)
+    slot = max((e.blob.bytes for e in entries if placements[e.name] == STREAM and e.blob), default=0)
+    if all(placements[e.name] == CPU for e in entries):
+        return VisionPlan(policy, patches, dict(placements), max(tiles, 1), 0, 0, 0)
+    free = budget_bytes - pinned - 2 * slot
+    if free <= 0:
+        return None
+    per_run, workspace = encoder_workspace(shape, tiles, patches, keys, free)
+    if workspace > free:
+        return None
+    return VisionPlan(policy, patches, dict(placements), per_run, slot, pinned, workspace)
+
+
+def copy_sequence(entries, placements: dict[str, str], passes: int) -> list[tuple[int, int]]:
+    """The encode's weight copies in the order the runtime issues them: (pass, block index) of every pinned block
+    in the first pass and every streamed block in every pass, the blocks without weights left out."""
+    return [
+        (run, index)
+        for run in range(passes)
+        for index, entry in enumerate(entries)
+        if entry.blob and (placements[entry.name] == STREAM or (placements[entry.name] == PIN and run == 0))
+    ]
+
+
+def copy_ready(sequence: list[tuple[int, int]], placements: dict[str, str], entries) -> list[int | None]:
+    """For each copy, the position in `sequence` of the streamed copy whose slot it takes (two streamed copies
+    before it), whose block must have computed first; None when it waits for nothing."""
+    streamed: list[int] = []
+    waits: list[int | None] = []
+    for position, (_, index) in enumerate(sequence):
+        if placements[entries[index].name] == STREAM:
+            waits.append(streamed[-2] if len(streamed) >= 2 else None)
+            streamed.append(position)
+        else:
+            waits.append(None)
+    return waits
