@@ -870,7 +870,12 @@ void Host::forward(const int64_t* ids, int64_t tokens, int64_t past) {
     logits_bytes_.resize(logit_bytes);
     try {
         if (tokens == 1) {
-            for (const Piece& piece : decode_pieces()) {
+            const std::vector<Piece>& pieces = decode_pieces();
+            uint64_t swapped = 0;
+            for (const Piece& piece : pieces) swapped += static_cast<uint64_t>(piece.decode_attention_nodes);
+            decode_runs_ = pieces.size();
+            decode_attention_nodes_ = swapped;
+            for (const Piece& piece : pieces) {
                 if (cancel_requested()) {
                     restart_ring();
                     fail(PIPESHARD_ERR_CANCELLED, "cancelled");
@@ -956,6 +961,7 @@ Piece Host::make_piece(size_t first_run, size_t run_count) {
         fail(PIPESHARD_ERR_PACK, error.what());
     }
     if (run_count == 1 && joined.decode_attention_nodes == 0) return piece;
+    piece.decode_attention_nodes = joined.decode_attention_nodes;
     SubLayer& spec = piece.spec;
     const SubLayer& first = manifest_.sub_layers[members.front()];
     if (run_count == 1) {
@@ -1407,6 +1413,8 @@ std::string Host::report() const {
         out << "}, \"active_tier\": " << (active_ ? active_->tier : 0) << ", \"budget_mode\": \""
             << (auto_budget_ ? "auto" : "fixed") << "\"";
     }
+    out << ", \"units\": " << units_.size() << ", \"decode_runs\": " << decode_runs_
+        << ", \"decode_attention_nodes\": " << decode_attention_nodes_;
     out << ", \"steps\": " << steps_ << ", \"plan_switches\": " << plan_switches_ << ", \"tier_steps\": {";
     bool first = true;
     for (const auto& [tier, count] : tier_steps_) {

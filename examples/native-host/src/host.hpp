@@ -86,6 +86,7 @@ struct Piece {
     size_t first_run = 0, run_count = 1;
     OrtSession* session = nullptr;
     SubLayer spec;  // what the joined session reads and writes, as a sub-layer's record
+    int decode_attention_nodes = 0;
 };
 
 struct GenerationTimes {
@@ -194,6 +195,7 @@ private:
 
     // What the host has done.
     std::atomic<uint64_t> steps_{0}, plan_switches_{0}, streamed_weight_bytes_{0};
+    std::atomic<uint64_t> decode_runs_{0}, decode_attention_nodes_{0};  // of the last decode step
     std::map<int, uint64_t> tier_steps_;
     GenerationTimes last_;
 
