@@ -1134,6 +1134,8 @@ void Host::read_logits() {
 // ---- Generation ------------------------------------------------------------------------------------------------
 
 int64_t Host::choose(const Sampling& sampling, const std::vector<int64_t>& history, std::mt19937_64& rng) {
+    if (sampling.temperature == 0.0f && sampling.repetition_penalty == 1.0f)  // greedy: no copy of the vocabulary
+        return static_cast<int64_t>(std::max_element(logits_.begin(), logits_.end()) - logits_.begin());
     std::vector<double> scores(logits_.begin(), logits_.end());
     if (sampling.repetition_penalty != 1.0f) {
         std::vector<int64_t> seen(history);
