@@ -26,6 +26,9 @@
 #include <windows.h>
 #else
 #include <fcntl.h>
+#if defined(__GLIBC__)
+#include <malloc.h>
+#endif
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -167,6 +170,12 @@ public:
     }
     const uint8_t* data() const { return data_; }
     size_t size() const { return size_; }
+    // Lets go of the pages read so far (sessions have packed what they multiply); the next read maps them again.
+    void release_pages() const {
+#if !defined(_WIN32)
+        if (data_) madvise(data_, size_, MADV_DONTNEED);
+#endif
+    }
 
 private:
     uint8_t* data_ = nullptr;
@@ -406,6 +415,7 @@ OrtSession* Host::make_session(const std::string& file, bool on_device, const st
         check(ort().CreateSessionWithPrepackedWeightsContainer(env_, ort_path(path).c_str(), options, prepacked_,
                                                                &session));
     }
+    if (!weights_of.empty()) release_weight_pages();  // each session's, so the load peaks at one session's pages
     return session;
 }
 
@@ -986,6 +996,13 @@ Piece Host::make_piece(size_t first_run, size_t run_count) {
     }
     piece.session = make_session(spec.name, false, on_cpu ? members : std::vector<size_t>{}, &joined.model);
     return piece;
+}
+
+void Host::release_weight_pages() {
+    for (auto& entry : blobs_) entry.second->release_pages();
+#if defined(__GLIBC__)
+    malloc_trim(0);  // the copies ONNX Runtime made while packing weights the container already held
+#endif
 }
 
 // Failed mid-step: the ring and the KV are in an unknown state; release the device (generate forgets the

@@ -203,6 +203,7 @@ private:
     OrtSession* make_session(const std::string& file, bool on_device, const std::vector<size_t>& weights_of = {},
                              const std::string* model = nullptr);
     const std::vector<Piece>& decode_pieces();
+    void release_weight_pages();
     Piece make_piece(size_t first_run, size_t run_count);
     OrtSession* session_for(const Run& run);
     OrtIoBinding* binding_for(OrtSession* session);
