@@ -335,6 +335,9 @@ class _HostOptions(ctypes.Structure):
         ("threads", ctypes.c_int),
         ("context", ctypes.c_int),
         ("vram_budget_bytes", ctypes.c_uint64),
+        ("budget_mode", ctypes.c_int),
+        ("vram_reserve_bytes", ctypes.c_uint64),
+        ("prefill_chunk_tokens", ctypes.c_int),
     ]
 
 
@@ -348,6 +351,8 @@ class _HostSampling(ctypes.Structure):
         ("seed", ctypes.c_uint64),
         ("use_chat_template", ctypes.c_int),
         ("system_prompt", ctypes.c_char_p),
+        ("stop_strings", ctypes.POINTER(ctypes.c_char_p)),
+        ("stop_string_count", ctypes.c_size_t),
     ]
 
 

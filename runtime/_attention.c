@@ -57,7 +57,7 @@ static OrtStatus *read_tensor(void *const *api, const void *value, Tensor *tenso
     return status;
 }
 
-#if defined(__GNUC__) && defined(__x86_64__) && !defined(__clang__)
+#if defined(__GNUC__) && defined(__x86_64__) && !defined(__clang__) && !defined(_WIN32) /* ifunc: ELF only */
 #define VECTOR_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
 #else
 #define VECTOR_CLONES

@@ -1,9 +1,10 @@
-# Windows x64 from Linux: Debian's mingw-w64 cross compiler (its posix flavour: std::thread needs it), the C++ and
+# Windows x64 from Linux: Debian's mingw-w64 cross compilers (its posix flavour: std::thread needs it), the C++ and
 # GCC runtimes linked in statically (the DLL and programs need no mingw DLL beside them), tests run under Wine.
 #   cmake -S examples/native-host -B build/native-host/build-windows \
 #         -DCMAKE_TOOLCHAIN_FILE=examples/native-host/cmake/mingw-w64-x86_64.cmake
 set(CMAKE_SYSTEM_NAME Windows)
 set(CMAKE_SYSTEM_PROCESSOR x86_64)
+set(CMAKE_C_COMPILER x86_64-w64-mingw32-gcc-posix)
 set(CMAKE_CXX_COMPILER x86_64-w64-mingw32-g++-posix)
 set(CMAKE_FIND_ROOT_PATH /usr/x86_64-w64-mingw32)
 set(CMAKE_FIND_ROOT_PATH_MODE_PROGRAM NEVER)

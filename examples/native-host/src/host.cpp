@@ -16,6 +16,7 @@
 #include <thread>
 
 #include "errors.hpp"
+#include "joined.hpp"
 #include "sha256.hpp"
 
 #if defined(_WIN32)
@@ -25,14 +26,20 @@
 #include <windows.h>
 #else
 #include <fcntl.h>
+#if defined(__GLIBC__)
+#include <malloc.h>
+#endif
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 #endif
 
+extern "C" const void* pipeshard_decode_attention_op(void);  // runtime/_attention.c
+
 namespace pipeshard {
 
 namespace {
+constexpr uint64_t kJoinedBytes = 64ull << 20;  // weights per joined decode session, as the Python engine's chain
 constexpr int kMaxThreads = 1024;  // more intra-op threads than any client CPU has: a typing mistake
 constexpr int kAllCpuPrefillChunk = 64;  // prompt tokens per step without plans: cancel acts between steps
 
@@ -51,6 +58,7 @@ void check(OrtStatus* status) {
 // last: its global intra-op pool serves every session, as pipeshard's own C-API chain does.
 std::mutex g_env_mutex;
 OrtEnv* g_env = nullptr;
+OrtCustomOpDomain* g_custom_ops = nullptr;  // the `pipeshard` op domain, with DecodeAttention (null: no op built)
 int g_env_users = 0;
 
 struct ElementType {
@@ -162,6 +170,12 @@ public:
     }
     const uint8_t* data() const { return data_; }
     size_t size() const { return size_; }
+    // Lets go of the pages read so far (sessions have packed what they multiply); the next read maps them again.
+    void release_pages() const {
+#if !defined(_WIN32)
+        if (data_) madvise(data_, size_, MADV_DONTNEED);
+#endif
+    }
 
 private:
     uint8_t* data_ = nullptr;
@@ -184,9 +198,18 @@ Host::Host(const std::string& pack_dir, const pipeshard_options& options) {
     if (!manifest_.min_onnxruntime.empty() && version_numbers(version) < version_numbers(manifest_.min_onnxruntime))
         fail(PIPESHARD_ERR_PACK, pack_dir + " needs ONNX Runtime " + manifest_.min_onnxruntime + " or newer; this "
                                  "process has " + version);
-    for (const SubLayer& sub : manifest_.sub_layers)
+    for (const SubLayer& sub : manifest_.sub_layers) {
         for (const TensorSpec& output : sub.outputs)
             if (output.name == "logits") logits_dtype_ = output.dtype;
+        for (const TensorSpec& input : sub.inputs) {
+            // DecodeAttention reads a float32 cache of whole 8-float lanes per head.
+            bool past = std::find(sub.past.begin(), sub.past.end(), input.name) != sub.past.end();
+            const Json* head = past && input.shape.is_array() && !input.shape.items.empty() ? &input.shape.items.back()
+                                                                                            : nullptr;
+            if (input.dtype == "float32" && (!past || (head && head->is_number() && head->integer() % 8 == 0)))
+                float_inputs_.insert(input.name);
+        }
+    }
 
     has_plans_ = options.plans_path != nullptr && options.plans_path[0] != '\0';
     device_kind_ = options.device && options.device[0] ? options.device : (has_plans_ ? "cuda" : "cpu");
@@ -306,7 +329,12 @@ Host::~Host() {
         for (auto& entry : *table) sessions.push_back(entry.second);
     std::sort(sessions.begin(), sessions.end());
     sessions.erase(std::unique(sessions.begin(), sessions.end()), sessions.end());
+    for (auto& entry : decode_pieces_)
+        for (Piece& piece : entry.second)
+            if (piece.session) sessions.push_back(piece.session);
     for (OrtSession* session : sessions) ort().ReleaseSession(session);
+    for (OrtValue* value : initializer_values_) ort().ReleaseValue(value);
+    if (prepacked_) ort().ReleasePrepackedWeightsContainer(prepacked_);
     if (tokenizer_) ort().ReleaseSession(tokenizer_);
     if (detokenizer_) ort().ReleaseSession(detokenizer_);
     for (OrtSessionOptions* options : session_options_) ort().ReleaseSessionOptions(options);
@@ -319,6 +347,8 @@ Host::~Host() {
         if (--g_env_users == 0) {
             ort().ReleaseEnv(g_env);
             g_env = nullptr;
+            if (g_custom_ops) ort().ReleaseCustomOpDomain(g_custom_ops);
+            g_custom_ops = nullptr;
         }
     }
 }
@@ -336,12 +366,17 @@ void Host::load_env(int threads) {
                                                                    &g_env);
         ort().ReleaseThreadingOptions(threading);
         check(status);
+        if (const void* op = pipeshard_decode_attention_op()) {
+            check(ort().CreateCustomOpDomain(kCustomDomain, &g_custom_ops));
+            check(ort().CustomOpDomain_Add(g_custom_ops, static_cast<const OrtCustomOp*>(op)));
+        }
     }
     ++g_env_users;
     env_ = g_env;
 }
 
-OrtSession* Host::make_session(const std::string& file, bool on_device) {
+OrtSession* Host::make_session(const std::string& file, bool on_device, const std::vector<size_t>& weights_of,
+                               const std::string* model) {
     OrtSessionOptions* options = nullptr;
     check(ort().CreateSessionOptions(&options));
     session_options_.push_back(options);
@@ -358,9 +393,29 @@ OrtSession* Host::make_session(const std::string& file, bool on_device) {
             fail(PIPESHARD_ERR_DEVICE, error.what());
         }
     }
+    std::set<std::string> added;
+    for (size_t index : weights_of)
+        for (const WeightSpec& weight : manifest_.sub_layers[index].weights) {
+            if (!added.insert(weight.name).second) continue;
+            OrtValue* value = tensor(cpu_memory_, const_cast<uint8_t*>(mapped(weight.file) + weight.offset),
+                                     weight.bytes, weight.shape, weight.dtype);
+            initializer_values_.push_back(value);
+            check(ort().AddInitializer(options, weight.name.c_str(), value));
+        }
+    if (!prepacked_) check(ort().CreatePrepackedWeightsContainer(&prepacked_));
     OrtSession* session = nullptr;
-    std::string path = manifest_.folder + "/" + file;
-    check(ort().CreateSession(env_, ort_path(path).c_str(), options, &session));
+    if (model) {
+        check(ort().AddSessionConfigEntry(options, "session.model_external_initializers_file_folder_path",
+                                          manifest_.folder.c_str()));
+        if (g_custom_ops) check(ort().AddCustomOpDomain(options, g_custom_ops));
+        check(ort().CreateSessionFromArrayWithPrepackedWeightsContainer(env_, model->data(), model->size(), options,
+                                                                         prepacked_, &session));
+    } else {
+        std::string path = manifest_.folder + "/" + file;
+        check(ort().CreateSessionWithPrepackedWeightsContainer(env_, ort_path(path).c_str(), options, prepacked_,
+                                                               &session));
+    }
+    if (!weights_of.empty()) release_weight_pages();  // each session's, so the load peaks at one session's pages
     return session;
 }
 
@@ -369,7 +424,7 @@ OrtSession* Host::session_for(const Run& run) {
     const SubLayer& sub = manifest_.sub_layers[unit.sub_layer];
     if (run.placement == "cpu" && !unit.chunk) {
         auto& session = cpu_sessions_[unit.sub_layer];
-        if (!session) session = make_session(sub.onnx_file, false);
+        if (!session) session = make_session(sub.onnx_file, false, {unit.sub_layer});
         return session;
     }
     bool on_device = run.placement != "cpu" && device_kind_ == "cuda";
@@ -475,6 +530,9 @@ void Host::allocate_kv() {
                 if (axis < sequence_axis) rows *= static_cast<size_t>(shape[axis]);
                 if (axis > sequence_axis) position_bytes *= static_cast<size_t>(shape[axis]);
             }
+            size_t position = cache.rows.size();
+            kv_names_[past] = {index, position};
+            if (position < sub.present.size()) kv_names_[sub.present[position]] = {index, position};
             cache.rows.push_back(rows);
             cache.position_bytes.push_back(position_bytes);
             cache.host.emplace_back(bytes, 0);
@@ -821,12 +879,27 @@ void Host::forward(const int64_t* ids, int64_t tokens, int64_t past) {
     size_t logit_bytes = static_cast<size_t>(manifest_.vocab_size) * element_type(logits_dtype_).bytes;
     logits_bytes_.resize(logit_bytes);
     try {
-        for (const Run& run : runs_) {
-            if (cancel_requested()) {
-                restart_ring();
-                fail(PIPESHARD_ERR_CANCELLED, "cancelled");
+        if (tokens == 1) {
+            const std::vector<Piece>& pieces = decode_pieces();
+            uint64_t swapped = 0;
+            for (const Piece& piece : pieces) swapped += static_cast<uint64_t>(piece.decode_attention_nodes);
+            decode_runs_ = pieces.size();
+            decode_attention_nodes_ = swapped;
+            for (const Piece& piece : pieces) {
+                if (cancel_requested()) {
+                    restart_ring();
+                    fail(PIPESHARD_ERR_CANCELLED, "cancelled");
+                }
+                run_unit(runs_[piece.first_run], tokens, piece.session, piece.session ? &piece.spec : nullptr);
             }
-            run_unit(run, tokens);
+        } else {
+            for (const Run& run : runs_) {
+                if (cancel_requested()) {
+                    restart_ring();
+                    fail(PIPESHARD_ERR_CANCELLED, "cancelled");
+                }
+                run_unit(run, tokens);
+            }
         }
     } catch (const HostError& error) {
         if (error.status == PIPESHARD_ERR_CANCELLED) throw;
@@ -839,6 +912,99 @@ void Host::forward(const int64_t* ids, int64_t tokens, int64_t past) {
     read_logits();
 }
 
+// The decode step's pieces for the runs in force, made on the first decode step of each plan: stretches of CPU runs
+// (cut at kJoinedBytes of weights) joined, and the attention of any run the CPU EP computes swapped for
+// DecodeAttention.
+const std::vector<Piece>& Host::decode_pieces() {
+    auto found = decode_pieces_.find(active_);
+    if (found != decode_pieces_.end()) return found->second;
+    std::vector<Piece> pieces;
+    for (size_t first = 0; first < runs_.size();) {
+        auto joinable = [&](size_t index) {
+            return runs_[index].placement == "cpu" && !units_[runs_[index].unit].chunk;
+        };
+        size_t count = 1;
+        uint64_t bytes = unit_size(units_[runs_[first].unit]);
+        while (joinable(first) && first + count < runs_.size() && joinable(first + count)) {
+            uint64_t more = unit_size(units_[runs_[first + count].unit]);
+            if (bytes + more > kJoinedBytes) break;
+            bytes += more;
+            ++count;
+        }
+        pieces.push_back(make_piece(first, count));
+        first += count;
+    }
+    return decode_pieces_[active_] = std::move(pieces);
+}
+
+Piece Host::make_piece(size_t first_run, size_t run_count) {
+    Piece piece;
+    piece.first_run = first_run;
+    piece.run_count = run_count;
+    const Run& run = runs_[first_run];
+    bool on_cpu = run.placement == "cpu" && !units_[run.unit].chunk;
+    // A device the CPU EP computes for (sim) runs the weights-as-inputs file; a CUDA session keeps its attention.
+    if (!on_cpu && (device_kind_ != "sim" || units_[run.unit].chunk)) return piece;
+    std::vector<size_t> members;
+    std::vector<std::string> paths;
+    for (size_t i = first_run; i < first_run + run_count; ++i) {
+        const SubLayer& sub = manifest_.sub_layers[units_[runs_[i].unit].sub_layer];
+        members.push_back(units_[runs_[i].unit].sub_layer);
+        paths.push_back(manifest_.folder + "/" + (on_cpu ? sub.onnx_file : sub.inputs_file));
+    }
+    // Kept as outputs: what a later sub-layer reads, the logits, the present KV.
+    std::set<std::string> outputs, read_outside;
+    for (size_t index = 0; index < manifest_.sub_layers.size(); ++index)
+        if (std::find(members.begin(), members.end(), index) == members.end())
+            for (const TensorSpec& input : manifest_.sub_layers[index].inputs) read_outside.insert(input.name);
+    for (size_t index : members) {
+        const SubLayer& sub = manifest_.sub_layers[index];
+        for (const TensorSpec& output : sub.outputs)
+            if (read_outside.count(output.name) || output.name == "logits" ||
+                std::find(sub.present.begin(), sub.present.end(), output.name) != sub.present.end())
+                outputs.insert(output.name);
+    }
+    JoinedModel joined;
+    try {
+        joined = join_models(paths, outputs, g_custom_ops ? &float_inputs_ : nullptr);
+    } catch (const std::runtime_error& error) {
+        fail(PIPESHARD_ERR_PACK, error.what());
+    }
+    if (run_count == 1 && joined.decode_attention_nodes == 0) return piece;
+    piece.decode_attention_nodes = joined.decode_attention_nodes;
+    SubLayer& spec = piece.spec;
+    const SubLayer& first = manifest_.sub_layers[members.front()];
+    if (run_count == 1) {
+        spec = first;
+    } else {
+        spec.name = first.name + ".." + manifest_.sub_layers[members.back()].name;
+        spec.kind = manifest_.sub_layers[members.back()].kind == "final" ? "final" : "joined";
+        auto find_spec = [&](const std::string& name, bool input) -> const TensorSpec& {
+            for (size_t index : members)
+                for (const TensorSpec& tensor : input ? manifest_.sub_layers[index].inputs
+                                                      : manifest_.sub_layers[index].outputs)
+                    if (tensor.name == name) return tensor;
+            fail(PIPESHARD_ERR_PACK, spec.name + ": no sub-layer has " + name);
+        };
+        for (const std::string& name : joined.inputs) spec.inputs.push_back(find_spec(name, true));
+        for (const std::string& name : joined.outputs) spec.outputs.push_back(find_spec(name, false));
+        for (size_t index : members) {
+            const SubLayer& sub = manifest_.sub_layers[index];
+            spec.past.insert(spec.past.end(), sub.past.begin(), sub.past.end());
+            spec.present.insert(spec.present.end(), sub.present.begin(), sub.present.end());
+        }
+    }
+    piece.session = make_session(spec.name, false, on_cpu ? members : std::vector<size_t>{}, &joined.model);
+    return piece;
+}
+
+void Host::release_weight_pages() {
+    for (auto& entry : blobs_) entry.second->release_pages();
+#if defined(__GLIBC__)
+    malloc_trim(0);  // the copies ONNX Runtime made while packing weights the container already held
+#endif
+}
+
 // Failed mid-step: the ring and the KV are in an unknown state; release the device (generate forgets the
 // conversation's cells).
 void Host::deactivate_after_failure() {
@@ -849,10 +1015,10 @@ void Host::deactivate_after_failure() {
     }
 }
 
-void Host::run_unit(const Run& run, int64_t tokens) {
+void Host::run_unit(const Run& run, int64_t tokens, OrtSession* session, const SubLayer* spec) {
     const Unit& unit = units_[run.unit];
-    const SubLayer& sub = manifest_.sub_layers[unit.sub_layer];
-    OrtSession* session = session_for(run);
+    const SubLayer& sub = spec ? *spec : manifest_.sub_layers[unit.sub_layer];
+    if (!session) session = session_for(run);
     OrtIoBinding* binding = binding_for(session);
     ort().ClearBoundInputs(binding);
     ort().ClearBoundOutputs(binding);
@@ -864,16 +1030,14 @@ void Host::run_unit(const Run& run, int64_t tokens) {
         }
     } release{temporaries};
 
-    auto kv = kv_.find(unit.sub_layer);
     auto kv_value = [&](const std::string& name) -> OrtValue* {
-        KvCache& cache = kv->second;
-        const auto& names = std::find(sub.past.begin(), sub.past.end(), name) != sub.past.end() ? sub.past : sub.present;
-        size_t index = static_cast<size_t>(std::find(names.begin(), names.end(), name) - names.begin());
+        const auto& [sub_layer, index] = kv_names_.at(name);
+        KvCache& cache = kv_.at(sub_layer);
         return cache.on_device ? cache.device_values[index] : cache.host_values[index];
     };
     bool is_output_layer = sub.kind == "final";
     for (const TensorSpec& input : sub.inputs) {
-        if (kv != kv_.end() && std::find(sub.past.begin(), sub.past.end(), input.name) != sub.past.end()) {
+        if (std::find(sub.past.begin(), sub.past.end(), input.name) != sub.past.end()) {
             check(ort().BindInput(binding, input.name.c_str(), kv_value(input.name)));
             continue;
         }
@@ -928,7 +1092,7 @@ void Host::run_unit(const Run& run, int64_t tokens) {
     }
     std::vector<std::string> handed_on;
     for (const TensorSpec& output : sub.outputs) {
-        if (kv != kv_.end() && std::find(sub.present.begin(), sub.present.end(), output.name) != sub.present.end()) {
+        if (std::find(sub.present.begin(), sub.present.end(), output.name) != sub.present.end()) {
             check(ort().BindOutput(binding, output.name.c_str(), kv_value(output.name)));
         } else if (output.name == "logits") {
             size_t element = element_type(output.dtype).bytes;
@@ -987,6 +1151,8 @@ void Host::read_logits() {
 // ---- Generation ------------------------------------------------------------------------------------------------
 
 int64_t Host::choose(const Sampling& sampling, const std::vector<int64_t>& history, std::mt19937_64& rng) {
+    if (sampling.temperature == 0.0f && sampling.repetition_penalty == 1.0f)  // greedy: no copy of the vocabulary
+        return static_cast<int64_t>(std::max_element(logits_.begin(), logits_.end()) - logits_.begin());
     std::vector<double> scores(logits_.begin(), logits_.end());
     if (sampling.repetition_penalty != 1.0f) {
         std::vector<int64_t> seen(history);
@@ -1266,6 +1432,8 @@ std::string Host::report() const {
         out << "}, \"active_tier\": " << (active_ ? active_->tier : 0) << ", \"budget_mode\": \""
             << (auto_budget_ ? "auto" : "fixed") << "\"";
     }
+    out << ", \"units\": " << units_.size() << ", \"decode_runs\": " << decode_runs_
+        << ", \"decode_attention_nodes\": " << decode_attention_nodes_;
     out << ", \"steps\": " << steps_ << ", \"plan_switches\": " << plan_switches_ << ", \"tier_steps\": {";
     bool first = true;
     for (const auto& [tier, count] : tier_steps_) {

@@ -10,6 +10,7 @@
 #include <memory>
 #include <mutex>
 #include <random>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -77,6 +78,15 @@ struct Run {
     size_t unit = 0;
     std::string placement;
     int streamed_index = -1;
+};
+
+// Runs of a decode step taken together: a stretch of CPU runs as one session over their joined graphs, or one
+// run whose attention is pipeshard's DecodeAttention (src/joined.hpp); `session` nullptr: the run's own session.
+struct Piece {
+    size_t first_run = 0, run_count = 1;
+    OrtSession* session = nullptr;
+    SubLayer spec;  // what the joined session reads and writes, as a sub-layer's record
+    int decode_attention_nodes = 0;
 };
 
 struct GenerationTimes {
@@ -147,6 +157,13 @@ private:
 
     std::map<std::string, std::unique_ptr<MappedFile>> blobs_;
     std::map<size_t, KvCache> kv_;  // by attention sub-layer
+    std::map<std::string, std::pair<size_t, size_t>> kv_names_;  // past or present name -> (sub-layer, index)
+    // CPU sessions take their weights mapped from the blobs (AddInitializer) with one prepacked-weights container,
+    // so a joined decode session holds no second packed copy of what the sub-layer sessions packed.
+    OrtPrepackedWeightsContainer* prepacked_ = nullptr;
+    std::vector<OrtValue*> initializer_values_;
+    std::set<std::string> float_inputs_;  // float32 tensors among the sub-layers' inputs
+    std::map<const Plan*, std::vector<Piece>> decode_pieces_;  // by plan in force (nullptr: all-CPU, no plans)
 
     // The plans in force: the rung (index into plans_.rungs), and the tier plan now on the device.
     int rung_ = -1;
@@ -178,11 +195,16 @@ private:
 
     // What the host has done.
     std::atomic<uint64_t> steps_{0}, plan_switches_{0}, streamed_weight_bytes_{0};
+    std::atomic<uint64_t> decode_runs_{0}, decode_attention_nodes_{0};  // of the last decode step
     std::map<int, uint64_t> tier_steps_;
     GenerationTimes last_;
 
     void load_env(int threads);
-    OrtSession* make_session(const std::string& file, bool on_device);
+    OrtSession* make_session(const std::string& file, bool on_device, const std::vector<size_t>& weights_of = {},
+                             const std::string* model = nullptr);
+    const std::vector<Piece>& decode_pieces();
+    void release_weight_pages();
+    Piece make_piece(size_t first_run, size_t run_count);
     OrtSession* session_for(const Run& run);
     OrtIoBinding* binding_for(OrtSession* session);
     void load_text(const char* extensions_library);
@@ -215,7 +237,7 @@ private:
 
     void feed(const int64_t* ids, int64_t tokens, int64_t past, Conversation* conversation);
     void forward(const int64_t* ids, int64_t tokens, int64_t past);
-    void run_unit(const Run& run, int64_t tokens);
+    void run_unit(const Run& run, int64_t tokens, OrtSession* session = nullptr, const SubLayer* spec = nullptr);
     OrtValue* tensor(const OrtMemoryInfo* memory, void* data, size_t bytes, const std::vector<int64_t>& shape,
                      const std::string& dtype);
     void set_value(const std::string& name, OrtValue* value);

@@ -8,6 +8,7 @@
 #include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <mutex>
@@ -124,9 +125,24 @@ void compare_prompts(pipeshard_host* host, const Json& expected, const char* key
     }
 }
 
+// A decode step runs joined sub-layer sessions with pipeshard's DecodeAttention (all-CPU: a few stretches; planned
+// on sim: every attention the CPU EP computes swapped), as the Python engine's chain does.
+void expect_decode_pieces(pipeshard_host* host, bool joined) {
+    std::string now = report(host);
+    auto number = [&](const char* key) {
+        size_t at = now.find(std::string("\"") + key + "\": ");
+        return at == std::string::npos ? 0 : std::strtoull(now.c_str() + at + std::strlen(key) + 4, nullptr, 10);
+    };
+    expect(number("decode_attention_nodes") > 0, "decode steps attend through DecodeAttention: " + now);
+    if (joined)
+        expect(number("decode_runs") > 0 && 3 * number("decode_runs") < number("units"),
+               "decode steps run joined stretches of sub-layers: " + now);
+}
+
 int all_cpu_tokens(const Json& expected, const std::string& extensions) {
     pipeshard_host* host = open_host(expected, extensions, false);
     if (host) compare_prompts(host, expected, "cpu_tokens");
+    if (host) expect_decode_pieces(host, true);
     pipeshard_close(host);
     return failures;
 }
@@ -134,6 +150,7 @@ int all_cpu_tokens(const Json& expected, const std::string& extensions) {
 int planned_tokens(const Json& expected, const std::string& extensions) {
     pipeshard_host* host = open_host(expected, extensions, true);
     if (host) compare_prompts(host, expected, "planned_tokens");
+    if (host) expect_decode_pieces(host, false);
     pipeshard_close(host);
     return failures;
 }
