@@ -262,7 +262,7 @@ def resolve_source(model: str) -> SourceSpec:
 def _load_vlm(spec: SourceSpec, dtype) -> LoadedSource:
     """A VLM and its language decoder: tiny, built around a built-in decoder, or from a folder."""
     from pipeshard.exporter import gemma3_vl, qwen_vl, vision_tower
-    from pipeshard.exporter.image_processing import qwen2_vl_image_processor
+    from pipeshard.exporter.image_processing import preprocessing_config, qwen2_vl_image_processor
     from pipeshard.exporter.vlm import build_smolvlm_256m, build_tiny_vlm, image_processor_for, text_decoder
 
     tiny = spec.name.split(":", 1)[1] if spec.kind == "tiny" else spec.name
@@ -274,6 +274,10 @@ def _load_vlm(spec: SourceSpec, dtype) -> LoadedSource:
 
         force_offline()
         vlm, tokenizer, image_processor = vision_tower.load_folder(spec.folder, str(spec.folder))
+        try:  # the processor's settings the runtime can reproduce, checked before the export starts
+            preprocessing_config(image_processor, vlm.config)
+        except ValueError as exc:
+            raise UserError(f"{spec.folder}: {exc}") from None
     elif tiny in TINY_QWEN_VL_CONFIGS or tiny in QWEN_VL_PROBES:
         vlm, tokenizer, processor = qwen_vl.build_tiny_qwen_vl(tiny)
         image_processor = qwen2_vl_image_processor(vlm.config, **processor)

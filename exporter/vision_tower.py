@@ -195,12 +195,6 @@ def load_folder(folder, where: str):
             f"{where}: the processor's image token is {processor.image_token!r}, not {IMAGE_TOKEN!r}"
         )
     check_processor(processor, vlm.config, where)
-    from pipeshard.exporter.image_processing import preprocessing_config
-
-    try:
-        preprocessing_config(processor.image_processor, vlm.config)
-    except ValueError as exc:
-        raise UserError(f"{where}: {exc}") from None
     return vlm, processor.tokenizer, processor.image_processor
 
 
