@@ -69,7 +69,10 @@ def _native_worker(args: argparse.Namespace, prompt: list[int]) -> dict:
             return 0
 
         callback = _TOKEN_CALLBACK(on_token)
-        if library.pipeshard_generate_ids(host, ids, len(prompt), ctypes.byref(sampling), callback, None) != 0:
+        if (
+            library.pipeshard_generate_ids(host, ids, len(prompt), ctypes.byref(sampling), callback, None)
+            != 0
+        ):
             raise SystemExit(f"error: {library.pipeshard_last_error(host).decode()}")
         return tokens, times
 
@@ -88,7 +91,14 @@ def _prompt_ids(pack: str, text: str) -> list[int]:
 
 
 def _run_worker(args: argparse.Namespace, engine: str, prompt: list[int]) -> dict:
-    command = [sys.executable, *(["-P"] if sys.flags.safe_path else []), __file__, args.pack, "--worker", engine]
+    command = [
+        sys.executable,
+        *(["-P"] if sys.flags.safe_path else []),
+        __file__,
+        args.pack,
+        "--worker",
+        engine,
+    ]
     command += ["--threads", str(args.threads), "--new-tokens", str(args.new_tokens)]
     command += ["--warmup-tokens", str(args.warmup_tokens), "--prompt-ids", ",".join(map(str, prompt))]
     command += ["--plans", args.plans] if args.plans else []
@@ -121,15 +131,27 @@ def main() -> None:
     for index in range(args.rounds):
         order = ("python", "native") if index % 2 == 0 else ("native", "python")
         measured = {engine: _run_worker(args, engine, prompt) for engine in order}
-        same = measured["native"]["tokens"] == measured["python"]["tokens"][: len(measured["native"]["tokens"])]
+        same = (
+            measured["native"]["tokens"] == measured["python"]["tokens"][: len(measured["native"]["tokens"])]
+        )
         if not same:
-            raise SystemExit(f"error: round {index}: the native host's tokens differ from the Python engine's")
+            raise SystemExit(
+                f"error: round {index}: the native host's tokens differ from the Python engine's"
+            )
         rates = {engine: measured[engine]["decode_tok_s"] for engine in ("python", "native")}
         rounds.append({"order": list(order), **rates, "ratio": rates["native"] / rates["python"]})
-        print(f"round {index}: python {rates['python']:.2f} tok/s, native {rates['native']:.2f} tok/s, "
-              f"ratio {rounds[-1]['ratio']:.3f} ({order[0]} first)", flush=True)
-    summary = {"prompt_tokens": len(prompt), "new_tokens": args.new_tokens, "threads": args.threads,
-               "plans": args.plans, "rounds": rounds}
+        print(
+            f"round {index}: python {rates['python']:.2f} tok/s, native {rates['native']:.2f} tok/s, "
+            f"ratio {rounds[-1]['ratio']:.3f} ({order[0]} first)",
+            flush=True,
+        )
+    summary = {
+        "prompt_tokens": len(prompt),
+        "new_tokens": args.new_tokens,
+        "threads": args.threads,
+        "plans": args.plans,
+        "rounds": rounds,
+    }
     for engine in ("python", "native"):
         values = [r[engine] for r in rounds]
         summary[engine] = {"median": statistics.median(values), "min": min(values), "max": max(values)}
