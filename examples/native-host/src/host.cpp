@@ -366,6 +366,16 @@ void Host::load_env(int threads) {
                                                                    &g_env);
         ort().ReleaseThreadingOptions(threading);
         check(status);
+        // One CPU arena for every session of the process, as the Python engine's chain has: each joined or
+        // sub-layer session reuses the buffers the one before it touched instead of growing an arena of its own.
+        OrtMemoryInfo* arena_memory = nullptr;
+        OrtArenaCfg* arena = nullptr;
+        check(ort().CreateCpuMemoryInfo(OrtArenaAllocator, OrtMemTypeDefault, &arena_memory));
+        status = ort().CreateArenaCfg(0, -1, -1, -1, &arena);
+        if (!status) status = ort().CreateAndRegisterAllocator(g_env, arena_memory, arena);
+        if (arena) ort().ReleaseArenaCfg(arena);
+        ort().ReleaseMemoryInfo(arena_memory);
+        check(status);
         if (const void* op = pipeshard_decode_attention_op()) {
             check(ort().CreateCustomOpDomain(kCustomDomain, &g_custom_ops));
             check(ort().CustomOpDomain_Add(g_custom_ops, static_cast<const OrtCustomOp*>(op)));
@@ -386,6 +396,7 @@ OrtSession* Host::make_session(const std::string& file, bool on_device, const st
     check(ort().DisableMemPattern(options));
     check(ort().DisablePerSessionThreads(options));
     check(ort().SetSessionLogSeverityLevel(options, 3));
+    check(ort().AddSessionConfigEntry(options, "session.use_env_allocators", "1"));
     if (on_device) {
         try {
             device_->add_provider(options);
