@@ -3,8 +3,10 @@ kept between runs under build/test-cache while the code that made them is unchan
 
 from __future__ import annotations
 
+import ast
 import fcntl
 import functools
+import gc
 import hashlib
 import os
 import time
@@ -22,6 +24,19 @@ CACHE = Path(os.environ.get("PIPESHARD_TEST_CACHE", REPO / "build" / "test-cache
 FINGERPRINT_FILE = ".made-by"
 EXPORT_CODE = ("exporter", "pipeshard/core", "pipeshard/formats")
 EXPORT_LIBRARIES = ("torch", "transformers", "onnx", "onnxscript", "onnx-ir", "onnxruntime", "gguf")
+
+
+def parse_python(source: str) -> ast.Module:
+    """`ast.parse` with the garbage collector off. CPython 3.11.7's AST builder keeps one recursion counter for every
+    thread (gh-106905): a collection during the build can run finalizers, switch threads and let another thread's parse
+    move the counter, which fails this parse with "AST constructor recursion depth mismatch"."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return ast.parse(source)
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 @functools.cache

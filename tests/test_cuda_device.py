@@ -2,6 +2,7 @@
 
 import numpy as np
 import pytest
+from conftest import parse_python
 
 from pipeshard.runtime.cuda_device import CudaDevice
 from pipeshard.runtime.devices import BudgetExceeded
@@ -183,7 +184,7 @@ def test_every_cuda_call_of_the_device_exists_in_the_real_bindings():
     runtime = pytest.importorskip("cuda.bindings.runtime")
     called = {
         node.attr
-        for node in ast.walk(ast.parse(inspect.getsource(cuda_device)))
+        for node in ast.walk(parse_python(inspect.getsource(cuda_device)))
         if isinstance(node, ast.Attribute)
         and node.attr.startswith("cuda")
         and isinstance(node.value, ast.Attribute)

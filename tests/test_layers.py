@@ -8,6 +8,7 @@ import ast
 from pathlib import Path
 
 import networkx as nx
+from conftest import parse_python
 
 REPO = Path(__file__).resolve().parents[1]
 # folder -> the import name of its layer
@@ -56,7 +57,7 @@ def imports_of(source: str, module: str, modules: set[str]) -> set[str]:
     module pipeshard.x.y when there is one, else pipeshard.x."""
     found = set()
     package = module if module in PACKAGES else module.rsplit(".", 1)[0]
-    for node in ast.walk(ast.parse(source)):
+    for node in ast.walk(parse_python(source)):
         if isinstance(node, ast.Import):
             found |= {alias.name for alias in node.names if alias.name.split(".")[0] == "pipeshard"}
         elif isinstance(node, ast.ImportFrom):
@@ -117,7 +118,7 @@ def test_a_planted_wrong_import_or_cycle_is_found():
 
 def test_the_package_root_imports_nothing_at_import_time():
     """`import pipeshard.core.errors` must not pull in the API (the stages import the bottom layer through it)."""
-    tree = ast.parse((REPO / "pipeshard" / "__init__.py").read_text())
+    tree = parse_python((REPO / "pipeshard" / "__init__.py").read_text())
     top_level = [n for n in tree.body if isinstance(n, ast.Import | ast.ImportFrom)]
     assert [ast.unparse(n) for n in top_level] == [
         "from pipeshard.core.version import __version__ as __version__"
