@@ -13,6 +13,7 @@ chunk (runtime/step.py).
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from pipeshard.core.errors import UserError
@@ -151,11 +152,6 @@ def check_gemma3_vl(vlm, image_processor, where: str) -> None:
         raise UserError(f"{where}: bidirectional attention (use_bidirectional_attention) is not supported")
 
 
-class _TextOutput:
-    def __init__(self, logits, cache) -> None:
-        self.logits, self.cache = logits, cache
-
-
 def image_block_masks(input_ids, attention_mask, image_token_id: int, sliding_window: int | None):
     """The decoder's boolean masks [batch, 1, new, total] for one step, as transformers' Gemma 3 makes them at a
     prefill: a query sees the keys before it and every key of its own run of image tokens in this step (both
@@ -181,55 +177,16 @@ def image_block_masks(input_ids, attention_mask, image_token_id: int, sliding_wi
 
 
 def text_decoder(vlm):
-    """The VLM's language model and output layer in their export form (the same tensors): module paths
-    `model.layers.N...`, `model.norm`, `lm_head` as for text decoders, the masks made from the ids
-    (`image_block_masks`), no final logit softcapping (Gemma3ForConditionalGeneration applies none)."""
-    import torch
+    """The VLM's language model and output layer in their export form (the same tensors), the masks made from the
+    ids (`image_block_masks`), no final logit softcapping (Gemma3ForConditionalGeneration applies none)."""
+    from pipeshard.exporter.text_decoder import language_model_decoder
 
     image_token_id = int(vlm.config.image_token_id)
-
-    class Gemma3TextDecoder(torch.nn.Module):
-        MASK_READS_INPUT_IDS = True  # exporter/onnx_export.py passes the ids beside the merged embeddings
-
-        def __init__(self) -> None:
-            super().__init__()
-            self.model = vlm.model.language_model
-            self.lm_head = vlm.lm_head
-            self.config = vlm.config.text_config
-            self.config.tie_word_embeddings = bool(vlm.config.tie_word_embeddings)
-            self.generation_config = vlm.generation_config
-
-        @property
-        def dtype(self):
-            return self.lm_head.weight.dtype
-
-        def get_input_embeddings(self):
-            return self.model.embed_tokens
-
-        def forward(
-            self,
-            input_ids=None,
-            inputs_embeds=None,
-            attention_mask=None,
-            position_ids=None,
-            cache=None,
-            use_cache=True,
-        ):
-            if inputs_embeds is None:
-                inputs_embeds = self.model.embed_tokens(input_ids)
-            masks = image_block_masks(
-                input_ids, attention_mask, image_token_id, getattr(self.config, "sliding_window", None)
-            )
-            out = self.model(
-                inputs_embeds=inputs_embeds,
-                attention_mask=masks,
-                position_ids=position_ids,
-                cache=cache,
-                use_cache=use_cache,
-            )
-            return _TextOutput(self.lm_head(out.last_hidden_state), out.cache)
-
-    return Gemma3TextDecoder().eval()
+    sliding_window = getattr(vlm.config.text_config, "sliding_window", None)
+    return language_model_decoder(
+        vlm,
+        functools.partial(image_block_masks, image_token_id=image_token_id, sliding_window=sliding_window),
+    )
 
 
 def vision_tower(vlm):

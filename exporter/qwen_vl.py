@@ -183,52 +183,11 @@ def cosmos_config(decoder_layers: int | None = None, vision_depth: int | None = 
     return Qwen2_5_VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=False, **ids)
 
 
-class _TextOutput:
-    def __init__(self, logits, cache) -> None:
-        self.logits, self.cache = logits, cache
-
-
 def text_decoder(vlm):
-    """The VLM's language model and output layer as a causal LM (the same tensors), what the decoder export
-    traces: module paths `model.layers.N...`, `model.norm`, `lm_head` as for text decoders."""
-    import torch
+    """The VLM's language model and output layer as the decoder export traces them (the same tensors)."""
+    from pipeshard.exporter.text_decoder import language_model_decoder
 
-    class QwenTextDecoder(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.model = vlm.model.language_model
-            self.lm_head = vlm.lm_head
-            self.config = vlm.config.text_config
-            self.config.tie_word_embeddings = bool(vlm.config.tie_word_embeddings)
-            self.generation_config = vlm.generation_config
-
-        @property
-        def dtype(self):
-            return self.lm_head.weight.dtype
-
-        def get_input_embeddings(self):
-            return self.model.embed_tokens
-
-        def forward(
-            self,
-            input_ids=None,
-            inputs_embeds=None,
-            attention_mask=None,
-            position_ids=None,
-            cache=None,
-            use_cache=True,
-        ):
-            out = self.model(
-                input_ids=input_ids,
-                inputs_embeds=inputs_embeds,
-                attention_mask=attention_mask,
-                position_ids=position_ids,
-                cache=cache,
-                use_cache=use_cache,
-            )
-            return _TextOutput(self.lm_head(out.last_hidden_state), out.cache)
-
-    return QwenTextDecoder().eval()
+    return language_model_decoder(vlm)
 
 
 def vision_tower(vlm):

@@ -256,18 +256,9 @@ def _tiny_image_processor(vision):
 
 def text_decoder(vlm):
     """The model's language model as a plain causal LM (same weight tensors), what the decoder export traces."""
-    import torch
-    from transformers import AutoModelForCausalLM
+    from pipeshard.exporter.text_decoder import causal_lm_copy
 
-    config = vlm.config.text_config
-    config.tie_word_embeddings = bool(vlm.config.tie_word_embeddings)
-    decoder = AutoModelForCausalLM.from_config(config, dtype=vlm.dtype)
-    state = {f"model.{k}": v for k, v in vlm.model.language_model.state_dict().items()}
-    state["lm_head.weight"] = vlm.lm_head.weight
-    with torch.no_grad():
-        decoder.load_state_dict(state, strict=True)
-    decoder.tie_weights()
-    return decoder.eval()
+    return causal_lm_copy(vlm, vlm.model.language_model.state_dict())
 
 
 def vision_tower(vlm):

@@ -179,22 +179,12 @@ def image_processor_for(processor: dict):
 
 def text_decoder(vlm):
     """The VLM's language model as a plain causal LM (same weight tensors), what the decoder export traces."""
-    import torch
-    from transformers import AutoModelForCausalLM
+    from pipeshard.exporter.text_decoder import causal_lm_copy
 
-    config = vlm.config.text_config
-    config.tie_word_embeddings = bool(vlm.config.tie_word_embeddings)
-    decoder = AutoModelForCausalLM.from_config(config, dtype=vlm.dtype)
-    state = {
-        f"model.{k[len('model.text_model.') :]}": v
-        for k, v in vlm.state_dict().items()
-        if k.startswith("model.text_model.")
-    }
-    state["lm_head.weight"] = vlm.lm_head.weight
-    with torch.no_grad():
-        decoder.load_state_dict(state, strict=True)
-    decoder.tie_weights()
-    return decoder.eval()
+    prefix = "model.text_model."
+    return causal_lm_copy(
+        vlm, {k[len(prefix) :]: v for k, v in vlm.state_dict().items() if k.startswith(prefix)}
+    )
 
 
 def image_merge_module(image_token_id: int):
