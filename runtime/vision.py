@@ -151,6 +151,9 @@ class PackVision:
         self.streamed_bytes = 0
         self.dtype = NUMPY_DTYPES[pack.model.dtype]
         self._indices: dict[str, np.ndarray] = {}  # qwen2_vl: the window order, rotary ids and groups
+        self._sources: dict[
+            str, object
+        ] = {}  # a block's host bytes as the device uploads them (device.host_source)
 
     @property
     def on_device(self) -> bool:
@@ -285,41 +288,46 @@ class PackVision:
         else:
             keys = (self.shape.tile_size // self.shape.patch_size) ** 2
             reserved = naive_workspace(self.shape, len(pixel_values) * keys, keys)
-        weights = self.device.alloc(sum(resident_bytes(entry) for entry in self.entries), WEIGHTS)
+        weights = {
+            entry.name: self.device.alloc(resident_bytes(entry), WEIGHTS)
+            for entry in self.entries
+            if entry.blob
+        }
         self.device.reserve(reserved, WORKSPACE)
         try:
-            offset = 0
             for entry in self.entries:
                 if entry.blob:
-                    self._upload(entry, weights[offset:]).result()
-                offset += resident_bytes(entry)
+                    self._upload(entry, weights[entry.name]).result()
             return self._run_all(pixel_values, weights)
         finally:
             self.device.unreserve(reserved, WORKSPACE)
-            self.device.free(weights, WEIGHTS)
+            for buffer in weights.values():
+                self.device.free(buffer, WEIGHTS)
 
     def _upload(self, entry: SubLayer, slot):
-        blob = entry.blob
-        source = self.device.host_source(self.pack.path(blob.file), 0, blob.bytes)
-        self.streamed_bytes += blob.bytes
-        return self.device.upload(slot, source)
+        """Copy a block's weights into `slot` from the host bytes the device keeps for it (made once: on cuda
+        they are page-locked memory, which must not be allocated per image)."""
+        if entry.name not in self._sources:
+            blob = entry.blob
+            self._sources[entry.name] = self.device.host_source(self.pack.path(blob.file), 0, blob.bytes)
+        self.streamed_bytes += entry.blob.bytes
+        return self.device.upload(slot, self._sources[entry.name])
 
-    def _run_all(self, pixel_values: np.ndarray, resident) -> np.ndarray:
-        """Every block over these tiles: on the CPU, or on the device reading its part of the `resident` buffer of
-        every vision weight."""
+    def _run_all(self, pixel_values: np.ndarray, resident: dict | None) -> np.ndarray:
+        """Every block over these tiles: on the CPU, or on the device reading each block's `resident` buffer."""
         values: dict[str, object] = {PIXEL_VALUES: pixel_values, **self._indices}
-        offset = 0
         for entry in self.entries:
-            self._run_block(entry, values, resident is not None, resident, offset)
-            offset += resident_bytes(entry)
+            self._run_block(
+                entry, values, resident is not None, None if resident is None else resident.get(entry.name)
+            )
         return values[IMAGE_FEATURES].numpy()
 
-    def _run_block(self, entry: SubLayer, values: dict, on_device: bool, buffer=None, base: int = 0) -> None:
-        """One block over `values` (its outputs added to them), its weights at `base` in `buffer` on the device."""
+    def _run_block(self, entry: SubLayer, values: dict, on_device: bool, buffer=None) -> None:
+        """One block over `values` (its outputs added to them), its weights in `buffer` on the device."""
         session = self._session(entry, on_device)
         binding = session.binding()
         if on_device and entry.weights:
-            self._bind_weights(binding, entry, buffer, base)
+            self._bind_weights(binding, entry, buffer)
         for tensor in entry.inputs:
             value = values[tensor.name]
             if isinstance(value, np.ndarray):
@@ -332,13 +340,13 @@ class PackVision:
         for tensor, value in zip(entry.outputs, binding.outputs(), strict=True):
             values[tensor.name] = value
 
-    def _bind_weights(self, binding: capi.Binding, entry: SubLayer, buffer, base: int) -> None:
+    def _bind_weights(self, binding: capi.Binding, entry: SubLayer, buffer) -> None:
         memory = self.device.memory_info(self._rt)
         for weight in entry.weights:
             binding.bind_input_at(
                 weight.name,
                 memory,
-                self.device.address(buffer) + base + weight.offset,
+                self.device.address(buffer) + weight.offset,
                 numpy_dtype(weight.dtype),
                 weight.shape,
                 buffer,

@@ -125,6 +125,29 @@ def test_the_runtime_runs_a_mixed_placement_with_the_chains_features_and_tokens(
     assert engine.step.device.ledger.peak <= budget
 
 
+def test_encodes_read_each_blocks_host_bytes_once_and_the_naive_port_gives_the_chains_features(
+    vlm_pack, image
+):
+    """The host bytes a block is uploaded from are made once per block, not per image (on cuda they are page-locked
+    memory); the naive port (every weight resident) holds each block's weights in its own buffer."""
+    from pipeshard.runtime.vision import PackVision
+
+    chain = pipeshard.load(vlm_pack)
+    engine = pipeshard.load(vlm_pack, device="sim", vram="60%", profile="laptop-8gb")
+    prepared = prepare_images(engine.vision.config, [str(image)])
+    expected = encode_prepared(chain.vision, prepared)[0].features
+    naive = PackVision(engine.step.pack, engine.step.device, naive=True)
+    blocks = [e for e in naive.entries if e.blob]
+    host_source = engine.step.device.host_source
+    for vision in (engine.vision, naive):
+        made = []
+        engine.step.device.host_source = lambda *where, made=made: made.append(where) or host_source(*where)
+        for _ in range(2):
+            np.testing.assert_allclose(encode_prepared(vision, prepared)[0].features, expected, atol=1e-5)
+        assert 0 < len(made) == len(set(made)) <= len(blocks)
+    assert naive.streamed_bytes == 2 * sum(e.blob.bytes for e in blocks)
+
+
 def test_plan_prints_each_sizes_placement_and_encode_times(vlm_pack):
     done = subprocess.run(
         [
