@@ -80,11 +80,12 @@ std::vector<pipeshard::RgbImage> images_of(const pipeshard_image* images, size_t
     std::vector<pipeshard::RgbImage> copies(count);
     for (size_t i = 0; i < count; ++i) {
         const pipeshard_image& image = images[i];
-        if (!image.rgb) pipeshard::fail(PIPESHARD_ERR_ARGUMENT, "image " + std::to_string(i) + " has NULL pixels (rgb)");
+        std::string which = "image " + std::to_string(i);
+        if (!image.rgb) pipeshard::fail(PIPESHARD_ERR_ARGUMENT, which + " has NULL pixels (rgb)");
         if (image.width < 1 || image.height < 1 || image.width > kLargestEdge || image.height > kLargestEdge)
-            pipeshard::fail(PIPESHARD_ERR_ARGUMENT, "image " + std::to_string(i) + " is " + std::to_string(image.width) +
-                                                        "x" + std::to_string(image.height) + " pixels: width and "
-                                                        "height must be from 1 to " + std::to_string(kLargestEdge));
+            pipeshard::fail(PIPESHARD_ERR_ARGUMENT, which + " is " + std::to_string(image.width) + "x" +
+                                                        std::to_string(image.height) + " pixels: width and height "
+                                                        "must be from 1 to " + std::to_string(kLargestEdge));
         copies[i].width = image.width;
         copies[i].height = image.height;
         copies[i].pixels.assign(image.rgb, image.rgb + static_cast<size_t>(image.width) * image.height * 3);

@@ -193,11 +193,12 @@ int main(int argc, char** argv) {
     if (!images.empty() && !prompt_ids.empty()) return error("--image needs a text prompt, not --ids");
     std::vector<pipeshard_image> views;
     for (const Image& image : images) views.push_back({image.rgb.data(), image.width, image.height});
+    const char* prompt = positional.size() > 1 ? positional[1].c_str() : nullptr;
     pipeshard_status status =
-        !images.empty() ? pipeshard_generate_with_images(session.host, positional[1].c_str(), views.data(), views.size(),
-                                                         &sampling, on_token, &session)
+        !images.empty() ? pipeshard_generate_with_images(session.host, prompt, views.data(), views.size(), &sampling,
+                                                         on_token, &session)
         : prompt_ids.empty()
-            ? pipeshard_generate(session.host, positional[1].c_str(), &sampling, on_token, &session)
+            ? pipeshard_generate(session.host, prompt, &sampling, on_token, &session)
             : pipeshard_generate_ids(session.host, prompt_ids.data(), prompt_ids.size(), &sampling, on_token, &session);
     if (status != PIPESHARD_OK) {
         int code = error(pipeshard_last_error(session.host));

@@ -67,7 +67,8 @@ std::vector<std::string> strings(const Json& list) {
     return out;
 }
 
-SubLayer read_sub_layer(const Json& entry, const std::string& folder) {
+// `vision`: a vision block's record, which has neither a KV cache nor row chunks and leaves them out.
+SubLayer read_sub_layer(const Json& entry, const std::string& folder, bool vision = false) {
     SubLayer sub;
     sub.name = entry.at("name").str();
     sub.kind = entry.at("kind").str();
@@ -110,14 +111,13 @@ SubLayer read_sub_layer(const Json& entry, const std::string& folder) {
     }
     sub.inputs = tensor_specs(entry.at("inputs"));
     sub.outputs = tensor_specs(entry.at("outputs"));
-    // A vision block has neither a KV cache nor row chunks: its record leaves them out.
     const Json null_value;
-    const Json& kv = entry.has("kv") ? entry.at("kv") : null_value;
+    const Json& kv = vision ? null_value : entry.at("kv");
     if (!kv.is_null()) {
         sub.past = strings(kv.at("past"));
         sub.present = strings(kv.at("present"));
     }
-    const Json& chunks = entry.has("row_chunks") ? entry.at("row_chunks") : null_value;
+    const Json& chunks = vision ? null_value : entry.at("row_chunks");
     if (!chunks.is_null()) {
         sub.has_row_chunks = true;
         sub.row_chunks = {chunks.at("weight").str(), static_cast<int64_t>(count_of(chunks.at("rows"), where + "'s rows", 1)),
@@ -178,7 +178,7 @@ Manifest read_manifest(const std::string& folder) {
                 count_of(vision.at("image_token_id"), "vision.image_token_id", 0, manifest.vocab_size - 1));
             manifest.vision.preprocessing = vision.at("preprocessing");
             for (const Json& entry : vision.at("sub_layers").items)
-                manifest.vision.sub_layers.push_back(read_sub_layer(entry, folder));
+                manifest.vision.sub_layers.push_back(read_sub_layer(entry, folder, true));
             if (manifest.vision.sub_layers.empty()) throw JsonError("vision has no sub_layers");
         }
         std::set<std::string> blobs;

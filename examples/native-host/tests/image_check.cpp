@@ -72,13 +72,15 @@ int run(int argc, char** argv) {
         write(argv[3], inputs.pixels.data(), inputs.pixels.size() * sizeof(float));
         std::string texts = "[";
         for (size_t i = 0; i < images.size(); ++i) texts += (i ? ", " : "") + quoted(image_text(inputs, i, config));
-        std::printf("{\"tiles\": %lld, \"size\": %lld, \"rows\": %s, \"cols\": %s, \"image_tokens\": %s, \"texts\": %s]}\n",
-                    static_cast<long long>(inputs.tiles), static_cast<long long>(inputs.size), list(inputs.rows).c_str(),
-                    list(inputs.cols).c_str(), list(inputs.image_tokens).c_str(), texts.c_str());
+        std::printf("{\"tiles\": %lld, \"size\": %lld, \"rows\": %s, \"cols\": %s, \"image_tokens\": %s, "
+                    "\"texts\": %s]}\n",
+                    static_cast<long long>(inputs.tiles), static_cast<long long>(inputs.size),
+                    list(inputs.rows).c_str(), list(inputs.cols).c_str(), list(inputs.image_tokens).c_str(),
+                    texts.c_str());
         return 0;
     }
-    std::fprintf(stderr, "usage: image_check resize IN.rgb W H NEW_W NEW_H FILTER OUT.rgb | preprocess MANIFEST OUT.f32 "
-                         "IN.rgb W H...\n");
+    std::fprintf(stderr, "usage: image_check resize IN.rgb W H NEW_W NEW_H FILTER OUT.rgb | preprocess MANIFEST "
+                         "OUT.f32 IN.rgb W H...\n");
     return 2;
 }
 
