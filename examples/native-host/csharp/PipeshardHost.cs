@@ -54,6 +54,16 @@ namespace Pipeshard
         public string[] StopStrings;      // the answer ends before the first of these
     }
 
+    /// <summary>An image for a VLM pack's prompt (pipeshard_image): 8-bit RGB pixels, Height rows of Width pixels of 3
+    /// bytes (R, G, B), top row first, no padding (a texture read back as RGB24, rows flipped if it stores the bottom
+    /// row first).</summary>
+    public sealed class RgbImage
+    {
+        public readonly byte[] Rgb;
+        public readonly int Width, Height;
+        public RgbImage(byte[] rgb, int width, int height) { Rgb = rgb; Width = width; Height = height; }
+    }
+
     /// <summary>Unity's IL2CPP calls back into managed code only through static methods marked so.</summary>
     [AttributeUsage(AttributeTargets.Method)]
     public sealed class MonoPInvokeCallbackAttribute : Attribute
@@ -99,6 +109,14 @@ namespace Pipeshard
             public UIntPtr stop_string_count;
         }
 
+        [StructLayout(LayoutKind.Sequential)]
+        struct NativeImage
+        {
+            public IntPtr rgb;
+            public int width;
+            public int height;
+        }
+
         [UnmanagedFunctionPointer(CallingConvention.Cdecl)]
         internal delegate int TokenCallback(long tokenId, IntPtr textPiece, IntPtr userData);
         [UnmanagedFunctionPointer(CallingConvention.Cdecl)]
@@ -115,6 +133,10 @@ namespace Pipeshard
         static extern Status pipeshard_generate_ids(IntPtr host, long[] promptIds, UIntPtr promptLength,
                                                     ref NativeSampling sampling, TokenCallback callback,
                                                     IntPtr userData);
+        [DllImport(Library, CallingConvention = CallingConvention.Cdecl)]
+        static extern Status pipeshard_generate_with_images(IntPtr host, IntPtr prompt, NativeImage[] images,
+                                                            UIntPtr imageCount, ref NativeSampling sampling,
+                                                            TokenCallback callback, IntPtr userData);
         [DllImport(Library, CallingConvention = CallingConvention.Cdecl)]
         static extern Status pipeshard_submit(IntPtr host, IntPtr session, IntPtr prompt, ref NativeSampling sampling,
                                               TokenCallback onToken, DoneCallback onDone, IntPtr userData,
@@ -226,6 +248,43 @@ namespace Pipeshard
             finally
             {
                 pinned.Free();
+                foreach (IntPtr s in strings) Marshal.FreeHGlobal(s);
+            }
+            if (sink.Error != null) throw sink.Error;
+            return sink.Ids;
+        }
+
+        /// <summary>Generate from a prompt with images (a VLM pack): image i goes where the prompt's i-th "&lt;image&gt;"
+        /// is, or all before its text when it has none. Returns the generated ids, as Generate.</summary>
+        public List<long> GenerateWithImages(string prompt, RgbImage[] images, Sampling sampling = null,
+                                             Func<long, string, bool> onToken = null)
+        {
+            var strings = new List<IntPtr>();
+            var pins = new List<GCHandle>();
+            var sink = new Request { OnToken = onToken };
+            GCHandle pinned = GCHandle.Alloc(sink);
+            try
+            {
+                var native = new NativeImage[images.Length];
+                for (int i = 0; i < images.Length; i++)
+                {
+                    GCHandle pixels = GCHandle.Alloc(images[i].Rgb, GCHandleType.Pinned);
+                    pins.Add(pixels);
+                    native[i] = new NativeImage
+                    {
+                        rgb = images[i].Rgb == null ? IntPtr.Zero : pixels.AddrOfPinnedObject(),
+                        width = images[i].Width, height = images[i].Height
+                    };
+                }
+                NativeSampling nativeSampling = ToNative(sampling ?? new Sampling(), strings);
+                Check(pipeshard_generate_with_images(Handle, Utf8(prompt, strings), native,
+                                                     new UIntPtr((ulong)native.Length), ref nativeSampling, Callback,
+                                                     GCHandle.ToIntPtr(pinned)));
+            }
+            finally
+            {
+                pinned.Free();
+                foreach (GCHandle pin in pins) pin.Free();
                 foreach (IntPtr s in strings) Marshal.FreeHGlobal(s);
             }
             if (sink.Error != null) throw sink.Error;

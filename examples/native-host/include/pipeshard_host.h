@@ -86,6 +86,15 @@ typedef struct pipeshard_message {
     const char* content;
 } pipeshard_message;
 
+/* An image for a VLM pack's prompt: 8-bit RGB pixels, `height` rows of `width` pixels of 3 bytes (R, G, B), top row
+ * first, no padding between rows (what a texture read back as RGB8 gives). The host preprocesses it as the Python
+ * engine does (runtime/images.py: Pillow's resize, tiling, rescale, normalize). */
+typedef struct pipeshard_image {
+    const uint8_t* rgb;
+    int width;  /* 1 to 32768 */
+    int height; /* 1 to 32768 */
+} pipeshard_image;
+
 /* Called once per generated token with its id and the text it completes (UTF-8, maybe empty while a multi-byte
  * character is incomplete or the text could still begin a stop string; empty without an extensions library), on
  * the worker thread. Return nonzero to stop generating. With stop strings, a last call with token_id -1 hands on
@@ -114,6 +123,16 @@ PIPESHARD_API pipeshard_status pipeshard_generate_ids(pipeshard_host* host, cons
                                                       size_t prompt_length, const pipeshard_sampling* sampling,
                                                       pipeshard_token_callback callback, void* user_data);
 
+/* A one-shot prompt with images, for a VLM pack (SmolVLM / Idefics3, llava-style towers): image i goes where the
+ * prompt's i-th image placeholder is ("<image>"), or all before its text when it has none; the images are encoded
+ * on the CPU and their features take the image tokens' places as the prompt is fed. The pixels are read before this
+ * returns (pipeshard_submit_with_images: copied before it returns). image_count 0: as pipeshard_generate. A text
+ * pack, NULL pixels, a size out of range, or placeholders that do not match the images: PIPESHARD_ERR_ARGUMENT. */
+PIPESHARD_API pipeshard_status pipeshard_generate_with_images(pipeshard_host* host, const char* prompt,
+                                                              const pipeshard_image* images, size_t image_count,
+                                                              const pipeshard_sampling* sampling,
+                                                              pipeshard_token_callback callback, void* user_data);
+
 /* Queue a generation and return at once with its id; tokens go to `on_token` and the end to `on_done` (both may be
  * NULL), on the worker thread. `session` NULL: a one-shot prompt (the KV starts empty); else `prompt` is the user's
  * next turn in that conversation. Strings and the sampling struct are copied before this returns. */
@@ -121,6 +140,13 @@ PIPESHARD_API pipeshard_status pipeshard_submit(pipeshard_host* host, pipeshard_
                                                 const pipeshard_sampling* sampling, pipeshard_token_callback on_token,
                                                 pipeshard_done_callback on_done, void* user_data,
                                                 pipeshard_request_id* out_request);
+/* pipeshard_submit of a one-shot prompt with images (as pipeshard_generate_with_images); the pixels are copied. */
+PIPESHARD_API pipeshard_status pipeshard_submit_with_images(pipeshard_host* host, const char* prompt,
+                                                            const pipeshard_image* images, size_t image_count,
+                                                            const pipeshard_sampling* sampling,
+                                                            pipeshard_token_callback on_token,
+                                                            pipeshard_done_callback on_done, void* user_data,
+                                                            pipeshard_request_id* out_request);
 /* Stop a request from any thread: a running one stops before its next sub-layer run (or prompt chunk) and its
  * on_done gets PIPESHARD_ERR_CANCELLED; a queued one is reported so when the worker reaches it. An id that has
  * ended already is not an error. */

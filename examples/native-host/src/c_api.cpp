@@ -72,6 +72,27 @@ pipeshard_status generate_blocking(pipeshard_host* host,
     return finished(status, message);
 }
 
+// The caller's images copied and checked (any thread, before a request is queued).
+std::vector<pipeshard::RgbImage> images_of(const pipeshard_image* images, size_t count) {
+    constexpr int kLargestEdge = 32768;
+    if (!images && count)
+        pipeshard::fail(PIPESHARD_ERR_ARGUMENT, "images is NULL with an image_count of " + std::to_string(count));
+    std::vector<pipeshard::RgbImage> copies(count);
+    for (size_t i = 0; i < count; ++i) {
+        const pipeshard_image& image = images[i];
+        std::string which = "image " + std::to_string(i);
+        if (!image.rgb) pipeshard::fail(PIPESHARD_ERR_ARGUMENT, which + " has NULL pixels (rgb)");
+        if (image.width < 1 || image.height < 1 || image.width > kLargestEdge || image.height > kLargestEdge)
+            pipeshard::fail(PIPESHARD_ERR_ARGUMENT, which + " is " + std::to_string(image.width) + "x" +
+                                                        std::to_string(image.height) + " pixels: width and height "
+                                                        "must be from 1 to " + std::to_string(kLargestEdge));
+        copies[i].width = image.width;
+        copies[i].height = image.height;
+        copies[i].pixels.assign(image.rgb, image.rgb + static_cast<size_t>(image.width) * image.height * 3);
+    }
+    return copies;
+}
+
 void close_session(pipeshard_session* session) {
     pipeshard_host* host = session->host;
     host->runner->cancel_conversation(session->conversation.get());
@@ -165,6 +186,51 @@ pipeshard_status pipeshard_generate_ids(pipeshard_host* host, const int64_t* pro
     if (!prompt_ids && prompt_length) return null_argument("prompt_ids");
     std::vector<int64_t> ids(prompt_ids, prompt_ids + prompt_length);
     return generate_blocking(host, [&](const pipeshard::Sampling&) { return ids; }, sampling, callback, user_data);
+}
+
+pipeshard_status pipeshard_generate_with_images(pipeshard_host* host, const char* prompt,
+                                                const pipeshard_image* images, size_t image_count,
+                                                const pipeshard_sampling* sampling, pipeshard_token_callback callback,
+                                                void* user_data) {
+    if (!host) return null_argument("host");
+    if (!prompt) return null_argument("prompt");
+    std::vector<pipeshard::RgbImage> copies;
+    pipeshard::Sampling chosen;
+    pipeshard_status status = guarded(g_error, [&] {
+        copies = images_of(images, image_count);
+        chosen = sampling_of(sampling);
+    });
+    if (status != PIPESHARD_OK) return status;
+    std::string message, text = prompt;
+    pipeshard::Host& engine = host->runner->host();
+    status = host->runner->run(
+        [&] { engine.generate_with_images(text, copies, chosen, sink_of(callback, user_data)); }, &message);
+    return finished(status, message);
+}
+
+pipeshard_status pipeshard_submit_with_images(pipeshard_host* host, const char* prompt, const pipeshard_image* images,
+                                              size_t image_count, const pipeshard_sampling* sampling,
+                                              pipeshard_token_callback on_token, pipeshard_done_callback on_done,
+                                              void* user_data, pipeshard_request_id* out_request) {
+    if (!host) return null_argument("host");
+    if (!prompt) return null_argument("prompt");
+    return guarded(g_error, [&] {
+        auto task = std::make_unique<pipeshard::Task>();
+        auto answer = std::make_shared<pipeshard::Answer>();
+        auto copies = std::make_shared<std::vector<pipeshard::RgbImage>>(images_of(images, image_count));
+        pipeshard::Sampling chosen = sampling_of(sampling);
+        pipeshard::Host* engine = &host->runner->host();
+        pipeshard::TokenSink sink = sink_of(on_token, user_data);
+        std::string text = prompt;
+        task->body = [=] { *answer = engine->generate_with_images(text, *copies, chosen, sink); };
+        uint64_t* id = &task->id;
+        if (on_done)
+            task->finish = [=](pipeshard_status status, const std::string& message) {
+                on_done(*id, status, answer->text.c_str(), message.c_str(), user_data);
+            };
+        uint64_t request = host->runner->submit(std::move(task));
+        if (out_request) *out_request = request;
+    });
 }
 
 pipeshard_status pipeshard_submit(pipeshard_host* host, pipeshard_session* session, const char* prompt,

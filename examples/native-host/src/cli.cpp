@@ -3,10 +3,16 @@
 //                  [--context N] [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P]
 //                  [--repetition-penalty R] [--seed S] [--system TEXT] [--no-chat-template] [--ids 1,2,3]
 //                  [--budget-after N:SIZE] [--auto-reserve SIZE] [--stop TEXT]... [--print-ids] [--report]
+//                  [--image FILE.ppm]...
+// --image takes binary PPM files (P6, 8 bits a channel: `convert photo.jpg photo.ppm`, or Pillow's save as .ppm),
+// the host's raw RGB input with a small header; the CLI decodes no other format.
 // Bad input: one line starting with "error:" on stderr, exit status 2.
+#include <cctype>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
+#include <iterator>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -49,6 +55,49 @@ bool parse_number(const char* text, float least, float most, float* out) {
     return true;
 }
 
+struct Image {
+    int width = 0, height = 0;
+    std::vector<uint8_t> rgb;
+};
+
+// A binary PPM (P6, maxval 255): its pixels as the C ABI takes them; false with `why` otherwise.
+bool read_ppm(const std::string& path, Image* image, std::string* why) {
+    std::ifstream in(path, std::ios::binary);
+    if (!in) {
+        *why = path + ": cannot be opened";
+        return false;
+    }
+    auto field = [&in]() -> std::string {  // the next header field, past whitespace and # comments
+        std::string token;
+        for (int c = in.get(); c != EOF; c = in.get()) {
+            if (c == '#' && token.empty()) {
+                while (c != EOF && c != '\n') c = in.get();
+            } else if (std::isspace(c)) {
+                if (!token.empty()) return token;
+            } else {
+                token += static_cast<char>(c);
+            }
+        }
+        return token;
+    };
+    std::string magic = field(), width = field(), height = field(), maxval = field();
+    int w = 0, h = 0;
+    if (magic != "P6" || !parse_int(width.c_str(), 1, 32768, &w) || !parse_int(height.c_str(), 1, 32768, &h) ||
+        maxval != "255") {
+        *why = path + " is not a binary PPM of 8-bit RGB (P6, maxval 255): the CLI reads no other image format";
+        return false;
+    }
+    image->width = w;
+    image->height = h;
+    image->rgb.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+    if (image->rgb.size() < static_cast<size_t>(w) * h * 3) {
+        *why = path + " is truncated (" + std::to_string(w) + "x" + std::to_string(h) + " pixels announced)";
+        return false;
+    }
+    image->rgb.resize(static_cast<size_t>(w) * h * 3);
+    return true;
+}
+
 struct Session {
     pipeshard_host* host = nullptr;
     bool print_ids = false;
@@ -85,6 +134,7 @@ int main(int argc, char** argv) {
     bool report = false;
     Session session;
     std::vector<const char*> stops;
+    std::vector<Image> images;
     for (int i = 1; i < argc; ++i) {
         std::string arg = argv[i];
         auto value = [&]() -> const char* {
@@ -111,6 +161,11 @@ int main(int argc, char** argv) {
         else if (arg == "--seed") sampling.seed = std::strtoull(v, nullptr, 10);
         else if (arg == "--system") sampling.system_prompt = v;
         else if (arg == "--stop") stops.push_back(v);
+        else if (arg == "--image") {
+            std::string why;
+            images.emplace_back();
+            if (!read_ppm(v, &images.back(), &why)) return error("--image: " + why);
+        }
         else if (arg == "--auto-reserve") {
             if (!parse_size(v, &options.vram_reserve_bytes)) return error("--auto-reserve: not a size above 0 (1GiB): " + std::string(v));
             options.budget_mode = PIPESHARD_BUDGET_AUTO;
@@ -135,9 +190,16 @@ int main(int argc, char** argv) {
     sampling.stop_string_count = stops.size();
     if (pipeshard_open(positional[0].c_str(), &options, &session.host) != PIPESHARD_OK)
         return error(pipeshard_last_error(nullptr));
-    pipeshard_status status = prompt_ids.empty()
-        ? pipeshard_generate(session.host, positional[1].c_str(), &sampling, on_token, &session)
-        : pipeshard_generate_ids(session.host, prompt_ids.data(), prompt_ids.size(), &sampling, on_token, &session);
+    if (!images.empty() && !prompt_ids.empty()) return error("--image needs a text prompt, not --ids");
+    std::vector<pipeshard_image> views;
+    for (const Image& image : images) views.push_back({image.rgb.data(), image.width, image.height});
+    const char* prompt = positional.size() > 1 ? positional[1].c_str() : nullptr;
+    pipeshard_status status =
+        !images.empty() ? pipeshard_generate_with_images(session.host, prompt, views.data(), views.size(), &sampling,
+                                                         on_token, &session)
+        : prompt_ids.empty()
+            ? pipeshard_generate(session.host, prompt, &sampling, on_token, &session)
+            : pipeshard_generate_ids(session.host, prompt_ids.data(), prompt_ids.size(), &sampling, on_token, &session);
     if (status != PIPESHARD_OK) {
         int code = error(pipeshard_last_error(session.host));
         pipeshard_close(session.host);

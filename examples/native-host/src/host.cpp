@@ -42,6 +42,9 @@ namespace {
 constexpr uint64_t kJoinedBytes = 64ull << 20;  // weights per joined decode session, as the Python engine's chain
 constexpr int kMaxThreads = 1024;  // more intra-op threads than any client CPU has: a typing mistake
 constexpr int kAllCpuPrefillChunk = 64;  // prompt tokens per step without plans: cancel acts between steps
+// A VLM's tensors: the vision blocks' first input and last output, which the decoder's embed sub-layer reads.
+constexpr const char* kPixelValues = "pixel_values";
+constexpr const char* kImageFeatures = "image_features";
 
 const OrtApi* g_api = nullptr;
 
@@ -286,8 +289,10 @@ Host::Host(const std::string& pack_dir, const pipeshard_options& options) {
                                          std::to_string(manifest_.max_context) + " tokens");
     check(ort().CreateCpuMemoryInfo(OrtArenaAllocator, OrtMemTypeDefault, &cpu_memory_));
     check(ort().CreateRunOptions(&run_options_));
-    for (const SubLayer& sub : manifest_.sub_layers)
-        if (!sub.blob_file.empty()) blobs_[sub.blob_file] = std::make_unique<MappedFile>(pack_dir + "/" + sub.blob_file);
+    for (const auto* list : {&manifest_.sub_layers, &manifest_.vision.sub_layers})
+        for (const SubLayer& sub : *list)
+            if (!sub.blob_file.empty() && !blobs_.count(sub.blob_file))
+                blobs_[sub.blob_file] = std::make_unique<MappedFile>(pack_dir + "/" + sub.blob_file);
     allocate_kv();
     // An output layer planned as row chunks runs whole when every chunk is on the CPU: a unit for that.
     for (size_t u = 0; u < units_.size() && whole_output_unit_ == SIZE_MAX; ++u)
@@ -310,6 +315,7 @@ Host::Host(const std::string& pack_dir, const pipeshard_options& options) {
         if (on_cpu) session_for({u, "cpu", -1});
     }
     load_text(options.extensions_library);
+    load_vision();
 }
 
 Host::~Host() {
@@ -325,7 +331,7 @@ Host::~Host() {
     // 1.29 crashes at exit in any other order.
     for (auto& entry : bindings_) ort().ReleaseIoBinding(entry.second);
     std::vector<OrtSession*> sessions;
-    for (auto* table : {&cpu_sessions_, &host_input_sessions_, &device_sessions_})
+    for (auto* table : {&cpu_sessions_, &host_input_sessions_, &device_sessions_, &vision_sessions_})
         for (auto& entry : *table) sessions.push_back(entry.second);
     std::sort(sessions.begin(), sessions.end());
     sessions.erase(std::unique(sessions.begin(), sessions.end()), sessions.end());
@@ -385,7 +391,7 @@ void Host::load_env(int threads) {
     env_ = g_env;
 }
 
-OrtSession* Host::make_session(const std::string& file, bool on_device, const std::vector<size_t>& weights_of,
+OrtSession* Host::make_session(const std::string& file, bool on_device, const std::vector<const SubLayer*>& weights_of,
                                const std::string* model) {
     OrtSessionOptions* options = nullptr;
     check(ort().CreateSessionOptions(&options));
@@ -405,8 +411,8 @@ OrtSession* Host::make_session(const std::string& file, bool on_device, const st
         }
     }
     std::set<std::string> added;
-    for (size_t index : weights_of)
-        for (const WeightSpec& weight : manifest_.sub_layers[index].weights) {
+    for (const SubLayer* sub : weights_of)
+        for (const WeightSpec& weight : sub->weights) {
             if (!added.insert(weight.name).second) continue;
             OrtValue* value = tensor(cpu_memory_, const_cast<uint8_t*>(mapped(weight.file) + weight.offset),
                                      weight.bytes, weight.shape, weight.dtype);
@@ -435,7 +441,7 @@ OrtSession* Host::session_for(const Run& run) {
     const SubLayer& sub = manifest_.sub_layers[unit.sub_layer];
     if (run.placement == "cpu" && !unit.chunk) {
         auto& session = cpu_sessions_[unit.sub_layer];
-        if (!session) session = make_session(sub.onnx_file, false, {unit.sub_layer});
+        if (!session) session = make_session(sub.onnx_file, false, {&sub});
         return session;
     }
     bool on_device = run.placement != "cpu" && device_kind_ == "cuda";
@@ -515,6 +521,28 @@ void Host::load_text(const char* extensions_library) {
     }
     std::sort(eos_ids_.begin(), eos_ids_.end());
     eos_ids_.erase(std::unique(eos_ids_.begin(), eos_ids_.end()), eos_ids_.end());
+}
+
+void Host::load_vision() {
+    for (const SubLayer& sub : manifest_.sub_layers)
+        for (const TensorSpec& input : sub.inputs) {
+            if (input.name != kImageFeatures) continue;
+            const Json* width = input.shape.items.size() == 2 ? &input.shape.items[1] : nullptr;
+            if (!width || !width->is_number() || width->integer() < 1)
+                fail(PIPESHARD_ERR_PACK, sub.name + " reads image_features of no fixed width");
+            takes_features_ = true;
+            features_dtype_ = input.dtype;
+            features_width_ = width->integer();
+        }
+    if (!manifest_.has_vision) return;
+    if (!takes_features_)
+        fail(PIPESHARD_ERR_PACK, manifest_.folder + " has a vision tower but no sub-layer reads image_features");
+    try {
+        image_config_ = std::make_unique<ImageConfig>(ImageConfig::from(manifest_.vision.preprocessing));
+    } catch (const HostError& error) {
+        if (error.status != PIPESHARD_ERR_ARGUMENT) throw;
+        image_refusal_ = error.what();  // text prompts still run; images are refused with this line
+    }
 }
 
 void Host::allocate_kv() {
@@ -887,6 +915,7 @@ void Host::forward(const int64_t* ids, int64_t tokens, int64_t past) {
                                        "int64"));
     set_value("position_ids", tensor(cpu_memory_, position_ids_.data(), position_ids_.size() * 8, {1, tokens},
                                      "int64"));
+    set_image_features(ids, tokens);
     size_t logit_bytes = static_cast<size_t>(manifest_.vocab_size) * element_type(logits_dtype_).bytes;
     logits_bytes_.resize(logit_bytes);
     try {
@@ -1005,7 +1034,10 @@ Piece Host::make_piece(size_t first_run, size_t run_count) {
             spec.present.insert(spec.present.end(), sub.present.begin(), sub.present.end());
         }
     }
-    piece.session = make_session(spec.name, false, on_cpu ? members : std::vector<size_t>{}, &joined.model);
+    std::vector<const SubLayer*> weights_of;
+    if (on_cpu)
+        for (size_t index : members) weights_of.push_back(&manifest_.sub_layers[index]);
+    piece.session = make_session(spec.name, false, weights_of, &joined.model);
     return piece;
 }
 
@@ -1425,6 +1457,120 @@ Answer Host::generate(const std::vector<int64_t>& prompt, const Sampling& sampli
     answer.text = emitted;
     if (detokenizer_ && times.stop_reason != "stop") answer.text = detokenize(answer.tokens);
     return answer;
+}
+
+// ---- Images ----------------------------------------------------------------------------------------------------
+
+Answer Host::generate_with_images(const std::string& prompt, const std::vector<RgbImage>& images,
+                                  const Sampling& sampling, const TokenSink& sink) {
+    if (images.empty()) return generate(prompt_ids(prompt, sampling), sampling, sink);
+    if (!manifest_.has_vision) fail(PIPESHARD_ERR_ARGUMENT, manifest_.folder + " is a text model: it takes no images");
+    if (!image_config_) fail(PIPESHARD_ERR_ARGUMENT, image_refusal_);
+    const ImageConfig& config = *image_config_;
+    ImageInputs inputs = preprocess(images, config);
+    std::string text = expand_image_tokens(with_placeholders(prompt, images.size(), config), inputs, config);
+    std::vector<int64_t> ids = prompt_ids(text, sampling);
+    int64_t runs = std::accumulate(inputs.image_tokens.begin(), inputs.image_tokens.end(), int64_t{0});
+    int64_t tokenized = std::count(ids.begin(), ids.end(), manifest_.vision.image_token_id);
+    if (tokenized != runs)
+        fail(PIPESHARD_ERR_PACK, manifest_.folder + "/tokenizer.onnx made " + std::to_string(tokenized) + " image "
+                                 "tokens of the " + std::to_string(runs) + " the images' token runs hold");
+    if (static_cast<int64_t>(ids.size()) + sampling.max_new_tokens > capacity_)  // before the encode, not after
+        fail(PIPESHARD_ERR_CONTEXT, "the prompt with its image tokens (" + std::to_string(ids.size()) +
+                                        " tokens) and max_new_tokens (" + std::to_string(sampling.max_new_tokens) +
+                                        ") exceed the context of " + std::to_string(capacity_) + " tokens");
+    struct Forget {  // the features are this request's alone
+        Host& host;
+        ~Forget() {
+            host.features_.clear();
+            host.feature_rows_ = host.features_fed_ = 0;
+        }
+    } forget{*this};
+    encode(inputs);
+    return generate(ids, sampling, sink);
+}
+
+// The vision blocks in order over every tile at once, on the CPU (the Python engine's chain does the same): their
+// last output is the features, one row per image token.
+void Host::encode(const ImageInputs& inputs) {
+    const std::vector<SubLayer>& blocks = manifest_.vision.sub_layers;
+    if (input_dtype_of(blocks.front(), kPixelValues) != "float32")
+        fail(PIPESHARD_ERR_PACK, "the vision graph takes " + input_dtype_of(blocks.front(), kPixelValues) +
+                                     " pixels; this host feeds float32 (export the pack with fp32 weights)");
+    std::map<std::string, OrtValue*> values;
+    struct Release {
+        std::map<std::string, OrtValue*>& values;
+        ~Release() {
+            for (auto& entry : values) ort().ReleaseValue(entry.second);
+        }
+    } release{values};
+    values[kPixelValues] = tensor(cpu_memory_, const_cast<float*>(inputs.pixels.data()), inputs.pixels.size() * 4,
+                                  {inputs.tiles, 3, inputs.size, inputs.size}, "float32");
+    for (size_t index = 0; index < blocks.size(); ++index) {
+        if (cancel_requested()) fail(PIPESHARD_ERR_CANCELLED, "cancelled");
+        const SubLayer& block = blocks[index];
+        OrtSession*& session = vision_sessions_[index];
+        if (!session) session = make_session(block.onnx_file, false, {&block});
+        std::vector<const char*> input_names, output_names;
+        std::vector<OrtValue*> input_values;
+        for (const TensorSpec& input : block.inputs) {
+            auto found = values.find(input.name);
+            if (found == values.end())
+                fail(PIPESHARD_ERR_PACK, "vision block " + block.name + " reads " + input.name +
+                                             ", which no earlier block produced");
+            input_names.push_back(input.name.c_str());
+            input_values.push_back(found->second);
+        }
+        for (const TensorSpec& output : block.outputs) output_names.push_back(output.name.c_str());
+        std::vector<OrtValue*> outputs(output_names.size(), nullptr);
+        check(ort().Run(session, run_options_, input_names.data(), input_values.data(), input_values.size(),
+                        output_names.data(), output_names.size(), outputs.data()));
+        for (size_t i = 0; i < outputs.size(); ++i) {
+            OrtValue*& slot = values[block.outputs[i].name];
+            if (slot) ort().ReleaseValue(slot);
+            slot = outputs[i];
+        }
+    }
+    auto found = values.find(kImageFeatures);
+    if (found == values.end()) fail(PIPESHARD_ERR_PACK, "the last vision block gives no image_features");
+    OrtTensorTypeAndShapeInfo* info = nullptr;
+    check(ort().GetTensorTypeAndShape(found->second, &info));
+    size_t rank = 0;
+    ONNXTensorElementDataType type = ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
+    std::vector<int64_t> shape(2, 0);
+    OrtStatus* status = ort().GetDimensionsCount(info, &rank);
+    if (!status && rank == 2) status = ort().GetDimensions(info, shape.data(), 2);
+    if (!status) status = ort().GetTensorElementType(info, &type);
+    ort().ReleaseTensorTypeAndShapeInfo(info);
+    check(status);
+    int64_t rows = std::accumulate(inputs.image_tokens.begin(), inputs.image_tokens.end(), int64_t{0});
+    if (rank != 2 || shape[0] != rows || shape[1] != features_width_ || type != element_type(features_dtype_).type)
+        fail(PIPESHARD_ERR_PACK, "the vision blocks gave image_features of " + std::to_string(shape[0]) + " x " +
+                                     std::to_string(shape[1]) + " for " + std::to_string(rows) + " image tokens of " +
+                                     std::to_string(features_width_) + " " + features_dtype_ + " values each");
+    void* data = nullptr;
+    check(ort().GetTensorMutableData(found->second, &data));
+    size_t bytes = static_cast<size_t>(rows * features_width_) * element_type(features_dtype_).bytes;
+    features_.assign(static_cast<uint8_t*>(data), static_cast<uint8_t*>(data) + bytes);
+    feature_rows_ = static_cast<size_t>(rows);
+    features_fed_ = 0;
+    release_weight_pages();
+}
+
+// The step's rows of image features: as many as its image tokens, in the order the prompt's come (0 rows on steps
+// without them, decode steps included).
+void Host::set_image_features(const int64_t* ids, int64_t tokens) {
+    if (!takes_features_) return;
+    size_t image_tokens = 0;
+    if (manifest_.has_vision)
+        image_tokens = static_cast<size_t>(std::count(ids, ids + tokens, manifest_.vision.image_token_id));
+    size_t rows = std::min(image_tokens, feature_rows_ - features_fed_);
+    size_t row_bytes = static_cast<size_t>(features_width_) * element_type(features_dtype_).bytes;
+    static uint8_t none[16];  // a tensor of 0 rows still takes a pointer
+    uint8_t* data = rows ? features_.data() + features_fed_ * row_bytes : none;
+    set_value(kImageFeatures, tensor(cpu_memory_, data, rows * row_bytes, {static_cast<int64_t>(rows), features_width_},
+                                     features_dtype_));
+    features_fed_ += rows;
 }
 
 std::string Host::report() const {

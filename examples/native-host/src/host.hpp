@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "device.hpp"
+#include "images.hpp"
 #include "json.hpp"
 #include "onnxruntime_c_api.h"
 #include "pack.hpp"
@@ -110,6 +111,11 @@ public:
     // tokens fed are added to what it holds as each step ends.
     Answer generate(const std::vector<int64_t>& prompt, const Sampling& sampling, const TokenSink& sink,
                     Conversation* conversation = nullptr);
+    // A VLM pack's one-shot prompt with images (docs/native-host.md, "Images"): preprocessed as runtime/images.py
+    // does, their token runs expanded in the prompt (placeholders where it has them, else before its text), the
+    // vision blocks run on the CPU, and their features spliced into the image tokens' embeddings as the prompt is fed.
+    Answer generate_with_images(const std::string& prompt, const std::vector<RgbImage>& images,
+                                const Sampling& sampling, const TokenSink& sink);
     // A user's next turn in the conversation; it joins the history unless cancelled or failed.
     Answer say(Conversation& conversation, const std::string& user, const Sampling& sampling, const TokenSink& sink);
     std::string render_chat(const std::vector<Message>& messages) const;  // any thread
@@ -154,6 +160,18 @@ private:
     std::vector<int64_t> eos_ids_;
     Json chat_template_;
     bool has_chat_template_ = false;
+
+    // A VLM pack's vision: its preprocessing (null when the pack has none, or one this host does not take: then
+    // image_refusal_ says why), its blocks' CPU sessions, and the features of the running request's images, which
+    // the embed sub-layer reads as `image_features` (its rows in the order the prompt's image tokens come).
+    std::unique_ptr<ImageConfig> image_config_;
+    std::string image_refusal_;
+    std::map<size_t, OrtSession*> vision_sessions_;
+    bool takes_features_ = false;
+    std::string features_dtype_ = "float32";
+    int64_t features_width_ = 0;
+    std::vector<uint8_t> features_;
+    size_t feature_rows_ = 0, features_fed_ = 0;
 
     std::map<std::string, std::unique_ptr<MappedFile>> blobs_;
     std::map<size_t, KvCache> kv_;  // by attention sub-layer
@@ -200,14 +218,17 @@ private:
     GenerationTimes last_;
 
     void load_env(int threads);
-    OrtSession* make_session(const std::string& file, bool on_device, const std::vector<size_t>& weights_of = {},
-                             const std::string* model = nullptr);
+    OrtSession* make_session(const std::string& file, bool on_device,
+                             const std::vector<const SubLayer*>& weights_of = {}, const std::string* model = nullptr);
     const std::vector<Piece>& decode_pieces();
     void release_weight_pages();
     Piece make_piece(size_t first_run, size_t run_count);
     OrtSession* session_for(const Run& run);
     OrtIoBinding* binding_for(OrtSession* session);
     void load_text(const char* extensions_library);
+    void load_vision();
+    void encode(const ImageInputs& inputs);
+    void set_image_features(const int64_t* ids, int64_t tokens);
     void allocate_kv();
 
     const std::map<int, Plan>* tier_plans() const;

@@ -67,7 +67,8 @@ std::vector<std::string> strings(const Json& list) {
     return out;
 }
 
-SubLayer read_sub_layer(const Json& entry, const std::string& folder) {
+// `vision`: a vision block's record, which has neither a KV cache nor row chunks and leaves them out.
+SubLayer read_sub_layer(const Json& entry, const std::string& folder, bool vision = false) {
     SubLayer sub;
     sub.name = entry.at("name").str();
     sub.kind = entry.at("kind").str();
@@ -110,12 +111,13 @@ SubLayer read_sub_layer(const Json& entry, const std::string& folder) {
     }
     sub.inputs = tensor_specs(entry.at("inputs"));
     sub.outputs = tensor_specs(entry.at("outputs"));
-    const Json& kv = entry.at("kv");
+    const Json null_value;
+    const Json& kv = vision ? null_value : entry.at("kv");
     if (!kv.is_null()) {
         sub.past = strings(kv.at("past"));
         sub.present = strings(kv.at("present"));
     }
-    const Json& chunks = entry.at("row_chunks");
+    const Json& chunks = vision ? null_value : entry.at("row_chunks");
     if (!chunks.is_null()) {
         sub.has_row_chunks = true;
         sub.row_chunks = {chunks.at("weight").str(), static_cast<int64_t>(count_of(chunks.at("rows"), where + "'s rows", 1)),
@@ -168,12 +170,25 @@ Manifest read_manifest(const std::string& folder) {
         }
         for (const Json& entry : document.at("sub_layers").items)
             manifest.sub_layers.push_back(read_sub_layer(entry, folder));
+        if (document.has("vision") && !document.at("vision").is_null()) {
+            const Json& vision = document.at("vision");
+            manifest.has_vision = true;
+            manifest.vision.family = vision.at("family").str();
+            manifest.vision.image_token_id = static_cast<int64_t>(
+                count_of(vision.at("image_token_id"), "vision.image_token_id", 0, manifest.vocab_size - 1));
+            manifest.vision.preprocessing = vision.at("preprocessing");
+            for (const Json& entry : vision.at("sub_layers").items)
+                manifest.vision.sub_layers.push_back(read_sub_layer(entry, folder, true));
+            if (manifest.vision.sub_layers.empty()) throw JsonError("vision has no sub_layers");
+        }
         std::set<std::string> blobs;
-        for (const SubLayer& sub : manifest.sub_layers) blobs.insert(sub.blob_file);
-        for (const SubLayer& sub : manifest.sub_layers)
-            for (const WeightSpec& weight : sub.weights)
-                if (!blobs.count(weight.file))
-                    throw JsonError(weight.file + " holds weights of " + sub.name + " but is no sub-layer's blob");
+        for (const auto* list : {&manifest.sub_layers, &manifest.vision.sub_layers})
+            for (const SubLayer& sub : *list) blobs.insert(sub.blob_file);
+        for (const auto* list : {&manifest.sub_layers, &manifest.vision.sub_layers})
+            for (const SubLayer& sub : *list)
+                for (const WeightSpec& weight : sub.weights)
+                    if (!blobs.count(weight.file))
+                        throw JsonError(weight.file + " holds weights of " + sub.name + " but is no sub-layer's blob");
     } catch (const JsonError& error) {
         fail(PIPESHARD_ERR_PACK, path + ": " + error.what());
     }

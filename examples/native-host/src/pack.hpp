@@ -44,12 +44,23 @@ struct SubLayer {
     RowChunks row_chunks;
 };
 
+// A VLM pack's vision tower (manifest.vision, docs/vlm.md): its blocks in order, from pixel_values to
+// image_features, and the preprocessing its export recorded.
+struct Vision {
+    std::string family;
+    int64_t image_token_id = -1;
+    Json preprocessing;
+    std::vector<SubLayer> sub_layers;
+};
+
 struct Manifest {
     std::string folder;
     int64_t hidden_size = 0, vocab_size = 0, max_context = 0;
     std::string min_onnxruntime;      // manifest.host.min_onnxruntime, or empty
     std::string chat_template_file;   // manifest.host.chat_template, or empty
     std::vector<SubLayer> sub_layers;
+    bool has_vision = false;
+    Vision vision;
 };
 
 // A unit plans place: a sub-layer, or rows [row_start, row_stop) of the output layer (`final#j`).
