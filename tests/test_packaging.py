@@ -5,7 +5,6 @@ import sys
 import zipfile
 from pathlib import Path
 
-import pytest
 from test_capi import has_c_compiler
 
 REPO = Path(__file__).resolve().parents[1]
@@ -41,7 +40,6 @@ def _reuse_the_installed_extension(build: Path) -> dict[str, str]:
     return {**os.environ, "DIST_EXTRA_CONFIG": str(settings)}
 
 
-@pytest.mark.slow  # builds a wheel
 def test_wheel_contains_every_subpackage(tmp_path):
     (tmp_path / "wheel").mkdir()
     subprocess.run(
