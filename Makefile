@@ -106,7 +106,7 @@ host-if-possible:
 # once, under a lock (tests/conftest.py).
 TEST_WORKERS ?= 2
 test: $(STAMP) $(ORT_HEADER) $(ORT_KERNELS) host-if-possible
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
