@@ -41,11 +41,11 @@ def _python_worker(args: argparse.Namespace, prompt: list[int]) -> dict:
 
 
 def _native_worker(args: argparse.Namespace, prompt: list[int]) -> dict:
-    from pipeshard.peers import _TOKEN_CALLBACK, _HostOptions, _HostSampling, native_host_library
+    from pipeshard.peers import HOST_TOKEN_CALLBACK, HostOptions, HostSampling, native_host_library
 
     library = ctypes.CDLL(str(native_host_library()))
     library.pipeshard_last_error.restype = ctypes.c_char_p
-    options = _HostOptions()
+    options = HostOptions()
     library.pipeshard_default_options(ctypes.byref(options))
     options.threads = args.threads
     if args.plans:
@@ -58,7 +58,7 @@ def _native_worker(args: argparse.Namespace, prompt: list[int]) -> dict:
     ids = (ctypes.c_int64 * len(prompt))(*prompt)
 
     def generate(new_tokens: int) -> tuple[list[int], list[float]]:
-        sampling = _HostSampling()
+        sampling = HostSampling()
         library.pipeshard_default_sampling(ctypes.byref(sampling))
         sampling.max_new_tokens = new_tokens
         tokens, times = [], []
@@ -68,7 +68,7 @@ def _native_worker(args: argparse.Namespace, prompt: list[int]) -> dict:
             tokens.append(int(token))
             return 0
 
-        callback = _TOKEN_CALLBACK(on_token)
+        callback = HOST_TOKEN_CALLBACK(on_token)
         if (
             library.pipeshard_generate_ids(host, ids, len(prompt), ctypes.byref(sampling), callback, None)
             != 0

@@ -326,7 +326,9 @@ class LlamaCppRunner:
         return _timings(prompt, tokens, started, first, done)
 
 
-class _HostOptions(ctypes.Structure):
+class HostOptions(ctypes.Structure):
+    """The native host's `pipeshard_options` (examples/native-host/include/pipeshard_host.h, ABI 2)."""
+
     _fields_ = [
         ("abi_version", ctypes.c_int),
         ("plans_path", ctypes.c_char_p),
@@ -341,7 +343,9 @@ class _HostOptions(ctypes.Structure):
     ]
 
 
-class _HostSampling(ctypes.Structure):
+class HostSampling(ctypes.Structure):
+    """The native host's `pipeshard_sampling`."""
+
     _fields_ = [
         ("max_new_tokens", ctypes.c_int),
         ("temperature", ctypes.c_float),
@@ -356,7 +360,7 @@ class _HostSampling(ctypes.Structure):
     ]
 
 
-_TOKEN_CALLBACK = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int64, ctypes.c_char_p, ctypes.c_void_p)
+HOST_TOKEN_CALLBACK = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int64, ctypes.c_char_p, ctypes.c_void_p)
 
 
 class NativeHostRunner:
@@ -370,7 +374,7 @@ class NativeHostRunner:
         library_path = native_host_library()
         self.library = library = ctypes.CDLL(str(library_path))
         library.pipeshard_last_error.restype = ctypes.c_char_p
-        options = _HostOptions()
+        options = HostOptions()
         library.pipeshard_default_options(ctypes.byref(options))
         options.threads, options.context = threads, context  # no extensions library: token ids in and out
         self.host = ctypes.c_void_p()
@@ -393,7 +397,7 @@ class NativeHostRunner:
         return None  # it takes the bench's ids; its tokenizer needs the extensions library, not loaded here
 
     def run(self, prompt: list[int], new_tokens: int) -> dict:
-        sampling = _HostSampling()
+        sampling = HostSampling()
         self.library.pipeshard_default_sampling(ctypes.byref(sampling))
         sampling.max_new_tokens = new_tokens
         tokens, times = [], []
@@ -403,7 +407,7 @@ class NativeHostRunner:
             tokens.append(int(token_id))
             return 0
 
-        callback = _TOKEN_CALLBACK(on_token)
+        callback = HOST_TOKEN_CALLBACK(on_token)
         ids = (ctypes.c_int64 * len(prompt))(*prompt)
         started = time.perf_counter()
         self._check(

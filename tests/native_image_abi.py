@@ -14,7 +14,7 @@ import ctypes
 import json
 import sys
 
-TOKEN_CALLBACK = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int64, ctypes.c_char_p, ctypes.c_void_p)
+from pipeshard.peers import HOST_TOKEN_CALLBACK, HostOptions, HostSampling
 
 
 class Image(ctypes.Structure):
@@ -23,45 +23,11 @@ class Image(ctypes.Structure):
     _fields_ = [("rgb", ctypes.c_void_p), ("width", ctypes.c_int), ("height", ctypes.c_int)]
 
 
-class Options(ctypes.Structure):
-    """pipeshard_options (as pipeshard/peers.py mirrors it)."""
-
-    _fields_ = [
-        ("abi_version", ctypes.c_int),
-        ("plans_path", ctypes.c_char_p),
-        ("device", ctypes.c_char_p),
-        ("extensions_library", ctypes.c_char_p),
-        ("threads", ctypes.c_int),
-        ("context", ctypes.c_int),
-        ("vram_budget_bytes", ctypes.c_uint64),
-        ("budget_mode", ctypes.c_int),
-        ("vram_reserve_bytes", ctypes.c_uint64),
-        ("prefill_chunk_tokens", ctypes.c_int),
-    ]
-
-
-class Sampling(ctypes.Structure):
-    """pipeshard_sampling."""
-
-    _fields_ = [
-        ("max_new_tokens", ctypes.c_int),
-        ("temperature", ctypes.c_float),
-        ("top_k", ctypes.c_int),
-        ("top_p", ctypes.c_float),
-        ("repetition_penalty", ctypes.c_float),
-        ("seed", ctypes.c_uint64),
-        ("use_chat_template", ctypes.c_int),
-        ("system_prompt", ctypes.c_char_p),
-        ("stop_strings", ctypes.POINTER(ctypes.c_char_p)),
-        ("stop_string_count", ctypes.c_size_t),
-    ]
-
-
 def library_at(path: str) -> ctypes.CDLL:
     library = ctypes.CDLL(path)
     library.pipeshard_last_error.restype = ctypes.c_char_p
-    images, sampling = ctypes.POINTER(Image), ctypes.POINTER(Sampling)
-    common = [ctypes.c_void_p, ctypes.c_char_p, images, ctypes.c_size_t, sampling, TOKEN_CALLBACK]
+    images, sampling = ctypes.POINTER(Image), ctypes.POINTER(HostSampling)
+    common = [ctypes.c_void_p, ctypes.c_char_p, images, ctypes.c_size_t, sampling, HOST_TOKEN_CALLBACK]
     library.pipeshard_generate_with_images.argtypes = [*common, ctypes.c_void_p]
     library.pipeshard_submit_with_images.argtypes = [
         *common,
@@ -75,7 +41,7 @@ def library_at(path: str) -> ctypes.CDLL:
 
 
 def open_host(library: ctypes.CDLL, pack: str, extensions: str | None = None) -> ctypes.c_void_p:
-    options = Options()
+    options = HostOptions()
     library.pipeshard_default_options(ctypes.byref(options))
     options.threads = 2
     options.extensions_library = extensions.encode() if extensions else None
@@ -103,7 +69,7 @@ def bad_input(library: ctypes.CDLL, vlm_pack: str, text_pack: str) -> list[dict]
     results = []
     for host, prompt, images, count in cases:
         status = library.pipeshard_generate_with_images(
-            host, prompt.encode(), images, count, None, TOKEN_CALLBACK(), None
+            host, prompt.encode(), images, count, None, HOST_TOKEN_CALLBACK(), None
         )
         results.append({"status": status, "message": library.pipeshard_last_error(None).decode()})
     library.pipeshard_close(vlm)
@@ -126,11 +92,11 @@ def submit(
         data = file.read()
     pixels = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
     host = open_host(library, pack, extensions)
-    sampling = Sampling()
+    sampling = HostSampling()
     library.pipeshard_default_sampling(ctypes.byref(sampling))
     sampling.max_new_tokens = new_tokens
     tokens: list[int] = []
-    collect = TOKEN_CALLBACK(lambda token, piece, user: tokens.append(int(token)) or 0)
+    collect = HOST_TOKEN_CALLBACK(lambda token, piece, user: tokens.append(int(token)) or 0)
     request = ctypes.c_uint64()
     images = (Image * 1)(Image(ctypes.addressof(pixels), width, height))
     status = library.pipeshard_submit_with_images(

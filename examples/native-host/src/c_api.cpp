@@ -130,6 +130,23 @@ pipeshard_status budget_changed(pipeshard_host* host, const std::function<void(p
     return status;
 }
 
+// Queue a request on the host's worker: `body` makes its answer; `on_done`, when given, gets the answer's text.
+template <typename Body>
+void queue_request(pipeshard_host* host, pipeshard::Conversation* conversation, Body body,
+                   pipeshard_done_callback on_done, void* user_data, pipeshard_request_id* out_request) {
+    auto task = std::make_unique<pipeshard::Task>();
+    auto answer = std::make_shared<pipeshard::Answer>();
+    task->conversation = conversation;
+    task->body = [=] { *answer = body(); };
+    uint64_t* id = &task->id;
+    if (on_done)
+        task->finish = [=](pipeshard_status status, const std::string& message) {
+            on_done(*id, status, answer->text.c_str(), message.c_str(), user_data);
+        };
+    uint64_t request = host->runner->submit(std::move(task));
+    if (out_request) *out_request = request;
+}
+
 }  // namespace
 
 extern "C" {
@@ -215,21 +232,14 @@ pipeshard_status pipeshard_submit_with_images(pipeshard_host* host, const char* 
     if (!host) return null_argument("host");
     if (!prompt) return null_argument("prompt");
     return guarded(g_error, [&] {
-        auto task = std::make_unique<pipeshard::Task>();
-        auto answer = std::make_shared<pipeshard::Answer>();
         auto copies = std::make_shared<std::vector<pipeshard::RgbImage>>(images_of(images, image_count));
         pipeshard::Sampling chosen = sampling_of(sampling);
         pipeshard::Host* engine = &host->runner->host();
         pipeshard::TokenSink sink = sink_of(on_token, user_data);
         std::string text = prompt;
-        task->body = [=] { *answer = engine->generate_with_images(text, *copies, chosen, sink); };
-        uint64_t* id = &task->id;
-        if (on_done)
-            task->finish = [=](pipeshard_status status, const std::string& message) {
-                on_done(*id, status, answer->text.c_str(), message.c_str(), user_data);
-            };
-        uint64_t request = host->runner->submit(std::move(task));
-        if (out_request) *out_request = request;
+        queue_request(
+            host, nullptr, [=] { return engine->generate_with_images(text, *copies, chosen, sink); }, on_done,
+            user_data, out_request);
     });
 }
 
@@ -240,25 +250,18 @@ pipeshard_status pipeshard_submit(pipeshard_host* host, pipeshard_session* sessi
     if (!prompt) return null_argument("prompt");
     if (session && session->host != host) return finished(PIPESHARD_ERR_ARGUMENT, "the session belongs to another host");
     return guarded(g_error, [&] {
-        auto task = std::make_unique<pipeshard::Task>();
-        auto answer = std::make_shared<pipeshard::Answer>();
         pipeshard::Sampling chosen = sampling_of(sampling);
         pipeshard::Host* engine = &host->runner->host();
         pipeshard::Conversation* conversation = session ? session->conversation.get() : nullptr;
         pipeshard::TokenSink sink = sink_of(on_token, user_data);
         std::string text = prompt;
-        task->conversation = conversation;
-        task->body = [=] {
-            *answer = conversation ? engine->say(*conversation, text, chosen, sink)
-                                   : engine->generate(engine->prompt_ids(text, chosen), chosen, sink);
-        };
-        uint64_t* id = &task->id;
-        if (on_done)
-            task->finish = [=](pipeshard_status status, const std::string& message) {
-                on_done(*id, status, answer->text.c_str(), message.c_str(), user_data);
-            };
-        uint64_t request = host->runner->submit(std::move(task));
-        if (out_request) *out_request = request;
+        queue_request(
+            host, conversation,
+            [=] {
+                return conversation ? engine->say(*conversation, text, chosen, sink)
+                                    : engine->generate(engine->prompt_ids(text, chosen), chosen, sink);
+            },
+            on_done, user_data, out_request);
     });
 }
 
