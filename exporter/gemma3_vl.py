@@ -190,25 +190,15 @@ def text_decoder(vlm):
 
 
 def vision_tower(vlm):
-    """pixel values [images, 3, S, S] -> image features [images * mm_tokens_per_image, text hidden]; module paths
-    as Idefics3's tower (`vision_model.embeddings`, `vision_model.encoder.layers.N`, `vision_model.post_layernorm`,
-    `connector`)."""
-    import torch
+    """pixel values [images, 3, S, S] -> image features [images * mm_tokens_per_image, text hidden]: the SigLIP
+    tower and the pooling projector as a `tile_tower` (an image is one tile)."""
+    from pipeshard.exporter.vlm import tile_tower
 
-    class VisionTower(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.vision_model = vlm.model.vision_tower
-            self.connector = vlm.model.multi_modal_projector
-
-        def forward(self, pixel_values):
-            tower = self.vision_model
-            hidden = tower.embeddings(pixel_values)
-            hidden = tower.post_layernorm(tower.encoder(inputs_embeds=hidden).last_hidden_state)
-            features = self.connector(hidden)
-            return features.reshape(-1, features.shape[-1])
-
-    return VisionTower().eval()
+    return tile_tower(
+        vlm.model.vision_tower,
+        vlm.model.multi_modal_projector,
+        lambda tower, pixels: tower.embeddings(pixels),
+    )
 
 
 def vision_description(vlm) -> dict:

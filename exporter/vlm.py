@@ -205,34 +205,47 @@ def image_merge_module(image_token_id: int):
     return ImageMerge()
 
 
-def vision_tower(vlm):
-    """pixel values [tiles, 3, S, S] -> image features [tiles * tokens per tile, text hidden]."""
+def tile_tower(vision_model, connector, embed):
+    """A tower over whole tiles: pixel values [tiles, 3, S, S] -> image features [tiles * tokens per tile, text
+    hidden], `embed(vision_model, pixel_values)` then the encoder, the post-layernorm and the connector, at the
+    module paths the partitioner cuts (`vision_model.embeddings`, `vision_model.encoder.layers.N`,
+    `vision_model.post_layernorm`, `connector`)."""
     import torch
 
     class VisionTower(torch.nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.vision_model = vlm.model.vision_model
-            self.connector = vlm.model.connector
+            self.vision_model = vision_model
+            self.connector = connector
 
         def forward(self, pixel_values):
-            # Whole tiles only (the preprocessing makes no padded ones): every patch attends to every other, so
-            # the encoder runs without a mask, which would otherwise cross every block.
             tower = self.vision_model
-            patches = torch.ones(
-                (
-                    pixel_values.shape[0],
-                    pixel_values.shape[2] // tower.patch_size,
-                    pixel_values.shape[3] // tower.patch_size,
-                ),
-                dtype=torch.bool,
-            )
-            hidden = tower.embeddings(pixel_values=pixel_values, patch_attention_mask=patches)
+            hidden = embed(tower, pixel_values)
             hidden = tower.post_layernorm(tower.encoder(inputs_embeds=hidden).last_hidden_state)
             features = self.connector(hidden)
             return features.reshape(-1, features.shape[-1])
 
     return VisionTower().eval()
+
+
+def vision_tower(vlm):
+    """Idefics3's tower and connector as a `tile_tower`."""
+    import torch
+
+    def embed(tower, pixel_values):
+        # Whole tiles only (the preprocessing makes no padded ones): every patch attends to every other, so the
+        # encoder runs without a mask, which would otherwise cross every block.
+        patches = torch.ones(
+            (
+                pixel_values.shape[0],
+                pixel_values.shape[2] // tower.patch_size,
+                pixel_values.shape[3] // tower.patch_size,
+            ),
+            dtype=torch.bool,
+        )
+        return tower.embeddings(pixel_values=pixel_values, patch_attention_mask=patches)
+
+    return tile_tower(vlm.model.vision_model, vlm.model.connector, embed)
 
 
 def export_vision(vlm, onnx_path: Path, opset: int) -> float:
