@@ -815,6 +815,46 @@ def pack_sibling_projections(model: onnx.ModelProto) -> int:
     return packed
 
 
+_ELEMENTWISE_AFTER_HEAD = (
+    "Cast",
+    "Mul",
+    "Div",
+    "Tanh",
+)  # a softcap or a cast between the head and the logits
+
+
+def store_output_layer_by_rows(model: onnx.ModelProto) -> bool:
+    """An untied output layer `MatMul(x, W)` over W [hidden, vocab] is stored as its rows W^T [vocab, hidden]
+    and read through a Transpose, as a tied head already is: the partitioner turns both into
+    `Gemm(x, rows, transB=1)`, whose row ranges are ranges of the logits (row chunks a device can stream). The
+    values are the same; for a shape-only export the reference's dimensions swap. Returns whether it did."""
+    graph = _Graph(model)
+    node = graph.producer.get(model.graph.output[0].name)
+    while node is not None and node.op_type in _ELEMENTWISE_AFTER_HEAD:
+        node = graph.producer.get(node.input[0])
+    weight = graph.initializers.get(node.input[1]) if node is not None and node.op_type == "MatMul" else None
+    if weight is None or len(weight.dims) != 2 or len(graph.consumers.get(weight.name, [])) != 1:
+        return False
+    rows = [int(weight.dims[1]), int(weight.dims[0])]
+    if _is_reference(weight):
+        location = next(e.value for e in weight.external_data if e.key == "location")
+        stored = weight_reference(weight.name, weight.data_type, rows, location)
+    else:
+        stored = numpy_helper.from_array(np.ascontiguousarray(numpy_helper.to_array(weight).T), weight.name)
+    weight.CopyFrom(stored)
+    transposed = f"{weight.name}_by_columns"
+    transpose = _metadata_from(
+        helper.make_node("Transpose", [weight.name], [transposed], name=transposed, perm=[1, 0]), node
+    )
+    graph.nodes.insert(list(graph.nodes).index(node), transpose)
+    node.input[1] = transposed
+    infos = model.graph.value_info
+    for info in [i for i in infos if i.name == weight.name]:
+        infos.remove(info)
+    _declare(model, transposed, weight.data_type, rows[::-1])
+    return True
+
+
 def fuse_exported_model(
     onnx_path: Path,
     heads: int,
@@ -844,6 +884,7 @@ def fuse_exported_model(
     if attention_dtype == "fp16":
         attention_in_half(model)
     pack_sibling_projections(model)
+    store_output_layer_by_rows(model)
     if stored_dtype in HALF_TYPES:
         store_weights_in_half(model, stored_dtype)
     if stored_rows is not None:

@@ -28,6 +28,15 @@ def test_the_pack_marks_the_tied_output_layer_as_row_chunkable(tiny_pack):
     assert weight.type.tensor_type.shape.dim[0].dim_param == "rows"
 
 
+def test_an_untied_output_layer_is_stored_by_rows_and_row_chunkable_too(models):
+    """An untied head (`MatMul(x, W [hidden, vocab])` in the trace) is stored by rows at export
+    (exporter/fuse.py: store_output_layer_by_rows), so the partitioner marks it like a tied one."""
+    pack = models.pack("tiny:qwen3")
+    final = load_pack(pack).sub_layers[-1]
+    assert final.row_chunks is not None and (final.row_chunks.rows, final.row_chunks.row_bytes) == (259, 256)
+    assert not load_pack(pack).model.tie_word_embeddings
+
+
 def test_plans_split_the_output_layer_into_consecutive_row_ranges(tiny_pack):
     sub_layers = load_pack(tiny_pack).sub_layers
     units = planning_units(sub_layers, output_chunks=4)
@@ -43,15 +52,17 @@ def test_plans_split_the_output_layer_into_consecutive_row_ranges(tiny_pack):
 
 
 @pytest.mark.parametrize(
-    "chunk_placements",
+    ("model", "chunk_placements"),
     [
-        (Placement.PINNED, Placement.STREAMED, Placement.CPU, Placement.STREAMED),
-        (Placement.STREAMED, Placement.STREAMED, Placement.STREAMED, Placement.STREAMED),
-        (Placement.CPU, Placement.PINNED, Placement.PINNED, Placement.CPU),
+        ("tiny:llama", (Placement.PINNED, Placement.STREAMED, Placement.CPU, Placement.STREAMED)),
+        ("tiny:llama", (Placement.STREAMED, Placement.STREAMED, Placement.STREAMED, Placement.STREAMED)),
+        ("tiny:llama", (Placement.CPU, Placement.PINNED, Placement.PINNED, Placement.CPU)),
+        ("tiny:qwen3", (Placement.PINNED, Placement.STREAMED, Placement.CPU, Placement.STREAMED)),  # untied
     ],
 )
-def test_chunks_placed_anywhere_give_the_monolithic_tokens(tiny_pack, tiny_llama_export, chunk_placements):
-    reference = pipeshard.load(tiny_llama_export)
+def test_chunks_placed_anywhere_give_the_monolithic_tokens(models, model, chunk_placements):
+    tiny_pack = models.pack(model)
+    reference = pipeshard.load(models.export(model))
     reference.codec.eos_token_ids = []
     expected = [g.tokens for g in reference.generate(PROMPTS, max_new_tokens=12)]
     manifest = load_pack(tiny_pack).manifest

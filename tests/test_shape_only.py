@@ -21,8 +21,11 @@ def _comparable(manifest: Manifest) -> dict:
     def tensor(t: TensorInfo) -> TensorInfo:
         return replace(t, name=t.name if t.name in kept else "<numbered>")
 
+    def weight_name(name: str) -> str:
+        return name if name.startswith(("model.", "lm_head.")) else "<numbered>"
+
     def weight(w: Weight) -> Weight:
-        return replace(w, name=w.name if w.name.startswith(("model.", "lm_head.")) else "<numbered>")
+        return replace(w, name=weight_name(w.name))
 
     return {
         "model": manifest.model,
@@ -38,6 +41,7 @@ def _comparable(manifest: Manifest) -> dict:
                 weights=tuple(weight(w) for w in e.weights),
                 inputs=tuple(tensor(t) for t in e.inputs),
                 outputs=tuple(tensor(t) for t in e.outputs),
+                row_chunks=e.row_chunks and replace(e.row_chunks, weight=weight_name(e.row_chunks.weight)),
             )
             for e in manifest.sub_layers
         ],
