@@ -10,6 +10,8 @@ import functools
 import gc
 import hashlib
 import os
+import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -105,6 +107,46 @@ class Models:
             self.partition_seconds[key] = time.perf_counter() - started
             self._packs[key] = folder
         return self._packs[key]
+
+
+ALONE_FLAG = "PIPESHARD_TEST_ALONE_FLAG"  # a file the controller makes when a worker has finished
+_all_cpus: list[int] = []  # a worker's CPUs before it took its share; empty once it has them back
+
+
+def pytest_configure(config) -> None:
+    """Each of `make test`'s workers on its own share of the CPUs (ONNX Runtime and torch size their thread pools
+    by it): two workers each running two threads on two cores spend much of their time switching and spinning.
+    The last worker left takes every CPU back (`_every_cpu_once_alone`)."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if not hasattr(os, "sched_setaffinity"):
+        return
+    if worker is None:
+        if getattr(config.option, "numprocesses", None):
+            os.environ[ALONE_FLAG] = str(Path(tempfile.mkdtemp(prefix="pipeshard-tests-")) / "alone")
+        return
+    cpus = sorted(os.sched_getaffinity(0))
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if 1 < count <= len(cpus):
+        _all_cpus[:] = cpus
+        os.sched_setaffinity(0, cpus[int(worker.removeprefix("gw")) % count :: count])
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error) -> None:
+    flag = os.environ.get(ALONE_FLAG)
+    if flag:
+        Path(flag).touch()
+
+
+@pytest.fixture(autouse=True)
+def _every_cpu_once_alone() -> None:
+    """Give a worker every CPU back once another has finished (sessions and processes made after it use them)."""
+    flag = os.environ.get(ALONE_FLAG)
+    if _all_cpus and flag and os.path.exists(flag):
+        os.sched_setaffinity(0, _all_cpus)
+        if "torch" in sys.modules:
+            sys.modules["torch"].set_num_threads(len(_all_cpus))
+        _all_cpus.clear()
 
 
 def pytest_collection_modifyitems(config, items) -> None:
