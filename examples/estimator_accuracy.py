@@ -25,7 +25,7 @@ import pipeshard
 from pipeshard.partitioner.estimator import Estimator
 from pipeshard.partitioner.planner import Planner
 from pipeshard.profiles.db import load_profile
-from pipeshard.profiles.pack_timing import timed_step
+from pipeshard.profiles.pack_timing import prefill, time_stages
 
 
 def step_seconds(step, tier: int, context: int, repeat: int, rng) -> float:
@@ -49,8 +49,9 @@ def step_seconds(step, tier: int, context: int, repeat: int, rng) -> float:
 def sub_layer_lines(step, estimator: Estimator, tier: int, context: int, repeat: int, rng) -> list[str]:
     """The chain's sub-layers each timed apart, by kind, beside the estimator."""
     entries = {e.name: e for e in step.pack.sub_layers}
-    timed_step(step, context - tier, tier, rng)  # warm-up for this shape
-    runs = [timed_step(step, context - tier, tier, rng)[1] for _ in range(repeat)]
+    prefill(step, context - tier, rng)
+    time_stages(step, context - tier, tier, rng)  # warm-up for this shape
+    runs = [time_stages(step, context - tier, tier, rng)[1] for _ in range(repeat)]
     lines = []
     for kind in ("attn", "ffn", "final"):
         names = [n for n in entries if entries[n].kind == kind]

@@ -36,7 +36,9 @@ def matmul_model(k: int, n: int, dtype: str) -> onnx.ModelProto:
 def weight_matmul_model(k: int, n: int, dtype: str) -> onnx.ModelProto:
     """Y[M, N] = X[M, K] @ W[K, N] through pipeshard.WeightMatMul (runtime/_matmul.c), W a (random) fp16 or bf16
     initializer: the product a half-precision pack's CPU sub-layers run."""
-    values = np.random.default_rng(0).standard_normal((k, n), dtype=np.float32) * 0.02
+    # 64 random rows repeated: the op streams every byte all the same, and drawing a whole sweep-sized matrix
+    # took longer than timing it
+    values = np.resize(np.random.default_rng(0).standard_normal((64, n), dtype=np.float32) * 0.02, (k, n))
     if dtype == "fp16":
         weight = numpy_helper.from_array(values.astype(np.float16), "W")
     else:  # bf16: the high half of each float32

@@ -11,7 +11,7 @@ import logging
 import tempfile
 import threading
 from dataclasses import dataclass
-from functools import partial
+from functools import lru_cache, partial
 from pathlib import Path
 
 import numpy as np
@@ -57,6 +57,7 @@ class Sweep:
     # `--pack` times the pack at every thread count, or only at the largest (what a run uses by default; the
     # estimator keeps its roofline rates at the others)
     pack_every_thread_count: bool = True
+    pack_repeat: int = 3  # timed runs per point of `--pack` (their median)
 
     def pack_thread_counts(self, thread_counts: list[int]) -> list[int]:
         return thread_counts if self.pack_every_thread_count else [max(thread_counts)]
@@ -73,6 +74,7 @@ QUICK = Sweep(
     seconds_per_point=0.05,
     pack_pasts=(32, 512),
     pack_every_thread_count=False,
+    pack_repeat=2,
 )
 FULL = Sweep(
     tiers=(1, 4, 16, 64, 256, 1024),
@@ -229,25 +231,11 @@ def weight_read_gbps(threads: int, size_bytes: int, seconds: float) -> dict[str,
     from pipeshard.runtime import capi
 
     rt = capi.runtime(threads)
-    models = {}
-    if capi.custom_ops_available():
-        side = int(np.sqrt(size_bytes / 2))
-        models = {
-            dtype: (weight_matmul_model(side, side, dtype), side, side * side * 2)
-            for dtype in ("fp16", "bf16")
-        }
-    side = int(np.sqrt(size_bytes * 2)) // 32 * 32
-    blocks = side // 32
-    models["q4"] = (
-        quantized_matmul_model(
-            side, side, op="BlockMatMul" if capi.custom_ops_available() else "MatMulNBits"
-        ),
-        side,
-        side * (blocks * 16 + blocks * 4 + (blocks + 1) // 2),
-    )
     found = {}
-    for dtype, (model, width, stored_bytes) in models.items():
-        session = rt.session(model.SerializeToString(), threads=threads)
+    for dtype, (model, width, stored_bytes) in _weight_read_models(
+        size_bytes, capi.custom_ops_available()
+    ).items():
+        session = rt.session(model, threads=threads)
         x, y = np.ones((1, width), np.float32), np.empty((1, width), np.float32)
         binding = session.binding()
         binding.bind_input("X", x)
@@ -255,6 +243,29 @@ def weight_read_gbps(threads: int, size_bytes: int, seconds: float) -> dict[str,
         run = partial(capi.run, session, binding, rt.run_options())
         found[dtype] = stored_bytes / median_seconds(run, seconds) / 1e9
     return found
+
+
+@lru_cache(maxsize=1)
+def _weight_read_models(size_bytes: int, custom_ops: bool) -> dict[str, tuple[bytes, int, int]]:
+    """dtype -> (serialized model, K = N, stored weight bytes) of weight_read_gbps' products, made once for every
+    thread count."""
+    models = {}
+    if custom_ops:
+        side = int(np.sqrt(size_bytes / 2))
+        models = {
+            dtype: (weight_matmul_model(side, side, dtype).SerializeToString(), side, side * side * 2)
+            for dtype in ("fp16", "bf16")
+        }
+    side = int(np.sqrt(size_bytes * 2)) // 32 * 32
+    blocks = side // 32
+    models["q4"] = (
+        quantized_matmul_model(
+            side, side, op="BlockMatMul" if custom_ops else "MatMulNBits"
+        ).SerializeToString(),
+        side,
+        side * (blocks * 16 + blocks * 4 + (blocks + 1) // 2),
+    )
+    return models
 
 
 def hop_microseconds(ort, threads: int, width: int = 4096) -> float:
@@ -374,7 +385,7 @@ def measure_machine(
                     t,
                     PACK_TIERS,
                     sweep.pack_pasts,
-                    repeat=3,
+                    repeat=sweep.pack_repeat,
                     progress=progress,
                     device="cuda" if use_cuda else "sim",
                 )

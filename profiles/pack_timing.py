@@ -27,35 +27,40 @@ def _ids(step, count: int, rng) -> np.ndarray:
     return rng.integers(0, min(step.vocab_size, 20000), size=(1, count)).astype(np.int64)
 
 
-def _prefill(step, ids: np.ndarray, past: int) -> None:
+def prefill(step, past: int, rng) -> None:
+    """New sequences with `past` tokens cached: what the steps timed after it attend to. A step of T tokens
+    after it writes the cache's rows past..past+T, which the next step at the same past writes again, so one
+    prefill serves every step timed at that past."""
     step.start(1)
     if past:
-        step.forward(ids[:, :past], np.ones((1, past), np.int64), np.arange(past)[None])
+        ids = _ids(step, past, rng)
+        step.forward(ids, np.ones((1, past), np.int64), np.arange(past)[None])
 
 
-def timed_step(step, past: int, tokens: int, rng) -> tuple[float, dict[str, float]]:
-    """Prefill `past` tokens (untimed), then time one step of `tokens` tokens, per stage (seconds)."""
-    ids = _ids(step, past + tokens, rng)
-    _prefill(step, ids, past)
+def _step_after(step, past: int, tokens: int, rng) -> None:
+    step.forward(
+        _ids(step, tokens, rng), np.ones((1, past + tokens), np.int64), np.arange(past, past + tokens)[None]
+    )
+
+
+def time_stages(step, past: int, tokens: int, rng) -> tuple[float, dict[str, float]]:
+    """Seconds of one step of `tokens` tokens after `past` cached ones (prefill() first), and per stage."""
     stage_seconds: dict[str, float] = {}
     step.stage_timer = stage_seconds.__setitem__
     try:
         begin = time.perf_counter()
-        step.forward(
-            ids[:, past:], np.ones((1, past + tokens), np.int64), np.arange(past, past + tokens)[None]
-        )
+        _step_after(step, past, tokens, rng)
         total = time.perf_counter() - begin
     finally:
         step.stage_timer = None
     return total, stage_seconds
 
 
-def whole_step(step, past: int, tokens: int, rng) -> float:
-    """Seconds of one step of `tokens` tokens after a prefill of `past`, run as the runtime runs it."""
-    ids = _ids(step, past + tokens, rng)
-    _prefill(step, ids, past)
+def time_whole(step, past: int, tokens: int, rng) -> float:
+    """Seconds of one step of `tokens` tokens after `past` cached ones (prefill() first), run as the runtime
+    runs it."""
     begin = time.perf_counter()
-    step.forward(ids[:, past:], np.ones((1, past + tokens), np.int64), np.arange(past, past + tokens)[None])
+    _step_after(step, past, tokens, rng)
     return time.perf_counter() - begin
 
 
@@ -67,14 +72,16 @@ def _time_step_kinds(step, placement: str, tiers, pasts, repeat: int, progress) 
     rng = np.random.default_rng(0)
     rows = []
     for past in pasts:
+        prefill(step, past, rng)
         for tokens in tiers:
-            timed_step(step, past, tokens, rng)  # warm-up for this shape
-            whole_step(step, past, tokens, rng)
+            time_stages(step, past, tokens, rng)  # warm-up for this shape
+            if tokens == 1:  # one-token steps run joined sessions, not the timed ones: warmed apart
+                time_whole(step, past, tokens, rng)
             per_kind: dict[str, list[float]] = {kind: [] for kind in TIMED_KINDS}
             ratios = []
             for _ in range(repeat):
-                _, stages = timed_step(step, past, tokens, rng)
-                ratios.append(whole_step(step, past, tokens, rng) / sum(stages.values()))
+                _, stages = time_stages(step, past, tokens, rng)
+                ratios.append(time_whole(step, past, tokens, rng) / sum(stages.values()))
                 by_layer: dict[str, float] = {}
                 for name, seconds in stages.items():
                     by_layer[layer_of.get(name, name)] = by_layer.get(layer_of.get(name, name), 0.0) + seconds
@@ -129,11 +136,12 @@ def _copy_rate_while_streaming(step, tiers, past: int, repeat: int) -> list[dict
     the staging slots achieves while its sub-layers compute (what copies cost beside compute on this device)."""
     rng = np.random.default_rng(0)
     rows = []
+    prefill(step, past, rng)
     for tokens in tiers:
-        whole_step(step, past, tokens, rng)  # warm-up
+        time_whole(step, past, tokens, rng)  # warm-up
         copied, seconds = step.device.copied_bytes, step.device.copy_seconds
         for _ in range(repeat):
-            whole_step(step, past, tokens, rng)
+            time_whole(step, past, tokens, rng)
         moved, spent = step.device.copied_bytes - copied, step.device.copy_seconds - seconds
         if moved and spent > 0:
             row = {"placement": "streamed", "kind": "copy", "T": tokens, "C": past + tokens}
