@@ -23,14 +23,12 @@ def _without_none(document: dict) -> dict:
     return {name: value for name, value in document.items() if value is not None}
 
 
-def _thread_counts(fields: Fields) -> dict[int, Fields]:
-    """An object keyed by intra-op thread counts ("1", "2", ...), each value as Fields of its own."""
-    counts = {}
-    for key in list(fields.document):
+def _thread_counts(fields: Fields) -> dict[int, str]:
+    """The keys of an object keyed by intra-op thread counts ("1", "2", ...), by count."""
+    for key in fields.document:
         if not key.isdigit() or int(key) < 1:
             fields.fail("must be keyed by thread counts", key)
-        counts[int(key)] = fields.object(key)
-    return counts
+    return {int(key): key for key in fields.document}
 
 
 @dataclass(frozen=True)
@@ -199,7 +197,10 @@ class CpuProfile:
             threads.fail("is empty")
         cpu = cls(
             physical_cores,
-            {count: CpuRates.from_json(rates) for count, rates in _thread_counts(threads).items()},
+            {
+                count: CpuRates.from_json(threads.object(key))
+                for count, key in _thread_counts(threads).items()
+            },
         )
         fields.done()
         return cpu
@@ -352,7 +353,10 @@ class Contention:
     def from_json(cls, fields: Fields) -> Contention:
         factors = fields.object("cpu_matmul_slowdown_under_copy", {})
         contention = cls(
-            {count: MatmulSlowdown.from_json(by_tier) for count, by_tier in _thread_counts(factors).items()},
+            {
+                count: MatmulSlowdown.from_json(factors.object(key))
+                for count, key in _thread_counts(factors).items()
+            },
             fields.float("copy_slowdown_under_cpu_matmul", 1.0),
         )
         fields.done()
@@ -431,8 +435,8 @@ class PackTimings:
             fields.str("model_sha256"),
             fields.int_list("pasts", minimum=0),
             {
-                count: tuple(PackTimingRow.from_json(row) for row in threads.objects(str(count)))
-                for count in _thread_counts(threads)
+                count: tuple(PackTimingRow.from_json(row) for row in threads.objects(key))
+                for count, key in _thread_counts(threads).items()
             },
         )
         threads.done()
