@@ -137,7 +137,8 @@ def _edited(document: dict, path: list, value) -> dict:
 @pytest.mark.parametrize(
     "path, value, named",
     [
-        (["cpu", "threads", "1", "hop_us", None], "hop_uss", "cpu.threads.1.hop_uss is not a known field"),
+        (["cpu", "threads", "1", "hop_uss"], 5.0, "cpu.threads.1.hop_uss is not a known field"),
+        (["cpu", "threads", "1", "op_us", None], "op_uss", "cpu.threads.1.op_uss is not a known field"),
         (["cpu", "threads", "1", "hop_us"], "fast", "cpu.threads.1.hop_us must be a finite number"),
         (["device", "launch_us", None], "launch_usec", "device.launch_usec is not a known field"),
         (["link", "h2d", 0, "pinned"], "yes", "link.h2d[0].pinned must be true or false"),
