@@ -190,7 +190,8 @@ def test_quick_profile_finishes_within_two_minutes(tmp_path, capsys):
     started = time.perf_counter()
     assert main(["profile", "--quick", "--out", str(tmp_path / "quick.json"), "--no-cuda"]) == 0
     assert time.perf_counter() - started < 120
-    load_profile(tmp_path / "quick.json")
+    path = tmp_path / "quick.json"
+    assert load_profile(path).to_json() == json.loads(path.read_text())
 
 
 def test_profile_with_a_pack_times_its_own_sub_layers_and_the_estimator_uses_them(tiny_pack, tmp_path):
