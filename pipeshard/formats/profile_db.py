@@ -291,17 +291,16 @@ class LinkRates:
             directions[direction] = tuple(CopyRow.from_json(row) for row in fields.objects(direction))
             if not directions[direction]:
                 fields.fail("must list {bytes, gbps} rows", direction)
-        loaded = fields.object("under_cpu_load", None)
+        loaded_rows = None
+        if loaded := fields.object("under_cpu_load", None):
+            loaded_rows = tuple(CopyRow.from_json(row) for row in loaded.objects("h2d"))
+            loaded.done()
         link = cls(
             kind=fields.str("kind"),
             name=fields.str("name", None),
-            h2d_under_cpu_load=tuple(CopyRow.from_json(row) for row in loaded.objects("h2d"))
-            if loaded
-            else None,
+            h2d_under_cpu_load=loaded_rows,
             **directions,
         )
-        if loaded:
-            loaded.done()
         fields.done()
         return link
 
