@@ -33,7 +33,7 @@ def main() -> int:
     from pipeshard.profiles.db import load_profile
 
     profile = load_profile(PROFILE)
-    gpu_read_gbps = profile["device"]["memory_read_gbps"]
+    gpu_read_gbps = profile.device.memory_read_gbps
     packs = Path(__file__).resolve().parents[1] / "build" / "paper"
     with open(DATA / "baseline_5090.csv", newline="", encoding="utf-8-sig") as handle:
         runs = [

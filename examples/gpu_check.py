@@ -212,8 +212,12 @@ def profile(device: str, out: Path) -> dict:
 
     document = measure_machine(QUICK, use_cuda=device == "cuda")
     path = out / "profile.json"
-    save_profile(document, path)
-    return {"path": str(path), "device": document["device"], "link_h2d": document["link"]["h2d"]}
+    measured = save_profile(document, path)
+    return {
+        "path": str(path),
+        "device": measured.device.to_json(),
+        "link_h2d": [r.to_json() for r in measured.link.h2d],
+    }
 
 
 def bench(

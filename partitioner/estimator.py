@@ -4,7 +4,7 @@ A sub-layer's time is the sum, over its matrix products, of
     max(2·T·K·N / achieved FLOP/s(T, K, N),  K·N·element / achieved read bandwidth)
 (element: the bytes of the weight's stored dtype, whose read bandwidth the profile measures per dtype),
 plus its attention, max(4·heads·head_dim·T·C / achieved attention FLOP/s(T, C), KV bytes / bandwidth) (the
-attention rate, measured with one KV head per query head, scaled for grouped-query attention: AttentionTable),
+attention rate, measured at one ratio of query to KV heads, scaled to the model's: AttentionTable),
 plus one hop and a measured per-node cost for each of its graph nodes. The KV bytes are the
 manifest's cost-model traffic per context token. Where the profile timed this very pack (profile --pack) at a
 placement, its times are used instead (docs/profile-db.md). Achieved rates come from the profile's tables: the
@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from pipeshard.core.errors import UserError
 from pipeshard.formats.manifest import ModelFacts, SubLayer
+from pipeshard.formats.profile_db import AttentionRow, MatmulRow, PackTimings, ProfileDb
 
 # q4: a GGUF's quantized product as 4-bit planes (exporter/quantized_weights.py); its bytes are counted as stored
 ELEMENT_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "q4": 0.5}
@@ -52,12 +53,12 @@ def _interpolate_log(points: list[tuple[float, float]], x: float) -> float:
 class RateTable:
     """Achieved GFLOP/s of MatMul by (M, K, N) from a profile's rows."""
 
-    def __init__(self, rows: list[dict]) -> None:
+    def __init__(self, rows: tuple[MatmulRow, ...]) -> None:
         if not rows:
             raise UserError("the profile has no MatMul rates for this device and dtype")
         self.by_shape: dict[tuple[int, int], list[tuple[float, float]]] = {}
         for row in rows:
-            self.by_shape.setdefault((row["K"], row["N"]), []).append((float(row["M"]), float(row["gflops"])))
+            self.by_shape.setdefault((row.K, row.N), []).append((float(row.M), float(row.gflops)))
         for points in self.by_shape.values():
             points.sort()
         self._nearest: dict[tuple[int, int], tuple[int, int]] = {}
@@ -88,28 +89,32 @@ class RateTable:
 
 
 class AttentionTable:
-    """Achieved attention GFLOP/s by (T, C), measured with as many KV heads as query heads (the profile's kernel)."""
+    """Achieved attention GFLOP/s by (T, C), measured with `heads` query heads sharing `kv_heads` KV heads (the
+    profile's kernel: the pack's ratio when it profiled a pack, else one KV head per query head)."""
 
-    def __init__(self, rows: list[dict]) -> None:
+    def __init__(self, rows: tuple[AttentionRow, ...]) -> None:
         self.by_context: dict[int, list[tuple[float, float]]] = {}
         for row in rows:
-            self.by_context.setdefault(row["C"], []).append((float(row["T"]), float(row["gflops"])))
+            self.by_context.setdefault(row.C, []).append((float(row.T), float(row.gflops)))
         for points in self.by_context.values():
             points.sort()
-        self.peak_gflops = max((float(row["gflops"]) for row in rows), default=0.0)
+        self.peak_gflops = max((float(row.gflops) for row in rows), default=0.0)
+        self.queries_per_kv_head = rows[0].queries_per_kv_head if rows else 1.0  # one ratio per table
 
     def gflops(self, tokens: int, context: int, queries_per_kv_head: float = 1.0) -> float:
-        """The rate at (T, C) for a model whose query heads share KV heads (grouped-query attention): the same
-        FLOPs read `queries_per_kv_head` times fewer KV bytes, so where the measured rate is bound by reading the
-        KV it is that many times higher, up to the best rate the table measured."""
+        """The rate at (T, C) for a model whose query heads share KV heads `queries_per_kv_head` to one: the same
+        FLOPs read `factor` = that ratio over the measured one times fewer KV bytes, so where the measured rate is
+        bound by reading the KV it is that many times higher, up to the best rate the table measured (factor >= 1),
+        or that many times lower (a model sharing its KV heads less than the kernel measured)."""
         contexts = sorted(self.by_context)
         per_context = [(float(c), _interpolate_log(self.by_context[c], tokens)) for c in contexts]
         rate = _interpolate_log(per_context, context)
-        return max(rate, min(rate * queries_per_kv_head, self.peak_gflops))
+        factor = queries_per_kv_head / self.queries_per_kv_head
+        return max(rate, min(rate * factor, self.peak_gflops)) if factor >= 1.0 else rate * factor
 
 
 @dataclass
-class DeviceRates:
+class ComputeRates:
     """Everything the estimator needs about one compute device."""
 
     matmul: RateTable
@@ -127,7 +132,7 @@ class Estimator:
 
     def __init__(
         self,
-        profile: dict,
+        profile: ProfileDb,
         model: ModelFacts,
         threads: int | None = None,
         model_sha256: str | None = None,
@@ -141,75 +146,62 @@ class Estimator:
             weight_bits / 8 / ELEMENT_BYTES.get(self.dtype, ELEMENT_BYTES["q4"]) if weight_bits else 1.0
         )  # of stored bytes
         self.model = model
-        cpu_threads = profile["cpu"]["threads"]
-        available = sorted(int(t) for t in cpu_threads)
-        self.threads = threads if threads and str(threads) in cpu_threads else available[-1]
-        if threads and str(threads) not in cpu_threads:
-            nearest = min(available, key=lambda t: abs(t - threads))
-            self.threads = nearest
-        cpu = cpu_threads[str(self.threads)]
-        self.cpu = DeviceRates(
-            matmul=RateTable(cpu["matmul"][self._table_dtype(cpu["matmul"])]),
-            matmul_loaded=RateTable(cpu["under_copy_load"]["matmul"][self._table_dtype(cpu["matmul"])]),
-            attention=AttentionTable(cpu["attention"]),
-            read_gbps=cpu["memory_read_gbps"],
-            read_gbps_loaded=cpu["under_copy_load"]["memory_read_gbps"],
-            hop_s=cpu["hop_us"] * 1e-6,
-            op_s=cpu.get("op_us", 0.0) * 1e-6,
-            weight_read_gbps=cpu.get("weight_read_gbps"),
+        available = profile.thread_counts
+        self.threads = threads if threads in profile.cpu.threads else available[-1]
+        if threads and threads not in profile.cpu.threads:
+            self.threads = min(available, key=lambda t: abs(t - threads))
+        cpu = profile.cpu.threads[self.threads]
+        self.cpu = ComputeRates(
+            matmul=RateTable(cpu.matmul[self._table_dtype(cpu.matmul)]),
+            matmul_loaded=RateTable(cpu.under_copy_load.matmul[self._table_dtype(cpu.matmul)]),
+            attention=AttentionTable(cpu.attention),
+            read_gbps=cpu.memory_read_gbps,
+            read_gbps_loaded=cpu.under_copy_load.memory_read_gbps,
+            hop_s=cpu.hop_us * 1e-6,
+            op_s=cpu.op_us * 1e-6,
+            weight_read_gbps=cpu.weight_read_gbps,
         )
-        device = profile["device"]
-        if device["kind"] == "sim" or not device.get("matmul"):
-            self.device = DeviceRates(
+        device = profile.device
+        if device.kind == "sim" or not device.matmul:
+            launch_us = cpu.hop_us if device.launch_us is None else device.launch_us
+            self.device = ComputeRates(
                 self.cpu.matmul,
                 None,
                 self.cpu.attention,
                 self.cpu.read_gbps,
                 self.cpu.read_gbps,
-                device.get("launch_us", cpu["hop_us"]) * 1e-6,
+                launch_us * 1e-6,
             )
         else:
-            self.device = DeviceRates(
-                matmul=RateTable(device["matmul"][self._table_dtype(device["matmul"])]),
+            self.device = ComputeRates(
+                matmul=RateTable(device.matmul[self._table_dtype(device.matmul)]),
                 matmul_loaded=None,
-                attention=AttentionTable(device["attention"]),
-                read_gbps=device.get("memory_read_gbps") or 500.0,
-                read_gbps_loaded=device.get("memory_read_gbps") or 500.0,
-                hop_s=device.get("launch_us", 10.0) * 1e-6,
+                attention=AttentionTable(device.attention),
+                read_gbps=device.memory_read_gbps or 500.0,
+                read_gbps_loaded=device.memory_read_gbps or 500.0,
+                hop_s=(10.0 if device.launch_us is None else device.launch_us) * 1e-6,
             )
-        self.pack_timings = self._pack_timings(profile, model_sha256)
-        link = profile["link"]
-        self.link_rows = sorted(
-            (r["bytes"], r["gbps"])
-            for r in link["h2d"]
-            if r.get("pinned", True) or not any(x.get("pinned") for x in link["h2d"])
-        )
-        self.copy_slowdown = profile["contention"].get("copy_slowdown_under_cpu_matmul", 1.0)
+        self.pack_timings = self._pack_timings(profile.pack_timings, model_sha256)
+        h2d = profile.link.h2d
+        self.link_rows = sorted((r.bytes, r.gbps) for r in h2d if r.pinned or not any(x.pinned for x in h2d))
+        self.copy_slowdown = profile.contention.copy_slowdown_under_cpu_matmul
         # The pack's own streaming run on the simulated device: its copies beside its compute (pack_timing).
         copies = self.pack_timings.get("streamed", {}).get("copy", {})
         self.streamed_copy_rows = sorted(point for points in copies.values() for point in points)
-        factors = profile["contention"].get("cpu_matmul_slowdown_under_copy", {}).get(str(self.threads), {})
-        self._cpu_slowdown = max(1.0, factors.get("memory_read", 1.0))
+        factors = profile.contention.cpu_matmul_slowdown_under_copy.get(self.threads)
+        self._cpu_slowdown = max(1.0, factors.memory_read if factors else 1.0)
 
-    def _pack_timings(self, profile: dict, model_sha256: str | None) -> dict[str, dict]:
+    def _pack_timings(self, timings: PackTimings | None, model_sha256: str | None) -> dict[str, dict]:
         """Measured seconds of this very pack's sub-layer kinds (profile --pack), by placement, kind, past length
         and T; kind "step" holds the whole step's time over its parts' (what running them joined saves)."""
-        timings = profile.get("pack_timings") or {}
-        rows = timings.get("threads", {}).get(str(self.threads), [])
-        if not rows or model_sha256 is None or timings.get("model_sha256") != model_sha256:
+        rows = timings.threads.get(self.threads, ()) if timings else ()
+        if not rows or model_sha256 is None or timings.model_sha256 != model_sha256:
             return {}
         table: dict[str, dict[str, dict[int, list[tuple[float, float]]]]] = {}
         for row in rows:
-            value = (
-                row["ratio"]
-                if row["kind"] == "step"
-                else row["gbps"]
-                if row["kind"] == "copy"
-                else row["seconds"]
+            table.setdefault(row.placement, {}).setdefault(row.kind, {}).setdefault(row.C - row.T, []).append(
+                (float(row.T), row.value)
             )
-            table.setdefault(row.get("placement", "cpu"), {}).setdefault(row["kind"], {}).setdefault(
-                row["C"] - row["T"], []
-            ).append((float(row["T"]), value))
         for by_kind in table.values():
             for by_past in by_kind.values():
                 for points in by_past.values():
@@ -232,7 +224,7 @@ class Estimator:
 
         return interpolated(by_kind[kind]) * (interpolated(by_kind["step"]) if by_kind.get("step") else 1.0)
 
-    def _table_dtype(self, table: dict) -> str:
+    def _table_dtype(self, table: dict[str, tuple[MatmulRow, ...]]) -> str:
         """The rate table of the products' arithmetic: the model's dtype where it computes in it (an fp16 graph),
         else fp32 (fp32 packs, and half-precision weights computed in fp32)."""
         compute = self.model.compute_dtype
@@ -263,7 +255,7 @@ class Estimator:
             shapes.append((k, n, dtype, k * n * ELEMENT_BYTES[dtype]))
         return shapes
 
-    def _weight_read_gbps(self, rates: DeviceRates, dtype: str, under_copy: bool) -> float:
+    def _weight_read_gbps(self, rates: ComputeRates, dtype: str, under_copy: bool) -> float:
         """How fast products stream weights of `dtype`: the profile's rate for that dtype where it measured one
         (pipeshard's half-precision product on the CPU), else the fp32 MatMul's."""
         read_gbps = rates.read_gbps_loaded if under_copy else rates.read_gbps
@@ -285,7 +277,7 @@ class Estimator:
             )
             return rates.hop_s + tokens * row_bytes / (rates.read_gbps * 1e9)
         measured = self._measured_seconds(entry.kind, tokens, context, "device" if on_device else "cpu")
-        if measured is None and on_device and self.profile["device"]["kind"] == "sim":
+        if measured is None and on_device and self.profile.device.kind == "sim":
             measured = self._measured_seconds(entry.kind, tokens, context, "cpu")  # sim computes on the CPU
         if measured is not None:
             return measured * (self._cpu_slowdown if under_copy else 1.0)
@@ -304,7 +296,7 @@ class Estimator:
             )
         return seconds
 
-    def _products_seconds(self, entry: SubLayer, tokens: int, rates: DeviceRates, under_copy: bool) -> float:
+    def _products_seconds(self, entry: SubLayer, tokens: int, rates: ComputeRates, under_copy: bool) -> float:
         """The roofline of the sub-layer's matrix products over `tokens` rows."""
         table = rates.matmul_loaded if under_copy and rates.matmul_loaded else rates.matmul
         read_gbps = rates.read_gbps_loaded if under_copy else rates.read_gbps

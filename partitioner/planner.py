@@ -29,6 +29,7 @@ from pipeshard.formats.plans import (
     VramBreakdown,
     planning_units,
 )
+from pipeshard.formats.profile_db import ProfileDb
 from pipeshard.formats.vision_memory import VisionPlan
 from pipeshard.partitioner.classes import (
     UnitClass,
@@ -90,7 +91,7 @@ class Planner:
     def __init__(
         self,
         manifest: Manifest,
-        profile: dict,
+        profile: ProfileDb,
         context: int = 4096,
         batch: int = 1,
         threads: int | None = None,
@@ -115,10 +116,10 @@ class Planner:
         )
         self.context = context
         self.batch = batch
-        self.ep_overhead = int(profile["device"].get("ep_overhead_bytes") or 0)
-        self.device_memory = profile["device"].get("memory_bytes")
+        self.ep_overhead = profile.device.ep_overhead_bytes
+        self.device_memory = profile.device.memory_bytes
         # The simulated device computes on the host's cores: its sub-layers slow under copies like the CPU's.
-        self.device_shares_cpu = profile["device"]["kind"] == "sim"
+        self.device_shares_cpu = profile.device.kind == "sim"
         owned = {}
         for entry in self.units:
             for weight in entry.weights:
@@ -405,10 +406,8 @@ class Planner:
 
     def _copy_slowdown(self, tier: int) -> float:
         """How much slower CPU work runs beside a copy at `tier` (the profile's contention factor)."""
-        factors = self.profile["contention"]["cpu_matmul_slowdown_under_copy"].get(
-            str(self.estimator.threads), {}
-        )
-        return _nearest_tier_factor(factors, tier)
+        factors = self.profile.contention.cpu_matmul_slowdown_under_copy.get(self.estimator.threads)
+        return _nearest_tier_factor(factors.by_tier if factors else {}, tier)
 
     @staticmethod
     def fits(plan: Plan) -> bool:
@@ -1134,11 +1133,10 @@ def expert_routing_shares(manifest: Manifest, stats: dict | None) -> dict[str, f
     return shares
 
 
-def _nearest_tier_factor(factors: dict[str, float], tier: int) -> float:
-    tiers = [int(k) for k in factors if k.isdigit()]
-    if not tiers:
+def _nearest_tier_factor(factors: dict[int, float], tier: int) -> float:
+    if not factors:
         return 1.0
-    return max(1.0, factors[str(min(tiers, key=lambda t: abs(t - tier)))])
+    return max(1.0, factors[min(factors, key=lambda t: abs(t - tier))])
 
 
 def plans_document(
@@ -1169,8 +1167,8 @@ def plans_document(
         "pack_sha256": pack_sha256,
         "profile": {
             "name": profile_name,
-            "source": planner.profile["source"],
-            "fingerprint_id": planner.profile["fingerprint_id"],
+            "source": planner.profile.source,
+            "fingerprint_id": planner.profile.fingerprint_id,
         },
         "budget_bytes": budget_bytes,
         "context": planner.context,

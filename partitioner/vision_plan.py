@@ -47,7 +47,7 @@ class VisionPlanner:
         self.estimator = estimator
         self.shape = VisionShape.from_pack(vision)
         self.full_attention = set(vision.facts.get("fullatt_block_indexes") or ())
-        self.device_is_sim = estimator.profile["device"]["kind"] == "sim"
+        self.device_is_sim = estimator.profile.device.kind == "sim"
         self._seconds: dict[tuple, float] = {}
         self._plans: dict[tuple, VisionPlan | None] = {}
         self._itemsize = self.shape.itemsize

@@ -565,8 +565,7 @@ def _command_profile(args: argparse.Namespace) -> int:
             sweep, counts, progress=bar.update, use_cuda=False if args.no_cuda else None, pack=args.pack
         )
     out = args.out or default_profile_path(machine_fingerprint())
-    save_profile(document, out)
-    print(summarize(document, str(out)))
+    print(summarize(save_profile(document, out), str(out)))
     print(f"saved {out}")
     return 0
 
@@ -611,7 +610,7 @@ def _command_plan(args: argparse.Namespace) -> int:
     for budget in sorted({budget_bytes(v, planner) for v in budgets}, reverse=True):
         ladder.append((budget, planner.plan(budget, tuple(tiers))))
         if not args.json:
-            print(plan_table(planner, ladder[-1][1], profile["device"]["kind"]))
+            print(plan_table(planner, ladder[-1][1], profile.device.kind))
     budget, planned = ladder[0]
     if args.explain and not args.json:
         print(_explained(planner, planned, args.batch))
@@ -640,7 +639,7 @@ def _command_plan(args: argparse.Namespace) -> int:
             plot,
             f"{pack.model.architecture} {Path(pack.manifest.source['export']).name} "
             f"(pack {pack.folder.name}), budget {format_bytes(budget)}, context "
-            f"{context}, profile {profile.get('name', Path(str(profile_ref)).name)}",
+            f"{context}, profile {profile.name or Path(str(profile_ref)).name}",
         )
         if not args.json:
             print(f"wrote {plot}")

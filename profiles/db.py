@@ -23,7 +23,7 @@ from pathlib import Path
 from pipeshard.core.errors import UserError
 from pipeshard.core.fsutil import read_json, write_json_atomic
 from pipeshard.core.version import __version__
-from pipeshard.formats.profile_db import validate
+from pipeshard.formats.profile_db import ProfileDb
 
 log = logging.getLogger(__name__)
 MAX_DB_BYTES = 200 * 1024
@@ -102,23 +102,23 @@ def now_iso() -> str:
     return datetime.now(UTC).isoformat(timespec="seconds")
 
 
-def save_profile(document: dict, path: Path) -> Path:
-    """Validate and write atomically; refuse a DB over the size limit."""
-    validate(document, str(path))
+def save_profile(document: dict, path: Path) -> ProfileDb:
+    """Validate and write atomically; refuse a DB over the size limit. Returns the DB as read back."""
+    profile = ProfileDb.from_json(document, str(path))
     text = json.dumps(document, separators=(",", ":"))
     if len(text) > MAX_DB_BYTES:
         raise ValueError(f"profile DB is {len(text)} bytes, over the {MAX_DB_BYTES} byte limit")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     write_json_atomic(path, document)
-    return path
+    return profile
 
 
 def reference_profile_path(name: str) -> Path:
     return Path(str(files("pipeshard.profiles") / f"{name}.json"))
 
 
-def load_profile(name_or_path: str | Path, check_machine: bool = True) -> dict:
+def load_profile(name_or_path: str | Path, check_machine: bool = True) -> ProfileDb:
     """Load a DB by reference name or path; warn when it is stale or from another machine."""
     if str(name_or_path) in REFERENCE_PROFILES:
         path = reference_profile_path(str(name_or_path))
@@ -129,32 +129,29 @@ def load_profile(name_or_path: str | Path, check_machine: bool = True) -> dict:
                 f"unknown profile {str(name_or_path)!r}: not a file, and not one of the reference "
                 f"profiles ({', '.join(REFERENCE_PROFILES)})"
             )
-    document = validate(read_json(path, "profile DB"), str(path))
-    if check_machine and document["source"] == "measured":
-        for warning in staleness(document):
+    profile = ProfileDb.from_json(read_json(path, "profile DB"), str(path))
+    if check_machine and profile.source == "measured":
+        for warning in staleness(profile):
             log.warning("warning: %s: %s", path, warning)
-    return document
+    return profile
 
 
-def staleness(document: dict) -> list[str]:
+def staleness(profile: ProfileDb) -> list[str]:
     """Why a measured DB may not describe this machine and software any more."""
     warnings = []
     here = machine_fingerprint()
-    if (
-        document.get("fingerprint_id") != fingerprint_id(here)
-        and document["fingerprint"].get("cpu_model") != here["cpu_model"]
-    ):
+    measured_on = profile.fingerprint
+    if profile.fingerprint_id != fingerprint_id(here) and measured_on.cpu_model != here["cpu_model"]:
         warnings.append(
-            f"measured on another machine ({document['fingerprint'].get('cpu_model')}); "
-            "plans made from it may not fit this one"
+            f"measured on another machine ({measured_on.cpu_model}); plans made from it may not fit this one"
         )
-    if document["fingerprint"].get("onnxruntime") != here["onnxruntime"]:
+    if measured_on.onnxruntime != here["onnxruntime"]:
         warnings.append(
-            f"measured with onnxruntime {document['fingerprint'].get('onnxruntime')}, "
+            f"measured with onnxruntime {measured_on.onnxruntime}, "
             f"this is {here['onnxruntime']}: re-run `pipeshard profile`"
         )
     try:
-        age = datetime.now(UTC) - datetime.fromisoformat(document["created"])
+        age = datetime.now(UTC) - datetime.fromisoformat(profile.created)
         if age.days > STALE_AFTER_DAYS:
             warnings.append(f"{age.days} days old: re-run `pipeshard profile`")
     except ValueError:

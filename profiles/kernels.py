@@ -104,15 +104,17 @@ def quantized_matmul_model(k: int, n: int, block: int = 32, op: str = "MatMulNBi
     )
 
 
-def attention_model(heads: int, head_dim: int, dtype: str) -> onnx.ModelProto:
-    """GroupQueryAttention as the exporter emits it (here with as many KV heads as query heads):
-    q/k/v [1, T, heads * head_dim], the past and present one buffer [1, heads, C, head_dim] holding
-    the C - T cached tokens and receiving the T new ones in place, an additive bias [1, 1, T, C]."""
-    width = heads * head_dim
+def attention_model(heads: int, kv_heads: int, head_dim: int, dtype: str) -> onnx.ModelProto:
+    """GroupQueryAttention as the exporter emits it, `heads` query heads sharing `kv_heads` KV heads:
+    q [1, T, heads * head_dim], k/v [1, T, kv_heads * head_dim], the past and present one buffer
+    [1, kv_heads, C, head_dim] holding the C - T cached tokens and receiving the T new ones in place, an
+    additive bias [1, 1, T, C]."""
+    width, kv_width = heads * head_dim, kv_heads * head_dim
     float_type = ONNX_FLOAT[dtype]
-    inputs = [helper.make_tensor_value_info(name, float_type, [1, "T", width]) for name in ("Q", "K", "V")]
+    inputs = [helper.make_tensor_value_info("Q", float_type, [1, "T", width])]
+    inputs += [helper.make_tensor_value_info(name, float_type, [1, "T", kv_width]) for name in ("K", "V")]
     inputs += [
-        helper.make_tensor_value_info(name, float_type, [1, heads, "C", head_dim]) for name in ("PK", "PV")
+        helper.make_tensor_value_info(name, float_type, [1, kv_heads, "C", head_dim]) for name in ("PK", "PV")
     ]
     inputs += [
         helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, [1]),
@@ -121,7 +123,7 @@ def attention_model(heads: int, head_dim: int, dtype: str) -> onnx.ModelProto:
     ]
     outputs = [helper.make_tensor_value_info("Y", float_type, [1, "T", width])]
     outputs += [
-        helper.make_tensor_value_info(name, float_type, [1, heads, "C", head_dim]) for name in ("K2", "V2")
+        helper.make_tensor_value_info(name, float_type, [1, kv_heads, "C", head_dim]) for name in ("K2", "V2")
     ]
     node = helper.make_node(
         "GroupQueryAttention",
@@ -129,7 +131,7 @@ def attention_model(heads: int, head_dim: int, dtype: str) -> onnx.ModelProto:
         ["Y", "K2", "V2"],
         domain="com.microsoft",
         num_heads=heads,
-        kv_num_heads=heads,
+        kv_num_heads=kv_heads,
         scale=float(head_dim) ** -0.5,
     )
     graph = helper.make_graph([node], "attention", inputs, outputs)
@@ -139,17 +141,17 @@ def attention_model(heads: int, head_dim: int, dtype: str) -> onnx.ModelProto:
     )
 
 
-def attention_feeds(heads: int, head_dim: int, tokens: int, context: int, dtype: str):
+def attention_feeds(heads: int, kv_heads: int, head_dim: int, tokens: int, context: int, dtype: str):
     """Inputs, output shapes and in-place aliases (present -> past) for `attention_model` at T, C."""
     rng = np.random.default_rng(2)
     float_type = NUMPY_FLOAT[dtype]
     context = max(context, tokens)
     new = {
-        name: rng.standard_normal((1, tokens, heads * head_dim), dtype=np.float32).astype(float_type)
-        for name in ("Q", "K", "V")
+        name: rng.standard_normal((1, tokens, count * head_dim), dtype=np.float32).astype(float_type)
+        for name, count in (("Q", heads), ("K", kv_heads), ("V", kv_heads))
     }
     past = {
-        name: rng.standard_normal((1, heads, context, head_dim), dtype=np.float32).astype(float_type)
+        name: rng.standard_normal((1, kv_heads, context, head_dim), dtype=np.float32).astype(float_type)
         for name in ("PK", "PV")
     }
     lengths = {
@@ -256,6 +258,7 @@ def attention_rows(
     options,
     providers,
     heads: int,
+    kv_heads: int,
     head_dim: int,
     tokens: tuple[int, ...],
     contexts: tuple[int, ...],
@@ -264,12 +267,13 @@ def attention_rows(
     device: str = "cpu",
     progress=lambda: None,
 ) -> list[dict]:
-    """The attention kernel timed at every (T, C): the profile's `attention` table rows."""
-    model = attention_model(heads, head_dim, dtype)
+    """The attention kernel timed at every (T, C): the profile's `attention` table rows (FLOPs counted over the query
+    heads)."""
+    model = attention_model(heads, kv_heads, head_dim, dtype)
     rows = []
     for t in tokens:
         for c in contexts:
-            inputs, outputs, aliases = attention_feeds(heads, head_dim, t, c, dtype)
+            inputs, outputs, aliases = attention_feeds(heads, kv_heads, head_dim, t, c, dtype)
             session = BoundSession(
                 ort, model, options, providers, inputs, outputs, device=device, aliases=aliases
             )
@@ -279,6 +283,7 @@ def attention_rows(
                     "T": t,
                     "C": c,
                     "heads": heads,
+                    "kv_heads": kv_heads,
                     "head_dim": head_dim,
                     "seconds": seconds,
                     "gflops": 4 * heads * head_dim * t * c / seconds / 1e9,

@@ -52,6 +52,7 @@ class Sweep:
     bandwidth_bytes: int
     seconds_per_point: float
     heads: int = 16
+    kv_heads: int = 16  # as many as query heads, unless a pack's ratio is swept (`sweep_for_pack`)
     head_dim: int = 64
     pack_pasts: tuple[int, ...] = (64, 1024)  # contexts at which `--pack` times the pack's own sub-layers
     # `--pack` times the pack at every thread count, or only at the largest (what a run uses by default; the
@@ -99,7 +100,8 @@ FULL = Sweep(
 
 
 def sweep_for_pack(base: Sweep, manifest: Manifest) -> Sweep:
-    """The pack's own matrix shapes and attention dimensions instead of the generic grid."""
+    """The pack's own matrix shapes and attention dimensions (its query and KV head counts) instead of the generic
+    grid."""
     shapes = sorted({w.shape for e in manifest.sub_layers for w in e.weights if len(w.shape) == 2})
     model = manifest.model
     return Sweep(
@@ -107,6 +109,7 @@ def sweep_for_pack(base: Sweep, manifest: Manifest) -> Sweep:
             **base.__dict__,
             "shapes": tuple(shapes),
             "heads": model.num_attention_heads,
+            "kv_heads": model.num_key_value_heads,
             "head_dim": model.head_dim,
         }
     )
@@ -330,6 +333,7 @@ def measure_machine(
                 cpu_session_options(threads),
                 ["CPUExecutionProvider"],
                 sweep.heads,
+                sweep.kv_heads,
                 sweep.head_dim,
                 sweep.attention_tokens,
                 sweep.attention_contexts,

@@ -155,6 +155,7 @@ def measure_cuda(sweep, cpu_threads: int) -> tuple[dict, dict, dict]:
         options,
         CUDA_PROVIDERS,
         sweep.heads,
+        sweep.kv_heads,
         sweep.head_dim,
         sweep.attention_tokens,
         sweep.attention_contexts,

@@ -127,13 +127,15 @@ def _attention_rows(peak_gflops: float, gbps: float) -> list[dict]:
     for tokens in FULL.attention_tokens:
         for context in FULL.attention_contexts:
             flops = 4.0 * FULL.heads * FULL.head_dim * tokens * context
-            bytes_moved = 4 * FULL.heads * FULL.head_dim * (2 * context + 2 * tokens)
+            # the KV read and written
+            bytes_moved = 4 * FULL.kv_heads * FULL.head_dim * (2 * context + 2 * tokens)
             seconds = _roofline_seconds(flops, bytes_moved, peak_gflops, gbps)
             rows.append(
                 {
                     "T": tokens,
                     "C": context,
                     "heads": FULL.heads,
+                    "kv_heads": FULL.kv_heads,
                     "head_dim": FULL.head_dim,
                     "seconds": seconds,
                     "gflops": flops / seconds / GB,

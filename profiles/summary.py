@@ -2,60 +2,53 @@
 
 from __future__ import annotations
 
-
-def _peak(rows: list[dict]) -> float:
-    return max((row["gflops"] for row in rows), default=0.0)
+from pipeshard.formats.profile_db import MatmulRow, ProfileDb
 
 
-def summarize(document: dict, where: str = "") -> str:
+def _peak(rows: tuple[MatmulRow, ...]) -> float:
+    return max((row.gflops for row in rows), default=0.0)
+
+
+def summarize(profile: ProfileDb, where: str = "") -> str:
     """Peak GFLOP/s per device, thread count and dtype; bandwidths; link; contention factors."""
-    fingerprint = document["fingerprint"]
+    fingerprint = profile.fingerprint
     lines = [
-        f"profile {where or document.get('name', '')}: source {document['source']}, created {document['created']}",
-        f"  machine: {fingerprint.get('cpu_model')}, {document['cpu'].get('physical_cores')} cores, "
-        f"GPU {fingerprint.get('gpu')}"
-        + (f", onnxruntime {fingerprint['onnxruntime']}" if "onnxruntime" in fingerprint else ""),
+        f"profile {where or profile.name or ''}: source {profile.source}, created {profile.created}",
+        f"  machine: {fingerprint.cpu_model}, {profile.cpu.physical_cores} cores, GPU {fingerprint.gpu}"
+        + (f", onnxruntime {fingerprint.onnxruntime}" if fingerprint.onnxruntime else ""),
     ]
-    if document.get("description"):
-        lines.append(f"  {document['description']}")
+    if profile.description:
+        lines.append(f"  {profile.description}")
     lines.append("  CPU EP (peak MatMul GFLOP/s by dtype; M=1 GFLOP/s; read / copy GB/s; one hop us):")
-    for threads, rates in sorted(document["cpu"]["threads"].items(), key=lambda item: int(item[0])):
-        peaks = ", ".join(f"{dtype} {_peak(rows):.1f}" for dtype, rows in rates["matmul"].items())
-        decode = max((r["gflops"] for r in rates["matmul"].get("fp32", []) if r["M"] == 1), default=0.0)
+    for threads in profile.thread_counts:
+        rates = profile.cpu.threads[threads]
+        peaks = ", ".join(f"{dtype} {_peak(rows):.1f}" for dtype, rows in rates.matmul.items())
+        decode = max((r.gflops for r in rates.matmul.get("fp32", ()) if r.M == 1), default=0.0)
         lines.append(
-            f"    {threads:>2} threads: {peaks}; M=1 {decode:.1f}; read {rates['memory_read_gbps']:.1f} GB/s, "
-            f"copy {rates.get('memory_copy_gbps', 0):.1f} GB/s; hop {rates['hop_us']:.1f} us"
+            f"    {threads:>2} threads: {peaks}; M=1 {decode:.1f}; read {rates.memory_read_gbps:.1f} GB/s, "
+            f"copy {rates.memory_copy_gbps or 0:.1f} GB/s; hop {rates.hop_us:.1f} us"
         )
-    device = document["device"]
-    lines.append(f"  device: {device['kind']} — {device.get('name')}")
-    if device.get("matmul"):
-        peaks = ", ".join(f"{dtype} {_peak(rows):.0f}" for dtype, rows in device["matmul"].items())
-        memory = device.get("memory_bytes") or 0
+    device = profile.device
+    lines.append(f"  device: {device.kind} — {device.name}")
+    if device.matmul:
+        peaks = ", ".join(f"{dtype} {_peak(rows):.0f}" for dtype, rows in device.matmul.items())
         lines.append(
-            f"    peak MatMul GFLOP/s: {peaks}; memory {memory / 1024**3:.1f} GiB, EP overhead "
-            f"{device.get('ep_overhead_bytes', 0) / 1024**2:.0f} MiB, "
-            f"launch {device.get('launch_us', 0):.1f} us"
+            f"    peak MatMul GFLOP/s: {peaks}; memory {(device.memory_bytes or 0) / 1024**3:.1f} GiB, EP overhead "
+            f"{device.ep_overhead_bytes / 1024**2:.0f} MiB, launch {device.launch_us or 0:.1f} us"
         )
-    elif device["kind"] == "sim":
+    elif device.kind == "sim":
         lines.append("    compute runs on the CPU EP (the rates above); this is a test double, not a GPU")
-    link = document["link"]
-    best = {
-        direction: max((row["gbps"] for row in link[direction]), default=0.0) for direction in ("h2d", "d2h")
-    }
+    link = profile.link
     lines.append(
-        f"  link: {link['kind']} {link.get('name', '')} — best H2D {best['h2d']:.1f} GB/s, "
-        f"D2H {best['d2h']:.1f} GB/s"
+        f"  link: {link.kind} {link.name or ''} — best H2D {max(row.gbps for row in link.h2d):.1f} GB/s, "
+        f"D2H {max(row.gbps for row in link.d2h):.1f} GB/s"
     )
-    contention = document["contention"]
-    for threads, factors in sorted(
-        contention.get("cpu_matmul_slowdown_under_copy", {}).items(), key=lambda item: int(item[0])
-    ):
+    contention = profile.contention
+    for threads, factors in sorted(contention.cpu_matmul_slowdown_under_copy.items()):
         shown = ", ".join(
-            f"M={tier} x{value:.2f}" if tier != "memory_read" else f"read x{value:.2f}"
-            for tier, value in factors.items()
+            [f"M={tier} x{value:.2f}" for tier, value in factors.by_tier.items()]
+            + [f"read x{factors.memory_read:.2f}"]
         )
         lines.append(f"  contention, CPU MatMul under copy, {threads} threads: {shown}")
-    lines.append(
-        f"  contention, copy under CPU MatMul: x{contention.get('copy_slowdown_under_cpu_matmul', 1):.2f}"
-    )
+    lines.append(f"  contention, copy under CPU MatMul: x{contention.copy_slowdown_under_cpu_matmul:.2f}")
     return "\n".join(lines)

@@ -17,7 +17,7 @@ from pipeshard.core.errors import UserError
 from pipeshard.formats import fields as fields_module
 from pipeshard.formats.manifest import MANIFEST_NAME, load_pack
 from pipeshard.formats.plans import read_plans
-from pipeshard.formats.profile_db import validate
+from pipeshard.formats.profile_db import ProfileDb
 from pipeshard.profiles.db import reference_profile_path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -244,5 +244,14 @@ def test_docs_plans_describes_exactly_the_plan_fields(tiny_pack, plans_file, mon
 
 def test_docs_profile_db_describes_exactly_the_profile_fields(monkeypatch):
     read = _fields_read(monkeypatch)
-    validate(json.loads(reference_profile_path("laptop-8gb").read_text()), "laptop-8gb")
-    _check_doc("profile-db.md", read, values={"fp32", "fp16", "bf16", "memory_read"})
+    document = json.loads(reference_profile_path("laptop-8gb").read_text())
+    # the sections a measured DB has beside a reference profile's: what it swept, and one pack's own timings
+    document["plan"] = {"tiers": [1, 16], "shapes": [[576, 1536]], "dtypes": ["fp32"]}
+    rows = [
+        {"placement": "cpu", "kind": "attn", "T": 16, "C": 48, "seconds": 1e-4},
+        {"placement": "device", "kind": "step", "T": 1, "C": 33, "ratio": 0.9},
+        {"placement": "streamed", "kind": "copy", "T": 1, "C": 33, "gbps": 5.0},
+    ]
+    document["pack_timings"] = {"model_sha256": "0" * 64, "pasts": [32], "threads": {"1": rows}}
+    assert ProfileDb.from_json(document, "laptop-8gb").to_json() == document
+    _check_doc("profile-db.md", read, values={"fp32", "fp16", "bf16"})

@@ -2,6 +2,7 @@
 same weights; on the CPU chain read as stored (no float32 copy), on the simulated device too."""
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import onnx
@@ -121,18 +122,19 @@ def test_the_estimator_reads_each_weight_in_its_dtype_at_the_profiles_rate_for_i
     profile = load_profile("laptop-8gb")
 
     def decode_seconds(dtype: str, weight_read_gbps: dict | None = None) -> float:
-        for rates in profile["cpu"]["threads"].values():
-            rates.pop("weight_read_gbps", None)
-            if weight_read_gbps:
-                rates["weight_read_gbps"] = weight_read_gbps
+        threads = {
+            count: replace(rates, weight_read_gbps=weight_read_gbps)
+            for count, rates in profile.cpu.threads.items()
+        }
+        measured = replace(profile, cpu=replace(profile.cpu, threads=threads))
         weight = Weight("w", (4096, 4096), dtype, "w.bin", 0, 0)
         entry = SubLayer("ffn", "ffn", 0, {}, None, (weight,), 0, (), (), None, Cost({}, {}), 0)
-        return Estimator(profile, model, threads=1).compute_seconds(entry, 1, 1, on_device=False)
+        return Estimator(measured, model, threads=1).compute_seconds(entry, 1, 1, on_device=False)
 
     fp32 = decode_seconds("float32")
     half_bytes = decode_seconds({"fp16": "float16", "bf16": "bfloat16"}[model.dtype])
     assert half_bytes == pytest.approx(fp32 / 2, rel=0.05)  # memory-bound at one token: half the bytes
-    read = profile["cpu"]["threads"]["1"]["memory_read_gbps"]
+    read = profile.cpu.threads[1].memory_read_gbps
     slower = decode_seconds("bfloat16", {"fp16": read / 2, "bf16": read / 2})  # the measured rate, if any
     assert slower == pytest.approx(fp32, rel=0.05)
 

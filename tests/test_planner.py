@@ -165,7 +165,7 @@ def test_plan_cli_table_json_and_out(tiny_pack, tmp_path, capsys):
 
 
 def test_a_profile_from_another_machine_warns_and_plans(tiny_pack, tmp_path, capsys, caplog):
-    document = load_profile("laptop-8gb")
+    document = load_profile("laptop-8gb").to_json()
     document["source"] = "measured"
     path = tmp_path / "foreign.json"
     path.write_text(json.dumps(document))
