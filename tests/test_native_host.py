@@ -448,7 +448,9 @@ def test_the_native_host_runs_a_quantized_pack_with_the_python_engines_tokens(mo
             "--max-new-tokens",
             str(MAX_NEW_TOKENS),
         ]
-        for extra in ([], ["--plans", str(plans), "--device", "sim"]):
+        for extra in ([], ["--plans", str(plans), "--device", "sim", "--report"]):
             done = _host(*common, *extra)
             assert done.returncode == 0, done.stderr[-2000:]
             assert [int(t) for t in done.stdout.split()] == expected, (text, extra)
+        report = json.loads(done.stderr.splitlines()[-1])  # the planned run's: its blocks went through the device
+        assert report["peak_device_bytes"] > 0 and report["streamed_weight_bytes"] > 0, report

@@ -107,6 +107,14 @@ typedef int (*pipeshard_token_callback)(int64_t token_id, const char* text_piece
 typedef void (*pipeshard_done_callback)(pipeshard_request_id request, pipeshard_status status, const char* text,
                                         const char* message, void* user_data);
 
+/* Called once per whole sentence of the answer, for speech, on the worker thread, after the token callback of the
+ * token that completed it: text up to and including . ! ? or … followed by whitespace, or up to and including a
+ * newline (whitespace after a sentence begins the next one; a run of only whitespace joins the next sentence). When
+ * the request ends with PIPESHARD_OK, the text after the last whole sentence comes last (when not empty), before
+ * on_done: the sentences joined are the answer's text. A cancelled or failed request hands on no remainder. Needs
+ * the extensions library (text). */
+typedef void (*pipeshard_sentence_callback)(pipeshard_request_id request, const char* sentence, void* user_data);
+
 PIPESHARD_API void pipeshard_default_options(pipeshard_options* options);
 PIPESHARD_API void pipeshard_default_sampling(pipeshard_sampling* sampling);
 
@@ -140,6 +148,14 @@ PIPESHARD_API pipeshard_status pipeshard_submit(pipeshard_host* host, pipeshard_
                                                 const pipeshard_sampling* sampling, pipeshard_token_callback on_token,
                                                 pipeshard_done_callback on_done, void* user_data,
                                                 pipeshard_request_id* out_request);
+/* pipeshard_submit with a sentence callback too (NULL: as pipeshard_submit): each whole sentence of the answer goes to
+ * `on_sentence` as it completes (see pipeshard_sentence_callback), for a game that speaks the answer. */
+PIPESHARD_API pipeshard_status pipeshard_submit_with_sentences(pipeshard_host* host, pipeshard_session* session,
+                                                               const char* prompt, const pipeshard_sampling* sampling,
+                                                               pipeshard_token_callback on_token,
+                                                               pipeshard_sentence_callback on_sentence,
+                                                               pipeshard_done_callback on_done, void* user_data,
+                                                               pipeshard_request_id* out_request);
 /* pipeshard_submit of a one-shot prompt with images (as pipeshard_generate_with_images); the pixels are copied. */
 PIPESHARD_API pipeshard_status pipeshard_submit_with_images(pipeshard_host* host, const char* prompt,
                                                             const pipeshard_image* images, size_t image_count,
