@@ -452,5 +452,6 @@ def test_the_native_host_runs_a_quantized_pack_with_the_python_engines_tokens(mo
             done = _host(*common, *extra)
             assert done.returncode == 0, done.stderr[-2000:]
             assert [int(t) for t in done.stdout.split()] == expected, (text, extra)
-        report = json.loads(done.stderr.splitlines()[-1])  # the planned run's: its blocks went through the device
+        # the planned run's report: its blocks went through the device
+        report = json.loads(done.stderr.splitlines()[-1])
         assert report["peak_device_bytes"] > 0 and report["streamed_weight_bytes"] > 0, report
