@@ -120,16 +120,16 @@ PIPESHARD_HOST_API void pipeshard_default_sampling(pipeshard_sampling* sampling)
 
 /* Open the pack folder: check its manifest (and the plans file against it), create the sessions, size the KV. */
 PIPESHARD_HOST_API pipeshard_status pipeshard_open(const char* pack_dir, const pipeshard_options* options,
-                                              pipeshard_host** out_host);
+                                                   pipeshard_host** out_host);
 
 /* Generate from text (tokenized by the pack's tokenizer.onnx) or from token ids, and wait for the answer; the
  * callback runs on the worker thread while the caller waits. The KV cache starts empty. */
 PIPESHARD_HOST_API pipeshard_status pipeshard_generate(pipeshard_host* host, const char* prompt,
-                                                  const pipeshard_sampling* sampling,
-                                                  pipeshard_token_callback callback, void* user_data);
+                                                       const pipeshard_sampling* sampling,
+                                                       pipeshard_token_callback callback, void* user_data);
 PIPESHARD_HOST_API pipeshard_status pipeshard_generate_ids(pipeshard_host* host, const int64_t* prompt_ids,
-                                                      size_t prompt_length, const pipeshard_sampling* sampling,
-                                                      pipeshard_token_callback callback, void* user_data);
+                                                           size_t prompt_length, const pipeshard_sampling* sampling,
+                                                           pipeshard_token_callback callback, void* user_data);
 
 /* A one-shot prompt with images, for a VLM pack (SmolVLM / Idefics3, llava-style towers): image i goes where the
  * prompt's i-th image placeholder is ("<image>"), or all before its text when it has none; the images are encoded
@@ -137,32 +137,34 @@ PIPESHARD_HOST_API pipeshard_status pipeshard_generate_ids(pipeshard_host* host,
  * returns (pipeshard_submit_with_images: copied before it returns). image_count 0: as pipeshard_generate. A text
  * pack, NULL pixels, a size out of range, or placeholders that do not match the images: PIPESHARD_ERR_ARGUMENT. */
 PIPESHARD_HOST_API pipeshard_status pipeshard_generate_with_images(pipeshard_host* host, const char* prompt,
-                                                              const pipeshard_image* images, size_t image_count,
-                                                              const pipeshard_sampling* sampling,
-                                                              pipeshard_token_callback callback, void* user_data);
+                                                                   const pipeshard_image* images, size_t image_count,
+                                                                   const pipeshard_sampling* sampling,
+                                                                   pipeshard_token_callback callback, void* user_data);
 
 /* Queue a generation and return at once with its id; tokens go to `on_token` and the end to `on_done` (both may be
  * NULL), on the worker thread. `session` NULL: a one-shot prompt (the KV starts empty); else `prompt` is the user's
  * next turn in that conversation. Strings and the sampling struct are copied before this returns. */
-PIPESHARD_HOST_API pipeshard_status pipeshard_submit(pipeshard_host* host, pipeshard_session* session, const char* prompt,
-                                                const pipeshard_sampling* sampling, pipeshard_token_callback on_token,
-                                                pipeshard_done_callback on_done, void* user_data,
-                                                pipeshard_request_id* out_request);
+PIPESHARD_HOST_API pipeshard_status pipeshard_submit(pipeshard_host* host, pipeshard_session* session,
+                                                     const char* prompt, const pipeshard_sampling* sampling,
+                                                     pipeshard_token_callback on_token,
+                                                     pipeshard_done_callback on_done, void* user_data,
+                                                     pipeshard_request_id* out_request);
 /* pipeshard_submit with a sentence callback too (NULL: as pipeshard_submit): each whole sentence of the answer goes to
  * `on_sentence` as it completes (see pipeshard_sentence_callback), for a game that speaks the answer. */
 PIPESHARD_HOST_API pipeshard_status pipeshard_submit_with_sentences(pipeshard_host* host, pipeshard_session* session,
-                                                               const char* prompt, const pipeshard_sampling* sampling,
-                                                               pipeshard_token_callback on_token,
-                                                               pipeshard_sentence_callback on_sentence,
-                                                               pipeshard_done_callback on_done, void* user_data,
-                                                               pipeshard_request_id* out_request);
+                                                                    const char* prompt,
+                                                                    const pipeshard_sampling* sampling,
+                                                                    pipeshard_token_callback on_token,
+                                                                    pipeshard_sentence_callback on_sentence,
+                                                                    pipeshard_done_callback on_done, void* user_data,
+                                                                    pipeshard_request_id* out_request);
 /* pipeshard_submit of a one-shot prompt with images (as pipeshard_generate_with_images); the pixels are copied. */
 PIPESHARD_HOST_API pipeshard_status pipeshard_submit_with_images(pipeshard_host* host, const char* prompt,
-                                                            const pipeshard_image* images, size_t image_count,
-                                                            const pipeshard_sampling* sampling,
-                                                            pipeshard_token_callback on_token,
-                                                            pipeshard_done_callback on_done, void* user_data,
-                                                            pipeshard_request_id* out_request);
+                                                                 const pipeshard_image* images, size_t image_count,
+                                                                 const pipeshard_sampling* sampling,
+                                                                 pipeshard_token_callback on_token,
+                                                                 pipeshard_done_callback on_done, void* user_data,
+                                                                 pipeshard_request_id* out_request);
 /* Stop a request from any thread: a running one stops before its next sub-layer run (or prompt chunk) and its
  * on_done gets PIPESHARD_ERR_CANCELLED; a queued one is reported so when the worker reaches it. An id that has
  * ended already is not an error. */
@@ -175,12 +177,12 @@ PIPESHARD_HOST_API pipeshard_status pipeshard_wait(pipeshard_host* host, pipesha
  * history with the pack's chat template and feeds only the tokens the cache does not hold yet. Many sessions share
  * one host; a session's requests run one at a time, in order. system_prompt NULL: the template's default. */
 PIPESHARD_HOST_API pipeshard_status pipeshard_session_create(pipeshard_host* host, const char* system_prompt,
-                                                        pipeshard_session** out_session);
+                                                             pipeshard_session** out_session);
 /* The next user turn, waiting for the answer (pipeshard_submit with the session is the asynchronous form). A turn
  * that ends (end of sequence, length, stop string, callback) joins the history; a cancelled or failed one does not. */
 PIPESHARD_HOST_API pipeshard_status pipeshard_session_say(pipeshard_session* session, const char* user_text,
-                                                     const pipeshard_sampling* sampling,
-                                                     pipeshard_token_callback callback, void* user_data);
+                                                          const pipeshard_sampling* sampling,
+                                                          pipeshard_token_callback callback, void* user_data);
 /* Drop the last user turn and its answer (the cache keeps what the shorter history still shares). */
 PIPESHARD_HOST_API pipeshard_status pipeshard_session_rollback(pipeshard_session* session);
 /* The number of turns (user message and answer) in the history. */
@@ -188,21 +190,21 @@ PIPESHARD_HOST_API pipeshard_status pipeshard_session_turns(pipeshard_session* s
 /* The history and its KV cache to a file, and back into a new session of a host opened on the same pack. */
 PIPESHARD_HOST_API pipeshard_status pipeshard_session_save(pipeshard_session* session, const char* path);
 PIPESHARD_HOST_API pipeshard_status pipeshard_session_load(pipeshard_host* host, const char* path,
-                                                      pipeshard_session** out_session);
+                                                           pipeshard_session** out_session);
 /* Cancel the session's requests, wait for them, free it. NULL is ignored. */
 PIPESHARD_HOST_API void pipeshard_session_close(pipeshard_session* session);
 
 /* Messages through the pack's chat template (ready for the next answer), as transformers' apply_chat_template with
  * add_generation_prompt renders them; `length` receives the size needed with the NUL. */
 PIPESHARD_HOST_API pipeshard_status pipeshard_render_chat(pipeshard_host* host, const pipeshard_message* messages,
-                                                     size_t count, char* text, size_t capacity, size_t* length);
+                                                          size_t count, char* text, size_t capacity, size_t* length);
 
 /* Text <-> ids through tokenizer.onnx / detokenizer.onnx. `count` / `length` receive the size needed (with the
  * terminating NUL for text); a buffer too small gives PIPESHARD_ERR_ARGUMENT and is left untouched. */
 PIPESHARD_HOST_API pipeshard_status pipeshard_tokenize(pipeshard_host* host, const char* text, int64_t* ids,
-                                                  size_t capacity, size_t* count);
+                                                       size_t capacity, size_t* count);
 PIPESHARD_HOST_API pipeshard_status pipeshard_detokenize(pipeshard_host* host, const int64_t* ids, size_t count,
-                                                    char* text, size_t capacity, size_t* length);
+                                                         char* text, size_t capacity, size_t* length);
 
 /* A fixed VRAM budget (a game took memory back, or gave it; this ends the AUTO mode): the plans of the largest
  * ladder rung that fits run from the next step on, keeping the KV cache. The ladder always ends with a 0-byte rung

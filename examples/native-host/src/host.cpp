@@ -1098,7 +1098,8 @@ void Host::run_experts(const MoeBlock& block, size_t block_index, int64_t tokens
         ort().ReleaseTensorTypeAndShapeInfo(info);
         check(status);
         if (elements != count)
-            fail(PIPESHARD_ERR_PACK, name + " holds " + std::to_string(elements) + " values, not " + std::to_string(count));
+            fail(PIPESHARD_ERR_PACK,
+                 name + " holds " + std::to_string(elements) + " values, not " + std::to_string(count));
         return static_cast<const float*>(data);
     };
     size_t experts = block.experts.size(), width = static_cast<size_t>(manifest_.hidden_size);

@@ -101,7 +101,8 @@ int main(int argc, char** argv) {
         std::string pieces, sentences;
         bool ordered = !events.empty() && events.back().kind == EventKind::Finished;
         for (size_t i = 0; i < events.size(); ++i) {
-            ordered = ordered && events[i].request == request && (events[i].kind != EventKind::Finished || i + 1 == events.size());
+            bool in_place = events[i].kind != EventKind::Finished || i + 1 == events.size();
+            ordered = ordered && events[i].request == request && in_place;
             if (events[i].kind == EventKind::Token) ids.push_back(events[i].token_id), pieces += events[i].text;
             if (events[i].kind == EventKind::Sentence) sentences += events[i].text;
         }
@@ -127,7 +128,8 @@ int main(int argc, char** argv) {
     expect(cancelled, "Cancel");
     std::vector<Event> events = game.until_finished(bridge, running, &drains);
     expect(!events.empty() && events.back().status == PIPESHARD_ERR_CANCELLED,
-           "a cancelled request finishes cancelled after " + std::to_string(events.size() - 1) + " token/sentence events");
+           "a cancelled request finishes cancelled after " + std::to_string(events.size() - 1) +
+               " token/sentence events");
     expect(bridge.Cancel(running), "cancelling an ended request is no error");
     sampling.max_new_tokens = 8;
     int64_t turn = bridge.Submit("Who goes there?", sampling);

@@ -611,7 +611,8 @@ std::string quoted(const std::vector<std::string>& sentences) {
     std::string out;
     for (const std::string& sentence : sentences) {
         out += "[";
-        for (char c : sentence) out += c == '\n' ? std::string("\\n") : c == '\t' ? std::string("\\t") : std::string(1, c);
+        for (char c : sentence)
+            out += c == '\n' ? std::string("\\n") : c == '\t' ? std::string("\\t") : std::string(1, c);
         out += "]";
     }
     return out;
@@ -621,7 +622,8 @@ std::string quoted(const std::vector<std::string>& sentences) {
 bool ends_a_sentence(const std::string& sentence, const std::string& next) {
     if (sentence.empty()) return false;
     if (sentence.back() == '\n') return true;
-    bool mark = std::strchr(".!?", sentence.back()) || (sentence.size() >= 3 && sentence.compare(sentence.size() - 3, 3, "\xE2\x80\xA6") == 0);
+    bool ellipsis = sentence.size() >= 3 && sentence.compare(sentence.size() - 3, 3, "\xE2\x80\xA6") == 0;
+    bool mark = std::strchr(".!?", sentence.back()) || ellipsis;
     return mark && !next.empty() && std::strchr(" \t\n\r\v\f", next.front());
 }
 
@@ -644,7 +646,8 @@ int sentence_splitter() {
     for (const Case& c : cases)
         for (size_t size : {0, 1, 2, 3, 5, 7}) {
             std::vector<std::string> got = split(c.text, size);
-            expect(got == c.want, "pieces of " + std::to_string(size) + " bytes: " + quoted(got) + " want " + quoted(c.want));
+            expect(got == c.want,
+                   "pieces of " + std::to_string(size) + " bytes: " + quoted(got) + " want " + quoted(c.want));
         }
     return failures;
 }
@@ -679,17 +682,20 @@ int sentences(const Json& expected, const std::string& extensions) {
             bool cut_right = true;
             for (size_t i = 0; i < done.sentences.size(); ++i) {
                 joined += done.sentences[i];
-                if (i + 1 < done.sentences.size()) cut_right = cut_right && ends_a_sentence(done.sentences[i], done.sentences[i + 1]);
+                if (i + 1 < done.sentences.size())
+                    cut_right = cut_right && ends_a_sentence(done.sentences[i], done.sentences[i + 1]);
             }
             sentences_seen += done.sentences.size();
-            std::string what = std::string(turn_of ? "session turn" : "one-shot") + " \"" + prompt.at("text").str() + "\": ";
+            std::string what =
+                std::string(turn_of ? "session turn" : "one-shot") + " \"" + prompt.at("text").str() + "\": ";
             std::printf("     %s%s\n", what.c_str(), quoted(done.sentences).c_str());
             expect(!done.text.empty() && joined == done.text && joined == done.pieces,
                    what + "the sentences joined are the answer's text and the token pieces");
             expect(cut_right && done.sentences == split(done.text, 0), what + "each cut where a sentence ends");
             expect(!done.sentence_after_done, what + "every sentence before on_done");
         }
-    expect(sentences_seen > 2 * expected.at("prompts").items.size(), "answers of several sentences: " + std::to_string(sentences_seen));
+    expect(sentences_seen > 2 * expected.at("prompts").items.size(),
+           "answers of several sentences: " + std::to_string(sentences_seen));
     // Without a sentence callback pipeshard_submit_with_sentences is pipeshard_submit.
     Done plain;
     pipeshard_request_id request = 0;
