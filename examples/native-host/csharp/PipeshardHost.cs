@@ -121,6 +121,8 @@ namespace Pipeshard
         internal delegate int TokenCallback(long tokenId, IntPtr textPiece, IntPtr userData);
         [UnmanagedFunctionPointer(CallingConvention.Cdecl)]
         delegate void DoneCallback(ulong request, Status status, IntPtr text, IntPtr message, IntPtr userData);
+        [UnmanagedFunctionPointer(CallingConvention.Cdecl)]
+        delegate void SentenceCallback(ulong request, IntPtr sentence, IntPtr userData);
 
         [DllImport(Library, CallingConvention = CallingConvention.Cdecl)]
         static extern void pipeshard_default_options(ref NativeOptions options);
@@ -138,9 +140,10 @@ namespace Pipeshard
                                                             UIntPtr imageCount, ref NativeSampling sampling,
                                                             TokenCallback callback, IntPtr userData);
         [DllImport(Library, CallingConvention = CallingConvention.Cdecl)]
-        static extern Status pipeshard_submit(IntPtr host, IntPtr session, IntPtr prompt, ref NativeSampling sampling,
-                                              TokenCallback onToken, DoneCallback onDone, IntPtr userData,
-                                              out ulong request);
+        static extern Status pipeshard_submit_with_sentences(IntPtr host, IntPtr session, IntPtr prompt,
+                                                             ref NativeSampling sampling, TokenCallback onToken,
+                                                             SentenceCallback onSentence, DoneCallback onDone,
+                                                             IntPtr userData, out ulong request);
         [DllImport(Library, CallingConvention = CallingConvention.Cdecl)]
         static extern Status pipeshard_cancel(IntPtr host, ulong request);
         [DllImport(Library, CallingConvention = CallingConvention.Cdecl)]
@@ -186,6 +189,7 @@ namespace Pipeshard
         // Static delegates to static methods, kept alive for as long as the library may call them (IL2CPP needs both).
         static readonly TokenCallback Callback = OnToken;
         static readonly DoneCallback Done = OnDone;
+        static readonly SentenceCallback Sentence = OnSentence;
 
         public PipeshardHost(string packDir, HostOptions options = null)
         {
@@ -291,13 +295,15 @@ namespace Pipeshard
             return sink.Ids;
         }
 
-        /// <summary>Queue a generation and return at once; `onToken(textPiece)` is called on the host's worker
-        /// thread. The task ends with the answer's text, is cancelled when `cancellation` fires (the host stops between
-        /// two sub-layer runs), or fails with a PipeshardException.</summary>
+        /// <summary>Queue a generation and return at once; `onToken(textPiece)` and `onSentence(sentence)` (each whole
+        /// sentence as it completes, then the rest of the answer: for speech) are called on the host's worker thread.
+        /// The task ends with the answer's text, is cancelled when `cancellation` fires (the host stops between two
+        /// sub-layer runs), or fails with a PipeshardException.</summary>
         public Task<string> GenerateAsync(string prompt, Sampling sampling = null, Action<string> onToken = null,
-                                          CancellationToken cancellation = default(CancellationToken))
+                                          CancellationToken cancellation = default(CancellationToken),
+                                          Action<string> onSentence = null)
         {
-            return Submit(IntPtr.Zero, prompt, sampling, onToken, cancellation);
+            return Submit(IntPtr.Zero, prompt, sampling, onToken, cancellation, onSentence);
         }
 
         /// <summary>A conversation of its own (one per character), its KV cache kept between turns.</summary>
@@ -333,18 +339,19 @@ namespace Pipeshard
         }
 
         internal Task<string> Submit(IntPtr session, string prompt, Sampling sampling, Action<string> onToken,
-                                     CancellationToken cancellation)
+                                     CancellationToken cancellation, Action<string> onSentence)
         {
             var strings = new List<IntPtr>();
-            var request = new Request();
+            var request = new Request { OnSentence = onSentence };
             if (onToken != null) request.OnToken = (id, piece) => { onToken(piece); return true; };
             GCHandle pinned = GCHandle.Alloc(request);  // freed by OnDone, which the library calls exactly once
             try
             {
                 NativeSampling native = ToNative(sampling ?? new Sampling(), strings);
                 ulong id;
-                Status status = pipeshard_submit(Handle, session, Utf8(prompt, strings), ref native, Callback, Done,
-                                                 GCHandle.ToIntPtr(pinned), out id);
+                Status status = pipeshard_submit_with_sentences(Handle, session, Utf8(prompt, strings), ref native,
+                                                                Callback, onSentence == null ? null : Sentence, Done,
+                                                                GCHandle.ToIntPtr(pinned), out id);
                 if (status != Status.Ok)
                 {
                     pinned.Free();
@@ -464,6 +471,7 @@ namespace Pipeshard
         internal sealed class Request
         {
             public Func<long, string, bool> OnToken;
+            public Action<string> OnSentence;
             public readonly List<long> Ids = new List<long>();
             public Exception Error;
             // Continuations run on the thread pool, never on the host's worker (where a blocking call would be refused).
@@ -478,6 +486,7 @@ namespace Pipeshard
         {
             var sink = (Request)GCHandle.FromIntPtr(userData).Target;
             if (tokenId >= 0) sink.Ids.Add(tokenId);  // -1: text held back while it could begin a stop string
+            if (sink.Error != null) return 1;  // a sentence callback threw
             try
             {
                 return sink.OnToken == null || sink.OnToken(tokenId, FromUtf8(textPiece)) ? 0 : 1;
@@ -486,6 +495,20 @@ namespace Pipeshard
             {
                 sink.Error = error;
                 return 1;
+            }
+        }
+
+        [MonoPInvokeCallback(typeof(SentenceCallback))]
+        static void OnSentence(ulong requestId, IntPtr sentence, IntPtr userData)
+        {
+            var sink = (Request)GCHandle.FromIntPtr(userData).Target;
+            try
+            {
+                if (sink.Error == null) sink.OnSentence(FromUtf8(sentence));
+            }
+            catch (Exception error)  // not across the native frames: the next token stops, the task fails with it
+            {
+                sink.Error = error;
             }
         }
 
@@ -563,11 +586,13 @@ namespace Pipeshard
             this.handle = handle;
         }
 
-        /// <summary>The next user turn; the answer joins the history when it ends (not when cancelled).</summary>
+        /// <summary>The next user turn; the answer joins the history when it ends (not when cancelled). `onSentence`
+        /// gets each whole sentence of the answer as it completes (see GenerateAsync).</summary>
         public Task<string> SayAsync(string userText, Sampling sampling = null, Action<string> onToken = null,
-                                     CancellationToken cancellation = default(CancellationToken))
+                                     CancellationToken cancellation = default(CancellationToken),
+                                     Action<string> onSentence = null)
         {
-            return host.Submit(Handle, userText, sampling, onToken, cancellation);
+            return host.Submit(Handle, userText, sampling, onToken, cancellation, onSentence);
         }
 
         /// <summary>The next user turn, waiting for the answer; returns its token ids.</summary>

@@ -80,10 +80,13 @@ static class Program
         string pirateExpected = host.GenerateAsync(prompt, new Sampling { MaxNewTokens = 8, SystemPrompt = pirateSystem }).Result;
         using (ChatSession guard = host.CreateSession(), pirate = host.CreateSession(pirateSystem))
         {
-            var turns = new[] { guard.SayAsync(prompt, sampling), pirate.SayAsync(prompt, sampling),
+            var spokenTurn = new List<string>();
+            var turns = new[] { guard.SayAsync(prompt, sampling, null, default(CancellationToken), spokenTurn.Add),
+                                pirate.SayAsync(prompt, sampling),
                                 guard.SayAsync(otherPrompt, sampling), pirate.SayAsync(otherPrompt, sampling) };
             Task.WaitAll(turns);
-            Expect(turns[0].Result == after, "session 1, turn 1 is the one-shot answer: \"" + turns[0].Result + "\"");
+            Expect(turns[0].Result == after && string.Concat(spokenTurn) == after,
+                   "session 1, turn 1 is the one-shot answer, also in sentences: \"" + turns[0].Result + "\"");
             Expect(turns[1].Result == pirateExpected, "session 2, turn 1 is the one-shot answer with its system prompt: \"" +
                                                       turns[1].Result + "\"");
             Expect(guard.Turns == 2 && pirate.Turns == 2, "each session keeps its own two turns");
@@ -117,6 +120,11 @@ static class Program
             Expect(host.Detokenize(hello) == "Hello, world!", "Tokenize/Detokenize round trip: " + string.Join(" ", hello));
             var stopped = host.Generate(cases[0].Prompt, sampling, (id, piece) => false);
             Expect(stopped.Count == 1, "a callback returning false stops after its token");
+            var sentences = new List<string>();
+            var last = cases[cases.Count - 1];
+            string spoken = host.GenerateAsync(last.Prompt, sampling, null, default(CancellationToken), sentences.Add).Result;
+            Expect(spoken == host.Detokenize(last.Ids.ToArray()) && string.Concat(sentences) == spoken && sentences.Count > 1,
+                   "GenerateAsync's sentences make the answer: [" + string.Join("][", sentences) + "]");
             AsyncCancelAndSessions(host, sampling, cases[0].Prompt, cases[0].Ids, cases[1].Prompt);
         }
         var options = new HostOptions { ExtensionsLibrary = extensions, Threads = threads, PlansPath = plans, Device = "sim" };

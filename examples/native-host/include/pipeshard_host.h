@@ -19,12 +19,12 @@
 
 #if defined(_WIN32)
 #if defined(PIPESHARD_HOST_BUILD)
-#define PIPESHARD_API __declspec(dllexport)
+#define PIPESHARD_HOST_API __declspec(dllexport)
 #else
-#define PIPESHARD_API __declspec(dllimport)
+#define PIPESHARD_HOST_API __declspec(dllimport)
 #endif
 #else
-#define PIPESHARD_API __attribute__((visibility("default")))
+#define PIPESHARD_HOST_API __attribute__((visibility("default")))
 #endif
 
 #ifdef __cplusplus
@@ -107,116 +107,134 @@ typedef int (*pipeshard_token_callback)(int64_t token_id, const char* text_piece
 typedef void (*pipeshard_done_callback)(pipeshard_request_id request, pipeshard_status status, const char* text,
                                         const char* message, void* user_data);
 
-PIPESHARD_API void pipeshard_default_options(pipeshard_options* options);
-PIPESHARD_API void pipeshard_default_sampling(pipeshard_sampling* sampling);
+/* Called once per whole sentence of the answer, for speech, on the worker thread, after the token callback of the
+ * token that completed it: text up to and including . ! ? or … followed by whitespace, or up to and including a
+ * newline (whitespace after a sentence begins the next one; a run of only whitespace joins the next sentence). When
+ * the request ends with PIPESHARD_OK, the text after the last whole sentence comes last (when not empty), before
+ * on_done: the sentences joined are the answer's text. A cancelled or failed request hands on no remainder. Needs
+ * the extensions library (text). */
+typedef void (*pipeshard_sentence_callback)(pipeshard_request_id request, const char* sentence, void* user_data);
+
+PIPESHARD_HOST_API void pipeshard_default_options(pipeshard_options* options);
+PIPESHARD_HOST_API void pipeshard_default_sampling(pipeshard_sampling* sampling);
 
 /* Open the pack folder: check its manifest (and the plans file against it), create the sessions, size the KV. */
-PIPESHARD_API pipeshard_status pipeshard_open(const char* pack_dir, const pipeshard_options* options,
-                                              pipeshard_host** out_host);
+PIPESHARD_HOST_API pipeshard_status pipeshard_open(const char* pack_dir, const pipeshard_options* options,
+                                                   pipeshard_host** out_host);
 
 /* Generate from text (tokenized by the pack's tokenizer.onnx) or from token ids, and wait for the answer; the
  * callback runs on the worker thread while the caller waits. The KV cache starts empty. */
-PIPESHARD_API pipeshard_status pipeshard_generate(pipeshard_host* host, const char* prompt,
-                                                  const pipeshard_sampling* sampling,
-                                                  pipeshard_token_callback callback, void* user_data);
-PIPESHARD_API pipeshard_status pipeshard_generate_ids(pipeshard_host* host, const int64_t* prompt_ids,
-                                                      size_t prompt_length, const pipeshard_sampling* sampling,
-                                                      pipeshard_token_callback callback, void* user_data);
+PIPESHARD_HOST_API pipeshard_status pipeshard_generate(pipeshard_host* host, const char* prompt,
+                                                       const pipeshard_sampling* sampling,
+                                                       pipeshard_token_callback callback, void* user_data);
+PIPESHARD_HOST_API pipeshard_status pipeshard_generate_ids(pipeshard_host* host, const int64_t* prompt_ids,
+                                                           size_t prompt_length, const pipeshard_sampling* sampling,
+                                                           pipeshard_token_callback callback, void* user_data);
 
 /* A one-shot prompt with images, for a VLM pack (SmolVLM / Idefics3, llava-style towers): image i goes where the
  * prompt's i-th image placeholder is ("<image>"), or all before its text when it has none; the images are encoded
  * on the CPU and their features take the image tokens' places as the prompt is fed. The pixels are read before this
  * returns (pipeshard_submit_with_images: copied before it returns). image_count 0: as pipeshard_generate. A text
  * pack, NULL pixels, a size out of range, or placeholders that do not match the images: PIPESHARD_ERR_ARGUMENT. */
-PIPESHARD_API pipeshard_status pipeshard_generate_with_images(pipeshard_host* host, const char* prompt,
-                                                              const pipeshard_image* images, size_t image_count,
-                                                              const pipeshard_sampling* sampling,
-                                                              pipeshard_token_callback callback, void* user_data);
+PIPESHARD_HOST_API pipeshard_status pipeshard_generate_with_images(pipeshard_host* host, const char* prompt,
+                                                                   const pipeshard_image* images, size_t image_count,
+                                                                   const pipeshard_sampling* sampling,
+                                                                   pipeshard_token_callback callback, void* user_data);
 
 /* Queue a generation and return at once with its id; tokens go to `on_token` and the end to `on_done` (both may be
  * NULL), on the worker thread. `session` NULL: a one-shot prompt (the KV starts empty); else `prompt` is the user's
  * next turn in that conversation. Strings and the sampling struct are copied before this returns. */
-PIPESHARD_API pipeshard_status pipeshard_submit(pipeshard_host* host, pipeshard_session* session, const char* prompt,
-                                                const pipeshard_sampling* sampling, pipeshard_token_callback on_token,
-                                                pipeshard_done_callback on_done, void* user_data,
-                                                pipeshard_request_id* out_request);
+PIPESHARD_HOST_API pipeshard_status pipeshard_submit(pipeshard_host* host, pipeshard_session* session,
+                                                     const char* prompt, const pipeshard_sampling* sampling,
+                                                     pipeshard_token_callback on_token,
+                                                     pipeshard_done_callback on_done, void* user_data,
+                                                     pipeshard_request_id* out_request);
+/* pipeshard_submit with a sentence callback too (NULL: as pipeshard_submit): each whole sentence of the answer goes to
+ * `on_sentence` as it completes (see pipeshard_sentence_callback), for a game that speaks the answer. */
+PIPESHARD_HOST_API pipeshard_status pipeshard_submit_with_sentences(pipeshard_host* host, pipeshard_session* session,
+                                                                    const char* prompt,
+                                                                    const pipeshard_sampling* sampling,
+                                                                    pipeshard_token_callback on_token,
+                                                                    pipeshard_sentence_callback on_sentence,
+                                                                    pipeshard_done_callback on_done, void* user_data,
+                                                                    pipeshard_request_id* out_request);
 /* pipeshard_submit of a one-shot prompt with images (as pipeshard_generate_with_images); the pixels are copied. */
-PIPESHARD_API pipeshard_status pipeshard_submit_with_images(pipeshard_host* host, const char* prompt,
-                                                            const pipeshard_image* images, size_t image_count,
-                                                            const pipeshard_sampling* sampling,
-                                                            pipeshard_token_callback on_token,
-                                                            pipeshard_done_callback on_done, void* user_data,
-                                                            pipeshard_request_id* out_request);
+PIPESHARD_HOST_API pipeshard_status pipeshard_submit_with_images(pipeshard_host* host, const char* prompt,
+                                                                 const pipeshard_image* images, size_t image_count,
+                                                                 const pipeshard_sampling* sampling,
+                                                                 pipeshard_token_callback on_token,
+                                                                 pipeshard_done_callback on_done, void* user_data,
+                                                                 pipeshard_request_id* out_request);
 /* Stop a request from any thread: a running one stops before its next sub-layer run (or prompt chunk) and its
  * on_done gets PIPESHARD_ERR_CANCELLED; a queued one is reported so when the worker reaches it. An id that has
  * ended already is not an error. */
-PIPESHARD_API pipeshard_status pipeshard_cancel(pipeshard_host* host, pipeshard_request_id request);
+PIPESHARD_HOST_API pipeshard_status pipeshard_cancel(pipeshard_host* host, pipeshard_request_id request);
 /* Wait until a request has ended (its on_done has returned); its status, or PIPESHARD_ERR_ARGUMENT for an unknown
  * id. timeout_ms < 0: wait as long as it takes; on timeout PIPESHARD_ERR_ARGUMENT and the request runs on. */
-PIPESHARD_API pipeshard_status pipeshard_wait(pipeshard_host* host, pipeshard_request_id request, int timeout_ms);
+PIPESHARD_HOST_API pipeshard_status pipeshard_wait(pipeshard_host* host, pipeshard_request_id request, int timeout_ms);
 
 /* A conversation (one per character) with its own KV cache kept between turns: each turn renders the whole
  * history with the pack's chat template and feeds only the tokens the cache does not hold yet. Many sessions share
  * one host; a session's requests run one at a time, in order. system_prompt NULL: the template's default. */
-PIPESHARD_API pipeshard_status pipeshard_session_create(pipeshard_host* host, const char* system_prompt,
-                                                        pipeshard_session** out_session);
+PIPESHARD_HOST_API pipeshard_status pipeshard_session_create(pipeshard_host* host, const char* system_prompt,
+                                                             pipeshard_session** out_session);
 /* The next user turn, waiting for the answer (pipeshard_submit with the session is the asynchronous form). A turn
  * that ends (end of sequence, length, stop string, callback) joins the history; a cancelled or failed one does not. */
-PIPESHARD_API pipeshard_status pipeshard_session_say(pipeshard_session* session, const char* user_text,
-                                                     const pipeshard_sampling* sampling,
-                                                     pipeshard_token_callback callback, void* user_data);
+PIPESHARD_HOST_API pipeshard_status pipeshard_session_say(pipeshard_session* session, const char* user_text,
+                                                          const pipeshard_sampling* sampling,
+                                                          pipeshard_token_callback callback, void* user_data);
 /* Drop the last user turn and its answer (the cache keeps what the shorter history still shares). */
-PIPESHARD_API pipeshard_status pipeshard_session_rollback(pipeshard_session* session);
+PIPESHARD_HOST_API pipeshard_status pipeshard_session_rollback(pipeshard_session* session);
 /* The number of turns (user message and answer) in the history. */
-PIPESHARD_API pipeshard_status pipeshard_session_turns(pipeshard_session* session, size_t* turns);
+PIPESHARD_HOST_API pipeshard_status pipeshard_session_turns(pipeshard_session* session, size_t* turns);
 /* The history and its KV cache to a file, and back into a new session of a host opened on the same pack. */
-PIPESHARD_API pipeshard_status pipeshard_session_save(pipeshard_session* session, const char* path);
-PIPESHARD_API pipeshard_status pipeshard_session_load(pipeshard_host* host, const char* path,
-                                                      pipeshard_session** out_session);
+PIPESHARD_HOST_API pipeshard_status pipeshard_session_save(pipeshard_session* session, const char* path);
+PIPESHARD_HOST_API pipeshard_status pipeshard_session_load(pipeshard_host* host, const char* path,
+                                                           pipeshard_session** out_session);
 /* Cancel the session's requests, wait for them, free it. NULL is ignored. */
-PIPESHARD_API void pipeshard_session_close(pipeshard_session* session);
+PIPESHARD_HOST_API void pipeshard_session_close(pipeshard_session* session);
 
 /* Messages through the pack's chat template (ready for the next answer), as transformers' apply_chat_template with
  * add_generation_prompt renders them; `length` receives the size needed with the NUL. */
-PIPESHARD_API pipeshard_status pipeshard_render_chat(pipeshard_host* host, const pipeshard_message* messages,
-                                                     size_t count, char* text, size_t capacity, size_t* length);
+PIPESHARD_HOST_API pipeshard_status pipeshard_render_chat(pipeshard_host* host, const pipeshard_message* messages,
+                                                          size_t count, char* text, size_t capacity, size_t* length);
 
 /* Text <-> ids through tokenizer.onnx / detokenizer.onnx. `count` / `length` receive the size needed (with the
  * terminating NUL for text); a buffer too small gives PIPESHARD_ERR_ARGUMENT and is left untouched. */
-PIPESHARD_API pipeshard_status pipeshard_tokenize(pipeshard_host* host, const char* text, int64_t* ids,
-                                                  size_t capacity, size_t* count);
-PIPESHARD_API pipeshard_status pipeshard_detokenize(pipeshard_host* host, const int64_t* ids, size_t count,
-                                                    char* text, size_t capacity, size_t* length);
+PIPESHARD_HOST_API pipeshard_status pipeshard_tokenize(pipeshard_host* host, const char* text, int64_t* ids,
+                                                       size_t capacity, size_t* count);
+PIPESHARD_HOST_API pipeshard_status pipeshard_detokenize(pipeshard_host* host, const int64_t* ids, size_t count,
+                                                         char* text, size_t capacity, size_t* length);
 
 /* A fixed VRAM budget (a game took memory back, or gave it; this ends the AUTO mode): the plans of the largest
  * ladder rung that fits run from the next step on, keeping the KV cache. The ladder always ends with a 0-byte rung
  * that runs every unit on the CPU, so every budget fits some rung. */
-PIPESHARD_API pipeshard_status pipeshard_set_vram_budget(pipeshard_host* host, uint64_t budget_bytes);
+PIPESHARD_HOST_API pipeshard_status pipeshard_set_vram_budget(pipeshard_host* host, uint64_t budget_bytes);
 /* The AUTO mode: the budget is the device's free memory (plus what the host holds) minus `reserve_bytes`, read again
  * before every step. */
-PIPESHARD_API pipeshard_status pipeshard_set_auto_budget(pipeshard_host* host, uint64_t reserve_bytes);
+PIPESHARD_HOST_API pipeshard_status pipeshard_set_auto_budget(pipeshard_host* host, uint64_t reserve_bytes);
 /* The game's own figure of the device memory free now (e.g. DXGI's budget minus current usage), which the AUTO mode
  * uses instead of asking the device from then on. */
-PIPESHARD_API pipeshard_status pipeshard_set_free_vram(pipeshard_host* host, uint64_t free_bytes);
+PIPESHARD_HOST_API pipeshard_status pipeshard_set_free_vram(pipeshard_host* host, uint64_t free_bytes);
 /* Free all device memory now (between two steps when a request runs); the next step uploads what its rung needs
  * again, so lower the budget first to keep the memory free. */
-PIPESHARD_API pipeshard_status pipeshard_release(pipeshard_host* host);
+PIPESHARD_HOST_API pipeshard_status pipeshard_release(pipeshard_host* host);
 /* Create the sessions and upload the weights of the rung in force, and run one token through, so that the first
  * request does not pay for it. */
-PIPESHARD_API pipeshard_status pipeshard_warmup(pipeshard_host* host);
+PIPESHARD_HOST_API pipeshard_status pipeshard_warmup(pipeshard_host* host);
 
 /* What the host has done, as one JSON object (device, budget, rung, steps, plan switches, device bytes in use
  * and at peak, streamed bytes, the last generation's prompt/decode timings and tokens/s). */
-PIPESHARD_API pipeshard_status pipeshard_report(pipeshard_host* host, char* json, size_t capacity, size_t* length);
+PIPESHARD_HOST_API pipeshard_status pipeshard_report(pipeshard_host* host, char* json, size_t capacity, size_t* length);
 
 /* This thread's last failed call's message (`host` is not needed: NULL works too); never NULL, "" after a call
  * that succeeded. */
-PIPESHARD_API const char* pipeshard_last_error(const pipeshard_host* host);
-PIPESHARD_API const char* pipeshard_status_name(pipeshard_status status);
+PIPESHARD_HOST_API const char* pipeshard_last_error(const pipeshard_host* host);
+PIPESHARD_HOST_API const char* pipeshard_status_name(pipeshard_status status);
 
 /* Cancel what is queued or running, stop the worker, free the host's sessions (their handles are invalid after),
  * the ONNX Runtime sessions, device memory and KV cache. NULL is ignored; from a callback it does nothing. */
-PIPESHARD_API void pipeshard_close(pipeshard_host* host);
+PIPESHARD_HOST_API void pipeshard_close(pipeshard_host* host);
 
 #ifdef __cplusplus
 }

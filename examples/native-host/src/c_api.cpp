@@ -14,6 +14,7 @@
 #include "json.hpp"
 #include "pipeshard_host.h"
 #include "runner.hpp"
+#include "sentences.hpp"
 
 struct pipeshard_host {
     std::unique_ptr<pipeshard::Runner> runner;
@@ -130,15 +131,32 @@ pipeshard_status budget_changed(pipeshard_host* host, const std::function<void(p
     return status;
 }
 
-// Queue a request on the host's worker: `body` makes its answer; `on_done`, when given, gets the answer's text.
+// Queue a request on the host's worker: `body(sink)` makes its answer, handing each token to `sink`: the token
+// callback, then (with `on_sentence`) the sentences its piece completes, and the remainder once the answer is made.
+// `on_done`, when given, gets the answer's text.
 template <typename Body>
 void queue_request(pipeshard_host* host, pipeshard::Conversation* conversation, Body body,
+                   pipeshard_token_callback on_token, pipeshard_sentence_callback on_sentence,
                    pipeshard_done_callback on_done, void* user_data, pipeshard_request_id* out_request) {
     auto task = std::make_unique<pipeshard::Task>();
     auto answer = std::make_shared<pipeshard::Answer>();
     task->conversation = conversation;
-    task->body = [=] { *answer = body(); };
     uint64_t* id = &task->id;
+    pipeshard::TokenSink tokens = sink_of(on_token, user_data);
+    task->body = [=] {
+        if (!on_sentence) {
+            *answer = body(tokens);
+            return;
+        }
+        pipeshard::SentenceSplitter splitter;
+        *answer = body([&](int64_t token, const std::string& piece) {
+            bool go_on = !tokens || tokens(token, piece);
+            for (const std::string& sentence : splitter.feed(piece)) on_sentence(*id, sentence.c_str(), user_data);
+            return go_on;
+        });
+        std::string rest = splitter.finish();
+        if (!rest.empty()) on_sentence(*id, rest.c_str(), user_data);
+    };
     if (on_done)
         task->finish = [=](pipeshard_status status, const std::string& message) {
             on_done(*id, status, answer->text.c_str(), message.c_str(), user_data);
@@ -235,17 +253,28 @@ pipeshard_status pipeshard_submit_with_images(pipeshard_host* host, const char* 
         auto copies = std::make_shared<std::vector<pipeshard::RgbImage>>(images_of(images, image_count));
         pipeshard::Sampling chosen = sampling_of(sampling);
         pipeshard::Host* engine = &host->runner->host();
-        pipeshard::TokenSink sink = sink_of(on_token, user_data);
         std::string text = prompt;
         queue_request(
-            host, nullptr, [=] { return engine->generate_with_images(text, *copies, chosen, sink); }, on_done,
-            user_data, out_request);
+            host, nullptr,
+            [=](const pipeshard::TokenSink& sink) {
+                return engine->generate_with_images(text, *copies, chosen, sink);
+            },
+            on_token, nullptr, on_done, user_data, out_request);
     });
 }
 
 pipeshard_status pipeshard_submit(pipeshard_host* host, pipeshard_session* session, const char* prompt,
                                   const pipeshard_sampling* sampling, pipeshard_token_callback on_token,
                                   pipeshard_done_callback on_done, void* user_data, pipeshard_request_id* out_request) {
+    return pipeshard_submit_with_sentences(host, session, prompt, sampling, on_token, nullptr, on_done, user_data,
+                                           out_request);
+}
+
+pipeshard_status pipeshard_submit_with_sentences(pipeshard_host* host, pipeshard_session* session, const char* prompt,
+                                                 const pipeshard_sampling* sampling, pipeshard_token_callback on_token,
+                                                 pipeshard_sentence_callback on_sentence,
+                                                 pipeshard_done_callback on_done, void* user_data,
+                                                 pipeshard_request_id* out_request) {
     if (!host) return null_argument("host");
     if (!prompt) return null_argument("prompt");
     if (session && session->host != host) return finished(PIPESHARD_ERR_ARGUMENT, "the session belongs to another host");
@@ -253,15 +282,14 @@ pipeshard_status pipeshard_submit(pipeshard_host* host, pipeshard_session* sessi
         pipeshard::Sampling chosen = sampling_of(sampling);
         pipeshard::Host* engine = &host->runner->host();
         pipeshard::Conversation* conversation = session ? session->conversation.get() : nullptr;
-        pipeshard::TokenSink sink = sink_of(on_token, user_data);
         std::string text = prompt;
         queue_request(
             host, conversation,
-            [=] {
+            [=](const pipeshard::TokenSink& sink) {
                 return conversation ? engine->say(*conversation, text, chosen, sink)
                                     : engine->generate(engine->prompt_ids(text, chosen), chosen, sink);
             },
-            on_done, user_data, out_request);
+            on_token, on_sentence, on_done, user_data, out_request);
     });
 }
 

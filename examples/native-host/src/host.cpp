@@ -235,6 +235,18 @@ Host::Host(const std::string& pack_dir, const pipeshard_options& options) {
         fail(PIPESHARD_ERR_PACK, error.what());
     }
 
+    if (has_plans_ && !manifest_.moe_blocks.empty())
+        fail(PIPESHARD_ERR_PLANS, "a mixture-of-experts pack runs all on the CPU in this host (yet): open it without "
+                                  "a plans file");
+    for (const MoeBlock& block : manifest_.moe_blocks)
+        for (const SubLayer& sub : manifest_.sub_layers)
+            if (sub.name == block.router)
+                for (const TensorSpec& output : sub.outputs)
+                    if ((output.name == block.hidden || output.name == block.routing) && output.dtype != "float32")
+                        fail(PIPESHARD_ERR_PACK, block.router + "'s " + output.name + " is " + output.dtype +
+                                                     ": this host combines float32 experts only");
+    moe_outputs_.resize(manifest_.moe_blocks.size());
+
     if (has_plans_) {
         plans_ = read_plans(options.plans_path, manifest_, units_);
         if (options.context > plans_.context)
@@ -930,15 +942,22 @@ void Host::forward(const int64_t* ids, int64_t tokens, int64_t past) {
                     restart_ring();
                     fail(PIPESHARD_ERR_CANCELLED, "cancelled");
                 }
+                if (is_expert(piece.first_run)) continue;  // run by its router's block
                 run_unit(runs_[piece.first_run], tokens, piece.session, piece.session ? &piece.spec : nullptr);
+                size_t block = 0;
+                if (const MoeBlock* moe = moe_block_after(piece.first_run + piece.run_count - 1, &block))
+                    run_experts(*moe, block, tokens);
             }
         } else {
-            for (const Run& run : runs_) {
+            for (size_t index = 0; index < runs_.size(); ++index) {
                 if (cancel_requested()) {
                     restart_ring();
                     fail(PIPESHARD_ERR_CANCELLED, "cancelled");
                 }
-                run_unit(run, tokens);
+                if (is_expert(index)) continue;
+                run_unit(runs_[index], tokens);
+                size_t block = 0;
+                if (const MoeBlock* moe = moe_block_after(index, &block)) run_experts(*moe, block, tokens);
             }
         }
     } catch (const HostError& error) {
@@ -960,12 +979,15 @@ const std::vector<Piece>& Host::decode_pieces() {
     if (found != decode_pieces_.end()) return found->second;
     std::vector<Piece> pieces;
     for (size_t first = 0; first < runs_.size();) {
+        // A MoE layer's experts run by themselves, and a stretch ends with a router (its experts run next).
         auto joinable = [&](size_t index) {
-            return runs_[index].placement == "cpu" && !units_[runs_[index].unit].chunk;
+            return runs_[index].placement == "cpu" && !units_[runs_[index].unit].chunk && !is_expert(index);
         };
         size_t count = 1;
         uint64_t bytes = unit_size(units_[runs_[first].unit]);
-        while (joinable(first) && first + count < runs_.size() && joinable(first + count)) {
+        size_t ignored = 0;
+        while (joinable(first) && first + count < runs_.size() && joinable(first + count) &&
+               !moe_block_after(first + count - 1, &ignored)) {
             uint64_t more = unit_size(units_[runs_[first + count].unit]);
             if (bytes + more > kJoinedBytes) break;
             bytes += more;
@@ -992,8 +1014,9 @@ Piece Host::make_piece(size_t first_run, size_t run_count) {
         members.push_back(units_[runs_[i].unit].sub_layer);
         paths.push_back(manifest_.folder + "/" + (on_cpu ? sub.onnx_file : sub.inputs_file));
     }
-    // Kept as outputs: what a later sub-layer reads, the logits, the present KV.
+    // Kept as outputs: what a later sub-layer (or a MoE combine: the residual) reads, the logits, the present KV.
     std::set<std::string> outputs, read_outside;
+    for (const MoeBlock& block : manifest_.moe_blocks) read_outside.insert(block.residual);
     for (size_t index = 0; index < manifest_.sub_layers.size(); ++index)
         if (std::find(members.begin(), members.end(), index) == members.end())
             for (const TensorSpec& input : manifest_.sub_layers[index].inputs) read_outside.insert(input.name);
@@ -1039,6 +1062,97 @@ Piece Host::make_piece(size_t first_run, size_t run_count) {
         for (size_t index : members) weights_of.push_back(&manifest_.sub_layers[index]);
     piece.session = make_session(spec.name, false, weights_of, &joined.model);
     return piece;
+}
+
+const MoeBlock* Host::moe_block_after(size_t run, size_t* index) const {
+    const std::string& name = manifest_.sub_layers[units_[runs_[run].unit].sub_layer].name;
+    for (size_t i = 0; i < manifest_.moe_blocks.size(); ++i)
+        if (manifest_.moe_blocks[i].router == name) {
+            *index = i;
+            return &manifest_.moe_blocks[i];
+        }
+    return nullptr;
+}
+
+bool Host::is_expert(size_t run) const {
+    if (manifest_.moe_blocks.empty()) return false;
+    const std::string& name = manifest_.sub_layers[units_[runs_[run].unit].sub_layer].name;
+    for (const MoeBlock& block : manifest_.moe_blocks)
+        if (std::find(block.experts.begin(), block.experts.end(), name) != block.experts.end()) return true;
+    return false;
+}
+
+// As runtime/moe.py's chosen_experts and combine: each expert with a nonzero routing weight runs once over its
+// tokens' rows (hidden [1, n, H], routing [1, n, E]); their outputs are added in expert order, then the residual.
+void Host::run_experts(const MoeBlock& block, size_t block_index, int64_t tokens) {
+    auto floats = [&](const std::string& name, size_t count) {
+        auto found = values_.find(name);
+        if (found == values_.end())
+            fail(PIPESHARD_ERR_PACK, "the MoE block of " + block.router + " reads " + name + ", which no run produced");
+        void* data = nullptr;
+        check(ort().GetTensorMutableData(found->second, &data));
+        OrtTensorTypeAndShapeInfo* info = nullptr;
+        check(ort().GetTensorTypeAndShape(found->second, &info));
+        size_t elements = 0;
+        OrtStatus* status = ort().GetTensorShapeElementCount(info, &elements);
+        ort().ReleaseTensorTypeAndShapeInfo(info);
+        check(status);
+        if (elements != count)
+            fail(PIPESHARD_ERR_PACK,
+                 name + " holds " + std::to_string(elements) + " values, not " + std::to_string(count));
+        return static_cast<const float*>(data);
+    };
+    size_t experts = block.experts.size(), width = static_cast<size_t>(manifest_.hidden_size);
+    size_t rows = static_cast<size_t>(tokens);
+    const float* hidden = floats(block.hidden, rows * width);
+    const float* routing = floats(block.routing, rows * experts);
+    const float* residual = floats(block.residual, rows * width);
+    std::vector<float>& total = moe_outputs_[block_index];
+    total.assign(rows * width, 0.0f);
+    // The hidden and routing values stay in values_ while experts read row subsets under the same names.
+    OrtValue* whole_hidden = values_.at(block.hidden);
+    OrtValue* whole_routing = values_.at(block.routing);
+    values_.erase(block.hidden);
+    values_.erase(block.routing);
+    struct Restore {
+        Host& host;
+        const MoeBlock& block;
+        OrtValue *hidden, *routing;
+        ~Restore() {
+            host.set_value(block.hidden, hidden);
+            host.set_value(block.routing, routing);
+        }
+    } restore{*this, block, whole_hidden, whole_routing};
+    for (size_t expert = 0; expert < experts; ++expert) {
+        std::vector<size_t> chosen;
+        for (size_t row = 0; row < rows; ++row)
+            if (routing[row * experts + expert] != 0.0f) chosen.push_back(row);
+        if (chosen.empty()) continue;
+        if (cancel_requested()) fail(PIPESHARD_ERR_CANCELLED, "cancelled");
+        int64_t count = static_cast<int64_t>(chosen.size());
+        expert_hidden_.resize(chosen.size() * width);
+        expert_routing_.resize(chosen.size() * experts);
+        for (size_t i = 0; i < chosen.size(); ++i) {
+            std::copy_n(hidden + chosen[i] * width, width, expert_hidden_.begin() + i * width);
+            std::copy_n(routing + chosen[i] * experts, experts, expert_routing_.begin() + i * experts);
+        }
+        set_value(block.hidden, tensor(cpu_memory_, expert_hidden_.data(), expert_hidden_.size() * 4,
+                                       {1, count, static_cast<int64_t>(width)}, "float32"));
+        set_value(block.routing, tensor(cpu_memory_, expert_routing_.data(), expert_routing_.size() * 4,
+                                        {1, count, static_cast<int64_t>(experts)}, "float32"));
+        size_t run = runs_.size();
+        for (size_t index = 0; index < runs_.size(); ++index)
+            if (manifest_.sub_layers[units_[runs_[index].unit].sub_layer].name == block.experts[expert]) run = index;
+        if (run == runs_.size()) fail(PIPESHARD_ERR_PACK, block.experts[expert] + " is in no run");
+        run_unit(runs_[run], count);
+        const float* output = floats(block.expert_outputs[expert], chosen.size() * width);
+        for (size_t i = 0; i < chosen.size(); ++i)
+            for (size_t column = 0; column < width; ++column)
+                total[chosen[i] * width + column] += output[i * width + column];
+    }
+    for (size_t i = 0; i < total.size(); ++i) total[i] = residual[i] + total[i];
+    set_value(block.output, tensor(cpu_memory_, total.data(), total.size() * 4,
+                                   {1, static_cast<int64_t>(rows), static_cast<int64_t>(width)}, "float32"));
 }
 
 void Host::release_weight_pages() {

@@ -204,6 +204,8 @@ private:
     std::map<std::string, OrtValue*> values_;  // what runs hand on by name (ORT-allocated outputs, step inputs)
     std::vector<int64_t> input_ids_, attention_mask_, position_ids_;
     std::vector<uint8_t> logits_bytes_;
+    std::vector<float> expert_hidden_, expert_routing_;  // a MoE layer's rows gathered for one expert
+    std::vector<std::vector<float>> moe_outputs_;        // per MoE block: residual + experts, read later this step
     std::string logits_dtype_ = "float32";
     std::vector<float> logits_;
 
@@ -259,6 +261,10 @@ private:
     void feed(const int64_t* ids, int64_t tokens, int64_t past, Conversation* conversation);
     void forward(const int64_t* ids, int64_t tokens, int64_t past);
     void run_unit(const Run& run, int64_t tokens, OrtSession* session = nullptr, const SubLayer* spec = nullptr);
+    // Runs after a router: the experts its tokens chose, each over those tokens, and the combine.
+    void run_experts(const MoeBlock& block, size_t block_index, int64_t tokens);
+    const MoeBlock* moe_block_after(size_t run, size_t* index) const;  // the block whose router this run is
+    bool is_expert(size_t run) const;
     OrtValue* tensor(const OrtMemoryInfo* memory, void* data, size_t bytes, const std::vector<int64_t>& shape,
                      const std::string& dtype);
     void set_value(const std::string& name, OrtValue* value);

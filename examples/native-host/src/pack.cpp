@@ -68,6 +68,30 @@ std::vector<std::string> strings(const Json& list) {
 }
 
 // `vision`: a vision block's record, which has neither a KV cache nor row chunks and leaves them out.
+// A MoE block whose router and experts are sub-layers of the pack, one output per expert.
+MoeBlock read_moe_block(const Json& entry, const std::vector<SubLayer>& sub_layers, const std::string& path) {
+    MoeBlock block;
+    block.router = entry.at("router").str();
+    for (const Json& name : entry.at("experts").items) block.experts.push_back(name.str());
+    for (const Json& name : entry.at("expert_outputs").items) block.expert_outputs.push_back(name.str());
+    block.residual = entry.at("residual").str();
+    block.hidden = entry.at("hidden").str();
+    block.routing = entry.at("routing").str();
+    block.output = entry.at("output").str();
+    auto known = [&](const std::string& name) {
+        for (const SubLayer& sub : sub_layers)
+            if (sub.name == name) return;
+        fail(PIPESHARD_ERR_PACK, path + ": moe_blocks names " + name + ", which is no sub-layer");
+    };
+    known(block.router);
+    for (const std::string& expert : block.experts) known(expert);
+    if (block.experts.empty() || block.experts.size() != block.expert_outputs.size())
+        fail(PIPESHARD_ERR_PACK, path + ": the MoE block of " + block.router + " has " +
+                                     std::to_string(block.experts.size()) + " experts and " +
+                                     std::to_string(block.expert_outputs.size()) + " expert outputs");
+    return block;
+}
+
 SubLayer read_sub_layer(const Json& entry, const std::string& folder, bool vision = false) {
     SubLayer sub;
     sub.name = entry.at("name").str();
@@ -160,8 +184,6 @@ Manifest read_manifest(const std::string& folder) {
         manifest.hidden_size = static_cast<int64_t>(count_of(model.at("hidden_size"), "model.hidden_size", 1, 1 << 20));
         manifest.vocab_size = static_cast<int64_t>(count_of(model.at("vocab_size"), "model.vocab_size", 1, 1 << 24));
         manifest.max_context = static_cast<int64_t>(count_of(model.at("max_context"), "model.max_context", 1, 1 << 24));
-        if (document.has("moe_blocks") && document.at("moe_blocks").size() != 0)
-            fail(PIPESHARD_ERR_PACK, path + ": a mixture-of-experts pack; this host runs dense packs only (yet)");
         if (document.has("host")) {
             const Json& host = document.at("host");
             if (host.has("min_onnxruntime")) manifest.min_onnxruntime = host.at("min_onnxruntime").str();
@@ -170,6 +192,9 @@ Manifest read_manifest(const std::string& folder) {
         }
         for (const Json& entry : document.at("sub_layers").items)
             manifest.sub_layers.push_back(read_sub_layer(entry, folder));
+        if (document.has("moe_blocks"))
+            for (const Json& entry : document.at("moe_blocks").items)
+                manifest.moe_blocks.push_back(read_moe_block(entry, manifest.sub_layers, path));
         if (document.has("vision") && !document.at("vision").is_null()) {
             const Json& vision = document.at("vision");
             manifest.has_vision = true;

@@ -53,12 +53,21 @@ struct Vision {
     std::vector<SubLayer> sub_layers;
 };
 
+// A MoE layer's router, experts and the tensors that connect them (manifest.moe_blocks, docs/model-pack.md): the
+// host runs each expert some token chose over those tokens only and adds their outputs to the residual.
+struct MoeBlock {
+    std::string router;
+    std::vector<std::string> experts, expert_outputs;
+    std::string residual, hidden, routing, output;
+};
+
 struct Manifest {
     std::string folder;
     int64_t hidden_size = 0, vocab_size = 0, max_context = 0;
     std::string min_onnxruntime;      // manifest.host.min_onnxruntime, or empty
     std::string chat_template_file;   // manifest.host.chat_template, or empty
     std::vector<SubLayer> sub_layers;
+    std::vector<MoeBlock> moe_blocks;
     bool has_vision = false;
     Vision vision;
 };

@@ -18,6 +18,7 @@
 
 #include "json.hpp"
 #include "pipeshard_host.h"
+#include "sentences.hpp"
 
 using pipeshard::Json;
 
@@ -235,6 +236,8 @@ struct Done {
     std::chrono::steady_clock::time_point at;
     std::atomic<int> tokens{0};
     std::string pieces, text;  // what on_token saw; what on_done said
+    std::vector<std::string> sentences;  // what on_sentence saw
+    bool sentence_after_done = false;
 };
 
 int count_token(int64_t, const char* piece, void* user_data) {
@@ -590,6 +593,121 @@ int bad_input(const Json* expected, const std::string& extensions) {
     return failures;
 }
 
+// ---- Sentences ----
+
+// `text` cut by a splitter fed in pieces of `size` bytes (0: whole), the remainder last when not empty.
+std::vector<std::string> split(const std::string& text, size_t size) {
+    pipeshard::SentenceSplitter splitter;
+    std::vector<std::string> sentences;
+    for (size_t at = 0; at < text.size(); at += size ? size : text.size())
+        for (std::string& sentence : splitter.feed(text.substr(at, size ? size : text.size())))
+            sentences.push_back(std::move(sentence));
+    std::string rest = splitter.finish();
+    if (!rest.empty()) sentences.push_back(rest);
+    return sentences;
+}
+
+std::string quoted(const std::vector<std::string>& sentences) {
+    std::string out;
+    for (const std::string& sentence : sentences) {
+        out += "[";
+        for (char c : sentence)
+            out += c == '\n' ? std::string("\\n") : c == '\t' ? std::string("\\t") : std::string(1, c);
+        out += "]";
+    }
+    return out;
+}
+
+// A sentence other than the last ends as the splitter's rule says: a newline, or a mark before whitespace.
+bool ends_a_sentence(const std::string& sentence, const std::string& next) {
+    if (sentence.empty()) return false;
+    if (sentence.back() == '\n') return true;
+    bool ellipsis = sentence.size() >= 3 && sentence.compare(sentence.size() - 3, 3, "\xE2\x80\xA6") == 0;
+    bool mark = std::strchr(".!?", sentence.back()) || ellipsis;
+    return mark && !next.empty() && std::strchr(" \t\n\r\v\f", next.front());
+}
+
+// The splitter alone (no pack): crafted text, fed whole, byte by byte and in other cuts (an ellipsis cut inside).
+int sentence_splitter() {
+    struct Case {
+        std::string text;
+        std::vector<std::string> want;
+    };
+    const Case cases[] = {
+        {"Hello there. How are you?  Fine!\nA list:\n\n1. One\xE2\x80\xA6 two...\tthree? 3.14 is pi.\"Quoted.\" End",
+         {"Hello there.", " How are you?", "  Fine!", "\nA list:\n", "\n1.", " One\xE2\x80\xA6", " two...", "\tthree?",
+          " 3.14 is pi.\"Quoted.\" End"}},
+        {"Hi!", {"Hi!"}},
+        {"Hi.\n", {"Hi.", "\n"}},
+        {"Roses are red,\nviolets are blue.\n\nThe end.", {"Roses are red,\n", "violets are blue.", "\n\nThe end."}},
+        {"\n\n  Wait\xE2\x80\xA6what? No. ", {"\n\n  Wait\xE2\x80\xA6what?", " No.", " "}},
+        {"", {}},
+    };
+    for (const Case& c : cases)
+        for (size_t size : {0, 1, 2, 3, 5, 7}) {
+            std::vector<std::string> got = split(c.text, size);
+            expect(got == c.want,
+                   "pieces of " + std::to_string(size) + " bytes: " + quoted(got) + " want " + quoted(c.want));
+        }
+    return failures;
+}
+
+void on_sentence(pipeshard_request_id, const char* sentence, void* user_data) {
+    auto* done = static_cast<Done*>(user_data);
+    std::lock_guard<std::mutex> lock(done->mutex);
+    done->sentences.push_back(sentence);
+    if (done->done) done->sentence_after_done = true;
+}
+
+// A real generation's sentences (one-shot prompts and a session's turn): joined, the answer's text and the token
+// pieces; each cut where the rule says; the same cut as the whole text fed at once.
+int sentences(const Json& expected, const std::string& extensions) {
+    pipeshard_host* host = open_host(expected, extensions, false);
+    if (!host) return failures;
+    pipeshard_session* session = nullptr;
+    expect(pipeshard_session_create(host, nullptr, &session) == PIPESHARD_OK, "a session");
+    pipeshard_sampling sampling = greedy(expected);
+    sampling.max_new_tokens = 48;
+    size_t sentences_seen = 0;
+    for (const Json& prompt : expected.at("prompts").items)
+        for (pipeshard_session* turn_of : {static_cast<pipeshard_session*>(nullptr), session}) {
+            Done done;
+            pipeshard_request_id request = 0;
+            pipeshard_status status = pipeshard_submit_with_sentences(host, turn_of, prompt.at("text").str().c_str(),
+                                                                      &sampling, count_token, on_sentence, on_done,
+                                                                      &done, &request);
+            expect(status == PIPESHARD_OK && pipeshard_wait(host, request, 120000) == PIPESHARD_OK,
+                   "a request with sentences ends ok " + std::string(pipeshard_last_error(host)));
+            std::string joined;
+            bool cut_right = true;
+            for (size_t i = 0; i < done.sentences.size(); ++i) {
+                joined += done.sentences[i];
+                if (i + 1 < done.sentences.size())
+                    cut_right = cut_right && ends_a_sentence(done.sentences[i], done.sentences[i + 1]);
+            }
+            sentences_seen += done.sentences.size();
+            std::string what =
+                std::string(turn_of ? "session turn" : "one-shot") + " \"" + prompt.at("text").str() + "\": ";
+            std::printf("     %s%s\n", what.c_str(), quoted(done.sentences).c_str());
+            expect(!done.text.empty() && joined == done.text && joined == done.pieces,
+                   what + "the sentences joined are the answer's text and the token pieces");
+            expect(cut_right && done.sentences == split(done.text, 0), what + "each cut where a sentence ends");
+            expect(!done.sentence_after_done, what + "every sentence before on_done");
+        }
+    expect(sentences_seen > 2 * expected.at("prompts").items.size(),
+           "answers of several sentences: " + std::to_string(sentences_seen));
+    // Without a sentence callback pipeshard_submit_with_sentences is pipeshard_submit.
+    Done plain;
+    pipeshard_request_id request = 0;
+    pipeshard_submit_with_sentences(host, nullptr, expected.at("prompts").at(0).at("text").str().c_str(), &sampling,
+                                    count_token, nullptr, on_done, &plain, &request);
+    expect(pipeshard_wait(host, request, 120000) == PIPESHARD_OK && plain.sentences.empty() && !plain.pieces.empty(),
+           "no sentence callback: tokens only");
+    pipeshard_session_close(session);
+    pipeshard_close(host);
+    return failures;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -602,6 +720,7 @@ int main(int argc, char** argv) {
     Json expected;
     if (!expected_path.empty()) expected = Json::parse(pipeshard::read_file(expected_path));
     if (which == "bad-input") return bad_input(expected_path.empty() ? nullptr : &expected, extensions) ? 1 : 0;
+    if (which == "sentence_splitter") return sentence_splitter() ? 1 : 0;
     if (expected_path.empty()) {
         std::fprintf(stderr, "%s needs EXPECTED_JSON\n", which.c_str());
         return 2;
@@ -612,6 +731,7 @@ int main(int argc, char** argv) {
                  : which == "auto_budget" ? auto_budget(expected, extensions)
                  : which == "async_cancel" ? async_cancel(expected, extensions)
                  : which == "sessions" ? sessions(expected, extensions)
+                 : which == "sentences" ? sentences(expected, extensions)
                  : which == "tokenizer_round_trip" ? tokenizer_round_trip(expected, extensions) : -1;
     if (result < 0) {
         std::fprintf(stderr, "unknown case %s\n", which.c_str());
