@@ -310,9 +310,14 @@ def measure_machine(
     """Run every measurement of `sweep`; returns a schema-1 profile document. The CUDA part runs when
     the CUDA EP is really usable (or is forced off with use_cuda=False)."""
     from pipeshard.profiles import measure_cuda
+    from pipeshard.runtime import capi
 
     ort = import_onnxruntime()
     thread_counts = thread_counts or list(range(1, physical_cores() + 1))
+    # The process's one C-API thread pool, made with the largest thread count first: what a run uses by default
+    # and what `--pack` times runs on that shared, spinning pool as a run's sessions do (made at the first
+    # 1-thread measurement, the 2-thread sessions got quiet pools of their own, slower at one-token steps).
+    capi.runtime(max(thread_counts))
     if use_cuda is None:
         use_cuda = cuda_usable()
     copy_load = measure_cuda.H2DLoop if use_cuda else CopyLoop
