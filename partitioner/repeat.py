@@ -214,7 +214,7 @@ def repeat_experts(manifest: dict, num_experts: int) -> dict:
         return manifest
     result = copy.deepcopy(manifest)
     dims = {**result["model"], "num_experts": num_experts}
-    itemsize = {"float32": 4, "float16": 2, "bfloat16": 2}
+    itemsize = {"float32": 4, "float16": 2, "bfloat16": 2, "uint8": 1}  # uint8: a GGUF format's planes
     by_name = {e["name"]: e for e in result["sub_layers"]}
     added: dict[str, list[dict]] = {}
     for block in result["moe_blocks"]:
@@ -265,7 +265,9 @@ def repeat_experts(manifest: dict, num_experts: int) -> dict:
         entry["weight_bytes"] = sum(w["bytes"] for w in entry["weights"])
         entry["cost"] = {
             "flops": analytic_flops(entry["kind"], dims),
-            "bytes": bytes_moved(None, entry["kind"], dims, model["dtype"], entry["weight_bytes"]),
+            "bytes": bytes_moved(
+                None, entry["kind"], dims, model.get("compute_dtype", model["dtype"]), entry["weight_bytes"]
+            ),
         }
     result["sub_layers"] = entries
     result["model"]["num_experts"] = num_experts

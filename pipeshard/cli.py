@@ -127,7 +127,9 @@ def _command_export(args: argparse.Namespace) -> int:
 
         if args.opset is not None:
             raise UserError("--opset does not apply to --shape-only (its pack holds no ONNX files)")
-        dtype = "fp32" if args.dtype == "auto" else args.dtype  # a config's weights: described in float32
+        dtype = (
+            "fp32" if args.dtype == "auto" else args.dtype.lower()
+        )  # a config's weights: described in float32
         result = export_shape_only(args.model, args.out, dtype=dtype, force=args.force)
         print(
             f"shape-only pack of {args.model} -> {result.pack}: {result.sub_layers} sub-layers, "

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeshard.core.fsutil import atomic_output_dir, check_output_dir, write_json_atomic
-from pipeshard.exporter.shape_only import PROBE_LAYERS, expert_count, trace_shape_probe
+from pipeshard.exporter.shape_only import GGUF_FORMATS, PROBE_LAYERS, expert_count, trace_shape_probe
 from pipeshard.formats.manifest import MANIFEST_NAME
 from pipeshard.partitioner.partition import partition
 from pipeshard.partitioner.repeat import repeat_experts, repeat_layers, repeat_vision_blocks
@@ -31,7 +31,8 @@ class ShapeOnlyResult:
 def export_shape_only(
     model: str, out: Path, dtype: str = "fp16", force: bool = False, probe_layers: int = PROBE_LAYERS
 ) -> ShapeOnlyResult:
-    """Write the shape-only pack of MODEL's config to OUT (atomically): manifest.json and config.json."""
+    """Write the shape-only pack of MODEL's config to OUT (atomically): manifest.json and config.json. `dtype`:
+    fp32, fp16, or a GGUF format (q4_0 ... q6_k: the pack a GGUF of that format exports to, exporter/shape_only.py)."""
     out = Path(out)
     check_output_dir(out, force)
     started = time.perf_counter()
@@ -49,6 +50,8 @@ def export_shape_only(
         if vision is not None:
             manifest = repeat_vision_blocks(manifest, vision.depth, list(vision.fullatt_block_indexes))
         manifest["source"] = {"config": model, "shape_only": True}
+        if dtype in GGUF_FORMATS:
+            manifest["source"]["format"] = GGUF_FORMATS[dtype]
         with atomic_output_dir(out, force) as staging:
             config.save_pretrained(staging)
             write_json_atomic(staging / MANIFEST_NAME, manifest)
