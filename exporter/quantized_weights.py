@@ -460,10 +460,9 @@ def describe_weights_quantized(model: onnx.ModelProto, format_name: str, referen
 
 
 def _in_router(node: onnx.NodeProto) -> bool:
-    """Whether the exporter traced `node` in a MoE router (its innermost module scope `layers.N.mlp.router`)."""
+    """Whether the exporter traced `node` inside a MoE router (a module scope `layers.N.mlp.router`)."""
     scopes = next((p.value for p in node.metadata_props if p.key == "pkg.torch.onnx.name_scopes"), "[]")
-    innermost = (ast.literal_eval(scopes) or [""])[-1]
-    return re.search(r"\.mlp\.router(\.|$)", innermost) is not None
+    return any(re.search(r"\.mlp\.router$", scope) for scope in ast.literal_eval(scopes))
 
 
 def _weight_users(name: str, uses) -> list[tuple[str, onnx.NodeProto, str]] | None:

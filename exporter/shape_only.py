@@ -143,9 +143,12 @@ def probe_config(config, layers: int = PROBE_LAYERS, element_bytes: int = 4, blo
     return probe
 
 
-def _trace_probe(config, dtype: str, folder: Path, gguf_format: str | None = None) -> None:
+def _trace_probe(
+    config, dtype: str, folder: Path, gguf_format: str | None = None, attention_dtype: str | None = None
+) -> None:
     """The shape-only export folder of `config`: model.onnx with references for weights, export.json, config;
-    `gguf_format`: traced in float32 (`dtype` fp32), its weights described as stored in that format."""
+    `gguf_format`: traced in float32 (`dtype` fp32), its weights described as stored in that format;
+    `attention_dtype`: the attention's and KV cache's (default: `dtype`)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -169,6 +172,7 @@ def _trace_probe(config, dtype: str, folder: Path, gguf_format: str | None = Non
         dims.max_context,
         dims.sliding_window or None,
         shape_only=True,
+        attention_dtype=attention_dtype or dtype,
         shape_format=gguf_format,
     )
     config.save_pretrained(folder)
@@ -188,6 +192,7 @@ def _trace_probe(config, dtype: str, folder: Path, gguf_format: str | None = Non
             "tie_word_embeddings": bool(getattr(config, "tie_word_embeddings", False)),
             "dtype": "gguf" if gguf_format else dtype,
             "compute_dtype": dtype,
+            "attention_dtype": attention_dtype or dtype,
             "opset": DEFAULT_OPSET,
             "kv_cache": KV_CACHE,
             "model_file": MODEL_FILE,
@@ -264,15 +269,26 @@ def trace_vlm(vlm_config, dtype: str, folder: Path) -> None:
     )
 
 
-def trace_shape_probe(model: str, dtype: str, export_dir: Path, probe_layers: int = PROBE_LAYERS):
+def trace_shape_probe(
+    model: str,
+    dtype: str,
+    export_dir: Path,
+    probe_layers: int = PROBE_LAYERS,
+    attention_dtype: str | None = None,
+):
     """Trace MODEL's config (a probe of `probe_layers` layers) into `export_dir` with weights on the meta device;
     returns the full config (a VLM's whole Qwen2_5_VLConfig), whose layer, expert and vision block counts the
-    probe's pack is then repeated to."""
+    probe's pack is then repeated to. `attention_dtype` fp16 with a float32 trace (fp32 and the GGUF formats):
+    the attention and KV cache in float16, as `export --attention-dtype fp16` makes them for a GPU."""
     from pipeshard.exporter.qwen_vl import COSMOS_NAME, cosmos_config
 
     if dtype not in SHAPE_DTYPES:
         raise UserError(f"unknown dtype {dtype!r} for --shape-only; choose one of: {', '.join(SHAPE_DTYPES)}")
     gguf_format = GGUF_FORMATS.get(dtype)
+    if attention_dtype not in (None, "fp32", "fp16") or (attention_dtype == "fp32" and dtype == "fp16"):
+        raise UserError(
+            f"--attention-dtype {attention_dtype} does not apply to a --dtype {dtype} shape-only pack"
+        )
     force_offline()
     if model == COSMOS_NAME:
         if gguf_format:
@@ -283,9 +299,10 @@ def trace_shape_probe(model: str, dtype: str, export_dir: Path, probe_layers: in
     config = load_config(model)
     if gguf_format:  # products in blocks; a router's gate in float32
         probe = probe_config(config, probe_layers, 4, CODES[gguf_format][1])
-        _trace_probe(probe, "fp32", export_dir, gguf_format)
+        _trace_probe(probe, "fp32", export_dir, gguf_format, attention_dtype)
     else:
-        _trace_probe(probe_config(config, probe_layers, {"fp32": 4, "fp16": 2}[dtype]), dtype, export_dir)
+        probe = probe_config(config, probe_layers, {"fp32": 4, "fp16": 2}[dtype])
+        _trace_probe(probe, dtype, export_dir, None, attention_dtype)
     return config
 
 

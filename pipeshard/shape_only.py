@@ -29,17 +29,23 @@ class ShapeOnlyResult:
 
 
 def export_shape_only(
-    model: str, out: Path, dtype: str = "fp16", force: bool = False, probe_layers: int = PROBE_LAYERS
+    model: str,
+    out: Path,
+    dtype: str = "fp16",
+    force: bool = False,
+    probe_layers: int = PROBE_LAYERS,
+    attention_dtype: str | None = None,
 ) -> ShapeOnlyResult:
     """Write the shape-only pack of MODEL's config to OUT (atomically): manifest.json and config.json. `dtype`:
-    fp32, fp16, or a GGUF format (q4_0 ... q6_k: the pack a GGUF of that format exports to, exporter/shape_only.py)."""
+    fp32, fp16, or a GGUF format (q4_0 ... q6_k: the pack a GGUF of that format exports to, exporter/shape_only.py);
+    `attention_dtype` fp16: a float32 pack's attention and KV cache in float16, as a GPU's export has them."""
     out = Path(out)
     check_output_dir(out, force)
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="pipeshard-shape-only-") as scratch:
         export_dir, probe_pack = Path(scratch) / "export", Path(scratch) / "pack"
         export_dir.mkdir()
-        traced = trace_shape_probe(model, dtype, export_dir, probe_layers)
+        traced = trace_shape_probe(model, dtype, export_dir, probe_layers, attention_dtype)
         config, vision = getattr(traced, "text_config", traced), getattr(traced, "vision_config", None)
         partition(export_dir, probe_pack)
         manifest = json.loads((probe_pack / MANIFEST_NAME).read_text())
