@@ -963,8 +963,9 @@ def build_parser() -> argparse.ArgumentParser:
         type=_finite_float,
         default=None,
         metavar="BITS",
-        help="planning only: size every weight at BITS bits (4.5 = llama.cpp Q4_0) to compare with "
-        "quantized figures; the pack and the runtime stay lossless, and such a plans file won't run",
+        help="a what-if, planning only: size every weight at BITS bits; such a plans file won't run. A "
+        "quantized model's real bytes come from its pack: a GGUF's export, or a shape-only pack at its format "
+        "(export --shape-only --dtype q4_0 ...)",
     )
     plan.add_argument(
         "--expert-stats",
