@@ -64,6 +64,7 @@ def ensure_pack(model: PaperModel, folder: Path) -> Path:
     if not (pack / "manifest.json").is_file():
         command = [
             sys.executable,
+            *(["-P"] if sys.flags.safe_path else []),  # this process's import root
             "-m",
             "pipeshard",
             "export",
