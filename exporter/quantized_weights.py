@@ -19,7 +19,6 @@ quantized tensor's rows (norms, float tensors) stay as they are.
 
 from __future__ import annotations
 
-import ast
 import hashlib
 import logging
 import re
@@ -31,7 +30,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from pipeshard.exporter.gguf_blocks import CODES, FORMATS, Blocks, unpack
-from pipeshard.formats.io_names import HIGH_PLANE_SUFFIX, MINIMUM_TERM_SUFFIX
+from pipeshard.formats.io_names import HIGH_PLANE_SUFFIX, MINIMUM_TERM_SUFFIX, module_path
 
 log = logging.getLogger(__name__)
 
@@ -460,9 +459,8 @@ def describe_weights_quantized(model: onnx.ModelProto, format_name: str, referen
 
 
 def _in_router(node: onnx.NodeProto) -> bool:
-    """Whether the exporter traced `node` inside a MoE router (a module scope `layers.N.mlp.router`)."""
-    scopes = next((p.value for p in node.metadata_props if p.key == "pkg.torch.onnx.name_scopes"), "[]")
-    return any(re.search(r"\.mlp\.router$", scope) for scope in ast.literal_eval(scopes))
+    """Whether the exporter traced `node` in a MoE router (its module `layers.N.mlp.router`)."""
+    return re.search(r"\.mlp\.router$", module_path(node) or "") is not None
 
 
 def _weight_users(name: str, uses) -> list[tuple[str, onnx.NodeProto, str]] | None:

@@ -20,6 +20,7 @@ from pipeshard.exporter.quantized_weights import (
     make_planes,
     store_weights_quantized,
 )
+from pipeshard.formats.io_names import QUANTIZED_PART_TAILS
 
 COLUMNS = 512
 # where the K-quants keep their float16 fields (random bytes elsewhere are valid codes and 6-bit scales)
@@ -56,6 +57,9 @@ def test_the_shape_only_layout_of_each_format_is_the_one_its_blocks_are_stored_a
     planes = make_planes(stored, [(0, row) for row in range(8)])
     layout = format_layout(format_name, 8, COLUMNS)
     assert planes.layout == layout
+    assert all(
+        name.endswith(QUANTIZED_PART_TAILS) for name, _, _ in layout.parts("W", gathered=True).values()
+    )
     assert layout.stored_bytes == sum(
         values.nbytes for role, values in planes.values().items() if role != "gather_zero_points"
     )
