@@ -135,7 +135,7 @@ def test_a_moe_shape_only_pack_at_a_gguf_format_repeats_quantized_experts_and_ke
         == 0
     )
     settings = json.loads((tmp_path / "fp32" / "config.json").read_text())
-    config.write_text(json.dumps({**settings, "num_experts": 16}))  # more than the probe traces
+    config.write_text(json.dumps({**settings, "num_local_experts": 16}))  # more than the probe traces
     export_shape_only(str(config), tmp_path / "q4_0", "q4_0", attention_dtype="fp16")
     manifest = load_pack(tmp_path / "q4_0").manifest
     assert manifest.model.num_experts == 16 and manifest.model.attention_dtype == "fp16"
