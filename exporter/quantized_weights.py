@@ -14,7 +14,8 @@ tensors are found too) is stored back as that tensor's blocks, in ONNX Runtime's
 
 Every plane holds the format's integers, each scale its exact float32 value: the graph computes
 `scale * code + minimum` as ggml defines it, summed in another order (float rounding). Weights that are no
-quantized tensor's rows (norms, float tensors) stay as they are.
+quantized tensor's rows (norms, float tensors) stay as they are. A shape-only export at a GGUF format writes the same
+nodes and parts without values (describe_weights_quantized); `Layout` is the one description of the parts both use.
 """
 
 from __future__ import annotations
@@ -112,14 +113,6 @@ class Layout:
         if self.minimums is not None:
             parts["minimums"] = (weight + "_minimums", [blocks, self.rows], self.minimums)
         return parts
-
-    @property
-    def stored_bytes(self) -> int:
-        """The bytes of a product's parts."""
-        return sum(
-            int(np.prod(shape)) * helper.tensor_dtype_to_np_dtype(kind).itemsize
-            for _, shape, kind in self.parts("").values()
-        )
 
 
 def format_layout(format_name: str, rows: int, columns: int) -> Layout:
@@ -246,9 +239,8 @@ class _Rewriter:
 
     def __init__(self, model: onnx.ModelProto, reference=None) -> None:
         self.model = model
-        self.reference = (
-            reference  # (name, TensorProto type, shape) -> a weight reference (a shape-only export)
-        )
+        # a shape-only export's: (name, TensorProto type, shape) -> a reference to a weight never written
+        self.reference = reference
         self.new_initializers: list[TensorProto] = []
         self.before: dict[int, list[onnx.NodeProto]] = defaultdict(list)
         self.replaced: set[int] = set()
@@ -289,11 +281,11 @@ class _Rewriter:
             names["high_scales"] = names["low_scales"]
         return names
 
-    def product(self, node: onnx.NodeProto, x: str, weight: str, planes: Layout, values: dict | None) -> None:
-        """`node`'s output = x @ W^T for W [N, K] stored as `planes` (Planes.values, or None: references)."""
-        names = self.stored(weight, planes, values)
+    def product(self, node: onnx.NodeProto, x: str, weight: str, layout: Layout, values: dict | None) -> None:
+        """`node`'s output = x @ W^T for W [N, K] stored as `layout` (Planes.values, or None: references)."""
+        names = self.stored(weight, layout, values)
         output = node.output[0]
-        attributes = {"K": planes.columns, "N": planes.rows, "bits": 4, "block_size": planes.block}
+        attributes = {"K": layout.columns, "N": layout.rows, "bits": 4, "block_size": layout.block}
         low_inputs = [x, names["low"], names["low_scales"]]
         if "low_zero_points" in names:
             low_inputs.append(names["low_zero_points"])
@@ -303,7 +295,7 @@ class _Rewriter:
             high = self.node(node, "MatMulNBits", high_inputs, output + _HIGH, **attributes).output[0]
             terms.append(self._times_16(node, high))
         if "minimums" in names:
-            shape = self.constant(output + "_block_shape", np.array([0, 0, -1, planes.block], np.int64))
+            shape = self.constant(output + "_block_shape", np.array([0, 0, -1, layout.block], np.int64))
             blocks = self.node(node, "Reshape", [x, shape], output + "_blocks").output[0]
             axes = self.constant(output + "_block_axis", np.array([-1], np.int64))
             sums = self.node(node, "ReduceSum", [blocks, axes], output + "_block_sums", keepdims=0).output[0]
@@ -312,9 +304,9 @@ class _Rewriter:
         self._sum(node, terms, output)
         self.replaced.add(id(node))
 
-    def gather(self, node: onnx.NodeProto, weight: str, planes: Layout, values: dict | None) -> None:
-        """`node`'s output = rows of W [N, K] stored as `planes`, gathered by `node`'s indices [batch, tokens]."""
-        names = self.stored(weight, planes, values)
+    def gather(self, node: onnx.NodeProto, weight: str, layout: Layout, values: dict | None) -> None:
+        """`node`'s output = rows of W [N, K] stored as `layout`, gathered by `node`'s indices [batch, tokens]."""
+        names = self.stored(weight, layout, values)
         indices, output = node.input[1], node.output[0]
         axis = self.constant(output + "_scale_axis", np.array([2], np.int64))
         scales = self.node(node, "Unsqueeze", [names["low_scales"], axis], output + "_scales").output[0]
@@ -325,8 +317,8 @@ class _Rewriter:
             inputs = [names[plane], indices, scales]
             if plane == "low" and "low_zero_points" in names:
                 role = "gather_zero_points"
-                inputs.append(self.part(role, *planes.parts(weight, gathered=True)[role], values))
-            attributes = {"bits": 4, "block_size": planes.block, "gather_axis": 0, "quantize_axis": 2}
+                inputs.append(self.part(role, *layout.parts(weight, gathered=True)[role], values))
+            attributes = {"bits": 4, "block_size": layout.block, "gather_axis": 0, "quantize_axis": 2}
             gathered = self.node(node, "GatherBlockQuantized", inputs, f"{output}_{plane}_rows", **attributes)
             terms.append(gathered.output[0] if plane == "low" else self._times_16(node, gathered.output[0]))
         if "minimums" in names:
@@ -339,7 +331,7 @@ class _Rewriter:
             )
         blocks = output + "_blocks"
         self._sum(node, terms, blocks)
-        shape = self.constant(output + "_row_shape", np.array([0, 0, planes.columns], np.int64))
+        shape = self.constant(output + "_row_shape", np.array([0, 0, layout.columns], np.int64))
         self.node(node, "Reshape", [blocks, shape], output)
         self.replaced.add(id(node))
 
@@ -407,6 +399,7 @@ def _quantizable(model: onnx.ModelProto, uses):
 def _rewrite(
     rewriter: _Rewriter, name: str, users, layout: Layout, values: dict | None, dropped: set[str]
 ) -> None:
+    """Every read of weight `name` by its `users` rewritten over its stored parts; the weight goes."""
     for kind, node, x in users:
         if kind == "gather":
             rewriter.gather(node, name, layout, values)
