@@ -3,14 +3,15 @@
     python examples/paper_compare.py            # writes docs/paper-comparison.md (exports the packs if missing)
 
 For each of the paper's four models (examples/paper_configs/) a shape-only pack is exported once into
-build/paper/ (`pipeshard export CONFIG PACK --shape-only --dtype fp16`). For every published row (model x
+build/paper/ at the paper's precision: `pipeshard export CONFIG PACK --shape-only --dtype fp16` for Minitron-4B/8B,
+`--dtype q4_0` / `q2_k --attention-dtype fp16` for Qwen3-30B-A3B / Qwen3-235B-A22B (every matrix described as our
+export of a GGUF in that format stores it, docs/model-pack.md). For every published row (model x
 context x VRAM budget) the planner plans tiers 1 (decode) and 1024 (prefill micro-batch, the paper's -ub) on
 the reference profile `desktop-rtx5090` with 16 CPU threads and the KV cache sized for the context. Predicted
 tokens/s is the tier-1 plan's; predicted TTFT is the prompt's 1024-token chunks times the tier-1024 step
 (the paper's prompts: its baseline log's token counts). The `layers` baseline (llama.cpp -ngl: whole layers on
 the GPU, the rest on the CPU) and the paper artifact's five strategies (Planner.artifact_plan) are planned the
-same way; the speedup is ours over `layers`. Every note is computed from the plans. The quantized models are
-planned with --assume-bits (planning only): 4.5 bits for Q4_0, 2.9 for the Q2_K of Qwen3-235B (about 85 GB).
+same way; the speedup is ours over `layers`. Every note is computed from the plans.
 The paper's figures are examples/paper_data/ (copied from its artifact).
 """
 
@@ -42,38 +43,38 @@ class PaperModel:
     figure2: str  # ... and in figure2.csv
     config: str  # examples/paper_configs/<config>.json
     precision: str  # what the paper ran
-    assume_bits: float | None  # planning-only bits per weight for a quantized GGUF
+    dtype: str  # the shape-only pack's --dtype (a GGUF format for the quantized models)
     prompt_tokens: dict[str, int]  # the prompt of each context, tokenized (the paper's baseline log)
 
 
 MINITRON_PROMPTS = {"1K": 908, "4K": 4035, "16K": 16134, "64K": 64530}
 QWEN_PROMPTS = {"1K": 889, "4K": 3935, "16K": 15734, "64K": 62930}
 MODELS = [
-    PaperModel("nemo-4b", "minitron-4b", "minitron-4b", "f16", None, MINITRON_PROMPTS),
-    PaperModel("nemo-8b", "minitron-8b", "minitron-8b", "f16", None, MINITRON_PROMPTS),
-    PaperModel("qwen-30b", "qwen3-30b", "qwen3-30b-a3b", "Q4_0", 4.5, QWEN_PROMPTS),
-    PaperModel("qwen-235b", "qwen3-235b", "qwen3-235b-a22b", "Q2_K", 2.9, QWEN_PROMPTS),
+    PaperModel("nemo-4b", "minitron-4b", "minitron-4b", "f16", "fp16", MINITRON_PROMPTS),
+    PaperModel("nemo-8b", "minitron-8b", "minitron-8b", "f16", "fp16", MINITRON_PROMPTS),
+    PaperModel("qwen-30b", "qwen3-30b", "qwen3-30b-a3b", "Q4_0", "q4_0", QWEN_PROMPTS),
+    PaperModel("qwen-235b", "qwen3-235b", "qwen3-235b-a22b", "Q2_K", "q2_k", QWEN_PROMPTS),
 ]
 
 
 def ensure_pack(model: PaperModel, folder: Path) -> Path:
-    """The model's shape-only pack, exported once."""
-    pack = folder / model.config
+    """The model's shape-only pack at its precision, exported once (a quantized one with its attention in float16,
+    as a GPU's export has it)."""
+    pack = folder / f"{model.config}-{model.dtype}"
     if not (pack / "manifest.json").is_file():
-        subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "pipeshard",
-                "export",
-                str(CONFIGS / f"{model.config}.json"),
-                str(pack),
-                "--shape-only",
-                "--dtype",
-                "fp16",
-            ],
-            check=True,
-        )
+        command = [
+            sys.executable,
+            *(["-P"] if sys.flags.safe_path else []),  # this process's import root
+            "-m",
+            "pipeshard",
+            "export",
+            str(CONFIGS / f"{model.config}.json"),
+            str(pack),
+        ]
+        command += ["--shape-only", "--dtype", model.dtype]
+        if model.dtype != "fp16":
+            command += ["--attention-dtype", "fp16"]
+        subprocess.run(command, check=True)
     return pack
 
 
@@ -214,7 +215,6 @@ def compare(packs: Path) -> tuple[list[dict], dict]:
                 context=tokens,
                 batch=1,
                 threads=THREADS,
-                assume_bits=model.assume_bits,
             )
             for key, published in table4.items():
                 if key[0] != model.table4 or key[1] != context:
@@ -305,8 +305,12 @@ def render(rows: list[dict], seconds: dict, command: str) -> str:
         "speedups are over its own measured baseline.",
         "",
         "**Assumptions.** Minitron-4B/8B are planned lossless in fp16 (the paper's f16 GGUFs); Qwen3-30B-A3B (Q4_0) "
-        "and Qwen3-235B-A22B (Q2_K) with `--assume-bits 4.5` and `2.9`: planning only, every weight sized and read "
-        "at that many bits, compute at fp16 rates. Architectures are from the models' public configs "
+        "and Qwen3-235B-A22B (Q2_K) from shape-only packs at those GGUF formats (`--shape-only --dtype q4_0` / "
+        "`q2_k --attention-dtype fp16`): every matrix sized as our export of such a GGUF stores it (4-bit planes, "
+        "float32 scales and minimums: 5 bits per weight for Q4_0, 8 for Q2_K against GGUF's 4.5 and 2.625; a "
+        "router's gate and the norms in float32), computed in fp32 with the attention and KV cache in fp16. "
+        "llama.cpp's mixes (a Q6_K output layer, wider layers in Q2_K) are not followed: every matrix takes the "
+        "one format. Architectures are from the models' public configs "
         "(examples/paper_configs/). Every figure is a roofline prediction, unchecked on a GPU (unverified).",
         "",
         *summary(rows),
@@ -322,9 +326,8 @@ def render(rows: list[dict], seconds: dict, command: str) -> str:
     for model in MODELS:
         mine = [r for r in rows if r["model"] is model]
         lines += [
-            f"## {model.figure2} ({model.precision}"
-            + (f", planned at {model.assume_bits:g} bits/weight" if model.assume_bits else "")
-            + f": {mine[0]['model_gib']:.1f} GiB of weights, {mine[0]['units']} planning units; "
+            f"## {model.figure2} ({model.precision}: {mine[0]['model_gib']:.1f} GiB of weights, "
+            f"{mine[0]['units']} planning units; "
             f"{seconds[model.config]:.0f} s to plan its {len(mine)} rows x 2 tiers with every baseline)",
             "",
         ]

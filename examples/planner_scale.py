@@ -1,6 +1,6 @@
 """The planner at the paper's largest scale: plan wall time, one-tier replan time and peak memory.
 
-    python examples/planner_scale.py build/paper/qwen3-235b-a22b
+    python examples/planner_scale.py build/paper/qwen3-235b-a22b-q2_k
 
 Plans the pack's default tiers (1, 4, 16, 64, 256, 1024) on the reference profile desktop-rtx5090 at one budget
 (every strategy, the baselines and the timelines, as `pipeshard plan` does), then answers budget changes (a game
@@ -25,7 +25,12 @@ def main() -> int:
     parser.add_argument("pack")
     parser.add_argument("--vram", type=float, default=8.0, help="budget in GiB (default 8)")
     parser.add_argument("--context", type=int, default=4096)
-    parser.add_argument("--assume-bits", type=float, default=None)
+    parser.add_argument(
+        "--assume-bits",
+        type=float,
+        default=None,
+        help="a what-if: every weight at this many bits (planning only)",
+    )
     parser.add_argument("--replans", type=int, default=20)
     args = parser.parse_args()
 

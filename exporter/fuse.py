@@ -40,7 +40,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from pipeshard.core.errors import UserError
 from pipeshard.exporter.half_weights import HALF_TYPES, store_weights_in_half
-from pipeshard.exporter.quantized_weights import store_weights_quantized
+from pipeshard.exporter.quantized_weights import describe_weights_quantized, store_weights_quantized
 from pipeshard.formats.io_names import (
     GQA_BIAS_INPUT,
     PADDING_BIAS,
@@ -868,13 +868,15 @@ def fuse_exported_model(
     stored_rows=None,
     attention_dtype: str = "fp32",
     mask_as_bias: bool = False,
+    shape_format: str | None = None,
 ) -> int:
     """Apply the rewrites to an exported model file in place (its external data file rewritten); with a
     half-precision `stored_dtype`, the product and embedding weights are then stored in it (half_weights.py).
     `shape_only`: the file's weights are references (onnx_export's shape-only trace), and what the rewrites
     compute (the rotary tables) becomes references too: no data file is written. No `max_context`: rotary is
     never moved into GQA (M-RoPE positions are not the cache's). `stored_rows`: a GGUF's quantized rows, whose
-    blocks the weights made of them are stored as (quantized_weights.py). `attention_dtype` fp16: every
+    blocks the weights made of them are stored as (quantized_weights.py); `shape_format` (a shape-only export):
+    the weights described as stored in that GGUF format (describe_weights_quantized). `attention_dtype` fp16: every
     attention and its KV cache in float16 (`attention_in_half`). `mask_as_bias`: see `fuse_attention`."""
     model = onnx.load(str(onnx_path), load_external_data=not shape_only)
     float_type = {"fp32": TensorProto.FLOAT, "fp16": TensorProto.FLOAT16}[dtype]
@@ -890,6 +892,10 @@ def fuse_exported_model(
     if stored_rows is not None:
         store_weights_quantized(model, stored_rows)
     data = onnx_path.with_name(onnx_path.name + ".data")
+    if shape_format is not None:
+        describe_weights_quantized(
+            model, shape_format, lambda name, kind, dims: weight_reference(name, kind, dims, data.name)
+        )
     if shape_only:
         initializers = model.graph.initializer
         for index, tensor in enumerate(initializers):

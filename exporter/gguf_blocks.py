@@ -186,6 +186,23 @@ FORMATS = {
 }
 
 
+# GGML type name -> (the range of its codes as unpacked here, its blocks' weights along a row, its minimums' type:
+# None where it has none, "float16" where they are stored halves, "float32" where they are products of a half and a
+# small integer, which float16 holds only by chance)
+CODES = {
+    "Q4_0": ((-8, 7), 32, None),
+    "Q4_1": ((0, 15), 32, "float16"),
+    "Q5_0": ((-16, 15), 32, None),
+    "Q5_1": ((0, 31), 32, "float16"),
+    "Q8_0": ((-128, 127), 32, None),
+    "Q2_K": ((0, 3), 16, "float32"),
+    "Q3_K": ((-4, 3), 16, None),
+    "Q4_K": ((0, 15), 32, "float32"),
+    "Q5_K": ((0, 31), 32, "float32"),
+    "Q6_K": ((-32, 31), 16, None),
+}
+
+
 def unpack(format_name: str, raw: np.ndarray, columns: int) -> Blocks:
     """A quantized tensor's bytes [rows, bytes per row] -> its `Blocks` ([rows, columns] weights)."""
     block_bytes, block_weights, unpacker = FORMATS[format_name]

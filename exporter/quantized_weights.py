@@ -14,13 +14,15 @@ tensors are found too) is stored back as that tensor's blocks, in ONNX Runtime's
 
 Every plane holds the format's integers, each scale its exact float32 value: the graph computes
 `scale * code + minimum` as ggml defines it, summed in another order (float rounding). Weights that are no
-quantized tensor's rows (norms, float tensors) stay as they are.
+quantized tensor's rows (norms, float tensors) stay as they are. A shape-only export at a GGUF format writes the same
+nodes and parts without values (describe_weights_quantized); `Layout` is the one description of the parts both use.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
+import re
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -28,8 +30,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from pipeshard.exporter.gguf_blocks import FORMATS, Blocks, unpack
-from pipeshard.formats.io_names import HIGH_PLANE_SUFFIX, MINIMUM_TERM_SUFFIX
+from pipeshard.exporter.gguf_blocks import CODES, FORMATS, Blocks, unpack
+from pipeshard.formats.io_names import HIGH_PLANE_SUFFIX, MINIMUM_TERM_SUFFIX, module_path
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +75,62 @@ def read_stored_rows(reader) -> StoredRows:
     return StoredRows(tensors, names, rows)
 
 
+@dataclass(frozen=True)
+class Layout:
+    """What a matrix [rows, columns] stored as 4-bit planes holds, without its values: one shape for the real export
+    (Planes.layout) and the shape-only one (format_layout), so both store the same parts under the same names."""
+
+    rows: int
+    columns: int
+    block: int
+    zero_points: bool  # the low plane has zero points: some block's codes are not all in -8..7
+    high: bool  # a high plane: some block's codes need more than 4 bits
+    minimums: int | None  # the minimums' TensorProto type, None where the rows have none
+
+    def parts(self, weight: str, gathered: bool = False) -> dict[str, tuple[str, list[int], int]]:
+        """Role -> (initializer name, shape, TensorProto type) of what `weight` is stored as; `gathered`: with the
+        zero points an embedding's GatherBlockQuantized reads ([rows, blocks, 1], one per byte)."""
+        blocks = self.columns // self.block
+        plane = [self.rows, blocks, self.block // 2]
+        parts = {
+            "low": (weight + _LOW, plane, TensorProto.UINT8),
+            "low_scales": (weight + _LOW + "_scales", [self.rows, blocks], TensorProto.FLOAT),
+        }
+        if self.zero_points:
+            parts["low_zero_points"] = (
+                weight + _LOW + "_zero_points",
+                [self.rows, (blocks + 1) // 2],
+                TensorProto.UINT8,
+            )
+            if gathered:
+                parts["gather_zero_points"] = (
+                    f"{weight}_low_gather_zero_points",
+                    [self.rows, blocks, 1],
+                    TensorProto.UINT8,
+                )
+        if self.high:
+            parts["high"] = (weight + _HIGH, plane, TensorProto.UINT8)
+        if self.minimums is not None:
+            parts["minimums"] = (weight + "_minimums", [blocks, self.rows], self.minimums)
+        return parts
+
+
+def format_layout(format_name: str, rows: int, columns: int) -> Layout:
+    """The layout of a matrix whose rows are all in GGML format `format_name`, as make_planes makes it from codes
+    spanning the format's range (the general case; a matrix whose codes happen to span less may store less)."""
+    (lowest, highest), block, minimums = CODES[format_name]
+    signed = lowest >= -8 and highest <= 7
+    unsigned = lowest >= 0 and highest <= 15
+    return Layout(
+        rows,
+        columns,
+        block,
+        zero_points=not signed,
+        high=not (signed or unsigned),
+        minimums=None if minimums is None else helper.np_dtype_to_tensor_dtype(np.dtype(minimums)),
+    )
+
+
 @dataclass
 class Planes:
     """A matrix [N rows, K columns] as 4-bit planes in MatMulNBits' layout: uint8 [N, blocks, block / 2] per plane,
@@ -94,6 +152,35 @@ class Planes:
     @property
     def columns(self) -> int:
         return self.low.shape[1] * self.block
+
+    @property
+    def stored_minimums(self) -> np.ndarray | None:
+        """The minimums as stored: [blocks, rows], in float16 where it holds every one exactly."""
+        return None if self.minimums is None else _narrowest(np.ascontiguousarray(self.minimums.T))
+
+    @property
+    def layout(self) -> Layout:
+        minimums = self.stored_minimums
+        return Layout(
+            self.rows,
+            self.columns,
+            self.block,
+            zero_points=self.low_zero_points is not None,
+            high=self.high is not None,
+            minimums=None if minimums is None else helper.np_dtype_to_tensor_dtype(minimums.dtype),
+        )
+
+    def values(self) -> dict[str, np.ndarray]:
+        """Role (Layout.parts) -> stored values."""
+        values = {"low": self.low, "low_scales": self.low_scales}
+        if self.low_zero_points is not None:
+            values["low_zero_points"] = self.low_zero_points
+            values["gather_zero_points"] = _gather_zero_points(self)
+        if self.high is not None:
+            values["high"] = self.high
+        if self.minimums is not None:
+            values["minimums"] = self.stored_minimums
+        return values
 
 
 def _pack_nibbles(values: np.ndarray) -> np.ndarray:
@@ -150,8 +237,10 @@ def make_planes(stored: StoredRows, places: list[tuple[int, int]]) -> Planes:
 class _Rewriter:
     """Builds the replacement nodes and initializers of one graph."""
 
-    def __init__(self, model: onnx.ModelProto) -> None:
+    def __init__(self, model: onnx.ModelProto, reference=None) -> None:
         self.model = model
+        # a shape-only export's: (name, TensorProto type, shape) -> a reference to a weight never written
+        self.reference = reference
         self.new_initializers: list[TensorProto] = []
         self.before: dict[int, list[onnx.NodeProto]] = defaultdict(list)
         self.replaced: set[int] = set()
@@ -169,37 +258,34 @@ class _Rewriter:
         self.before[id(like)].append(made)
         return made
 
-    def stored(self, weight: str, planes: Planes) -> dict[str, str]:
-        """The planes' initializers (made once per weight): name by role."""
-        names = {"low": weight + _LOW, "low_scales": weight + _LOW + "_scales"}
-        if names["low"] in {t.name for t in self.new_initializers}:
-            return self._names(weight, planes)
-        self.constant(names["low"], planes.low)
-        self.constant(names["low_scales"], planes.low_scales)
-        if planes.low_zero_points is not None:
-            self.constant(weight + _LOW + "_zero_points", planes.low_zero_points)
-        if planes.high is not None:
-            self.constant(weight + _HIGH, planes.high)
-        if planes.minimums is not None:
-            self.constant(weight + "_minimums", _narrowest(np.ascontiguousarray(planes.minimums.T)))
-        return self._names(weight, planes)
+    def part(self, role: str, name: str, shape: list[int], kind: int, values: dict | None) -> str:
+        """One stored part of a weight as an initializer: its values (whose shape must be the layout's), or with no
+        values a reference of the layout's shape and type."""
+        if values is None:
+            self.new_initializers.append(self.reference(name, kind, shape))
+            return name
+        if list(values[role].shape) != shape or helper.np_dtype_to_tensor_dtype(values[role].dtype) != kind:
+            raise AssertionError(
+                f"{name}: stored {values[role].dtype} {values[role].shape}, layout {kind} {shape}"
+            )
+        return self.constant(name, values[role])
 
-    @staticmethod
-    def _names(weight: str, planes: Planes) -> dict[str, str]:
-        names = {"low": weight + _LOW, "low_scales": weight + _LOW + "_scales"}
-        if planes.low_zero_points is not None:
-            names["low_zero_points"] = weight + _LOW + "_zero_points"
-        if planes.high is not None:
-            names["high"], names["high_scales"] = weight + _HIGH, names["low_scales"]
-        if planes.minimums is not None:
-            names["minimums"] = weight + "_minimums"
+    def stored(self, weight: str, layout: Layout, values: dict | None) -> dict[str, str]:
+        """The parts' initializers (made once per weight): name by role."""
+        parts = layout.parts(weight)
+        if parts["low"][0] not in {t.name for t in self.new_initializers}:
+            for role, (name, shape, kind) in parts.items():
+                self.part(role, name, shape, kind, values)
+        names = {role: name for role, (name, _, _) in parts.items()}
+        if layout.high:
+            names["high_scales"] = names["low_scales"]
         return names
 
-    def product(self, node: onnx.NodeProto, x: str, weight: str, planes: Planes) -> None:
-        """`node`'s output = x @ W^T for W [N, K] stored as `planes`."""
-        names = self.stored(weight, planes)
+    def product(self, node: onnx.NodeProto, x: str, weight: str, layout: Layout, values: dict | None) -> None:
+        """`node`'s output = x @ W^T for W [N, K] stored as `layout` (Planes.values, or None: references)."""
+        names = self.stored(weight, layout, values)
         output = node.output[0]
-        attributes = {"K": planes.columns, "N": planes.rows, "bits": 4, "block_size": planes.block}
+        attributes = {"K": layout.columns, "N": layout.rows, "bits": 4, "block_size": layout.block}
         low_inputs = [x, names["low"], names["low_scales"]]
         if "low_zero_points" in names:
             low_inputs.append(names["low_zero_points"])
@@ -209,7 +295,7 @@ class _Rewriter:
             high = self.node(node, "MatMulNBits", high_inputs, output + _HIGH, **attributes).output[0]
             terms.append(self._times_16(node, high))
         if "minimums" in names:
-            shape = self.constant(output + "_block_shape", np.array([0, 0, -1, planes.block], np.int64))
+            shape = self.constant(output + "_block_shape", np.array([0, 0, -1, layout.block], np.int64))
             blocks = self.node(node, "Reshape", [x, shape], output + "_blocks").output[0]
             axes = self.constant(output + "_block_axis", np.array([-1], np.int64))
             sums = self.node(node, "ReduceSum", [blocks, axes], output + "_block_sums", keepdims=0).output[0]
@@ -218,9 +304,9 @@ class _Rewriter:
         self._sum(node, terms, output)
         self.replaced.add(id(node))
 
-    def gather(self, node: onnx.NodeProto, weight: str, planes: Planes) -> None:
-        """`node`'s output = rows of W [N, K] stored as `planes`, gathered by `node`'s indices [batch, tokens]."""
-        names = self.stored(weight, planes)
+    def gather(self, node: onnx.NodeProto, weight: str, layout: Layout, values: dict | None) -> None:
+        """`node`'s output = rows of W [N, K] stored as `layout`, gathered by `node`'s indices [batch, tokens]."""
+        names = self.stored(weight, layout, values)
         indices, output = node.input[1], node.output[0]
         axis = self.constant(output + "_scale_axis", np.array([2], np.int64))
         scales = self.node(node, "Unsqueeze", [names["low_scales"], axis], output + "_scales").output[0]
@@ -230,8 +316,9 @@ class _Rewriter:
                 continue
             inputs = [names[plane], indices, scales]
             if plane == "low" and "low_zero_points" in names:
-                inputs.append(self.constant(f"{weight}_low_gather_zero_points", _gather_zero_points(planes)))
-            attributes = {"bits": 4, "block_size": planes.block, "gather_axis": 0, "quantize_axis": 2}
+                role = "gather_zero_points"
+                inputs.append(self.part(role, *layout.parts(weight, gathered=True)[role], values))
+            attributes = {"bits": 4, "block_size": layout.block, "gather_axis": 0, "quantize_axis": 2}
             gathered = self.node(node, "GatherBlockQuantized", inputs, f"{output}_{plane}_rows", **attributes)
             terms.append(gathered.output[0] if plane == "low" else self._times_16(node, gathered.output[0]))
         if "minimums" in names:
@@ -244,7 +331,7 @@ class _Rewriter:
             )
         blocks = output + "_blocks"
         self._sum(node, terms, blocks)
-        shape = self.constant(output + "_row_shape", np.array([0, 0, planes.columns], np.int64))
+        shape = self.constant(output + "_row_shape", np.array([0, 0, layout.columns], np.int64))
         self.node(node, "Reshape", [blocks, shape], output)
         self.replaced.add(id(node))
 
@@ -284,45 +371,89 @@ def _gather_zero_points(planes: Planes) -> np.ndarray:
     return np.ascontiguousarray(unpacked[:, : planes.low_scales.shape[1], None])
 
 
-def store_weights_quantized(model: onnx.ModelProto, stored: StoredRows) -> dict[str, int]:
-    """Store, in place, every product and embedding weight of `model` whose rows are quantized GGUF rows as
-    those rows' blocks (module doc). Returns (and records in `stored.kept`) how many weights were stored, by the
-    formats of their rows."""
-    initializers = {t.name: t for t in model.graph.initializer}
+def _uses(model: onnx.ModelProto) -> dict[str, list[tuple[onnx.NodeProto, int]]]:
+    """Tensor name -> (node, input position) of its readers. The caller keeps it until _apply: the rewriter knows
+    nodes by id, which protobuf keeps only while a reference to the node lives."""
     uses: dict[str, list[tuple[onnx.NodeProto, int]]] = defaultdict(list)
     for node in model.graph.node:
         for position, name in enumerate(node.input):
             uses[name].append((node, position))
-    rewriter = _Rewriter(model)
-    counts: dict[str, int] = defaultdict(int)
-    dropped: set[str] = set()
-    for name, tensor in initializers.items():
+    return uses
+
+
+def _quantizable(model: onnx.ModelProto, uses):
+    """(name, TensorProto, users, by_rows) of every 2-D float32 weight read only by products or only by
+    embeddings: `by_rows` where it is read as W [N, K] (an embedding, a transposed product), else as W [K, N]."""
+    for tensor in list(model.graph.initializer):
         if tensor.data_type != TensorProto.FLOAT or len(tensor.dims) != 2:
             continue
-        users = _weight_users(name, uses)
+        users = _weight_users(tensor.name, uses)
         if users is None:
             continue
-        values = numpy_helper.to_array(tensor)
-        # A product reads W [K, N] (rows: its columns); an embedding and a transposed product read W [N, K].
         by_rows = any(kind != "product" for kind, _, _ in users)
         if by_rows and any(kind == "product" for kind, _, _ in users):
             continue
+        yield tensor.name, tensor, users, by_rows
+
+
+def _rewrite(
+    rewriter: _Rewriter, name: str, users, layout: Layout, values: dict | None, dropped: set[str]
+) -> None:
+    """Every read of weight `name` by its `users` rewritten over its stored parts; the weight goes."""
+    for kind, node, x in users:
+        if kind == "gather":
+            rewriter.gather(node, name, layout, values)
+        else:
+            rewriter.product(node, x, name, layout, values)
+            if kind == "transposed":
+                dropped.add(node.input[1])  # the Transpose's output: the node goes
+    dropped.add(name)
+
+
+def store_weights_quantized(model: onnx.ModelProto, stored: StoredRows) -> dict[str, int]:
+    """Store, in place, every product and embedding weight of `model` whose rows are quantized GGUF rows as
+    those rows' blocks (module doc). Returns (and records in `stored.kept`) how many weights were stored, by the
+    formats of their rows."""
+    rewriter = _Rewriter(model)
+    counts: dict[str, int] = defaultdict(int)
+    dropped: set[str] = set()
+    uses = _uses(model)
+    for name, tensor, users, by_rows in _quantizable(model, uses):
+        values = numpy_helper.to_array(tensor)
         places = stored.find(np.ascontiguousarray(values if by_rows else values.T))
         if places is None:
             continue
         planes = make_planes(stored, places)
-        for kind, node, x in users:
-            if kind == "gather":
-                rewriter.gather(node, name, planes)
-            else:
-                rewriter.product(node, x, name, planes)
-                if kind == "transposed":
-                    dropped.add(node.input[1])  # the Transpose's output: the node goes
-        dropped.add(name)
+        _rewrite(rewriter, name, users, planes.layout, planes.values(), dropped)
         counts["+".join(sorted({stored.tensors[t].format for t, _ in places}))] += 1
     _apply(model, rewriter, dropped)
     stored.kept = dict(counts)
     return stored.kept
+
+
+def describe_weights_quantized(model: onnx.ModelProto, format_name: str, reference) -> dict[str, int]:
+    """A shape-only export's `store_weights_quantized`: every product and embedding weight of `model` (references,
+    no values) whose rows fit the format's blocks, but a MoE router's gate (llama.cpp's quantize keeps
+    `ffn_gate_inp` in float32), described as a GGUF whose matrices are all in `format_name` would have it stored:
+    the same nodes, and references (`reference(name, TensorProto type, shape)`) of format_layout's parts."""
+    rewriter = _Rewriter(model, reference)
+    dropped: set[str] = set()
+    block = CODES[format_name][1]
+    count = 0
+    uses = _uses(model)
+    for name, tensor, users, by_rows in _quantizable(model, uses):
+        rows, columns = tensor.dims if by_rows else reversed(tensor.dims)
+        if columns % block or any(_in_router(node) for _, node, _ in users):
+            continue
+        _rewrite(rewriter, name, users, format_layout(format_name, rows, columns), None, dropped)
+        count += 1
+    _apply(model, rewriter, dropped)
+    return {format_name: count}
+
+
+def _in_router(node: onnx.NodeProto) -> bool:
+    """Whether the exporter traced `node` in a MoE router (its module `layers.N.mlp.router`)."""
+    return re.search(r"\.mlp\.router$", module_path(node) or "") is not None
 
 
 def _weight_users(name: str, uses) -> list[tuple[str, onnx.NodeProto, str]] | None:

@@ -10,6 +10,13 @@ with its last layer (its last expert) repeated (partitioner/repeat.py; tests che
 made from real weights). A Qwen2.5-VL's vision tower is probed alike: one windowed-attention block and one
 full-attention block, each repeated where the real tower has a block of its kind (tests check the result against
 the whole tower's trace).
+
+`--dtype q4_0 ... q6_k` describes the pack a GGUF whose matrices are all in that format exports to (`--dtype gguf`):
+the probe is traced in float32 as a GGUF's export is, and every product and embedding weight (but a MoE router's
+gate, which llama.cpp's quantize keeps in float32) is described by the parts the real export stores it as
+(exporter/quantized_weights.py: format_layout; a test checks it against the real export of a tiny GGUF). Norms and
+other vectors stay float32. llama.cpp's quantization mixes (Q6_K output layers, wider types for some layers in the
+K-quant mixes) are not followed: every matrix takes the one format.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from pathlib import Path
 
 from pipeshard.core.errors import UserError
 from pipeshard.core.fsutil import write_json_atomic
+from pipeshard.exporter.gguf_blocks import CODES
 from pipeshard.exporter.offline import force_offline
 from pipeshard.formats.export_info import EXPORT_SCHEMA_VERSION, KV_CACHE
 
@@ -85,12 +93,17 @@ def load_config(model: str):
 
 
 EXPERT_COUNT_FIELDS = {"qwen3_moe": "num_experts", "mixtral": "num_local_experts"}
+# --shape-only --dtype: the float types a shape-only trace takes, and GGUF's quantized formats by their CLI names
+FLOAT_DTYPES = ("fp32", "fp16")
+GGUF_FORMATS = {name.lower(): name for name in CODES}
+SHAPE_DTYPES = (*FLOAT_DTYPES, *GGUF_FORMATS)
 
 
-def probe_experts(config, element_bytes: int) -> int:
+def probe_experts(config, element_bytes: int, block: int | None = None) -> int:
     """How many experts per layer the probe traces: more than a token's, unlike every other dimension of the
-    model (so that repeat_experts can tell the expert count in a shape: the routing weights' width), and enough
-    that the router's gate is stored as a weight where the full model's is."""
+    model and of its weights' quantized parts in blocks of `block` (so that repeat_experts can tell the expert
+    count in a shape: the routing weights' width), and enough that the router's gate is stored as a weight where
+    the full model's is."""
     from pipeshard.exporter.fuse import stored_externally
     from pipeshard.exporter.moe_blocks import moe_dims
 
@@ -106,6 +119,10 @@ def probe_experts(config, element_bytes: int) -> int:
         PROBE_LAYERS,
         1,
     }
+    if block:
+        for width in (config.hidden_size, config.intermediate_size, moe.expert_intermediate_size):
+            others |= {width // block, (width // block + 1) // 2}
+        others.add(block // 2)
     gate_bytes = config.hidden_size * element_bytes
     count = moe.experts_per_token + 1
     while count in others or stored_externally(gate_bytes * moe.num_experts) != stored_externally(
@@ -115,19 +132,23 @@ def probe_experts(config, element_bytes: int) -> int:
     return min(count, moe.num_experts)
 
 
-def probe_config(config, layers: int = PROBE_LAYERS, element_bytes: int = 4):
+def probe_config(config, layers: int = PROBE_LAYERS, element_bytes: int = 4, block: int | None = None):
     """The same model with only its first `layers` layers (and in a MoE model `probe_experts` experts)."""
     probe = copy.deepcopy(config)
     probe.num_hidden_layers = min(layers, config.num_hidden_layers)
     if getattr(probe, "layer_types", None):
         probe.layer_types = probe.layer_types[: probe.num_hidden_layers]
     if config.model_type in EXPERT_COUNT_FIELDS:
-        setattr(probe, EXPERT_COUNT_FIELDS[config.model_type], probe_experts(config, element_bytes))
+        setattr(probe, EXPERT_COUNT_FIELDS[config.model_type], probe_experts(config, element_bytes, block))
     return probe
 
 
-def _trace_probe(config, dtype: str, folder: Path) -> None:
-    """The shape-only export folder of `config`: model.onnx with references for weights, export.json, config."""
+def _trace_probe(
+    config, dtype: str, folder: Path, gguf_format: str | None = None, attention_dtype: str | None = None
+) -> None:
+    """The shape-only export folder of `config`: model.onnx with references for weights, export.json, config;
+    `gguf_format`: traced in float32 (`dtype` fp32), its weights described as stored in that format;
+    `attention_dtype`: the attention's and KV cache's (default: `dtype`)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -151,6 +172,8 @@ def _trace_probe(config, dtype: str, folder: Path) -> None:
         dims.max_context,
         dims.sliding_window or None,
         shape_only=True,
+        attention_dtype=attention_dtype or dtype,
+        shape_format=gguf_format,
     )
     config.save_pretrained(folder)
     write_json_atomic(
@@ -158,12 +181,18 @@ def _trace_probe(config, dtype: str, folder: Path) -> None:
         {
             "schema_version": EXPORT_SCHEMA_VERSION,
             "shape_only": True,
-            "source": {"kind": "config", "name": config.model_type},
+            "source": {
+                "kind": "config",
+                "name": config.model_type,
+                **({"format": gguf_format} if gguf_format else {}),
+            },
             "architecture": config.model_type,
             "task": export_config.task,
             "dims": asdict(dims),
             "tie_word_embeddings": bool(getattr(config, "tie_word_embeddings", False)),
-            "dtype": dtype,
+            "dtype": "gguf" if gguf_format else dtype,
+            "compute_dtype": dtype,
+            "attention_dtype": attention_dtype or dtype,
             "opset": DEFAULT_OPSET,
             "kv_cache": KV_CACHE,
             "model_file": MODEL_FILE,
@@ -240,22 +269,40 @@ def trace_vlm(vlm_config, dtype: str, folder: Path) -> None:
     )
 
 
-def trace_shape_probe(model: str, dtype: str, export_dir: Path, probe_layers: int = PROBE_LAYERS):
+def trace_shape_probe(
+    model: str,
+    dtype: str,
+    export_dir: Path,
+    probe_layers: int = PROBE_LAYERS,
+    attention_dtype: str | None = None,
+):
     """Trace MODEL's config (a probe of `probe_layers` layers) into `export_dir` with weights on the meta device;
     returns the full config (a VLM's whole Qwen2_5_VLConfig), whose layer, expert and vision block counts the
-    probe's pack is then repeated to."""
-    from pipeshard.exporter.export import DTYPES
+    probe's pack is then repeated to. `attention_dtype` fp16 with a float32 trace (fp32 and the GGUF formats):
+    the attention and KV cache in float16, as `export --attention-dtype fp16` makes them for a GPU."""
     from pipeshard.exporter.qwen_vl import COSMOS_NAME, cosmos_config
 
-    if dtype not in DTYPES:
-        raise UserError(f"unknown dtype {dtype!r}; choose one of: {', '.join(DTYPES)}")
+    if dtype not in SHAPE_DTYPES:
+        raise UserError(f"unknown dtype {dtype!r} for --shape-only; choose one of: {', '.join(SHAPE_DTYPES)}")
+    gguf_format = GGUF_FORMATS.get(dtype)
+    if attention_dtype not in (None, "fp32", "fp16") or (attention_dtype == "fp32" and dtype == "fp16"):
+        raise UserError(
+            f"--attention-dtype {attention_dtype} does not apply to a --dtype {dtype} shape-only pack"
+        )
     force_offline()
     if model == COSMOS_NAME:
+        if gguf_format:
+            raise UserError(f"--dtype {dtype}: {COSMOS_NAME}'s shape-only pack is fp32 or fp16")
         vlm_config = cosmos_config()
         trace_vlm(vlm_probe_config(vlm_config, probe_layers), dtype, export_dir)
         return vlm_config
     config = load_config(model)
-    _trace_probe(probe_config(config, probe_layers, {"fp32": 4, "fp16": 2}[dtype]), dtype, export_dir)
+    if gguf_format:  # products in blocks; a router's gate in float32
+        probe = probe_config(config, probe_layers, 4, CODES[gguf_format][1])
+        _trace_probe(probe, "fp32", export_dir, gguf_format, attention_dtype)
+    else:
+        probe = probe_config(config, probe_layers, {"fp32": 4, "fp16": 2}[dtype])
+        _trace_probe(probe, dtype, export_dir, None, attention_dtype)
     return config
 
 

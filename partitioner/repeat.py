@@ -15,6 +15,7 @@ import copy
 import math
 
 from pipeshard.core.errors import UserError
+from pipeshard.formats.io_names import renamed_weight
 
 
 def _produced(manifest: dict, layer: int) -> set[str]:
@@ -55,7 +56,11 @@ def repeat_layers(manifest: dict, num_layers: int) -> dict:
 
     def weight(name: str, layer: int) -> str:
         marker = f"layers.{last}."
-        return name.replace(marker, f"layers.{layer}.", 1) if marker in name else f"{name}@L{layer}"
+        return (
+            name.replace(marker, f"layers.{layer}.", 1)
+            if marker in name
+            else renamed_weight(name, f"@L{layer}")
+        )
 
     def unit(name: str, layer: int) -> str:
         return f"L{layer}." + name[len(f"L{last}.") :] if name.startswith(f"L{last}.") else name
@@ -160,7 +165,7 @@ def repeat_vision_blocks(manifest: dict, num_layers: int, fullatt_block_indexes:
         marker = f"blocks.{source}."
         if marker in name:
             return name.replace(marker, f"blocks.{block}.", 1)
-        return name if block == source else f"{name}@V{block}"
+        return name if block == source else renamed_weight(name, f"@V{block}")
 
     def unit(name: str, source: int, block: int) -> str:
         prefix = f"V{source}."
@@ -214,7 +219,7 @@ def repeat_experts(manifest: dict, num_experts: int) -> dict:
         return manifest
     result = copy.deepcopy(manifest)
     dims = {**result["model"], "num_experts": num_experts}
-    itemsize = {"float32": 4, "float16": 2, "bfloat16": 2}
+    itemsize = {"float32": 4, "float16": 2, "bfloat16": 2, "uint8": 1}  # uint8: a GGUF format's planes
     by_name = {e["name"]: e for e in result["sub_layers"]}
     added: dict[str, list[dict]] = {}
     for block in result["moe_blocks"]:
@@ -232,7 +237,7 @@ def repeat_experts(manifest: dict, num_experts: int) -> dict:
                 w["name"] = (
                     w["name"].replace(marker, f".experts.{j}.", 1)
                     if marker in w["name"]
-                    else f"{w['name']}@E{j}"
+                    else renamed_weight(w["name"], f"@E{j}")
                 )
                 w["file"] = (
                     f"{expert['name']}.weights" if w["file"] == f"{last['name']}.weights" else w["file"]
@@ -265,7 +270,9 @@ def repeat_experts(manifest: dict, num_experts: int) -> dict:
         entry["weight_bytes"] = sum(w["bytes"] for w in entry["weights"])
         entry["cost"] = {
             "flops": analytic_flops(entry["kind"], dims),
-            "bytes": bytes_moved(None, entry["kind"], dims, model["dtype"], entry["weight_bytes"]),
+            "bytes": bytes_moved(
+                None, entry["kind"], dims, model.get("compute_dtype", model["dtype"]), entry["weight_bytes"]
+            ),
         }
     result["sub_layers"] = entries
     result["model"]["num_experts"] = num_experts

@@ -127,8 +127,15 @@ def _command_export(args: argparse.Namespace) -> int:
 
         if args.opset is not None:
             raise UserError("--opset does not apply to --shape-only (its pack holds no ONNX files)")
-        dtype = "fp32" if args.dtype == "auto" else args.dtype  # a config's weights: described in float32
-        result = export_shape_only(args.model, args.out, dtype=dtype, force=args.force)
+        dtype = (
+            "fp32" if args.dtype == "auto" else args.dtype.lower()
+        )  # a config's weights: described in float32
+        attention_dtype = (
+            None if args.attention_dtype == "fp32" else args.attention_dtype
+        )  # default: the dtype's
+        result = export_shape_only(
+            args.model, args.out, dtype=dtype, force=args.force, attention_dtype=attention_dtype
+        )
         print(
             f"shape-only pack of {args.model} -> {result.pack}: {result.sub_layers} sub-layers, "
             f"{format_bytes(result.weight_bytes)} of weights described (none stored), {result.seconds:.1f} s; "
@@ -859,7 +866,9 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         help="the weights' type: auto (default: a GGUF's quantized blocks kept as stored, else fp32), gguf "
         "(Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K ... Q6_K blocks, computed in fp32), fp32, fp16 or bf16 "
-        "(half-precision weights stored so, computed in fp32)",
+        "(half-precision weights stored so, computed in fp32); with --shape-only: fp32, fp16, or a GGUF format "
+        "(q4_0, q4_1, q5_0, q5_1, q8_0, q2_k, q3_k, q4_k, q5_k, q6_k: the pack a GGUF whose matrices are in that "
+        "format exports to)",
     )
     export.add_argument(
         "--attention-dtype",
@@ -953,8 +962,9 @@ def build_parser() -> argparse.ArgumentParser:
         type=_finite_float,
         default=None,
         metavar="BITS",
-        help="planning only: size every weight at BITS bits (4.5 = llama.cpp Q4_0) to compare with "
-        "quantized figures; the pack and the runtime stay lossless, and such a plans file won't run",
+        help="a what-if, planning only: size every weight at BITS bits; such a plans file won't run. A "
+        "quantized model's real bytes come from its pack: a GGUF's export, or a shape-only pack at its format "
+        "(export --shape-only --dtype q4_0 ...)",
     )
     plan.add_argument(
         "--expert-stats",

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeshard.core.fsutil import atomic_output_dir, check_output_dir, write_json_atomic
-from pipeshard.exporter.shape_only import PROBE_LAYERS, expert_count, trace_shape_probe
+from pipeshard.exporter.shape_only import GGUF_FORMATS, PROBE_LAYERS, expert_count, trace_shape_probe
 from pipeshard.formats.manifest import MANIFEST_NAME
 from pipeshard.partitioner.partition import partition
 from pipeshard.partitioner.repeat import repeat_experts, repeat_layers, repeat_vision_blocks
@@ -29,16 +29,23 @@ class ShapeOnlyResult:
 
 
 def export_shape_only(
-    model: str, out: Path, dtype: str = "fp16", force: bool = False, probe_layers: int = PROBE_LAYERS
+    model: str,
+    out: Path,
+    dtype: str = "fp16",
+    force: bool = False,
+    probe_layers: int = PROBE_LAYERS,
+    attention_dtype: str | None = None,
 ) -> ShapeOnlyResult:
-    """Write the shape-only pack of MODEL's config to OUT (atomically): manifest.json and config.json."""
+    """Write the shape-only pack of MODEL's config to OUT (atomically): manifest.json and config.json. `dtype`:
+    fp32, fp16, or a GGUF format (q4_0 ... q6_k: the pack a GGUF of that format exports to, exporter/shape_only.py);
+    `attention_dtype` fp16: a float32 pack's attention and KV cache in float16, as a GPU's export has them."""
     out = Path(out)
     check_output_dir(out, force)
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="pipeshard-shape-only-") as scratch:
         export_dir, probe_pack = Path(scratch) / "export", Path(scratch) / "pack"
         export_dir.mkdir()
-        traced = trace_shape_probe(model, dtype, export_dir, probe_layers)
+        traced = trace_shape_probe(model, dtype, export_dir, probe_layers, attention_dtype)
         config, vision = getattr(traced, "text_config", traced), getattr(traced, "vision_config", None)
         partition(export_dir, probe_pack)
         manifest = json.loads((probe_pack / MANIFEST_NAME).read_text())
@@ -49,6 +56,8 @@ def export_shape_only(
         if vision is not None:
             manifest = repeat_vision_blocks(manifest, vision.depth, list(vision.fullatt_block_indexes))
         manifest["source"] = {"config": model, "shape_only": True}
+        if dtype in GGUF_FORMATS:
+            manifest["source"]["format"] = GGUF_FORMATS[dtype]
         with atomic_output_dir(out, force) as staging:
             config.save_pretrained(staging)
             write_json_atomic(staging / MANIFEST_NAME, manifest)

@@ -14,7 +14,13 @@ from gguf.quants import dequantize, quantize
 from onnx import TensorProto, helper, numpy_helper
 
 from pipeshard.exporter.gguf_blocks import FORMATS, unpack
-from pipeshard.exporter.quantized_weights import StoredRows, store_weights_quantized
+from pipeshard.exporter.quantized_weights import (
+    StoredRows,
+    format_layout,
+    make_planes,
+    store_weights_quantized,
+)
+from pipeshard.formats.io_names import QUANTIZED_PART_TAILS
 
 COLUMNS = 512
 # where the K-quants keep their float16 fields (random bytes elsewhere are valid codes and 6-bit scales)
@@ -43,6 +49,21 @@ def test_each_format_unpacks_to_ggmls_dequantized_values_bit_for_bit(format_name
     blocks = unpack(format_name, raw, COLUMNS)
     assert blocks.block in (16, 32) and blocks.codes.dtype == np.int8
     assert np.array_equal(blocks.dequantized(), expected)
+
+
+@pytest.mark.parametrize("format_name", list(FORMATS))
+def test_the_shape_only_layout_of_each_format_is_the_one_its_blocks_are_stored_as(format_name):
+    stored, _ = _stored_rows([format_name], rows=8)
+    planes = make_planes(stored, [(0, row) for row in range(8)])
+    layout = format_layout(format_name, 8, COLUMNS)
+    assert planes.layout == layout
+    assert all(
+        name.endswith(QUANTIZED_PART_TAILS) for name, _, _ in layout.parts("W", gathered=True).values()
+    )
+    parts = layout.parts("W", gathered=True)
+    assert {role: list(values.shape) for role, values in planes.values().items()} == {
+        role: shape for role, (_, shape, _) in parts.items()
+    }
 
 
 def _stored_rows(formats: list[str], rows: int) -> tuple[StoredRows, list[np.ndarray]]:

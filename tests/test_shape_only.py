@@ -90,8 +90,72 @@ def test_running_a_shape_only_pack_is_one_error_line(shape_only_llama, capsys, c
 def test_shape_only_export_refuses_what_does_not_apply(tmp_path, capsys):
     assert main(["export", "tiny:llama", str(tmp_path / "p"), "--shape-only", "--opset", "18"]) == 2
     assert main(["export", str(tmp_path / "nothing.json"), str(tmp_path / "q"), "--shape-only"]) == 2
+    assert main(["export", "tiny:llama", str(tmp_path / "r"), "--shape-only", "--dtype", "q4_2"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 2 and all(line.startswith("error:") for line in err)
+    assert len(err) == 3 and all(line.startswith("error:") for line in err)
+    assert "q4_0" in err[2] and "q6_k" in err[2]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("format_name", ["Q4_1", "Q2_K", "Q6_K"])
+def test_a_shape_only_pack_at_a_gguf_format_has_the_manifest_of_that_ggufs_export(format_name, tmp_path):
+    """Q4_1: zero points, float16 minimums, the tied embedding's gather zero points; Q2_K: blocks of 16, float32
+    minimums, no zero points; Q6_K: a high plane."""
+    from tiny_gguf import write_tiny_llama_gguf
+
+    from pipeshard.exporter import export_model
+    from pipeshard.partitioner.partition import partition
+    from pipeshard.shape_only import export_shape_only
+
+    gguf = write_tiny_llama_gguf(tmp_path / "tiny.gguf", [format_name])
+    export_model(str(gguf), tmp_path / "export", quiet=True)
+    partition(tmp_path / "export", tmp_path / "pack")
+    export_shape_only(str(tmp_path / "export" / "config.json"), tmp_path / "shape-only", format_name.lower())
+    real, shape_only = (load_pack(tmp_path / name).manifest for name in ("pack", "shape-only"))
+    assert shape_only.model.dtype == "gguf" and shape_only.source["format"] == format_name
+
+    def unit_bytes(manifest: Manifest) -> list:
+        return [(e.name, e.blob and e.blob.bytes, e.weight_bytes) for e in manifest.sub_layers]
+
+    assert unit_bytes(shape_only) == unit_bytes(real)
+    assert _comparable(shape_only) == _comparable(real)
+
+
+@pytest.mark.slow
+def test_a_moe_shape_only_pack_at_a_gguf_format_repeats_quantized_experts_and_keeps_the_router_float(
+    tmp_path,
+):
+    from pipeshard.partitioner.estimator import Estimator
+    from pipeshard.profiles.db import load_profile
+    from pipeshard.shape_only import export_shape_only
+
+    config = tmp_path / "config.json"
+    assert (
+        main(["export", "tiny:moe", str(tmp_path / "fp32"), "--shape-only", "--dtype", "fp32", "--quiet"])
+        == 0
+    )
+    settings = json.loads((tmp_path / "fp32" / "config.json").read_text())
+    config.write_text(json.dumps({**settings, "num_local_experts": 16}))  # more than the probe traces
+    export_shape_only(str(config), tmp_path / "q4_0", "q4_0", attention_dtype="fp16")
+    manifest = load_pack(tmp_path / "q4_0").manifest
+    assert manifest.model.num_experts == 16 and manifest.model.attention_dtype == "fp16"
+    experts = [e for e in manifest.sub_layers if e.kind == "expert"]
+    assert len(experts) == 16 * manifest.model.num_layers
+    assert {e.weight_bytes for e in experts} == {experts[0].weight_bytes}
+    hidden = manifest.model.hidden_size
+    for entry in (
+        experts[:1] + experts[-1:]
+    ):  # gate+up in blocks of 32; down (48 columns) fits no block: float32
+        assert {(w.dtype, tuple(w.shape)) for w in entry.weights} == {
+            ("uint8", (2 * 48, hidden // 32, 16)),
+            ("float32", (2 * 48, hidden // 32)),
+            ("float32", (48, hidden)),
+        }
+    routers = [e for e in manifest.sub_layers if e.kind == "router"]
+    assert all(w.dtype == "float32" for e in routers for w in e.weights)
+    assert all(w.shape[1] == 16 for e in routers for w in e.weights if len(w.shape) == 2)
+    estimator = Estimator(load_profile("desktop-rtx5090"), manifest.model)
+    assert [dtype for *_, dtype, _ in estimator._matmuls(experts[-1])] == ["q4", "fp32"]
 
 
 def test_inspect_and_plan_read_a_shape_only_pack(shape_only_llama, tmp_path, capsys):

@@ -24,6 +24,16 @@ MROPE_ROWS = 3  # an M-RoPE decoder's position_ids are [3, batch, new tokens]: t
 # low 4-bit plane computes the product; a high plane's node and a minimum term's MatMul are parts of the same product.
 HIGH_PLANE_SUFFIX = "_q4_high"
 MINIMUM_TERM_SUFFIX = "_minimum_term"
+# The tails of a quantized weight's stored parts (WEIGHT + tail: quantized_weights.Layout.parts); a repeated layer's
+# copy names the weight, not the part (`W@L5_q4_low`), so the estimator still finds a product's parts by its name.
+QUANTIZED_PART_TAILS = (
+    "_q4_low",
+    "_q4_low_scales",
+    "_q4_low_zero_points",
+    "_low_gather_zero_points",
+    HIGH_PLANE_SUFFIX,
+    "_minimums",
+)
 # The torch exporter's record of a node's module scopes (`metadata_props`), which sub-layers are cut by.
 SCOPES_KEY = "pkg.torch.onnx.name_scopes"
 
@@ -41,3 +51,9 @@ def module_path(node) -> str | None:
             # (`self.layers[:n]`) is sometimes recorded as `layers.slice(None, n, None).i`.
             return re.sub(r"\.slice\([^)]*\)", "", scopes[-2]) if len(scopes) >= 2 else ""
     return None
+
+
+def renamed_weight(name: str, suffix: str) -> str:
+    """`name` + `suffix`, or for a quantized weight's part the part of the weight so renamed."""
+    tail = next((t for t in QUANTIZED_PART_TAILS if name.endswith(t)), "")
+    return name[: len(name) - len(tail)] + suffix + tail

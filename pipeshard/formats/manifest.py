@@ -418,6 +418,7 @@ class Manifest:
         source.str("model_sha256", "")  # its model.onnx's digest (profiles' pack timings are matched by it)
         source.str("config", "")  # a shape-only pack's config
         source.bool("shape_only", False)
+        source.str("format", "")  # a shape-only pack's GGUF format (Q4_0 ... Q6_K), its weights described so
         source.done()
         manifest = cls(
             model=ModelFacts.from_json(fields.object("model")),
