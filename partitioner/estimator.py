@@ -125,6 +125,9 @@ class ComputeRates:
     hop_s: float
     op_s: float = 0.0
     weight_read_gbps: dict[str, float] | None = None  # M=1 products over half-precision weights, by dtype
+    quantized: RateTable | None = (
+        None  # products over a GGUF pack's 4-bit planes, where the profile measured them
+    )
 
 
 class Estimator:
@@ -160,6 +163,7 @@ class Estimator:
             hop_s=cpu.hop_us * 1e-6,
             op_s=cpu.op_us * 1e-6,
             weight_read_gbps=cpu.weight_read_gbps,
+            quantized=RateTable(cpu.matmul["q4"]) if cpu.matmul.get("q4") else None,
         )
         device = profile.device
         if device.kind == "sim" or not device.matmul:
@@ -171,6 +175,8 @@ class Estimator:
                 self.cpu.read_gbps,
                 self.cpu.read_gbps,
                 launch_us * 1e-6,
+                # the simulated device's own sessions unpack 4-bit planes at every call
+                quantized=RateTable(device.matmul["q4"]) if device.matmul.get("q4") else None,
             )
         else:
             self.device = ComputeRates(
@@ -307,6 +313,9 @@ class Estimator:
                 # the roofline of the shape's peak rate and the weights' own bytes stands in for them.
                 compute = 2.0 * tokens * k * n / (table.peak_gflops(k, n) * 1e9)
                 memory = k * n * self.weight_bits / 8 / (read_gbps * 1e9)
+            elif dtype == "q4" and rates.quantized is not None:
+                compute = 2.0 * tokens * k * n / (rates.quantized.gflops(tokens, k, n) * 1e9)
+                memory = stored_bytes / (self._weight_read_gbps(rates, dtype, under_copy) * 1e9)
             else:
                 narrower = self.element / ELEMENT_BYTES[dtype]  # > 1: half-precision weights computed in fp32
                 compute = 2.0 * tokens * k * n / (table.gflops(tokens, k, n, narrower) * 1e9)

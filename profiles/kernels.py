@@ -61,17 +61,26 @@ def weight_matmul_model(k: int, n: int, dtype: str) -> onnx.ModelProto:
     )
 
 
-def quantized_matmul_model(k: int, n: int, block: int = 32, op: str = "MatMulNBits") -> onnx.ModelProto:
-    """Y[M, N] = X[M, K] @ W for W stored as one 4-bit plane with uint8 zero points and float32 scales per block
-    (com.microsoft::MatMulNBits): the product a GGUF pack keeps its quantized weights in (random codes); with
-    op="BlockMatMul", pipeshard's op over the same planes (what the chain's CPU sessions run, runtime/_matmul.c)."""
+def quantized_planes(k: int, n: int, block: int = 32) -> dict[str, np.ndarray]:
+    """quantized_matmul_model's weights: random 4-bit codes, float32 scales and zero points (8) per block."""
     rng = np.random.default_rng(0)
     blocks = k // block
-    inputs = [
-        numpy_helper.from_array(rng.integers(0, 256, (n, blocks, block // 2), dtype=np.uint8), "B"),
-        numpy_helper.from_array(rng.uniform(1e-3, 2e-3, (n, blocks)).astype(np.float32), "S"),
-        numpy_helper.from_array(np.zeros((n, (blocks + 1) // 2), np.uint8), "Z"),
-    ]
+    return {
+        "B": rng.integers(0, 256, (n, blocks, block // 2), dtype=np.uint8),
+        "S": rng.uniform(1e-3, 2e-3, (n, blocks)).astype(np.float32),
+        "Z": np.zeros((n, (blocks + 1) // 2), np.uint8),
+    }
+
+
+def quantized_matmul_model(
+    k: int, n: int, block: int = 32, op: str = "MatMulNBits", weights_as_inputs: bool = False
+) -> onnx.ModelProto:
+    """Y[M, N] = X[M, K] @ W for W stored as one 4-bit plane with uint8 zero points and float32 scales per block
+    (com.microsoft::MatMulNBits): the product a GGUF pack keeps its quantized weights in (random codes); with
+    op="BlockMatMul", pipeshard's op over the same planes (what the chain's CPU sessions run, runtime/_matmul.c). With
+    `weights_as_inputs` the planes, scales and zero points are graph inputs (the simulated device's sessions, which
+    bind a unit's weights from its memory and cannot prepack them)."""
+    inputs = [numpy_helper.from_array(value, name) for name, value in quantized_planes(k, n, block).items()]
     if op == "BlockMatMul":
         node = helper.make_node(
             "BlockMatMul", ["X", "B", "S", "Z"], ["Y"], domain="pipeshard", block_size=block
@@ -90,9 +99,13 @@ def quantized_matmul_model(k: int, n: int, block: int = 32, op: str = "MatMulNBi
     graph = helper.make_graph(
         [node],
         "quantized_matmul",
-        [helper.make_tensor_value_info("X", TensorProto.FLOAT, ["M", k])],
+        [helper.make_tensor_value_info("X", TensorProto.FLOAT, ["M", k])]
+        + [
+            helper.make_tensor_value_info(t.name, t.data_type, list(t.dims))
+            for t in (inputs if weights_as_inputs else [])
+        ],
         [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["M", n])],
-        initializer=inputs,
+        initializer=[] if weights_as_inputs else inputs,
     )
     return helper.make_model(
         graph,

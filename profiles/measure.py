@@ -28,6 +28,7 @@ from pipeshard.profiles.kernels import (
     median_seconds,
     op_chain_model,
     quantized_matmul_model,
+    quantized_planes,
     weight_matmul_model,
 )
 from pipeshard.runtime.ort import cpu_session_options, cuda_usable, import_onnxruntime
@@ -71,7 +72,7 @@ QUICK = Sweep(
     attention_tokens=(1, 64),
     attention_contexts=(512, 4096),
     copy_sizes=(1 * MiB, 16 * MiB, 128 * MiB),
-    bandwidth_bytes=256 * MiB,
+    bandwidth_bytes=128 * MiB,  # beyond the last-level cache of client CPUs (96 MiB at most)
     seconds_per_point=0.05,
     pack_pasts=(32, 512),
     pack_every_thread_count=False,
@@ -207,6 +208,53 @@ def _matmul_rows(ort, sweep: Sweep, threads: int, copy_load, progress) -> tuple[
     return idle, loaded
 
 
+def quantized_matmul_rows(ort, sweep: Sweep, threads: int, on_sim_device: bool = False) -> list[dict]:
+    """Rates of products over a GGUF pack's 4-bit planes at the sweep's M and shapes (K a whole number of blocks):
+    on the CPU as the chain runs them (pipeshard's BlockMatMul through the C-API runtime, where built, else
+    MatMulNBits), or on the simulated device as its sessions run them (ONNX Runtime's MatMulNBits with the planes
+    bound as inputs, unpacked at every call). A product's time at M rows is not fp32's: its blocks are widened as
+    it reads them."""
+    from pipeshard.runtime import capi
+
+    rows = []
+    for k, n in sweep.shapes:
+        if k % 32:
+            continue
+        if on_sim_device:
+            planes = quantized_planes(k, n)
+            model = quantized_matmul_model(k, n, weights_as_inputs=True)
+            session = None
+        else:
+            op = "BlockMatMul" if capi.custom_ops_available() else "MatMulNBits"
+            rt = capi.runtime(threads)
+            cpu_session = rt.session(quantized_matmul_model(k, n, op=op).SerializeToString(), threads=threads)
+        for m in sweep.tiers:
+            x = np.random.default_rng(1).standard_normal((m, k), dtype=np.float32)
+            if on_sim_device:
+                outputs = {"Y": ((m, n), np.float32)}
+                if session is None:
+                    session = BoundSession(
+                        ort,
+                        model,
+                        cpu_session_options(threads),
+                        ["CPUExecutionProvider"],
+                        {"X": x, **planes},
+                        outputs,
+                    )
+                else:
+                    session.bind({"X": x, **planes}, outputs)
+                run = session
+            else:
+                y = np.empty((m, n), np.float32)
+                binding = cpu_session.binding()
+                binding.bind_input("X", x)
+                binding.bind_output("Y", y)
+                run = partial(capi.run, cpu_session, binding, rt.run_options())
+            seconds = median_seconds(run, sweep.seconds_per_point)
+            rows.append({"M": m, "K": k, "N": n, "seconds": seconds, "gflops": 2 * m * k * n / seconds / 1e9})
+    return rows
+
+
 def matmul_read_gbps(ort, threads: int, size_bytes: int, seconds: float, copy_load) -> tuple[float, float]:
     """Bytes per second an M=1 MatMul streams from a weight of `size_bytes` (the decode roofline),
     idle and under the copy load."""
@@ -329,7 +377,7 @@ def measure_machine(
         )
         copy_idle = sim_copy_gbps(sweep.bandwidth_bytes, sweep.seconds_per_point)
         cpu_threads[str(threads)] = {
-            "matmul": idle_matmul,
+            "matmul": {**idle_matmul, "q4": quantized_matmul_rows(ort, sweep, threads)},
             "memory_read_gbps": read_idle,
             "weight_read_gbps": weight_read_gbps(threads, sweep.bandwidth_bytes, sweep.seconds_per_point),
             "memory_copy_gbps": copy_idle,
@@ -368,7 +416,7 @@ def measure_machine(
             "note": "no usable CUDA EP: the simulated accelerator is measured; not a GPU claim",
             "memory_bytes": None,
             "ep_overhead_bytes": 0,
-            "matmul": {},
+            "matmul": {"q4": quantized_matmul_rows(ort, sweep, max(thread_counts), on_sim_device=True)},
             "attention": [],
             "launch_us": cpu_threads[str(max(thread_counts))]["hop_us"],
         }
@@ -447,8 +495,8 @@ def contention_factors(cpu_threads: dict, link_idle: list[dict], link_loaded: li
     matmul = {}
     for threads, rates in cpu_threads.items():
         by_tier: dict[str, list[float]] = {}
-        for dtype, rows in rates["matmul"].items():
-            for idle, loaded in zip(rows, rates["under_copy_load"]["matmul"][dtype], strict=True):
+        for dtype, loaded_rows in rates["under_copy_load"]["matmul"].items():  # the dtypes timed both ways
+            for idle, loaded in zip(rates["matmul"][dtype], loaded_rows, strict=True):
                 by_tier.setdefault(str(idle["M"]), []).append(loaded["seconds"] / idle["seconds"])
         matmul[threads] = {tier: float(np.median(values)) for tier, values in by_tier.items()}
         matmul[threads]["memory_read"] = (

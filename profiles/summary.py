@@ -30,7 +30,7 @@ def summarize(profile: ProfileDb, where: str = "") -> str:
         )
     device = profile.device
     lines.append(f"  device: {device.kind} — {device.name}")
-    if device.matmul:
+    if device.matmul and device.kind != "sim":
         peaks = ", ".join(f"{dtype} {_peak(rows):.0f}" for dtype, rows in device.matmul.items())
         lines.append(
             f"    peak MatMul GFLOP/s: {peaks}; memory {(device.memory_bytes or 0) / 1024**3:.1f} GiB, EP overhead "
@@ -38,6 +38,9 @@ def summarize(profile: ProfileDb, where: str = "") -> str:
         )
     elif device.kind == "sim":
         lines.append("    compute runs on the CPU EP (the rates above); this is a test double, not a GPU")
+        if device.matmul:
+            peaks = ", ".join(f"{dtype} {_peak(rows):.0f}" for dtype, rows in device.matmul.items())
+            lines.append(f"    its sessions' own products (weights bound as inputs), peak GFLOP/s: {peaks}")
     link = profile.link
     lines.append(
         f"  link: {link.kind} {link.name or ''} — best H2D {max(row.gbps for row in link.h2d):.1f} GB/s, "
