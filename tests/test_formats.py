@@ -254,4 +254,4 @@ def test_docs_profile_db_describes_exactly_the_profile_fields(monkeypatch):
     ]
     document["pack_timings"] = {"model_sha256": "0" * 64, "pasts": [32], "threads": {"1": rows}}
     assert ProfileDb.from_json(document, "laptop-8gb").to_json() == document
-    _check_doc("profile-db.md", read, values={"fp32", "fp16", "bf16"})
+    _check_doc("profile-db.md", read, values={"fp32", "fp16", "bf16", "q4"})
