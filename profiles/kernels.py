@@ -15,6 +15,14 @@ ONNX_FLOAT = {"fp32": TensorProto.FLOAT, "fp16": TensorProto.FLOAT16}
 NUMPY_FLOAT = {"fp32": np.float32, "fp16": np.float16}
 
 
+def make_model(graph: onnx.GraphProto, opsets: list) -> onnx.ModelProto:
+    """A model at the IR version its opsets need, not onnx's newest: ONNX Runtime releases read IR versions only up
+    to their own (onnxruntime-gpu 1.31 refuses onnx 1.23's default IR 14)."""
+    return helper.make_model(
+        graph, opset_imports=opsets, ir_version=helper.find_min_ir_version_for(opsets, ignore_unknown=True)
+    )
+
+
 def matmul_model(k: int, n: int, dtype: str) -> onnx.ModelProto:
     """Y[M, N] = X[M, K] @ W[K, N] with W a (random) initializer, as a sub-layer's weights are."""
     weight = numpy_helper.from_array(
@@ -30,7 +38,7 @@ def matmul_model(k: int, n: int, dtype: str) -> onnx.ModelProto:
         [helper.make_tensor_value_info("Y", ONNX_FLOAT[dtype], ["M", n])],
         initializer=[weight],
     )
-    return helper.make_model(graph, opset_imports=[helper.make_operatorsetid("", 21)])
+    return make_model(graph, [helper.make_operatorsetid("", 21)])
 
 
 def weight_matmul_model(k: int, n: int, dtype: str) -> onnx.ModelProto:
@@ -56,9 +64,7 @@ def weight_matmul_model(k: int, n: int, dtype: str) -> onnx.ModelProto:
         [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["M", n])],
         initializer=[weight],
     )
-    return helper.make_model(
-        graph, opset_imports=[helper.make_operatorsetid("", 21), helper.make_operatorsetid("pipeshard", 1)]
-    )
+    return make_model(graph, [helper.make_operatorsetid("", 21), helper.make_operatorsetid("pipeshard", 1)])
 
 
 def quantized_planes(k: int, n: int, block: int = 32) -> dict[str, np.ndarray]:
@@ -107,9 +113,9 @@ def quantized_matmul_model(
         [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["M", n])],
         initializer=[] if weights_as_inputs else inputs,
     )
-    return helper.make_model(
+    return make_model(
         graph,
-        opset_imports=[
+        [
             helper.make_operatorsetid("", 21),
             helper.make_operatorsetid("com.microsoft", 1),
             helper.make_operatorsetid("pipeshard", 1),
@@ -148,9 +154,8 @@ def attention_model(heads: int, kv_heads: int, head_dim: int, dtype: str) -> onn
         scale=float(head_dim) ** -0.5,
     )
     graph = helper.make_graph([node], "attention", inputs, outputs)
-    return helper.make_model(
-        graph,
-        opset_imports=[helper.make_operatorsetid("", 21), helper.make_operatorsetid("com.microsoft", 1)],
+    return make_model(
+        graph, [helper.make_operatorsetid("", 21), helper.make_operatorsetid("com.microsoft", 1)]
     )
 
 
@@ -184,7 +189,7 @@ def hop_model(width: int) -> onnx.ModelProto:
         [helper.make_tensor_value_info("X", TensorProto.FLOAT, [1, 1, width])],
         [helper.make_tensor_value_info("Y", TensorProto.FLOAT, [1, 1, width])],
     )
-    return helper.make_model(graph, opset_imports=[helper.make_operatorsetid("", 21)])
+    return make_model(graph, [helper.make_operatorsetid("", 21)])
 
 
 def op_chain_model(width: int, count: int) -> onnx.ModelProto:
@@ -198,7 +203,7 @@ def op_chain_model(width: int, count: int) -> onnx.ModelProto:
         [helper.make_tensor_value_info("t0", TensorProto.FLOAT, [1, 1, width])],
         [helper.make_tensor_value_info(f"t{count}", TensorProto.FLOAT, [1, 1, width])],
     )
-    return helper.make_model(graph, opset_imports=[helper.make_operatorsetid("", 21)])
+    return make_model(graph, [helper.make_operatorsetid("", 21)])
 
 
 def median_seconds(

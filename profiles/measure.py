@@ -502,7 +502,13 @@ def contention_factors(cpu_threads: dict, link_idle: list[dict], link_loaded: li
         matmul[threads]["memory_read"] = (
             rates["memory_read_gbps"] / rates["under_copy_load"]["memory_read_gbps"]
         )
-    copy = [idle["gbps"] / loaded["gbps"] for idle, loaded in zip(link_idle, link_loaded, strict=True)]
+    # Each loaded copy beside the idle one of its size and memory (on CUDA only pinned copies are timed loaded).
+    loaded_gbps = {(row["bytes"], row.get("pinned", False)): row["gbps"] for row in link_loaded}
+    copy = [
+        row["gbps"] / loaded_gbps[key]
+        for row in link_idle
+        if (key := (row["bytes"], row.get("pinned", False))) in loaded_gbps
+    ]
     return {
         "cpu_matmul_slowdown_under_copy": matmul,
         "copy_slowdown_under_cpu_matmul": float(np.median(copy)),

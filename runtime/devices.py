@@ -221,15 +221,15 @@ def _drop_mapped_pages(source: np.ndarray) -> None:
 
 
 def make_device(kind: str, budget_bytes: int, kernel_table=None) -> Device:
-    """The device of a name; `cuda` only when the CUDA EP really loads, its graphs checked against the kernels of
-    the onnxruntime in this process. `kernel_table`: what a `sim` device checks its graphs against (none by
-    default)."""
+    """The device of a name; `cuda` only when the CUDA EP really loads. `kernel_table`: what the device checks its
+    graphs against before making sessions (none by default: a `cuda` device's no-fallback sessions refuse a graph
+    with a node its EP cannot run all the same)."""
     if kind == DeviceKind.CPU:
         return CpuDevice(budget_bytes)
     if kind == DeviceKind.SIM:
         return SimDevice(budget_bytes, kernel_table)
     if kind == DeviceKind.CUDA:
-        from pipeshard.runtime.ort import cuda_usable, import_onnxruntime
+        from pipeshard.runtime.ort import cuda_usable
 
         if not cuda_usable():
             raise UserError(
@@ -237,7 +237,9 @@ def make_device(kind: str, budget_bytes: int, kernel_table=None) -> Device:
                 "and cuDNN 9, and check `nvidia-smi`); use --device sim or cpu"
             )
         from pipeshard.runtime.cuda_device import CudaDevice
-        from pipeshard.runtime.kernel_check import kernel_table as registered_kernels
 
-        return CudaDevice(budget_bytes, kernel_table=registered_kernels(import_onnxruntime()))
+        # No kernel table read from the onnxruntime in the process: its registry walk loads every provider library
+        # and crashes the process where TensorRT's libraries are absent (seen on the first GPU run); the device's
+        # sessions refuse CPU fallback, so ONNX Runtime itself names a node without a CUDA kernel.
+        return CudaDevice(budget_bytes, kernel_table=kernel_table)
     raise UserError(f"unknown device {kind!r}; choose {', '.join(DEVICE_KINDS)}")
