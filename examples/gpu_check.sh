@@ -10,7 +10,11 @@
 #   examples/gpu_check.sh run build/gpu-check [examples/gpu_check.py options]
 # installs the wheel into a scratch folder (never over the machine's onnxruntime), imports pipeshard from this tree,
 # and runs examples/gpu_check.py on cuda under a 350 s limit; its JSON lands in build/gpu-check/out as each stage
-# finishes. Unverified: no GPU run yet.
+# finishes. First run 2026-12-04 (docs/benchmarks.md, "The first GPU run").
+#
+# A device call carries at most 64 MiB, the working tree included: split the wheel into parts of about 49 MiB
+# (`split -n 5`), each in its own ignored folder, carry one per call into the machine's /tmp while it stays warm,
+# and in the last call copy them into FOLDER/wheel as *.part-aa ... *.part-ae before `run`.
 set -euo pipefail
 action=${1:?usage: examples/gpu_check.sh prepare|run FOLDER [options]}
 folder=${2:?usage: examples/gpu_check.sh prepare|run FOLDER [options]}
