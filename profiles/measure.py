@@ -208,49 +208,34 @@ def _matmul_rows(ort, sweep: Sweep, threads: int, copy_load, progress) -> tuple[
     return idle, loaded
 
 
-def quantized_matmul_rows(ort, sweep: Sweep, threads: int, on_sim_device: bool = False) -> list[dict]:
-    """Rates of products over a GGUF pack's 4-bit planes at the sweep's M and shapes (K a whole number of blocks):
-    on the CPU as the chain runs them (pipeshard's BlockMatMul through the C-API runtime, where built, else
-    MatMulNBits), or on the simulated device as its sessions run them (ONNX Runtime's MatMulNBits with the planes
-    bound as inputs, unpacked at every call). A product's time at M rows is not fp32's: its blocks are widened as
-    it reads them."""
+def quantized_matmul_rows(sweep: Sweep, threads: int, on_sim_device: bool = False) -> list[dict]:
+    """Rates of products over a GGUF pack's 4-bit planes at the sweep's M and shapes (K a whole number of blocks),
+    through the C-API runtime: on the CPU as the chain runs them (pipeshard's BlockMatMul where built, else
+    MatMulNBits), or on the simulated device as its sessions run them (MatMulNBits with the planes bound as inputs,
+    unpacked at every call). A product's time at M rows is not fp32's: its blocks are widened as it reads them."""
     from pipeshard.runtime import capi
 
+    rt = capi.runtime(threads)
+    op = "BlockMatMul" if capi.custom_ops_available() and not on_sim_device else "MatMulNBits"
     rows = []
     for k, n in sweep.shapes:
         if k % 32:
             continue
-        if on_sim_device:
-            planes = quantized_planes(k, n)
-            model = quantized_matmul_model(k, n, weights_as_inputs=True)
-            session = None
-        else:
-            op = "BlockMatMul" if capi.custom_ops_available() else "MatMulNBits"
-            rt = capi.runtime(threads)
-            cpu_session = rt.session(quantized_matmul_model(k, n, op=op).SerializeToString(), threads=threads)
+        model = quantized_matmul_model(k, n, op=op, weights_as_inputs=on_sim_device)
+        session = rt.session(model.SerializeToString(), threads=threads)
+        inputs = quantized_planes(k, n) if on_sim_device else {}
         for m in sweep.tiers:
-            x = np.random.default_rng(1).standard_normal((m, k), dtype=np.float32)
-            if on_sim_device:
-                outputs = {"Y": ((m, n), np.float32)}
-                if session is None:
-                    session = BoundSession(
-                        ort,
-                        model,
-                        cpu_session_options(threads),
-                        ["CPUExecutionProvider"],
-                        {"X": x, **planes},
-                        outputs,
-                    )
-                else:
-                    session.bind({"X": x, **planes}, outputs)
-                run = session
-            else:
-                y = np.empty((m, n), np.float32)
-                binding = cpu_session.binding()
-                binding.bind_input("X", x)
-                binding.bind_output("Y", y)
-                run = partial(capi.run, cpu_session, binding, rt.run_options())
-            seconds = median_seconds(run, sweep.seconds_per_point)
+            y = np.empty((m, n), np.float32)
+            binding = session.binding()
+            for name, array in {
+                "X": np.random.default_rng(1).standard_normal((m, k), np.float32),
+                **inputs,
+            }.items():
+                binding.bind_input(name, array)
+            binding.bind_output("Y", y)
+            seconds = median_seconds(
+                partial(capi.run, session, binding, rt.run_options()), sweep.seconds_per_point
+            )
             rows.append({"M": m, "K": k, "N": n, "seconds": seconds, "gflops": 2 * m * k * n / seconds / 1e9})
     return rows
 
@@ -377,7 +362,7 @@ def measure_machine(
         )
         copy_idle = sim_copy_gbps(sweep.bandwidth_bytes, sweep.seconds_per_point)
         cpu_threads[str(threads)] = {
-            "matmul": {**idle_matmul, "q4": quantized_matmul_rows(ort, sweep, threads)},
+            "matmul": {**idle_matmul, "q4": quantized_matmul_rows(sweep, threads)},
             "memory_read_gbps": read_idle,
             "weight_read_gbps": weight_read_gbps(threads, sweep.bandwidth_bytes, sweep.seconds_per_point),
             "memory_copy_gbps": copy_idle,
@@ -416,7 +401,7 @@ def measure_machine(
             "note": "no usable CUDA EP: the simulated accelerator is measured; not a GPU claim",
             "memory_bytes": None,
             "ep_overhead_bytes": 0,
-            "matmul": {"q4": quantized_matmul_rows(ort, sweep, max(thread_counts), on_sim_device=True)},
+            "matmul": {"q4": quantized_matmul_rows(sweep, max(thread_counts), on_sim_device=True)},
             "attention": [],
             "launch_us": cpu_threads[str(max(thread_counts))]["hop_us"],
         }
