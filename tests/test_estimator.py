@@ -86,3 +86,49 @@ def test_rows_of_one_table_must_share_one_head_ratio():
     document["cpu"]["threads"]["1"]["attention"][0]["kv_heads"] = 4
     with pytest.raises(UserError, match=r"cpu\.threads\.1\.attention mixes head ratios"):
         ProfileDb.from_json(document, "db.json")
+
+
+def _with_q4_rows(gflops: float) -> ProfileDb:
+    """laptop-8gb with CPU 4-bit product rows (every M at `gflops`) and the simulated device's at half of it."""
+    document = json.loads(reference_profile_path("laptop-8gb").read_text())
+    shape = {"K": 2048, "N": 2048}
+    rows = [
+        {"M": m, **shape, "seconds": 2 * m * 2048 * 2048 / (gflops * 1e9), "gflops": gflops} for m in (1, 64)
+    ]
+    for rates in document["cpu"]["threads"].values():
+        rates["matmul"]["q4"] = rows
+    document["device"] = {
+        "kind": "sim",
+        "name": "sim",
+        "matmul": {"q4": [{**r, "gflops": gflops / 2} for r in rows]},
+    }
+    return ProfileDb.from_json(document, "laptop-8gb, edited")
+
+
+def _q4_ffn() -> SubLayer:
+    """One 2048 x 2048 product over 4-bit planes (low plane, scales, zero points), as a GGUF pack stores it."""
+    from pipeshard.formats.manifest import Weight
+
+    parts = (
+        Weight("w_q4_low", (2048, 64, 16), "uint8", "f", 0, 2048 * 1024),
+        Weight("w_q4_scales", (2048, 64), "float32", "f", 0, 2048 * 64 * 4),
+        Weight("w_q4_zero_points", (2048, 32), "uint8", "f", 0, 2048 * 32),
+    )
+    return SubLayer(
+        "ffn", "ffn", 0, {}, None, parts, sum(w.bytes for w in parts), (), (), None, Cost({}, {}), 0
+    )
+
+
+def test_a_gguf_packs_products_are_priced_at_the_profiles_4_bit_rates_on_the_cpu_and_on_sim():
+    profile, entry, tokens = _with_q4_rows(gflops=10.0), _q4_ffn(), 64
+    estimator = Estimator(profile, _model(16, 4), threads=1)
+    compute = 2.0 * tokens * 2048 * 2048 / 10e9  # far above the planes' read time at these rates
+    assert estimator.compute_seconds(entry, tokens, CONTEXT, on_device=False) == pytest.approx(
+        estimator.cpu.hop_s + compute, rel=1e-9
+    )
+    assert estimator.compute_seconds(entry, tokens, CONTEXT, on_device=True) == pytest.approx(
+        estimator.device.hop_s + 2 * compute, rel=1e-9
+    )
+    # Without the rows, the fp32 table's rate stands in (the model's own arithmetic): far faster here.
+    plain = Estimator(load_profile("laptop-8gb"), _model(16, 4), threads=1)
+    assert plain.compute_seconds(entry, tokens, CONTEXT, on_device=False) < compute / 2
