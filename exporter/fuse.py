@@ -97,6 +97,15 @@ def weight_reference(name: str, data_type: int, dims: list[int], data_file: str)
     return reference
 
 
+def _part(name: str, data_type: int, dims: list[int], data_file: str) -> TensorProto:
+    """A quantized weight's part in a shape-only export: a reference where the real export stores it in its data
+    file, else the small tensor it keeps in the graph (zeros: a shape-only pack never runs)."""
+    dtype = helper.tensor_dtype_to_np_dtype(data_type)
+    if stored_externally(int(np.prod(dims, dtype=np.int64)) * dtype.itemsize):
+        return weight_reference(name, data_type, dims, data_file)
+    return numpy_helper.from_array(np.zeros(dims, dtype), name)
+
+
 def _is_reference(tensor: TensorProto) -> bool:
     return tensor.data_location == TensorProto.EXTERNAL
 
@@ -894,7 +903,7 @@ def fuse_exported_model(
     data = onnx_path.with_name(onnx_path.name + ".data")
     if shape_format is not None:
         describe_weights_quantized(
-            model, shape_format, lambda name, kind, dims: weight_reference(name, kind, dims, data.name)
+            model, shape_format, lambda name, kind, dims: _part(name, kind, dims, data.name)
         )
     if shape_only:
         initializers = model.graph.initializer

@@ -4,7 +4,8 @@ Every quantized GGML format the exporter keeps defines a weight as `scale * code
 code per weight and a scale (and for some formats a minimum) per block of 16 or 32 weights along a row. Here each
 format's bytes are unpacked into those three arrays, computed in float32 exactly as ggml's own dequantization does
 (the scales and minimums are products of half-precision and 6-bit numbers, exact in float32), so
-`scales * codes + minimums` equals the dequantized tensor transformers loads, bit for bit.
+`scales * codes + minimums` equals the dequantized tensor transformers loads, bit for bit. A K-quant's scales and
+minimums are kept as their factors too (`Factors`): what the exporter stores instead of float32 scales.
 """
 
 from __future__ import annotations
@@ -17,15 +18,28 @@ QK_K = 256  # the K-quants' super-block
 
 
 @dataclass
+class Factors:
+    """A K-quant's scales and minimums as ggml computes them: per super-block of 256 weights a half-precision
+    factor (`super_scales`; `super_minimums`, negated: the minimum is subtracted), times a small integer per block
+    (`sub_scales`, `sub_minimums`: int8). Arrays [rows, super-blocks] and [rows, blocks]."""
+
+    super_scales: np.ndarray
+    sub_scales: np.ndarray
+    super_minimums: np.ndarray | None
+    sub_minimums: np.ndarray | None
+
+
+@dataclass
 class Blocks:
     """A quantized matrix [rows, columns] as stored: `codes` int8 [rows, columns], `scales` and `minimums`
-    float32 [rows, columns // block] (`minimums` None where the format has none)."""
+    float32 [rows, columns // block] (`minimums` None where the format has none); a K-quant's `factors`."""
 
     format: str
     block: int
     codes: np.ndarray
     scales: np.ndarray
     minimums: np.ndarray | None
+    factors: Factors | None = None
 
     def dequantized(self) -> np.ndarray:
         """The float32 weights the format defines."""
@@ -92,12 +106,7 @@ def _q4_k(raw: np.ndarray):
     scales, mins = _k4_scales(raw[..., 4:16])
     qs = raw[..., 16:144].reshape(*raw.shape[:-1], 4, 32)  # four groups of 32 bytes: 64 weights each
     codes = np.concatenate([qs & 0xF, qs >> 4], axis=-1)  # per group: 32 low nibbles, then 32 high
-    return (
-        32,
-        codes.reshape(*raw.shape[:-1], QK_K).astype(np.int8),
-        d[..., None] * scales,
-        -(dmin[..., None] * mins),
-    )
+    return 32, codes.reshape(*raw.shape[:-1], QK_K).astype(np.int8), (d, scales, -dmin, mins)
 
 
 def _q5_k(raw: np.ndarray):
@@ -109,7 +118,7 @@ def _q5_k(raw: np.ndarray):
     high = (qh[..., None, None, :] >> shifts) & 1  # [..., group, half, 32]
     low = np.stack([qs & 0xF, qs >> 4], axis=-2)
     codes = (low | (high << 4)).reshape(*raw.shape[:-1], QK_K).astype(np.int8)
-    return 32, codes, d[..., None] * scales, -(dmin[..., None] * mins)
+    return 32, codes, (d, scales, -dmin, mins)
 
 
 def _q6_k(raw: np.ndarray):
@@ -127,7 +136,7 @@ def _q6_k(raw: np.ndarray):
         ):
             codes.append(nibbles | (((high >> shift) & 3) << 4))
     stacked = np.concatenate(codes, axis=-1).astype(np.int8) - 32
-    return 16, stacked, d[..., None] * scales, None
+    return 16, stacked, (d, scales, None, None)
 
 
 def _q2_k(raw: np.ndarray):
@@ -140,12 +149,7 @@ def _q2_k(raw: np.ndarray):
             codes.append((q >> shift) & 3)
     scales = (packed_scales & 0xF).astype(np.float32)
     mins = (packed_scales >> 4).astype(np.float32)
-    return (
-        16,
-        np.concatenate(codes, axis=-1).astype(np.int8),
-        d[..., None] * scales,
-        -(dmin[..., None] * mins),
-    )
+    return 16, np.concatenate(codes, axis=-1).astype(np.int8), (d, scales, -dmin, mins)
 
 
 def _q3_k_scales(packed: np.ndarray) -> np.ndarray:
@@ -168,7 +172,7 @@ def _q3_k(raw: np.ndarray):
             high = (hmask >> bit) & 1
             codes.append(((q >> shift) & 3).astype(np.int8) - np.where(high == 1, 0, 4).astype(np.int8))
             bit += 1
-    return 16, np.concatenate(codes, axis=-1), d[..., None] * scales, None
+    return 16, np.concatenate(codes, axis=-1), (d, scales, None, None)
 
 
 # GGML type name -> (bytes per block, weights per block, unpacker)
@@ -209,7 +213,22 @@ def unpack(format_name: str, raw: np.ndarray, columns: int) -> Blocks:
     rows = raw.shape[0]
     per_row = columns // block_weights
     blocks = np.ascontiguousarray(raw).reshape(rows, per_row, block_bytes)
-    sub_block, codes, scales, minimums = unpacker(blocks)
+    sub_block, codes, *fields = unpacker(blocks)
+    factors = None
+    if len(fields) == 1:  # a K-quant: (d, integer scales, -dmin, integer minimums) per super-block
+        d, sub_scales, negated_dmin, sub_minimums = fields[0]
+        scales = d[..., None] * sub_scales
+        minimums = None if negated_dmin is None else negated_dmin[..., None] * sub_minimums
+        factors = Factors(
+            np.ascontiguousarray(d.reshape(rows, per_row)),
+            np.ascontiguousarray(sub_scales.reshape(rows, -1).astype(np.int8)),
+            None if negated_dmin is None else np.ascontiguousarray(negated_dmin.reshape(rows, per_row)),
+            None
+            if sub_minimums is None
+            else np.ascontiguousarray(sub_minimums.reshape(rows, -1).astype(np.int8)),
+        )
+    else:
+        scales, minimums = fields
     return Blocks(
         format_name,
         sub_block,
@@ -218,4 +237,5 @@ def unpack(format_name: str, raw: np.ndarray, columns: int) -> Blocks:
         None
         if minimums is None
         else np.ascontiguousarray(minimums.reshape(rows, columns // sub_block).astype(np.float32)),
+        factors,
     )

@@ -12,8 +12,10 @@ tensors are found too) is stored back as that tensor's blocks, in ONNX Runtime's
 - an embedding gathers rows with `com.microsoft::GatherBlockQuantized` over the same planes (a tied output layer and
   its embedding share them).
 
-Every plane holds the format's integers, each scale its exact float32 value: the graph computes
-`scale * code + minimum` as ggml defines it, summed in another order (float rounding). Weights that are no
+Every plane holds the format's integers. A scale is stored as the format stores it: a K-quant's (Q2_K .. Q6_K) as an
+int8 per block times a float16 factor per super-block of 256 weights, multiplied in the graph in float32 as ggml
+multiplies them (its minimums likewise); another format's as its float16 value, read through a Cast. The graph
+computes `scale * code + minimum` as ggml defines it, summed in another order (float rounding). Weights that are no
 quantized tensor's rows (norms, float tensors) stay as they are. A shape-only export at a GGUF format writes the same
 nodes and parts without values (describe_weights_quantized); `Layout` is the one description of the parts both use.
 """
@@ -30,13 +32,14 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from pipeshard.exporter.gguf_blocks import CODES, FORMATS, Blocks, unpack
+from pipeshard.exporter.gguf_blocks import CODES, FORMATS, QK_K, Blocks, Factors, unpack
 from pipeshard.formats.io_names import HIGH_PLANE_SUFFIX, MINIMUM_TERM_SUFFIX, module_path
 
 log = logging.getLogger(__name__)
 
 MS_DOMAIN = "com.microsoft"
 _LOW, _HIGH = "_q4_low", HIGH_PLANE_SUFFIX
+INT8, FLOAT16 = TensorProto.INT8, TensorProto.FLOAT16
 
 
 @dataclass
@@ -85,17 +88,30 @@ class Layout:
     block: int
     zero_points: bool  # the low plane has zero points: some block's codes are not all in -8..7
     high: bool  # a high plane: some block's codes need more than 4 bits
-    minimums: int | None  # the minimums' TensorProto type, None where the rows have none
+    minimums: int | None  # the minimums' TensorProto type (INT8: factored), None where the rows have none
+    scales: int = TensorProto.FLOAT  # the scales' TensorProto type: FLOAT, FLOAT16, or INT8 (factored)
+
+    @property
+    def blocks_per_super(self) -> int:
+        """A factored scale's blocks per super-block (one float16 factor)."""
+        return QK_K // self.block
 
     def parts(self, weight: str, gathered: bool = False) -> dict[str, tuple[str, list[int], int]]:
         """Role -> (initializer name, shape, TensorProto type) of what `weight` is stored as; `gathered`: with the
         zero points an embedding's GatherBlockQuantized reads ([rows, blocks, 1], one per byte)."""
         blocks = self.columns // self.block
         plane = [self.rows, blocks, self.block // 2]
-        parts = {
-            "low": (weight + _LOW, plane, TensorProto.UINT8),
-            "low_scales": (weight + _LOW + "_scales", [self.rows, blocks], TensorProto.FLOAT),
-        }
+        parts = {"low": (weight + _LOW, plane, TensorProto.UINT8)}
+        if self.scales == TensorProto.INT8:
+            supers = self.columns // QK_K
+            parts["scales_sub"] = (
+                weight + _LOW + "_scales_sub",
+                [self.rows, supers, self.blocks_per_super],
+                INT8,
+            )
+            parts["scales_super"] = (weight + _LOW + "_scales_super", [self.rows, supers, 1], FLOAT16)
+        else:
+            parts["low_scales"] = (weight + _LOW + "_scales", [self.rows, blocks], self.scales)
         if self.zero_points:
             parts["low_zero_points"] = (
                 weight + _LOW + "_zero_points",
@@ -110,7 +126,15 @@ class Layout:
                 )
         if self.high:
             parts["high"] = (weight + _HIGH, plane, TensorProto.UINT8)
-        if self.minimums is not None:
+        if self.minimums == TensorProto.INT8:
+            supers = self.columns // QK_K
+            parts["minimums_sub"] = (
+                weight + "_minimums_sub",
+                [supers, self.blocks_per_super, self.rows],
+                INT8,
+            )
+            parts["minimums_super"] = (weight + "_minimums_super", [supers, 1, self.rows], FLOAT16)
+        elif self.minimums is not None:
             parts["minimums"] = (weight + "_minimums", [blocks, self.rows], self.minimums)
         return parts
 
@@ -121,13 +145,15 @@ def format_layout(format_name: str, rows: int, columns: int) -> Layout:
     (lowest, highest), block, minimums = CODES[format_name]
     signed = lowest >= -8 and highest <= 7
     unsigned = lowest >= 0 and highest <= 15
+    factored = FORMATS[format_name][1] == QK_K
     return Layout(
         rows,
         columns,
         block,
         zero_points=not signed,
         high=not (signed or unsigned),
-        minimums=None if minimums is None else helper.np_dtype_to_tensor_dtype(np.dtype(minimums)),
+        minimums=None if minimums is None else INT8 if factored else FLOAT16,
+        scales=INT8 if factored else FLOAT16,
     )
 
 
@@ -135,7 +161,8 @@ def format_layout(format_name: str, rows: int, columns: int) -> Layout:
 class Planes:
     """A matrix [N rows, K columns] as 4-bit planes in MatMulNBits' layout: uint8 [N, blocks, block / 2] per plane,
     `scales` float32 [N, blocks] (the high plane's are 16 times them: its product is scaled by 16, exactly), the
-    low plane's zero points (None: 8 everywhere), `minimums`."""
+    low plane's zero points (None: 8 everywhere), `minimums`; where every row is a K-quant's, `factors`: the
+    scales' (and minimums') int8 per block and float16 per super-block, [N, blocks] and [N, super-blocks]."""
 
     block: int
     low: np.ndarray
@@ -144,6 +171,7 @@ class Planes:
     high: np.ndarray | None
     minimums: np.ndarray | None
     formats: tuple[str, ...]
+    factors: Factors | None = None
 
     @property
     def rows(self) -> int:
@@ -160,25 +188,45 @@ class Planes:
 
     @property
     def layout(self) -> Layout:
-        minimums = self.stored_minimums
+        if self.factors is not None:
+            scales, minimums = INT8, None if self.minimums is None else INT8
+        else:
+            scales = helper.np_dtype_to_tensor_dtype(_narrowest(self.low_scales).dtype)
+            stored = self.stored_minimums
+            minimums = None if stored is None else helper.np_dtype_to_tensor_dtype(stored.dtype)
         return Layout(
             self.rows,
             self.columns,
             self.block,
             zero_points=self.low_zero_points is not None,
             high=self.high is not None,
-            minimums=None if minimums is None else helper.np_dtype_to_tensor_dtype(minimums.dtype),
+            minimums=minimums,
+            scales=scales,
         )
 
     def values(self) -> dict[str, np.ndarray]:
         """Role (Layout.parts) -> stored values."""
-        values = {"low": self.low, "low_scales": self.low_scales}
+        values = {"low": self.low}
+        supers = self.columns // QK_K
+        if self.factors is not None:
+            factors = self.factors
+            values["scales_sub"] = factors.sub_scales.reshape(self.rows, supers, -1)
+            values["scales_super"] = factors.super_scales.astype(np.float16)[..., None]
+        else:
+            values["low_scales"] = _narrowest(self.low_scales)
         if self.low_zero_points is not None:
             values["low_zero_points"] = self.low_zero_points
             values["gather_zero_points"] = _gather_zero_points(self)
         if self.high is not None:
             values["high"] = self.high
-        if self.minimums is not None:
+        if self.minimums is not None and self.factors is not None:
+            values["minimums_sub"] = np.ascontiguousarray(
+                self.factors.sub_minimums.T.reshape(supers, -1, self.rows)
+            )
+            values["minimums_super"] = np.ascontiguousarray(
+                self.factors.super_minimums.astype(np.float16).T[:, None]
+            )
+        elif self.minimums is not None:
             values["minimums"] = self.stored_minimums
         return values
 
@@ -197,6 +245,15 @@ def make_planes(stored: StoredRows, places: list[tuple[int, int]]) -> Planes:
     codes = np.empty((len(places), columns), np.int8)
     scales = np.empty((len(places), columns // block), np.float32)
     minimums = np.zeros_like(scales) if any(stored.tensors[t].minimums is not None for t in used) else None
+    factors = None
+    if all(stored.tensors[t].factors is not None for t in used):
+        supers = (len(places), columns // QK_K)
+        factors = Factors(
+            np.empty(supers, np.float32),
+            np.empty(scales.shape, np.int8),
+            None if minimums is None else np.zeros(supers, np.float32),
+            None if minimums is None else np.zeros(scales.shape, np.int8),
+        )
     by_tensor: dict[int, list[tuple[int, int]]] = defaultdict(list)
     for position, (tensor, row) in enumerate(places):
         by_tensor[tensor].append((position, row))
@@ -208,6 +265,12 @@ def make_planes(stored: StoredRows, places: list[tuple[int, int]]) -> Planes:
         scales[positions] = np.repeat(blocks.scales[rows], repeat, axis=1)
         if blocks.minimums is not None:
             minimums[positions] = np.repeat(blocks.minimums[rows], repeat, axis=1)
+        if factors is not None:
+            factors.super_scales[positions] = blocks.factors.super_scales[rows]
+            factors.sub_scales[positions] = np.repeat(blocks.factors.sub_scales[rows], repeat, axis=1)
+            if blocks.factors.super_minimums is not None:
+                factors.super_minimums[positions] = blocks.factors.super_minimums[rows]
+                factors.sub_minimums[positions] = np.repeat(blocks.factors.sub_minimums[rows], repeat, axis=1)
     grouped = codes.reshape(len(places), -1, block).astype(np.int16)
     lowest, highest = grouped.min(axis=-1), grouped.max(axis=-1)
     signed = (lowest >= -8) & (highest <= 7)  # one plane, zero point 8
@@ -231,6 +294,7 @@ def make_planes(stored: StoredRows, places: list[tuple[int, int]]) -> Planes:
         None if high is None else _pack_nibbles(high.astype(np.uint8)),
         minimums,
         tuple(stored.names[t] for t in used),
+        factors,
     )
 
 
@@ -276,30 +340,27 @@ class _Rewriter:
         if parts["low"][0] not in {t.name for t in self.new_initializers}:
             for role, (name, shape, kind) in parts.items():
                 self.part(role, name, shape, kind, values)
-        names = {role: name for role, (name, _, _) in parts.items()}
-        if layout.high:
-            names["high_scales"] = names["low_scales"]
-        return names
+        return {role: name for role, (name, _, _) in parts.items()}
 
     def product(self, node: onnx.NodeProto, x: str, weight: str, layout: Layout, values: dict | None) -> None:
         """`node`'s output = x @ W^T for W [N, K] stored as `layout` (Planes.values, or None: references)."""
         names = self.stored(weight, layout, values)
         output = node.output[0]
+        scales = self._scales(node, names, layout)
         attributes = {"K": layout.columns, "N": layout.rows, "bits": 4, "block_size": layout.block}
-        low_inputs = [x, names["low"], names["low_scales"]]
+        low_inputs = [x, names["low"], scales]
         if "low_zero_points" in names:
             low_inputs.append(names["low_zero_points"])
         terms = [self.node(node, "MatMulNBits", low_inputs, output + _LOW, **attributes).output[0]]
         if "high" in names:
-            high_inputs = [x, names["high"], names["high_scales"]]
-            high = self.node(node, "MatMulNBits", high_inputs, output + _HIGH, **attributes).output[0]
-            terms.append(self._times_16(node, high))
-        if "minimums" in names:
+            high = self.node(node, "MatMulNBits", [x, names["high"], scales], output + _HIGH, **attributes)
+            terms.append(self._times_16(node, high.output[0]))
+        if layout.minimums is not None:
             shape = self.constant(output + "_block_shape", np.array([0, 0, -1, layout.block], np.int64))
             blocks = self.node(node, "Reshape", [x, shape], output + "_blocks").output[0]
             axes = self.constant(output + "_block_axis", np.array([-1], np.int64))
             sums = self.node(node, "ReduceSum", [blocks, axes], output + "_block_sums", keepdims=0).output[0]
-            minimums = self._as_float(node, names["minimums"], names["minimums"])
+            minimums = self._minimums(node, names, layout)
             terms.append(self.node(node, "MatMul", [sums, minimums], output + MINIMUM_TERM_SUFFIX).output[0])
         self._sum(node, terms, output)
         self.replaced.add(id(node))
@@ -309,7 +370,8 @@ class _Rewriter:
         names = self.stored(weight, layout, values)
         indices, output = node.input[1], node.output[0]
         axis = self.constant(output + "_scale_axis", np.array([2], np.int64))
-        scales = self.node(node, "Unsqueeze", [names["low_scales"], axis], output + "_scales").output[0]
+        scales = self._scales(node, names, layout)
+        scales = self.node(node, "Unsqueeze", [scales, axis], output + "_scales_unsqueezed").output[0]
         terms = []
         for plane in ("low", "high"):
             if plane not in names:
@@ -321,10 +383,10 @@ class _Rewriter:
             attributes = {"bits": 4, "block_size": layout.block, "gather_axis": 0, "quantize_axis": 2}
             gathered = self.node(node, "GatherBlockQuantized", inputs, f"{output}_{plane}_rows", **attributes)
             terms.append(gathered.output[0] if plane == "low" else self._times_16(node, gathered.output[0]))
-        if "minimums" in names:
-            rows = self.node(node, "Gather", [names["minimums"], indices], output + "_minimum_rows", axis=1)
-            rows_as_float = self._as_float(node, rows.output[0], names["minimums"])
-            moved = self.node(node, "Transpose", [rows_as_float], output + "_minimums_moved", perm=[1, 2, 0])
+        if layout.minimums is not None:
+            minimums = self._minimums(node, names, layout)
+            rows = self.node(node, "Gather", [minimums, indices], output + "_minimum_rows", axis=1)
+            moved = self.node(node, "Transpose", [rows.output[0]], output + "_minimums_moved", perm=[1, 2, 0])
             last = self.constant(output + "_minimum_axis", np.array([-1], np.int64))
             terms.append(
                 self.node(node, "Unsqueeze", [moved.output[0], last], output + "_minimum_term").output[0]
@@ -340,14 +402,37 @@ class _Rewriter:
         sixteen = self.constant(tensor + "_step", np.array(16.0, np.float32))
         return self.node(like, "Mul", [tensor, sixteen], tensor + "_times_16").output[0]
 
-    def _as_float(self, like: onnx.NodeProto, tensor: str, weight: str) -> str:
-        """`tensor` (the initializer `weight`, or what was gathered from it) in float32: read through a Cast
-        where `weight` is stored as float16 (on the CPU, WeightMatMul then reads the stored halves)."""
-        stored = next(t for t in self.new_initializers if t.name == weight)
-        if stored.data_type == TensorProto.FLOAT:
-            return tensor
-        name = (tensor if tensor != weight else like.output[0] + "_minimums") + "_as_float"
-        return self.node(like, "Cast", [tensor], name, to=TensorProto.FLOAT).output[0]
+    def _scales(self, like: onnx.NodeProto, names: dict[str, str], layout: Layout) -> str:
+        """The float32 scales [N, blocks] `like`'s replacement reads, computed in its own sub-layer (a weight read by
+        an embedding and a tied output layer is read in two)."""
+        output = like.output[0] + "_scales"
+        if layout.scales == INT8:
+            shape = [layout.rows, layout.columns // layout.block]
+            return self._factored(like, names["scales_sub"], names["scales_super"], shape, output)
+        if layout.scales == FLOAT16:
+            return self.node(like, "Cast", [names["low_scales"]], output, to=TensorProto.FLOAT).output[0]
+        return names["low_scales"]
+
+    def _minimums(self, like: onnx.NodeProto, names: dict[str, str], layout: Layout) -> str:
+        """The float32 minimums [blocks, N] `like`'s replacement reads: a Cast reads stored halves (on the CPU,
+        BlockMatMul then reads them as stored)."""
+        output = like.output[0] + "_minimums"
+        if layout.minimums == INT8:
+            shape = [layout.columns // layout.block, layout.rows]
+            return self._factored(like, names["minimums_sub"], names["minimums_super"], shape, output)
+        if layout.minimums == FLOAT16:
+            return self.node(
+                like, "Cast", [names["minimums"]], output + "_as_float", to=TensorProto.FLOAT
+            ).output[0]
+        return names["minimums"]
+
+    def _factored(self, like: onnx.NodeProto, sub: str, factor: str, shape: list[int], output: str) -> str:
+        """float32(factor) * float32(sub), as ggml computes a K-quant's scale (`d * sc`) or minimum, reshaped."""
+        factor_float = self.node(like, "Cast", [factor], output + "_super", to=TensorProto.FLOAT).output[0]
+        sub_float = self.node(like, "Cast", [sub], output + "_sub", to=TensorProto.FLOAT).output[0]
+        product = self.node(like, "Mul", [factor_float, sub_float], output + "_product").output[0]
+        target = self.constant(output + "_shape", np.array(shape, np.int64))
+        return self.node(like, "Reshape", [product, target], output).output[0]
 
     def _sum(self, like: onnx.NodeProto, terms: list[str], output: str) -> None:
         total = terms[0]

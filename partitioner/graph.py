@@ -180,6 +180,20 @@ def hoist_step_invariants(
             for t in node.input
         ):
             assignment[index] = PROLOGUE
+    # A node of constants alone that one sub-layer reads stays with it (a quantized weight's small scale factors
+    # read through a Cast): in the prologue it would be a step value that sub-layer takes as an input.
+    graph_outputs = {o.name for o in model.graph.output}
+    for index in reversed(list(nx.topological_sort(graph))):
+        node = model.graph.node[index]
+        if (
+            assignment[index] != PROLOGUE
+            or not node.input
+            or not all(not t or t in inline for t in node.input)
+        ):
+            continue
+        readers = {assignment[successor] for successor in graph.successors(index)}
+        if len(readers) == 1 and PROLOGUE not in readers and not graph_outputs & set(node.output):
+            assignment[index] = readers.pop()
 
 
 def keep_embedding_whole(model: onnx.ModelProto, graph: nx.DiGraph, assignment: dict[int, str]) -> None:

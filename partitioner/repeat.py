@@ -219,7 +219,7 @@ def repeat_experts(manifest: dict, num_experts: int) -> dict:
         return manifest
     result = copy.deepcopy(manifest)
     dims = {**result["model"], "num_experts": num_experts}
-    itemsize = {"float32": 4, "float16": 2, "bfloat16": 2, "uint8": 1}  # uint8: a GGUF format's planes
+    itemsize = {"float32": 4, "float16": 2, "bfloat16": 2, "uint8": 1, "int8": 1}  # (u)int8: a GGUF format's parts
     by_name = {e["name"]: e for e in result["sub_layers"]}
     added: dict[str, list[dict]] = {}
     for block in result["moe_blocks"]:

@@ -29,10 +29,14 @@ MINIMUM_TERM_SUFFIX = "_minimum_term"
 QUANTIZED_PART_TAILS = (
     "_q4_low",
     "_q4_low_scales",
+    "_q4_low_scales_sub",
+    "_q4_low_scales_super",
     "_q4_low_zero_points",
     "_low_gather_zero_points",
     HIGH_PLANE_SUFFIX,
     "_minimums",
+    "_minimums_sub",
+    "_minimums_super",
 )
 # The torch exporter's record of a node's module scopes (`metadata_props`), which sub-layers are cut by.
 SCOPES_KEY = "pkg.torch.onnx.name_scopes"
