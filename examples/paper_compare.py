@@ -27,6 +27,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from pipeshard.exporter.gguf_blocks import FORMATS
+from pipeshard.exporter.quantized_weights import format_layout
+
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO / "examples" / "paper_data"
 CONFIGS = REPO / "examples" / "paper_configs"
@@ -283,6 +286,16 @@ def summary(rows: list[dict]) -> list[str]:
     ]
 
 
+def _bits(format_name: str) -> str:
+    """The bits per weight our export stores a large matrix of `format_name` in."""
+    return f"{format_layout(format_name, 4096, 4096).bits_per_weight:g}"
+
+
+def _gguf_bits(format_name: str) -> str:
+    block_bytes, block_weights, _ = FORMATS[format_name]
+    return f"{8 * block_bytes / block_weights:g}"
+
+
 def render(rows: list[dict], seconds: dict, command: str) -> str:
     lines = [
         "# The paper's Table 4 and Figure 2 beside our planner's predictions",
@@ -306,9 +319,10 @@ def render(rows: list[dict], seconds: dict, command: str) -> str:
         "",
         "**Assumptions.** Minitron-4B/8B are planned lossless in fp16 (the paper's f16 GGUFs); Qwen3-30B-A3B (Q4_0) "
         "and Qwen3-235B-A22B (Q2_K) from shape-only packs at those GGUF formats (`--shape-only --dtype q4_0` / "
-        "`q2_k --attention-dtype fp16`): every matrix sized as our export of such a GGUF stores it (4-bit planes, "
-        "float32 scales and minimums: 5 bits per weight for Q4_0, 8 for Q2_K against GGUF's 4.5 and 2.625; a "
-        "router's gate and the norms in float32), computed in fp32 with the attention and KV cache in fp16. "
+        "`q2_k --attention-dtype fp16`): every matrix sized as our export of such a GGUF stores it (4-bit planes "
+        f"with the format's scales and minimums: {_bits('Q4_0')} bits per weight for Q4_0, {_bits('Q2_K')} for Q2_K "
+        f"against GGUF's {_gguf_bits('Q4_0')} and {_gguf_bits('Q2_K')}; a router's gate and the norms in float32), "
+        "computed in fp32 with the attention and KV cache in fp16. "
         "llama.cpp's mixes (a Q6_K output layer, wider layers in Q2_K) are not followed: every matrix takes the "
         "one format. Architectures are from the models' public configs "
         "(examples/paper_configs/). Every figure is a roofline prediction, unchecked on a GPU (unverified).",

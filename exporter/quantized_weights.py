@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import re
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -90,6 +91,15 @@ class Layout:
     high: bool  # a high plane: some block's codes need more than 4 bits
     minimums: int | None  # the minimums' TensorProto type (INT8: factored), None where the rows have none
     scales: int = TensorProto.FLOAT  # the scales' TensorProto type: FLOAT, FLOAT16, or INT8 (factored)
+
+    @property
+    def bits_per_weight(self) -> float:
+        """The stored bits of a product's parts per weight of the matrix."""
+        parts = self.parts("W").values()
+        total = sum(
+            math.prod(shape) * helper.tensor_dtype_to_np_dtype(kind).itemsize for _, shape, kind in parts
+        )
+        return 8 * total / (self.rows * self.columns)
 
     @property
     def blocks_per_super(self) -> int:

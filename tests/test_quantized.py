@@ -66,6 +66,33 @@ def test_the_shape_only_layout_of_each_format_is_the_one_its_blocks_are_stored_a
     }
 
 
+# Bits per weight a large matrix is stored in: 4-bit planes (two for wider codes), zero points where codes are
+# unsigned, scales and minimums as the format stores them (a K-quant's int8 per block, float16 per super-block)
+STORED_BITS = {
+    "Q4_0": 4.5,
+    "Q4_1": 5.125,
+    "Q5_0": 8.625,
+    "Q5_1": 9.125,
+    "Q8_0": 8.625,
+    "Q2_K": 5.125,
+    "Q3_K": 4.5625,
+    "Q4_K": 4.75,
+    "Q5_K": 8.75,
+    "Q6_K": 8.8125,
+}
+
+
+@pytest.mark.parametrize("format_name", list(FORMATS))
+def test_a_matrix_is_stored_in_its_formats_scales_not_float32_ones(format_name):
+    stored, _ = _stored_rows([format_name], rows=256)
+    planes = make_planes(stored, [(0, row) for row in range(256)])
+    values = planes.values()
+    values.pop("gather_zero_points", None)  # an embedding's only
+    assert 8 * sum(v.nbytes for v in values.values()) / (256 * COLUMNS) == STORED_BITS[format_name]
+    assert format_layout(format_name, 4096, 4096).bits_per_weight == STORED_BITS[format_name]
+    assert not any(v.dtype == np.float32 for v in values.values())
+
+
 def _stored_rows(formats: list[str], rows: int) -> tuple[StoredRows, list[np.ndarray]]:
     tensors, names, digests, dequantized = [], [], {}, []
     for index, format_name in enumerate(formats):
