@@ -90,7 +90,7 @@ class Layout:
     zero_points: bool  # the low plane has zero points: some block's codes are not all in -8..7
     high: bool  # a high plane: some block's codes need more than 4 bits
     minimums: int | None  # the minimums' TensorProto type (INT8: factored), None where the rows have none
-    scales: int = TensorProto.FLOAT  # the scales' TensorProto type: FLOAT, FLOAT16, or INT8 (factored)
+    scales: int  # the scales' TensorProto type: FLOAT, FLOAT16, or INT8 (factored)
 
     @property
     def bits_per_weight(self) -> float:
