@@ -24,7 +24,7 @@ from pipeshard.core.fsutil import atomic_output_dir, check_output_dir, sha256_fi
 from pipeshard.core.version import __version__
 from pipeshard.formats.export_info import read_export_info
 from pipeshard.formats.io_names import GQA_BIAS_INPUT, PAST_PREFIX, PRESENT_PREFIX
-from pipeshard.formats.manifest import MANIFEST_NAME, PACK_SCHEMA_VERSION, WEIGHT_ALIGNMENT
+from pipeshard.formats.manifest import COST_MODEL, MANIFEST_NAME, PACK_SCHEMA_VERSION, WEIGHT_ALIGNMENT
 from pipeshard.partitioner.costs import (
     DTYPE_BYTES,
     bytes_moved,
@@ -569,8 +569,7 @@ def partition(export_dir: Path, pack: Path, force: bool = False) -> PartitionRes
             "graph_outputs": [_describe(v) for v in model.graph.output],
             "kv_bytes_per_token": sum(e["kv"]["bytes_per_token"] for e in entries if e["kv"]),
             "total_weight_bytes": sum(b["bytes"] for b in blobs.values()),
-            "cost_model": "flops and bytes per step = const + T*new_tokens + C*context + TC*new_tokens*context; "
-            "for an expert, T = the tokens routed to it",
+            "cost_model": COST_MODEL,
             "sub_layers": entries,
             "moe_blocks": blocks,
             **({"vision": vision} if vision else {}),

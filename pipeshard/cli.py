@@ -684,9 +684,7 @@ def _vision_plan(pack, planner, budget: int, sizes: list[tuple[int, int]]) -> st
         f"{format_bytes(shape.largest_block_bytes)}, the decoder's memory released first):"
     ]
     for width, height in sizes:
-        tiles = len(
-            preprocess([Image.new("RGB", (width, height))], vision.facts["preprocessing"]).pixel_values
-        )
+        tiles = len(preprocess([Image.new("RGB", (width, height))], vision.preprocessing).pixel_values)
         patches, keys = image_patches(shape, width, height, tiles)
         workspace = budget - 2 * shape.largest_block_bytes
         streamed = vlmopt_peak(shape, patches, keys, max(workspace, 0))

@@ -37,9 +37,9 @@ class MonolithicStep:
         self.run_options = rt.run_options()
         self._logits = np.empty(0, activations)
         self.takes_images = IMAGE_FEATURES in self.info.inputs
-        self.image_token_id = int(self.info.vision["image_token_id"]) if self.takes_images else None
+        self.image_token_id = self.info.image_preprocessing.image_token_id if self.takes_images else None
         self._no_features = np.zeros((0, int(dims["hidden_size"])), activations)
-        self.mrope = mrope_settings(self.info.position_rows, self.info.vision)
+        self.mrope = mrope_settings(self.info.position_rows, self.info.image_preprocessing)
 
     def start(self, batch_size: int, context: int | None = None) -> None:
         self.binding.clear()  # lets the old KV buffers go before the new ones are made

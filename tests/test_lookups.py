@@ -20,10 +20,12 @@ from conftest import parse_python  # noqa: E402
 FOLDERS = ("partitioner", "runtime")
 LOOKUP_METHODS = ("get", "pop", "setdefault")
 # The most string-key lookups the two folders may hold outside ALLOWED.
-MAX_LOOKUPS = 493
+MAX_LOOKUPS = 217
 
 # (file, key): why that lookup stays a string key. Every occurrence of the key in the file is allowed.
-ALLOWED: dict[tuple[str, str], str] = {}
+ALLOWED: dict[tuple[str, str], str] = {
+    ("runtime/images.py", "transparency"): "Pillow's Image.info, a third-party dict of the file's metadata",
+}
 
 
 def lookups_in(source: str) -> list[tuple[int, str]]:

@@ -10,6 +10,7 @@ import numpy as np
 from pipeshard.core.errors import UserError
 from pipeshard.core.fsutil import read_json
 from pipeshard.formats.fields import Fields
+from pipeshard.formats.image_preprocessing import ImagePreprocessing
 from pipeshard.formats.manifest import FileDigest
 
 EXPORT_SCHEMA_VERSION = 2  # 2: attention is GroupQueryAttention over one in-place KV buffer
@@ -59,6 +60,8 @@ class ExportInfo:
     shape_only: bool = False
     files: dict[str, FileDigest] = field(default_factory=dict)  # sizes checked at load, digests by --verify
     attention_dtype: str = "fp32"  # the fused attention's inputs, output and KV cache (docs/precision.md)
+    vision_file: str | None = None  # the vision graph's file (the `vision` section's `file`)
+    image_preprocessing: ImagePreprocessing | None = None  # the `vision` section's `preprocessing`, read
 
     @property
     def activation_dtype(self) -> np.dtype:
@@ -83,6 +86,8 @@ class ExportInfo:
         vision = fields.raw("vision", None)
         if vision is not None and not isinstance(vision, dict):
             fields.fail("must be an object", "vision")
+        vision_fields = fields.object("vision", None)
+        preprocessing = vision_fields and vision_fields.object("preprocessing", None)
         info = cls(
             architecture=fields.str("architecture"),
             dims=dims,
@@ -97,6 +102,8 @@ class ExportInfo:
             vision=vision,
             shape_only=fields.bool("shape_only", False),
             files=files,
+            vision_file=vision_fields and vision_fields.str("file", None),
+            image_preprocessing=ImagePreprocessing.from_json(preprocessing) if preprocessing else None,
         )
         if "/" in info.model_file or ".." in info.model_file:
             fields.fail("must name a file inside the export folder", "model_file")
