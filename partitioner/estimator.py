@@ -295,7 +295,10 @@ class Estimator:
             flops = 4.0 * self.model.num_attention_heads * self.model.head_dim * tokens * context
             queries_per_kv_head = self.model.num_attention_heads / max(self.model.num_key_value_heads, 1)
             # The cost model's KV traffic per context token (its C term), else the KV's own bytes per token.
-            kv_bytes = entry.cost.bytes.get("C", entry.kv.bytes_per_token if entry.kv else 0) * context
+            per_context_token = entry.cost.bytes_per_context_token
+            if per_context_token is None:
+                per_context_token = entry.kv.bytes_per_token if entry.kv else 0
+            kv_bytes = per_context_token * context
             seconds += max(
                 flops / (rates.attention.gflops(tokens, context, queries_per_kv_head) * 1e9),
                 kv_bytes / (read_gbps * 1e9),
@@ -336,10 +339,10 @@ class Estimator:
             rates.hop_s + entry.nodes * rates.op_s + self._products_seconds(entry, tokens, rates, under_copy)
         )
         products = sum(2.0 * k * n for k, n, _, _ in self._matmuls(entry))
-        if (other := entry.cost.flops.get("T", 0.0) - products) > 0:
+        if (other := entry.cost.flops_per_token - products) > 0:
             width = max((w.shape[0] for w in entry.weights if len(w.shape) >= 2), default=1)
             seconds += other * tokens / (table.gflops(tokens, width, width) * 1e9)
-        if attention := entry.cost.flops.get("TC", 0.0):
+        if attention := entry.cost.flops_per_token_and_context:
             seconds += attention * tokens * context / (rates.attention.gflops(tokens, context) * 1e9)
         return seconds
 

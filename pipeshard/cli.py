@@ -728,19 +728,19 @@ def _placement_runs(vision, placements: dict[str, str]) -> str:
     )
 
 
-def _explained(planner, planned: dict, batch: int) -> str:
+def _explained(planner, planned, batch: int) -> str:
     """How the runtime executes each tier's chosen plan: its splits and the host actions between them."""
     from pipeshard.runtime.splits import Layout, describe, schedule
 
     layout = Layout(planner.manifest, planner.units)
     lines = [
-        f"schedules at {format_bytes(planned['budget_bytes'])} (one-token steps run each CPU split's sub-layers "
+        f"schedules at {format_bytes(planned.budget_bytes)} (one-token steps run each CPU split's sub-layers "
         "as joined sessions of up to 64 MiB of weights):"
     ]
-    for entry in planned["tiers"]:
-        tokens = max(1, entry["tier"] // batch)
-        plan = entry["chosen"]
-        lines.append(f"tier {entry['tier']}, {plan.strategy}: a step of {tokens} new token(s) per sequence")
+    for entry in planned.tiers:
+        tokens = max(1, entry.tier // batch)
+        plan = entry.chosen
+        lines.append(f"tier {entry.tier}, {plan.strategy}: a step of {tokens} new token(s) per sequence")
         lines += ["  " + line for line in describe(schedule(layout, plan, tokens))]
     return "\n".join(lines)
 

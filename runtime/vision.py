@@ -89,12 +89,12 @@ class ExportVision:
     """An export folder's vision graph as one ONNX Runtime session."""
 
     def __init__(self, folder: Path, info: ExportInfo, threads: int | None = None) -> None:
-        if info.image_preprocessing is None or info.vision_file is None:
-            raise UserError(f"{folder}: export.json's vision section names no graph file or no preprocessing")
+        if info.vision is None or info.vision.preprocessing is None:
+            raise UserError(f"{folder}: export.json has no vision section with its preprocessing")
         self.description = info.vision
-        self.config = info.image_preprocessing
+        self.config = info.vision.preprocessing
         self._rt = capi.runtime(threads)
-        self._session = self._rt.session(Path(folder) / info.vision_file, threads)
+        self._session = self._rt.session(Path(folder) / info.vision.file, threads)
         self._run_options = self._rt.run_options()
 
     def encode(self, pixel_values: np.ndarray, grid_thw: np.ndarray | None = None) -> np.ndarray:
@@ -170,12 +170,12 @@ class PackVision:
                 session = device_session(
                     self._rt,
                     self.device,
-                    self.pack.path(entry.files["weights_as_inputs"]),
+                    self.pack.path(entry.weights_as_inputs_file),
                     entry.name,
                     self._threads,
                 )
             else:
-                session = self._rt.session(self.pack.path(entry.files["onnx"]), self._threads)
+                session = self._rt.session(self.pack.path(entry.graph_file), self._threads)
             self._sessions[entry.name, on_device] = session
         return self._sessions[entry.name, on_device]
 

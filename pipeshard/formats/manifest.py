@@ -207,6 +207,21 @@ class Cost:
     def flops_at(self, tokens: float, context: float) -> float:
         return evaluate_cost(self.flops, tokens, context)
 
+    @property
+    def flops_per_token(self) -> float:
+        """The `T` term of the FLOPs."""
+        return self.flops.get("T", 0.0)
+
+    @property
+    def flops_per_token_and_context(self) -> float:
+        """The `TC` term of the FLOPs (attention's scores)."""
+        return self.flops.get("TC", 0.0)
+
+    @property
+    def bytes_per_context_token(self) -> float | None:
+        """The `C` term of the bytes moved (the KV read per context token), None where the cost has none."""
+        return self.bytes.get("C")
+
     def bytes_at(self, tokens: float, context: float) -> float:
         return evaluate_cost(self.bytes, tokens, context)
 
@@ -297,6 +312,16 @@ class SubLayer:
     @property
     def weight_names(self) -> list[str]:
         return [w.name for w in self.weights]
+
+    @property
+    def graph_file(self) -> str:
+        """Its graph with the weights as stored initializers (a CPU session maps them from the blob)."""
+        return self.files["onnx"]
+
+    @property
+    def weights_as_inputs_file(self) -> str:
+        """Its graph with the weights as inputs (a device session binds them where the plan put them)."""
+        return self.files["weights_as_inputs"]
 
 
 @dataclass(frozen=True)
@@ -608,6 +633,11 @@ class Manifest:
 
     def sub_layer(self, name: str) -> SubLayer:
         return self.by_name[name]
+
+    @property
+    def model_sha256(self) -> str | None:
+        """The digest of the export's model.onnx this pack was cut from (None for a shape-only pack)."""
+        return self.source.get("model_sha256")
 
     def to_json(self) -> dict:
         """manifest.json's document, its fields in the order the partitioner writes them."""
