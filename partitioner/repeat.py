@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import asdict, replace
+from dataclasses import replace
 
 from pipeshard.core.errors import UserError
 from pipeshard.formats.io_names import renamed_weight
@@ -22,6 +22,7 @@ from pipeshard.formats.manifest import (
     WEIGHT_ELEMENT_BYTES,
     Cost,
     Manifest,
+    ModelFacts,
     SubLayer,
     TensorInfo,
     VisionSection,
@@ -247,7 +248,7 @@ def repeat_experts(manifest: Manifest, num_experts: int) -> Manifest:
     traced = model.num_experts
     if num_experts <= traced:
         return manifest
-    dims = asdict(replace(model, num_experts=num_experts))
+    dims = replace(model, num_experts=num_experts)
     index = traced - 1
     added: dict[str, list[SubLayer]] = {}
     blocks = []
@@ -301,7 +302,9 @@ def repeat_experts(manifest: Manifest, num_experts: int) -> Manifest:
     )
 
 
-def _widened(entry: SubLayer, traced: int, num_experts: int, dims: dict, compute_dtype: str) -> SubLayer:
+def _widened(
+    entry: SubLayer, traced: int, num_experts: int, dims: ModelFacts, compute_dtype: str
+) -> SubLayer:
     """A router or expert with `num_experts` experts: its shapes, its blob's layout and its cost counted again."""
     from pipeshard.partitioner.costs import analytic_flops, bytes_moved
 
