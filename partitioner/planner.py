@@ -17,6 +17,7 @@ from typing import NamedTuple
 
 from pipeshard.core.errors import UserError
 from pipeshard.core.version import __version__
+from pipeshard.formats.expert_stats import RoutingStats
 from pipeshard.formats.manifest import Manifest, SubLayer
 from pipeshard.formats.plans import (
     BASELINES,
@@ -136,7 +137,7 @@ class Planner:
         batch: int = 1,
         threads: int | None = None,
         output_chunks: int | None = None,
-        expert_stats: dict | None = None,
+        expert_stats: RoutingStats | None = None,
         assume_bits: float | None = None,
     ) -> None:
         self.manifest = manifest
@@ -1149,21 +1150,19 @@ def _with_streamed(streamed: list[int], members: list[int], is_ring: bool, count
     return counts
 
 
-def expert_routing_shares(manifest: Manifest, stats: dict | None) -> dict[str, float]:
+def expert_routing_shares(manifest: Manifest, stats: RoutingStats | None) -> dict[str, float]:
     """Per expert sub-layer, the share of a layer's tokens routed to it: k/E (uniform), or from a stats
     file of measured activations (runtime ExpertStats.to_json) when given, with one pseudo-token per
     expert so an expert the stats never saw chosen is still expected now and then."""
     num_experts, top_k = manifest.model.num_experts, manifest.model.experts_per_token
     shares: dict[str, float] = {}
     for block in manifest.moe_blocks:
-        measured = (stats or {}).get("layers", {}).get(str(block.layer))
-        routed = sum(measured["tokens"]) if measured else 0
+        measured = stats.tokens.get(block.layer) if stats else None
+        routed = sum(measured) if measured else 0
         for index, name in enumerate(block.experts):
             # Each token goes to top_k experts: measured token counts sum to top_k x tokens.
             shares[name] = (
-                top_k * (measured["tokens"][index] + 1) / (routed + num_experts)
-                if routed
-                else top_k / num_experts
+                top_k * (measured[index] + 1) / (routed + num_experts) if routed else top_k / num_experts
             )
     return shares
 
