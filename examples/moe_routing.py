@@ -20,6 +20,7 @@ import numpy as np
 import pipeshard
 from pipeshard.exporter import export_model
 from pipeshard.exporter.tiny import build_random_model
+from pipeshard.formats.expert_stats import RoutingStats
 from pipeshard.formats.manifest import load_pack
 from pipeshard.partitioner.partition import partition
 from pipeshard.partitioner.planner import Planner
@@ -75,7 +76,8 @@ def distinct_experts(pack: Path, threads: int) -> dict:
             step.forward(ids[:, begin:end], np.ones((1, end), np.int64), np.arange(begin, end)[None])
         measured[tier] = step.expert_stats.mean_distinct_experts()[str(tier)]
         if tier == TIERS[-1]:
-            stats = step.expert_stats.to_json()  # the text's routing at T=64, as a stats file would hold it
+            # the text's routing at T=64, as a stats file would hold it
+            stats = RoutingStats.from_json(step.expert_stats.to_json(), "the measured routing")
     manifest = step.pack.manifest
     uniform = Planner(manifest, load_profile("laptop-8gb"))
     measured_routing = Planner(manifest, load_profile("laptop-8gb"), expert_stats=stats)

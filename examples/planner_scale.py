@@ -71,10 +71,10 @@ def main() -> int:
                 "context": args.context,
                 "manifest_load_s": round(loaded_s, 3),
                 "planner_setup_s": round(setup_s, 3),
-                "plan_all_tiers_s": round(planned["planning_s"], 3),
+                "plan_all_tiers_s": round(planned.planning_s, 3),
                 "plan_all_tiers_cpu_s": round(plan_cpu_s, 3),
                 "tiers": list(DEFAULT_TIERS),
-                "chosen": {str(e["tier"]): e["chosen"].strategy for e in planned["tiers"]},
+                "chosen": {str(e.tier): e.chosen.strategy for e in planned.tiers},
                 "replan_tier1_s": {
                     "median": round(statistics.median(replans), 4),
                     "min": round(min(replans), 4),

@@ -128,7 +128,7 @@ def _images() -> dict[str, Path]:
 def _tiles(pack, path: Path) -> list:
     from pipeshard.runtime.images import load_image, preprocess
 
-    return list(preprocess([load_image(path)], pack.manifest.vision.facts["preprocessing"]).pixel_values)
+    return list(preprocess([load_image(path)], pack.manifest.vision.preprocessing).pixel_values)
 
 
 def main() -> None:

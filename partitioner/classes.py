@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from pipeshard.formats.manifest import SubLayer
 from pipeshard.formats.plans import EXPERT_SLOTS, Placement
+from pipeshard.partitioner.simulate import ComputeSeconds, FreeAt
 
 STEPS = 3  # as simulate.STEPS: the steady state is the spacing of the last two steps
 CONTENDED_UNITS = 8  # as simulate.COLLAPSE_AFTER: how many units of a run a copy issued before it can slow
@@ -38,7 +39,7 @@ class UnitClass:
 
 def unit_classes(
     units: list[SubLayer],
-    compute_s: dict[str, dict[str, float]],
+    compute_s: dict[str, ComputeSeconds],
     copy_s: dict[str, float],
     gates: dict[str, str],
     placeable: set[str],
@@ -56,8 +57,8 @@ def unit_classes(
                 UnitClass(
                     tuple(e.name for e in run),
                     gates.get(first),
-                    compute_s[first]["cpu"],
-                    compute_s[first]["gpu"],
+                    compute_s[first].cpu,
+                    compute_s[first].gpu,
                     copy_s[first],
                     kv_bytes(run[0]),
                     max(weight_bytes[e.name] for e in run),
@@ -141,7 +142,7 @@ def class_step_s(
     when it starts. Ring units stream through `slots` slots, each copy issued once its slot's previous unit ran. A
     class's m streamed experts (copy c, compute g, EXPERT_SLOTS slots, copies from when the router ran, f0) end at
     max(start + m·g, f0 + c + g + (m-1)·max(c, g)): the two-stage pipeline of alike jobs."""
-    free = {"cpu": 0.0, "gpu": 0.0, "copy": 0.0}
+    free = FreeAt()
     ring = [i for i, c in enumerate(classes) if c.gate is None and streamed[i]]
     ring_copy_end: list[float] = []
     ring_compute_end: list[float] = []
@@ -155,21 +156,21 @@ def class_step_s(
             if index >= slots and index - slots >= len(ring_compute_end):
                 return
             released = ring_compute_end[index - slots] if index >= slots else 0.0
-            free["copy"] = max(free["copy"], released) + classes[ring[index % len(ring)]].copy_s
-            ring_copy_end.append(free["copy"])
+            free.copy = max(free.copy, released) + classes[ring[index % len(ring)]].copy_s
+            ring_copy_end.append(free.copy)
 
     def run_block(device: str, count: int, seconds: float, ready: float) -> float:
-        start = max(free[device], ready)
+        start = max(free.device(device), ready)
         duration = count * seconds
-        if (device == "cpu" or device_shares_cpu) and free["copy"] > start and cpu_slowdown_under_copy > 1.0:
+        if (device == "cpu" or device_shares_cpu) and free.copy > start and cpu_slowdown_under_copy > 1.0:
             slowed = min(
                 count,
                 CONTENDED_UNITS,
-                math.ceil((free["copy"] - start) / (seconds * cpu_slowdown_under_copy)),
+                math.ceil((free.copy - start) / (seconds * cpu_slowdown_under_copy)),
             )
             duration += slowed * seconds * (cpu_slowdown_under_copy - 1.0)
-        free[device] = start + duration
-        return free[device]
+        free.busy_until(device, start + duration)
+        return start + duration
 
     # per class, its non-empty blocks in the order they run: pinned, on the CPU, streamed
     blocks_of = []
@@ -187,8 +188,8 @@ def class_step_s(
         for unit_class, blocks in zip(classes, blocks_of, strict=True):
             for device, units, is_streamed in blocks:
                 if device != previous:
-                    free["copy"] = max(free["copy"], ready) + activation_s
-                    ready = free["copy"]
+                    free.copy = max(free.copy, ready) + activation_s
+                    ready = free.copy
                     previous = device
                 if len(ring_copy_end) < total_ring:
                     issue_ring_copies()
@@ -202,20 +203,20 @@ def class_step_s(
                     ring_compute_end.append(ready)
                 else:
                     copy, compute = unit_class.copy_s, unit_class.gpu_s
-                    first_copy = max(free["copy"], ended.get(unit_class.gate, 0.0))
-                    start = max(free["gpu"], ready)
+                    first_copy = max(free.copy, ended.get(unit_class.gate, 0.0))
+                    start = max(free.gpu, ready)
                     end = max(
                         start + units * compute,
                         first_copy + copy + compute + (units - 1) * max(copy, compute),
                     )
-                    free["copy"] = max(free["copy"], first_copy + units * copy)
-                    free["gpu"] = ready = end
+                    free.copy = max(free.copy, first_copy + units * copy)
+                    free.gpu = ready = end
             ended[unit_class.names[-1]] = ready
             if unit_class.gate is None and len(unit_class.names) == 1:
                 ended[unit_class.names[0]] = ready
         if previous != "cpu":
-            free["copy"] = max(free["copy"], ready) + activation_s
-            ready = free["copy"]
+            free.copy = max(free.copy, ready) + activation_s
+            ready = free.copy
             previous = "cpu"
         step_ends.append(ready)
     return step_ends[-1] - step_ends[-2]

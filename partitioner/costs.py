@@ -9,6 +9,7 @@ one by walking the sub-layer's ONNX nodes — and the pack is only written when 
 from __future__ import annotations
 
 import math
+from typing import Protocol
 
 import onnx
 
@@ -17,34 +18,50 @@ from pipeshard.formats.io_names import HIGH_PLANE_SUFFIX, MINIMUM_TERM_SUFFIX
 from pipeshard.partitioner.graph import SubLayer
 
 Coefficients = dict[str, float]
+
+
+class Dimensions(Protocol):
+    """The model dimensions a cost is counted from: export.json's (ModelDims), a manifest's (ModelFacts), or a
+    vision tower's (partition.py's VisionDims: only what attention counts)."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    num_experts: int
+    expert_intermediate_size: int
+
+
 DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}  # activations and KV: the compute dtype
 WEIGHT_PASSTHROUGH_OPS = {"Transpose", "Cast", "Identity", "Reshape"}
 MATMUL_OPS = {"MatMul", "Gemm"}
 
 
-def analytic_flops(kind: str, dims: dict) -> Coefficients:
+def analytic_flops(kind: str, dims: Dimensions) -> Coefficients:
     """FLOPs from the model dimensions alone (2 per multiply-add)."""
     hidden, heads, kv_heads, head_dim = (
-        dims["hidden_size"],
-        dims["num_attention_heads"],
-        dims["num_key_value_heads"],
-        dims["head_dim"],
+        dims.hidden_size,
+        dims.num_attention_heads,
+        dims.num_key_value_heads,
+        dims.head_dim,
     )
     if kind == "attn":
         projections = 2 * hidden * heads * head_dim * 2 + 2 * hidden * kv_heads * head_dim * 2
         return {"T": float(projections), "TC": float(4 * heads * head_dim)}
     if kind == "ffn":
-        return {"T": float(2 * 3 * hidden * dims["intermediate_size"])}
+        return {"T": float(2 * 3 * hidden * dims.intermediate_size)}
     if kind == "router":
-        return {"T": float(2 * hidden * dims["num_experts"])}
+        return {"T": float(2 * hidden * dims.num_experts)}
     if kind == "expert":  # T = the tokens routed to this expert
-        return {"T": float(2 * 3 * hidden * dims["expert_intermediate_size"])}
+        return {"T": float(2 * 3 * hidden * dims.expert_intermediate_size)}
     if kind == "final":
-        return {"T": float(2 * hidden * dims["vocab_size"])}
+        return {"T": float(2 * hidden * dims.vocab_size)}
     return {}
 
 
-def counted_flops(sub_layer: SubLayer, model: onnx.ModelProto, dims: dict) -> Coefficients:
+def counted_flops(sub_layer: SubLayer, model: onnx.ModelProto, dims: Dimensions) -> Coefficients:
     """FLOPs counted from the sub-layer's nodes: each MatMul against a weight, each Attention op, a patch
     embedding's Conv."""
     initializers = {i.name: list(i.dims) for i in model.graph.initializer}
@@ -75,7 +92,7 @@ def counted_flops(sub_layer: SubLayer, model: onnx.ModelProto, dims: dict) -> Co
         elif node.op_type == "Conv" and (kernel := weight_dims(node.input[1])):  # a patch embedding: one
             per_token += 2.0 * math.prod(kernel)  # output position per patch (stride = kernel)
         elif node.op_type in ("Attention", "GroupQueryAttention", "MultiHeadAttention"):
-            per_token_context += 4.0 * dims["num_attention_heads"] * dims["head_dim"]
+            per_token_context += 4.0 * dims.num_attention_heads * dims.head_dim
     found = {}
     if per_token:
         found["T"] = per_token
@@ -89,12 +106,17 @@ def _attribute(node: onnx.NodeProto, name: str) -> int:
 
 
 def bytes_moved(
-    sub_layer: SubLayer, kind: str, dims: dict, dtype: str, weight_bytes: int, kv_dtype: str | None = None
+    sub_layer: SubLayer,
+    kind: str,
+    dims: Dimensions,
+    dtype: str,
+    weight_bytes: int,
+    kv_dtype: str | None = None,
 ) -> Coefficients:
     """Memory traffic per step: weights once, activations (DTYPE) per token, KV traffic (KV_DTYPE, DTYPE unless
     given) per context token."""
     element = DTYPE_BYTES[dtype]
-    hidden = dims["hidden_size"]
+    hidden = dims.hidden_size
     kv_per_token = kv_bytes_per_token(dims, kv_dtype or dtype) if kind == "attn" else 0
     if kind == "embed":
         return {"T": float(2 * hidden * element)}  # a Gather reads only the rows it needs
@@ -102,8 +124,8 @@ def bytes_moved(
         return {}
     activations = (
         2 * hidden * element
-        + (dims["vocab_size"] * element if kind == "final" else 0)
-        + (dims.get("num_experts", 0) * element if kind in ("router", "expert") else 0)
+        + (dims.vocab_size * element if kind == "final" else 0)
+        + (dims.num_experts * element if kind in ("router", "expert") else 0)
     )  # routing weights
     cost = {"const": float(weight_bytes), "T": float(activations + kv_per_token)}
     if kv_per_token:
@@ -113,12 +135,12 @@ def bytes_moved(
     return cost
 
 
-def kv_bytes_per_token(dims: dict, dtype: str) -> int:
+def kv_bytes_per_token(dims: Dimensions, dtype: str) -> int:
     """Key + value of one token in one layer."""
-    return 2 * dims["num_key_value_heads"] * dims["head_dim"] * DTYPE_BYTES[dtype]
+    return 2 * dims.num_key_value_heads * dims.head_dim * DTYPE_BYTES[dtype]
 
 
-def checked_flops(sub_layer: SubLayer, model: onnx.ModelProto, dims: dict) -> Coefficients:
+def checked_flops(sub_layer: SubLayer, model: onnx.ModelProto, dims: Dimensions) -> Coefficients:
     """The graph count, after checking it against the dimension formula (1 % tolerance)."""
     counted = counted_flops(sub_layer, model, dims)
     expected = analytic_flops(sub_layer.kind, dims)

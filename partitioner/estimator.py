@@ -21,7 +21,17 @@ from dataclasses import dataclass
 
 from pipeshard.core.errors import UserError
 from pipeshard.formats.manifest import ModelFacts, SubLayer
-from pipeshard.formats.profile_db import AttentionRow, MatmulRow, PackTimings, ProfileDb
+from pipeshard.formats.plans import Placement
+from pipeshard.formats.profile_db import (
+    COPY_KIND,
+    QUANTIZED_MATMUL,
+    STEP_KIND,
+    AttentionRow,
+    MatmulRow,
+    PackTimings,
+    ProfileDb,
+    quantized_rows,
+)
 
 # q4: a GGUF's quantized product as 4-bit planes (exporter/quantized_weights.py); its bytes are counted as stored
 ELEMENT_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "q4": 0.5}
@@ -146,7 +156,9 @@ class Estimator:
         self.element = ELEMENT_BYTES[model.compute_dtype]  # activations and KV
         self.weight_bits = weight_bits  # planning only: every weight read as this many bits
         self.weight_scale = (
-            weight_bits / 8 / ELEMENT_BYTES.get(self.dtype, ELEMENT_BYTES["q4"]) if weight_bits else 1.0
+            weight_bits / 8 / ELEMENT_BYTES.get(self.dtype, ELEMENT_BYTES[QUANTIZED_MATMUL])
+            if weight_bits
+            else 1.0
         )  # of stored bytes
         self.model = model
         available = profile.thread_counts
@@ -163,7 +175,7 @@ class Estimator:
             hop_s=cpu.hop_us * 1e-6,
             op_s=cpu.op_us * 1e-6,
             weight_read_gbps=cpu.weight_read_gbps,
-            quantized=RateTable(cpu.matmul["q4"]) if cpu.matmul.get("q4") else None,
+            quantized=RateTable(quantized_rows(cpu.matmul)) if quantized_rows(cpu.matmul) else None,
         )
         device = profile.device
         if device.kind == "sim" or not device.matmul:
@@ -176,7 +188,7 @@ class Estimator:
                 self.cpu.read_gbps,
                 launch_us * 1e-6,
                 # the simulated device's own sessions unpack 4-bit planes at every call
-                quantized=RateTable(device.matmul["q4"]) if device.matmul.get("q4") else None,
+                quantized=RateTable(quantized_rows(device.matmul)) if quantized_rows(device.matmul) else None,
             )
         else:
             self.device = ComputeRates(
@@ -192,7 +204,7 @@ class Estimator:
         self.link_rows = sorted((r.bytes, r.gbps) for r in h2d if r.pinned or not any(x.pinned for x in h2d))
         self.copy_slowdown = profile.contention.copy_slowdown_under_cpu_matmul
         # The pack's own streaming run on the simulated device: its copies beside its compute (pack_timing).
-        copies = self.pack_timings.get("streamed", {}).get("copy", {})
+        copies = self.pack_timings.get(Placement.STREAMED, {}).get(COPY_KIND, {})
         self.streamed_copy_rows = sorted(point for points in copies.values() for point in points)
         factors = profile.contention.cpu_matmul_slowdown_under_copy.get(self.threads)
         self._cpu_slowdown = max(1.0, factors.memory_read if factors else 1.0)
@@ -228,7 +240,8 @@ class Estimator:
             ]
             return _interpolate_log(per_past, past)
 
-        return interpolated(by_kind[kind]) * (interpolated(by_kind["step"]) if by_kind.get("step") else 1.0)
+        step = by_kind.get(STEP_KIND)
+        return interpolated(by_kind[kind]) * (interpolated(step) if step else 1.0)
 
     def _table_dtype(self, table: dict[str, tuple[MatmulRow, ...]]) -> str:
         """The rate table of the products' arithmetic: the model's dtype where it computes in it (an fp16 graph),
@@ -295,7 +308,10 @@ class Estimator:
             flops = 4.0 * self.model.num_attention_heads * self.model.head_dim * tokens * context
             queries_per_kv_head = self.model.num_attention_heads / max(self.model.num_key_value_heads, 1)
             # The cost model's KV traffic per context token (its C term), else the KV's own bytes per token.
-            kv_bytes = entry.cost.bytes.get("C", entry.kv.bytes_per_token if entry.kv else 0) * context
+            per_context_token = entry.cost.bytes_per_context_token
+            if per_context_token is None:
+                per_context_token = entry.kv.bytes_per_token if entry.kv else 0
+            kv_bytes = per_context_token * context
             seconds += max(
                 flops / (rates.attention.gflops(tokens, context, queries_per_kv_head) * 1e9),
                 kv_bytes / (read_gbps * 1e9),
@@ -336,10 +352,10 @@ class Estimator:
             rates.hop_s + entry.nodes * rates.op_s + self._products_seconds(entry, tokens, rates, under_copy)
         )
         products = sum(2.0 * k * n for k, n, _, _ in self._matmuls(entry))
-        if (other := entry.cost.flops.get("T", 0.0) - products) > 0:
+        if (other := entry.cost.flops_per_token - products) > 0:
             width = max((w.shape[0] for w in entry.weights if len(w.shape) >= 2), default=1)
             seconds += other * tokens / (table.gflops(tokens, width, width) * 1e9)
-        if attention := entry.cost.flops.get("TC", 0.0):
+        if attention := entry.cost.flops_per_token_and_context:
             seconds += attention * tokens * context / (rates.attention.gflops(tokens, context) * 1e9)
         return seconds
 

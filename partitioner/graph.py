@@ -18,6 +18,7 @@ from onnx import helper
 
 from pipeshard.core.errors import UserError
 from pipeshard.formats.io_names import PAST_PREFIX, PRESENT_PREFIX, module_path
+from pipeshard.formats.manifest import MoeBlock
 from pipeshard.partitioner.rules import GLUE, classify
 
 PROLOGUE = "prologue"
@@ -381,7 +382,7 @@ def cut(model: onnx.ModelProto, assignment: dict[int, str]) -> list[SubLayer]:
 
 def moe_blocks(
     sub_layers: list[SubLayer], model: onnx.ModelProto, shapes: dict[str, list], hidden_size: int
-) -> list[dict]:
+) -> list[MoeBlock]:
     """Each MoE layer's router, experts and combine, checked to be what the runtime does itself: the
     combine adds every expert's (already routing-weighted) output to the residual the router read.
     The router gives two tensors to every expert: the normed hidden states and the routing weights."""
@@ -419,26 +420,26 @@ def moe_blocks(
                 f"MoE layer {layer}: the router's outputs {router.outputs} are not hidden states + routing"
             )
         blocks.append(
-            {
-                "layer": layer,
-                "router": router.name,
-                "experts": [s.name for s in experts],
-                "hidden": hidden[0],
-                "routing": routing[0],
-                "residual": residual[0],
-                "expert_outputs": [o[0] for o in expert_outputs],
-                "output": combine.outputs[0],
-            }
+            MoeBlock(
+                layer=layer,
+                router=router.name,
+                experts=[s.name for s in experts],
+                hidden=hidden[0],
+                routing=routing[0],
+                residual=residual[0],
+                expert_outputs=[o[0] for o in expert_outputs],
+                output=combine.outputs[0],
+            )
         )
     return blocks
 
 
-def moe_internal_tensors(blocks: list[dict], sub_layers: list[SubLayer]) -> set[str]:
+def moe_internal_tensors(blocks: list[MoeBlock], sub_layers: list[SubLayer]) -> set[str]:
     """Tensors that cross sub-layers inside MoE blocks (router -> experts -> combine, residual -> combine)."""
     by_name = {s.name: s for s in sub_layers}
     internal = set()
     for block in blocks:
-        internal |= set(by_name[block["router"]].outputs) | set(block["expert_outputs"]) | {block["residual"]}
+        internal |= set(by_name[block.router].outputs) | set(block.expert_outputs) | {block.residual}
     return internal
 
 

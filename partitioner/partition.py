@@ -12,19 +12,35 @@ import hashlib
 import logging
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import onnx
 from onnx import helper, numpy_helper
+from onnx.external_data_helper import ExternalDataInfo
 
 from pipeshard.core.errors import UserError
 from pipeshard.core.fsutil import atomic_output_dir, check_output_dir, sha256_file, write_json_atomic
 from pipeshard.core.version import __version__
-from pipeshard.formats.export_info import read_export_info
+from pipeshard.formats.export_info import ExportVision, read_export_info
 from pipeshard.formats.io_names import GQA_BIAS_INPUT, PAST_PREFIX, PRESENT_PREFIX
-from pipeshard.formats.manifest import MANIFEST_NAME, PACK_SCHEMA_VERSION, WEIGHT_ALIGNMENT
+from pipeshard.formats.manifest import (
+    MANIFEST_NAME,
+    WEIGHT_ALIGNMENT,
+    Blob,
+    Cost,
+    FileDigest,
+    KvSpec,
+    Manifest,
+    ModelFacts,
+    RowChunks,
+    TensorInfo,
+    VisionSection,
+    Weight,
+)
+from pipeshard.formats.manifest import SubLayer as ManifestEntry
 from pipeshard.partitioner.costs import (
     DTYPE_BYTES,
     bytes_moved,
@@ -80,18 +96,34 @@ class PartitionResult:
     seconds: float
 
 
-def _weight_records(sub_layer, initializers: dict, placements: dict) -> list[dict]:
+class Placement(NamedTuple):
+    """Where a weight's bytes are in the pack: its blob, and its place in it."""
+
+    file: str
+    offset: int
+    bytes: int
+
+
+class VisionDims(NamedTuple):
+    """What a vision block's attention cost is counted from (partitioner/costs.py)."""
+
+    hidden_size: int
+    num_attention_heads: int
+    head_dim: int
+
+
+def _weight_records(sub_layer, initializers: dict, placements: dict[str, Placement]) -> tuple[Weight, ...]:
     """The manifest's records of a sub-layer's stored weights: name, shape, dtype and where its blob holds it."""
-    return [
-        {
-            "name": name,
-            "shape": list(initializers[name].dims),
-            "dtype": ONNX_DTYPE_NAMES[initializers[name].data_type],
-            **placements[name],
-        }
+    return tuple(
+        Weight(
+            name,
+            tuple(initializers[name].dims),
+            ONNX_DTYPE_NAMES[initializers[name].data_type],
+            *placements[name],
+        )
         for name in sub_layer.initializers
         if name in placements
-    ]
+    )
 
 
 def _value_infos(model: onnx.ModelProto) -> dict[str, onnx.ValueInfoProto]:
@@ -117,18 +149,16 @@ def _with_last_dim(info: onnx.ValueInfoProto, name: str) -> onnx.ValueInfoProto:
     return helper.make_tensor_value_info(info.name, info.type.tensor_type.elem_type, [*dims[:-1], name])
 
 
-def _describe(info: onnx.ValueInfoProto) -> dict:
-    return {
-        "name": info.name,
-        "shape": _dims(info),
-        "dtype": ONNX_DTYPE_NAMES.get(info.type.tensor_type.elem_type, str(info.type.tensor_type.elem_type)),
-    }
+def _describe(info: onnx.ValueInfoProto, rows_of: str | None = None) -> TensorInfo:
+    elem_type = info.type.tensor_type.elem_type
+    return TensorInfo(info.name, _dims(info), ONNX_DTYPE_NAMES.get(elem_type, str(elem_type)), rows_of)
 
 
-def _external(initializer: onnx.TensorProto) -> dict[str, str] | None:
+def _external(initializer: onnx.TensorProto) -> ExternalDataInfo | None:
+    """Where an external weight's bytes are in the export's data file (location, offset, length)."""
     if initializer.data_location != onnx.TensorProto.EXTERNAL:
         return None
-    return {entry.key: entry.value for entry in initializer.external_data}
+    return ExternalDataInfo(initializer)
 
 
 def _weight_owners(sub_layers: list[SubLayer], initializers: dict[str, onnx.TensorProto]) -> dict[str, str]:
@@ -144,13 +174,13 @@ def _weight_owners(sub_layers: list[SubLayer], initializers: dict[str, onnx.Tens
 
 def _write_blobs(
     sub_layers, owners, initializers, source_data: Path | None, staging: Path
-) -> tuple[dict, dict]:
+) -> tuple[dict[str, Placement], dict[str, Blob]]:
     """Copy each owned weight from the export's data file into its sub-layer's blob, aligned. With no
     `source_data` (a shape-only export) only the layout is made: the same offsets and sizes, no files and no
     digests."""
     source = np.memmap(source_data, dtype=np.uint8, mode="r") if source_data else None
-    placements: dict[str, dict] = {}
-    blobs: dict[str, dict] = {}
+    placements: dict[str, Placement] = {}
+    blobs: dict[str, Blob] = {}
     for sub_layer in sub_layers:
         owned = [name for name in sub_layer.initializers if owners.get(name) == sub_layer.name]
         if not owned:
@@ -166,7 +196,7 @@ def _write_blobs(
                     digest.update(b"\0" * padding)
                 offset += padding
                 entry = _external(initializers[name])
-                start, length = int(entry.get("offset", 0)), int(entry["length"])
+                start, length = entry.offset or 0, entry.length
                 if blob is not None:
                     chunk = source[start : start + length]
                     if len(chunk) != length:
@@ -175,13 +205,9 @@ def _write_blobs(
                         )
                     blob.write(chunk)
                     digest.update(chunk)
-                placements[name] = {"file": blob_name, "offset": offset, "bytes": length}
+                placements[name] = Placement(blob_name, offset, length)
                 offset += length
-        blobs[sub_layer.name] = {
-            "file": blob_name,
-            "bytes": offset,
-            "sha256": digest.hexdigest() if blob is not None else None,
-        }
+        blobs[sub_layer.name] = Blob(blob_name, offset, digest.hexdigest() if blob is not None else None)
     return placements, blobs
 
 
@@ -282,9 +308,9 @@ def _sub_model(
             del stub.external_data[:]
             place = placements[name]
             for key, value in (
-                ("location", place["file"]),
-                ("offset", str(place["offset"])),
-                ("length", str(place["bytes"])),
+                ("location", place.file),
+                ("offset", str(place.offset)),
+                ("length", str(place.bytes)),
             ):
                 stub.external_data.add(key=key, value=value)
             stored.append(stub)
@@ -332,14 +358,14 @@ def _copy_shared_weights(model: onnx.ModelProto, assignment: dict[int, str]) -> 
 
 
 def _vision_section(
-    export_dir: Path, vision: dict, dtype: str, staging: Path, shape_only: bool = False
-) -> dict:
+    export_dir: Path, vision: ExportVision, dtype: str, staging: Path, shape_only: bool = False
+) -> VisionSection:
     """Cut a VLM's vision graph into its blocks (`vision_embed`, `V{i}.attn`, `V{i}.ffn`, `projector`) and write
     them beside the decoder's sub-layers: the manifest's `vision` section. A block's cost counts T = patches
     through it and C = the patches each attends to; attention scores are the fused op's, never stored."""
-    model = onnx.load(export_dir / vision["file"], load_external_data=False)
+    model = onnx.load(export_dir / vision.file, load_external_data=False)
     graph = build_graph(model)
-    assignment = assign_sub_layers(model, graph, VISION_RULES_BY_FAMILY[vision.get("family", "idefics3")])
+    assignment = assign_sub_layers(model, graph, VISION_RULES_BY_FAMILY[vision.family])
     hoist_step_invariants(
         model, graph, assignment, frozenset(v.name for v in model.graph.input) - {"pixel_values"}
     )
@@ -347,12 +373,12 @@ def _vision_section(
     _copy_shared_weights(model, assignment)
     sub_layers = cut(model, assignment)
     infos = _value_infos(model)
-    verify_cut(sub_layers, {name: _dims(v) for name, v in infos.items()}, vision["hidden_size"])
+    verify_cut(sub_layers, {name: _dims(v) for name, v in infos.items()}, vision.hidden_size)
     for sub_layer in sub_layers:
         if sub_layer.name == PROLOGUE:
             sub_layer.name = VISION_PROLOGUE
     initializers = {i.name: i for i in model.graph.initializer}
-    external = {_external(i)["location"] for i in initializers.values() if _external(i)}
+    external = {_external(i).location for i in initializers.values() if _external(i)}
     placements, blobs = (
         _write_blobs(
             sub_layers,
@@ -364,11 +390,9 @@ def _vision_section(
         if external
         else ({}, {})
     )
-    dims = {
-        "hidden_size": vision["hidden_size"],
-        "num_attention_heads": vision["num_attention_heads"],
-        "head_dim": vision["hidden_size"] // vision["num_attention_heads"],
-    }
+    dims = VisionDims(
+        vision.hidden_size, vision.num_attention_heads, vision.hidden_size // vision.num_attention_heads
+    )
     entries = []
     for sub_layer in sub_layers:
         files = (
@@ -382,36 +406,39 @@ def _vision_section(
                 staging / files[variant],
             )
         weights = _weight_records(sub_layer, initializers, placements)
-        weight_bytes = sum(w["bytes"] for w in weights)
+        weight_bytes = sum(w.bytes for w in weights)
         entries.append(
-            {
-                "name": sub_layer.name,
-                "kind": sub_layer.kind,
-                "layer": sub_layer.layer,
-                "files": files,
-                "blob": blobs.get(sub_layer.name),
-                "weights": weights,
-                "weight_bytes": weight_bytes,
-                "inputs": [_describe(infos[t]) for t in sub_layer.inputs],
-                "outputs": [_describe(infos[t]) for t in sub_layer.outputs],
-                "cost": {
-                    "flops": counted_flops(sub_layer, model, dims),
-                    "bytes": {
+            ManifestEntry(
+                name=sub_layer.name,
+                kind=sub_layer.kind,
+                layer=sub_layer.layer,
+                files=files,
+                blob=blobs.get(sub_layer.name),
+                weights=weights,
+                weight_bytes=weight_bytes,
+                inputs=tuple(_describe(infos[t]) for t in sub_layer.inputs),
+                outputs=tuple(_describe(infos[t]) for t in sub_layer.outputs),
+                kv=None,
+                cost=Cost(
+                    flops=counted_flops(sub_layer, model, dims),
+                    bytes={
                         "const": float(weight_bytes),
-                        "T": float(2 * vision["hidden_size"] * DTYPE_BYTES[dtype]),
+                        "T": float(2 * vision.hidden_size * DTYPE_BYTES[dtype]),
                     },
-                },
-                "nodes": len(sub_layer.nodes),
-            }
+                ),
+                nodes=len(sub_layer.nodes),
+            )
         )
-    described = {k: v for k, v in vision.items() if k not in ("file", "max_difference_vs_pytorch")}
-    return {
-        **described,
-        "graph_inputs": [_describe(v) for v in model.graph.input],
-        "graph_outputs": [_describe(v) for v in model.graph.output],
-        "total_weight_bytes": sum(b["bytes"] for b in blobs.values()),
-        "sub_layers": entries,
-    }
+    # the export's section, less what only the export has (its graph file, its check against PyTorch)
+    described = {k: v for k, v in vision.facts.items() if k not in ("file", "max_difference_vs_pytorch")}
+    return VisionSection(
+        sub_layers=tuple(entries),
+        graph_inputs=tuple(_describe(v) for v in model.graph.input),
+        graph_outputs=tuple(_describe(v) for v in model.graph.output),
+        total_weight_bytes=sum(b.bytes for b in blobs.values()),
+        facts=described,
+        preprocessing=vision.preprocessing,
+    )
 
 
 def partition(export_dir: Path, pack: Path, force: bool = False) -> PartitionResult:
@@ -439,11 +466,11 @@ def partition(export_dir: Path, pack: Path, force: bool = False) -> PartitionRes
     sub_layers = cut(model, assignment)
     infos = _value_infos(model)
     shapes = {name: _dims(v) for name, v in infos.items()}
-    blocks = moe_blocks(sub_layers, model, shapes, dims["hidden_size"])
-    verify_cut(sub_layers, shapes, dims["hidden_size"], frozenset(moe_internal_tensors(blocks, sub_layers)))
+    blocks = moe_blocks(sub_layers, model, shapes, dims.hidden_size)
+    verify_cut(sub_layers, shapes, dims.hidden_size, frozenset(moe_internal_tensors(blocks, sub_layers)))
     sub_layers = [s for s in sub_layers if s.kind != "combine"]  # the runtime combines the routed experts
     initializers = {i.name: i for i in model.graph.initializer}
-    external = {_external(i)["location"] for i in initializers.values() if _external(i)}
+    external = {_external(i).location for i in initializers.values() if _external(i)}
     if len(external) > 1:
         raise UserError(f"{export_dir}: weights spread over several files ({sorted(external)}); expected one")
     owners = _weight_owners(sub_layers, initializers)
@@ -478,46 +505,41 @@ def partition(export_dir: Path, pack: Path, force: bool = False) -> PartitionRes
                     staging / files[variant],
                 )
             weights = _weight_records(sub_layer, initializers, placements)
-            weight_bytes = sum(w["bytes"] for w in weights)
+            weight_bytes = sum(w.bytes for w in weights)
             tables = row_prefix_outputs(model, sub_layer, initializers)
             kv = None
             if sub_layer.kind == "attn":
-                kv = {
-                    "past": [t for t in sub_layer.inputs if t.startswith(PAST_PREFIX)],
-                    "present": [t for t in sub_layer.outputs if t.startswith(PRESENT_PREFIX)],
-                    "bytes_per_token": kv_bytes_per_token(dims, info.attention_dtype),
-                }
+                kv = KvSpec(
+                    past=[t for t in sub_layer.inputs if t.startswith(PAST_PREFIX)],
+                    present=[t for t in sub_layer.outputs if t.startswith(PRESENT_PREFIX)],
+                    bytes_per_token=kv_bytes_per_token(dims, info.attention_dtype),
+                )
+            row_chunks = None
+            if chunkable and chunkable in placements:
+                rows = int(initializers[chunkable].dims[0])
+                row_chunks = RowChunks(chunkable, rows, placements[chunkable].bytes // rows)
             entries.append(
-                {
-                    "name": sub_layer.name,
-                    "kind": sub_layer.kind,
-                    "layer": sub_layer.layer,
-                    "files": files,
-                    "blob": blobs.get(sub_layer.name),
-                    "weights": weights,
-                    "weight_bytes": weight_bytes,
-                    "inputs": [_describe(infos[t]) for t in sub_layer.inputs],
-                    "outputs": [
-                        {**_describe(infos[t]), **({"rows_of": tables[t]} if t in tables else {})}
-                        for t in sub_layer.outputs
-                    ],
-                    "kv": kv,
-                    **({"expert": expert_index(sub_layer.name)} if sub_layer.kind == "expert" else {}),
-                    "row_chunks": {
-                        "weight": chunkable,
-                        "rows": int(initializers[chunkable].dims[0]),
-                        "row_bytes": placements[chunkable]["bytes"] // int(initializers[chunkable].dims[0]),
-                    }
-                    if chunkable and chunkable in placements
-                    else None,
-                    "cost": {
-                        "flops": checked_flops(sub_layer, model, dims),
-                        "bytes": bytes_moved(
+                ManifestEntry(
+                    name=sub_layer.name,
+                    kind=sub_layer.kind,
+                    layer=sub_layer.layer,
+                    files=files,
+                    blob=blobs.get(sub_layer.name),
+                    weights=weights,
+                    weight_bytes=weight_bytes,
+                    inputs=tuple(_describe(infos[t]) for t in sub_layer.inputs),
+                    outputs=tuple(_describe(infos[t], tables.get(t)) for t in sub_layer.outputs),
+                    kv=kv,
+                    expert=expert_index(sub_layer.name) if sub_layer.kind == "expert" else None,
+                    row_chunks=row_chunks,
+                    cost=Cost(
+                        flops=checked_flops(sub_layer, model, dims),
+                        bytes=bytes_moved(
                             sub_layer, sub_layer.kind, dims, compute, weight_bytes, info.attention_dtype
                         ),
-                    },
-                    "nodes": len(sub_layer.nodes),
-                }
+                    ),
+                    nodes=len(sub_layer.nodes),
+                )
             )
         vision = _vision_section(export_dir, info.vision, dtype, staging, shape_only) if info.vision else None
         for name in (
@@ -537,58 +559,41 @@ def partition(export_dir: Path, pack: Path, force: bool = False) -> PartitionRes
         chat_template = prerendered_chat_template(staging)
         if chat_template is not None:
             write_json_atomic(staging / CHAT_TEMPLATE_FILE, chat_template)
-        manifest = {
-            "schema_version": PACK_SCHEMA_VERSION,
-            "pipeshard_version": __version__,
-            "model": {
-                "architecture": info.architecture,
-                "dtype": dtype,
-                "compute_dtype": compute,
-                "attention_dtype": info.attention_dtype,
-                "num_layers": dims["num_layers"],
-                "hidden_size": dims["hidden_size"],
-                "intermediate_size": dims["intermediate_size"],
-                "num_attention_heads": dims["num_attention_heads"],
-                "num_key_value_heads": dims["num_key_value_heads"],
-                "head_dim": dims["head_dim"],
-                "vocab_size": dims["vocab_size"],
-                "max_context": dims["max_context"],
-                "tie_word_embeddings": info.tie_word_embeddings,
-                "num_experts": dims.get("num_experts", 0),
-                "experts_per_token": dims.get("experts_per_token", 0),
-                "expert_intermediate_size": dims.get("expert_intermediate_size", 0),
-                "sliding_window": dims.get("sliding_window", 0),
-                "position_rows": info.position_rows,  # 3: M-RoPE, position_ids [3, batch, tokens]
-            },
-            "source": {
+        model_facts = ModelFacts(
+            architecture=info.architecture,
+            dtype=dtype,
+            compute_dtype=compute,
+            attention_dtype=info.attention_dtype,
+            tie_word_embeddings=info.tie_word_embeddings,
+            position_rows=info.position_rows,  # 3: M-RoPE, position_ids [3, batch, tokens]
+            **asdict(dims),
+        )
+        manifest = Manifest(
+            model=model_facts,
+            sub_layers=tuple(entries),
+            moe_blocks=tuple(blocks),
+            vision=vision,
+            graph_inputs=tuple(_describe(v) for v in model.graph.input),
+            graph_outputs=tuple(_describe(v) for v in model.graph.output),
+            kv_bytes_per_token=sum(e.kv.bytes_per_token for e in entries if e.kv),
+            total_weight_bytes=sum(b.bytes for b in blobs.values()),
+            source={
                 "export": str(export_dir.absolute()),
                 "model_sha256": sha256_file(export_dir / info.model_file),
             },
-            "weight_alignment": WEIGHT_ALIGNMENT,
-            "graph_inputs": [_describe(v) for v in model.graph.input],
-            "graph_outputs": [_describe(v) for v in model.graph.output],
-            "kv_bytes_per_token": sum(e["kv"]["bytes_per_token"] for e in entries if e["kv"]),
-            "total_weight_bytes": sum(b["bytes"] for b in blobs.values()),
-            "cost_model": "flops and bytes per step = const + T*new_tokens + C*context + TC*new_tokens*context; "
-            "for an expert, T = the tokens routed to it",
-            "sub_layers": entries,
-            "moe_blocks": blocks,
-            **({"vision": vision} if vision else {}),
             # For native hosts (docs/native-host.md): the oldest ONNX Runtime these files are checked with, and
-            # the chat template rendered in advance (null: the template needs a template engine).
-            "host": {
-                "min_onnxruntime": MIN_ONNXRUNTIME,
-                "chat_template": CHAT_TEMPLATE_FILE if chat_template is not None else None,
-            },
+            # the chat template rendered in advance (None: the template needs a template engine).
+            min_onnxruntime=MIN_ONNXRUNTIME,
+            host_chat_template=CHAT_TEMPLATE_FILE if chat_template is not None else None,
             # Every file but the weight blobs (their digests are in the entries), for `inspect --verify`.
-            "files": {
-                path.name: {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
+            files={
+                path.name: FileDigest(path.stat().st_size, sha256_file(path))
                 for path in sorted(staging.iterdir())
                 if path.is_file() and not path.name.endswith(".weights") and not shape_only
             },
-        }
-        if shape_only:
-            manifest["shape_only"] = True
-        write_json_atomic(staging / MANIFEST_NAME, manifest)
-    total = sum(b["bytes"] for b in blobs.values())
+            shape_only=shape_only,
+            pipeshard_version=__version__,
+        )
+        write_json_atomic(staging / MANIFEST_NAME, manifest.to_json())
+    total = sum(b.bytes for b in blobs.values())
     return PartitionResult(Path(pack), len(entries), total, time.perf_counter() - started)

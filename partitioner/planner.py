@@ -13,9 +13,11 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from pipeshard.core.errors import UserError
 from pipeshard.core.version import __version__
+from pipeshard.formats.expert_stats import RoutingStats
 from pipeshard.formats.manifest import Manifest, SubLayer
 from pipeshard.formats.plans import (
     BASELINES,
@@ -42,7 +44,7 @@ from pipeshard.partitioner.classes import (
     unit_classes,
 )
 from pipeshard.partitioner.estimator import QUANTIZED_PARTS, Estimator
-from pipeshard.partitioner.simulate import Simulation, simulate
+from pipeshard.partitioner.simulate import ComputeSeconds, Simulation, simulate
 from pipeshard.partitioner.vision_plan import EncodeSize, VisionPlanner
 
 log = logging.getLogger(__name__)
@@ -73,6 +75,45 @@ class Option:
     counts: tuple[list[int], list[int]] | None = None  # (pinned, streamed) per class, once counted
 
 
+class LayerOrders(NamedTuple):
+    """The artifact's orders, by layer: the attentions, the other units of the layers, both (whole layers), and
+    the output layer."""
+
+    attentions: list[SubLayer]
+    rest: list[SubLayer]
+    everything: list[SubLayer]
+    final: list[SubLayer]
+
+
+class ArtifactBases(NamedTuple):
+    """The placements the artifact's strategies pin over: everything on the CPU, the attentions streamed and the
+    rest on the CPU, all but the output layer streamed."""
+
+    all_cpu: dict[str, str]
+    attn_streamed: dict[str, str]
+    all_streamed: dict[str, str]
+
+
+@dataclass(frozen=True)
+class TierPlans:
+    """A tier's plans within one budget: the fastest (`chosen`), the other strategies' fastest first, and the
+    baselines that fit (by name)."""
+
+    tier: int
+    chosen: Plan
+    alternatives: list[Plan]
+    baselines: dict[str, Plan]
+
+
+@dataclass(frozen=True)
+class BudgetPlans:
+    """Every tier's plans within one budget, and how long planning them took."""
+
+    budget_bytes: int
+    tiers: list[TierPlans]
+    planning_s: float
+
+
 def _device_bytes(entry: SubLayer) -> int:
     """What a unit takes on the device, which is what the runtime uploads: a row chunk's rows, else its blob as
     stored (the weights with their alignment)."""
@@ -96,7 +137,7 @@ class Planner:
         batch: int = 1,
         threads: int | None = None,
         output_chunks: int | None = None,
-        expert_stats: dict | None = None,
+        expert_stats: RoutingStats | None = None,
         assume_bits: float | None = None,
     ) -> None:
         self.manifest = manifest
@@ -111,7 +152,7 @@ class Planner:
             profile,
             self.model,
             threads,
-            manifest.source.get("model_sha256"),
+            manifest.model_sha256,
             weight_bits=assume_bits,
         )
         self.context = context
@@ -151,7 +192,7 @@ class Planner:
             e.name: (
                 e.kind,
                 e.nodes,
-                e.cost.bytes.get("C"),
+                e.cost.bytes_per_context_token,
                 e.kv.bytes_per_token if e.kv else None,
                 e.chunk.share if e.chunk else None,
                 tuple(
@@ -175,7 +216,8 @@ class Planner:
         self._class_cache: dict[tuple[int, bool], tuple[list[UnitClass], dict[str, int]]] = {}
         self._room_cache: dict[tuple[int, bool], int] = {}
         self._orders: dict[str, list[SubLayer]] = {}
-        self._bases: dict[str, dict[str, str]] = {}
+        self._layered: LayerOrders | None = None
+        self._bases: ArtifactBases | None = None
         self._warm_base: dict[int, tuple[int, bool]] = {}
         self._warm_shares: dict[tuple[int, int, bool], dict[tuple, float]] = {}
         # Small packs are searched unit by unit with the simulation; large ones over classes in closed form.
@@ -382,16 +424,17 @@ class Planner:
                     share[e.name] = 1.0 - (1.0 - p) ** tier
                     tokens[e.name] = tier * p / share[e.name] if share[e.name] > 0 else 0.0
             # Alike units (a layer's experts, every layer's attention) cost the same: estimated once.
-            estimates: dict[tuple, dict[str, float]] = {}
+            estimates: dict[tuple, ComputeSeconds] = {}
             compute = {}
             for e in self.units:
                 key = (self.cost_signature[e.name], tokens[e.name], share[e.name])
                 if key not in estimates:
-                    estimates[key] = {
-                        device: share[e.name]
-                        * estimator.compute_seconds(e, tokens[e.name], self.context, device == "gpu")
-                        for device in ("cpu", "gpu")
-                    }
+                    estimates[key] = ComputeSeconds(
+                        *(
+                            share[e.name] * estimator.compute_seconds(e, tokens[e.name], self.context, on_gpu)
+                            for on_gpu in (False, True)
+                        )
+                    )
                 compute[e.name] = estimates[key]
             # A row chunk's bytes are its own (its share is of the layer's compute); an expert is copied only in
             # the steps that chose it.
@@ -805,7 +848,7 @@ class Planner:
         copies: dict,
     ) -> Plan | None:
         candidates = [n for n, p in placements.items() if p == Placement.CPU]
-        candidates.sort(key=lambda n: compute[n]["gpu"] + copies[n] - compute[n]["cpu"])
+        candidates.sort(key=lambda n: compute[n].gpu + copies[n] - compute[n].cpu)
         best = self.evaluate(
             "dynamic", tier, placements, budget_bytes, slots=slots, kv_streaming=kv_streaming
         )
@@ -897,13 +940,7 @@ class Planner:
         builder does. The output layer stays on the CPU unless a strategy pins it (FULL_GPU; a MoE model's, once
         every attention is pinned)."""
         cpu = Placement.CPU
-        layered = self._layer_orders()
-        attentions, rest, everything, final = (
-            layered["attn"],
-            layered["rest"],
-            layered["all"],
-            layered["final"],
-        )
+        attentions, rest, everything, final = self._layer_orders()
         bases = self._artifact_bases()
         output_first = final if self.routing_share else []  # a MoE model: the output layer before the FFN
         options: list[Option] = []
@@ -916,12 +953,12 @@ class Planner:
             options = [Option(name, placements, 0, False, vram_bytes=self.vram(placements, tier, 0).total)]
         elif name == "static-attn-prio":
             order = self._order(name, [*attentions, *output_first, *rest])
-            placements, vram_bytes, prefix = self._pinned(tier, bases["all-cpu"], 0, budget_bytes, order)
+            placements, vram_bytes, prefix = self._pinned(tier, bases.all_cpu, 0, budget_bytes, order)
             options = [Option(name, placements, 0, False, vram_bytes=vram_bytes, prefix=prefix)]
         elif name == "shard-attn-prio":
             for kv_streaming in self.kv_streaming_modes(budget_bytes):
                 placements, vram_bytes, prefix = self._pinned(
-                    tier, bases["attn-streamed"], 1, budget_bytes, attentions, kv_streaming
+                    tier, bases.attn_streamed, 1, budget_bytes, attentions, kv_streaming
                 )
                 if all(placements[e.name] == Placement.PINNED for e in attentions):
                     # every attention pinned: the FFN streamed through the slot, whole layers pinned in order
@@ -937,7 +974,7 @@ class Planner:
         elif name == "full-shard":
             for kv_streaming in self.kv_streaming_modes(budget_bytes):
                 placements, vram_bytes, prefix = self._pinned(
-                    tier, bases["all-streamed"], 2, budget_bytes, everything, kv_streaming
+                    tier, bases.all_streamed, 2, budget_bytes, everything, kv_streaming
                 )
                 options.append(
                     Option(name, placements, 2, kv_streaming, vram_bytes=vram_bytes, prefix=prefix)
@@ -976,32 +1013,31 @@ class Planner:
                 seeds.append(option)
         return seeds
 
-    def _layer_orders(self) -> dict[str, list[SubLayer]]:
-        """The artifact's orders, by layer: the attentions, the other units of the layers, both (whole layers);
-        and the output layer."""
-        if "all" not in self._orders:
+    def _layer_orders(self) -> LayerOrders:
+        """The artifact's orders, by layer (made once)."""
+        if self._layered is None:
             by_layer = sorted(
                 (e for e in self.placeable if e.layer is not None), key=lambda e: (e.layer, e.kind != "attn")
             )
-            self._orders["attn"] = [e for e in by_layer if e.kind == "attn"]
-            self._orders["rest"] = [e for e in by_layer if e.kind != "attn"]
-            self._orders["all"] = by_layer
-            self._orders["final"] = [e for e in self.placeable if e.kind == "final"]
-        return self._orders
+            self._layered = LayerOrders(
+                attentions=[e for e in by_layer if e.kind == "attn"],
+                rest=[e for e in by_layer if e.kind != "attn"],
+                everything=by_layer,
+                final=[e for e in self.placeable if e.kind == "final"],
+            )
+        return self._layered
 
-    def _artifact_bases(self) -> dict[str, dict[str, str]]:
+    def _artifact_bases(self) -> ArtifactBases:
         """The placements the artifact's strategies pin over (made once; `_pinned` copies what it changes):
         everything on the CPU, the attentions streamed and the rest on the CPU, all but the output layer
         streamed."""
-        if not self._bases:
+        if self._bases is None:
             cpu, streamed = Placement.CPU, Placement.STREAMED
-            self._bases["all-cpu"] = {e.name: cpu for e in self.placeable}
-            self._bases["attn-streamed"] = {
-                e.name: streamed if e.kind == "attn" else cpu for e in self.placeable
-            }
-            self._bases["all-streamed"] = {
-                e.name: cpu if e.kind == "final" else streamed for e in self.placeable
-            }
+            self._bases = ArtifactBases(
+                all_cpu={e.name: cpu for e in self.placeable},
+                attn_streamed={e.name: streamed if e.kind == "attn" else cpu for e in self.placeable},
+                all_streamed={e.name: cpu if e.kind == "final" else streamed for e in self.placeable},
+            )
         return self._bases
 
     def _order(self, name: str, units: list[SubLayer]) -> list[SubLayer]:
@@ -1032,18 +1068,18 @@ class Planner:
                 best[seed.strategy] = plan
         return sorted(best.values(), key=lambda p: p.step_s)
 
-    def plan_tier(self, tier: int, budget_bytes: int) -> dict:
+    def plan_tier(self, tier: int, budget_bytes: int) -> TierPlans:
         """Every strategy's plan at `tier` within `budget_bytes`, fastest first (`chosen`), and the baselines."""
         candidates = self.strategies(tier, budget_bytes, detail=True)
         baselines = {
             name: self.baseline(name, tier, budget_bytes, detail=True) for name in ("layers", "offload")
         }
-        return {
-            "tier": tier,
-            "chosen": candidates[0],
-            "alternatives": candidates[1:],
-            "baselines": {k: v for k, v in baselines.items() if v is not None},
-        }
+        return TierPlans(
+            tier=tier,
+            chosen=candidates[0],
+            alternatives=candidates[1:],
+            baselines={k: v for k, v in baselines.items() if v is not None},
+        )
 
     def plan_for(self, strategy: str, tier: int, budget_bytes: int) -> Plan:
         """The plan of `strategy` ("auto": the best) at `tier` within `budget_bytes` (PlanSource); the best plan,
@@ -1082,11 +1118,11 @@ class Planner:
             kv_streaming=bool(plan.kv_streamed),
         )
 
-    def plan(self, budget_bytes: int, tiers: tuple[int, ...] = DEFAULT_TIERS) -> dict:
-        """`plan_tier` of every tier within `budget_bytes`: {"budget_bytes", "tiers", "planning_s"}."""
+    def plan(self, budget_bytes: int, tiers: tuple[int, ...] = DEFAULT_TIERS) -> BudgetPlans:
+        """`plan_tier` of every tier within `budget_bytes`."""
         started = time.perf_counter()
         per_tier = [self.plan_tier(t, budget_bytes) for t in tiers]
-        return {"budget_bytes": budget_bytes, "tiers": per_tier, "planning_s": time.perf_counter() - started}
+        return BudgetPlans(budget_bytes, per_tier, time.perf_counter() - started)
 
 
 def _last_true(low: int, high: int, holds) -> int:
@@ -1114,21 +1150,19 @@ def _with_streamed(streamed: list[int], members: list[int], is_ring: bool, count
     return counts
 
 
-def expert_routing_shares(manifest: Manifest, stats: dict | None) -> dict[str, float]:
+def expert_routing_shares(manifest: Manifest, stats: RoutingStats | None) -> dict[str, float]:
     """Per expert sub-layer, the share of a layer's tokens routed to it: k/E (uniform), or from a stats
     file of measured activations (runtime ExpertStats.to_json) when given, with one pseudo-token per
     expert so an expert the stats never saw chosen is still expected now and then."""
     num_experts, top_k = manifest.model.num_experts, manifest.model.experts_per_token
     shares: dict[str, float] = {}
     for block in manifest.moe_blocks:
-        measured = (stats or {}).get("layers", {}).get(str(block.layer))
-        routed = sum(measured["tokens"]) if measured else 0
+        measured = stats.tokens.get(block.layer) if stats else None
+        routed = sum(measured) if measured else 0
         for index, name in enumerate(block.experts):
             # Each token goes to top_k experts: measured token counts sum to top_k x tokens.
             shares[name] = (
-                top_k * (measured["tokens"][index] + 1) / (routed + num_experts)
-                if routed
-                else top_k / num_experts
+                top_k * (measured[index] + 1) / (routed + num_experts) if routed else top_k / num_experts
             )
     return shares
 
@@ -1141,23 +1175,23 @@ def _nearest_tier_factor(factors: dict[int, float], tier: int) -> float:
 
 def plans_document(
     planner: Planner,
-    planned: dict,
+    planned: BudgetPlans,
     pack: str,
     profile_name: str,
     pack_sha256: str,
     budget_bytes: int,
-    ladder: list[tuple[int, dict]] | None = None,
+    ladder: list[tuple[int, BudgetPlans]] | None = None,
 ) -> dict:
     """plans.json (schema 2, docs/plans.md) of `planned`, the plans made within `budget_bytes`. `ladder`:
     (budget, planned) of every budget planned, largest first; the top-level tiers are the first's (the largest
     budget)."""
 
-    def tier_json(entry: dict) -> dict:
+    def tier_json(entry: TierPlans) -> dict:
         return {
-            "tier": entry["tier"],
-            "chosen": entry["chosen"].to_json(),
-            "alternatives": [p.to_json() for p in entry["alternatives"]],
-            "baselines": {k: v.to_json() for k, v in entry["baselines"].items()},
+            "tier": entry.tier,
+            "chosen": entry.chosen.to_json(),
+            "alternatives": [p.to_json() for p in entry.alternatives],
+            "baselines": {k: v.to_json() for k, v in entry.baselines.items()},
         }
 
     return {
@@ -1177,9 +1211,9 @@ def plans_document(
         "model_bytes": planner.model_bytes,
         **({"assumed_bits_per_weight": planner.assume_bits} if planner.assume_bits else {}),
         "minimum_budget_bytes": planner.minimum_budget(),
-        "tiers": [tier_json(e) for e in planned["tiers"]],
+        "tiers": [tier_json(e) for e in planned.tiers],
         "ladder": [
-            {"budget_bytes": budget, "tiers": [tier_json(e) for e in rung["tiers"]]}
+            {"budget_bytes": budget, "tiers": [tier_json(e) for e in rung.tiers]}
             for budget, rung in (ladder or [(budget_bytes, planned)])
         ],
     }

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pipeshard.core.errors import UserError
 from pipeshard.formats.plans import Placement, Plan
+
+if TYPE_CHECKING:
+    from pipeshard.partitioner.planner import BudgetPlans
 
 MiB = 1024**2
 
@@ -19,10 +23,10 @@ def _counts(plan: Plan, placeable: set[str]) -> str:
     return f"{counts[Placement.PINNED]}/{counts[Placement.STREAMED]}/{counts[Placement.CPU]}{kv}"
 
 
-def plan_table(planner, planned: dict, device_kind: str) -> str:
+def plan_table(planner, planned: BudgetPlans, device_kind: str) -> str:
     """One row per tier: the chosen plan, the others, and the predicted speedup over the baselines (`planned`:
     what `Planner.plan` returned, with the budget it was planned within)."""
-    budget_bytes = planned["budget_bytes"]
+    budget_bytes = planned.budget_bytes
     placeable = {e.name for e in planner.placeable}
     header = (
         f"{'tier':>5} {'plan':<9} {'ms/step':>9} {'tok/s':>9} {'VRAM MiB':>15} {'pin/str/cpu':>16}  "
@@ -36,15 +40,15 @@ def plan_table(planner, planned: dict, device_kind: str) -> str:
         header,
         "-" * len(header),
     ]
-    for entry in planned["tiers"]:
-        chosen: Plan = entry["chosen"]
-        others = ", ".join(f"{p.strategy} {p.step_s * 1e3:.2f}" for p in entry["alternatives"]) or "-"
+    for entry in planned.tiers:
+        chosen: Plan = entry.chosen
+        others = ", ".join(f"{p.strategy} {p.step_s * 1e3:.2f}" for p in entry.alternatives) or "-"
         ratios = [
-            f"{entry['baselines'][b].step_s / chosen.step_s:.2f}x" if b in entry["baselines"] else "n/a"
+            f"{entry.baselines[b].step_s / chosen.step_s:.2f}x" if b in entry.baselines else "n/a"
             for b in ("layers", "offload")
         ]
         lines.append(
-            f"{entry['tier']:>5} {chosen.strategy:<9} {chosen.step_s * 1e3:>9.2f} {chosen.tokens_per_s:>9.1f} "
+            f"{entry.tier:>5} {chosen.strategy:<9} {chosen.step_s * 1e3:>9.2f} {chosen.tokens_per_s:>9.1f} "
             f"{chosen.vram.total / MiB:>6.0f} of {budget_bytes / MiB:<6.0f} "
             f"{_counts(chosen, placeable):>16}  {others:<28} {ratios[0]:>9} {ratios[1]:>10}"
         )
@@ -58,15 +62,15 @@ def plan_table(planner, planned: dict, device_kind: str) -> str:
     return "\n".join(lines)
 
 
-def expert_placement_lines(planner, planned: dict) -> list[str]:
+def expert_placement_lines(planner, planned: BudgetPlans) -> list[str]:
     """Per tier, each MoE layer's experts as pinned/streamed/cpu, and the distinct experts T tokens are
     expected to activate per layer."""
     experts = [e for e in planner.units if e.name in planner.routing_share]
     layers = sorted({e.layer for e in experts})
     lines = ["experts per MoE layer, pinned/streamed/cpu (expected distinct experts per step):"]
-    for entry in planned["tiers"]:
-        placements = entry["chosen"].placements
-        expected = planner.expected_distinct_experts(entry["tier"])
+    for entry in planned.tiers:
+        placements = entry.chosen.placements
+        expected = planner.expected_distinct_experts(entry.tier)
         per_layer = []
         for layer in layers:
             mine = [placements[e.name] for e in experts if e.layer == layer]
@@ -75,11 +79,11 @@ def expert_placement_lines(planner, planned: dict) -> list[str]:
             )
             per_layer.append(f"L{layer} {counts}")
         mean_expected = sum(expected.values()) / len(expected)
-        lines.append(f"{entry['tier']:>5}  {'  '.join(per_layer)}  ({mean_expected:.2f})")
+        lines.append(f"{entry.tier:>5}  {'  '.join(per_layer)}  ({mean_expected:.2f})")
     return lines
 
 
-def plot_timelines(planned: dict, tiers: list[int], path: Path, title: str) -> None:
+def plot_timelines(planned: BudgetPlans, tiers: list[int], path: Path, title: str) -> None:
     """Gantt chart of CPU, GPU and copy engine over one steady-state step, one panel per tier."""
     try:
         import matplotlib
@@ -88,11 +92,18 @@ def plot_timelines(planned: dict, tiers: list[int], path: Path, title: str) -> N
         import matplotlib.pyplot as plt
     except ImportError:
         raise UserError("--plot needs matplotlib: pip install 'pipeshard[plot]'") from None
-    chosen = {entry["tier"]: entry["chosen"] for entry in planned["tiers"]}
+    chosen = {entry.tier: entry.chosen for entry in planned.tiers}
     missing = [t for t in tiers if t not in chosen]
     if missing:
         raise UserError(f"--plot tiers {missing} are not among the planned tiers {sorted(chosen)}")
-    colors = {"attn": "tab:blue", "ffn": "tab:orange", "final": "tab:green", "other": "tab:gray"}
+    # a compute interval's color by its sub-layer's kind, with the legend's words for it
+    kind_colors = (
+        ("attn", "tab:blue", "attention (+ its KV)"),
+        ("ffn", "tab:orange", "FFN"),
+        ("final", "tab:green", "output layer"),
+    )
+    colors = {kind: color for kind, color, _ in kind_colors}
+    other_color = "tab:gray"
     figure, axes = plt.subplots(len(tiers), 1, figsize=(12, 2.2 * len(tiers)), squeeze=False)
     for axis, tier in zip(axes[:, 0], tiers, strict=True):
         plan = chosen[tier]
@@ -100,7 +111,7 @@ def plot_timelines(planned: dict, tiers: list[int], path: Path, title: str) -> N
         for interval in plan.timeline:
             kind = interval.sub_layer.split(".")[-1].split(" ")[0].split("#")[0]
             color = (
-                colors.get(kind, colors["other"])
+                colors.get(kind, other_color)
                 if interval.resource != "copy"
                 else (
                     "tab:red"
@@ -126,10 +137,8 @@ def plot_timelines(planned: dict, tiers: list[int], path: Path, title: str) -> N
     from matplotlib.patches import Patch
 
     labels = [
-        (colors["attn"], "attention (+ its KV)"),
-        (colors["ffn"], "FFN"),
-        (colors["final"], "output layer"),
-        (colors["other"], "other sub-layers (embed, experts)"),
+        *((color, label) for _, color, label in kind_colors),
+        (other_color, "other sub-layers (embed, experts)"),
         ("tab:red", "copy engine: weights streamed to the GPU"),
         ("tab:pink", "copy engine: activations / logits crossing devices"),
     ]

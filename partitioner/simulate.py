@@ -17,12 +17,43 @@ from __future__ import annotations
 import bisect
 import itertools
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from pipeshard.formats.manifest import SubLayer
 from pipeshard.formats.plans import EXPERT_RUN_ORDER, EXPERT_SLOTS, Placement
 
 STEPS = 3
 COLLAPSE_AFTER = 8  # see _collapsed_runs: the contention check's window of recent intervals
+
+
+class ComputeSeconds(NamedTuple):
+    """A unit's compute time in one step on each device."""
+
+    cpu: float
+    gpu: float
+
+    def on(self, device: str) -> float:
+        return self.gpu if device == "gpu" else self.cpu
+
+
+@dataclass
+class FreeAt:
+    """When each of the three resources is next free, in seconds from the simulation's start."""
+
+    cpu: float = 0.0
+    gpu: float = 0.0
+    copy: float = 0.0
+
+    def device(self, device: str) -> float:
+        """When compute device `device` (cpu or gpu) is free."""
+        return self.gpu if device == "gpu" else self.cpu
+
+    def busy_until(self, device: str, end: float) -> None:
+        """Compute device `device` (cpu or gpu) runs until `end`."""
+        if device == "gpu":
+            self.gpu = end
+        else:
+            self.cpu = end
 
 
 def _experts_by_placement(
@@ -54,7 +85,7 @@ def _experts_by_placement(
 def _collapsed_runs(
     sub_layers: list[SubLayer],
     placements: dict[str, str],
-    compute_s: dict[str, dict[str, float]],
+    compute_s: dict[str, ComputeSeconds],
     copy_s: dict[str, float],
     gates: dict[str, str],
     device_shares_cpu: bool,
@@ -77,14 +108,14 @@ def _collapsed_runs(
         end = index + 1
         if name in gates and (place != Placement.STREAMED or not device_shares_cpu):
             device = "cpu" if place == Placement.CPU else "gpu"
-            gate, seconds, copy_seconds = gates[name], compute_s[name][device], copy_s[name]
+            gate, seconds, copy_seconds = gates[name], compute_s[name].on(device), copy_s[name]
             streamed = place == Placement.STREAMED
             while end < len(sub_layers):
                 other = sub_layers[end].name
                 if (
                     gates.get(other) != gate
                     or placements[other] != place
-                    or compute_s[other][device] != seconds
+                    or compute_s[other].on(device) != seconds
                     or (streamed and copy_s[other] != copy_seconds)
                 ):
                     break
@@ -138,7 +169,7 @@ class Simulation:
 def simulate(
     sub_layers: list[SubLayer],
     placements: dict[str, str],
-    compute_s: dict[str, dict[str, float]],
+    compute_s: dict[str, ComputeSeconds],
     copy_s: dict[str, float],
     activation_copy_s: float,
     slots: int = 2,
@@ -150,7 +181,7 @@ def simulate(
 ) -> Simulation:
     """Steady-state step time of one plan (with `detail`, also its timeline and hidden copy time).
 
-    compute_s[name] = {"cpu": seconds, "gpu": seconds}; copy_s[name] = seconds to stream its weights.
+    compute_s[name]: its seconds on the CPU and on the GPU; copy_s[name] = seconds to stream its weights.
     copy_gates[name] = the sub-layer that must finish before `name`'s weights can be copied (a MoE
     expert's router): such units do not use the ring but their own EXPERT_SLOTS slots, their copies
     issued once the gate ran; a MoE layer runs its pinned experts, then CPU ones, then streamed ones.
@@ -159,7 +190,7 @@ def simulate(
     """
     gates = copy_gates or {}
     sub_layers = _experts_by_placement(sub_layers, placements, gates)
-    free = {"cpu": 0.0, "gpu": 0.0, "copy": 0.0}
+    free = FreeAt()
     timeline: list[Interval] = []
     streamed = [
         e.name for e in sub_layers if placements[e.name] == Placement.STREAMED and e.name not in gates
@@ -179,10 +210,10 @@ def simulate(
     total_streamed = len(streamed) * STEPS
 
     def copy(label: str, start: float, seconds: float) -> float:
-        begin = max(free["copy"], start)
-        free["copy"] = begin + seconds
-        timeline.append(Interval("copy", label, begin, free["copy"]))
-        return free["copy"]
+        begin = max(free.copy, start)
+        free.copy = begin + seconds
+        timeline.append(Interval("copy", label, begin, free.copy))
+        return free.copy
 
     def issue_ready_copies(now: float | None) -> None:
         """Issue streamed copies whose slot is known to be free (prefetch), or the next one at `now`."""
@@ -216,30 +247,31 @@ def simulate(
                     gated_compute_end,
                     ended[gates[name]],
                     copy_s[name],
-                    compute_s[name]["gpu"],
+                    compute_s[name].gpu,
                     free,
                     timeline,
                     name,
                 )
                 for other in repeats:
-                    per_sub_layer[other] = compute_s[name]["gpu"]
+                    per_sub_layer[other] = compute_s[name].gpu
                     ended[other] = gated_compute_end[other]
                 continue
             if (
                 repeats
             ):  # more units like the one before, on the same device: back to back, nothing to wait for
-                start = free[device]
+                start = free.device(device)
                 for other in repeats:
-                    per_sub_layer[other] = compute_s[other][device]
-                end = start + compute_s[name][device] * len(repeats)
-                free[device] = ready = end
+                    per_sub_layer[other] = compute_s[other].on(device)
+                end = start + compute_s[name].on(device) * len(repeats)
+                free.busy_until(device, end)
+                ready = end
                 timeline.append(Interval(device, name, start, end))
                 continue
             if device != previous_device:
                 ready = copy(f"{name} input", ready, activation_copy_s)
             if prefetch:
                 issue_ready_copies(None)
-            start = max(free[device], ready)
+            start = max(free.device(device), ready)
             if place == Placement.STREAMED and name in gates:
                 group = gated_streamed[gates[name]]
                 position = position_in_group[name]
@@ -254,7 +286,7 @@ def simulate(
                 if index >= len(copy_end):
                     issue_ready_copies(start)
                 start = max(start, copy_end[index])
-            duration = compute_s[name][device]
+            duration = compute_s[name].on(device)
             slowed = device == "cpu" or device_shares_cpu
             if slowed and any(
                 i.resource == "copy" and i.start_s < start + duration and i.end_s > start
@@ -267,7 +299,7 @@ def simulate(
                 gated_compute_end[name] = end
             elif place == Placement.STREAMED:
                 compute_end.append(end)
-            free[device] = end
+            free.busy_until(device, end)
             ready = end
             previous_device = device
             per_sub_layer[name] = duration
@@ -304,15 +336,15 @@ def _streamed_expert_run(
     gate_end_s: float,
     copy_s: float,
     compute_s: float,
-    free: dict[str, float],
+    free: FreeAt,
     timeline: list[Interval],
     label: str,
 ) -> float:
     """The unit loop's recurrence for a run of alike streamed experts (each copied into one of EXPERT_SLOTS slots
     once its router ran and the slot's previous expert finished, then computed on the device), without an
     interval per unit: one copy and one device interval for the run. Returns when the last one ends."""
-    copy_began = copy_free = free["copy"]
-    began = end = free["gpu"]
+    copy_began = copy_free = free.copy
+    began = end = free.gpu
     first = position_in_group[run[0]]
     # ends[j]: when the expert at position first - EXPERT_SLOTS + j finished (0 before the group's start)
     ends = [compute_end[group[first - k]] if first - k >= 0 else 0.0 for k in range(EXPERT_SLOTS, 0, -1)]
@@ -329,9 +361,9 @@ def _streamed_expert_run(
         end = max(end, copy_end[name]) + compute_s
         compute_end[name] = end
         ends.append(end)
-    free["gpu"] = end
+    free.gpu = end
     if copy_free > copy_began:
         timeline.append(Interval("copy", label, copy_began, copy_free))
-        free["copy"] = copy_free
-    timeline.append(Interval("gpu", label, began, free["gpu"]))
-    return free["gpu"]
+        free.copy = copy_free
+    timeline.append(Interval("gpu", label, began, free.gpu))
+    return free.gpu

@@ -46,7 +46,7 @@ class VisionPlanner:
         self.entries = vision.sub_layers
         self.estimator = estimator
         self.shape = VisionShape.from_pack(vision)
-        self.full_attention = set(vision.facts.get("fullatt_block_indexes") or ())
+        self.full_attention = set(vision.fullatt_block_indexes)
         self.device_is_sim = estimator.profile.device.kind == "sim"
         self._seconds: dict[tuple, float] = {}
         self._plans: dict[tuple, VisionPlan | None] = {}

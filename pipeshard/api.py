@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from pipeshard.core.errors import UserError
+from pipeshard.formats.expert_stats import RoutingStats
 from pipeshard.formats.plans import PLAN_NAMES
 from pipeshard.runtime.generate import Generation, Generator, SamplingSettings, StreamEvent
 from pipeshard.runtime.text import TextCodec
@@ -288,16 +289,14 @@ def _vision_of(step, threads: int | None):
     )
 
 
-def read_expert_stats(path: str | Path | None) -> dict | None:
+def read_expert_stats(path: str | Path | None) -> RoutingStats | None:
     """A routing stats file (schema 1, docs/model-pack.md), or None."""
     from pipeshard.core.fsutil import read_json
+    from pipeshard.formats.expert_stats import RoutingStats
 
     if path is None:
         return None
-    stats = read_json(Path(path), "expert stats")
-    if stats.get("schema_version") != 1 or not isinstance(stats.get("layers"), dict):
-        raise UserError(f"{path}: not an expert stats file (schema_version 1 with per-layer token counts)")
-    return stats
+    return RoutingStats.from_json(read_json(Path(path), "expert stats"), f"{path} (expert stats)")
 
 
 FALLBACK_PROFILE = "laptop-8gb"

@@ -650,12 +650,12 @@ def _with_image_tokens(pack, settings: BenchSettings) -> tuple[str, str | None, 
         raise UserError(f"{settings.pack} is a text model: it takes no --image")
     from pipeshard.runtime.vision import expand_prompt, prepare_images, with_placeholders
 
-    config = vision.facts["preprocessing"]
+    config = vision.preprocessing
     prepared = prepare_images(config, settings.images)
     text = expand_prompt(
         with_placeholders(settings.prompt, len(settings.images), config), prepared.tokens, config
     )
-    return text, config["image_token"], sum(prepared.counts)
+    return text, config.image_token, sum(prepared.counts)
 
 
 def _median(runs: list[dict], key: str) -> float | None:

@@ -684,9 +684,7 @@ def _vision_plan(pack, planner, budget: int, sizes: list[tuple[int, int]]) -> st
         f"{format_bytes(shape.largest_block_bytes)}, the decoder's memory released first):"
     ]
     for width, height in sizes:
-        tiles = len(
-            preprocess([Image.new("RGB", (width, height))], vision.facts["preprocessing"]).pixel_values
-        )
+        tiles = len(preprocess([Image.new("RGB", (width, height))], vision.preprocessing).pixel_values)
         patches, keys = image_patches(shape, width, height, tiles)
         workspace = budget - 2 * shape.largest_block_bytes
         streamed = vlmopt_peak(shape, patches, keys, max(workspace, 0))
@@ -730,19 +728,19 @@ def _placement_runs(vision, placements: dict[str, str]) -> str:
     )
 
 
-def _explained(planner, planned: dict, batch: int) -> str:
+def _explained(planner, planned, batch: int) -> str:
     """How the runtime executes each tier's chosen plan: its splits and the host actions between them."""
     from pipeshard.runtime.splits import Layout, describe, schedule
 
     layout = Layout(planner.manifest, planner.units)
     lines = [
-        f"schedules at {format_bytes(planned['budget_bytes'])} (one-token steps run each CPU split's sub-layers "
+        f"schedules at {format_bytes(planned.budget_bytes)} (one-token steps run each CPU split's sub-layers "
         "as joined sessions of up to 64 MiB of weights):"
     ]
-    for entry in planned["tiers"]:
-        tokens = max(1, entry["tier"] // batch)
-        plan = entry["chosen"]
-        lines.append(f"tier {entry['tier']}, {plan.strategy}: a step of {tokens} new token(s) per sequence")
+    for entry in planned.tiers:
+        tokens = max(1, entry.tier // batch)
+        plan = entry.chosen
+        lines.append(f"tier {entry.tier}, {plan.strategy}: a step of {tokens} new token(s) per sequence")
         lines += ["  " + line for line in describe(schedule(layout, plan, tokens))]
     return "\n".join(lines)
 

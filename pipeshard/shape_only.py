@@ -5,15 +5,14 @@ a vision tower's windowed and full-attention blocks) is repeated to the model's 
 
 from __future__ import annotations
 
-import json
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-from pipeshard.core.fsutil import atomic_output_dir, check_output_dir, write_json_atomic
+from pipeshard.core.fsutil import atomic_output_dir, check_output_dir, read_json, write_json_atomic
 from pipeshard.exporter.shape_only import GGUF_FORMATS, PROBE_LAYERS, expert_count, trace_shape_probe
-from pipeshard.formats.manifest import MANIFEST_NAME
+from pipeshard.formats.manifest import MANIFEST_NAME, Manifest
 from pipeshard.partitioner.partition import partition
 from pipeshard.partitioner.repeat import repeat_experts, repeat_layers, repeat_vision_blocks
 
@@ -48,19 +47,22 @@ def export_shape_only(
         traced = trace_shape_probe(model, dtype, export_dir, probe_layers, attention_dtype)
         config, vision = getattr(traced, "text_config", traced), getattr(traced, "vision_config", None)
         partition(export_dir, probe_pack)
-        manifest = json.loads((probe_pack / MANIFEST_NAME).read_text())
+        probe_manifest = probe_pack / MANIFEST_NAME
+        manifest = Manifest.from_json(read_json(probe_manifest, "model pack"), str(probe_manifest))
         experts = expert_count(config)
         if experts:
             manifest = repeat_experts(manifest, experts)
         manifest = repeat_layers(manifest, config.num_hidden_layers)
         if vision is not None:
-            manifest = repeat_vision_blocks(manifest, vision.depth, list(vision.fullatt_block_indexes))
-        manifest["source"] = {"config": model, "shape_only": True}
+            tower = repeat_vision_blocks(manifest.vision, vision.depth, list(vision.fullatt_block_indexes))
+            manifest = replace(manifest, vision=tower)
+        source = {"config": model, "shape_only": True}
         if dtype in GGUF_FORMATS:
-            manifest["source"]["format"] = GGUF_FORMATS[dtype]
+            source["format"] = GGUF_FORMATS[dtype]
+        manifest = replace(manifest, source=source)
         with atomic_output_dir(out, force) as staging:
             config.save_pretrained(staging)
-            write_json_atomic(staging / MANIFEST_NAME, manifest)
+            write_json_atomic(staging / MANIFEST_NAME, manifest.to_json())
     return ShapeOnlyResult(
-        out, len(manifest["sub_layers"]), manifest["total_weight_bytes"], time.perf_counter() - started
+        out, len(manifest.sub_layers), manifest.total_weight_bytes, time.perf_counter() - started
     )

@@ -1,10 +1,11 @@
 """Image preprocessing for vision-language packs, with numpy and Pillow only.
 
-The export records the model's image processor as a plain dict (exporter/image_processing.py); this module
-turns images into the vision graph's inputs the way the transformers processor does (same resize chain, same
-float arithmetic, so the pixels match it bit for bit), expands each image placeholder in the prompt into the
-image tokens the model expects, and computes Qwen2.5-VL's window-attention indices and rotary positions,
-which its vision tower derives in Python and the ONNX vision graph takes as inputs.
+The export records the model's image processor (exporter/image_processing.py), read as an ImagePreprocessing
+record (pipeshard/formats/image_preprocessing.py); this module turns images into the vision graph's inputs the
+way the transformers processor does (same resize chain, same float arithmetic, so the pixels match it bit for
+bit), expands each image placeholder in the prompt into the image tokens the model expects, and computes
+Qwen2.5-VL's window-attention indices and rotary positions, which its vision tower derives in Python and the
+ONNX vision graph takes as inputs.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from pipeshard.core.errors import UserError
-from pipeshard.formats.vision_inputs import PREPROCESSING_SCHEMA_VERSION
+from pipeshard.formats.image_preprocessing import ImagePreprocessing
+from pipeshard.runtime.kv import MropeSettings
 
 
 @dataclass
@@ -64,79 +66,65 @@ def to_rgb(image: Image.Image) -> Image.Image:
     return image if image.mode == "RGB" else image.convert("RGB")
 
 
-def image_placeholder(config: dict) -> str:
+def image_placeholder(config: ImagePreprocessing) -> str:
     """What a prompt holds for one image before expansion (what the model's chat template writes)."""
-    _check_config(config)
-    if config["family"] in ("idefics3", "gemma3", "llava"):
-        return config["image_token"]
-    return config["vision_start_token"] + config["image_token"] + config["vision_end_token"]
+    if config.family in ("idefics3", "gemma3", "llava"):
+        return config.image_token
+    return config.vision_start_token + config.image_token + config.vision_end_token
 
 
-def preprocess(images: list[Image.Image], config: dict) -> ImageInputs:
+def preprocess(images: list[Image.Image], config: ImagePreprocessing) -> ImageInputs:
     """The vision inputs for `images` (one prompt's, in prompt order) under the pack's preprocessing config."""
-    _check_config(config)
     if not images:
         raise ValueError("preprocess needs at least one image")
     rgb = [to_rgb(image) for image in images]
-    if config["family"] == "idefics3":
+    if config.family == "idefics3":
         return _preprocess_idefics3(rgb, config)
-    if config["family"] == "gemma3":
+    if config.family == "gemma3":
         return _preprocess_gemma3(rgb, config)
-    if config["family"] == "llava":
+    if config.family == "llava":
         return _preprocess_llava(rgb, config)
     return _preprocess_qwen2_vl(rgb, config)
 
 
-def expand_image_tokens(text: str, inputs: ImageInputs, config: dict) -> str:
+def expand_image_tokens(text: str, inputs: ImageInputs, config: ImagePreprocessing) -> str:
     """`text` with its i-th image token replaced by image i's token run, as the transformers processor writes it."""
-    _check_config(config)
-    pieces = text.split(config["image_token"])
+    pieces = text.split(config.image_token)
     placeholders = len(pieces) - 1
     if placeholders != len(inputs.image_tokens):
         raise UserError(
-            f"the prompt has {placeholders} image placeholder(s) {config['image_token']!r} "
+            f"the prompt has {placeholders} image placeholder(s) {config.image_token!r} "
             f"but {len(inputs.image_tokens)} image(s) were given"
         )
-    if config["family"] == "idefics3":
+    if config.family == "idefics3":
         runs = [
             _idefics3_image_text(rows, cols, config)
             for rows, cols in zip(inputs.rows, inputs.cols, strict=True)
         ]
-    elif config["family"] == "gemma3":
+    elif config.family == "gemma3":
         runs = [_gemma3_image_text(config)] * len(inputs.image_tokens)
     else:
-        runs = [config["image_token"] * count for count in inputs.image_tokens]
+        runs = [config.image_token * count for count in inputs.image_tokens]
     expanded = [pieces[0]]
     for run, piece in zip(runs, pieces[1:], strict=True):
         expanded += [run, piece]
     return "".join(expanded)
 
 
-def _check_config(config: dict) -> None:
-    version = config.get("schema_version")
-    if version != PREPROCESSING_SCHEMA_VERSION:
-        raise UserError(
-            f"the pack's image preprocessing has schema_version {version}; this pipeshard reads "
-            f"{PREPROCESSING_SCHEMA_VERSION} (re-export the pack)"
-        )
-    if config.get("family") not in ("idefics3", "qwen2_vl", "gemma3", "llava"):
-        raise UserError(f"the pack's image preprocessing family {config.get('family')!r} is not known")
+def _resize(image: Image.Image, height: int, width: int, config: ImagePreprocessing) -> Image.Image:
+    return image.resize((width, height), resample=Image.Resampling[config.resample])
 
 
-def _resize(image: Image.Image, height: int, width: int, config: dict) -> Image.Image:
-    return image.resize((width, height), resample=Image.Resampling[config["resample"]])
-
-
-def _rescale_and_normalize(image: Image.Image, config: dict) -> np.ndarray:
+def _rescale_and_normalize(image: Image.Image, config: ImagePreprocessing) -> np.ndarray:
     """Channels-first float32 pixels, with the processor's arithmetic: rescale in float64, normalize in float32."""
     pixels = np.asarray(image).transpose(2, 0, 1)
-    if config["do_rescale"]:
-        pixels = (pixels.astype(np.float64) * config["rescale_factor"]).astype(np.float32)
+    if config.do_rescale:
+        pixels = (pixels.astype(np.float64) * config.rescale_factor).astype(np.float32)
     else:
         pixels = pixels.astype(np.float32)
-    if config["do_normalize"]:
-        mean = np.asarray(config["image_mean"], dtype=np.float32)[:, None, None]
-        std = np.asarray(config["image_std"], dtype=np.float32)[:, None, None]
+    if config.do_normalize:
+        mean = np.asarray(config.image_mean, dtype=np.float32)[:, None, None]
+        std = np.asarray(config.image_std, dtype=np.float32)[:, None, None]
         pixels = (pixels - mean) / std
     return pixels
 
@@ -144,9 +132,9 @@ def _rescale_and_normalize(image: Image.Image, config: dict) -> np.ndarray:
 # --- Idefics3 / SmolVLM: the image resized to a multiple of the tile size, cut into tiles, plus a global view.
 
 
-def idefics3_resized_size(height: int, width: int, config: dict) -> tuple[int, int]:
+def idefics3_resized_size(height: int, width: int, config: ImagePreprocessing) -> tuple[int, int]:
     """The size the processor first resizes to: longest edge to `longest_edge` (even short edge), capped."""
-    longest_edge = config["longest_edge"]
+    longest_edge = config.longest_edge
     aspect_ratio = width / height
     if width >= height:
         width = longest_edge
@@ -158,7 +146,7 @@ def idefics3_resized_size(height: int, width: int, config: dict) -> tuple[int, i
         width += width % 2
     height, width = max(height, 1), max(width, 1)
 
-    cap = config["max_resolution"]
+    cap = config.max_resolution
     aspect_ratio = width / height
     if width >= height and width > cap:
         width = cap
@@ -169,9 +157,9 @@ def idefics3_resized_size(height: int, width: int, config: dict) -> tuple[int, i
     return max(height, 1), max(width, 1)
 
 
-def idefics3_tiled_size(height: int, width: int, config: dict) -> tuple[int, int]:
+def idefics3_tiled_size(height: int, width: int, config: ImagePreprocessing) -> tuple[int, int]:
     """The size the processor resizes to before tiling: both edges up to multiples of the tile size."""
-    tile = config["max_image_size"]
+    tile = config.max_image_size
     aspect_ratio = width / height
     if width >= height:
         width = math.ceil(width / tile) * tile
@@ -182,15 +170,15 @@ def idefics3_tiled_size(height: int, width: int, config: dict) -> tuple[int, int
     return height, width
 
 
-def _preprocess_idefics3(images: list[Image.Image], config: dict) -> ImageInputs:
-    tile = config["max_image_size"]
+def _preprocess_idefics3(images: list[Image.Image], config: ImagePreprocessing) -> ImageInputs:
+    tile = config.max_image_size
     tiles: list[np.ndarray] = []
     rows: list[int] = []
     cols: list[int] = []
     for image in images:
-        if config["do_resize"]:
+        if config.do_resize:
             image = _resize(image, *idefics3_resized_size(image.height, image.width, config), config)
-        if not config["do_image_splitting"]:
+        if not config.do_image_splitting:
             tiles.append(_rescale_and_normalize(_resize(image, tile, tile, config), config))
             rows.append(0)
             cols.append(0)
@@ -209,21 +197,21 @@ def _preprocess_idefics3(images: list[Image.Image], config: dict) -> ImageInputs
         tiles.append(_rescale_and_normalize(_resize(image, tile, tile, config), config))
         rows.append(image_rows)
         cols.append(image_cols)
-    seq_len = config["image_seq_len"]
+    seq_len = config.image_seq_len
     image_tokens = [seq_len * (r * c + 1) if r else seq_len for r, c in zip(rows, cols, strict=True)]
     return ImageInputs("idefics3", np.stack(tiles), image_tokens, rows=rows, cols=cols)
 
 
-def _idefics3_image_text(rows: int, cols: int, config: dict) -> str:
+def _idefics3_image_text(rows: int, cols: int, config: ImagePreprocessing) -> str:
     """One image's prompt text: a tagged run of image tokens per tile, row by row, then the global view."""
-    fake, image_run = config["fake_image_token"], config["image_token"] * config["image_seq_len"]
-    global_view = fake + config["global_image_token"] + image_run + fake
+    fake, image_run = config.fake_image_token, config.image_token * config.image_seq_len
+    global_view = fake + config.global_image_token + image_run + fake
     if rows == 0:
         return global_view
     row_texts = []
     for row in range(rows):
         tiles = [
-            fake + config["row_col_token"].format(row=row + 1, col=col + 1) + image_run for col in range(cols)
+            fake + config.row_col_token.format(row=row + 1, col=col + 1) + image_run for col in range(cols)
         ]
         row_texts.append("".join(tiles) + "\n")
     return "".join(row_texts) + "\n" + global_view
@@ -232,30 +220,30 @@ def _idefics3_image_text(rows: int, cols: int, config: dict) -> str:
 # --- Gemma 3: every image resized to the tower's square (no pan-and-scan), one run of soft tokens.
 
 
-def _preprocess_gemma3(images: list[Image.Image], config: dict) -> ImageInputs:
-    size = config["image_size"]
+def _preprocess_gemma3(images: list[Image.Image], config: ImagePreprocessing) -> ImageInputs:
+    size = config.image_size
     pixels = [
-        _rescale_and_normalize(_resize(image, size, size, config) if config["do_resize"] else image, config)
+        _rescale_and_normalize(_resize(image, size, size, config) if config.do_resize else image, config)
         for image in images
     ]
-    return ImageInputs("gemma3", np.stack(pixels), [config["image_seq_len"]] * len(images))
+    return ImageInputs("gemma3", np.stack(pixels), [config.image_seq_len] * len(images))
 
 
-def _gemma3_image_text(config: dict) -> str:
+def _gemma3_image_text(config: ImagePreprocessing) -> str:
     """One image's prompt text as Gemma3Processor writes it."""
-    soft = config["soft_token"] * config["image_seq_len"]
-    return f"\n\n{config['image_token']}{soft}{config['end_of_image_token']}\n\n"
+    soft = config.soft_token * config.image_seq_len
+    return f"\n\n{config.image_token}{soft}{config.end_of_image_token}\n\n"
 
 
 # --- A CLIP / SigLIP tower (exporter/vision_tower.py): one fixed-size image, one run of image tokens.
 
 
-def llava_resized_size(height: int, width: int, config: dict) -> tuple[int, int]:
+def llava_resized_size(height: int, width: int, config: ImagePreprocessing) -> tuple[int, int]:
     """The size the processor resizes to: the shortest edge to `shortest_edge` (the longer one truncated to
     keep the aspect ratio), or the fixed height and width."""
-    edge = config["shortest_edge"]
+    edge = config.shortest_edge
     if not edge:
-        return config["height"], config["width"]
+        return config.height, config.width
     short, long = (width, height) if width <= height else (height, width)
     new_long = int(edge * long / short)
     return (new_long, edge) if width <= height else (edge, new_long)
@@ -278,52 +266,52 @@ def _center_crop(image: Image.Image, height: int, width: int) -> Image.Image:
     )
 
 
-def _preprocess_llava(images: list[Image.Image], config: dict) -> ImageInputs:
-    size = config["image_size"]
+def _preprocess_llava(images: list[Image.Image], config: ImagePreprocessing) -> ImageInputs:
+    size = config.image_size
     pixels = []
     for image in images:
-        if config["do_resize"]:
+        if config.do_resize:
             image = _resize(image, *llava_resized_size(image.height, image.width, config), config)
-        if config["crop_height"]:
-            image = _center_crop(image, config["crop_height"], config["crop_width"])
+        if config.crop_height:
+            image = _center_crop(image, config.crop_height, config.crop_width)
         if image.size != (size, size):
             raise UserError(
                 f"an image of {image.width}x{image.height} pixels; this model takes {size}x{size}"
             )
         pixels.append(_rescale_and_normalize(image, config))
-    return ImageInputs("llava", np.stack(pixels), [config["image_seq_len"]] * len(images))
+    return ImageInputs("llava", np.stack(pixels), [config.image_seq_len] * len(images))
 
 
 # --- Qwen2-VL / Qwen2.5-VL: native resolution, rounded to whole merged patches, flattened patch by patch.
 
 
-def qwen2_vl_resized_size(height: int, width: int, config: dict) -> tuple[int, int]:
+def qwen2_vl_resized_size(height: int, width: int, config: ImagePreprocessing) -> tuple[int, int]:
     """The processor's `smart_resize`: edges multiples of patch x merge, pixel count within [min, max]."""
-    factor = config["patch_size"] * config["merge_size"]
-    if max(height, width) / min(height, width) > config["max_aspect_ratio"]:
+    factor = config.patch_size * config.merge_size
+    if max(height, width) / min(height, width) > config.max_aspect_ratio:
         raise UserError(
             f"an image of {width}x{height} pixels is too elongated for this model "
-            f"(aspect ratio over {config['max_aspect_ratio']})"
+            f"(aspect ratio over {config.max_aspect_ratio})"
         )
     resized_height = round(height / factor) * factor
     resized_width = round(width / factor) * factor
-    if resized_height * resized_width > config["max_pixels"]:
-        beta = math.sqrt(height * width / config["max_pixels"])
+    if resized_height * resized_width > config.max_pixels:
+        beta = math.sqrt(height * width / config.max_pixels)
         resized_height = max(factor, math.floor(height / beta / factor) * factor)
         resized_width = max(factor, math.floor(width / beta / factor) * factor)
-    elif resized_height * resized_width < config["min_pixels"]:
-        beta = math.sqrt(config["min_pixels"] / (height * width))
+    elif resized_height * resized_width < config.min_pixels:
+        beta = math.sqrt(config.min_pixels / (height * width))
         resized_height = math.ceil(height * beta / factor) * factor
         resized_width = math.ceil(width * beta / factor) * factor
     return resized_height, resized_width
 
 
-def _preprocess_qwen2_vl(images: list[Image.Image], config: dict) -> ImageInputs:
-    patch, merge, temporal = config["patch_size"], config["merge_size"], config["temporal_patch_size"]
+def _preprocess_qwen2_vl(images: list[Image.Image], config: ImagePreprocessing) -> ImageInputs:
+    patch, merge, temporal = config.patch_size, config.merge_size, config.temporal_patch_size
     patch_rows: list[np.ndarray] = []
     grids: list[tuple[int, int, int]] = []
     for image in images:
-        if config["do_resize"]:
+        if config.do_resize:
             image = _resize(image, *qwen2_vl_resized_size(image.height, image.width, config), config)
         pixels = _rescale_and_normalize(image, config)
         channels, height, width = pixels.shape
@@ -341,7 +329,7 @@ def _preprocess_qwen2_vl(images: list[Image.Image], config: dict) -> ImageInputs
 
 
 def mrope_position_ids(
-    input_ids: np.ndarray, image_grid_thw: np.ndarray, config: dict
+    input_ids: np.ndarray, image_grid_thw: np.ndarray, config: MropeSettings | ImagePreprocessing
 ) -> tuple[np.ndarray, int]:
     """Qwen2-VL's decoder positions (M-RoPE) for one prompt's ids: int64 [3, tokens] of (time, row, column).
 
@@ -350,8 +338,8 @@ def mrope_position_ids(
     later tokens add to their index (a decode step at index i has position i + delta on every axis).
     """
     ids = np.asarray(input_ids).reshape(-1)
-    merge = config["merge_size"]
-    is_image = ids == config["image_token_id"]
+    merge = config.merge_size
+    is_image = ids == config.image_token_id
     run_starts = np.flatnonzero(np.diff(is_image.astype(np.int8))) + 1
     bounds = [0, *run_starts.tolist(), len(ids)]
     grids = iter(np.asarray(image_grid_thw, dtype=np.int64).reshape(-1, 3).tolist())
@@ -382,7 +370,10 @@ def mrope_position_ids(
 
 
 def mrope_batch_positions(
-    prompts: list[list[int]], width: int, image_grids: np.ndarray | None, config: dict
+    prompts: list[list[int]],
+    width: int,
+    image_grids: np.ndarray | None,
+    config: MropeSettings | ImagePreprocessing,
 ) -> tuple[np.ndarray, np.ndarray]:
     """M-RoPE positions of a left-padded batch: int64 [3, batch, width] (padding at 0) and each row's delta (a
     later token at index i of its row has position i + delta on every axis). `image_grids` [images, 3]: the
@@ -392,7 +383,7 @@ def mrope_batch_positions(
     deltas = np.zeros(len(prompts), np.int64)
     for row, ids in enumerate(prompts):
         ids = np.asarray(ids, dtype=np.int64)
-        is_image = ids == config["image_token_id"]
+        is_image = ids == config.image_token_id
         runs = int(is_image[0]) + int(np.count_nonzero(is_image[1:] & ~is_image[:-1])) if len(ids) else 0
         its_grids = [next(grids) for _ in range(runs)]
         positions[:, row, width - len(ids) :], deltas[row] = mrope_position_ids(

@@ -4,9 +4,12 @@ GroupQueryAttention appends the new tokens in place (nothing is copied per step)
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 from pipeshard.core.errors import UserError
+from pipeshard.formats.image_preprocessing import ImagePreprocessing
 from pipeshard.formats.io_names import MROPE_ROWS
 
 DEFAULT_CAPACITY = 2048
@@ -55,14 +58,21 @@ class HostKvCache:
         return True
 
 
-def mrope_settings(position_rows: int, vision: dict | None) -> dict | None:
-    """What an M-RoPE decoder's positions are computed from (the vision tower's merge size and image token), or
-    None for a decoder of plain positions ([batch, new tokens])."""
+class MropeSettings(NamedTuple):
+    """What an M-RoPE decoder's positions are computed from: the vision tower's merge size and image token."""
+
+    merge_size: int
+    image_token_id: int
+
+
+def mrope_settings(position_rows: int, preprocessing: ImagePreprocessing | None) -> MropeSettings | None:
+    """An M-RoPE decoder's settings (from its vision tower's image preprocessing), or None for a decoder of plain
+    positions ([batch, new tokens])."""
     if position_rows == 1:
         return None
-    if position_rows != MROPE_ROWS or not vision:
+    if position_rows != MROPE_ROWS or preprocessing is None:
         raise ValueError(f"position ids of {position_rows} rows without a vision tower are not known")
-    return {"merge_size": int(vision["merge_size"]), "image_token_id": int(vision["image_token_id"])}
+    return MropeSettings(preprocessing.merge_size, preprocessing.image_token_id)
 
 
 def image_rows(token_ids, begin: int, end: int, image_token_id: int | None, features):

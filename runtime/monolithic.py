@@ -21,25 +21,27 @@ class MonolithicStep:
         self.folder = Path(folder)
         self.info = read_export_info(self.folder)
         dims = self.info.dims
-        self.max_context = int(dims["max_context"])
+        self.max_context = dims.max_context
         rt = capi.runtime(threads)
         self.session = rt.session(self.folder / self.info.model_file, threads, optimize)
         past_names = [name for name in self.info.inputs if name.startswith(PAST_PREFIX)]
         self.kv = HostKvCache(
             past_names,
-            int(dims["num_key_value_heads"]),
-            int(dims["head_dim"]),
+            dims.num_key_value_heads,
+            dims.head_dim,
             NUMPY_DTYPES[self.info.attention_dtype],
         )
         activations = self.info.activation_dtype
-        self.vocab_size = int(dims["vocab_size"])
+        self.vocab_size = dims.vocab_size
         self.binding = self.session.binding()
         self.run_options = rt.run_options()
         self._logits = np.empty(0, activations)
         self.takes_images = IMAGE_FEATURES in self.info.inputs
-        self.image_token_id = int(self.info.vision["image_token_id"]) if self.takes_images else None
-        self._no_features = np.zeros((0, int(dims["hidden_size"])), activations)
-        self.mrope = mrope_settings(self.info.position_rows, self.info.vision)
+        self.image_token_id = self.info.vision.preprocessing.image_token_id if self.takes_images else None
+        self._no_features = np.zeros((0, dims.hidden_size), activations)
+        self.mrope = mrope_settings(
+            self.info.position_rows, self.info.vision and self.info.vision.preprocessing
+        )
 
     def start(self, batch_size: int, context: int | None = None) -> None:
         self.binding.clear()  # lets the old KV buffers go before the new ones are made

@@ -39,6 +39,15 @@ PREFILL_CHUNK = 256  # prompt tokens per loop turn while other rows are decoding
 PREFILL_GROUP_TOKENS = 1024  # padded prompt tokens of the requests prefilled together in one step
 
 
+@dataclass
+class BudgetChange:
+    """A budget change asked of the scheduler's thread: applied between steps, or what the step refused."""
+
+    budget_bytes: int
+    applied: threading.Event = field(default_factory=threading.Event)
+    error: Exception | None = None
+
+
 class QueueFull(Exception):
     """Every slot is busy and the queue is at its bound."""
 
@@ -235,14 +244,13 @@ class Scheduler:
 
     def set_budget(self, budget_bytes: int, timeout: float = 60.0) -> None:
         """Change the VRAM budget between steps; returns once applied (raises what the step refused)."""
-        done: dict = {}
-        applied = threading.Event()
-        self._controls.put((budget_bytes, done, applied))
+        change = BudgetChange(budget_bytes)
+        self._controls.put(change)
         self._wake.set()
-        if not applied.wait(timeout):
+        if not change.applied.wait(timeout):
             raise TimeoutError("the scheduler did not apply the budget in time")
-        if "error" in done:
-            raise done["error"]
+        if change.error is not None:
+            raise change.error
 
     def close(self) -> None:
         """Cancel everything in flight and queued, and stop the thread."""
@@ -292,12 +300,12 @@ class Scheduler:
 
     def _apply_controls(self) -> None:
         while not self._controls.empty():
-            budget, done, applied = self._controls.get_nowait()
+            change = self._controls.get_nowait()
             try:
-                self.step.set_budget(budget)
+                self.step.set_budget(change.budget_bytes)
             except Exception as error:
-                done["error"] = error
-            applied.set()
+                change.error = error
+            change.applied.set()
 
     def _drop_cancelled(self) -> None:
         for request in self._slots:

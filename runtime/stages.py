@@ -147,7 +147,7 @@ class Sessions:
     def cpu_stage(self, name: str) -> Stage:
         if name not in self._cpu:
             entry = self.layout.entries[name]
-            model: Path | bytes = self.pack.path(entry.files["onnx"])
+            model: Path | bytes = self.pack.path(entry.graph_file)
             if self.weight_matmul and (weights := product_weights(entry.weights, self.fp32_weight_matmul)):
                 model = join([model], {o.name for o in entry.outputs}, product_weights=weights).model
             session = self._session(model, initializers=self._weights.add(self.pack.folder, entry.weights))
@@ -172,7 +172,7 @@ class Sessions:
             session = shared or device_session(
                 self._rt,
                 self.device,
-                self.pack.path(entry.files["weights_as_inputs"]),
+                self.pack.path(entry.weights_as_inputs_file),
                 entry.name,
                 self._threads,
                 self._optimize,
@@ -188,9 +188,7 @@ class Sessions:
             session = (
                 shared.session
                 if shared
-                else self._rt.session(
-                    self.pack.path(entry.files["weights_as_inputs"]), threads=self._rt.threads
-                )
+                else self._rt.session(self.pack.path(entry.weights_as_inputs_file), threads=self._rt.threads)
             )
             self._host_inputs[name] = self._stage_of(entry, session, on_device=False, name=name)
         return self._host_inputs[name]

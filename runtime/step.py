@@ -131,12 +131,12 @@ class Step:
             kv_dtype,
         )
         self.residency = Residency(self.device, layout, self.pack, self.kv, self.stats)
-        vision = self.pack.manifest.vision.facts if self.pack.manifest.vision else None  # the export's dict
-        self.image_token_id = int(vision["image_token_id"]) if vision else None
+        vision = self.pack.manifest.vision
+        self.image_token_id = vision.image_token_id if vision else None
         # Gemma 3: an image's tokens attend to their whole run, which must come in one step.
-        self.whole_image_runs = bool(vision and vision.get("bidirectional_image_runs"))
+        self.whole_image_runs = bool(vision and vision.bidirectional_image_runs)
         # An M-RoPE decoder (3 position rows): what its positions are computed from.
-        self.mrope = mrope_settings(model.position_rows, vision)
+        self.mrope = mrope_settings(model.position_rows, vision and vision.preprocessing)
         self._tables = read_tables(self.pack, layout)
         self._parts = Parts(
             layout=layout,

@@ -21,6 +21,7 @@ from PIL import Image
 
 from pipeshard.core.errors import UserError
 from pipeshard.formats.export_info import NUMPY_DTYPES, ExportInfo, numpy_dtype
+from pipeshard.formats.image_preprocessing import ImagePreprocessing
 from pipeshard.formats.manifest import Pack, SubLayer
 from pipeshard.formats.vision_inputs import qwen2_5_vl_vision_inputs
 from pipeshard.formats.vision_memory import (
@@ -53,24 +54,24 @@ class EncodedImage:
     grid_thw: np.ndarray | None = None  # qwen2_vl: int64 [3], the image's patches along t, h, w
 
 
-def with_placeholders(prompt: str, count: int, config: dict) -> str:
+def with_placeholders(prompt: str, count: int, config: ImagePreprocessing) -> str:
     """The prompt with one placeholder per image: as written where it has them, else all before the text (where
     the chat templates of these models put images)."""
     placeholder = image_placeholder(config)
-    written = prompt.count(config["image_token"])
+    written = prompt.count(config.image_token)
     if written == 0:
         return placeholder * count + prompt
     if written != count:
         raise UserError(
-            f"the prompt has {written} image placeholder(s) {config['image_token']!r} but {count} "
+            f"the prompt has {written} image placeholder(s) {config.image_token!r} but {count} "
             "image(s) were given"
         )
     return prompt
 
 
-def expand_prompt(text: str, runs: list[str], config: dict) -> str:
+def expand_prompt(text: str, runs: list[str], config: ImagePreprocessing) -> str:
     """`text` (rendered, its placeholders in image order) with each placeholder replaced by its image's token run."""
-    pieces = text.split(config["image_token"])
+    pieces = text.split(config.image_token)
     if len(pieces) - 1 != len(runs):
         raise UserError(f"the prompt has {len(pieces) - 1} image placeholder(s) but {len(runs)} image(s)")
     expanded = [pieces[0]]
@@ -88,10 +89,12 @@ class ExportVision:
     """An export folder's vision graph as one ONNX Runtime session."""
 
     def __init__(self, folder: Path, info: ExportInfo, threads: int | None = None) -> None:
+        if info.vision is None or info.vision.preprocessing is None:
+            raise UserError(f"{folder}: export.json has no vision section with its preprocessing")
         self.description = info.vision
-        self.config = self.description["preprocessing"]
+        self.config = info.vision.preprocessing
         self._rt = capi.runtime(threads)
-        self._session = self._rt.session(Path(folder) / self.description["file"], threads)
+        self._session = self._rt.session(Path(folder) / info.vision.file, threads)
         self._run_options = self._rt.run_options()
 
     def encode(self, pixel_values: np.ndarray, grid_thw: np.ndarray | None = None) -> np.ndarray:
@@ -132,7 +135,9 @@ class PackVision:
         budget leaves); a planner's plans say their own."""
         self.pack = pack
         self.description = vision = pack.manifest.vision
-        self.config = vision.facts["preprocessing"]  # the export's, as it wrote it
+        if vision.preprocessing is None:
+            raise UserError(f"{pack.folder}: the manifest's vision section has no preprocessing")
+        self.config = vision.preprocessing
         self.entries = vision.sub_layers
         self.shape = VisionShape.from_pack(vision)
         self.device = device
@@ -165,12 +170,12 @@ class PackVision:
                 session = device_session(
                     self._rt,
                     self.device,
-                    self.pack.path(entry.files["weights_as_inputs"]),
+                    self.pack.path(entry.weights_as_inputs_file),
                     entry.name,
                     self._threads,
                 )
             else:
-                session = self._rt.session(self.pack.path(entry.files["onnx"]), self._threads)
+                session = self._rt.session(self.pack.path(entry.graph_file), self._threads)
             self._sessions[entry.name, on_device] = session
         return self._sessions[entry.name, on_device]
 
@@ -363,12 +368,12 @@ class PreparedImages:
     grids: np.ndarray | None = None  # qwen2_vl: int64 [images, 3]
 
 
-def prepare_images(config: dict, images: list) -> PreparedImages:
+def prepare_images(config: ImagePreprocessing, images: list) -> PreparedImages:
     """Preprocess `images` (paths or PIL images) under a pack's preprocessing config."""
     prepared = [preprocess([image], config) for image in open_images(images)]
     grids = [inputs.image_grid_thw for inputs in prepared if inputs.image_grid_thw is not None]
     return PreparedImages(
-        [expand_image_tokens(config["image_token"], inputs, config) for inputs in prepared],
+        [expand_image_tokens(config.image_token, inputs, config) for inputs in prepared],
         np.concatenate([inputs.pixel_values for inputs in prepared]),
         [inputs.image_tokens[0] for inputs in prepared],
         np.concatenate(grids) if grids else None,
@@ -406,14 +411,14 @@ def encode_size(shape: VisionShape, pixel_values: np.ndarray, indices: dict) -> 
     return len(pixel_values), len(pixel_values) * per_tile, per_tile
 
 
-def index_inputs(config: dict, grid_thw: np.ndarray | None) -> dict[str, np.ndarray]:
+def index_inputs(config: ImagePreprocessing, grid_thw: np.ndarray | None) -> dict[str, np.ndarray]:
     """The vision graph's inputs besides the pixels: none for idefics3; Qwen2.5-VL's window order, rotary ids
     and attention groups for images of `grid_thw`."""
-    if config["family"] != "qwen2_vl":
+    if config.family != "qwen2_vl":
         return {}
     if grid_thw is None:
         raise ValueError("a Qwen2.5-VL vision graph needs the images' patch grids")
-    return qwen2_5_vl_vision_inputs(grid_thw, config)
+    return qwen2_5_vl_vision_inputs(grid_thw, config.to_json())  # the exporter traces with the same function
 
 
 def encode_images(encoder, images: list) -> list[EncodedImage]:

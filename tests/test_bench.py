@@ -344,8 +344,8 @@ def test_images_are_encoded_in_every_run_and_match_transformers(models, tmp_path
     from pipeshard.formats.manifest import load_pack
     from pipeshard.runtime.vision import prepare_images
 
-    config = load_pack(pack).manifest.vision.facts["preprocessing"]
-    image_id = TextCodec(pack).tokenizer.token_to_id(config["image_token"])
+    config = load_pack(pack).manifest.vision.preprocessing
+    image_id = TextCodec(pack).tokenizer.token_to_id(config.image_token)
     assert (
         document["settings"]["prompt_ids"].count(image_id) == sum(prepare_images(config, [image]).counts) > 0
     )

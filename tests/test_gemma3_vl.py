@@ -93,11 +93,14 @@ def test_preprocessing_is_bit_identical_to_the_processor(tiny_gemma3, images):
     from transformers import AutoProcessor
 
     from pipeshard.exporter.image_processing import preprocessing_config
+    from pipeshard.formats.image_preprocessing import read_image_preprocessing
     from pipeshard.runtime.images import expand_image_tokens, preprocess
 
     model, _, folder = tiny_gemma3
     processor = AutoProcessor.from_pretrained(folder)
-    config = preprocessing_config(processor.image_processor, model.config, processor.tokenizer)
+    config = read_image_preprocessing(
+        preprocessing_config(processor.image_processor, model.config, processor.tokenizer), "gemma3"
+    )
     rng = np.random.default_rng(3)
     pictures = [Image.open(p) for p in images] + [
         Image.fromarray((rng.random((17, 45)) * 255).astype(np.uint8), "L"),

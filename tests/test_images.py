@@ -28,6 +28,7 @@ from pipeshard.core.errors import UserError
 from pipeshard.exporter.image_processing import preprocessing_config, qwen2_vl_image_processor
 from pipeshard.exporter.tiny import build_byte_tokenizer
 from pipeshard.formats import vision_inputs
+from pipeshard.formats.image_preprocessing import read_image_preprocessing
 from pipeshard.runtime import images
 
 # (width, height): tiny, landscape, 4:3, 16:9, and a tall strip; saved alternately as PNG and JPEG.
@@ -108,7 +109,9 @@ def _idefics3(longest_edge=128, tile=64, patch=16, scale=2, **processor_options)
     processor = Idefics3ImageProcessorPil(
         size={"longest_edge": longest_edge}, max_image_size={"longest_edge": tile}, **processor_options
     )
-    return processor, preprocessing_config(processor, _smolvlm_config(tile, patch, scale))
+    return processor, read_image_preprocessing(
+        preprocessing_config(processor, _smolvlm_config(tile, patch, scale)), "idefics3"
+    )
 
 
 def _check_idefics3(processor, config, image_list):
@@ -128,15 +131,13 @@ def test_idefics3_pixels_and_tiles_equal_the_transformers_processor(loaded, inde
     ours = _check_idefics3(processor, config, [loaded[index]])
     tiles = ours.rows[0] * ours.cols[0] + 1 if ours.rows[0] else 1
     assert ours.pixel_values.shape[0] == tiles
-    assert ours.image_tokens == [tiles * config["image_seq_len"]]
+    assert ours.image_tokens == [tiles * config.image_seq_len]
 
 
 def test_idefics3_two_images_concatenate_their_tiles(loaded):
     processor, config = _idefics3()
     ours = _check_idefics3(processor, config, [loaded[1], loaded[4]])
-    assert (
-        len(ours.rows) == 2 and sum(ours.image_tokens) == ours.pixel_values.shape[0] * config["image_seq_len"]
-    )
+    assert len(ours.rows) == 2 and sum(ours.image_tokens) == ours.pixel_values.shape[0] * config.image_seq_len
 
 
 @pytest.mark.parametrize(
@@ -154,13 +155,13 @@ def test_idefics3_at_smolvlm_256m_sizes(loaded):
     and cut into 4 x 3 tiles plus the global view, as transformers does."""
     processor, config = _idefics3(longest_edge=2048, tile=512, patch=16, scale=4)
     ours = _check_idefics3(processor, config, [loaded[3]])
-    assert config["image_seq_len"] == 64
+    assert config.image_seq_len == 64
     assert (ours.rows, ours.cols, ours.image_tokens) == ([3], [4], [13 * 64])
 
 
 def test_idefics3_prompt_expansion_equals_the_transformers_processor(loaded, image_tokenizer):
     processor, config = _idefics3()
-    reference = Idefics3Processor(processor, image_tokenizer, image_seq_len=config["image_seq_len"])
+    reference = Idefics3Processor(processor, image_tokenizer, image_seq_len=config.image_seq_len)
     for image_list, prompt in [
         ([loaded[2]], "<|im_start|>user\n<image>What is this?<|im_end|>\n"),
         ([loaded[0], loaded[4]], "Compare <image> and\n<image> please."),
@@ -170,10 +171,10 @@ def test_idefics3_prompt_expansion_equals_the_transformers_processor(loaded, ima
         expected = reference(text=prompt, images=image_list)
         assert image_tokenizer(expanded)["input_ids"] == expected["input_ids"][0]
         assert expanded.count("<image>") == sum(ours.image_tokens)
-    unsplit = images.ImageInputs("idefics3", ours.pixel_values, [config["image_seq_len"]], rows=[0], cols=[0])
+    unsplit = images.ImageInputs("idefics3", ours.pixel_values, [config.image_seq_len], rows=[0], cols=[0])
     assert images.expand_image_tokens("<image>", unsplit, config) == (
         "<fake_token_around_image><global-img>"
-        + "<image>" * config["image_seq_len"]
+        + "<image>" * config.image_seq_len
         + "<fake_token_around_image>"
     )
 
@@ -208,7 +209,7 @@ def _qwen_config(window_size=112, depth=2):
 def _qwen(min_pixels=28 * 28 * 4, max_pixels=28 * 28 * 64):
     model_config = _qwen_config()
     processor = qwen2_vl_image_processor(model_config, min_pixels=min_pixels, max_pixels=max_pixels)
-    return processor, preprocessing_config(processor, model_config)
+    return processor, read_image_preprocessing(preprocessing_config(processor, model_config), "qwen2_vl")
 
 
 def _check_qwen(processor, config, image_list):
@@ -228,9 +229,7 @@ def test_qwen2_vl_patches_and_grid_equal_the_transformers_processor(loaded, inde
     t, h, w = ours.image_grid_thw[0]
     assert ours.pixel_values.shape == (t * h * w, 3 * 2 * 14 * 14)
     assert ours.image_tokens == [t * h * w // 4]
-    assert (
-        t * h * w * 14 * 14 <= config["max_pixels"]
-    )  # larger images are scaled down to what the model takes
+    assert t * h * w * 14 * 14 <= config.max_pixels  # larger images are scaled down to what the model takes
 
 
 def test_qwen2_vl_two_images_and_checkpoint_pixel_bounds(loaded):
@@ -270,9 +269,9 @@ def test_qwen2_5_vl_window_and_rotary_indices_equal_transformers(loaded):
     _, config = _qwen()
     for grid in _grid_cases(loaded):
         torch_grid = torch.from_numpy(grid)
-        window_index, cu_window = vision_inputs.vision_window_index(grid, config)
+        window_index, cu_window = vision_inputs.vision_window_index(grid, config.to_json())
         expected_index, expected_cu = vision_utils.get_vision_window_index(
-            torch_grid, spatial_merge_size=2, window_size=config["window_size"], patch_size=14
+            torch_grid, spatial_merge_size=2, window_size=config.window_size, patch_size=14
         )
         np.testing.assert_array_equal(window_index, expected_index.numpy())
         np.testing.assert_array_equal(cu_window, expected_cu.numpy())
@@ -291,7 +290,7 @@ def test_qwen2_5_vl_vision_tower_gives_the_same_features_from_our_indices(loaded
     torch.manual_seed(0)
     tower = Qwen2_5_VisionTransformerPretrainedModel._from_config(model_config.vision_config).eval()
     ours = images.preprocess([loaded[1], loaded[4]], config)
-    window_index, cu_window = vision_inputs.vision_window_index(ours.image_grid_thw, config)
+    window_index, cu_window = vision_inputs.vision_window_index(ours.image_grid_thw, config.to_json())
     pixels, grid = torch.from_numpy(ours.pixel_values), torch.from_numpy(ours.image_grid_thw)
     with torch.no_grad():
         expected = tower(pixels, grid).pooler_output
@@ -367,9 +366,17 @@ def test_a_pack_of_another_schema_or_a_prompt_with_the_wrong_image_count_is_a_us
     with pytest.raises(UserError, match="2 image placeholder"):
         images.expand_image_tokens("<image><image>", ours, config)
     with pytest.raises(UserError, match="schema_version 99"):
-        images.preprocess([loaded[0]], {**config, "schema_version": 99})
+        read_image_preprocessing({**config.to_json(), "schema_version": 99}, "manifest.json")
     with pytest.raises(UserError, match="family"):
-        images.preprocess([loaded[0]], {**config, "family": "pixtral"})
+        read_image_preprocessing({**config.to_json(), "family": "pixtral"}, "manifest.json")
+    with pytest.raises(UserError, match=r"manifest.json: vision.preprocessing.image_seq_len is missing"):
+        document = {k: v for k, v in config.to_json().items() if k != "image_seq_len"}
+        read_image_preprocessing(document, "manifest.json", "vision.preprocessing")
+    with pytest.raises(UserError, match="do_resize must be true or false"):
+        read_image_preprocessing({**config.to_json(), "do_resize": "yes"}, "manifest.json")
+    with pytest.raises(UserError, match="image_sequence_length is not a known field"):
+        read_image_preprocessing({**config.to_json(), "image_sequence_length": 4}, "manifest.json")
+    assert read_image_preprocessing(config.to_json(), "manifest.json") == config
 
 
 # --- loading
@@ -424,7 +431,9 @@ def test_qwen2_5_vl_decoder_positions_equal_transformers_rope_index(loaded, imag
     model_config = _qwen_config()
     model_config.image_token_id = image_tokenizer.convert_tokens_to_ids("<|image_pad|>")
     processor = qwen2_vl_image_processor(model_config, min_pixels=28 * 28 * 4, max_pixels=28 * 28 * 64)
-    config = preprocessing_config(processor, model_config, tokenizer=image_tokenizer)
+    config = read_image_preprocessing(
+        preprocessing_config(processor, model_config, tokenizer=image_tokenizer), "qwen2_vl"
+    )
     model = Qwen2_5_VLModel(model_config).eval()
     placeholder = images.image_placeholder(config)
     for image_list in ([loaded[4]], [loaded[1], loaded[3]]):
@@ -434,7 +443,7 @@ def test_qwen2_5_vl_decoder_positions_equal_transformers_rope_index(loaded, imag
         positions, delta = images.mrope_position_ids(ids, ours.image_grid_thw, config)
         expected, expected_delta = model.get_rope_index(
             torch.from_numpy(ids)[None],
-            torch.from_numpy((ids == config["image_token_id"]).astype(np.int32))[None],
+            torch.from_numpy((ids == config.image_token_id).astype(np.int32))[None],
             image_grid_thw=torch.from_numpy(ours.image_grid_thw),
         )
         np.testing.assert_array_equal(positions, expected[:, 0].numpy())

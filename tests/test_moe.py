@@ -9,6 +9,7 @@ import torch
 
 import pipeshard
 from pipeshard.exporter.tiny import build_tiny_model
+from pipeshard.formats.expert_stats import RoutingStats
 from pipeshard.formats.manifest import load_pack
 from pipeshard.partitioner.planner import Planner
 from pipeshard.profiles.db import load_profile
@@ -201,12 +202,16 @@ def test_planner_expects_uniform_distinct_experts_and_reads_measured_stats(moe_m
         expected = 8 * (1 - (1 - 2 / 8) ** tokens)
         assert all(abs(v - expected) < 1e-9 for v in planner.expected_distinct_experts(tokens).values())
     # Measured: two hot experts per layer take almost every token.
-    stats = {
-        "layers": {
-            str(b.layer): {"tokens": [500, 480, 5, 5, 4, 3, 2, 1], "activations": [0] * 8}
-            for b in manifest.moe_blocks
-        }
-    }
+    stats = RoutingStats.from_json(
+        {
+            "schema_version": 1,
+            "layers": {
+                str(b.layer): {"tokens": [500, 480, 5, 5, 4, 3, 2, 1], "activations": [0] * 8}
+                for b in manifest.moe_blocks
+            },
+        },
+        "measured routing",
+    )
     hot = Planner(manifest, load_profile("laptop-8gb"), expert_stats=stats)
     assert all(v < 3.5 for v in hot.expected_distinct_experts(16).values())
     experts = [e.name for e in hot.priority if e.kind == "expert"]

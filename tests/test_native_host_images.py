@@ -129,20 +129,22 @@ def test_the_hosts_pixels_and_token_runs_are_runtime_images(tmp_path, config):
     """The whole preprocessing (resize, tiles and global view, rescale, normalize in float32) gives the same
     arrays as runtime/images.py, and each image's token run is the processor's text."""
     _built(IMAGE_CHECK)
+    from pipeshard.formats.image_preprocessing import read_image_preprocessing
     from pipeshard.runtime.images import expand_image_tokens, preprocess
 
+    document, config = config, read_image_preprocessing(config, "the test's preprocessing")
     rng = np.random.default_rng(7)
     for width, height in SIZES:
         pixels = _random_image(rng, width, height)
-        got, layout = _host_pixels(tmp_path, config, [pixels])
+        got, layout = _host_pixels(tmp_path, document, [pixels])
         want = preprocess([Image.fromarray(pixels)], config)
         assert got.shape == want.pixel_values.shape, (width, height)
         assert np.array_equal(got, want.pixel_values), (width, height)
         assert layout["image_tokens"] == want.image_tokens
-        assert layout["texts"] == [expand_image_tokens(config["image_token"], want, config)]
+        assert layout["texts"] == [expand_image_tokens(config.image_token, want, config)]
     # Several images of one prompt: every image's tiles in order.
     images = [_random_image(rng, width, height) for width, height in [(90, 40), (40, 90)]]
-    got, layout = _host_pixels(tmp_path, config, images)
+    got, layout = _host_pixels(tmp_path, document, images)
     want = preprocess([Image.fromarray(pixels) for pixels in images], config)
     assert np.array_equal(got, want.pixel_values)
     assert layout["image_tokens"] == want.image_tokens

@@ -1,7 +1,6 @@
 """The partitioner on tiny:llama: a verified cut, aligned blobs with no duplication, a lossless chain."""
 
 import json
-from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -10,6 +9,7 @@ import pytest
 
 import pipeshard
 from pipeshard.core.errors import UserError
+from pipeshard.formats.export_info import read_export_info
 from pipeshard.formats.manifest import WEIGHT_ALIGNMENT, load_pack
 from pipeshard.partitioner.costs import analytic_flops, checked_flops
 from pipeshard.partitioner.graph import CutError, SubLayer, verify_cut
@@ -115,7 +115,7 @@ def test_tied_embedding_is_stored_with_the_lm_head_and_read_by_embed(tiny_pack):
 def test_cost_model_matches_the_dimension_formula(tiny_pack):
     pack = load_pack(tiny_pack)
     for entry in pack.sub_layers:
-        assert entry.cost.flops == analytic_flops(entry.kind, asdict(pack.model)), entry.name
+        assert entry.cost.flops == analytic_flops(entry.kind, pack.model), entry.name
     attn = next(e for e in pack.sub_layers if e.kind == "attn")
     assert attn.kv.bytes_per_token == 2 * 2 * 16 * 4
     # GroupQueryAttention reads each KV head's past once and appends in place
@@ -125,7 +125,7 @@ def test_cost_model_matches_the_dimension_formula(tiny_pack):
 def test_cost_check_rejects_a_graph_that_disagrees_with_the_dimensions(tiny_llama_export):
     model = onnx.load(tiny_llama_export / "model.onnx", load_external_data=False)
     matmuls = [i for i, n in enumerate(model.graph.node) if n.op_type == "MatMul"][:2]
-    dims = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}
+    dims = read_export_info(tiny_llama_export).dims  # hidden 64, 4 heads of 16, 2 KV heads
     with pytest.raises(UserError, match="cost model check failed for L0.attn"):
         checked_flops(SubLayer("L0.attn", "attn", 0, nodes=matmuls), model, dims)
 

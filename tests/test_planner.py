@@ -51,12 +51,12 @@ def test_no_plan_exceeds_the_budget_and_more_budget_is_never_slower(tiny_manifes
     for extra in (0, 16, 48, 128, 512):
         budget = floor + extra * MiB
         planned = Planner(manifest, profile, context=1024).plan(budget, TIERS)
-        for entry in planned["tiers"]:
-            for plan in [entry["chosen"], *entry["alternatives"], *entry["baselines"].values()]:
-                assert plan.vram.total <= budget, (plan.strategy, entry["tier"], budget)
-            step = entry["chosen"].step_s
-            assert step <= previous.get(entry["tier"], float("inf")) * (1 + 1e-9), (entry["tier"], extra)
-            previous[entry["tier"]] = step
+        for entry in planned.tiers:
+            for plan in [entry.chosen, *entry.alternatives, *entry.baselines.values()]:
+                assert plan.vram.total <= budget, (plan.strategy, entry.tier, budget)
+            step = entry.chosen.step_s
+            assert step <= previous.get(entry.tier, float("inf")) * (1 + 1e-9), (entry.tier, extra)
+            previous[entry.tier] = step
 
 
 def test_streaming_wins_at_large_tiers_on_a_fast_link(tiny_manifest):
@@ -64,9 +64,9 @@ def test_streaming_wins_at_large_tiers_on_a_fast_link(tiny_manifest):
     profile = load_profile("desktop-24gb")
     budget = minimum(manifest, profile) + 128 * MiB
     planned = Planner(manifest, profile, context=1024).plan_tier(1024, budget)
-    static = next(p for p in planned["alternatives"] if p.strategy == "static")
-    assert planned["chosen"].strategy in ("gpu-only", "dynamic") and planned["chosen"].counts()["streamed"]
-    assert planned["chosen"].step_s < static.step_s / 2
+    static = next(p for p in planned.alternatives if p.strategy == "static")
+    assert planned.chosen.strategy in ("gpu-only", "dynamic") and planned.chosen.counts()["streamed"]
+    assert planned.chosen.step_s < static.step_s / 2
 
 
 @pytest.mark.parametrize("profile_name", ["laptop-8gb", "laptop-4gb"])
@@ -74,7 +74,7 @@ def test_static_or_dynamic_wins_at_one_token_with_a_small_budget(tiny_manifest, 
     manifest = scaled_manifest(tiny_manifest, 256)
     profile = load_profile(profile_name)
     budget = minimum(manifest, profile) + 48 * MiB
-    assert Planner(manifest, profile, context=1024).plan_tier(1, budget)["chosen"].strategy in (
+    assert Planner(manifest, profile, context=1024).plan_tier(1, budget).chosen.strategy in (
         "static",
         "dynamic",
     )

@@ -10,6 +10,7 @@ from pipeshard.formats.plans import Placement
 from pipeshard.partitioner import simulate as simulation
 from pipeshard.partitioner.classes import class_step_s, unit_classes
 from pipeshard.partitioner.planner import Planner
+from pipeshard.partitioner.simulate import ComputeSeconds
 from pipeshard.profiles.db import load_profile
 
 MiB = 1024**2
@@ -24,11 +25,11 @@ def moe_chain(layers: int = 3, experts: int = 20):
             (f"L{layer}.router", 1e-4, 1e-4, 1e-5),
         ):
             units.append(SimpleNamespace(name=name))
-            compute[name], copies[name] = {"cpu": cpu_s, "gpu": gpu_s}, copy_s
+            compute[name], copies[name] = ComputeSeconds(cpu_s, gpu_s), copy_s
         for expert in range(experts):
             name = f"L{layer}.expert{expert}"
             units.append(SimpleNamespace(name=name))
-            compute[name], copies[name] = {"cpu": 2e-3, "gpu": 2e-4}, 1e-3
+            compute[name], copies[name] = ComputeSeconds(2e-3, 2e-4), 1e-3
             gates[name] = f"L{layer}.router"
     return units, compute, copies, gates
 

@@ -16,6 +16,7 @@ from PIL import Image
 
 import pipeshard
 from pipeshard.core.errors import UserError
+from pipeshard.formats.image_preprocessing import read_image_preprocessing
 from pipeshard.formats.manifest import load_pack
 from pipeshard.runtime import images as runtime_images
 
@@ -149,7 +150,7 @@ def test_pixels_equal_the_towers_image_processor(tower, size):
 
     model, _ = build_tiny(TOWERS[tower])
     processor = _processor(tower)
-    config = preprocessing_config(processor, model.config)
+    config = read_image_preprocessing(preprocessing_config(processor, model.config), tower)
     rng = np.random.default_rng(sum(size))
     image = Image.fromarray((rng.random((size[1], size[0], 3)) * 255).astype(np.uint8))
     expected = processor(images=[image], return_tensors="np")["pixel_values"]
@@ -166,7 +167,7 @@ def test_a_crop_larger_than_the_resized_image_pads_as_the_processor_does():
 
     model, _ = build_tiny("llava")
     processor = _processor("clip", do_resize=False)
-    config = preprocessing_config(processor, model.config)
+    config = read_image_preprocessing(preprocessing_config(processor, model.config), "llava")
     image = Image.fromarray((np.random.default_rng(3).random((21, 27, 3)) * 255).astype(np.uint8))
     expected = processor(images=[image], return_tensors="np")["pixel_values"]
     np.testing.assert_array_equal(runtime_images.preprocess([image], config).pixel_values, expected)

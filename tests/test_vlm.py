@@ -592,7 +592,8 @@ def test_a_qwen_vision_probe_repeated_is_the_whole_towers_trace(tiny_qwen, tmp_p
         partition(tmp_path / name, tmp_path / f"{name}-pack")
         vision[name] = json.loads((tmp_path / f"{name}-pack" / "manifest.json").read_text())["vision"]
     assert vision["probe"]["num_layers"] == 2 and vision["probe"]["fullatt_block_indexes"] == [1]
-    repeated = repeat_vision_blocks({"vision": vision["probe"]}, 4, [1, 3])["vision"]
+    probe = load_pack(tmp_path / "probe-pack").manifest.vision
+    repeated = repeat_vision_blocks(probe, 4, [1, 3]).to_json()
     assert _vision_comparable(repeated) == _vision_comparable(vision["whole"])
     names = [w["name"] for e in repeated["sub_layers"] for w in e["weights"]]
     assert len(names) == len(set(names)) and "blocks.2.attn.proj.weight" in names

@@ -10,7 +10,8 @@ import numpy as np
 from pipeshard.core.errors import UserError
 from pipeshard.core.fsutil import read_json
 from pipeshard.formats.fields import Fields
-from pipeshard.formats.manifest import FileDigest
+from pipeshard.formats.image_preprocessing import ImagePreprocessing
+from pipeshard.formats.manifest import MAX_DIMENSION, FileDigest
 
 EXPORT_SCHEMA_VERSION = 2  # 2: attention is GroupQueryAttention over one in-place KV buffer
 KV_CACHE = {
@@ -43,11 +44,65 @@ def numpy_dtype(name: str) -> np.dtype:
 
 
 @dataclass(frozen=True)
+class ModelDims:
+    """export.json's `dims`: the decoder's dimensions (the exporter's DecoderDims; MoE fields 0 for a dense model)."""
+
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    max_context: int
+    num_experts: int = 0  # MoE only: experts per layer, routed per token, and each expert's FFN width
+    experts_per_token: int = 0
+    expert_intermediate_size: int = 0
+    sliding_window: int = 0  # keys a sliding-window layer attends to (0: none)
+
+    @classmethod
+    def from_json(cls, fields: Fields) -> ModelDims:
+        values = {}
+        for name in ("num_layers", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+                     "head_dim", "vocab_size", "max_context"):  # fmt: skip
+            values[name] = fields.int(name, maximum=MAX_DIMENSION)
+        for name in ("num_experts", "experts_per_token", "expert_intermediate_size", "sliding_window"):
+            values[name] = fields.int(name, 0, maximum=MAX_DIMENSION)
+        fields.done()
+        return cls(**values)
+
+
+@dataclass(frozen=True)
+class ExportVision:
+    """export.json's `vision` section: the vision graph's file, what its blocks' costs are counted from, and its image
+    preprocessing; `facts` is the section as written (the pack's manifest carries it on, docs/vlm.md)."""
+
+    file: str
+    family: str  # idefics3 | qwen2_vl | llava | gemma3: how the partitioner cuts the tower into blocks
+    hidden_size: int
+    num_attention_heads: int
+    preprocessing: ImagePreprocessing | None
+    facts: dict
+
+    @classmethod
+    def from_json(cls, fields: Fields) -> ExportVision:
+        preprocessing = fields.object("preprocessing", None)
+        return cls(
+            file=fields.str("file"),
+            family=fields.str("family", "idefics3"),
+            hidden_size=fields.int("hidden_size", minimum=1, maximum=MAX_DIMENSION),
+            num_attention_heads=fields.int("num_attention_heads", minimum=1, maximum=MAX_DIMENSION),
+            preprocessing=ImagePreprocessing.from_json(preprocessing) if preprocessing else None,
+            facts=fields.document,
+        )
+
+
+@dataclass(frozen=True)
 class ExportInfo:
     """export.json: what the exporter wrote (docs/cli.md, "export"), as the partitioner and runtime read it."""
 
     architecture: str
-    dims: dict[str, int]  # the model's dimensions as the export config names them
+    dims: ModelDims
     dtype: str  # the stored weights: fp32 | fp16 | bf16 | gguf (a GGUF's quantized blocks)
     compute_dtype: str  # activations
     model_file: str
@@ -55,7 +110,7 @@ class ExportInfo:
     outputs: list[str]
     position_rows: int = 1  # 3: M-RoPE position ids
     tie_word_embeddings: bool = False
-    vision: dict | None = None  # a VLM's vision graph: its file, dims, image token and preprocessing
+    vision: ExportVision | None = None  # a VLM's vision graph: its file, dims, image token and preprocessing
     shape_only: bool = False
     files: dict[str, FileDigest] = field(default_factory=dict)  # sizes checked at load, digests by --verify
     attention_dtype: str = "fp32"  # the fused attention's inputs, output and KV cache (docs/precision.md)
@@ -68,11 +123,7 @@ class ExportInfo:
     def from_json(cls, document: object, where: str) -> ExportInfo:
         fields = Fields(document, where)
         fields.schema(EXPORT_SCHEMA_VERSION, "export the model again")
-        dims = fields.raw("dims")
-        if not isinstance(dims, dict) or not all(
-            isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1 << 40 for v in dims.values()
-        ):
-            fields.fail("must map dimension names to non-negative integers", "dims")
+        dims = ModelDims.from_json(fields.object("dims"))
         dtype = fields.str("dtype", choices=("fp32", "fp16", "bf16", "gguf"))
         files = {}
         listed = fields.object("files", {})
@@ -80,9 +131,7 @@ class ExportInfo:
             entry = listed.object(name)
             files[name] = FileDigest(entry.int("bytes"), entry.str("sha256"))
             entry.done()
-        vision = fields.raw("vision", None)
-        if vision is not None and not isinstance(vision, dict):
-            fields.fail("must be an object", "vision")
+        vision = fields.object("vision", None)
         info = cls(
             architecture=fields.str("architecture"),
             dims=dims,
@@ -94,7 +143,7 @@ class ExportInfo:
             outputs=fields.str_list("outputs"),
             position_rows=fields.int("position_rows", 1, minimum=1, maximum=3),
             tie_word_embeddings=fields.bool("tie_word_embeddings", False),
-            vision=vision,
+            vision=ExportVision.from_json(vision) if vision else None,
             shape_only=fields.bool("shape_only", False),
             files=files,
         )

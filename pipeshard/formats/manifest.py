@@ -8,13 +8,14 @@ from __future__ import annotations
 import math
 import os
 import stat
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from pipeshard.core.errors import UserError
 from pipeshard.core.fsutil import read_json, sha256_file
 from pipeshard.formats.fields import Fields
+from pipeshard.formats.image_preprocessing import ImagePreprocessing
 
 MANIFEST_NAME = "manifest.json"
 PACK_SCHEMA_VERSION = 2  # 2: KV caches are in-place buffers (GroupQueryAttention), see docs/model-pack.md
@@ -54,6 +55,10 @@ class TensorInfo:
         fields.done()
         return info
 
+    def to_json(self) -> dict:
+        document = {"name": self.name, "shape": list(self.shape), "dtype": self.dtype}
+        return document | ({"rows_of": self.rows_of} if self.rows_of is not None else {})
+
 
 # The bytes of one element of each dtype a stored weight may have.
 WEIGHT_ELEMENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int64": 8, "int32": 4}
@@ -90,6 +95,16 @@ class Weight:
         fields.done()
         return weight
 
+    def to_json(self) -> dict:
+        return {
+            "name": self.name,
+            "shape": list(self.shape),
+            "dtype": self.dtype,
+            "file": self.file,
+            "offset": self.offset,
+            "bytes": self.bytes,
+        }
+
 
 @dataclass(frozen=True)
 class Blob:
@@ -108,6 +123,9 @@ class Blob:
         )
         fields.done()
         return blob
+
+    def to_json(self) -> dict:
+        return {"file": self.file, "bytes": self.bytes, "sha256": self.sha256}
 
 
 @dataclass(frozen=True)
@@ -130,6 +148,13 @@ class KvSpec:
         fields.done()
         return kv
 
+    def to_json(self) -> dict:
+        return {
+            "past": list(self.past),
+            "present": list(self.present),
+            "bytes_per_token": self.bytes_per_token,
+        }
+
 
 @dataclass(frozen=True)
 class RowChunks:
@@ -149,8 +174,15 @@ class RowChunks:
         fields.done()
         return chunks
 
+    def to_json(self) -> dict:
+        return {"weight": self.weight, "rows": self.rows, "row_bytes": self.row_bytes}
+
 
 COST_TERMS = ("const", "T", "C", "TC")
+COST_MODEL = (
+    "flops and bytes per step = const + T*new_tokens + C*context + TC*new_tokens*context; "
+    "for an expert, T = the tokens routed to it"
+)  # manifest.json's `cost_model`: what a sub-layer's `cost` means
 
 
 @dataclass(frozen=True)
@@ -169,8 +201,26 @@ class Cost:
         fields.done()
         return cls(flops, moved)
 
+    def to_json(self) -> dict:
+        return {"flops": dict(self.flops), "bytes": dict(self.bytes)}
+
     def flops_at(self, tokens: float, context: float) -> float:
         return evaluate_cost(self.flops, tokens, context)
+
+    @property
+    def flops_per_token(self) -> float:
+        """The `T` term of the FLOPs."""
+        return self.flops.get("T", 0.0)
+
+    @property
+    def flops_per_token_and_context(self) -> float:
+        """The `TC` term of the FLOPs (attention's scores)."""
+        return self.flops.get("TC", 0.0)
+
+    @property
+    def bytes_per_context_token(self) -> float | None:
+        """The `C` term of the bytes moved (the KV read per context token), None where the cost has none."""
+        return self.bytes.get("C")
 
     def bytes_at(self, tokens: float, context: float) -> float:
         return evaluate_cost(self.bytes, tokens, context)
@@ -240,9 +290,38 @@ class SubLayer:
         fields.done()
         return entry
 
+    def to_json(self) -> dict:
+        """The manifest's entry (a planning unit's `chunk` is the planner's, not the manifest's)."""
+        return {
+            "name": self.name,
+            "kind": self.kind,
+            "layer": self.layer,
+            "files": dict(self.files),
+            "blob": self.blob and self.blob.to_json(),
+            "weights": [w.to_json() for w in self.weights],
+            "weight_bytes": self.weight_bytes,
+            "inputs": [t.to_json() for t in self.inputs],
+            "outputs": [t.to_json() for t in self.outputs],
+            "kv": self.kv and self.kv.to_json(),
+            **({"expert": self.expert} if self.expert is not None else {}),
+            "row_chunks": self.row_chunks and self.row_chunks.to_json(),
+            "cost": self.cost.to_json(),
+            "nodes": self.nodes,
+        }
+
     @property
     def weight_names(self) -> list[str]:
         return [w.name for w in self.weights]
+
+    @property
+    def graph_file(self) -> str:
+        """Its graph with the weights as stored initializers (a CPU session maps them from the blob)."""
+        return self.files["onnx"]
+
+    @property
+    def weights_as_inputs_file(self) -> str:
+        """Its graph with the weights as inputs (a device session binds them where the plan put them)."""
+        return self.files["weights_as_inputs"]
 
 
 @dataclass(frozen=True)
@@ -297,6 +376,28 @@ class ModelFacts:
         fields.done()
         return cls(**values)
 
+    def to_json(self) -> dict:
+        return {
+            "architecture": self.architecture,
+            "dtype": self.dtype,
+            "compute_dtype": self.compute_dtype,
+            "attention_dtype": self.attention_dtype,
+            "num_layers": self.num_layers,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "vocab_size": self.vocab_size,
+            "max_context": self.max_context,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "num_experts": self.num_experts,
+            "experts_per_token": self.experts_per_token,
+            "expert_intermediate_size": self.expert_intermediate_size,
+            "sliding_window": self.sliding_window,
+            "position_rows": self.position_rows,
+        }
+
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
@@ -335,6 +436,18 @@ class MoeBlock:
         fields.done()
         return block
 
+    def to_json(self) -> dict:
+        return {
+            "layer": self.layer,
+            "router": self.router,
+            "experts": list(self.experts),
+            "hidden": self.hidden,
+            "routing": self.routing,
+            "residual": self.residual,
+            "expert_outputs": list(self.expert_outputs),
+            "output": self.output,
+        }
+
 
 @dataclass(frozen=True)
 class VisionSection:
@@ -345,20 +458,86 @@ class VisionSection:
     graph_outputs: tuple[TensorInfo, ...]
     total_weight_bytes: int
     facts: dict  # export.json's `vision` section as the exporter wrote it (docs/vlm.md)
+    preprocessing: ImagePreprocessing | None = None  # the facts' `preprocessing`, read
 
     @classmethod
     def from_json(cls, fields: Fields) -> VisionSection:
+        sub_layers = tuple(SubLayer.from_json(s) for s in fields.objects("sub_layers"))
+        graph_inputs = tuple(TensorInfo.from_json(t) for t in fields.objects("graph_inputs"))
+        graph_outputs = tuple(TensorInfo.from_json(t) for t in fields.objects("graph_outputs"))
+        total = fields.int("total_weight_bytes", maximum=MAX_DIMENSION)
+        facts = {k: v for k, v in fields.document.items() if k not in fields.read}
+        preprocessing = fields.object("preprocessing", None)
         section = cls(
-            tuple(SubLayer.from_json(s) for s in fields.objects("sub_layers")),
-            tuple(TensorInfo.from_json(t) for t in fields.objects("graph_inputs")),
-            tuple(TensorInfo.from_json(t) for t in fields.objects("graph_outputs")),
-            fields.int("total_weight_bytes", maximum=MAX_DIMENSION),
-            {k: v for k, v in fields.document.items() if k not in fields.read},
+            sub_layers,
+            graph_inputs,
+            graph_outputs,
+            total,
+            facts,
+            ImagePreprocessing.from_json(preprocessing) if preprocessing else None,
         )
-        for name in ("hidden_size", "num_attention_heads"):
+        for name in ("hidden_size", "num_attention_heads", "num_layers", "image_token_id"):
             if not isinstance(section.facts.get(name), int) or section.facts[name] < 1:
                 fields.fail("must be a positive integer", name)
+        full = section.facts.get("fullatt_block_indexes", [])
+        if not isinstance(full, list) or not all(
+            isinstance(b, int) and 0 <= b < section.num_layers for b in full
+        ):
+            fields.fail(f"must list blocks below num_layers ({section.num_layers})", "fullatt_block_indexes")
         return section
+
+    @property
+    def num_layers(self) -> int:
+        """The tower's blocks."""
+        return self.facts["num_layers"]
+
+    @property
+    def image_token_id(self) -> int:
+        """The token whose rows the image features fill."""
+        return self.facts["image_token_id"]
+
+    @property
+    def bidirectional_image_runs(self) -> bool:
+        """Gemma 3: an image's tokens attend to their whole run, which must come in one step."""
+        return bool(self.facts.get("bidirectional_image_runs"))
+
+    @property
+    def fullatt_block_indexes(self) -> tuple[int, ...]:
+        """The blocks that attend over the whole image (Qwen2.5-VL); the others attend within windows."""
+        return tuple(self.facts.get("fullatt_block_indexes", ()))
+
+    def with_blocks(
+        self, sub_layers: tuple[SubLayer, ...], num_layers: int, fullatt_block_indexes: list[int]
+    ) -> VisionSection:
+        """This tower with other blocks (a shape-only probe repeated): the facts say the new block count and
+        full-attention blocks, the preprocessing's attention groups (the host's, when it makes them) too."""
+        full = sorted(fullatt_block_indexes)
+        facts = {**self.facts, "num_layers": num_layers, "fullatt_block_indexes": full}
+        preprocessing = self.preprocessing
+        if preprocessing is not None and preprocessing.family == "qwen2_vl":
+            preprocessing = replace(preprocessing, fullatt_block_indexes=tuple(full))
+            facts["preprocessing"] = preprocessing.to_json()
+        total = sum(e.blob.bytes for e in sub_layers if e.blob)
+        return replace(
+            self,
+            sub_layers=tuple(sub_layers),
+            total_weight_bytes=total,
+            facts=facts,
+            preprocessing=preprocessing,
+        )
+
+    def to_json(self) -> dict:
+        """The manifest's `vision` section (a block's entry has no KV and no row chunks: none has either)."""
+        entries = [
+            {k: v for k, v in e.to_json().items() if k not in ("kv", "row_chunks")} for e in self.sub_layers
+        ]
+        return {
+            **self.facts,
+            "graph_inputs": [t.to_json() for t in self.graph_inputs],
+            "graph_outputs": [t.to_json() for t in self.graph_outputs],
+            "total_weight_bytes": self.total_weight_bytes,
+            "sub_layers": entries,
+        }
 
 
 @dataclass(frozen=True)
@@ -454,6 +633,32 @@ class Manifest:
 
     def sub_layer(self, name: str) -> SubLayer:
         return self.by_name[name]
+
+    @property
+    def model_sha256(self) -> str | None:
+        """The digest of the export's model.onnx this pack was cut from (None for a shape-only pack)."""
+        return self.source.get("model_sha256")
+
+    def to_json(self) -> dict:
+        """manifest.json's document, its fields in the order the partitioner writes them."""
+        return {
+            "schema_version": PACK_SCHEMA_VERSION,
+            "pipeshard_version": self.pipeshard_version,
+            "model": self.model.to_json(),
+            "source": dict(self.source),
+            "weight_alignment": WEIGHT_ALIGNMENT,
+            "graph_inputs": [t.to_json() for t in self.graph_inputs],
+            "graph_outputs": [t.to_json() for t in self.graph_outputs],
+            "kv_bytes_per_token": self.kv_bytes_per_token,
+            "total_weight_bytes": self.total_weight_bytes,
+            "cost_model": COST_MODEL,
+            "sub_layers": [e.to_json() for e in self.sub_layers],
+            "moe_blocks": [b.to_json() for b in self.moe_blocks],
+            **({"vision": self.vision.to_json()} if self.vision else {}),
+            "host": {"min_onnxruntime": self.min_onnxruntime, "chat_template": self.host_chat_template},
+            "files": {name: {"bytes": d.bytes, "sha256": d.sha256} for name, d in self.files.items()},
+            **({"shape_only": True} if self.shape_only else {}),
+        }
 
 
 @dataclass

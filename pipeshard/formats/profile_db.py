@@ -18,6 +18,14 @@ FINGERPRINT_COUNTS = ("logical_cpus", "physical_cores", "ram_bytes")
 PACK_PLACEMENTS = ("cpu", "device", "streamed")
 
 
+QUANTIZED_MATMUL = "q4"  # the matmul table of 4-bit block-quantized products (MatMulNBits), by its dtype key
+
+
+def quantized_rows(matmul: dict[str, tuple[MatmulRow, ...]]) -> tuple[MatmulRow, ...]:
+    """A matmul table's rows of 4-bit block-quantized products (none where it has no such rows)."""
+    return matmul.get(QUANTIZED_MATMUL, ())
+
+
 def _without_none(document: dict) -> dict:
     """A record's JSON: its absent optional fields left out."""
     return {name: value for name, value in document.items() if value is not None}
@@ -371,6 +379,9 @@ class Contention:
         }
 
 
+STEP_KIND, COPY_KIND = "step", "copy"  # a pack timing's kinds besides the sub-layer kinds: see PackTimingRow
+
+
 @dataclass(frozen=True)
 class PackTimingRow:
     """One of a pack's own timings (profile --pack) at a placement: a sub-layer kind's `seconds`, a whole step's
@@ -387,12 +398,12 @@ class PackTimingRow:
     @property
     def value(self) -> float:
         """What the estimator interpolates: the ratio of a step, the rate of a copy, else the seconds."""
-        return {"step": self.ratio, "copy": self.gbps}.get(self.kind, self.seconds)
+        return {STEP_KIND: self.ratio, COPY_KIND: self.gbps}.get(self.kind, self.seconds)
 
     @classmethod
     def from_json(cls, fields: Fields) -> PackTimingRow:
         kind = fields.str("kind")
-        measured = {"step": "ratio", "copy": "gbps"}.get(kind, "seconds")
+        measured = {STEP_KIND: "ratio", COPY_KIND: "gbps"}.get(kind, "seconds")
         row = cls(
             placement=fields.str("placement", "cpu", choices=PACK_PLACEMENTS),
             kind=kind,
