@@ -155,20 +155,24 @@ def pack_table(pack: Pack, context: int) -> str:
 
 def vision_table(vision: VisionSection) -> str:
     """A VLM's vision blocks: weights, GFLOP and MiB moved per tile (T = C = the patches of one tile; no KV
-    cache, so the bytes have no context term)."""
-    facts = vision.facts  # the export's description of the tower (a dict)
-    patches = int(facts["patches_per_tile"])
+    cache, so the bytes have no context term); weights alone where a family's tiles have no fixed size."""
+    tower = vision.summary
+    patches = tower.patches_per_tile
+    tiles = (
+        f"{tower.image_size} px tiles, {patches} patches and {tower.tokens_per_tile} image tokens per tile; per tile:"
+        if patches
+        else "images of varying size; weights:"
+    )
     lines = [
-        f"vision tower ({facts.get('model', facts['family'])}): {facts['num_layers']} blocks over "
-        f"{facts['image_size']} px tiles, "
-        f"{patches} patches and {facts['tokens_per_tile']} image tokens per tile; per tile:",
+        f"vision tower ({tower.name}): {tower.num_layers} blocks over {tiles}",
         f"{'block':<16} {'weights MiB':>11} {'GFLOP':>9} {'MiB moved':>10}",
     ]
     for entry in vision.sub_layers:
-        flops = entry.cost.flops_at(patches, patches)
-        moved = entry.cost.bytes_at(patches, 0)
-        lines.append(
-            f"{entry.name:<16} {entry.weight_bytes / MiB:>11.2f} {flops / 1e9:>9.3f} {moved / MiB:>10.2f}"
-        )
+        if patches:
+            flops = f"{entry.cost.flops_at(patches, patches) / 1e9:>9.3f}"
+            moved = f"{entry.cost.bytes_at(patches, 0) / MiB:>10.2f}"
+        else:
+            flops, moved = f"{'-':>9}", f"{'-':>10}"
+        lines.append(f"{entry.name:<16} {entry.weight_bytes / MiB:>11.2f} {flops} {moved}")
     lines.append(f"{'total':<16} {vision.total_weight_bytes / MiB:>11.2f}")
     return "\n".join(lines)

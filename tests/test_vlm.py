@@ -436,6 +436,19 @@ def test_qwen_pack_cuts_the_vision_tower_into_blocks(qwen_pack):
         assert all(w.file == entry.blob.file for w in entry.weights)
 
 
+def test_inspect_describes_a_tower_whose_tiles_vary_and_one_whose_tiles_are_fixed(
+    qwen_pack, vlm_pack, capsys
+):
+    from pipeshard.cli import main
+
+    assert main(["inspect", str(qwen_pack)]) == 0
+    assert (
+        "vision tower (qwen2_vl): 4 blocks over images of varying size; weights:" in capsys.readouterr().out
+    )
+    assert main(["inspect", str(vlm_pack)]) == 0
+    assert "per tile:" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("where", ["export", "pack", "sim-25%", "sim-60%"])
 def test_qwen_tokens_equal_transformers_with_one_and_two_images(
     where, qwen_export, qwen_pack, images, tiny_qwen

@@ -450,6 +450,33 @@ class MoeBlock:
 
 
 @dataclass(frozen=True)
+class TowerSummary:
+    """What a pack's summary says of its vision tower, read from the export's facts: its name (the model, else its
+    family), blocks, tile size and per-tile patches and image tokens (None where a family's tiles vary, as
+    Qwen2.5-VL's images do)."""
+
+    name: str
+    num_layers: int
+    image_size: int | None
+    patches_per_tile: int | None
+    tokens_per_tile: int | None
+
+    @classmethod
+    def from_facts(cls, facts: dict) -> TowerSummary:
+        def count(name: str) -> int | None:
+            value = facts.get(name)
+            return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+        return cls(
+            str(facts.get("model") or facts.get("family", "idefics3")),
+            facts["num_layers"],
+            count("image_size"),
+            count("patches_per_tile"),
+            count("tokens_per_tile"),
+        )
+
+
+@dataclass(frozen=True)
 class VisionSection:
     """A VLM's vision tower cut into blocks, and the export's facts about it (dims, image token, preprocessing)."""
 
@@ -459,6 +486,10 @@ class VisionSection:
     total_weight_bytes: int
     facts: dict  # export.json's `vision` section as the exporter wrote it (docs/vlm.md)
     preprocessing: ImagePreprocessing | None = None  # the facts' `preprocessing`, read
+
+    @property
+    def summary(self) -> TowerSummary:
+        return TowerSummary.from_facts(self.facts)
 
     @classmethod
     def from_json(cls, fields: Fields) -> VisionSection:
