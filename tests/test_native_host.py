@@ -423,6 +423,50 @@ def test_the_native_host_refuses_damaged_plans_and_options(tiny_pack, tmp_path):
         _refused(_host(str(tiny_pack), "--plans", str(plans), *planned, option, value), fragment)
 
 
+def _python_products(pack: Path) -> int:
+    """How many products the Python engine's CPU sessions compute with pipeshard's ops (runtime/weight_matmul.py),
+    over every sub-layer: the count the host's decode step must match."""
+    from pipeshard.formats.manifest import load_pack
+    from pipeshard.runtime.joined import join
+    from pipeshard.runtime.weight_matmul import product_weights
+
+    loaded = load_pack(pack)
+    count = 0
+    for entry in loaded.manifest.sub_layers:
+        if weights := product_weights(entry.weights, False):
+            joined = join([loaded.path(entry.graph_file)], {o.name for o in entry.outputs}, product_weights=weights)
+            assert b"MatMulNBits" not in joined.model, entry.name  # every 4-bit product swapped
+            count += joined.weight_matmul_nodes
+    return count
+
+
+@pytest.mark.slow
+def test_the_hosts_product_swap_rewrites_the_nodes_the_python_engine_does(tiny_gguf):
+    """Every quantized format's products (high planes and minimum terms fused into one BlockMatMul, as
+    runtime/weight_matmul.py fuses them) computed by pipeshard's ops in the host's decode step, with the Python
+    engine's tokens."""
+    reason = _missing_tools()
+    if reason:
+        pytest.skip(reason)
+    import pipeshard
+
+    _, _, pack = tiny_gguf
+    expected_products = _python_products(pack)
+    engine = pipeshard.load(pack, threads=THREADS)
+    for prompt in ("The capital of France is", "def fibonacci(n):"):
+        ids = engine.generator.prompt_ids(prompt, chat_template=False)
+        (done_by_python,) = engine.generator.generate(
+            [ids], pipeshard.api.SamplingSettings(max_new_tokens=MAX_NEW_TOKENS)
+        )
+        expected = done_by_python.tokens
+        arguments = ["--ids", ",".join(map(str, ids)), "--print-ids", "--report", "--threads", str(THREADS)]
+        done = _host(str(pack), *arguments, "--max-new-tokens", str(MAX_NEW_TOKENS))
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert [int(t) for t in done.stdout.split()] == expected, prompt
+        report = json.loads(done.stderr.splitlines()[-1])
+        assert report["decode_product_nodes"] == expected_products > 0, report
+
+
 @pytest.mark.slow
 def test_the_native_host_runs_a_quantized_pack_with_the_python_engines_tokens(models, tmp_path):
     """The GGUF's blocks kept as stored (MatMulNBits, GatherBlockQuantized): the same graphs through ONNX Runtime's
@@ -437,6 +481,7 @@ def test_the_native_host_runs_a_quantized_pack_with_the_python_engines_tokens(mo
     arguments = ["plan", str(pack), "--vram", "10%", "--profile", "laptop-8gb", "--tiers", "1,16,64"]
     subprocess.run([sys.executable, "-P", "-m", "pipeshard", *arguments, "--out", str(plans)], check=True)
     engine = pipeshard.load(pack, threads=THREADS)
+    products = _python_products(pack)
     for text in SMOLLM2_PROMPTS:
         expected = engine.generate(text, max_new_tokens=MAX_NEW_TOKENS)[0].tokens
         common = [
@@ -448,10 +493,13 @@ def test_the_native_host_runs_a_quantized_pack_with_the_python_engines_tokens(mo
             "--max-new-tokens",
             str(MAX_NEW_TOKENS),
         ]
-        for extra in ([], ["--plans", str(plans), "--device", "sim", "--report"]):
+        for extra in (["--report"], ["--plans", str(plans), "--device", "sim", "--report"]):
             done = _host(*common, *extra)
             assert done.returncode == 0, done.stderr[-2000:]
             assert [int(t) for t in done.stdout.split()] == expected, (text, extra)
+            if not extra[1:]:  # all-CPU: every product computed by pipeshard's ops, as the Python engine's are
+                report = json.loads(done.stderr.splitlines()[-1])
+                assert report["decode_product_nodes"] == products > 0, report
         # the planned run's report: its blocks went through the device
         report = json.loads(done.stderr.splitlines()[-1])
         assert report["peak_device_bytes"] > 0 and report["streamed_weight_bytes"] > 0, report

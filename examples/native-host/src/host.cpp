@@ -17,6 +17,7 @@
 
 #include "errors.hpp"
 #include "joined.hpp"
+#include "products.hpp"
 #include "sha256.hpp"
 
 #if defined(_WIN32)
@@ -35,6 +36,8 @@
 #endif
 
 extern "C" const void* pipeshard_decode_attention_op(void);  // runtime/_attention.c
+extern "C" const void* pipeshard_weight_matmul_op(void);     // runtime/_matmul.c
+extern "C" const void* pipeshard_block_matmul_op(void);      // runtime/_matmul.c
 
 namespace pipeshard {
 
@@ -61,7 +64,8 @@ void check(OrtStatus* status) {
 // last: its global intra-op pool serves every session, as pipeshard's own C-API chain does.
 std::mutex g_env_mutex;
 OrtEnv* g_env = nullptr;
-OrtCustomOpDomain* g_custom_ops = nullptr;  // the `pipeshard` op domain, with DecodeAttention (null: no op built)
+// The `pipeshard` op domain: DecodeAttention, WeightMatMul and BlockMatMul (null: the compiler built no ops).
+OrtCustomOpDomain* g_custom_ops = nullptr;
 int g_env_users = 0;
 
 struct ElementType {
@@ -394,9 +398,11 @@ void Host::load_env(int threads) {
         if (arena) ort().ReleaseArenaCfg(arena);
         ort().ReleaseMemoryInfo(arena_memory);
         check(status);
-        if (const void* op = pipeshard_decode_attention_op()) {
+        if (pipeshard_decode_attention_op() && pipeshard_block_matmul_op()) {
             check(ort().CreateCustomOpDomain(kCustomDomain, &g_custom_ops));
-            check(ort().CustomOpDomain_Add(g_custom_ops, static_cast<const OrtCustomOp*>(op)));
+            for (const void* op :
+                 {pipeshard_decode_attention_op(), pipeshard_weight_matmul_op(), pipeshard_block_matmul_op()})
+                check(ort().CustomOpDomain_Add(g_custom_ops, static_cast<const OrtCustomOp*>(op)));
         }
     }
     ++g_env_users;
@@ -448,12 +454,34 @@ OrtSession* Host::make_session(const std::string& file, bool on_device, const st
     return session;
 }
 
+// A sub-layer's CPU session: its file, or where it has products the ops compute (src/products.hpp), its graph
+// with them swapped, as the Python engine's CPU sessions are.
+OrtSession* Host::make_cpu_session(const SubLayer& sub) {
+    if (g_custom_ops && std::any_of(sub.weights.begin(), sub.weights.end(), product_weight)) {
+        std::set<std::string> outputs, weights;
+        for (const TensorSpec& output : sub.outputs) outputs.insert(output.name);
+        for (const WeightSpec& weight : sub.weights)
+            if (product_weight(weight)) weights.insert(weight.name);
+        JoinedModel swapped;
+        try {
+            swapped = join_models({manifest_.folder + "/" + sub.onnx_file}, outputs, nullptr, &weights);
+        } catch (const std::runtime_error& error) {
+            fail(PIPESHARD_ERR_PACK, error.what());
+        }
+        if (swapped.product_nodes) {
+            cpu_product_nodes_[sub.name] = swapped.product_nodes;
+            return make_session(sub.name, false, {&sub}, &swapped.model);
+        }
+    }
+    return make_session(sub.onnx_file, false, {&sub});
+}
+
 OrtSession* Host::session_for(const Run& run) {
     const Unit& unit = units_[run.unit];
     const SubLayer& sub = manifest_.sub_layers[unit.sub_layer];
     if (run.placement == "cpu" && !unit.chunk) {
         auto& session = cpu_sessions_[unit.sub_layer];
-        if (!session) session = make_session(sub.onnx_file, false, {&sub});
+        if (!session) session = make_cpu_session(sub);
         return session;
     }
     bool on_device = run.placement != "cpu" && device_kind_ == "cuda";
@@ -937,6 +965,7 @@ void Host::forward(const int64_t* ids, int64_t tokens, int64_t past) {
             for (const Piece& piece : pieces) swapped += static_cast<uint64_t>(piece.decode_attention_nodes);
             decode_runs_ = pieces.size();
             decode_attention_nodes_ = swapped;
+            decode_product_nodes_ = decode_products(pieces);
             for (const Piece& piece : pieces) {
                 if (cancel_requested()) {
                     restart_ring();
@@ -969,6 +998,24 @@ void Host::forward(const int64_t* ids, int64_t tokens, int64_t past) {
         throw;
     }
     read_logits();
+}
+
+// The products the decode step's sessions compute with pipeshard's ops: its joined sessions' and its CPU runs'.
+uint64_t Host::decode_products(const std::vector<Piece>& pieces) const {
+    uint64_t count = 0;
+    for (const Piece& piece : pieces) {
+        if (piece.session) {
+            count += static_cast<uint64_t>(piece.product_nodes);
+            continue;
+        }
+        for (size_t index = piece.first_run; index < piece.first_run + piece.run_count; ++index) {
+            if (runs_[index].placement != "cpu" || units_[runs_[index].unit].chunk) continue;
+            const std::string& name = manifest_.sub_layers[units_[runs_[index].unit].sub_layer].name;
+            auto found = cpu_product_nodes_.find(name);
+            if (found != cpu_product_nodes_.end()) count += static_cast<uint64_t>(found->second);
+        }
+    }
+    return count;
 }
 
 // The decode step's pieces for the runs in force, made on the first decode step of each plan: stretches of CPU runs
@@ -1027,14 +1074,21 @@ Piece Host::make_piece(size_t first_run, size_t run_count) {
                 std::find(sub.present.begin(), sub.present.end(), output.name) != sub.present.end())
                 outputs.insert(output.name);
     }
+    std::set<std::string> product_weights;
+    if (on_cpu && g_custom_ops)
+        for (size_t index : members)
+            for (const WeightSpec& weight : manifest_.sub_layers[index].weights)
+                if (product_weight(weight)) product_weights.insert(weight.name);
     JoinedModel joined;
     try {
-        joined = join_models(paths, outputs, g_custom_ops ? &float_inputs_ : nullptr);
+        joined = join_models(paths, outputs, g_custom_ops ? &float_inputs_ : nullptr,
+                             product_weights.empty() ? nullptr : &product_weights);
     } catch (const std::runtime_error& error) {
         fail(PIPESHARD_ERR_PACK, error.what());
     }
-    if (run_count == 1 && joined.decode_attention_nodes == 0) return piece;
+    if (run_count == 1 && joined.decode_attention_nodes == 0) return piece;  // the run's own session
     piece.decode_attention_nodes = joined.decode_attention_nodes;
+    piece.product_nodes = joined.product_nodes;
     SubLayer& spec = piece.spec;
     const SubLayer& first = manifest_.sub_layers[members.front()];
     if (run_count == 1) {
@@ -1704,7 +1758,8 @@ std::string Host::report() const {
             << (auto_budget_ ? "auto" : "fixed") << "\"";
     }
     out << ", \"units\": " << units_.size() << ", \"decode_runs\": " << decode_runs_
-        << ", \"decode_attention_nodes\": " << decode_attention_nodes_;
+        << ", \"decode_attention_nodes\": " << decode_attention_nodes_
+        << ", \"decode_product_nodes\": " << decode_product_nodes_;
     out << ", \"steps\": " << steps_ << ", \"plan_switches\": " << plan_switches_ << ", \"tier_steps\": {";
     bool first = true;
     for (const auto& [tier, count] : tier_steps_) {

@@ -88,6 +88,7 @@ struct Piece {
     OrtSession* session = nullptr;
     SubLayer spec;  // what the joined session reads and writes, as a sub-layer's record
     int decode_attention_nodes = 0;
+    int product_nodes = 0;  // products of the joined session computed by BlockMatMul or WeightMatMul
 };
 
 struct GenerationTimes {
@@ -215,7 +216,8 @@ private:
 
     // What the host has done.
     std::atomic<uint64_t> steps_{0}, plan_switches_{0}, streamed_weight_bytes_{0};
-    std::atomic<uint64_t> decode_runs_{0}, decode_attention_nodes_{0};  // of the last decode step
+    std::atomic<uint64_t> decode_runs_{0}, decode_attention_nodes_{0}, decode_product_nodes_{0};  // of the last decode step
+    std::map<std::string, int> cpu_product_nodes_;  // sub-layer -> products its CPU session's ops compute
     std::map<int, uint64_t> tier_steps_;
     GenerationTimes last_;
 
@@ -223,8 +225,10 @@ private:
     OrtSession* make_session(const std::string& file, bool on_device,
                              const std::vector<const SubLayer*>& weights_of = {}, const std::string* model = nullptr);
     const std::vector<Piece>& decode_pieces();
+    uint64_t decode_products(const std::vector<Piece>& pieces) const;
     void release_weight_pages();
     Piece make_piece(size_t first_run, size_t run_count);
+    OrtSession* make_cpu_session(const SubLayer& sub);
     OrtSession* session_for(const Run& run);
     OrtIoBinding* binding_for(OrtSession* session);
     void load_text(const char* extensions_library);
