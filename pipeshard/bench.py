@@ -49,6 +49,7 @@ class BenchSettings:
     peers: list[str] = field(default_factory=list)
     prompt: str = DEFAULT_PROMPT
     prompt_tokens: int | None = None
+    chat_template: bool = True  # False: the prompt as raw text (a base model has no chat template)
     new_tokens: int = 128
     threads: int = 2
     repeat: int = 3
@@ -131,9 +132,16 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
 
 
 # -- the prompt -----------------------------------------------------------------------------------------------------
-def bench_prompt(codec, text: str, tokens: int | None) -> tuple[str, list[int]]:
-    """The chat-templated prompt and its ids; with `tokens`, the user turn is lengthened (repeated
-    padding, then cut) so the templated prompt has exactly that many ids."""
+def bench_prompt(codec, text: str, tokens: int | None, chat_template: bool = True) -> tuple[str, list[int]]:
+    """The chat-templated prompt (without `chat_template`: the raw text, as a base model reads it) and its ids; with
+    `tokens`, the user turn is lengthened (repeated padding, then cut) so the prompt has exactly that many ids."""
+    if not chat_template:
+        ids = codec.encode(text, add_special_tokens=True)
+        while tokens is not None and len(ids) < tokens:
+            text += _PADDING
+            ids = codec.encode(text, add_special_tokens=True)
+        ids = ids if tokens is None else ids[:tokens]
+        return codec.decode(ids, skip_special_tokens=False), ids
     rendered = codec.render_chat(text)
     ids = codec.encode(rendered)
     if tokens is None:
@@ -522,7 +530,7 @@ def run_bench(
     pack = load_pack(Path(settings.pack))
     codec = TextCodec(pack.folder)
     user_text, image_token, image_tokens = _with_image_tokens(pack, settings)
-    prompt_text, prompt = bench_prompt(codec, user_text, settings.prompt_tokens)
+    prompt_text, prompt = bench_prompt(codec, user_text, settings.prompt_tokens, settings.chat_template)
     if image_tokens and prompt.count(codec.tokenizer.token_to_id(image_token)) != image_tokens:
         raise UserError(
             f"--prompt-tokens {settings.prompt_tokens} leaves no room for the images' {image_tokens} tokens"

@@ -798,6 +798,7 @@ def _command_bench(args: argparse.Namespace) -> int:
         plans=plans,
         peers=peers,
         prompt_tokens=args.prompt_tokens,
+        chat_template=not args.no_chat_template,
         new_tokens=args.new_tokens,
         threads=args.threads or default_threads(),
         repeat=args.repeat,
@@ -1101,6 +1102,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         metavar="PATH",
         help="a VLM pack's prompt image (repeatable), preprocessed and encoded in each run's time",
+    )
+    bench.add_argument(
+        "--no-chat-template",
+        action="store_true",
+        help="feed the prompt as raw text (a base model, which has no chat template)",
     )
     bench.add_argument("--new-tokens", type=_count(2), default=128)
     bench.add_argument(

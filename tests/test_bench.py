@@ -192,6 +192,14 @@ def test_the_prompt_is_lengthened_to_exactly_the_asked_tokens(tiny_llama_export)
     assert codec.encode(text) == ids
 
 
+def test_a_raw_prompt_for_a_base_model_is_lengthened_to_the_asked_tokens(tiny_llama_export):
+    codec = TextCodec(tiny_llama_export)
+    text, ids = bench_prompt(codec, "The capital of France is", 40, chat_template=False)
+    assert len(ids) == 40 and ids[:6] == codec.encode("The capital of France is", add_special_tokens=True)[:6]
+    assert codec.encode(text) == ids  # the text as a peer reads it (its special tokens spelt out)
+    assert "<|im_start|>" not in text
+
+
 def test_first_difference_and_document_validation():
     assert first_difference([1, 2, 3], [1, 2, 3]) is None
     assert first_difference([1, 2, 3], [1, 5, 3]) == 1
