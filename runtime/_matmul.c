@@ -72,12 +72,13 @@ static inline float bf16_to_float(uint16_t half) {
 
 /* A matrix W [N, K] of 4-bit codes in blocks (pipeshard.BlockMatMul, the layout of com.microsoft::MatMulNBits):
  * W[j][e] = (code - zero point) * scale of e's block, with codes uint8 [N, blocks, block / 2] (two per byte, the even
- * element in the low nibble), scales float [N, blocks], zero points uint8 [N, (blocks + 1) / 2] (two per byte, the
+ * element in the low nibble), scales [N, blocks] (float, or float16 / bfloat16 read as stored), zero points uint8 [N, (blocks + 1) / 2] (two per byte, the
  * even block's in the low nibble; none: 8 everywhere) and optionally a high plane, codes in the same layout with
  * zero point 8 counting 16 low steps each: W[j][e] = ((low - zero point) + 16 (high - 8)) * scale. */
 typedef struct {
     const uint8_t *low, *high, *zero_points;
-    const float *scales;
+    const void *scales;
+    int scale_type;  /* a WEIGHT_* type */
     const void *minimums;  /* where dequantized panels add them: [blocks, N] of minimum_type (a WEIGHT_* type) */
     int minimum_type;
     int64_t n, k, block, blocks;
@@ -103,6 +104,11 @@ static inline int block_zero_point(const BlockWeights *w, int64_t j, int64_t b) 
 static inline float weight_at(int type, const void *b, int64_t at) {
     return type == WEIGHT_FP16 ? fp16_to_float(((const uint16_t *)b)[at])
            : type == WEIGHT_BF16 ? bf16_to_float(((const uint16_t *)b)[at]) : ((const float *)b)[at];
+}
+
+/* The scale of block `at` (j * blocks + b) as a float. */
+static inline float block_scale(const BlockWeights *w, int64_t at) {
+    return weight_at(w->scale_type, w->scales, at);
 }
 
 typedef struct {
@@ -581,7 +587,10 @@ static OrtStatus *block_compute(void *kernel_state, void *context) {
     const int64_t n = b->dims[0], blocks = b->dims[1], k = blocks * block;
     if (a->dims[a->rank - 1] != k)
         return fail(api, ORT_INVALID_ARGUMENT, "BlockMatMul: A's last dimension is not B's blocks times block_size");
-    if (in[BLOCK_SCALES].element != FLOAT || element_count(&in[BLOCK_SCALES]) != n * blocks)
+    const int scale_type = in[BLOCK_SCALES].element == FLOAT16 ? WEIGHT_FP16
+                           : in[BLOCK_SCALES].element == BFLOAT16 ? WEIGHT_BF16
+                           : in[BLOCK_SCALES].element == FLOAT ? WEIGHT_FP32 : -1;
+    if (scale_type < 0 || element_count(&in[BLOCK_SCALES]) != n * blocks)
         return fail(api, ORT_INVALID_ARGUMENT, "BlockMatMul: scales are not N x blocks floats");
     if (given[BLOCK_ZERO_POINTS] && (in[BLOCK_ZERO_POINTS].element != UINT8 ||
                                      element_count(&in[BLOCK_ZERO_POINTS]) != n * ((blocks + 1) / 2)))
@@ -591,7 +600,7 @@ static OrtStatus *block_compute(void *kernel_state, void *context) {
     const BlockWeights w = {
         .low = b->data, .high = given[BLOCK_HIGH] ? in[BLOCK_HIGH].data : NULL,
         .zero_points = given[BLOCK_ZERO_POINTS] ? in[BLOCK_ZERO_POINTS].data : NULL,
-        .scales = in[BLOCK_SCALES].data, .n = n, .k = k, .block = block, .blocks = blocks,
+        .scales = in[BLOCK_SCALES].data, .scale_type = scale_type, .n = n, .k = k, .block = block, .blocks = blocks,
     };
     int64_t m = 0;
     float *out = NULL;
@@ -663,7 +672,7 @@ static const char *block_op_name(const void *op) { (void)op; return "BlockMatMul
 static size_t block_input_count(const void *op) { (void)op; return BLOCK_INPUT_COUNT; }
 static int block_input_type(const void *op, size_t index) {
     (void)op;
-    return index == BLOCK_A || index == BLOCK_SCALES ? FLOAT : index == BLOCK_MINIMUMS ? UNDEFINED : UINT8;
+    return index == BLOCK_A ? FLOAT : index == BLOCK_SCALES || index == BLOCK_MINIMUMS ? UNDEFINED : UINT8;
 }
 static int block_input_characteristic(const void *op, size_t index) {
     (void)op;

@@ -306,18 +306,18 @@ ISA_TARGET static inline __attribute__((always_inline)) void GLUE(block_dot_fixe
         for (int q = 0; q < J; q++) {
             const int64_t at = ((j + q) * blocks + b) * half;
             const int points = w->zero_points ? w->zero_points[(j + q) * point_stride + b / 2] : 0x88;
-            const float *scales = w->scales + (j + q) * blocks + b;
+            const int64_t scale_at = (j + q) * blocks + b;
             GLUE(block_step, ISA)(a + b * BLOCK, lda, ROWS, BLOCK, HIGH, w->low + at, HIGH ? w->high + at : NULL,
-                                  points & 15, scales[0], sums[q]);
+                                  points & 15, block_scale(w, scale_at), sums[q]);
             GLUE(block_step, ISA)(a + (b + 1) * BLOCK, lda, ROWS, BLOCK, HIGH, w->low + at + half,
-                                  HIGH ? w->high + at + half : NULL, points >> 4, scales[1], sums[q]);
+                                  HIGH ? w->high + at + half : NULL, points >> 4, block_scale(w, scale_at + 1), sums[q]);
         }
     if (b < blocks)
 #pragma GCC unroll 2
         for (int q = 0; q < J; q++) {
             const int64_t at = ((j + q) * blocks + b) * half;
             GLUE(block_step, ISA)(a + b * BLOCK, lda, ROWS, BLOCK, HIGH, w->low + at, HIGH ? w->high + at : NULL,
-                                  block_zero_point(w, j + q, b), w->scales[(j + q) * blocks + b], sums[q]);
+                                  block_zero_point(w, j + q, b), block_scale(w, (j + q) * blocks + b), sums[q]);
         }
 #pragma GCC unroll 4
     for (int r = 0; r < ROWS; r++)
@@ -373,7 +373,7 @@ ISA_TARGET static void GLUE(dequantize_panel, ISA)(const BlockWeights *w, int64_
     for (int64_t c = 0; c < PANEL; c++) {
         const int64_t j = n0 + c;
         for (int64_t b = 0; b < blocks; b++) {
-            scales[b * PANEL + c] = c < cols ? w->scales[j * blocks + b] : 0.0f;
+            scales[b * PANEL + c] = c < cols ? block_scale(w, j * blocks + b) : 0.0f;
             offsets[b * PANEL + c] = c < cols ? code_offsets[0][block_zero_point(w, j, b) + (w->high ? 128 : 0)]
                                               : code_offsets[0][0];
             minimums[b * PANEL + c] =

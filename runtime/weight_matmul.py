@@ -11,7 +11,8 @@ than ONNX Runtime's SGEMM).
 A GGUF pack (`--dtype gguf`, exporter/quantized_weights.py) stores its products as `com.microsoft::MatMulNBits` over
 4-bit planes; the CPU sessions swap each for `pipeshard.BlockMatMul` (runtime/_matmul.c), which computes the same
 `(code - zero point) * scale` weights in float32, faster than ONNX Runtime's kernel at a decode step. A wide format's
-two planes (`low + 16 * high`: MatMulNBits, MatMulNBits, Mul by 16, Add) become one BlockMatMul over both.
+two planes (`low + 16 * high`: MatMulNBits, MatMulNBits, Mul by 16, Add) become one BlockMatMul over both. Scales
+and minimums stored in half precision are read as stored (their Casts dropped), so no session holds a float32 copy.
 The pack is not changed; a host without the ops runs its files as they are.
 """
 
@@ -335,14 +336,13 @@ def swap_products(
     for index, (node, fields) in enumerate(zip(nodes, parsed, strict=True)):
         if index in folded:
             out.append(None)
-        elif index in fused:
-            inputs = fused[index].inputs
+        elif index in fused or index in blocks:
+            inputs = fused[index].inputs if index in fused else blocks[index]
             while not inputs[-1]:
                 inputs = inputs[:-1]
-            out.append(_block_matmul(fields, inputs, fused[index].block_size))
-            swapped += 1
-        elif index in blocks:
-            out.append(_block_matmul(fields, blocks[index], _block_size(fields)))
+            inputs = [*inputs[:2], read.get(inputs[2], inputs[2]), *inputs[3:]]  # scales as stored
+            block_size = fused[index].block_size if index in fused else _block_size(fields)
+            out.append(_block_matmul(fields, inputs, block_size))
             swapped += 1
         else:
             product = _product(fields, read)

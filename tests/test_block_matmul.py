@@ -33,11 +33,14 @@ def _pack_nibbles(values: np.ndarray) -> np.ndarray:
     return (values[..., 0::2] | (values[..., 1::2] << 4)).astype(np.uint8)
 
 
-def _planes(rng, rows: int, columns: int, block: int, zero_points: bool, high: bool) -> dict[str, np.ndarray]:
-    """Random planes of W [rows, columns] in MatMulNBits' layout, and W's float64 values."""
+def _planes(
+    rng, rows: int, columns: int, block: int, zero_points: bool, high: bool, scale_dtype=np.float32
+) -> dict[str, np.ndarray]:
+    """Random planes of W [rows, columns] in MatMulNBits' layout (scales of `scale_dtype`), and W's float64
+    values."""
     blocks = columns // block
     low = rng.integers(0, 16, (rows, blocks, block), dtype=np.uint8)
-    scales = (rng.standard_normal((rows, blocks)) * 0.05).astype(np.float32)
+    scales = (rng.standard_normal((rows, blocks)) * 0.05).astype(scale_dtype)
     points = (
         rng.integers(0, 16, (rows, blocks), dtype=np.uint8) if zero_points else np.full((rows, blocks), 8)
     )
@@ -55,9 +58,9 @@ def _planes(rng, rows: int, columns: int, block: int, zero_points: bool, high: b
     return planes
 
 
-def _block_model(block: int, inputs: list[str]) -> bytes:
+def _block_model(block: int, inputs: list[str], scale_type: int = TensorProto.FLOAT) -> bytes:
     node = helper.make_node("BlockMatMul", inputs, ["y"], domain=capi.CUSTOM_DOMAIN, block_size=block)
-    types = {"a": TensorProto.FLOAT, "b": TensorProto.UINT8, "scales": TensorProto.FLOAT}
+    types = {"a": TensorProto.FLOAT, "b": TensorProto.UINT8, "scales": scale_type}
     graph = helper.make_graph(
         [node],
         "product",
@@ -82,7 +85,8 @@ def _block_product(a: np.ndarray, planes: dict, block: int, isa: str, monkeypatc
     while not names[-1]:
         names.pop()
     rt = capi.runtime()
-    session = rt.session(_block_model(block, names))
+    scale_type = TensorProto.FLOAT16 if planes["scales"].dtype == np.float16 else TensorProto.FLOAT
+    session = rt.session(_block_model(block, names, scale_type))
     binding = session.binding()
     binding.bind_input("a", a)
     for name in names[1:]:
@@ -98,15 +102,16 @@ def _block_product(a: np.ndarray, planes: dict, block: int, isa: str, monkeypatc
 @pytest.mark.parametrize("block", [16, 32])
 @pytest.mark.parametrize("zero_points, high", [(True, False), (False, False), (False, True)])
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 16, 17, 64, 300])  # streamed up to 16 rows
+@pytest.mark.parametrize("scale_dtype", [np.float32, np.float16])  # half-precision scales read as stored
 def test_equals_numpy_over_the_codes_minus_zero_points_times_scales(
-    isa, block, zero_points, high, rows, monkeypatch
+    isa, block, zero_points, high, rows, scale_dtype, monkeypatch
 ):
     if not _supported(isa):
         pytest.skip(f"this CPU does not run {isa}")
     rng = np.random.default_rng(rows * 100 + block + 2 * zero_points + high)
     # odd N; K / block odd with blocks of 32 (the last byte of zero points half padding)
     inner, columns = (5 * 32 if block == 32 else 3 * 64), 37 + 40 * (rows == 1)
-    planes = _planes(rng, columns, inner, block, zero_points, high)
+    planes = _planes(rng, columns, inner, block, zero_points, high, scale_dtype)
     a = rng.standard_normal((1, rows, inner), np.float32)
     expected = a.astype(np.float64) @ planes["values"].T
     got = _block_product(a, planes, block, isa, monkeypatch)
@@ -178,7 +183,9 @@ def test_matmulnbits_swapped_for_block_matmul_computes_what_onnx_runtime_does(
     stored = {t.name for t in model.graph.initializer}
     inputs = list(products[0].input) + [""] * (6 - len(products[0].input))
     assert inputs[4] == ("product_q4_high" if "product_q4_high" in stored else "")
-    # stored minimums read as stored (no Cast); a K-quant's computed from their factors by the graph
+    # stored half-precision scales and minimums read as stored (no Cast); a K-quant's computed from their factors
+    scales = [name for name in stored if name.endswith("_scales") and name.startswith("product")]
+    assert inputs[2] == (scales[0] if scales else "y_scales"), (inputs, stored)
     minimums = "product_minimums" if "product_minimums" in stored else "y_minimums"
     assert inputs[5] == (minimums if any(name.startswith("product_minimums") for name in stored) else "")
     x = np.random.default_rng(rows).standard_normal((1, rows, COLUMNS)).astype(np.float32)

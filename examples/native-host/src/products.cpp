@@ -318,14 +318,13 @@ int swap_products(std::vector<Field>& graph, const std::set<std::string>& weight
         if (folded.count(index)) continue;
         auto made = fused.find(index);
         auto block = blocks.find(index);
-        if (made != fused.end()) {
-            std::vector<std::string> inputs = made->second.inputs;
+        if (made != fused.end() || block != blocks.end()) {
+            std::vector<std::string> inputs = made != fused.end() ? made->second.inputs : block->second;
             while (!inputs.empty() && inputs.back().empty()) inputs.pop_back();
-            rewritten[index] = custom_node(nodes[index], inputs, "BlockMatMul", "block_size", made->second.block_size);
-            ++swapped;
-        } else if (block != blocks.end()) {
-            rewritten[index] = custom_node(nodes[index], block->second, "BlockMatMul", "block_size",
-                                           block_size(nodes[index]));
+            auto stored_scales = read.find(inputs[2]);  // scales stored in half precision read as stored
+            if (stored_scales != read.end()) inputs[2] = stored_scales->second;
+            int size = made != fused.end() ? made->second.block_size : block_size(nodes[index]);
+            rewritten[index] = custom_node(nodes[index], inputs, "BlockMatMul", "block_size", size);
             ++swapped;
         } else if (std::optional<std::string> product = weight_product(nodes[index], read)) {
             rewritten[index] = std::move(product);
