@@ -72,9 +72,10 @@ static inline float bf16_to_float(uint16_t half) {
 
 /* A matrix W [N, K] of 4-bit codes in blocks (pipeshard.BlockMatMul, the layout of com.microsoft::MatMulNBits):
  * W[j][e] = (code - zero point) * scale of e's block, with codes uint8 [N, blocks, block / 2] (two per byte, the even
- * element in the low nibble), scales [N, blocks] (float, or float16 / bfloat16 read as stored), zero points uint8 [N, (blocks + 1) / 2] (two per byte, the
- * even block's in the low nibble; none: 8 everywhere) and optionally a high plane, codes in the same layout with
- * zero point 8 counting 16 low steps each: W[j][e] = ((low - zero point) + 16 (high - 8)) * scale. */
+ * element in the low nibble), scales [N, blocks] (float, or float16 / bfloat16 read as stored), zero points uint8
+ * [N, (blocks + 1) / 2] (two per byte, the even block's in the low nibble; none: 8 everywhere) and optionally a high
+ * plane, codes in the same layout with zero point 8 counting 16 low steps each:
+ * W[j][e] = ((low - zero point) + 16 (high - 8)) * scale. */
 typedef struct {
     const uint8_t *low, *high, *zero_points;
     const void *scales;
@@ -106,11 +107,6 @@ static inline float weight_at(int type, const void *b, int64_t at) {
            : type == WEIGHT_BF16 ? bf16_to_float(((const uint16_t *)b)[at]) : ((const float *)b)[at];
 }
 
-/* The scale of block `at` (j * blocks + b) as a float. */
-static inline float block_scale(const BlockWeights *w, int64_t at) {
-    return weight_at(w->scale_type, w->scales, at);
-}
-
 typedef struct {
     const char *name;
     int lanes, panel, tile_rows;
@@ -124,6 +120,7 @@ typedef struct {
     void (*block_rows)(const float *a, int64_t lda, int64_t rows, const BlockWeights *w, int64_t j0, int64_t j1,
                        float *out, int64_t ldo);
     void (*dequantize_panel)(const BlockWeights *w, int64_t n0, int64_t cols, float *packed, void *scratch);
+    void (*widen_halves)(const uint16_t *from, float *to, int64_t count, int bf16);
 } Kernels;
 
 static inline uint64_t load_u64(const uint8_t *from) {
@@ -519,11 +516,33 @@ static void permute_rows(const float *a, int64_t rows, int64_t k, int width, flo
             }
 }
 
-/* Decode task `index`: W's rows [index slice_rows, ...) against every row of the permuted A. */
+/* Decode task `index`: W's rows [index slice_rows, ...) against every row of the permuted A. Half-precision scales
+ * are widened to floats for the task's rows first: the kernels' inner loop reads float scales. */
 static void block_task(void *data, size_t index) {
-    const Product *p = data;
+    Product *p = data;
+    const BlockWeights *w = p->blocks;
     const int64_t j0 = (int64_t)index * p->slice_rows, j1 = j0 + p->slice_rows < p->n ? j0 + p->slice_rows : p->n;
-    p->kernels->block_rows(p->a, p->k, p->m, p->blocks, j0, j1, p->out, p->n);
+    if (w->scale_type == WEIGHT_FP32) {
+        p->kernels->block_rows(p->a, p->k, p->m, w, j0, j1, p->out, p->n);
+        return;
+    }
+    const int64_t rows = j1 - j0, row_bytes = w->blocks * (w->block / 2);
+    float *scales = malloc(sizeof(float) * (size_t)(rows * w->blocks));
+    if (scales == NULL) {
+        p->failed = 1;
+        return;
+    }
+    p->kernels->widen_halves((const uint16_t *)w->scales + j0 * w->blocks, scales, rows * w->blocks,
+                             w->scale_type == WEIGHT_BF16);
+    BlockWeights part = *w; /* the task's rows alone, from row 0 */
+    part.low = w->low + j0 * row_bytes;
+    part.high = w->high ? w->high + j0 * row_bytes : NULL;
+    part.zero_points = w->zero_points ? w->zero_points + j0 * ((w->blocks + 1) / 2) : NULL;
+    part.scales = scales;
+    part.scale_type = WEIGHT_FP32;
+    part.n = rows;
+    p->kernels->block_rows(p->a, p->k, p->m, &part, 0, rows, p->out + j0, p->n);
+    free(scales);
 }
 
 /* out[r][n] += sum over blocks b of (the sum of block b of A's row r) minimums[b][n]: the minimum term. */
@@ -644,6 +663,7 @@ static OrtStatus *block_compute(void *kernel_state, void *context) {
         p.out = out + r * n;
         p.m = m - r < MAX_STREAM_ROWS ? m - r : MAX_STREAM_ROWS;
         status = parallel(api, context, block_task, (size_t)((n + p.slice_rows - 1) / p.slice_rows), &p);
+        if (status == NULL && p.failed) status = fail(api, ORT_FAIL, "BlockMatMul: out of memory");
     }
     free(permuted);
     if (status == NULL && given[BLOCK_MINIMUMS])

@@ -292,6 +292,13 @@ ISA_TARGET static inline __attribute__((always_inline)) void GLUE(block_step, IS
     for (int r = 0; r < ROWS; r++) sums[r] += scales * block_sums[r];
 }
 
+/* `count` stored halves (float16, or bfloat16 with `bf16`) as floats. */
+ISA_TARGET static void GLUE(widen_halves, ISA)(const uint16_t *from, float *to, int64_t count, int bf16) {
+    int64_t i = 0;
+    for (; i + LANES <= count; i += LANES) GLUE(store, ISA)(to + i, bf16 ? load_bf16(from + i) : load_fp16(from + i));
+    for (; i < count; i++) to[i] = bf16 ? bf16_to_float(from[i]) : fp16_to_float(from[i]);
+}
+
 /* out[r][j] = a[r] . W[j] for rows r < ROWS of the permuted A and J rows of W from j (module doc of
  * runtime/_matmul.c): blocks two at a time, one byte of zero points between them. ROWS, J, BLOCK and HIGH are
  * constants where it is inlined. */
@@ -306,18 +313,19 @@ ISA_TARGET static inline __attribute__((always_inline)) void GLUE(block_dot_fixe
         for (int q = 0; q < J; q++) {
             const int64_t at = ((j + q) * blocks + b) * half;
             const int points = w->zero_points ? w->zero_points[(j + q) * point_stride + b / 2] : 0x88;
-            const int64_t scale_at = (j + q) * blocks + b;
+            const float *scales = (const float *)w->scales + (j + q) * blocks + b;
             GLUE(block_step, ISA)(a + b * BLOCK, lda, ROWS, BLOCK, HIGH, w->low + at, HIGH ? w->high + at : NULL,
-                                  points & 15, block_scale(w, scale_at), sums[q]);
+                                  points & 15, scales[0], sums[q]);
             GLUE(block_step, ISA)(a + (b + 1) * BLOCK, lda, ROWS, BLOCK, HIGH, w->low + at + half,
-                                  HIGH ? w->high + at + half : NULL, points >> 4, block_scale(w, scale_at + 1), sums[q]);
+                                  HIGH ? w->high + at + half : NULL, points >> 4, scales[1], sums[q]);
         }
     if (b < blocks)
 #pragma GCC unroll 2
         for (int q = 0; q < J; q++) {
             const int64_t at = ((j + q) * blocks + b) * half;
             GLUE(block_step, ISA)(a + b * BLOCK, lda, ROWS, BLOCK, HIGH, w->low + at, HIGH ? w->high + at : NULL,
-                                  block_zero_point(w, j + q, b), block_scale(w, (j + q) * blocks + b), sums[q]);
+                                  block_zero_point(w, j + q, b), ((const float *)w->scales)[(j + q) * blocks + b],
+                                  sums[q]);
         }
 #pragma GCC unroll 4
     for (int r = 0; r < ROWS; r++)
@@ -373,7 +381,7 @@ ISA_TARGET static void GLUE(dequantize_panel, ISA)(const BlockWeights *w, int64_
     for (int64_t c = 0; c < PANEL; c++) {
         const int64_t j = n0 + c;
         for (int64_t b = 0; b < blocks; b++) {
-            scales[b * PANEL + c] = c < cols ? block_scale(w, j * blocks + b) : 0.0f;
+            scales[b * PANEL + c] = c < cols ? weight_at(w->scale_type, w->scales, j * blocks + b) : 0.0f;
             offsets[b * PANEL + c] = c < cols ? code_offsets[0][block_zero_point(w, j, b) + (w->high ? 128 : 0)]
                                               : code_offsets[0][0];
             minimums[b * PANEL + c] =
@@ -410,6 +418,7 @@ static const Kernels GLUE(kernels, ISA) = {
     .name = GLUE_STRING(ISA), .lanes = LANES, .panel = PANEL, .tile_rows = TILE_ROWS,
     .stream_rows = GLUE(stream_rows, ISA), .dot_rows = GLUE(dot_rows, ISA), .pack_panel = GLUE(pack_panel, ISA),
     .tile = GLUE(tile, ISA), .block_rows = GLUE(block_rows, ISA), .dequantize_panel = GLUE(dequantize_panel, ISA),
+    .widen_halves = GLUE(widen_halves, ISA),
 };
 
 #undef FLOATS
