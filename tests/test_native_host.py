@@ -426,9 +426,6 @@ def test_the_native_host_refuses_damaged_plans_and_options(tiny_pack, tmp_path):
 def _python_products(pack: Path) -> int:
     """How many products the Python engine's CPU sessions compute with pipeshard's ops (runtime/weight_matmul.py),
     over every sub-layer: the count the host's decode step must match."""
-    import onnx
-    from onnx import helper
-
     from pipeshard.formats.manifest import load_pack
     from pipeshard.runtime.joined import join
     from pipeshard.runtime.weight_matmul import product_weights
@@ -438,9 +435,7 @@ def _python_products(pack: Path) -> int:
     for entry in loaded.manifest.sub_layers:
         if weights := product_weights(entry.weights, False):
             joined = join([loaded.path(entry.graph_file)], {o.name for o in entry.outputs}, product_weights=weights)
-            nodes = onnx.load_from_string(joined.model).graph.node
-            four_bits = [n for n in nodes if n.op_type == "MatMulNBits" and helper.get_node_attr_value(n, "bits") == 4]
-            assert not four_bits, entry.name  # every 4-bit product swapped (a 2-bit plane stays ONNX Runtime's)
+            assert b"MatMulNBits" not in joined.model, entry.name  # every 4-bit product swapped
             count += joined.weight_matmul_nodes
     return count
 
