@@ -75,9 +75,12 @@ static inline float bf16_to_float(uint16_t half) {
  * element in the low nibble), scales [N, blocks] (float, or float16 / bfloat16 read as stored), zero points uint8
  * [N, (blocks + 1) / 2] (two per byte, the even block's in the low nibble; none: 8 everywhere) and optionally a high
  * plane, codes in the same layout with zero point 8 counting 16 low steps each:
- * W[j][e] = ((low - zero point) + 16 (high - 8)) * scale. */
+ * W[j][e] = ((low - zero point) + 16 (high - 8)) * scale. With `bits` 2 the plane holds 2-bit codes instead, four a
+ * byte (element 4i + c in bits 2c, 2c + 1 of byte i), and its zero points four a byte likewise (none: 2 everywhere),
+ * as com.microsoft::MatMulNBits lays out bits 2; no high plane then. */
 typedef struct {
     const uint8_t *low, *high, *zero_points;
+    int bits; /* of the plane's codes: 4 or 2 */
     const void *scales;
     int scale_type;  /* a WEIGHT_* type */
     const void *minimums;  /* where dequantized panels add them: [blocks, N] of minimum_type (a WEIGHT_* type) */
@@ -97,6 +100,8 @@ __attribute__((constructor)) static void fill_code_offsets(void) {
 }
 
 static inline int block_zero_point(const BlockWeights *w, int64_t j, int64_t b) {
+    if (w->bits == 2)
+        return w->zero_points ? (w->zero_points[j * ((w->blocks + 3) / 4) + b / 4] >> (2 * (b & 3))) & 3 : 2;
     if (w->zero_points == NULL) return 8;
     return (w->zero_points[j * ((w->blocks + 1) / 2) + b / 2] >> (4 * (b & 1))) & 15;
 }
@@ -129,6 +134,12 @@ static inline uint64_t load_u64(const uint8_t *from) {
     return bytes;
 }
 
+static inline uint16_t load_u16(const uint8_t *from) {
+    uint16_t bytes;
+    memcpy(&bytes, from, sizeof bytes);
+    return bytes;
+}
+
 static inline uint32_t load_u32(const uint8_t *from) {
     uint32_t bytes;
     memcpy(&bytes, from, sizeof bytes);
@@ -148,6 +159,10 @@ static inline uint32_t load_u32(const uint8_t *from) {
                                        _mm512_set_epi32(4, 4, 4, 4, 4, 4, 4, 4, 0, 0, 0, 0, 0, 0, 0, 0)), \
                      _mm512_set1_epi32(15))
 #define widen_bytes(p) _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p)))
+#define unpack_crumbs(p)                                                                                    \
+    _mm512_and_si512(_mm512_srlv_epi32(_mm512_cvtepu8_epi32(_mm_set1_epi32((int)load_u32(p))),              \
+                                       _mm512_set_epi32(6, 6, 6, 6, 4, 4, 4, 4, 2, 2, 2, 2, 0, 0, 0, 0)), \
+                     _mm512_set1_epi32(3))
 #include "_matmul_kernels.h"
 #undef ISA
 #undef ISA_TARGET
@@ -156,6 +171,7 @@ static inline uint32_t load_u32(const uint8_t *from) {
 #undef load_fp16
 #undef load_bf16
 #undef unpack_nibbles
+#undef unpack_crumbs
 #undef widen_bytes
 
 #define ISA avx2
@@ -170,6 +186,10 @@ static inline uint32_t load_u32(const uint8_t *from) {
                                        _mm256_set_epi32(4, 4, 4, 4, 0, 0, 0, 0)),                           \
                      _mm256_set1_epi32(15))
 #define widen_bytes(p) _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p)))
+#define unpack_crumbs(p)                                                                                    \
+    _mm256_and_si256(_mm256_srlv_epi32(_mm256_cvtepu8_epi32(_mm_set1_epi16((short)load_u16(p))),            \
+                                       _mm256_set_epi32(6, 6, 4, 4, 2, 2, 0, 0)),                           \
+                     _mm256_set1_epi32(3))
 #include "_matmul_kernels.h"
 #undef ISA
 #undef ISA_TARGET
@@ -178,6 +198,7 @@ static inline uint32_t load_u32(const uint8_t *from) {
 #undef load_fp16
 #undef load_bf16
 #undef unpack_nibbles
+#undef unpack_crumbs
 #undef widen_bytes
 #endif
 
@@ -194,6 +215,7 @@ static inline void halves_to_floats(const uint16_t *from, float *to, int count, 
 #define load_bf16(p) load_halves_portable((p), 1)
 #define unpack_nibbles(p) unpack_nibbles_portable(p)
 #define widen_bytes(p) bytes_as_ints_portable(p)
+#define unpack_crumbs(p) unpack_crumbs_portable(p)
 typedef float PortableFloats __attribute__((vector_size(8 * sizeof(float))));
 typedef int32_t PortableInts __attribute__((vector_size(8 * sizeof(int32_t))));
 static inline PortableInts unpack_nibbles_portable(const uint8_t *from) {
@@ -202,6 +224,13 @@ static inline PortableInts unpack_nibbles_portable(const uint8_t *from) {
         lanes[i] = from[i] & 15;
         lanes[i + 4] = from[i] >> 4;
     }
+    PortableInts vector;
+    memcpy(&vector, lanes, sizeof vector);
+    return vector;
+}
+static inline PortableInts unpack_crumbs_portable(const uint8_t *from) {
+    int32_t lanes[8];
+    for (int i = 0; i < 8; i++) lanes[i] = (from[i % 2] >> (2 * (i / 2))) & 3;
     PortableInts vector;
     memcpy(&vector, lanes, sizeof vector);
     return vector;
@@ -228,6 +257,7 @@ static inline PortableFloats load_halves_portable(const uint16_t *from, int bf16
 #undef load_fp16
 #undef load_bf16
 #undef unpack_nibbles
+#undef unpack_crumbs
 #undef widen_bytes
 
 /* The instruction set's kernels: forced by PIPESHARD_MATMUL_ISA, else the best this CPU runs. */
@@ -312,6 +342,36 @@ static void dot_task(void *data, size_t index) {
 }
 
 /* Blocked task `index`: columns [index panel, ...) of the output, every row of A, B's panel converted once. */
+/* Rows [j0, j0 + rows) of a 2-bit W as a 4-bit one of their own (row 0 first) in `part`: codes and zero points
+ * widened to nibbles in the returned allocation (the caller frees it; NULL: out of memory), scales pointed to in
+ * place, no minimums (the caller adds their term). What a prompt's dequantized panels read. */
+static uint8_t *nibble_rows(const BlockWeights *w, int64_t j0, int64_t rows, BlockWeights *part) {
+    const int64_t blocks = w->blocks, crumb_bytes = blocks * w->block / 4, points = (blocks + 1) / 2;
+    uint8_t *memory = malloc((size_t)(rows * (2 * crumb_bytes + points)));
+    if (memory == NULL) return NULL;
+    uint8_t *codes = memory, *zero_points = memory + rows * 2 * crumb_bytes;
+    for (int64_t i = 0; i < rows * crumb_bytes; i++) {
+        const uint8_t byte = w->low[j0 * crumb_bytes + i]; /* elements 4i .. 4i + 3 */
+        codes[2 * i] = (uint8_t)((byte & 3) | (byte << 2 & 0x30));
+        codes[2 * i + 1] = (uint8_t)((byte >> 4 & 3) | (byte >> 2 & 0x30));
+    }
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t b = 0; b < points; b++) {
+            const int even = block_zero_point(w, j0 + r, 2 * b);
+            const int odd = 2 * b + 1 < blocks ? block_zero_point(w, j0 + r, 2 * b + 1) : 0;
+            zero_points[r * points + b] = (uint8_t)(even | odd << 4);
+        }
+    *part = *w;
+    part->low = codes;
+    part->zero_points = zero_points;
+    part->bits = 4;
+    part->scales = w->scale_type == WEIGHT_FP32 ? (const void *)((const float *)w->scales + j0 * blocks)
+                                                : (const void *)((const uint16_t *)w->scales + j0 * blocks);
+    part->minimums = NULL;
+    part->n = rows;
+    return memory;
+}
+
 static void panel_task(void *data, size_t index) {
     Product *p = data;
     const Kernels *kernels = p->kernels;
@@ -325,10 +385,21 @@ static void panel_task(void *data, size_t index) {
         return;
     }
     float *padded_a = packed + k * panel, *tile_out = padded_a + rows * k;
-    if (w)
+    if (w && w->bits == 2) {
+        BlockWeights nibbles;
+        uint8_t *widened = nibble_rows(w, n0, cols, &nibbles);
+        if (widened == NULL) {
+            free(packed);
+            p->failed = 1;
+            return;
+        }
+        kernels->dequantize_panel(&nibbles, 0, cols, packed, tile_out + rows * panel);
+        free(widened);
+    } else if (w) {
         kernels->dequantize_panel(w, n0, cols, packed, tile_out + rows * panel);
-    else
+    } else {
         kernels->pack_panel(p->b, p->type, k, p->transposed ? 1 : p->n, p->transposed ? k : 1, n0, cols, packed);
+    }
     for (int64_t r = 0; r < p->m; r += rows) {
         const int64_t count = r + rows <= p->m ? rows : p->m - r;
         const float *a = p->a + r * k;
@@ -494,13 +565,14 @@ static const CustomOp weight_matmul = {
  * WeightMatMul's blocked path. With `minimums` M [blocks, N] (float, float16 or bfloat16: a format's per-block
  * minimum), Y also gains blocksums(A) M: streamed rows add it after (each block of A's rows summed, then
  * WeightMatMul's product over M), dequantized panels hold (code - zero point) * scale + minimum, as ggml defines
- * a weight.
+ * a weight. With attribute `bits` 2 (default 4) W is one 2-bit plane (BlockWeights): streamed rows unpack four codes
+ * a byte (A permuted to match), a prompt's panels widen their rows to nibbles first and add the minimum term after.
  * runtime/weight_matmul.py swaps it in for MatMulNBits (and its minimum term). ---- */
 enum { BLOCK_A, BLOCK_B, BLOCK_SCALES, BLOCK_ZERO_POINTS, BLOCK_HIGH, BLOCK_MINIMUMS, BLOCK_INPUT_COUNT };
 
 typedef struct {
     void *const *api;
-    int64_t block;
+    int64_t block, bits;
     const Kernels *kernels;
 } BlockKernel;
 
@@ -516,6 +588,15 @@ static void permute_rows(const float *a, int64_t rows, int64_t k, int width, flo
             }
 }
 
+/* Each row of A [rows, k] with every `lanes` elements reordered as a 2-bit plane's codes unpack (load_crumbs): lane l
+ * takes element 4 (l % (lanes / 4)) + l / (lanes / 4). */
+static void permute_crumbs(const float *a, int64_t rows, int64_t k, int lanes, float *to) {
+    const int bytes = lanes / 4;
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t g = 0; g < k; g += lanes)
+            for (int l = 0; l < lanes; l++) to[r * k + g + l] = a[r * k + g + 4 * (l % bytes) + l / bytes];
+}
+
 /* Decode task `index`: W's rows [index slice_rows, ...) against every row of the permuted A. Half-precision scales
  * are widened to floats for the task's rows first: the kernels' inner loop reads float scales. */
 static void block_task(void *data, size_t index) {
@@ -526,7 +607,7 @@ static void block_task(void *data, size_t index) {
         p->kernels->block_rows(p->a, p->k, p->m, w, j0, j1, p->out, p->n);
         return;
     }
-    const int64_t rows = j1 - j0, row_bytes = w->blocks * (w->block / 2);
+    const int64_t rows = j1 - j0, row_bytes = w->blocks * w->block * w->bits / 8;
     float *scales = malloc(sizeof(float) * (size_t)(rows * w->blocks));
     if (scales == NULL) {
         p->failed = 1;
@@ -537,7 +618,7 @@ static void block_task(void *data, size_t index) {
     BlockWeights part = *w; /* the task's rows alone, from row 0 */
     part.low = w->low + j0 * row_bytes;
     part.high = w->high ? w->high + j0 * row_bytes : NULL;
-    part.zero_points = w->zero_points ? w->zero_points + j0 * ((w->blocks + 1) / 2) : NULL;
+    part.zero_points = w->zero_points ? w->zero_points + j0 * ((w->blocks * w->bits + 7) / 8) : NULL;
     part.scales = scales;
     part.scale_type = WEIGHT_FP32;
     part.n = rows;
@@ -600,9 +681,9 @@ static OrtStatus *block_compute(void *kernel_state, void *context) {
         return fail(api, ORT_INVALID_ARGUMENT, "BlockMatMul: A, B and scales are required");
     if (a->element != FLOAT || a->rank < 1)
         return fail(api, ORT_INVALID_ARGUMENT, "BlockMatMul: A is not a float tensor of rank >= 1");
-    const int64_t block = kernel->block;
-    if (b->element != UINT8 || b->rank != 3 || b->dims[2] * 2 != block)
-        return fail(api, ORT_INVALID_ARGUMENT, "BlockMatMul: B is not uint8 [N, blocks, block_size / 2]");
+    const int64_t block = kernel->block, bits = kernel->bits;
+    if (b->element != UINT8 || b->rank != 3 || b->dims[2] * 8 != block * bits)
+        return fail(api, ORT_INVALID_ARGUMENT, "BlockMatMul: B is not uint8 [N, blocks, block_size * bits / 8]");
     const int64_t n = b->dims[0], blocks = b->dims[1], k = blocks * block;
     if (a->dims[a->rank - 1] != k)
         return fail(api, ORT_INVALID_ARGUMENT, "BlockMatMul: A's last dimension is not B's blocks times block_size");
@@ -612,13 +693,14 @@ static OrtStatus *block_compute(void *kernel_state, void *context) {
     if (scale_type < 0 || element_count(&in[BLOCK_SCALES]) != n * blocks)
         return fail(api, ORT_INVALID_ARGUMENT, "BlockMatMul: scales are not N x blocks floats");
     if (given[BLOCK_ZERO_POINTS] && (in[BLOCK_ZERO_POINTS].element != UINT8 ||
-                                     element_count(&in[BLOCK_ZERO_POINTS]) != n * ((blocks + 1) / 2)))
-        return fail(api, ORT_INVALID_ARGUMENT, "BlockMatMul: zero points are not uint8 [N, (blocks + 1) / 2]");
-    if (given[BLOCK_HIGH] && (in[BLOCK_HIGH].element != UINT8 || element_count(&in[BLOCK_HIGH]) != element_count(b)))
-        return fail(api, ORT_INVALID_ARGUMENT, "BlockMatMul: the high plane is not shaped as B");
+                                     element_count(&in[BLOCK_ZERO_POINTS]) != n * ((blocks * bits + 7) / 8)))
+        return fail(api, ORT_INVALID_ARGUMENT, "BlockMatMul: zero points are not uint8 [N, (blocks * bits + 7) / 8]");
+    if (given[BLOCK_HIGH] && (bits != 4 || in[BLOCK_HIGH].element != UINT8 ||
+                              element_count(&in[BLOCK_HIGH]) != element_count(b)))
+        return fail(api, ORT_INVALID_ARGUMENT, "BlockMatMul: the high plane is not shaped as a 4-bit B");
     const BlockWeights w = {
         .low = b->data, .high = given[BLOCK_HIGH] ? in[BLOCK_HIGH].data : NULL,
-        .zero_points = given[BLOCK_ZERO_POINTS] ? in[BLOCK_ZERO_POINTS].data : NULL,
+        .zero_points = given[BLOCK_ZERO_POINTS] ? in[BLOCK_ZERO_POINTS].data : NULL, .bits = (int)bits,
         .scales = in[BLOCK_SCALES].data, .scale_type = scale_type, .n = n, .k = k, .block = block, .blocks = blocks,
     };
     int64_t m = 0;
@@ -630,8 +712,16 @@ static OrtStatus *block_compute(void *kernel_state, void *context) {
         return NULL;
     }
     Product p = {.kernels = kernel->kernels, .a = a->data, .blocks = &w, .out = out, .m = m, .k = k, .n = n};
-    if (m > BLOCK_STREAM_ROWS) { /* the minimums, if any, enter each dequantized weight */
+    if (m > BLOCK_STREAM_ROWS) { /* the minimums, if any, enter each dequantized 4-bit weight */
         BlockWeights with_minimums = w;
+        if (given[BLOCK_MINIMUMS] && bits == 2) {
+            p.blocks = &w;
+            status = parallel(api, context, panel_task, (size_t)((n + p.kernels->panel - 1) / p.kernels->panel), &p);
+            if (status == NULL && p.failed) status = fail(api, ORT_FAIL, "BlockMatMul: out of memory");
+            if (status == NULL)
+                status = add_minimum_term(api, context, p.kernels, a->data, m, &w, &in[BLOCK_MINIMUMS], out);
+            return status;
+        }
         if (given[BLOCK_MINIMUMS]) {
             const Tensor *minimums = &in[BLOCK_MINIMUMS];
             with_minimums.minimums = minimums->data;
@@ -650,10 +740,13 @@ static OrtStatus *block_compute(void *kernel_state, void *context) {
     float *permuted = malloc(sizeof(float) * (size_t)(m * k));
     if (permuted == NULL) return fail(api, ORT_FAIL, "BlockMatMul: out of memory");
     const int lanes = p.kernels->lanes;
-    permute_rows(a->data, m, k, block % (2 * lanes) == 0 ? 2 * lanes : lanes, permuted);
+    if (bits == 2)
+        permute_crumbs(a->data, m, k, lanes, permuted);
+    else
+        permute_rows(a->data, m, k, block % (2 * lanes) == 0 ? 2 * lanes : lanes, permuted);
     p.a = permuted;
     /* tasks of at least TASK_BYTES of W, at most MAX_TASKS, an even number of rows each */
-    const int64_t row_bytes = blocks * (block / 2 * (w.high ? 2 : 1) + (int64_t)sizeof(float)) + 1;
+    const int64_t row_bytes = blocks * (block * bits / 8 * (w.high ? 2 : 1) + (int64_t)sizeof(float)) + 1;
     int64_t rows = TASK_BYTES / row_bytes > (n + MAX_TASKS - 1) / MAX_TASKS ? TASK_BYTES / row_bytes
                                                                             : (n + MAX_TASKS - 1) / MAX_TASKS;
     p.slice_rows = rows < 2 ? 2 : (rows + 1) / 2 * 2;
@@ -679,10 +772,18 @@ static OrtStatus *block_create_kernel(const void *op, const void *api_table, con
     if (status != NULL) return status;
     if (block != 16 && block != 32)
         return fail(api, ORT_INVALID_ARGUMENT, "BlockMatMul: block_size is not 16 or 32");
+    int64_t bits = 4;
+    OrtStatus *no_bits = ((GetAttributeInt64Fn)api[KERNEL_INFO_GET_ATTRIBUTE_INT64])(info, "bits", &bits);
+    if (no_bits != NULL) { /* optional, default 4 */
+        ((ReleaseFn)api[RELEASE_STATUS])(no_bits);
+        bits = 4;
+    }
+    if (bits != 2 && bits != 4) return fail(api, ORT_INVALID_ARGUMENT, "BlockMatMul: bits is not 2 or 4");
     BlockKernel *kernel = calloc(1, sizeof(BlockKernel));
     if (kernel == NULL) return fail(api, ORT_FAIL, "BlockMatMul: out of memory");
     kernel->api = api;
     kernel->block = block;
+    kernel->bits = bits;
     kernel->kernels = choose_kernels();
     *kernel_out = kernel;
     return NULL;

@@ -6,6 +6,7 @@
  *   TILE_ROWS    rows of A in one tile of the blocked product (TILE_ROWS x 2 vectors of accumulators)
  *   load_fp16(p), load_bf16(p)   LANES stored halves at p as one vector of floats
  *   unpack_nibbles(p)            LANES / 2 bytes at p as LANES int32: their low nibbles, then their high nibbles
+ *   unpack_crumbs(p)             LANES / 4 bytes at p as LANES int32: their lowest 2 bits, then the next 2, ...
  *   widen_bytes(p)               LANES bytes at p as LANES int32
  * A vector of LANES floats, `Floats`, is GCC's vector extension; the compiler keeps it in registers of the set. */
 
@@ -23,6 +24,10 @@ typedef int32_t INTS __attribute__((vector_size(LANES * sizeof(int32_t))));
 /* LANES codes of a 4-bit plane as integers: the low nibbles of the LANES / 2 bytes at p, then their high nibbles
  * (the even elements, then the odd ones: the order `permute_rows` (runtime/_matmul.c) gives each LANES of A). */
 ISA_TARGET static inline INTS NIBBLES(const uint8_t *from) { return (INTS)unpack_nibbles(from); }
+
+/* LANES codes of a 2-bit plane as integers: the lowest 2 bits of the LANES / 4 bytes at p, then their next 2 bits,
+ * and so on (the order `permute_crumbs` (runtime/_matmul.c) gives each LANES of A). */
+ISA_TARGET static inline INTS GLUE(load_crumbs, ISA)(const uint8_t *from) { return (INTS)unpack_crumbs(from); }
 
 /* LANES bytes at p as LANES int32. */
 ISA_TARGET static inline INTS GLUE(widen_bytes, ISA)(const uint8_t *from) { return (INTS)widen_bytes(from); }
@@ -333,6 +338,46 @@ ISA_TARGET static inline __attribute__((always_inline)) void GLUE(block_dot_fixe
         for (int q = 0; q < J; q++) out[r * ldo + j + q] = GLUE(lane_sum, ISA)(sums[q][r]);
 }
 
+/* out[r][j] for rows r < ROWS of A, permuted by `permute_crumbs`, and rows [j0, j1) of a 2-bit W (float scales):
+ * each block's codes LANES at a time, made floats as block_step makes them. ROWS and BLOCK are constants where it
+ * is inlined. */
+ISA_TARGET static inline __attribute__((always_inline)) void GLUE(crumb_rows_fixed, ISA)(
+        const float *a, int64_t lda, const int ROWS, const BlockWeights *w, const int BLOCK, int64_t j0, int64_t j1,
+        float *out, int64_t ldo) {
+    const int64_t blocks = w->blocks, row_bytes = blocks * BLOCK / 4, point_bytes = (blocks + 3) / 4;
+    const int32_t magic = 0x4b000000; /* the bits of 2^23 */
+    for (int64_t j = j0; j < j1; j++) {
+        const uint8_t *codes = w->low + j * row_bytes;
+        const uint8_t *points = w->zero_points ? w->zero_points + j * point_bytes : NULL;
+        const float *scales = (const float *)w->scales + j * blocks;
+        FLOATS sums[MAX_STREAM_ROWS] = {{0}};
+        for (int64_t b = 0; b < blocks; b++) {
+            const int point = points ? points[b / 4] >> (2 * (b & 3)) & 3 : 2;
+            const FLOATS offset = GLUE(broadcast, ISA)(code_offsets[0][point]);
+            FLOATS block_sums[MAX_STREAM_ROWS] = {{0}};
+#pragma GCC unroll 4
+            for (int g = 0; g < BLOCK; g += LANES) {
+                const FLOATS weights = (FLOATS)(GLUE(load_crumbs, ISA)(codes + (b * BLOCK + g) / 4) | magic) - offset;
+#pragma GCC unroll 4
+                for (int r = 0; r < ROWS; r++)
+                    block_sums[r] += GLUE(load_fp32, ISA)(a + r * lda + b * BLOCK + g) * weights;
+            }
+            const FLOATS scale = GLUE(broadcast, ISA)(scales[b]);
+#pragma GCC unroll 4
+            for (int r = 0; r < ROWS; r++) sums[r] += scale * block_sums[r];
+        }
+#pragma GCC unroll 4
+        for (int r = 0; r < ROWS; r++) out[r * ldo + j] = GLUE(lane_sum, ISA)(sums[r]);
+    }
+}
+
+#define CRUMB_ROWS_BY_BLOCK(ROWS)                                                                        \
+    switch (w->block) {                                                                                  \
+    case 16: GLUE(crumb_rows_fixed, ISA)(a, lda, ROWS, w, 16, j0, j1, out, ldo); break;                  \
+    case 32: GLUE(crumb_rows_fixed, ISA)(a, lda, ROWS, w, 32, j0, j1, out, ldo); break;                  \
+    default: break;                                                                                      \
+    }
+
 /* Rows [j0, j1) of W against every row of A, two at a time (two streams of W, twice the sums in flight). Whole
  * rows: cutting long rows into slabs of A that stay in the L1 cache measured slower (K = 4096 .. 11584). */
 ISA_TARGET static inline __attribute__((always_inline)) void GLUE(block_rows_fixed, ISA)(
@@ -359,6 +404,16 @@ ISA_TARGET static inline __attribute__((always_inline)) void GLUE(block_rows_fix
 /* out[r][j] for rows r < rows (1 .. MAX_STREAM_ROWS) of A, permuted by `permute_rows`, and rows [j0, j1) of W. */
 ISA_TARGET static void GLUE(block_rows, ISA)(const float *a, int64_t lda, int64_t rows, const BlockWeights *w,
                                              int64_t j0, int64_t j1, float *out, int64_t ldo) {
+    if (w->bits == 2) {
+        switch (rows) {
+        case 1: CRUMB_ROWS_BY_BLOCK(1) break;
+        case 2: CRUMB_ROWS_BY_BLOCK(2) break;
+        case 3: CRUMB_ROWS_BY_BLOCK(3) break;
+        case 4: CRUMB_ROWS_BY_BLOCK(4) break;
+        default: break;
+        }
+        return;
+    }
     switch (rows) {
     case 1: BLOCK_ROWS_BY_HIGH(1) break;
     case 2: BLOCK_ROWS_BY_HIGH(2) break;
@@ -431,5 +486,6 @@ static const Kernels GLUE(kernels, ISA) = {
 #undef INTS
 #undef BLOCK_ROWS_BY_BLOCK
 #undef BLOCK_ROWS_BY_HIGH
+#undef CRUMB_ROWS_BY_BLOCK
 #undef GLUE
 #undef GLUE_

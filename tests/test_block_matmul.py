@@ -33,23 +33,32 @@ def _pack_nibbles(values: np.ndarray) -> np.ndarray:
     return (values[..., 0::2] | (values[..., 1::2] << 4)).astype(np.uint8)
 
 
+def _pack_crumbs(values: np.ndarray) -> np.ndarray:
+    """Values 0..3 [..., 4n] -> bytes [..., n], element 4i + c in bits 2c, 2c + 1 (MatMulNBits' bits 2)."""
+    return sum(values[..., c::4].astype(np.uint8) << (2 * c) for c in range(4)).astype(np.uint8)
+
+
 def _planes(
-    rng, rows: int, columns: int, block: int, zero_points: bool, high: bool, scale_dtype=np.float32
+    rng, rows: int, columns: int, block: int, zero_points: bool, high: bool, scale_dtype=np.float32, bits: int = 4
 ) -> dict[str, np.ndarray]:
-    """Random planes of W [rows, columns] in MatMulNBits' layout (scales of `scale_dtype`), and W's float64
-    values."""
+    """Random planes of W [rows, columns] in MatMulNBits' layout (codes of `bits`, scales of `scale_dtype`), and
+    W's float64 values."""
     blocks = columns // block
-    low = rng.integers(0, 16, (rows, blocks, block), dtype=np.uint8)
+    pack = _pack_nibbles if bits == 4 else _pack_crumbs
+    low = rng.integers(0, 2**bits, (rows, blocks, block), dtype=np.uint8)
     scales = (rng.standard_normal((rows, blocks)) * 0.05).astype(scale_dtype)
     points = (
-        rng.integers(0, 16, (rows, blocks), dtype=np.uint8) if zero_points else np.full((rows, blocks), 8)
+        rng.integers(0, 2**bits, (rows, blocks), dtype=np.uint8)
+        if zero_points
+        else np.full((rows, blocks), 2 ** (bits - 1))
     )
     codes = low.astype(np.int64) - points[..., None]
-    planes = {"b": _pack_nibbles(low), "scales": scales}
+    planes = {"b": pack(low), "scales": scales, "bits": bits}
     if zero_points:
-        padded = np.zeros((rows, (blocks + 1) // 2 * 2), np.uint8)
+        per_byte = 8 // bits
+        padded = np.zeros((rows, -(-blocks // per_byte) * per_byte), np.uint8)
         padded[:, :blocks] = points
-        planes["zero_points"] = _pack_nibbles(padded)
+        planes["zero_points"] = pack(padded)
     if high:
         high_codes = rng.integers(0, 16, (rows, blocks, block), dtype=np.uint8)
         codes = codes + 16 * (high_codes.astype(np.int64) - 8)
@@ -58,8 +67,9 @@ def _planes(
     return planes
 
 
-def _block_model(block: int, inputs: list[str], scale_type: int = TensorProto.FLOAT) -> bytes:
-    node = helper.make_node("BlockMatMul", inputs, ["y"], domain=capi.CUSTOM_DOMAIN, block_size=block)
+def _block_model(block: int, inputs: list[str], scale_type: int = TensorProto.FLOAT, bits: int = 4) -> bytes:
+    extra = {"bits": bits} if bits != 4 else {}  # the attribute's default
+    node = helper.make_node("BlockMatMul", inputs, ["y"], domain=capi.CUSTOM_DOMAIN, block_size=block, **extra)
     types = {"a": TensorProto.FLOAT, "b": TensorProto.UINT8, "scales": scale_type}
     graph = helper.make_graph(
         [node],
@@ -86,7 +96,7 @@ def _block_product(a: np.ndarray, planes: dict, block: int, isa: str, monkeypatc
         names.pop()
     rt = capi.runtime()
     scale_type = TensorProto.FLOAT16 if planes["scales"].dtype == np.float16 else TensorProto.FLOAT
-    session = rt.session(_block_model(block, names, scale_type))
+    session = rt.session(_block_model(block, names, scale_type, planes["bits"]))
     binding = session.binding()
     binding.bind_input("a", a)
     for name in names[1:]:
@@ -100,18 +110,20 @@ def _block_product(a: np.ndarray, planes: dict, block: int, isa: str, monkeypatc
 
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("block", [16, 32])
-@pytest.mark.parametrize("zero_points, high", [(True, False), (False, False), (False, True)])
+@pytest.mark.parametrize(
+    "bits, zero_points, high", [(4, True, False), (4, False, False), (4, False, True), (2, True, False), (2, False, False)]
+)
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 16, 17, 64, 300])  # streamed up to 16 rows
 @pytest.mark.parametrize("scale_dtype", [np.float32, np.float16])  # half-precision scales read as stored
 def test_equals_numpy_over_the_codes_minus_zero_points_times_scales(
-    isa, block, zero_points, high, rows, scale_dtype, monkeypatch
+    isa, block, bits, zero_points, high, rows, scale_dtype, monkeypatch
 ):
     if not _supported(isa):
         pytest.skip(f"this CPU does not run {isa}")
-    rng = np.random.default_rng(rows * 100 + block + 2 * zero_points + high)
-    # odd N; K / block odd with blocks of 32 (the last byte of zero points half padding)
+    rng = np.random.default_rng(rows * 100 + block + 2 * zero_points + high + bits)
+    # odd N; K / block odd with blocks of 32 (the last byte of zero points half padding; 2-bit: three quarters)
     inner, columns = (5 * 32 if block == 32 else 3 * 64), 37 + 40 * (rows == 1)
-    planes = _planes(rng, columns, inner, block, zero_points, high, scale_dtype)
+    planes = _planes(rng, columns, inner, block, zero_points, high, scale_dtype, bits)
     a = rng.standard_normal((1, rows, inner), np.float32)
     expected = a.astype(np.float64) @ planes["values"].T
     got = _block_product(a, planes, block, isa, monkeypatch)
