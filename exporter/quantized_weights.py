@@ -6,8 +6,10 @@ tensors are found too) is stored back as that tensor's blocks, in ONNX Runtime's
 
 - a product `x @ W` becomes `com.microsoft::MatMulNBits` over 4-bit planes: codes of 4 bits or fewer are one plane
   (zero point 8 for signed codes, 0 for unsigned ones); wider codes (Q5, Q6, Q8) are split exactly into
-  `16 * high + low`, two planes whose products are summed (MatMulNBits computes 2- and 8-bit weights and float zero
-  points on the CPU by widening all of B to float32 at every call, and 3, 5 and 6 bits not at all);
+  `16 * high + low`, two planes whose products are summed (MatMulNBits computes 8-bit weights and float zero
+  points on the CPU by widening all of B to float32 at every call, and 3, 5 and 6 bits not at all); a product whose
+  codes are all 2-bit (Q2_K's 0..3) is one 2-bit plane instead (`bits` 2, zero point 0), at its own bytes (the
+  CPU computes it with pipeshard's BlockMatMul, ONNX Runtime's 2-bit kernel being as slow as the 8-bit one);
 - a format's per-block minimum (Q4_1, Q5_1, Q2_K, Q4_K, Q5_K) adds `blocksum(x) @ minimums`;
 - an embedding gathers rows with `com.microsoft::GatherBlockQuantized` over the same planes (a tied output layer and
   its embedding share them).
@@ -34,12 +36,17 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from pipeshard.exporter.gguf_blocks import CODES, FORMATS, QK_K, Blocks, Factors, unpack
-from pipeshard.formats.io_names import HIGH_PLANE_SUFFIX, MINIMUM_TERM_SUFFIX, module_path
+from pipeshard.formats.io_names import (
+    HIGH_PLANE_SUFFIX,
+    LOW_PLANE_SUFFIXES,
+    MINIMUM_TERM_SUFFIX,
+    module_path,
+)
 
 log = logging.getLogger(__name__)
 
 MS_DOMAIN = "com.microsoft"
-_LOW, _HIGH = "_q4_low", HIGH_PLANE_SUFFIX
+_HIGH = HIGH_PLANE_SUFFIX
 INT8, FLOAT16 = TensorProto.INT8, TensorProto.FLOAT16
 
 
@@ -91,6 +98,7 @@ class Layout:
     high: bool  # a high plane: some block's codes need more than 4 bits
     minimums: int | None  # the minimums' TensorProto type (INT8: factored), None where the rows have none
     scales: int  # the scales' TensorProto type: FLOAT, FLOAT16, or INT8 (factored)
+    bits: int = 4  # of the low plane's codes: 4, or 2 where every code is 0..3 (no high plane then)
 
     @property
     def bits_per_weight(self) -> float:
@@ -110,25 +118,26 @@ class Layout:
         """Role -> (initializer name, shape, TensorProto type) of what `weight` is stored as; `gathered`: with the
         zero points an embedding's GatherBlockQuantized reads ([rows, blocks, 1], one per byte)."""
         blocks = self.columns // self.block
-        plane = [self.rows, blocks, self.block // 2]
-        parts = {"low": (weight + _LOW, plane, TensorProto.UINT8)}
+        plane = [self.rows, blocks, self.block * self.bits // 8]
+        low = weight + LOW_PLANE_SUFFIXES[self.bits]
+        parts = {"low": (low, plane, TensorProto.UINT8)}
         if self.scales == TensorProto.INT8:
             supers = self.columns // QK_K
             parts["scales_sub"] = (
-                weight + _LOW + "_scales_sub",
+                low + "_scales_sub",
                 [self.rows, supers, self.blocks_per_super],
                 INT8,
             )
-            parts["scales_super"] = (weight + _LOW + "_scales_super", [self.rows, supers, 1], FLOAT16)
+            parts["scales_super"] = (low + "_scales_super", [self.rows, supers, 1], FLOAT16)
         else:
-            parts["low_scales"] = (weight + _LOW + "_scales", [self.rows, blocks], self.scales)
+            parts["low_scales"] = (low + "_scales", [self.rows, blocks], self.scales)
         if self.zero_points:
             parts["low_zero_points"] = (
-                weight + _LOW + "_zero_points",
-                [self.rows, (blocks + 1) // 2],
+                low + "_zero_points",
+                [self.rows, -(-blocks * self.bits // 8)],  # MatMulNBits' layout: packed as the codes are
                 TensorProto.UINT8,
             )
-            if gathered:
+            if gathered and self.bits == 4:  # a 2-bit plane is never gathered (format_layout, make_planes)
                 parts["gather_zero_points"] = (
                     f"{weight}_low_gather_zero_points",
                     [self.rows, blocks, 1],
@@ -149,21 +158,24 @@ class Layout:
         return parts
 
 
-def format_layout(format_name: str, rows: int, columns: int) -> Layout:
+def format_layout(format_name: str, rows: int, columns: int, gathered: bool = False) -> Layout:
     """The layout of a matrix whose rows are all in GGML format `format_name`, as make_planes makes it from codes
-    spanning the format's range (the general case; a matrix whose codes happen to span less may store less)."""
+    spanning the format's range (the general case; a matrix whose codes happen to span less may store less);
+    `gathered`: an embedding reads it (GatherBlockQuantized takes 4-bit planes only)."""
     (lowest, highest), block, minimums = CODES[format_name]
     signed = lowest >= -8 and highest <= 7
     unsigned = lowest >= 0 and highest <= 15
     factored = FORMATS[format_name][1] == QK_K
+    two_bits = lowest >= 0 and highest <= 3 and not gathered  # zero point 0, given (2-bit planes default to 2)
     return Layout(
         rows,
         columns,
         block,
-        zero_points=not signed,
+        zero_points=two_bits or not signed,
         high=not (signed or unsigned),
         minimums=None if minimums is None else INT8 if factored else FLOAT16,
         scales=INT8 if factored else FLOAT16,
+        bits=2 if two_bits else 4,
     )
 
 
@@ -182,6 +194,7 @@ class Planes:
     minimums: np.ndarray | None
     formats: tuple[str, ...]
     factors: Factors | None = None
+    bits: int = 4  # of the low plane's codes (Layout.bits)
 
     @property
     def rows(self) -> int:
@@ -189,7 +202,7 @@ class Planes:
 
     @property
     def columns(self) -> int:
-        return self.low.shape[1] * self.block
+        return self.low_scales.shape[1] * self.block
 
     @property
     def stored_minimums(self) -> np.ndarray | None:
@@ -212,6 +225,7 @@ class Planes:
             high=self.high is not None,
             minimums=minimums,
             scales=scales,
+            bits=self.bits,
         )
 
     def values(self) -> dict[str, np.ndarray]:
@@ -226,7 +240,8 @@ class Planes:
             values["low_scales"] = _narrowest(self.low_scales)
         if self.low_zero_points is not None:
             values["low_zero_points"] = self.low_zero_points
-            values["gather_zero_points"] = _gather_zero_points(self)
+            if self.bits == 4:
+                values["gather_zero_points"] = _gather_zero_points(self)
         if self.high is not None:
             values["high"] = self.high
         if self.minimums is not None and self.factors is not None:
@@ -246,9 +261,17 @@ def _pack_nibbles(values: np.ndarray) -> np.ndarray:
     return (values[..., 0::2] | (values[..., 1::2] << 4)).astype(np.uint8)
 
 
-def make_planes(stored: StoredRows, places: list[tuple[int, int]]) -> Planes:
-    """The rows at `places` (in order) as 4-bit planes; a block of 32 is two blocks of 16 where a row of a
-    16-block format is among them."""
+def _pack_crumbs(values: np.ndarray) -> np.ndarray:
+    """Values 0..3 [..., 4n] -> bytes [..., n], element 4i + j in bits 2j, 2j + 1 of byte i (MatMulNBits' order)."""
+    packed = np.zeros((*values.shape[:-1], values.shape[-1] // 4), np.uint8)
+    for j in range(4):
+        packed |= (values[..., j::4].astype(np.uint8) << (2 * j)).astype(np.uint8)
+    return packed
+
+
+def make_planes(stored: StoredRows, places: list[tuple[int, int]], gathered: bool = False) -> Planes:
+    """The rows at `places` (in order) as 4-bit planes (one 2-bit plane where every code is 0..3 and no embedding
+    reads them: `gathered`); a block of 32 is two blocks of 16 where a row of a 16-block format is among them."""
     used = sorted({tensor for tensor, _ in places})
     block = min(stored.tensors[t].block for t in used)
     columns = stored.tensors[used[0]].codes.shape[1]
@@ -283,6 +306,20 @@ def make_planes(stored: StoredRows, places: list[tuple[int, int]]) -> Planes:
                 factors.sub_minimums[positions] = np.repeat(blocks.factors.sub_minimums[rows], repeat, axis=1)
     grouped = codes.reshape(len(places), -1, block).astype(np.int16)
     lowest, highest = grouped.min(axis=-1), grouped.max(axis=-1)
+    formats = tuple(stored.names[t] for t in used)
+    if not gathered and (lowest >= 0).all() and (highest <= 3).all():
+        blocks = grouped.shape[1]
+        return Planes(
+            block,
+            _pack_crumbs(grouped.astype(np.uint8)),
+            scales,
+            np.zeros((len(places), -(-blocks // 4)), np.uint8),  # zero point 0 (MatMulNBits' default is 2)
+            None,
+            minimums,
+            formats,
+            factors,
+            bits=2,
+        )
     signed = (lowest >= -8) & (highest <= 7)  # one plane, zero point 8
     unsigned = ~signed & (lowest >= 0) & (highest <= 15)  # one plane, zero point 0
     wide = ~signed & ~unsigned
@@ -303,7 +340,7 @@ def make_planes(stored: StoredRows, places: list[tuple[int, int]]) -> Planes:
         packed_zero_points,
         None if high is None else _pack_nibbles(high.astype(np.uint8)),
         minimums,
-        tuple(stored.names[t] for t in used),
+        formats,
         factors,
     )
 
@@ -357,11 +394,12 @@ class _Rewriter:
         names = self.stored(weight, layout, values)
         output = node.output[0]
         scales = self._scales(node, names, layout)
-        attributes = {"K": layout.columns, "N": layout.rows, "bits": 4, "block_size": layout.block}
+        attributes = {"K": layout.columns, "N": layout.rows, "bits": layout.bits, "block_size": layout.block}
         low_inputs = [x, names["low"], scales]
         if "low_zero_points" in names:
             low_inputs.append(names["low_zero_points"])
-        terms = [self.node(node, "MatMulNBits", low_inputs, output + _LOW, **attributes).output[0]]
+        low = output + LOW_PLANE_SUFFIXES[layout.bits]
+        terms = [self.node(node, "MatMulNBits", low_inputs, low, **attributes).output[0]]
         if "high" in names:
             high = self.node(node, "MatMulNBits", [x, names["high"], scales], output + _HIGH, **attributes)
             terms.append(self._times_16(node, high.output[0]))
@@ -518,7 +556,7 @@ def store_weights_quantized(model: onnx.ModelProto, stored: StoredRows) -> dict[
         places = stored.find(np.ascontiguousarray(values if by_rows else values.T))
         if places is None:
             continue
-        planes = make_planes(stored, places)
+        planes = make_planes(stored, places, gathered=any(kind == "gather" for kind, _, _ in users))
         _rewrite(rewriter, name, users, planes.layout, planes.values(), dropped)
         counts["+".join(sorted({stored.tensors[t].format for t, _ in places}))] += 1
     _apply(model, rewriter, dropped)
@@ -540,7 +578,8 @@ def describe_weights_quantized(model: onnx.ModelProto, format_name: str, referen
         rows, columns = tensor.dims if by_rows else reversed(tensor.dims)
         if columns % block or any(_in_router(node) for _, node, _ in users):
             continue
-        _rewrite(rewriter, name, users, format_layout(format_name, rows, columns), None, dropped)
+        gathered = any(kind == "gather" for kind, _, _ in users)
+        _rewrite(rewriter, name, users, format_layout(format_name, rows, columns, gathered), None, dropped)
         count += 1
     _apply(model, rewriter, dropped)
     return {format_name: count}

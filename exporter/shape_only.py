@@ -122,7 +122,7 @@ def probe_experts(config, element_bytes: int, block: int | None = None) -> int:
     if block:
         for width in (config.hidden_size, config.intermediate_size, moe.expert_intermediate_size):
             others |= {width // block, (width // block + 1) // 2}
-        others.add(block // 2)
+        others |= {block // 2, block // 4}
     gate_bytes = config.hidden_size * element_bytes
     count = moe.experts_per_token + 1
     while count in others or stored_externally(gate_bytes * moe.num_experts) != stored_externally(

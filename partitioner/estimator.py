@@ -20,6 +20,7 @@ import math
 from dataclasses import dataclass
 
 from pipeshard.core.errors import UserError
+from pipeshard.formats.io_names import LOW_PLANE_SUFFIXES
 from pipeshard.formats.manifest import ModelFacts, SubLayer
 from pipeshard.formats.plans import Placement
 from pipeshard.formats.profile_db import (
@@ -42,6 +43,7 @@ WEIGHT_DTYPES = {
 }  # manifest weight dtype -> short name
 QUANTIZED_PARTS = (
     "_q4_",
+    "_q2_",
     "_minimums",
 )  # names of a quantized product's stored parts: WEIGHT + one of these...
 
@@ -252,18 +254,20 @@ class Estimator:
     def _matmuls(self, entry: SubLayer) -> list[tuple[int, int, str, int]]:
         """(K, N, weight dtype, stored bytes) of each matrix product: weights are [K, N] for MatMul, [N, K] for
         the lm_head Gemm; a quantized product's low plane is [N, blocks, block / 2] uint8, and its other parts
-        (a high plane, scales, zero points, minimums) are counted in its bytes."""
+        (a high plane, scales, zero points, minimums) are counted in its bytes; a 2-bit plane's blocks hold four
+        codes a byte."""
         shapes = []
         quantized = [w for w in entry.weights if w.dtype == "uint8" and len(w.shape) == 3]
         for weight in quantized:
-            if not weight.name.endswith("_q4_low"):
+            bits = next((b for b, tail in LOW_PLANE_SUFFIXES.items() if weight.name.endswith(tail)), None)
+            if bits is None:
                 continue
-            product = weight.name[: -len("_q4_low")]
+            product = weight.name[: -len(LOW_PLANE_SUFFIXES[bits])]
             parts = [
                 w for w in entry.weights if w.name.startswith(tuple(product + p for p in QUANTIZED_PARTS))
             ]
-            n, blocks, half_block = weight.shape
-            shapes.append((blocks * half_block * 2, n, "q4", sum(w.bytes for w in parts)))
+            n, blocks, block_bytes = weight.shape
+            shapes.append((blocks * block_bytes * 8 // bits, n, "q4", sum(w.bytes for w in parts)))
         for weight in entry.weights:
             if len(weight.shape) != 2 or any(part in weight.name for part in QUANTIZED_PARTS):
                 continue

@@ -18,6 +18,7 @@ from typing import NamedTuple
 from pipeshard.core.errors import UserError
 from pipeshard.core.version import __version__
 from pipeshard.formats.expert_stats import RoutingStats
+from pipeshard.formats.io_names import LOW_PLANE_SUFFIXES
 from pipeshard.formats.manifest import Manifest, SubLayer
 from pipeshard.formats.plans import (
     BASELINES,
@@ -200,7 +201,7 @@ class Planner:
                         w.shape,
                         w.dtype,
                         w.bytes,
-                        w.name.endswith("_q4_low"),
+                        w.name.endswith(tuple(LOW_PLANE_SUFFIXES.values())),
                         any(p in w.name for p in QUANTIZED_PARTS),
                     )
                     for w in e.weights

@@ -9,7 +9,8 @@ For float32 weights the swap is made where asked (the chain's decode steps, whos
 than ONNX Runtime's SGEMM).
 
 A GGUF pack (`--dtype gguf`, exporter/quantized_weights.py) stores its products as `com.microsoft::MatMulNBits` over
-4-bit planes; the CPU sessions swap each for `pipeshard.BlockMatMul` (runtime/_matmul.c), which computes the same
+4-bit planes (2-bit ones for Q2_K); the CPU sessions swap each for `pipeshard.BlockMatMul` (runtime/_matmul.c),
+which computes the same
 `(code - zero point) * scale` weights in float32, faster than ONNX Runtime's kernel at a decode step. A wide format's
 two planes (`low + 16 * high`: MatMulNBits, MatMulNBits, Mul by 16, Add) become one BlockMatMul over both. Scales
 and minimums stored in half precision are read as stored (their Casts dropped), so no session holds a float32 copy.
@@ -30,6 +31,7 @@ WEIGHT_OP = "WeightMatMul"
 BLOCK_OP = "BlockMatMul"
 HALF_DTYPES = frozenset({"float16", "bfloat16"})
 BLOCK_SIZES = frozenset({16, 32})  # what BlockMatMul computes (a GGUF pack's blocks)
+PLANE_BITS = frozenset({2, 4})  # its planes' code widths
 _MS_DOMAIN = "com.microsoft"
 _INT64 = 7  # TensorProto.INT64
 _TENSOR_DATA_TYPE, _TENSOR_FLOAT_DATA, _TENSOR_INT64_DATA, _TENSOR_NAME, _TENSOR_RAW_DATA = 2, 4, 7, 8, 9
@@ -109,14 +111,14 @@ def _product(fields: list[wire.Field], read: dict[str, str]) -> tuple[str, str, 
 
 
 def _block_product(fields: list[wire.Field], read: set[str]) -> list[str] | None:
-    """BlockMatMul's inputs (x, B, scales[, zero points]) when the node is a MatMulNBits it computes: 4 bits,
+    """BlockMatMul's inputs (x, B, scales[, zero points]) when the node is a MatMulNBits it computes: 4 or 2 bits,
     blocks of 16 or 32, float arithmetic (accuracy_level 4 would quantize x to int8: another function), no g_idx or
     bias, B and its zero points weights the op reads."""
     if wire.node_op(fields) != (_MS_DOMAIN, "MatMulNBits"):
         return None
     attributes = wire.node_attributes(fields)
     inputs = wire.strings(fields, wire.NODE_INPUT)
-    if attributes.get("bits", 4) != 4 or attributes.get("block_size") not in BLOCK_SIZES:
+    if attributes.get("bits", 4) not in PLANE_BITS or attributes.get("block_size") not in BLOCK_SIZES:
         return None
     if (
         attributes.get("accuracy_level", 0) == 4
@@ -130,20 +132,25 @@ def _block_product(fields: list[wire.Field], read: set[str]) -> list[str] | None
     return inputs[:4] if len(inputs) > 3 and inputs[3] else inputs[:3]
 
 
-def _block_matmul(like: list[wire.Field], inputs: list[str], block_size: int) -> bytes:
-    kept = [(n, k, v) for n, k, v in like if n in (wire.NODE_OUTPUT, _NODE_NAME, _NODE_DOC, _NODE_METADATA)]
+def _int_attribute(name: bytes, value: int) -> wire.Field:
     attribute = [
-        (_ATTRIBUTE_NAME, wire.LENGTH, b"block_size"),
-        (_ATTRIBUTE_INT, wire.VARINT, block_size),
+        (_ATTRIBUTE_NAME, wire.LENGTH, name),
+        (_ATTRIBUTE_INT, wire.VARINT, value),
         (_ATTRIBUTE_TYPE, wire.VARINT, _ATTRIBUTE_TYPE_INT),
     ]
+    return (wire.NODE_ATTRIBUTE, wire.LENGTH, wire.serialize(attribute))
+
+
+def _block_matmul(like: list[wire.Field], inputs: list[str], block_size: int, bits: int) -> bytes:
+    kept = [(n, k, v) for n, k, v in like if n in (wire.NODE_OUTPUT, _NODE_NAME, _NODE_DOC, _NODE_METADATA)]
     return wire.serialize(
         [
             *((wire.NODE_INPUT, wire.LENGTH, name.encode()) for name in inputs),
             *kept,
             (wire.NODE_OP_TYPE, wire.LENGTH, BLOCK_OP.encode()),
             (wire.NODE_DOMAIN, wire.LENGTH, CUSTOM_DOMAIN.encode()),
-            (wire.NODE_ATTRIBUTE, wire.LENGTH, wire.serialize(attribute)),
+            _int_attribute(b"block_size", block_size),
+            *([_int_attribute(b"bits", bits)] if bits != 4 else []),  # 4: the op's default
         ]
     )
 
@@ -151,12 +158,13 @@ def _block_matmul(like: list[wire.Field], inputs: list[str], block_size: int) ->
 @dataclass
 class _Fused:
     """One BlockMatMul that takes the place of several nodes: its inputs, the node whose place and output (name,
-    metadata) it takes (`at`), its block size, and the other nodes it replaces."""
+    metadata) it takes (`at`), its block size, the other nodes it replaces, and its plane's bits."""
 
     inputs: list[str]
     at: int
     block_size: int
     replaced: list[int]
+    bits: int
 
 
 class _Graph:
@@ -198,7 +206,7 @@ def _fuse_planes(
     parsed = graph.parsed
     products = {
         wire.strings(parsed[index], wire.NODE_OUTPUT)[0]: _Fused(
-            [*inputs, *[""] * (4 - len(inputs))], index, _block_size(parsed[index]), []
+            [*inputs, *[""] * (4 - len(inputs))], index, _block_size(parsed[index]), [], _bits(parsed[index])
         )
         for index, inputs in blocks.items()
     }
@@ -222,7 +230,11 @@ def _fuse_planes(
                 continue
             fused.pop(product.at, None)
             made = _Fused(
-                [*product.inputs, plane], index, product.block_size, [*product.replaced, product.at, *terms]
+                [*product.inputs, plane],
+                index,
+                product.block_size,
+                [*product.replaced, product.at, *terms],
+                product.bits,
             )
             fused[index] = products[wire.strings(fields, wire.NODE_OUTPUT)[0]] = made
             break
@@ -250,6 +262,7 @@ def _high_plane(
             and high_inputs[0] == low.inputs[0]
             and high_inputs[2] == low.inputs[2]
             and _block_size(graph.parsed[high]) == low.block_size
+            and _bits(graph.parsed[high]) == low.bits == 4
         ):
             return high_inputs[1], [mul[0], high]
     return None
@@ -277,6 +290,10 @@ def _minimum_term(
 
 def _block_size(fields: list[wire.Field]) -> int:
     return int(wire.node_attributes(fields)["block_size"])
+
+
+def _bits(fields: list[wire.Field]) -> int:
+    return int(wire.node_attributes(fields).get("bits", 4))
 
 
 def _weight_matmul(fields: list[wire.Field], x: str, weight: str, trans_b: int) -> bytes:
@@ -341,8 +358,11 @@ def swap_products(
             while not inputs[-1]:
                 inputs = inputs[:-1]
             inputs = [*inputs[:2], read.get(inputs[2], inputs[2]), *inputs[3:]]  # scales as stored
-            block_size = fused[index].block_size if index in fused else _block_size(fields)
-            out.append(_block_matmul(fields, inputs, block_size))
+            if index in fused:
+                block_size, bits = fused[index].block_size, fused[index].bits
+            else:
+                block_size, bits = _block_size(fields), _bits(fields)
+            out.append(_block_matmul(fields, inputs, block_size, bits))
             swapped += 1
         else:
             product = _product(fields, read)

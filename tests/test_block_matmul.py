@@ -191,10 +191,12 @@ def test_matmulnbits_swapped_for_block_matmul_computes_what_onnx_runtime_does(
     products = [
         n for n in swapped.graph.node if n.op_type in ("BlockMatMul", "MatMulNBits", "MatMul", "ReduceSum")
     ]
-    assert [n.op_type for n in products] == ["BlockMatMul"] and count == 1
     stored = {t.name for t in model.graph.initializer}
+    assert [n.op_type for n in products] == ["BlockMatMul"] and count == 1
     inputs = list(products[0].input) + [""] * (6 - len(products[0].input))
     assert inputs[4] == ("product_q4_high" if "product_q4_high" in stored else "")
+    bits = {a.name: a.i for a in products[0].attribute}.get("bits", 4)
+    assert bits == (2 if "product_q2_low" in stored else 4)  # Q2_K's one 2-bit plane
     # stored half-precision scales and minimums read as stored (no Cast); a K-quant's computed from their factors
     scales = [name for name in stored if name.endswith("_scales") and name.startswith("product")]
     assert inputs[2] == (scales[0] if scales else "y_scales"), (inputs, stored)
@@ -220,8 +222,13 @@ def test_a_quantized_packs_chain_computes_the_unswapped_graphs_logits(tiny_gguf)
             joined = join(
                 [pack / entry.files["onnx"]], {o.name for o in entry.outputs}, product_weights=weights
             )
-            swapped_ops += [node.op_type for node in onnx.load_from_string(joined.model).graph.node]
-    assert "BlockMatMul" in swapped_ops and "MatMulNBits" not in swapped_ops
+            swapped_ops += [
+                (node.op_type, {a.name: a.i for a in node.attribute}.get("bits", 4))
+                for node in onnx.load_from_string(joined.model).graph.node
+            ]
+    ops = {op for op, _ in swapped_ops}
+    # every product on pipeshard's op, the 2-bit plane (Q2_K) too
+    assert "MatMulNBits" not in ops and {bits for op, bits in swapped_ops if op == "BlockMatMul"} == {2, 4}
     ids = np.array([[5, 17, 99, 3, 42, 7]], dtype=np.int64)
     logits = []
     for step in (

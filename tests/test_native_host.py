@@ -435,7 +435,7 @@ def _python_products(pack: Path) -> int:
     for entry in loaded.manifest.sub_layers:
         if weights := product_weights(entry.weights, False):
             joined = join([loaded.path(entry.graph_file)], {o.name for o in entry.outputs}, product_weights=weights)
-            assert b"MatMulNBits" not in joined.model, entry.name  # every 4-bit product swapped
+            assert b"MatMulNBits" not in joined.model, entry.name  # every product swapped, 2-bit planes too
             count += joined.weight_matmul_nodes
     return count
 

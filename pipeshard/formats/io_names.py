@@ -21,17 +21,19 @@ GQA_BIAS_INPUT = 10  # com.microsoft::GroupQueryAttention's attention_bias: its 
 ROTARY_CACHES = ("_gqa_cos_cache", "_gqa_sin_cache")  # the tables' rows 0 .. total - 1, per step
 MROPE_ROWS = 3  # an M-RoPE decoder's position_ids are [3, batch, new tokens]: time, row, column
 # A GGUF's quantized product as the exporter stores it (exporter/quantized_weights.py): the MatMulNBits node of the
-# low 4-bit plane computes the product; a high plane's node and a minimum term's MatMul are parts of the same product.
+# low plane (4-bit, or 2-bit where every code is 0..3) computes the product; a high plane's node and a minimum term's
+# MatMul are parts of the same product.
+LOW_PLANE_SUFFIXES = {4: "_q4_low", 2: "_q2_low"}  # by the plane's bits
 HIGH_PLANE_SUFFIX = "_q4_high"
 MINIMUM_TERM_SUFFIX = "_minimum_term"
 # The tails of a quantized weight's stored parts (WEIGHT + tail: quantized_weights.Layout.parts); a repeated layer's
 # copy names the weight, not the part (`W@L5_q4_low`), so the estimator still finds a product's parts by its name.
 QUANTIZED_PART_TAILS = (
-    "_q4_low",
-    "_q4_low_scales",
-    "_q4_low_scales_sub",
-    "_q4_low_scales_super",
-    "_q4_low_zero_points",
+    *(
+        low + tail
+        for low in LOW_PLANE_SUFFIXES.values()
+        for tail in ("", "_scales", "_scales_sub", "_scales_super", "_zero_points")
+    ),
     "_low_gather_zero_points",
     HIGH_PLANE_SUFFIX,
     "_minimums",

@@ -132,13 +132,13 @@ struct Graph {
     }
 };
 
-// BlockMatMul's inputs (x, B, scales[, zero points]) where the node is a MatMulNBits it computes: 4 bits, blocks
-// of 16 or 32, float arithmetic (accuracy_level 4 would quantize x to int8: another function), no g_idx or bias,
+// BlockMatMul's inputs (x, B, scales[, zero points]) where the node is a MatMulNBits it computes: 4 or 2 bits,
+// blocks of 16 or 32, float arithmetic (accuracy_level 4 would quantize x to int8: another function), no g_idx or bias,
 // B and its zero points weights the op reads.
 std::optional<std::vector<std::string>> block_product(const Node& node, const std::set<std::string>& weights) {
     if (node.domain != kMsDomain || node.op != "MatMulNBits") return std::nullopt;
-    double block = node.attribute("block_size", 0);
-    if (node.attribute("bits", 4) != 4 || (block != 16 && block != 32)) return std::nullopt;
+    double block = node.attribute("block_size", 0), bits = node.attribute("bits", 4);
+    if ((bits != 4 && bits != 2) || (block != 16 && block != 32)) return std::nullopt;
     const std::vector<std::string>& inputs = node.inputs;
     if (node.attribute("accuracy_level", 0) == 4 || inputs.size() < 3 || !weights.count(inputs[1]))
         return std::nullopt;
@@ -150,14 +150,16 @@ std::optional<std::vector<std::string>> block_product(const Node& node, const st
 }
 
 int block_size(const Node& node) { return static_cast<int>(node.attribute("block_size", 0)); }
+int plane_bits(const Node& node) { return static_cast<int>(node.attribute("bits", 4)); }
 
 // One BlockMatMul in the place of several nodes: its inputs, the node whose place and output it takes, its block
-// size, and the other nodes it replaces.
+// size, the other nodes it replaces, and its plane's bits.
 struct Fused {
     std::vector<std::string> inputs;
     size_t at = 0;
     int block_size = 0;
     std::vector<size_t> replaced;
+    int bits = 4;
 };
 
 using Read = std::map<std::string, std::string>;  // tensor -> the stored weight it is
@@ -179,7 +181,8 @@ std::optional<std::pair<std::string, std::vector<size_t>>> high_plane(
         const std::vector<std::string>& inputs = high->second;
         if (constant_is(constants, factor, {16.0}) && graph.only_here(high_name) && inputs.size() == 3 &&
             inputs[0] == low.inputs[0] && inputs[2] == low.inputs[2] &&
-            block_size(graph.nodes[producer->second]) == low.block_size)
+            block_size(graph.nodes[producer->second]) == low.block_size && low.bits == 4 &&
+            plane_bits(graph.nodes[producer->second]) == 4)
             return std::make_pair(inputs[1], std::vector<size_t>{*mul, producer->second});
     }
     return std::nullopt;
@@ -215,7 +218,7 @@ std::map<size_t, Fused> fuse_planes(const Graph& graph, const std::map<size_t, s
                                     const Read& read, const Constants& constants) {
     std::map<std::string, Fused> products;
     for (const auto& [index, inputs] : blocks) {
-        Fused product{inputs, index, block_size(graph.nodes[index]), {}};
+        Fused product{inputs, index, block_size(graph.nodes[index]), {}, plane_bits(graph.nodes[index])};
         product.inputs.resize(4);
         products[graph.nodes[index].outputs[0]] = product;
     }
@@ -237,7 +240,7 @@ std::map<size_t, Fused> fuse_planes(const Graph& graph, const std::map<size_t, s
                 product.inputs.resize(5);
             }
             fused.erase(product.at);
-            Fused made{product.inputs, index, product.block_size, product.replaced};
+            Fused made{product.inputs, index, product.block_size, product.replaced, product.bits};
             made.inputs.push_back(term->first);
             made.replaced.push_back(product.at);
             made.replaced.insert(made.replaced.end(), term->second.begin(), term->second.end());
@@ -249,9 +252,10 @@ std::map<size_t, Fused> fuse_planes(const Graph& graph, const std::map<size_t, s
     return fused;
 }
 
-// A node of pipeshard's domain in `like`'s place: the given inputs, `like`'s outputs, name, doc and metadata.
+// A node of pipeshard's domain in `like`'s place: the given inputs and int attributes, `like`'s outputs, name, doc
+// and metadata.
 std::string custom_node(const Node& like, const std::vector<std::string>& inputs, const char* op,
-                        const char* attribute, int64_t value) {
+                        const std::vector<std::pair<const char*, int64_t>>& attributes) {
     std::vector<Field> node;
     for (const std::string& name : inputs) node.push_back(wire::length_field(wire::kNodeInput, name));
     for (const Field& field : like.fields)
@@ -260,10 +264,10 @@ std::string custom_node(const Node& like, const std::vector<std::string>& inputs
             node.push_back(field);
     node.push_back(wire::length_field(wire::kNodeOpType, op));
     node.push_back(wire::length_field(wire::kNodeDomain, kCustomDomain));
-    if (attribute)
+    for (const auto& [name, value] : attributes)
         node.push_back(wire::length_field(
             wire::kNodeAttribute,
-            wire::serialize({wire::length_field(wire::kAttributeName, attribute),
+            wire::serialize({wire::length_field(wire::kAttributeName, name),
                              wire::varint_field(wire::kAttributeInt, static_cast<uint64_t>(value)),
                              wire::varint_field(wire::kAttributeType, wire::kAttributeTypeInt)})));
     return wire::serialize(node);
@@ -274,12 +278,13 @@ std::optional<std::string> weight_product(const Node& node, const Read& read) {
     if (node.inputs.size() != 2) return std::nullopt;
     auto weight = read.find(node.inputs[1]);
     if (weight == read.end()) return std::nullopt;
-    if (node.is("MatMul")) return custom_node(node, {node.inputs[0], weight->second}, "WeightMatMul", nullptr, 0);
+    if (node.is("MatMul")) return custom_node(node, {node.inputs[0], weight->second}, "WeightMatMul", {});
     if (!node.is("Gemm") || node.attribute("alpha", 1.0) != 1.0 || node.attribute("beta", 1.0) != 1.0 ||
         node.attribute("transA", 0) != 0)
         return std::nullopt;
-    bool trans_b = node.attribute("transB", 0) != 0;
-    return custom_node(node, {node.inputs[0], weight->second}, "WeightMatMul", trans_b ? "trans_b" : nullptr, 1);
+    std::vector<std::pair<const char*, int64_t>> trans_b;
+    if (node.attribute("transB", 0) != 0) trans_b.emplace_back("trans_b", 1);
+    return custom_node(node, {node.inputs[0], weight->second}, "WeightMatMul", trans_b);
 }
 
 }  // namespace
@@ -324,7 +329,10 @@ int swap_products(std::vector<Field>& graph, const std::set<std::string>& weight
             auto stored_scales = read.find(inputs[2]);  // scales stored in half precision read as stored
             if (stored_scales != read.end()) inputs[2] = stored_scales->second;
             int size = made != fused.end() ? made->second.block_size : block_size(nodes[index]);
-            rewritten[index] = custom_node(nodes[index], inputs, "BlockMatMul", "block_size", size);
+            int bits = made != fused.end() ? made->second.bits : plane_bits(nodes[index]);
+            std::vector<std::pair<const char*, int64_t>> attributes{{"block_size", size}};
+            if (bits != 4) attributes.emplace_back("bits", bits);  // 4: the op's default
+            rewritten[index] = custom_node(nodes[index], inputs, "BlockMatMul", attributes);
             ++swapped;
         } else if (std::optional<std::string> product = weight_product(nodes[index], read)) {
             rewritten[index] = std::move(product);
