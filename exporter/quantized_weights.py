@@ -166,7 +166,8 @@ def format_layout(format_name: str, rows: int, columns: int, gathered: bool = Fa
     signed = lowest >= -8 and highest <= 7
     unsigned = lowest >= 0 and highest <= 15
     factored = FORMATS[format_name][1] == QK_K
-    two_bits = lowest >= 0 and highest <= 3 and not gathered  # zero point 0, given (2-bit planes default to 2)
+    # zero point 0, given (2-bit planes default to 2)
+    two_bits = lowest >= 0 and highest <= 3 and not gathered
     return Layout(
         rows,
         columns,

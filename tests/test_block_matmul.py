@@ -39,7 +39,14 @@ def _pack_crumbs(values: np.ndarray) -> np.ndarray:
 
 
 def _planes(
-    rng, rows: int, columns: int, block: int, zero_points: bool, high: bool, scale_dtype=np.float32, bits: int = 4
+    rng,
+    rows: int,
+    columns: int,
+    block: int,
+    zero_points: bool,
+    high: bool,
+    scale_dtype=np.float32,
+    bits: int = 4,
 ) -> dict[str, np.ndarray]:
     """Random planes of W [rows, columns] in MatMulNBits' layout (codes of `bits`, scales of `scale_dtype`), and
     W's float64 values."""
@@ -69,7 +76,9 @@ def _planes(
 
 def _block_model(block: int, inputs: list[str], scale_type: int = TensorProto.FLOAT, bits: int = 4) -> bytes:
     extra = {"bits": bits} if bits != 4 else {}  # the attribute's default
-    node = helper.make_node("BlockMatMul", inputs, ["y"], domain=capi.CUSTOM_DOMAIN, block_size=block, **extra)
+    node = helper.make_node(
+        "BlockMatMul", inputs, ["y"], domain=capi.CUSTOM_DOMAIN, block_size=block, **extra
+    )
     types = {"a": TensorProto.FLOAT, "b": TensorProto.UINT8, "scales": scale_type}
     graph = helper.make_graph(
         [node],
@@ -111,7 +120,8 @@ def _block_product(a: np.ndarray, planes: dict, block: int, isa: str, monkeypatc
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("block", [16, 32])
 @pytest.mark.parametrize(
-    "bits, zero_points, high", [(4, True, False), (4, False, False), (4, False, True), (2, True, False), (2, False, False)]
+    "bits, zero_points, high",
+    [(4, True, False), (4, False, False), (4, False, True), (2, True, False), (2, False, False)],
 )
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 16, 17, 64, 300])  # streamed up to 16 rows
 @pytest.mark.parametrize("scale_dtype", [np.float32, np.float16])  # half-precision scales read as stored

@@ -434,7 +434,9 @@ def _python_products(pack: Path) -> int:
     count = 0
     for entry in loaded.manifest.sub_layers:
         if weights := product_weights(entry.weights, False):
-            joined = join([loaded.path(entry.graph_file)], {o.name for o in entry.outputs}, product_weights=weights)
+            joined = join(
+                [loaded.path(entry.graph_file)], {o.name for o in entry.outputs}, product_weights=weights
+            )
             assert b"MatMulNBits" not in joined.model, entry.name  # every product swapped, 2-bit planes too
             count += joined.weight_matmul_nodes
     return count
@@ -497,7 +499,8 @@ def test_the_native_host_runs_a_quantized_pack_with_the_python_engines_tokens(mo
             done = _host(*common, *extra)
             assert done.returncode == 0, done.stderr[-2000:]
             assert [int(t) for t in done.stdout.split()] == expected, (text, extra)
-            if not extra[1:]:  # all-CPU: every product computed by pipeshard's ops, as the Python engine's are
+            # all-CPU: every product computed by pipeshard's ops, as the Python engine's are
+            if not extra[1:]:
                 report = json.loads(done.stderr.splitlines()[-1])
                 assert report["decode_product_nodes"] == products > 0, report
         # the planned run's report: its blocks went through the device
