@@ -8,7 +8,8 @@ build/paper/ at the paper's precision: `pipeshard export CONFIG PACK --shape-onl
 export of a GGUF in that format stores it, docs/model-pack.md). For every published row (model x
 context x VRAM budget) the planner plans tiers 1 (decode) and 1024 (prefill micro-batch, the paper's -ub) on
 the reference profile `desktop-rtx5090` with 16 CPU threads and the KV cache sized for the context. Predicted
-tokens/s is the tier-1 plan's; predicted TTFT is the prompt's 1024-token chunks times the tier-1024 step
+tokens/s is the tier-1 plan's; predicted TTFT is the tier-1024 plan's steps over the prompt's 1024-token chunks,
+each priced at the context it attends to (its tokens and those before it: Planner.prompt_plan)
 (the paper's prompts: its baseline log's token counts). The `layers` baseline (llama.cpp -ngl: whole layers on
 the GPU, the rest on the CPU) and the paper artifact's five strategies (Planner.artifact_plan) are planned the
 same way; the speedup is ours over `layers`. Every note is computed from the plans.
@@ -124,13 +125,17 @@ def predict(planner, prompt_tokens: int, budget: int) -> dict:
     """Tokens/s and TTFT of the chosen plan, of `layers` and of the best artifact strategy within `budget` bytes,
     from the plans of tiers 1 and PREFILL_TIER."""
     decode, prefill = plans_of_tier(planner, 1, budget), plans_of_tier(planner, PREFILL_TIER, budget)
-    chunks = math.ceil(prompt_tokens / PREFILL_TIER)
+    prefill["ours"], ours_prompt_s = planner.prompt_plan(PREFILL_TIER, budget, prompt_tokens)
+    prompt_s = {
+        "ours": ours_prompt_s,
+        **{key: planner.prompt_seconds(prefill[key], prompt_tokens) for key in ("layers", "artifact")},
+    }
     row = {}
     for key in ("ours", "layers", "artifact"):
         decode_plan, prefill_plan = decode[key], prefill[key]
         row[key] = {
             "tok_s": decode_plan.tokens_per_s,
-            "ttft_ms": chunks * prefill_plan.step_s * 1000,
+            "ttft_ms": prompt_s[key] * 1000,
             "decode": decode_plan.strategy,
             "prefill": prefill_plan.strategy,
             "attn_on_gpu": where_attention_runs(decode_plan),
@@ -309,8 +314,11 @@ def render(rows: list[dict], seconds: dict, command: str) -> str:
         f"reference profile `{PROFILE}` (profiles/reference.py: RTX 5090 32 GB, PCIe 5.0 x16 and a 16-core "
         "desktop CPU from spec sheets, except the CPU's read rate, calibrated from the artifact's own `-ngl` "
         "baseline runs: examples/calibrate_rtx5090.py), with the KV cache sized for the context. *ours* is the "
-        "planner's chosen plan at tier 1 (decode: tokens/s) and at tier 1024 (prefill: TTFT = the prompt's "
-        "1024-token chunks x that step); *artifact* is the fastest of the paper artifact's five strategies "
+        "planner's chosen plan at tier 1 (decode: tokens/s) and its prompt plan at tier 1024 (prefill: TTFT = "
+        "the plan's steps over the prompt's 1024-token chunks, each priced at the context it attends to, its own "
+        "tokens and those before it; Planner.prompt_plan takes the tier's chosen plan or the artifact's fastest, "
+        "whichever is faster over the whole prompt); *artifact* is the fastest of the paper artifact's five "
+        "strategies "
         "(FULL_GPU, FULL_GPU_NO_OUTPUT, STATIC_ATTN_PRIO, SHARD_ATTN_PRIO, FULL_SHARD: Planner.artifact_plan) "
         "priced by the same estimator, so plan quality is compared apart from calibration; *layers* is our `-ngl` "
         "baseline (whole layers on the GPU in order, the rest on the CPU, its products on the GPU from 32 tokens "
@@ -342,7 +350,8 @@ def render(rows: list[dict], seconds: dict, command: str) -> str:
         lines += [
             f"## {model.figure2} ({model.precision}: {mine[0]['model_gib']:.1f} GiB of weights, "
             f"{mine[0]['units']} planning units; "
-            f"{seconds[model.config]:.0f} s to plan its {len(mine)} rows x 2 tiers with every baseline)",
+            f"{seconds[model.config]:.0f} s to plan its {len(mine)} rows x 2 tiers with every baseline and to "
+            "price each prompt's steps)",
             "",
         ]
         notes: list[str] = []

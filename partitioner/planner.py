@@ -11,6 +11,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import logging
+import math
 import time
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -187,7 +188,7 @@ class Planner:
                 e.expert or 0,
             ),
         )
-        self._cost_cache: dict[int, tuple[dict, dict, float]] = {}
+        self._cost_cache: dict[tuple[int, int], tuple[dict, dict, float]] = {}
         # What the estimator reads of a unit, less its name: units with equal signatures cost the same.
         self.cost_signature = {
             e.name: (
@@ -323,18 +324,20 @@ class Planner:
         prefetch: bool = True,
         detail: bool = False,
         kv_streaming: bool = False,
+        context: int | None = None,
     ) -> Plan:
         """The plan of these placements, made for `budget_bytes` (which it records; `fits` checks it against it);
         with `kv_streaming`, every streamed attention's KV lives in host memory and is uploaded with its weights
-        (and its new rows downloaded after it ran): copies instead of VRAM."""
+        (and its new rows downloaded after it ran): copies instead of VRAM. `context`: the tokens a step attends
+        to, if fewer than the planned context (a prompt's earlier chunks); VRAM stays sized for the planned one."""
         full = {e.name: placements.get(e.name, Placement.CPU) for e in self.units}
-        compute, copies, activation = self._costs(tier)
+        compute, copies, activation = self._costs(tier, context)
         kv_streamed = self.streamed_attentions(full, self.placeable) if kv_streaming else frozenset()
         if kv_streamed:
             copies = {
                 **copies,
                 **{
-                    name: copies[name] + self._kv_copy_seconds(self.by_name[name], tier)
+                    name: copies[name] + self._kv_copy_seconds(self.by_name[name], tier, context)
                     for name in kv_streamed
                 },
             }
@@ -371,16 +374,34 @@ class Planner:
             simulation.timeline,
         )
 
-    def kv_bytes_moved(self, entry: SubLayer, tier: int) -> tuple[int, int]:
+    def kv_bytes_moved(self, entry: SubLayer, tier: int, context: int | None = None) -> tuple[int, int]:
         """A streamed attention's KV traffic per step when its KV streams: (its cache uploaded, the step's new rows
         downloaded)."""
         per_token = entry.kv.bytes_per_token
-        return per_token * self.context * self.batch, per_token * tier
+        return per_token * (context or self.context) * self.batch, per_token * tier
 
-    def _kv_copy_seconds(self, entry: SubLayer, tier: int) -> float:
+    def _kv_copy_seconds(self, entry: SubLayer, tier: int, context: int | None = None) -> float:
         return sum(
             self.estimator.copy_seconds(nbytes, under_cpu_load=True, tokens=tier)
-            for nbytes in self.kv_bytes_moved(entry, tier)
+            for nbytes in self.kv_bytes_moved(entry, tier, context)
+        )
+
+    def prompt_seconds(self, plan: Plan, prompt_tokens: int) -> float:
+        """The time to prefill `prompt_tokens` in steps of the plan's tier (as llama.cpp's micro-batches do): each
+        step re-priced at the context it attends to, its own tokens and those before it, not the planned context."""
+        steps = range(plan.tier, math.ceil(prompt_tokens / plan.tier) * plan.tier + 1, plan.tier)
+        return sum(
+            self.evaluate(
+                plan.strategy,
+                plan.tier,
+                plan.placements,
+                plan.budget_bytes,
+                plan.slots,
+                plan.prefetch,
+                kv_streaming=bool(plan.kv_streamed),
+                context=min(attended, prompt_tokens, self.context),
+            ).step_s
+            for attended in steps
         )
 
     def expected_distinct_experts(self, tokens: int) -> dict[int, float]:
@@ -409,9 +430,11 @@ class Planner:
         self.batch, self.context = batch, context
         self.clear_costs()
 
-    def _costs(self, tier: int) -> tuple[dict, dict, float]:
-        """Estimator results for a tier, computed once: (compute seconds per device, copy seconds, activation copy)."""
-        if tier not in self._cost_cache:
+    def _costs(self, tier: int, context: int | None = None) -> tuple[dict, dict, float]:
+        """Estimator results for a tier (at the planned context unless given), computed once: (compute seconds per
+        device, copy seconds, activation copy)."""
+        context = context or self.context
+        if (tier, context) not in self._cost_cache:
             estimator = self.estimator
             # The output layer computes only each sequence's last position (what generation reads).
             tokens = {e.name: min(tier, self.batch) if e.kind == "final" else tier for e in self.units}
@@ -432,7 +455,7 @@ class Planner:
                 if key not in estimates:
                     estimates[key] = ComputeSeconds(
                         *(
-                            share[e.name] * estimator.compute_seconds(e, tokens[e.name], self.context, on_gpu)
+                            share[e.name] * estimator.compute_seconds(e, tokens[e.name], context, on_gpu)
                             for on_gpu in (False, True)
                         )
                     )
@@ -445,8 +468,8 @@ class Planner:
                 for e in self.units
             }
             activation = estimator.copy_seconds(tier * self.model.hidden_size * estimator.element)
-            self._cost_cache[tier] = (compute, copies, activation)
-        return self._cost_cache[tier]
+            self._cost_cache[tier, context] = (compute, copies, activation)
+        return self._cost_cache[tier, context]
 
     def _copy_slowdown(self, tier: int) -> float:
         """How much slower CPU work runs beside a copy at `tier` (the profile's contention factor)."""
@@ -1068,6 +1091,20 @@ class Planner:
             if plan is not None and (current is None or plan.step_s < current.step_s * (1 - 1e-9)):
                 best[seed.strategy] = plan
         return sorted(best.values(), key=lambda p: p.step_s)
+
+    def prompt_plan(self, tier: int, budget_bytes: int, prompt_tokens: int) -> tuple[Plan, float]:
+        """The plan to prefill `prompt_tokens` with in steps of `tier`, and that prefill's time: of the tier's chosen
+        plan and the fastest of the artifact's (which seed our search), the one faster over the whole prompt. A
+        step's attention grows with the context it attends to, so the plan fastest at the planned context can lose
+        over a prompt's earlier, shorter steps."""
+        artifact = (self.artifact_plan(name, tier, budget_bytes) for name in ARTIFACT_STRATEGIES)
+        candidates = [
+            self.strategies(tier, budget_bytes)[0],
+            min((p for p in artifact if p is not None), key=lambda p: p.step_s, default=None),
+        ]
+        timed = [(self.prompt_seconds(p, prompt_tokens), p) for p in candidates if p is not None]
+        seconds, plan = min(timed, key=lambda pair: pair[0])
+        return plan, seconds
 
     def plan_tier(self, tier: int, budget_bytes: int) -> TierPlans:
         """Every strategy's plan at `tier` within `budget_bytes`, fastest first (`chosen`), and the baselines."""

@@ -8,7 +8,7 @@ import pytest
 from pipeshard.cli import main
 from pipeshard.core.errors import UserError
 from pipeshard.formats.manifest import Manifest, load_pack
-from pipeshard.partitioner.planner import Planner, plans_document
+from pipeshard.partitioner.planner import ARTIFACT_STRATEGIES, Planner, plans_document
 from pipeshard.profiles.db import REFERENCE_PROFILES, load_profile
 
 MiB = 1024**2
@@ -67,6 +67,46 @@ def test_streaming_wins_at_large_tiers_on_a_fast_link(tiny_manifest):
     static = next(p for p in planned.alternatives if p.strategy == "static")
     assert planned.chosen.strategy in ("gpu-only", "dynamic") and planned.chosen.counts()["streamed"]
     assert planned.chosen.step_s < static.step_s / 2
+
+
+@pytest.mark.parametrize("strategy", ["dynamic", "static", "gpu-only", "layers"])
+def test_a_prompts_steps_are_priced_at_the_context_each_attends_to(tiny_manifest, strategy):
+    """A prompt prefilled in steps of its tier: each step attends to the tokens so far, so earlier steps cost less
+    than a step at the planned context, and a one-step prompt at that context costs exactly the plan's step."""
+    manifest = scaled_manifest(tiny_manifest, 256)
+    profile = load_profile("desktop-24gb")
+    budget = minimum(manifest, profile) + 64 * MiB
+    tier = 1024
+
+    def planned(planner):
+        if strategy == "layers":
+            return planner.baseline("layers", tier, budget)
+        return planner.plan_for(strategy, tier, budget)
+
+    planner = Planner(manifest, profile, context=8 * tier)
+    plan = planned(planner)
+    prompts = [planner.prompt_seconds(plan, steps * tier) for steps in (1, 2, 4, 8)]
+    assert prompts == sorted(prompts) and prompts[0] < plan.step_s
+    assert prompts[-1] < 8 * plan.step_s
+    one_step = Planner(manifest, profile, context=tier)
+    assert one_step.prompt_seconds(planned(one_step), tier) == pytest.approx(
+        planned(one_step).step_s, rel=1e-12
+    )
+
+
+def test_the_prompt_plan_is_never_slower_over_a_prompt_than_the_chosen_or_the_artifacts_plan(tiny_manifest):
+    manifest = scaled_manifest(tiny_manifest, 256)
+    profile = load_profile("desktop-24gb")
+    planner = Planner(manifest, profile, context=8192)
+    floor = minimum(manifest, profile)
+    for extra in (0, 16, 64, 256):
+        budget = floor + extra * MiB
+        plan, seconds = planner.prompt_plan(1024, budget, 8000)
+        assert seconds == planner.prompt_seconds(plan, 8000) and plan.vram.total <= budget
+        artifact = (planner.artifact_plan(name, 1024, budget) for name in ARTIFACT_STRATEGIES)
+        fastest_artifact = min((a for a in artifact if a is not None), key=lambda a: a.step_s)
+        for other in (planner.strategies(1024, budget)[0], fastest_artifact):
+            assert seconds <= planner.prompt_seconds(other, 8000)
 
 
 @pytest.mark.parametrize("profile_name", ["laptop-8gb", "laptop-4gb"])
