@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import importlib.util
+import struct
 import sys
 import time
 import weakref
@@ -31,6 +32,7 @@ try:
 except ImportError:  # not built (no C compiler at install): the same runs, one Python call each
     _runloop = None
 from pipeshard.formats.export_info import BFLOAT16
+from pipeshard.runtime import protowire as wire
 from pipeshard.runtime.ort import default_threads, import_onnxruntime
 
 CUSTOM_DOMAIN = "pipeshard"  # the op domain of runtime/_attention.c and runtime/_matmul.c
@@ -129,6 +131,13 @@ _LOG_ERROR = 3
 # For models made from bytes: ONNX Runtime checks every external-data path against it, even for initializers given
 # with AddInitializer.
 _EXTERNAL_DATA_FOLDER = b"session.model_external_initializers_file_folder_path"
+_MODEL_GRAPH, _GRAPH_NODE = 7, 1  # ModelProto.graph, GraphProto.node
+# pipeshard's custom ops: op type -> the `_runloop` function that returns its OrtCustomOp.
+_CUSTOM_OPS = {
+    "DecodeAttention": "decode_attention_op",
+    "WeightMatMul": "weight_matmul_op",
+    "BlockMatMul": "block_matmul_op",
+}
 
 
 class OrtError(RuntimeError):
@@ -209,7 +218,7 @@ class Runtime:
         finally:
             lib.ReleaseArenaCfg(arena)
         self.allocator = lib.make(lib.GetAllocatorWithDefaultOptions)
-        self._custom_ops: ctypes.c_void_p | None = None
+        self._custom_ops: dict[frozenset[str], ctypes.c_void_p] = {}
         self._memory_infos: dict[tuple[str, int], ctypes.c_void_p] = {}
 
     def memory_info(self, name: str, device_id: int) -> ctypes.c_void_p:
@@ -263,20 +272,19 @@ class Runtime:
                 "`pipeshard inspect PACK --verify` checks a pack's files"
             ) from None
 
-    def custom_op_domain(self) -> ctypes.c_void_p | None:
-        """The `pipeshard` op domain (DecodeAttention, runtime/_attention.c; WeightMatMul and BlockMatMul,
-        runtime/_matmul.c),
-        made at first use; None where the C extension was built without them, or not at all."""
-        if self._custom_ops is None and custom_ops_available():
+    def custom_op_domain(self, ops: frozenset[str]) -> ctypes.c_void_p | None:
+        """A `pipeshard` op domain holding `ops` (of DecodeAttention, runtime/_attention.c; WeightMatMul and
+        BlockMatMul, runtime/_matmul.c), made at first use; None for no ops, or where the C extension was built
+        without them, or not at all. Each session builds its own schemas and kernel registry for every op of its
+        domain, so a session gets a domain of the ops its graph runs only."""
+        if not ops or not custom_ops_available():
+            return None
+        if ops not in self._custom_ops:
             domain = self.lib.make(self.lib.CreateCustomOpDomain, CUSTOM_DOMAIN.encode())
-            for op in (
-                _runloop.decode_attention_op(),
-                _runloop.weight_matmul_op(),
-                _runloop.block_matmul_op(),
-            ):
-                self.lib.check(self.lib.CustomOpDomain_Add(domain, ctypes.c_void_p(op)))
-            self._custom_ops = domain  # lives as long as the process: sessions keep a pointer to it
-        return self._custom_ops
+            for name in sorted(ops):
+                self.lib.check(self.lib.CustomOpDomain_Add(domain, ctypes.c_void_p(_custom_op(name))))
+            self._custom_ops[ops] = domain  # lives as long as the process: sessions keep a pointer to it
+        return self._custom_ops[ops]
 
     def run_options(self) -> RunOptions:
         return RunOptions(self)
@@ -366,7 +374,7 @@ class Session:
                             options, _EXTERNAL_DATA_FOLDER, str(weights_folder).encode()
                         )
                     )
-                if (domain := rt.custom_op_domain()) is not None:
+                if (domain := rt.custom_op_domain(_custom_ops_run(model))) is not None:
                     lib.check(lib.AddCustomOpDomain(options, domain))
                 self.pointer = lib.make(
                     lib.CreateSessionFromArrayWithPrepackedWeightsContainer,
@@ -602,6 +610,24 @@ class Block:
             self.lib.check(status)
         except OrtError as error:
             raise OrtError(f"sub-layer {self.names[index]}: {error}") from None
+
+
+def _custom_op(name: str) -> int:
+    """The address of pipeshard's custom op `name` (runtime/_attention.c, runtime/_matmul.c)."""
+    return getattr(_runloop, _CUSTOM_OPS[name])()
+
+
+def _custom_ops_run(model: bytes) -> frozenset[str]:
+    """The op types of the `pipeshard` domain a serialized model's graph runs (none where it does not parse: ONNX
+    Runtime then says why)."""
+    try:
+        graph = next(value for number, _, value in wire.parse(model) if number == _MODEL_GRAPH)
+        nodes = [wire.parse(value) for number, _, value in wire.parse(graph) if number == _GRAPH_NODE]
+    except (StopIteration, ValueError, IndexError, struct.error):
+        return frozenset()
+    return frozenset(
+        op for domain, op in map(wire.node_op, nodes) if domain == CUSTOM_DOMAIN and op in _CUSTOM_OPS
+    )
 
 
 def release_free_heap() -> None:

@@ -150,3 +150,25 @@ def test_a_new_generation_lets_the_old_kv_buffers_go(tiny_pack, tiny_llama_expor
         assert freed_before_new == [True]
         logits = step.forward(np.array([[5, 6]], np.int64), np.ones((1, 2), np.int64), np.arange(2)[None])
         assert np.isfinite(logits).all()
+
+
+@pytest.mark.skipif(not capi.custom_ops_available(), reason="the C extension's custom ops are not built")
+def test_a_session_registers_only_the_custom_ops_its_graph_runs():
+    """Each session builds schemas and kernels for every op of its domain: a graph of BlockMatMul gets that op's."""
+    block = helper.make_node(
+        "BlockMatMul", ["a", "b", "scales"], ["y"], domain=capi.CUSTOM_DOMAIN, block_size=32
+    )
+    add = helper.make_node("Add", ["y", "y"], ["z"])
+    graph = helper.make_graph(
+        [block, add], "g", [], [helper.make_tensor_value_info("z", TensorProto.FLOAT, None)]
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)]).SerializeToString()
+    assert capi._custom_ops_run(model) == {"BlockMatMul"}
+    assert (
+        capi._custom_ops_run(helper.make_model(helper.make_graph([add], "g", [], [])).SerializeToString())
+        == set()
+    )
+    assert capi._custom_ops_run(b"not a model") == set()
+    rt = capi.runtime()
+    assert rt.custom_op_domain(frozenset()) is None
+    assert rt.custom_op_domain(frozenset({"BlockMatMul"})) is rt.custom_op_domain(frozenset({"BlockMatMul"}))
