@@ -11,8 +11,8 @@ tensors are found too) is stored back as that tensor's blocks, in ONNX Runtime's
   codes are all 2-bit (Q2_K's 0..3) is one 2-bit plane instead (`bits` 2, zero point 0), at its own bytes (the
   CPU computes it with pipeshard's BlockMatMul, ONNX Runtime's 2-bit kernel being as slow as the 8-bit one);
 - a format's per-block minimum (Q4_1, Q5_1, Q2_K, Q4_K, Q5_K) adds `blocksum(x) @ minimums`;
-- an embedding gathers rows with `com.microsoft::GatherBlockQuantized` over the same planes (a tied output layer and
-  its embedding share them).
+- an embedding gathers the rows of the same planes, zero points, scales and minimums its tokens need and dequantizes
+  only those, with standard ops (a tied output layer and its embedding share the parts).
 
 Every plane holds the format's integers. A scale is stored as the format stores it: a K-quant's (Q2_K .. Q6_K) as an
 int8 per block times a float16 factor per super-block of 256 weights, multiplied in the graph in float32 as ggml
@@ -116,7 +116,7 @@ class Layout:
 
     def parts(self, weight: str, gathered: bool = False) -> dict[str, tuple[str, list[int], int]]:
         """Role -> (initializer name, shape, TensorProto type) of what `weight` is stored as; `gathered`: with the
-        zero points an embedding's GatherBlockQuantized reads ([rows, blocks, 1], one per byte)."""
+        zero points an embedding's rows read ([rows, blocks, 1], one per byte)."""
         blocks = self.columns // self.block
         plane = [self.rows, blocks, self.block * self.bits // 8]
         low = weight + LOW_PLANE_SUFFIXES[self.bits]
@@ -161,7 +161,7 @@ class Layout:
 def format_layout(format_name: str, rows: int, columns: int, gathered: bool = False) -> Layout:
     """The layout of a matrix whose rows are all in GGML format `format_name`, as make_planes makes it from codes
     spanning the format's range (the general case; a matrix whose codes happen to span less may store less);
-    `gathered`: an embedding reads it (GatherBlockQuantized takes 4-bit planes only)."""
+    `gathered`: an embedding reads it (its rows are dequantized from 4-bit planes only)."""
     (lowest, highest), block, minimums = CODES[format_name]
     signed = lowest >= -8 and highest <= 7
     unsigned = lowest >= 0 and highest <= 15
@@ -364,7 +364,7 @@ class _Rewriter:
     def node(
         self, like: onnx.NodeProto, op: str, inputs: list[str], output: str, **attributes
     ) -> onnx.NodeProto:
-        domain = MS_DOMAIN if op in ("MatMulNBits", "GatherBlockQuantized") else ""
+        domain = MS_DOMAIN if op == "MatMulNBits" else ""
         made = helper.make_node(op, inputs, [output], name=output, domain=domain, **attributes)
         made.metadata_props.extend(like.metadata_props)
         self.before[id(like)].append(made)
@@ -415,35 +415,83 @@ class _Rewriter:
         self.replaced.add(id(node))
 
     def gather(self, node: onnx.NodeProto, weight: str, layout: Layout, values: dict | None) -> None:
-        """`node`'s output = rows of W [N, K] stored as `layout`, gathered by `node`'s indices [batch, tokens]."""
+        """`node`'s output = rows of W [N, K] stored as `layout`, gathered by `node`'s indices [batch, tokens].
+        Every stored part is gathered to the step's rows first and only those rows are dequantized, as
+        MatMulNBits reads its planes: a Cast or factored scale over the whole table would be folded by ONNX Runtime
+        into a float32 copy of it in every session that reads the table."""
         names = self.stored(weight, layout, values)
         indices, output = node.input[1], node.output[0]
-        axis = self.constant(output + "_scale_axis", np.array([2], np.int64))
-        scales = self._scales(node, names, layout)
-        scales = self.node(node, "Unsqueeze", [scales, axis], output + "_scales_unsqueezed").output[0]
+        blocks = layout.columns // layout.block
+
+        def rows(part: str, axis: int = 0) -> str:
+            return self.node(node, "Gather", [part, indices], f"{part}_rows_of_{output}", axis=axis).output[0]
+
+        def as_float(tensor: str) -> str:
+            return self.node(node, "Cast", [tensor], tensor + "_float", to=TensorProto.FLOAT).output[0]
+
+        def shaped(tensor: str, shape: list[int], name: str) -> str:
+            target = self.constant(name + "_shape", np.array(shape, np.int64))
+            return self.node(node, "Reshape", [tensor, target], name).output[0]
+
+        def last_axis(tensor: str, name: str) -> str:
+            axis = self.constant(name + "_axis", np.array([-1], np.int64))
+            return self.node(node, "Unsqueeze", [tensor, axis], name).output[0]
+
+        # The rows' scales [batch, tokens, blocks, 1] (a K-quant's: ggml's d * sc over the gathered rows).
+        if layout.scales == INT8:
+            factor, sub = as_float(rows(names["scales_super"])), as_float(rows(names["scales_sub"]))
+            scales = self.node(node, "Mul", [factor, sub], output + "_row_scales").output[0]
+            scales = shaped(scales, [0, 0, blocks, 1], output + "_row_scales_by_block")
+        else:
+            scales = rows(names["low_scales"])
+            scales = as_float(scales) if layout.scales == FLOAT16 else scales
+            scales = last_axis(scales, output + "_row_scales_by_block")
+        # Each plane's codes, two a byte (the even element in the low nibble): (code - zero point) x scale, the zero
+        # point 8 where none is stored.
         terms = []
         for plane in ("low", "high"):
             if plane not in names:
                 continue
-            inputs = [names[plane], indices, scales]
+            packed = rows(names[plane])  # [batch, tokens, blocks, block / 2]
+            mask = self.constant(f"{output}_{plane}_mask", np.array(15, np.uint8))
+            shift = self.constant(f"{output}_{plane}_shift", np.array(4, np.uint8))
+            even = self.node(node, "BitwiseAnd", [packed, mask], f"{output}_{plane}_even").output[0]
+            odd = self.node(
+                node, "BitShift", [packed, shift], f"{output}_{plane}_odd", direction="RIGHT"
+            ).output[0]
+            pairs = [last_axis(codes, codes + "_paired") for codes in (even, odd)]
+            both = self.node(node, "Concat", pairs, f"{output}_{plane}_pairs", axis=-1).output[0]
+            codes = as_float(shaped(both, [0, 0, 0, layout.block], f"{output}_{plane}_codes"))
             if plane == "low" and "low_zero_points" in names:
                 role = "gather_zero_points"
-                inputs.append(self.part(role, *layout.parts(weight, gathered=True)[role], values))
-            attributes = {"bits": 4, "block_size": layout.block, "gather_axis": 0, "quantize_axis": 2}
-            gathered = self.node(node, "GatherBlockQuantized", inputs, f"{output}_{plane}_rows", **attributes)
-            terms.append(gathered.output[0] if plane == "low" else self._times_16(node, gathered.output[0]))
-        if layout.minimums is not None:
-            minimums = self._minimums(node, names, layout)
-            rows = self.node(node, "Gather", [minimums, indices], output + "_minimum_rows", axis=1)
-            moved = self.node(node, "Transpose", [rows.output[0]], output + "_minimums_moved", perm=[1, 2, 0])
-            last = self.constant(output + "_minimum_axis", np.array([-1], np.int64))
+                zero_points = as_float(
+                    rows(self.part(role, *layout.parts(weight, gathered=True)[role], values))
+                )
+            else:
+                zero_points = self.constant(f"{output}_{plane}_zero_point", np.array(8.0, np.float32))
+            centred = self.node(node, "Sub", [codes, zero_points], f"{output}_{plane}_centred").output[0]
+            dequantized = self.node(node, "Mul", [centred, scales], f"{output}_{plane}_rows").output[0]
+            terms.append(dequantized if plane == "low" else self._times_16(node, dequantized))
+        if (
+            layout.minimums == INT8
+        ):  # [supers, blocks per super or 1, batch, tokens] -> [batch, tokens, blocks]
+            factor = as_float(rows(names["minimums_super"], axis=2))
+            sub = as_float(rows(names["minimums_sub"], axis=2))
+            product = self.node(node, "Mul", [factor, sub], output + "_row_minimums").output[0]
+            moved = self.node(node, "Transpose", [product], output + "_minimums_moved", perm=[2, 3, 0, 1])
             terms.append(
-                self.node(node, "Unsqueeze", [moved.output[0], last], output + "_minimum_term").output[0]
+                last_axis(
+                    shaped(moved.output[0], [0, 0, blocks], output + "_minimums"), output + "_minimum_term"
+                )
             )
-        blocks = output + "_blocks"
-        self._sum(node, terms, blocks)
-        shape = self.constant(output + "_row_shape", np.array([0, 0, layout.columns], np.int64))
-        self.node(node, "Reshape", [blocks, shape], output)
+        elif layout.minimums is not None:  # [blocks, batch, tokens] -> [batch, tokens, blocks]
+            minimums = rows(names["minimums"], axis=1)
+            minimums = as_float(minimums) if layout.minimums == FLOAT16 else minimums
+            moved = self.node(node, "Transpose", [minimums], output + "_minimums_moved", perm=[1, 2, 0])
+            terms.append(last_axis(moved.output[0], output + "_minimum_term"))
+        summed = output + "_blocks"
+        self._sum(node, terms, summed)
+        shaped(summed, [0, 0, layout.columns], output)
         self.replaced.add(id(node))
 
     def _times_16(self, like: onnx.NodeProto, tensor: str) -> str:
@@ -499,7 +547,7 @@ def _narrowest(values: np.ndarray) -> np.ndarray:
 
 
 def _gather_zero_points(planes: Planes) -> np.ndarray:
-    """The low plane's zero points in GatherBlockQuantized's layout [N, blocks, 1] (one per byte)."""
+    """The low plane's zero points as an embedding's rows read them: [N, blocks, 1], one per byte."""
     packed = planes.low_zero_points
     unpacked = np.stack([packed & 0xF, packed >> 4], axis=-1).reshape(packed.shape[0], -1)
     return np.ascontiguousarray(unpacked[:, : planes.low_scales.shape[1], None])

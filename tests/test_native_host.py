@@ -471,8 +471,8 @@ def test_the_hosts_product_swap_rewrites_the_nodes_the_python_engine_does(tiny_g
 
 @pytest.mark.slow
 def test_the_native_host_runs_a_quantized_pack_with_the_python_engines_tokens(models, tmp_path):
-    """The GGUF's blocks kept as stored (MatMulNBits, GatherBlockQuantized): the same graphs through ONNX Runtime's
-    C API alone, all-CPU and planned on the simulated device."""
+    """The GGUF's blocks kept as stored (MatMulNBits, an embedding's gathered rows): the same graphs through ONNX
+    Runtime's C API alone, all-CPU and planned on the simulated device."""
     reason = _missing_tools()
     if reason:
         pytest.skip(reason)
