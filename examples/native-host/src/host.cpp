@@ -1514,6 +1514,28 @@ std::string Host::detokenize(const std::vector<int64_t>& ids) {
 
 namespace {
 
+// The text of a growing answer, decoded a few tokens at a time as streaming servers do: each step decodes the tokens
+// from the last point where the text ended on a whole character, so a step's cost does not grow with the answer.
+// Byte-level BPE text is its tokens' bytes joined, so the pieces add up to the whole answer's decoding.
+struct IncrementalText {
+    std::function<std::string(const std::vector<int64_t>&)> decode;
+    std::string text;          // the decoding of tokens [0, read)
+    size_t prefix = 0, read = 0;  // the window decoded again each step starts at `prefix`
+
+    void extend(const std::vector<int64_t>& tokens) {
+        std::string before = decode(std::vector<int64_t>(tokens.begin() + prefix, tokens.begin() + read));
+        std::string now = decode(std::vector<int64_t>(tokens.begin() + prefix, tokens.end()));
+        if (ends_incomplete(now) || now.size() <= before.size()) return;  // wait for the character's other bytes
+        if (now.compare(0, before.size(), before) != 0) {  // not a byte-level decoding: decode the whole answer
+            text = decode(tokens);
+        } else {
+            text += now.substr(before.size());
+        }
+        prefix = read;
+        read = tokens.size();
+    }
+};
+
 // Where the first stop string begins in `text` (npos: none), and how many bytes at its end could still begin one.
 size_t stop_position(const std::string& text, const std::vector<std::string>& stops, size_t* held_back) {
     size_t first = std::string::npos;
@@ -1557,6 +1579,8 @@ Answer Host::generate(const std::vector<int64_t>& prompt, const Sampling& sampli
     std::vector<int64_t> history(prompt);
     Answer answer;
     std::string emitted;  // the text handed to the sink so far
+    IncrementalText text;
+    text.decode = [this](const std::vector<int64_t>& ids) { return detokenize(ids); };
     GenerationTimes times;
     times.prompt_tokens = prompt.size();
     times.stop_reason = "length";
@@ -1580,15 +1604,15 @@ Answer Host::generate(const std::vector<int64_t>& prompt, const Sampling& sampli
             std::string piece;
             bool stopped = false;
             if (detokenizer_) {
-                std::string text = detokenize(answer.tokens);
-                if (!ends_incomplete(text)) {
+                text.extend(answer.tokens);
+                if (!ends_incomplete(text.text)) {
                     size_t held_back = 0;
-                    size_t stop = stop_position(text, sampling.stop_strings, &held_back);
+                    size_t stop = stop_position(text.text, sampling.stop_strings, &held_back);
                     stopped = stop != std::string::npos;
-                    size_t shown = stopped ? stop : text.size() - held_back;
-                    if (shown >= emitted.size() && text.compare(0, emitted.size(), emitted) == 0) {
-                        piece = text.substr(emitted.size(), shown - emitted.size());
-                        emitted = text.substr(0, shown);
+                    size_t shown = stopped ? stop : text.text.size() - held_back;
+                    if (shown >= emitted.size() && text.text.compare(0, emitted.size(), emitted) == 0) {
+                        piece = text.text.substr(emitted.size(), shown - emitted.size());
+                        emitted = text.text.substr(0, shown);
                     }
                 }
             }
