@@ -391,17 +391,23 @@ class Planner:
         step re-priced at the context it attends to, its own tokens and those before it, not the planned context."""
         steps = range(plan.tier, math.ceil(prompt_tokens / plan.tier) * plan.tier + 1, plan.tier)
         return sum(
-            self.evaluate(
-                plan.strategy,
-                plan.tier,
-                plan.placements,
-                plan.budget_bytes,
-                plan.slots,
-                plan.prefetch,
-                kv_streaming=bool(plan.kv_streamed),
-                context=min(attended, prompt_tokens, self.context),
-            ).step_s
+            self.resimulated(plan, context=min(attended, prompt_tokens, self.context)).step_s
             for attended in steps
+        )
+
+    def resimulated(self, plan: Plan, detail: bool = False, context: int | None = None) -> Plan:
+        """The plan simulated again as it was made (placements, staging slots, prefetch, KV streaming): with its
+        timeline (`detail`), or at a step's own context."""
+        return self.evaluate(
+            plan.strategy,
+            plan.tier,
+            plan.placements,
+            plan.budget_bytes,
+            plan.slots,
+            plan.prefetch,
+            detail=detail,
+            kv_streaming=bool(plan.kv_streamed),
+            context=context,
         )
 
     def expected_distinct_experts(self, tokens: int) -> dict[int, float]:
@@ -1145,16 +1151,7 @@ class Planner:
 
     def detailed(self, plan: Plan) -> Plan:
         """The same plan re-simulated with its timeline and copy overlap (for reports and plans.json)."""
-        return self.evaluate(
-            plan.strategy,
-            plan.tier,
-            plan.placements,
-            plan.budget_bytes,
-            plan.slots,
-            plan.prefetch,
-            detail=True,
-            kv_streaming=bool(plan.kv_streamed),
-        )
+        return self.resimulated(plan, detail=True)
 
     def plan(self, budget_bytes: int, tiers: tuple[int, ...] = DEFAULT_TIERS) -> BudgetPlans:
         """`plan_tier` of every tier within `budget_bytes`."""
