@@ -62,6 +62,19 @@ def _interpolate_log(points: list[tuple[float, float]], x: float) -> float:
     return math.exp(math.log(y0) + w * (math.log(y1) - math.log(y0)))
 
 
+def _interpolate_linear(points: list[tuple[float, float]], x: float) -> float:
+    """y at x, linear between sorted (x, y) points, clamped outside them: a step's time is affine in the context its
+    attention reads, where a power law through two points would overstate every context between them."""
+    xs = [p[0] for p in points]
+    if x <= xs[0]:
+        return points[0][1]
+    if x >= xs[-1]:
+        return points[-1][1]
+    i = bisect.bisect_left(xs, x)
+    (x0, y0), (x1, y1) = points[i - 1], points[i]
+    return y0 + (x - x0) / (x1 - x0) * (y1 - y0)
+
+
 class RateTable:
     """Achieved GFLOP/s of MatMul by (M, K, N) from a profile's rows."""
 
@@ -229,8 +242,8 @@ class Estimator:
         return table
 
     def _measured_seconds(self, kind: str, tokens: int, context: int, placement: str) -> float | None:
-        """Interpolated from the pack's own timings at this placement (log-log in T, then in the past length),
-        scaled by how much faster the whole step ran than its parts timed apart."""
+        """Interpolated from the pack's own timings at this placement (log-log in T, then linear in the past
+        length), scaled by how much faster the whole step ran than its parts timed apart."""
         by_kind = self.pack_timings.get(placement, {})
         if not by_kind.get(kind):
             return None
@@ -240,7 +253,7 @@ class Estimator:
             per_past = [
                 (float(max(p, 1)), _interpolate_log(points, tokens)) for p, points in sorted(by_past.items())
             ]
-            return _interpolate_log(per_past, past)
+            return _interpolate_linear(per_past, past)
 
         step = by_kind.get(STEP_KIND)
         return interpolated(by_kind[kind]) * (interpolated(step) if step else 1.0)
