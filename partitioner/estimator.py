@@ -48,16 +48,23 @@ QUANTIZED_PARTS = (
 )  # names of a quantized product's stored parts: WEIGHT + one of these...
 
 
+def _bracket(points: list[tuple[float, float]], x: float) -> tuple[tuple[float, float], tuple[float, float]]:
+    """The sorted (x, y) points either side of x; the same point twice outside them (interpolation clamps)."""
+    xs = [p[0] for p in points]
+    if x <= xs[0]:
+        return points[0], points[0]
+    if x >= xs[-1]:
+        return points[-1], points[-1]
+    i = bisect.bisect_left(xs, x)
+    return points[i - 1], points[i]
+
+
 def _interpolate_log(points: list[tuple[float, float]], x: float) -> float:
     """y at x, linear in log(y) over log(x) between sorted (x, y) points, clamped outside them.
     Rates grow in proportion to M while memory-bound, so a power law between points fits them."""
-    xs = [p[0] for p in points]
-    if x <= xs[0]:
-        return points[0][1]
-    if x >= xs[-1]:
-        return points[-1][1]
-    i = bisect.bisect_left(xs, x)
-    (x0, y0), (x1, y1) = points[i - 1], points[i]
+    (x0, y0), (x1, y1) = _bracket(points, x)
+    if x0 == x1:
+        return y0
     w = (math.log(x) - math.log(x0)) / (math.log(x1) - math.log(x0))
     return math.exp(math.log(y0) + w * (math.log(y1) - math.log(y0)))
 
@@ -65,14 +72,8 @@ def _interpolate_log(points: list[tuple[float, float]], x: float) -> float:
 def _interpolate_linear(points: list[tuple[float, float]], x: float) -> float:
     """y at x, linear between sorted (x, y) points, clamped outside them: a step's time is affine in the context its
     attention reads, where a power law through two points would overstate every context between them."""
-    xs = [p[0] for p in points]
-    if x <= xs[0]:
-        return points[0][1]
-    if x >= xs[-1]:
-        return points[-1][1]
-    i = bisect.bisect_left(xs, x)
-    (x0, y0), (x1, y1) = points[i - 1], points[i]
-    return y0 + (x - x0) / (x1 - x0) * (y1 - y0)
+    (x0, y0), (x1, y1) = _bracket(points, x)
+    return y0 if x0 == x1 else y0 + (x - x0) / (x1 - x0) * (y1 - y0)
 
 
 class RateTable:
