@@ -1519,17 +1519,19 @@ namespace {
 // Byte-level BPE text is its tokens' bytes joined, so the pieces add up to the whole answer's decoding.
 struct IncrementalText {
     std::function<std::string(const std::vector<int64_t>&)> decode;
-    std::string text;          // the decoding of tokens [0, read)
-    size_t prefix = 0, read = 0;  // the window decoded again each step starts at `prefix`
+    std::string text;             // the decoding of tokens [0, read)
+    std::string window;           // the decoding of tokens [prefix, read): the start of the next step's
+    size_t prefix = 0, read = 0;
 
     void extend(const std::vector<int64_t>& tokens) {
-        std::string before = decode(std::vector<int64_t>(tokens.begin() + prefix, tokens.begin() + read));
         std::string now = decode(std::vector<int64_t>(tokens.begin() + prefix, tokens.end()));
-        if (ends_incomplete(now) || now.size() <= before.size()) return;  // wait for the character's other bytes
-        if (now.compare(0, before.size(), before) != 0) {  // not a byte-level decoding: decode the whole answer
+        if (ends_incomplete(now) || now.size() <= window.size()) return;  // wait for the character's other bytes
+        if (now.compare(0, window.size(), window) == 0) {
+            window = now.substr(window.size());  // tokens [read, end): the next window
+            text += window;
+        } else {  // not a byte-level decoding: decode the whole answer, and the window anew
             text = decode(tokens);
-        } else {
-            text += now.substr(before.size());
+            window = decode(std::vector<int64_t>(tokens.begin() + read, tokens.end()));
         }
         prefix = read;
         read = tokens.size();
