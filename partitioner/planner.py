@@ -1098,20 +1098,6 @@ class Planner:
                 best[seed.strategy] = plan
         return sorted(best.values(), key=lambda p: p.step_s)
 
-    def prompt_plan(self, tier: int, budget_bytes: int, prompt_tokens: int) -> tuple[Plan, float]:
-        """The plan to prefill `prompt_tokens` with in steps of `tier`, and that prefill's time: of the tier's chosen
-        plan and the fastest of the artifact's (which seed our search), the one faster over the whole prompt. A
-        step's attention grows with the context it attends to, so the plan fastest at the planned context can lose
-        over a prompt's earlier, shorter steps."""
-        artifact = (self.artifact_plan(name, tier, budget_bytes) for name in ARTIFACT_STRATEGIES)
-        candidates = [
-            self.strategies(tier, budget_bytes)[0],
-            min((p for p in artifact if p is not None), key=lambda p: p.step_s, default=None),
-        ]
-        timed = [(self.prompt_seconds(p, prompt_tokens), p) for p in candidates if p is not None]
-        seconds, plan = min(timed, key=lambda pair: pair[0])
-        return plan, seconds
-
     def plan_tier(self, tier: int, budget_bytes: int) -> TierPlans:
         """Every strategy's plan at `tier` within `budget_bytes`, fastest first (`chosen`), and the baselines."""
         candidates = self.strategies(tier, budget_bytes, detail=True)
