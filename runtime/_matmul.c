@@ -32,10 +32,13 @@
 #define X86 1
 #endif
 
-enum { WEIGHT_FP32 = 0, WEIGHT_FP16 = 1, WEIGHT_BF16 = 2 };
+/* WEIGHT_FACTORED (a BlockMatMul's scales or minimums only): int8 per block times a float16 factor per super-block
+ * of `factor_blocks` blocks, a K-quant's d * sc as stored. */
+enum { WEIGHT_FP32 = 0, WEIGHT_FP16 = 1, WEIGHT_BF16 = 2, WEIGHT_FACTORED = 3 };
 enum { INPUT_A, INPUT_B, INPUT_COUNT };
 #define MAX_DIMS 8
 #define MAX_STREAM_ROWS 4  /* rows of A up to which B is streamed once for all of them */
+#define SCALE_CHUNK_FLOATS 4096 /* BlockMatMul: the float scales a decode task makes at a time (from halves or factors) */
 #define BLOCK_STREAM_ROWS 16  /* BlockMatMul: rows of A up to which 4-bit blocks are streamed (once per 4 rows;
                                * measured faster than dequantized panels up to 16 rows) */
 #define STREAM_DEPTH 8  /* rows of B summed in registers before their sums are added up */
@@ -77,15 +80,19 @@ static inline float bf16_to_float(uint16_t half) {
  * plane, codes in the same layout with zero point 8 counting 16 low steps each:
  * W[j][e] = ((low - zero point) + 16 (high - 8)) * scale. With `bits` 2 the plane holds 2-bit codes instead, four a
  * byte (element 4i + c in bits 2c, 2c + 1 of byte i), and its zero points four a byte likewise (none: 2 everywhere),
- * as com.microsoft::MatMulNBits lays out bits 2; no high plane then. */
+ * as com.microsoft::MatMulNBits lays out bits 2; no high plane then. Factored scales (WEIGHT_FACTORED) are int8
+ * [N, blocks] with float16 factors [N, blocks / factor_blocks]; factored minimums int8 [blocks, N] with factors
+ * [blocks / factor_blocks, N]: each block's float is factor times int8, one exact float product, as the exporter's
+ * graph multiplies them (so no session holds a float32 copy). */
 typedef struct {
     const uint8_t *low, *high, *zero_points;
     int bits; /* of the plane's codes: 4 or 2 */
     const void *scales;
     int scale_type;  /* a WEIGHT_* type */
-    const void *minimums;  /* where dequantized panels add them: [blocks, N] of minimum_type (a WEIGHT_* type) */
+    const void *minimums;  /* [blocks, N] of minimum_type (a WEIGHT_* type), or NULL */
     int minimum_type;
-    int64_t n, k, block, blocks;
+    const uint16_t *scale_factors, *minimum_factors; /* float16, where the type is WEIGHT_FACTORED */
+    int64_t n, k, block, blocks, factor_blocks;
 } BlockWeights;
 
 /* 2^23 + z and 2^19 + z for z in [0, 144): what a 4-bit code made the float 2^23 + code (2^19 + code) loses to be
@@ -112,6 +119,27 @@ static inline float weight_at(int type, const void *b, int64_t at) {
            : type == WEIGHT_BF16 ? bf16_to_float(((const uint16_t *)b)[at]) : ((const float *)b)[at];
 }
 
+/* Block b's scale of W's row j, and its minimum, as floats. */
+static inline float block_scale(const BlockWeights *w, int64_t j, int64_t b) {
+    if (w->scale_type != WEIGHT_FACTORED) return weight_at(w->scale_type, w->scales, j * w->blocks + b);
+    const int64_t factors = w->blocks / w->factor_blocks;
+    return fp16_to_float(w->scale_factors[j * factors + b / w->factor_blocks]) *
+           (float)((const int8_t *)w->scales)[j * w->blocks + b];
+}
+
+static inline float block_minimum(const BlockWeights *w, int64_t b, int64_t j) {
+    if (w->minimum_type != WEIGHT_FACTORED) return weight_at(w->minimum_type, w->minimums, b * w->n + j);
+    return fp16_to_float(w->minimum_factors[b / w->factor_blocks * w->n + j]) *
+           (float)((const int8_t *)w->minimums)[b * w->n + j];
+}
+
+/* W's scales from row j0 on, pointed to in place for a `part` whose row 0 is W's row j0. */
+static void scales_from_row(const BlockWeights *w, int64_t j0, BlockWeights *part) {
+    const size_t size = w->scale_type == WEIGHT_FP32 ? sizeof(float) : w->scale_type == WEIGHT_FACTORED ? 1 : 2;
+    part->scales = (const uint8_t *)w->scales + (size_t)(j0 * w->blocks) * size;
+    if (w->scale_type == WEIGHT_FACTORED) part->scale_factors = w->scale_factors + j0 * (w->blocks / w->factor_blocks);
+}
+
 typedef struct {
     const char *name;
     int lanes, panel, tile_rows;
@@ -126,6 +154,10 @@ typedef struct {
                        float *out, int64_t ldo);
     void (*dequantize_panel)(const BlockWeights *w, int64_t n0, int64_t cols, float *packed, void *scratch);
     void (*widen_halves)(const uint16_t *from, float *to, int64_t count, int bf16);
+    void (*compose_scales)(const int8_t *per_block, const uint16_t *factors, int64_t count, int64_t per_factor,
+                           float *to);
+    void (*compose_minimums)(const int8_t *per_block, const uint16_t *factors, int64_t blocks, int64_t per_factor,
+                             int64_t n, float *to);
 } Kernels;
 
 static inline uint64_t load_u64(const uint8_t *from) {
@@ -365,8 +397,7 @@ static uint8_t *nibble_rows(const BlockWeights *w, int64_t j0, int64_t rows, Blo
     part->low = codes;
     part->zero_points = zero_points;
     part->bits = 4;
-    part->scales = w->scale_type == WEIGHT_FP32 ? (const void *)((const float *)w->scales + j0 * blocks)
-                                                : (const void *)((const uint16_t *)w->scales + j0 * blocks);
+    scales_from_row(w, j0, part);
     part->minimums = NULL;
     part->n = rows;
     return memory;
@@ -556,7 +587,8 @@ static const CustomOp weight_matmul = {
     .KernelComputeV2 = compute,
 };
 
-/* ---- pipeshard.BlockMatMul(A, B, scales[, zero_points[, high[, minimums]]]), attribute block_size: Y = A W^T for W [N, K]
+/* ---- pipeshard.BlockMatMul(A, B, scales[, zero_points[, high[, minimums[, scale_factors[, minimum_factors]]]]]),
+ * attribute block_size: Y = A W^T for W [N, K]
  * stored as 4-bit blocks (BlockWeights), what com.microsoft::MatMulNBits (bits 4) computes, in float: each code
  * minus its zero point an exact integer, every product and sum in float (no quantized activations). A decode step
  * (M <= MAX_STREAM_ROWS) streams W once: A's rows permuted once per call so each vector of codes (a vector's worth
@@ -565,10 +597,13 @@ static const CustomOp weight_matmul = {
  * WeightMatMul's blocked path. With `minimums` M [blocks, N] (float, float16 or bfloat16: a format's per-block
  * minimum), Y also gains blocksums(A) M: streamed rows add it after (each block of A's rows summed, then
  * WeightMatMul's product over M), dequantized panels hold (code - zero point) * scale + minimum, as ggml defines
- * a weight. With attribute `bits` 2 (default 4) W is one 2-bit plane (BlockWeights): streamed rows unpack four codes
+ * a weight. With `scale_factors` (float16 [N, supers]) the scales are a K-quant's int8 [N, blocks] as stored, each
+ * times its super-block's factor (WEIGHT_FACTORED); `minimum_factors` ([supers, N]) likewise for int8 minimums.
+ * With attribute `bits` 2 (default 4) W is one 2-bit plane (BlockWeights): streamed rows unpack four codes
  * a byte (A permuted to match), a prompt's panels widen their rows to nibbles first and add the minimum term after.
  * runtime/weight_matmul.py swaps it in for MatMulNBits (and its minimum term). ---- */
-enum { BLOCK_A, BLOCK_B, BLOCK_SCALES, BLOCK_ZERO_POINTS, BLOCK_HIGH, BLOCK_MINIMUMS, BLOCK_INPUT_COUNT };
+enum { BLOCK_A, BLOCK_B, BLOCK_SCALES, BLOCK_ZERO_POINTS, BLOCK_HIGH, BLOCK_MINIMUMS, BLOCK_SCALE_FACTORS,
+       BLOCK_MINIMUM_FACTORS, BLOCK_INPUT_COUNT };
 
 typedef struct {
     void *const *api;
@@ -597,8 +632,8 @@ static void permute_crumbs(const float *a, int64_t rows, int64_t k, int lanes, f
             for (int l = 0; l < lanes; l++) to[r * k + g + l] = a[r * k + g + 4 * (l % bytes) + l / bytes];
 }
 
-/* Decode task `index`: W's rows [index slice_rows, ...) against every row of the permuted A. Half-precision scales
- * are widened to floats for the task's rows first: the kernels' inner loop reads float scales. */
+/* Decode task `index`: W's rows [index slice_rows, ...) against every row of the permuted A. Half-precision or
+ * factored scales are made floats for the task's rows first: the kernels' inner loop reads float scales. */
 static void block_task(void *data, size_t index) {
     Product *p = data;
     const BlockWeights *w = p->blocks;
@@ -607,43 +642,53 @@ static void block_task(void *data, size_t index) {
         p->kernels->block_rows(p->a, p->k, p->m, w, j0, j1, p->out, p->n);
         return;
     }
-    const int64_t rows = j1 - j0, row_bytes = w->blocks * w->block * w->bits / 8;
-    float *scales = malloc(sizeof(float) * (size_t)(rows * w->blocks));
+    const int64_t row_bytes = w->blocks * w->block * w->bits / 8, blocks = w->blocks;
+    const int64_t chunk = SCALE_CHUNK_FLOATS / blocks > 2 ? SCALE_CHUNK_FLOATS / blocks / 2 * 2 : 2;
+    float *scales = malloc(sizeof(float) * (size_t)(chunk * blocks));
     if (scales == NULL) {
         p->failed = 1;
         return;
     }
-    p->kernels->widen_halves((const uint16_t *)w->scales + j0 * w->blocks, scales, rows * w->blocks,
-                             w->scale_type == WEIGHT_BF16);
-    BlockWeights part = *w; /* the task's rows alone, from row 0 */
-    part.low = w->low + j0 * row_bytes;
-    part.high = w->high ? w->high + j0 * row_bytes : NULL;
-    part.zero_points = w->zero_points ? w->zero_points + j0 * ((w->blocks * w->bits + 7) / 8) : NULL;
-    part.scales = scales;
-    part.scale_type = WEIGHT_FP32;
-    part.n = rows;
-    p->kernels->block_rows(p->a, p->k, p->m, &part, 0, rows, p->out + j0, p->n);
+    for (int64_t j = j0; j < j1; j += chunk) { /* a chunk's float scales stay in the L1 cache */
+        const int64_t rows = j + chunk < j1 ? chunk : j1 - j;
+        if (w->scale_type == WEIGHT_FACTORED)
+            p->kernels->compose_scales((const int8_t *)w->scales + j * blocks,
+                                       w->scale_factors + j * (blocks / w->factor_blocks),
+                                       rows * (blocks / w->factor_blocks), w->factor_blocks, scales);
+        else
+            p->kernels->widen_halves((const uint16_t *)w->scales + j * blocks, scales, rows * blocks,
+                                     w->scale_type == WEIGHT_BF16);
+        BlockWeights part = *w; /* the chunk's rows alone, from row 0 */
+        part.low = w->low + j * row_bytes;
+        part.high = w->high ? w->high + j * row_bytes : NULL;
+        part.zero_points = w->zero_points ? w->zero_points + j * ((blocks * w->bits + 7) / 8) : NULL;
+        part.scales = scales;
+        part.scale_type = WEIGHT_FP32;
+        part.n = rows;
+        p->kernels->block_rows(p->a, p->k, p->m, &part, 0, rows, p->out + j, p->n);
+    }
     free(scales);
 }
 
-/* out[r][n] += sum over blocks b of (the sum of block b of A's row r) minimums[b][n]: the minimum term. */
+/* out[r][n] += sum over blocks b of (the sum of block b of A's row r) minimums[b][n]: the minimum term (W's
+ * minimums; factored ones made floats for the call). */
 static OrtStatus *add_minimum_term(void *const *api, void *context, const Kernels *kernels, const float *a,
-                                   int64_t m, const BlockWeights *w, const Tensor *minimums, float *out) {
-    const int type = minimums->element == FLOAT16 ? WEIGHT_FP16 : minimums->element == BFLOAT16 ? WEIGHT_BF16
-                     : minimums->element == FLOAT ? WEIGHT_FP32 : -1;
-    if (type < 0 || minimums->rank != 2 || minimums->dims[0] != w->blocks || minimums->dims[1] != w->n)
-        return fail(api, ORT_INVALID_ARGUMENT, "BlockMatMul: minimums are not [blocks, N] floats");
-    float *sums = malloc(sizeof(float) * (size_t)(m * w->blocks + m * w->n));
+                                   int64_t m, const BlockWeights *w, float *out) {
+    const int factored = w->minimum_type == WEIGHT_FACTORED;
+    float *sums = malloc(sizeof(float) * (size_t)(m * w->blocks + m * w->n + (factored ? w->blocks * w->n : 0)));
     if (sums == NULL) return fail(api, ORT_FAIL, "BlockMatMul: out of memory");
-    float *term = sums + m * w->blocks;
+    float *term = sums + m * w->blocks, *minimums = term + m * w->n;
     for (int64_t r = 0; r < m; r++)
         for (int64_t b = 0; b < w->blocks; b++) {
             float sum = 0.0f;
             for (int64_t e = 0; e < w->block; e++) sum += a[r * w->k + b * w->block + e];
             sums[r * w->blocks + b] = sum;
         }
-    Product q = {.kernels = kernels, .a = sums, .b = minimums->data, .out = term, .type = type, .m = m,
-                 .k = w->blocks, .n = w->n};
+    if (factored)
+        kernels->compose_minimums(w->minimums, w->minimum_factors, w->blocks, w->factor_blocks, w->n, minimums);
+    const int type = factored ? WEIGHT_FP32 : w->minimum_type;
+    Product q = {.kernels = kernels, .a = sums, .b = factored ? minimums : w->minimums, .out = term, .type = type,
+                 .m = m, .k = w->blocks, .n = w->n};
     OrtStatus *status;
     if (m <= MAX_STREAM_ROWS) {
         status = stream(api, context, &q, type == WEIGHT_FP32 ? 4 : 2);
@@ -661,6 +706,29 @@ static int64_t element_count(const Tensor *tensor) {
     int64_t count = 1;
     for (size_t i = 0; i < tensor->rank; i++) count *= tensor->dims[i];
     return count;
+}
+
+static int half_or_float(int element) {
+    return element == FLOAT16 ? WEIGHT_FP16 : element == BFLOAT16 ? WEIGHT_BF16 : element == FLOAT ? WEIGHT_FP32 : -1;
+}
+
+/* The float16 factors of factored scales ([N, supers]; `minimums`: of factored minimums, [supers, N]), where
+ * given: they set W's blocks per factor, which the two must agree on and which must divide its blocks. */
+static OrtStatus *read_factors(void *const *api, const Tensor *factors, int given, int64_t n, int minimums,
+                               BlockWeights *w) {
+    if (!given) return NULL;
+    const int64_t count = element_count(factors), supers = n > 0 ? count / n : 0;
+    const int64_t factor_blocks = supers > 0 ? w->blocks / supers : 0;
+    if (factors->element != FLOAT16 || n == 0 || count != supers * n || factor_blocks == 0 ||
+        factor_blocks * supers != w->blocks || (w->factor_blocks && w->factor_blocks != factor_blocks))
+        return fail(api, ORT_INVALID_ARGUMENT, minimums ? "BlockMatMul: minimum factors are not float16 [supers, N]"
+                                                        : "BlockMatMul: scale factors are not float16 [N, supers]");
+    w->factor_blocks = factor_blocks;
+    if (minimums)
+        w->minimum_factors = factors->data;
+    else
+        w->scale_factors = factors->data;
+    return NULL;
 }
 
 static OrtStatus *block_compute(void *kernel_state, void *context) {
@@ -687,22 +755,35 @@ static OrtStatus *block_compute(void *kernel_state, void *context) {
     const int64_t n = b->dims[0], blocks = b->dims[1], k = blocks * block;
     if (a->dims[a->rank - 1] != k)
         return fail(api, ORT_INVALID_ARGUMENT, "BlockMatMul: A's last dimension is not B's blocks times block_size");
-    const int scale_type = in[BLOCK_SCALES].element == FLOAT16 ? WEIGHT_FP16
-                           : in[BLOCK_SCALES].element == BFLOAT16 ? WEIGHT_BF16
-                           : in[BLOCK_SCALES].element == FLOAT ? WEIGHT_FP32 : -1;
-    if (scale_type < 0 || element_count(&in[BLOCK_SCALES]) != n * blocks)
-        return fail(api, ORT_INVALID_ARGUMENT, "BlockMatMul: scales are not N x blocks floats");
+    const int scale_type = given[BLOCK_SCALE_FACTORS] ? WEIGHT_FACTORED : half_or_float(in[BLOCK_SCALES].element);
+    if (scale_type < 0 || element_count(&in[BLOCK_SCALES]) != n * blocks ||
+        (scale_type == WEIGHT_FACTORED && in[BLOCK_SCALES].element != INT8))
+        return fail(api, ORT_INVALID_ARGUMENT, "BlockMatMul: scales are not N x blocks floats (or int8 with factors)");
     if (given[BLOCK_ZERO_POINTS] && (in[BLOCK_ZERO_POINTS].element != UINT8 ||
                                      element_count(&in[BLOCK_ZERO_POINTS]) != n * ((blocks * bits + 7) / 8)))
         return fail(api, ORT_INVALID_ARGUMENT, "BlockMatMul: zero points are not uint8 [N, (blocks * bits + 7) / 8]");
     if (given[BLOCK_HIGH] && (bits != 4 || in[BLOCK_HIGH].element != UINT8 ||
                               element_count(&in[BLOCK_HIGH]) != element_count(b)))
         return fail(api, ORT_INVALID_ARGUMENT, "BlockMatMul: the high plane is not shaped as a 4-bit B");
-    const BlockWeights w = {
+    BlockWeights w = {
         .low = b->data, .high = given[BLOCK_HIGH] ? in[BLOCK_HIGH].data : NULL,
         .zero_points = given[BLOCK_ZERO_POINTS] ? in[BLOCK_ZERO_POINTS].data : NULL, .bits = (int)bits,
         .scales = in[BLOCK_SCALES].data, .scale_type = scale_type, .n = n, .k = k, .block = block, .blocks = blocks,
     };
+    if ((status = read_factors(api, &in[BLOCK_SCALE_FACTORS], given[BLOCK_SCALE_FACTORS], n, 0, &w))) return status;
+    if (given[BLOCK_MINIMUMS]) {
+        const Tensor *minimums = &in[BLOCK_MINIMUMS];
+        w.minimums = minimums->data;
+        w.minimum_type = given[BLOCK_MINIMUM_FACTORS] ? WEIGHT_FACTORED : half_or_float(minimums->element);
+        if (w.minimum_type < 0 || element_count(minimums) != blocks * n ||
+            (w.minimum_type == WEIGHT_FACTORED ? minimums->element != INT8 : minimums->rank != 2))
+            return fail(api, ORT_INVALID_ARGUMENT, "BlockMatMul: minimums are not [blocks, N] floats (or int8 with "
+                                                   "factors)");
+        status = read_factors(api, &in[BLOCK_MINIMUM_FACTORS], given[BLOCK_MINIMUM_FACTORS], n, 1, &w);
+        if (status) return status;
+    } else if (given[BLOCK_MINIMUM_FACTORS]) {
+        return fail(api, ORT_INVALID_ARGUMENT, "BlockMatMul: minimum factors without minimums");
+    }
     int64_t m = 0;
     float *out = NULL;
     if ((status = product_output(api, context, a, n, &m, &out))) return status;
@@ -712,29 +793,11 @@ static OrtStatus *block_compute(void *kernel_state, void *context) {
         return NULL;
     }
     Product p = {.kernels = kernel->kernels, .a = a->data, .blocks = &w, .out = out, .m = m, .k = k, .n = n};
-    if (m > BLOCK_STREAM_ROWS) { /* the minimums, if any, enter each dequantized 4-bit weight */
-        BlockWeights with_minimums = w;
-        if (given[BLOCK_MINIMUMS] && bits == 2) {
-            p.blocks = &w;
-            status = parallel(api, context, panel_task, (size_t)((n + p.kernels->panel - 1) / p.kernels->panel), &p);
-            if (status == NULL && p.failed) status = fail(api, ORT_FAIL, "BlockMatMul: out of memory");
-            if (status == NULL)
-                status = add_minimum_term(api, context, p.kernels, a->data, m, &w, &in[BLOCK_MINIMUMS], out);
-            return status;
-        }
-        if (given[BLOCK_MINIMUMS]) {
-            const Tensor *minimums = &in[BLOCK_MINIMUMS];
-            with_minimums.minimums = minimums->data;
-            with_minimums.minimum_type = minimums->element == FLOAT16 ? WEIGHT_FP16
-                                         : minimums->element == BFLOAT16 ? WEIGHT_BF16
-                                         : minimums->element == FLOAT ? WEIGHT_FP32 : -1;
-            if (with_minimums.minimum_type < 0 || minimums->rank != 2 || minimums->dims[0] != blocks ||
-                minimums->dims[1] != n)
-                return fail(api, ORT_INVALID_ARGUMENT, "BlockMatMul: minimums are not [blocks, N] floats");
-        }
-        p.blocks = &with_minimums;
+    if (m > BLOCK_STREAM_ROWS) { /* 4-bit panels hold the minimums, if any; 2-bit ones add their term after */
         status = parallel(api, context, panel_task, (size_t)((n + p.kernels->panel - 1) / p.kernels->panel), &p);
         if (status == NULL && p.failed) status = fail(api, ORT_FAIL, "BlockMatMul: out of memory");
+        if (status == NULL && w.minimums && bits == 2)
+            status = add_minimum_term(api, context, p.kernels, a->data, m, &w, out);
         return status;
     }
     float *permuted = malloc(sizeof(float) * (size_t)(m * k));
@@ -759,8 +822,8 @@ static OrtStatus *block_compute(void *kernel_state, void *context) {
         if (status == NULL && p.failed) status = fail(api, ORT_FAIL, "BlockMatMul: out of memory");
     }
     free(permuted);
-    if (status == NULL && given[BLOCK_MINIMUMS])
-        status = add_minimum_term(api, context, p.kernels, a->data, m, &w, &in[BLOCK_MINIMUMS], out);
+    if (status == NULL && w.minimums)
+        status = add_minimum_term(api, context, p.kernels, a->data, m, &w, out);
     return status;
 }
 
@@ -793,11 +856,13 @@ static const char *block_op_name(const void *op) { (void)op; return "BlockMatMul
 static size_t block_input_count(const void *op) { (void)op; return BLOCK_INPUT_COUNT; }
 static int block_input_type(const void *op, size_t index) {
     (void)op;
-    return index == BLOCK_A ? FLOAT : index == BLOCK_SCALES || index == BLOCK_MINIMUMS ? UNDEFINED : UINT8;
+    return index == BLOCK_A ? FLOAT
+           : index == BLOCK_SCALES || index == BLOCK_MINIMUMS ? UNDEFINED
+           : index == BLOCK_SCALE_FACTORS || index == BLOCK_MINIMUM_FACTORS ? FLOAT16 : UINT8;
 }
 static int block_input_characteristic(const void *op, size_t index) {
     (void)op;
-    return index == BLOCK_ZERO_POINTS || index == BLOCK_HIGH || index == BLOCK_MINIMUMS ? OPTIONAL : REQUIRED;
+    return index <= BLOCK_SCALES ? REQUIRED : OPTIONAL;
 }
 
 static const CustomOp block_matmul = {

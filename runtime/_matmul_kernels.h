@@ -304,6 +304,53 @@ ISA_TARGET static void GLUE(widen_halves, ISA)(const uint16_t *from, float *to, 
     for (; i < count; i++) to[i] = bf16 ? bf16_to_float(from[i]) : fp16_to_float(from[i]);
 }
 
+/* LANES int8s at p as floats. */
+ISA_TARGET static inline FLOATS GLUE(signed_bytes, ISA)(const int8_t *p) {
+    return __builtin_convertvector(((INTS)GLUE(widen_bytes, ISA)((const uint8_t *)p) ^ 128) - 128, FLOATS);
+}
+
+/* Factored scales [rows, blocks] as floats: `count` factors (float16), each times its `per_factor` int8s (exact
+ * products). A vector spans one factor's blocks, or two factors' where a factor has half a vector of them. */
+ISA_TARGET static void GLUE(compose_scales, ISA)(const int8_t *per_block, const uint16_t *factors, int64_t count,
+                                                 int64_t per_factor, float *to) {
+    int64_t f = 0;
+    if (per_factor % LANES == 0) {
+        for (; f < count; f++) {
+            const FLOATS times = GLUE(broadcast, ISA)(fp16_to_float(factors[f]));
+            for (int64_t b = 0; b < per_factor; b += LANES)
+                GLUE(store, ISA)(to + f * per_factor + b,
+                                 times * GLUE(signed_bytes, ISA)(per_block + f * per_factor + b));
+        }
+    } else if (2 * per_factor == LANES) {
+        FLOATS first_half;
+        for (int l = 0; l < LANES; l++) first_half[l] = l < per_factor ? 1.0f : 0.0f;
+        for (; f + 2 <= count; f += 2) { /* first * 1 + second * 0 is first exactly: factors are finite */
+            const FLOATS times = GLUE(broadcast, ISA)(fp16_to_float(factors[f])) * first_half +
+                                 GLUE(broadcast, ISA)(fp16_to_float(factors[f + 1])) * (1.0f - first_half);
+            GLUE(store, ISA)(to + f * per_factor, times * GLUE(signed_bytes, ISA)(per_block + f * per_factor));
+        }
+    }
+    for (; f < count; f++) {
+        const float times = fp16_to_float(factors[f]);
+        for (int64_t b = 0; b < per_factor; b++) to[f * per_factor + b] = times * (float)per_block[f * per_factor + b];
+    }
+}
+
+/* Factored minimums [blocks, n] as floats: block b's row of int8s times row b / per_factor of the factors. */
+ISA_TARGET static void GLUE(compose_minimums, ISA)(const int8_t *per_block, const uint16_t *factors, int64_t blocks,
+                                                   int64_t per_factor, int64_t n, float *to) {
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint16_t *factor = factors + b / per_factor * n;
+        const int8_t *row = per_block + b * n;
+        float *out = to + b * n;
+        int64_t j = 0;
+        for (; j + LANES <= n; j += LANES) {
+            GLUE(store, ISA)(out + j, load_fp16(factor + j) * GLUE(signed_bytes, ISA)(row + j));
+        }
+        for (; j < n; j++) out[j] = fp16_to_float(factor[j]) * (float)row[j];
+    }
+}
+
 /* out[r][j] = a[r] . W[j] for rows r < ROWS of the permuted A and J rows of W from j (module doc of
  * runtime/_matmul.c): blocks two at a time, one byte of zero points between them. ROWS, J, BLOCK and HIGH are
  * constants where it is inlined. */
@@ -436,11 +483,11 @@ ISA_TARGET static void GLUE(dequantize_panel, ISA)(const BlockWeights *w, int64_
     for (int64_t c = 0; c < PANEL; c++) {
         const int64_t j = n0 + c;
         for (int64_t b = 0; b < blocks; b++) {
-            scales[b * PANEL + c] = c < cols ? weight_at(w->scale_type, w->scales, j * blocks + b) : 0.0f;
+            scales[b * PANEL + c] = c < cols ? block_scale(w, j, b) : 0.0f;
             offsets[b * PANEL + c] = c < cols ? code_offsets[0][block_zero_point(w, j, b) + (w->high ? 128 : 0)]
                                               : code_offsets[0][0];
             minimums[b * PANEL + c] =
-                    c < cols && w->minimums ? weight_at(w->minimum_type, w->minimums, b * w->n + j) : 0.0f;
+                    c < cols && w->minimums ? block_minimum(w, b, j) : 0.0f;
         }
         for (int64_t i = 0; i < row_bytes; i++) low[i * PANEL + c] = c < cols ? w->low[j * row_bytes + i] : 0;
         if (w->high)
@@ -473,7 +520,8 @@ static const Kernels GLUE(kernels, ISA) = {
     .name = GLUE_STRING(ISA), .lanes = LANES, .panel = PANEL, .tile_rows = TILE_ROWS,
     .stream_rows = GLUE(stream_rows, ISA), .dot_rows = GLUE(dot_rows, ISA), .pack_panel = GLUE(pack_panel, ISA),
     .tile = GLUE(tile, ISA), .block_rows = GLUE(block_rows, ISA), .dequantize_panel = GLUE(dequantize_panel, ISA),
-    .widen_halves = GLUE(widen_halves, ISA),
+    .widen_halves = GLUE(widen_halves, ISA), .compose_scales = GLUE(compose_scales, ISA),
+    .compose_minimums = GLUE(compose_minimums, ISA),
 };
 
 #undef FLOATS

@@ -29,7 +29,7 @@ enum {
     RELEASE_TENSOR_TYPE_AND_SHAPE_INFO = 99, KERNEL_CONTEXT_PARALLEL_FOR = 274,
 };
 enum { ORT_FAIL = 1, ORT_INVALID_ARGUMENT = 2 };
-enum { UNDEFINED = 0, FLOAT = 1, UINT8 = 2, INT32 = 6, INT64 = 7, FLOAT16 = 10, BFLOAT16 = 16 };  /* tensor element types */
+enum { UNDEFINED = 0, FLOAT = 1, UINT8 = 2, INT8 = 3, INT32 = 6, INT64 = 7, FLOAT16 = 10, BFLOAT16 = 16 };  /* tensor element types */
 enum { REQUIRED = 0, OPTIONAL = 1 };
 
 /* The fields of OrtCustomOp up to version 16 (KernelComputeV2), in their order. */

@@ -13,7 +13,9 @@ A GGUF pack (`--dtype gguf`, exporter/quantized_weights.py) stores its products 
 which computes the same
 `(code - zero point) * scale` weights in float32, faster than ONNX Runtime's kernel at a decode step. A wide format's
 two planes (`low + 16 * high`: MatMulNBits, MatMulNBits, Mul by 16, Add) become one BlockMatMul over both. Scales
-and minimums stored in half precision are read as stored (their Casts dropped), so no session holds a float32 copy.
+and minimums stored in half precision are read as stored (their Casts dropped), and a K-quant's factored ones (int8
+per block times a float16 factor per super-block, multiplied in the graph) as their two stored parts (the product
+dropped: the op multiplies them per call, the same exact floats), so no session holds a float32 copy.
 The pack is not changed; a host without the ops runs its files as they are.
 """
 
@@ -42,14 +44,17 @@ _GEMM_DEFAULTS = {"alpha": 1.0, "beta": 1.0, "transA": 0}
 
 
 def product_weights(stored: Iterable[Weight], float_weights: bool) -> set[str]:
-    """The weights (manifest records) the ops may read: 2-D half-precision ones, float32 ones if asked, and the uint8
-    planes and zero points of 4-bit products."""
+    """The weights (manifest records) the ops may read: 2-D half-precision ones, float32 ones if asked, the uint8
+    planes and zero points of 4-bit products, and a K-quant's factored scales and minimums (int8 per block, float16
+    per super-block: 3-D)."""
     return {
         w.name
         for w in stored
-        if w.dtype == "uint8"
+        if w.dtype in ("uint8", "int8")
         or len(w.shape) == 2
         and (w.dtype in HALF_DTYPES or float_weights and w.dtype == "float32")
+        or len(w.shape) == 3
+        and w.dtype == "float16"
     }
 
 
@@ -288,6 +293,20 @@ def _minimum_term(
     return read.get(minimums, minimums), [matmul[0], sums[0], blocks[0]]
 
 
+def _factored(graph: _Graph, name: str, read: dict[str, str]) -> tuple[str, str, list[int]] | None:
+    """(int8 per block, float16 factor, the Reshape and Mul) where `name` is the exporter's factored scales or
+    minimums, `Reshape(Mul(Cast(factor), Cast(int8)), shape)` over stored weights (exporter/quantized_weights.py);
+    they are dropped once nothing reads them."""
+    reshape = graph.producer.get(name)  # read by the product's low and high planes, which become one op
+    if reshape is None or wire.node_op(graph.parsed[reshape]) != ("", "Reshape"):
+        return None
+    product = graph.made_by(wire.strings(graph.parsed[reshape], wire.NODE_INPUT)[0], "Mul", 2)
+    if product is None or not all(read.get(cast, cast) != cast for cast in product[1]):
+        return None
+    factor, per_block = product[1]
+    return read[per_block], read[factor], [reshape, product[0]]
+
+
 def _block_size(fields: list[wire.Field]) -> int:
     return int(wire.node_attributes(fields)["block_size"])
 
@@ -346,18 +365,24 @@ def swap_products(
     blocks = {
         index: inputs for index, fields in enumerate(parsed) if (inputs := _block_product(fields, weights))
     }
-    fused = _fuse_planes(_Graph(parsed, graph_outputs), blocks, read, constants or {})
+    graph = _Graph(parsed, graph_outputs)
+    fused = _fuse_planes(graph, blocks, read, constants or {})
     folded = {index for made in fused.values() for index in made.replaced}
+    multiplied: set[int] = set()  # the factored scales' products the op now makes itself
     out: list[bytes | None] = []
     swapped = 0
     for index, (node, fields) in enumerate(zip(nodes, parsed, strict=True)):
         if index in folded:
             out.append(None)
         elif index in fused or index in blocks:
-            inputs = fused[index].inputs if index in fused else blocks[index]
+            inputs = [*(fused[index].inputs if index in fused else blocks[index]), *[""] * 8][:8]
+            inputs[2] = read.get(inputs[2], inputs[2])  # scales as stored
+            for at, factor_at in ((2, 6), (5, 7)):  # a K-quant's scales, minimums: int8 and their factors
+                if inputs[at] and (factored := _factored(graph, inputs[at], read)):
+                    inputs[at], inputs[factor_at], replaced = factored
+                    multiplied.update(replaced)
             while not inputs[-1]:
                 inputs = inputs[:-1]
-            inputs = [*inputs[:2], read.get(inputs[2], inputs[2]), *inputs[3:]]  # scales as stored
             if index in fused:
                 block_size, bits = fused[index].block_size, fused[index].bits
             else:
@@ -368,11 +393,22 @@ def swap_products(
             product = _product(fields, read)
             out.append(node if product is None else _weight_matmul(fields, *product))
             swapped += product is not None
-    still_read = graph_outputs | {
-        name for node in out if node is not None for name in wire.strings(wire.parse(node), wire.NODE_INPUT)
+    unread = multiplied | {  # and the Casts of stored weights: dropped once nothing reads them
+        index
+        for index, fields in enumerate(parsed)
+        if wire.node_op(fields) == ("", "Cast") and wire.strings(fields, wire.NODE_OUTPUT)[0] in read
     }
-    for index, fields in enumerate(parsed):
-        outputs = wire.strings(fields, wire.NODE_OUTPUT)
-        if wire.node_op(fields) == ("", "Cast") and outputs[0] in read and outputs[0] not in still_read:
+    reads = [[] if node is None else wire.strings(wire.parse(node), wire.NODE_INPUT) for node in out]
+    while True:
+        still_read = graph_outputs | {
+            name for node, names in zip(out, reads, strict=True) if node is not None for name in names
+        }
+        dropped = [
+            index
+            for index in unread
+            if out[index] is not None and not set(wire.strings(parsed[index], wire.NODE_OUTPUT)) & still_read
+        ]
+        if not dropped:
+            return out, swapped
+        for index in dropped:
             out[index] = None
-    return out, swapped

@@ -144,7 +144,9 @@ def test_equals_numpy_over_the_codes_minus_zero_points_times_scales(
 def _swapped(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
     """`model` with its MatMulNBits swapped as a CPU session's graph is (its inline weights as the stored ones)."""
     weights = {
-        t.name for t in model.graph.initializer if t.data_type in (TensorProto.UINT8, TensorProto.FLOAT16)
+        t.name
+        for t in model.graph.initializer
+        if t.data_type in (TensorProto.UINT8, TensorProto.INT8, TensorProto.FLOAT16)
     }
     constants = small_constants(t.SerializeToString() for t in model.graph.initializer)
     nodes, swapped = swap_products(
@@ -176,7 +178,15 @@ def _run(model: onnx.ModelProto, inputs: dict[str, np.ndarray], output: str, col
 
 
 @pytest.mark.parametrize(
-    "formats", [["Q4_0"], ["Q4_1"], ["Q8_0"], ["Q5_1"], ["Q4_K", "Q6_K", "Q8_0"], ["Q2_K"]]
+    "formats",
+    [
+        ["Q4_0"],
+        ["Q4_1"],
+        ["Q8_0"],
+        ["Q5_1"],
+        ["Q4_K", "Q6_K", "Q8_0"],
+        *([f] for f in ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")),
+    ],
 )
 @pytest.mark.parametrize("rows", [1, 4, 9, 37])  # streamed once, twice (the minimum term added after); panels
 @pytest.mark.parametrize("isa", ISAS)
@@ -203,15 +213,22 @@ def test_matmulnbits_swapped_for_block_matmul_computes_what_onnx_runtime_does(
     ]
     stored = {t.name for t in model.graph.initializer}
     assert [n.op_type for n in products] == ["BlockMatMul"] and count == 1
-    inputs = list(products[0].input) + [""] * (6 - len(products[0].input))
+    inputs = list(products[0].input) + [""] * (8 - len(products[0].input))
     assert inputs[4] == ("product_q4_high" if "product_q4_high" in stored else "")
     bits = {a.name: a.i for a in products[0].attribute}.get("bits", 4)
     assert bits == (2 if "product_q2_low" in stored else 4)  # Q2_K's one 2-bit plane
-    # stored half-precision scales and minimums read as stored (no Cast); a K-quant's computed from their factors
-    scales = [name for name in stored if name.endswith("_scales") and name.startswith("product")]
-    assert inputs[2] == (scales[0] if scales else "y_scales"), (inputs, stored)
-    minimums = "product_minimums" if "product_minimums" in stored else "y_minimums"
-    assert inputs[5] == (minimums if any(name.startswith("product_minimums") for name in stored) else "")
+    # stored scales and minimums read as stored, half-precision ones without a Cast, a K-quant's int8 and float16
+    # factors without their float32 product (which ONNX Runtime would fold into a float32 copy)
+    low = f"product_q{bits}_low"
+    factored = f"{low}_scales_sub" in stored
+    assert inputs[2] == (f"{low}_scales_sub" if factored else f"{low}_scales"), (inputs, stored)
+    assert inputs[6] == (f"{low}_scales_super" if factored else "")
+    minimums = [name for name in ("product_minimums", "product_minimums_sub") if name in stored]
+    assert inputs[5] == (minimums[0] if minimums else "")
+    assert inputs[7] == ("product_minimums_super" if "product_minimums_sub" in stored else "")
+    assert not [
+        n.op_type for n in swapped.graph.node if n.op_type != "BlockMatMul" and "product" in n.input[0]
+    ]
     x = np.random.default_rng(rows).standard_normal((1, rows, COLUMNS)).astype(np.float32)
     ids = np.zeros((1, rows), np.int64)
     columns = product.shape[0]

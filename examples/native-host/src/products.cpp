@@ -252,6 +252,29 @@ std::map<size_t, Fused> fuse_planes(const Graph& graph, const std::map<size_t, s
     return fused;
 }
 
+// A K-quant's factored scales or minimums: the int8 per block, the float16 factor, and the nodes that multiply them.
+struct Factored {
+    std::string per_block, factor;
+    std::vector<size_t> nodes;
+};
+
+// Where `name` is the exporter's Reshape(Mul(Cast(factor), Cast(int8)), shape) over stored weights
+// (exporter/quantized_weights.py): the Reshape and Mul are dropped once nothing reads them.
+std::optional<Factored> factored(const Graph& graph, const std::string& name, const Read& read) {
+    auto reshape = graph.producer.find(name);  // read by a product's low and high planes, which become one op
+    if (reshape == graph.producer.end() || !graph.nodes[reshape->second].is("Reshape") ||
+        graph.nodes[reshape->second].inputs.empty())
+        return std::nullopt;
+    std::optional<size_t> product = graph.made_by(graph.nodes[reshape->second].inputs[0], "Mul", 2);
+    if (!product) return std::nullopt;
+    const std::vector<std::string>& casts = graph.nodes[*product].inputs;
+    auto factor = read.find(casts[0]), per_block = read.find(casts[1]);
+    if (factor == read.end() || per_block == read.end() || factor->second == casts[0] ||
+        per_block->second == casts[1])
+        return std::nullopt;
+    return Factored{per_block->second, factor->second, {reshape->second, *product}};
+}
+
 // A node of pipeshard's domain in `like`'s place: the given inputs and int attributes, `like`'s outputs, name, doc
 // and metadata.
 std::string custom_node(const Node& like, const std::vector<std::string>& inputs, const char* op,
@@ -290,8 +313,9 @@ std::optional<std::string> weight_product(const Node& node, const Read& read) {
 }  // namespace
 
 bool product_weight(const WeightSpec& weight) {
-    return weight.dtype == "uint8" ||
-           (weight.shape.size() == 2 && (weight.dtype == "float16" || weight.dtype == "bfloat16"));
+    return weight.dtype == "uint8" || weight.dtype == "int8" ||
+           (weight.shape.size() == 2 && (weight.dtype == "float16" || weight.dtype == "bfloat16")) ||
+           (weight.shape.size() == 3 && weight.dtype == "float16");  // a K-quant's factors
 }
 
 int swap_products(std::vector<Field>& graph, const std::set<std::string>& weights,
@@ -317,6 +341,7 @@ int swap_products(std::vector<Field>& graph, const std::set<std::string>& weight
     std::set<size_t> folded;
     for (const auto& entry : fused) folded.insert(entry.second.replaced.begin(), entry.second.replaced.end());
 
+    std::set<size_t> multiplied;  // the factored scales' products the op now makes itself
     std::vector<std::optional<std::string>> rewritten(nodes.size());
     int swapped = 0;
     for (size_t index = 0; index < nodes.size(); ++index) {
@@ -325,9 +350,18 @@ int swap_products(std::vector<Field>& graph, const std::set<std::string>& weight
         auto block = blocks.find(index);
         if (made != fused.end() || block != blocks.end()) {
             std::vector<std::string> inputs = made != fused.end() ? made->second.inputs : block->second;
-            while (!inputs.empty() && inputs.back().empty()) inputs.pop_back();
+            inputs.resize(8);
             auto stored_scales = read.find(inputs[2]);  // scales stored in half precision read as stored
             if (stored_scales != read.end()) inputs[2] = stored_scales->second;
+            for (auto [at, factor_at] : {std::pair<size_t, size_t>{2, 6}, {5, 7}}) {  // a K-quant's, as stored
+                if (inputs[at].empty()) continue;
+                if (std::optional<Factored> parts = factored(links, inputs[at], read)) {
+                    inputs[at] = parts->per_block;
+                    inputs[factor_at] = parts->factor;
+                    multiplied.insert(parts->nodes.begin(), parts->nodes.end());
+                }
+            }
+            while (!inputs.empty() && inputs.back().empty()) inputs.pop_back();
             int size = made != fused.end() ? made->second.block_size : block_size(nodes[index]);
             int bits = made != fused.end() ? made->second.bits : plane_bits(nodes[index]);
             std::vector<std::pair<const char*, int64_t>> attributes{{"block_size", size}};
@@ -342,14 +376,24 @@ int swap_products(std::vector<Field>& graph, const std::set<std::string>& weight
         }
     }
     if (!swapped) return 0;
-    std::set<std::string> still_read(outputs);
-    for (const auto& node : rewritten)
-        if (node)
-            for (const std::string& name : wire::strings(wire::parse(*node), wire::kNodeInput)) still_read.insert(name);
-    for (size_t index = 0; index < nodes.size(); ++index)  // Casts of weights the ops now read as stored
-        if (nodes[index].is("Cast") && !nodes[index].outputs.empty() && read.count(nodes[index].outputs[0]) &&
-            !still_read.count(nodes[index].outputs[0]))
-            rewritten[index].reset();
+    std::set<size_t> unread = multiplied;  // and the Casts of stored weights: dropped once nothing reads them
+    for (size_t index = 0; index < nodes.size(); ++index)
+        if (nodes[index].is("Cast") && !nodes[index].outputs.empty() && read.count(nodes[index].outputs[0]))
+            unread.insert(index);
+    std::vector<std::vector<std::string>> reads(nodes.size());
+    for (size_t index = 0; index < nodes.size(); ++index)
+        if (rewritten[index]) reads[index] = wire::strings(wire::parse(*rewritten[index]), wire::kNodeInput);
+    for (bool dropped = true; dropped;) {
+        std::set<std::string> still_read(outputs);
+        for (size_t index = 0; index < nodes.size(); ++index)
+            if (rewritten[index]) still_read.insert(reads[index].begin(), reads[index].end());
+        dropped = false;
+        for (size_t index : unread)
+            if (rewritten[index] && !nodes[index].outputs.empty() && !still_read.count(nodes[index].outputs[0])) {
+                rewritten[index].reset();
+                dropped = true;
+            }
+    }
     std::vector<Field> kept;
     size_t node = 0;
     for (size_t index = 0; index < graph.size(); ++index) {
