@@ -38,7 +38,9 @@ enum { WEIGHT_FP32 = 0, WEIGHT_FP16 = 1, WEIGHT_BF16 = 2, WEIGHT_FACTORED = 3 };
 enum { INPUT_A, INPUT_B, INPUT_COUNT };
 #define MAX_DIMS 8
 #define MAX_STREAM_ROWS 4  /* rows of A up to which B is streamed once for all of them */
-#define SCALE_CHUNK_FLOATS 4096 /* BlockMatMul: the float scales a decode task makes at a time (from halves or factors) */
+#define MINIMUM_TASK_COLUMNS 256 /* BlockMatMul: columns per task of a decode step's factored minimum term */
+#define SCALE_CHUNK_FLOATS 4096 /* BlockMatMul: the float scales a decode task makes at a time (from halves or factors), */
+#define SCALE_CHUNK_ROWS 32     /* for at least this many rows (fewer per call slow the kernel more than L2 does) */
 #define BLOCK_STREAM_ROWS 16  /* BlockMatMul: rows of A up to which 4-bit blocks are streamed (once per 4 rows;
                                * measured faster than dequantized panels up to 16 rows) */
 #define STREAM_DEPTH 8  /* rows of B summed in registers before their sums are added up */
@@ -158,6 +160,8 @@ typedef struct {
                            float *to);
     void (*compose_minimums)(const int8_t *per_block, const uint16_t *factors, int64_t blocks, int64_t per_factor,
                              int64_t n, float *to);
+    void (*factored_minimum_term)(const float *sums, int64_t m, const BlockWeights *w, int64_t c0, int64_t c1,
+                                  float *out);
 } Kernels;
 
 static inline uint64_t load_u64(const uint8_t *from) {
@@ -643,13 +647,13 @@ static void block_task(void *data, size_t index) {
         return;
     }
     const int64_t row_bytes = w->blocks * w->block * w->bits / 8, blocks = w->blocks;
-    const int64_t chunk = SCALE_CHUNK_FLOATS / blocks > 2 ? SCALE_CHUNK_FLOATS / blocks / 2 * 2 : 2;
+    const int64_t fit = SCALE_CHUNK_FLOATS / blocks / 2 * 2, chunk = fit > SCALE_CHUNK_ROWS ? fit : SCALE_CHUNK_ROWS;
     float *scales = malloc(sizeof(float) * (size_t)(chunk * blocks));
     if (scales == NULL) {
         p->failed = 1;
         return;
     }
-    for (int64_t j = j0; j < j1; j += chunk) { /* a chunk's float scales stay in the L1 cache */
+    for (int64_t j = j0; j < j1; j += chunk) { /* a chunk's float scales stay in the cache while its rows stream */
         const int64_t rows = j + chunk < j1 ? chunk : j1 - j;
         if (w->scale_type == WEIGHT_FACTORED)
             p->kernels->compose_scales((const int8_t *)w->scales + j * blocks,
@@ -670,12 +674,29 @@ static void block_task(void *data, size_t index) {
     free(scales);
 }
 
+/* A decode step's minimum term over factored minimums: W's columns in tasks of MINIMUM_TASK_COLUMNS. */
+typedef struct {
+    const Kernels *kernels;
+    const float *sums;
+    int64_t m;
+    const BlockWeights *w;
+    float *out;
+} MinimumTerm;
+
+static void minimum_task(void *data, size_t index) {
+    const MinimumTerm *t = data;
+    const int64_t c0 = (int64_t)index * MINIMUM_TASK_COLUMNS;
+    const int64_t c1 = c0 + MINIMUM_TASK_COLUMNS < t->w->n ? c0 + MINIMUM_TASK_COLUMNS : t->w->n;
+    t->kernels->factored_minimum_term(t->sums, t->m, t->w, c0, c1, t->out);
+}
+
 /* out[r][n] += sum over blocks b of (the sum of block b of A's row r) minimums[b][n]: the minimum term (W's
- * minimums; factored ones made floats for the call). */
+ * minimums; factored ones made in registers as they are used, or, for a prompt, made floats for the call). */
 static OrtStatus *add_minimum_term(void *const *api, void *context, const Kernels *kernels, const float *a,
                                    int64_t m, const BlockWeights *w, float *out) {
-    const int factored = w->minimum_type == WEIGHT_FACTORED;
-    float *sums = malloc(sizeof(float) * (size_t)(m * w->blocks + m * w->n + (factored ? w->blocks * w->n : 0)));
+    const int factored = w->minimum_type == WEIGHT_FACTORED, streamed = m <= MAX_STREAM_ROWS;
+    const int64_t made = factored && !streamed ? w->blocks * w->n : 0;
+    float *sums = malloc(sizeof(float) * (size_t)(m * w->blocks + m * w->n + made));
     if (sums == NULL) return fail(api, ORT_FAIL, "BlockMatMul: out of memory");
     float *term = sums + m * w->blocks, *minimums = term + m * w->n;
     for (int64_t r = 0; r < m; r++)
@@ -684,13 +705,20 @@ static OrtStatus *add_minimum_term(void *const *api, void *context, const Kernel
             for (int64_t e = 0; e < w->block; e++) sum += a[r * w->k + b * w->block + e];
             sums[r * w->blocks + b] = sum;
         }
+    OrtStatus *status;
+    if (factored && streamed) {
+        MinimumTerm t = {.kernels = kernels, .sums = sums, .m = m, .w = w, .out = out};
+        status = parallel(api, context, minimum_task, (size_t)((w->n + MINIMUM_TASK_COLUMNS - 1) / MINIMUM_TASK_COLUMNS),
+                          &t);
+        free(sums);
+        return status;
+    }
     if (factored)
         kernels->compose_minimums(w->minimums, w->minimum_factors, w->blocks, w->factor_blocks, w->n, minimums);
     const int type = factored ? WEIGHT_FP32 : w->minimum_type;
     Product q = {.kernels = kernels, .a = sums, .b = factored ? minimums : w->minimums, .out = term, .type = type,
                  .m = m, .k = w->blocks, .n = w->n};
-    OrtStatus *status;
-    if (m <= MAX_STREAM_ROWS) {
+    if (streamed) {
         status = stream(api, context, &q, type == WEIGHT_FP32 ? 4 : 2);
     } else {
         status = parallel(api, context, panel_task, (size_t)((w->n + kernels->panel - 1) / kernels->panel), &q);

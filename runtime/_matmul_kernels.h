@@ -310,29 +310,36 @@ ISA_TARGET static inline FLOATS GLUE(signed_bytes, ISA)(const int8_t *p) {
 }
 
 /* Factored scales [rows, blocks] as floats: `count` factors (float16), each times its `per_factor` int8s (exact
- * products). A vector spans one factor's blocks, or two factors' where a factor has half a vector of them. */
+ * products). Factors are widened a vector at a time; a vector of int8s spans one factor's blocks, or two factors'
+ * where a factor has half a vector of them. */
 ISA_TARGET static void GLUE(compose_scales, ISA)(const int8_t *per_block, const uint16_t *factors, int64_t count,
                                                  int64_t per_factor, float *to) {
-    int64_t f = 0;
-    if (per_factor % LANES == 0) {
-        for (; f < count; f++) {
-            const FLOATS times = GLUE(broadcast, ISA)(fp16_to_float(factors[f]));
-            for (int64_t b = 0; b < per_factor; b += LANES)
-                GLUE(store, ISA)(to + f * per_factor + b,
-                                 times * GLUE(signed_bytes, ISA)(per_block + f * per_factor + b));
+    FLOATS first_half;
+    for (int l = 0; l < LANES; l++) first_half[l] = 2 * l < LANES ? 1.0f : 0.0f;
+    for (int64_t f0 = 0; f0 < count; f0 += LANES) {
+        const int64_t group = count - f0 < LANES ? count - f0 : LANES;
+        float times[LANES];
+        if (group == LANES)
+            GLUE(store, ISA)(times, load_fp16(factors + f0));
+        else
+            for (int64_t f = 0; f < group; f++) times[f] = fp16_to_float(factors[f0 + f]);
+        const int8_t *codes = per_block + f0 * per_factor;
+        float *out = to + f0 * per_factor;
+        int64_t f = 0;
+        if (per_factor % LANES == 0) {
+            for (; f < group; f++)
+                for (int64_t b = 0; b < per_factor; b += LANES)
+                    GLUE(store, ISA)(out + f * per_factor + b, GLUE(broadcast, ISA)(times[f]) *
+                                                                 GLUE(signed_bytes, ISA)(codes + f * per_factor + b));
+        } else if (2 * per_factor == LANES) { /* first * 1 + second * 0 is first exactly: factors are finite */
+            for (; f + 2 <= group; f += 2)
+                GLUE(store, ISA)(out + f * per_factor,
+                                 (GLUE(broadcast, ISA)(times[f]) * first_half +
+                                  GLUE(broadcast, ISA)(times[f + 1]) * (1.0f - first_half)) *
+                                         GLUE(signed_bytes, ISA)(codes + f * per_factor));
         }
-    } else if (2 * per_factor == LANES) {
-        FLOATS first_half;
-        for (int l = 0; l < LANES; l++) first_half[l] = l < per_factor ? 1.0f : 0.0f;
-        for (; f + 2 <= count; f += 2) { /* first * 1 + second * 0 is first exactly: factors are finite */
-            const FLOATS times = GLUE(broadcast, ISA)(fp16_to_float(factors[f])) * first_half +
-                                 GLUE(broadcast, ISA)(fp16_to_float(factors[f + 1])) * (1.0f - first_half);
-            GLUE(store, ISA)(to + f * per_factor, times * GLUE(signed_bytes, ISA)(per_block + f * per_factor));
-        }
-    }
-    for (; f < count; f++) {
-        const float times = fp16_to_float(factors[f]);
-        for (int64_t b = 0; b < per_factor; b++) to[f * per_factor + b] = times * (float)per_block[f * per_factor + b];
+        for (; f < group; f++)
+            for (int64_t b = 0; b < per_factor; b++) out[f * per_factor + b] = times[f] * (float)codes[f * per_factor + b];
     }
 }
 
@@ -349,6 +356,34 @@ ISA_TARGET static void GLUE(compose_minimums, ISA)(const int8_t *per_block, cons
         }
         for (; j < n; j++) out[j] = fp16_to_float(factor[j]) * (float)row[j];
     }
+}
+
+/* out[r][j] += sum over blocks b of sums[r][b] minimum[b][j] for rows r < m (<= MAX_STREAM_ROWS) and columns
+ * [c0, c1) of W, its minimums factored (int8 [blocks, n] times float16 factors [blocks / per_factor, n]): each
+ * minimum made in a register as it is used. */
+ISA_TARGET static void GLUE(factored_minimum_term, ISA)(const float *sums, int64_t m, const BlockWeights *w, int64_t c0,
+                                                        int64_t c1, float *out) {
+    const int64_t n = w->n, blocks = w->blocks, per_factor = w->factor_blocks;
+    const int8_t *per_block = w->minimums;
+    const uint16_t *factors = w->minimum_factors;
+    int64_t j = c0;
+    for (; j + LANES <= c1; j += LANES) {
+        FLOATS acc[MAX_STREAM_ROWS] = {0};
+        for (int64_t first = 0; first < blocks; first += per_factor) {
+            const FLOATS factor = load_fp16(factors + first / per_factor * n + j);
+            for (int64_t b = first; b < first + per_factor; b++) {
+                const FLOATS minimum = factor * GLUE(signed_bytes, ISA)(per_block + b * n + j);
+                for (int64_t r = 0; r < m; r++) acc[r] += GLUE(broadcast, ISA)(sums[r * blocks + b]) * minimum;
+            }
+        }
+        for (int64_t r = 0; r < m; r++) GLUE(store, ISA)(out + r * n + j, GLUE(load_fp32, ISA)(out + r * n + j) + acc[r]);
+    }
+    for (; j < c1; j++)
+        for (int64_t r = 0; r < m; r++) {
+            float acc = 0.0f;
+            for (int64_t b = 0; b < blocks; b++) acc += sums[r * blocks + b] * block_minimum(w, b, j);
+            out[r * n + j] += acc;
+        }
 }
 
 /* out[r][j] = a[r] . W[j] for rows r < ROWS of the permuted A and J rows of W from j (module doc of
@@ -521,7 +556,7 @@ static const Kernels GLUE(kernels, ISA) = {
     .stream_rows = GLUE(stream_rows, ISA), .dot_rows = GLUE(dot_rows, ISA), .pack_panel = GLUE(pack_panel, ISA),
     .tile = GLUE(tile, ISA), .block_rows = GLUE(block_rows, ISA), .dequantize_panel = GLUE(dequantize_panel, ISA),
     .widen_halves = GLUE(widen_halves, ISA), .compose_scales = GLUE(compose_scales, ISA),
-    .compose_minimums = GLUE(compose_minimums, ISA),
+    .compose_minimums = GLUE(compose_minimums, ISA), .factored_minimum_term = GLUE(factored_minimum_term, ISA),
 };
 
 #undef FLOATS

@@ -156,3 +156,13 @@ def test_fp16_export_runs_on_the_cpu_and_stays_close_to_fp32(tiny_llama_export, 
         logits.append(step.forward(ids, np.ones_like(ids), np.arange(4)[None]).astype(np.float32))
     assert np.abs(logits[0] - logits[1]).max() < 0.1
     assert (logits[0].argmax(-1) == logits[1].argmax(-1)).all()
+
+
+def test_the_logit_check_is_float32_rounding_at_any_logit_size():
+    """Absolute for small logits, relative to the largest for large ones (a deep model's logits run to hundreds and
+    its float32 sums drift with them); float16 attention by its own relative bound."""
+    from pipeshard.exporter.export import logit_tolerance
+
+    assert logit_tolerance("fp32", 5.0) == 1e-3
+    assert logit_tolerance("fp32", 205.0) == pytest.approx(0.0205)
+    assert logit_tolerance("fp16", 64.0) == pytest.approx(1.0)
