@@ -157,11 +157,28 @@ def _load_pretrained(folder: Path, gguf_file: str | None, dtype):
         where = str(folder / gguf_file) if gguf_file else str(folder)
         _check_architecture(config.model_type, where)
         check_supported_features(config, where)
+        if not gguf_file:
+            _check_float_checkpoint(config, where)
         model = model_class.from_pretrained(folder, config=config, dtype=torch.float32, **kwargs)
         if gguf_file:
             model = _plain_copy(model)
         tokenizer = AutoTokenizer.from_pretrained(folder, **kwargs)
     return model.to(dtype).eval(), tokenizer
+
+
+def _check_float_checkpoint(config, where: str) -> None:
+    """Refuse an HF folder of quantized weights (GPTQ, AWQ, bitsandbytes, ...): transformers would need that
+    method's own kernels to load it, and pipeshard reads an HF folder's weights as floats; a GGUF file's blocks it
+    keeps as stored."""
+    quantization = getattr(config, "quantization_config", None)
+    if quantization:
+        method = quantization.get("quant_method") if isinstance(quantization, dict) else None
+        method = method or getattr(quantization, "quant_method", None) or "quantized"
+        raise UserError(
+            f"{where}: its config.json names a {method} quantization: pipeshard exports HF folders of float "
+            "weights (fp32, fp16, bf16) and GGUF files as they are stored; export the float checkpoint or a GGUF "
+            "of the model"
+        )
 
 
 def _plain_copy(gguf_model):

@@ -189,6 +189,20 @@ def test_a_feature_the_export_would_get_wrong_is_one_error_naming_it(settings, f
     assert not (tmp_path / "export").exists()
 
 
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_a_quantized_hf_checkpoint_is_one_error_naming_its_method(method, tmp_path, capsys):
+    """A GPTQ / AWQ folder would need that method's kernels in transformers (a traceback without them): refused."""
+    _hf_folder(TINY_CONFIGS["llama"], tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    quantization = {"quant_method": method, "bits": 4, "group_size": 128}
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, "quantization_config": quantization}))
+    capsys.readouterr()
+    assert main(["export", str(tmp_path / "hf"), str(tmp_path / "export"), "--quiet"]) == 2
+    error = capsys.readouterr().err.strip()
+    assert error.startswith("error:") and f"a {method} quantization" in error and len(error.splitlines()) == 1
+    assert not (tmp_path / "export").exists()
+
+
 def test_an_unknown_architecture_is_named_with_the_supported_ones(tmp_path, capsys):
     _hf_folder(TINY_CONFIGS["llama"], tmp_path / "hf")
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
