@@ -45,8 +45,8 @@ _GEMM_DEFAULTS = {"alpha": 1.0, "beta": 1.0, "transA": 0}
 
 def product_weights(stored: Iterable[Weight], float_weights: bool) -> set[str]:
     """The weights (manifest records) the ops may read: 2-D half-precision ones, float32 ones if asked, the uint8
-    planes and zero points of 4-bit products, and a K-quant's factored scales and minimums (int8 per block, float16
-    per super-block: 3-D)."""
+    planes and zero points of 4-bit products, and a K-quant's factored scales and minimums (int8 per block, and
+    float16 per super-block: [N, supers, 1] or [supers, 1, N])."""
     return {
         w.name
         for w in stored
@@ -55,6 +55,7 @@ def product_weights(stored: Iterable[Weight], float_weights: bool) -> set[str]:
         and (w.dtype in HALF_DTYPES or float_weights and w.dtype == "float32")
         or len(w.shape) == 3
         and w.dtype == "float16"
+        and 1 in w.shape[1:]
     }
 
 

@@ -315,7 +315,8 @@ std::optional<std::string> weight_product(const Node& node, const Read& read) {
 bool product_weight(const WeightSpec& weight) {
     return weight.dtype == "uint8" || weight.dtype == "int8" ||
            (weight.shape.size() == 2 && (weight.dtype == "float16" || weight.dtype == "bfloat16")) ||
-           (weight.shape.size() == 3 && weight.dtype == "float16");  // a K-quant's factors
+           (weight.shape.size() == 3 && weight.dtype == "float16" &&  // a K-quant's factors: [N, supers, 1] or
+            (weight.shape[1] == 1 || weight.shape[2] == 1));            // [supers, 1, N]
 }
 
 int swap_products(std::vector<Field>& graph, const std::set<std::string>& weights,
