@@ -509,15 +509,35 @@ def test_the_native_host_runs_a_quantized_pack_with_the_python_engines_tokens(mo
 
 
 @pytest.mark.slow
-def test_the_native_host_runs_a_moe_pack_on_the_cpu_with_the_python_engines_tokens(models, tmp_path):
+def test_the_native_host_runs_a_moe_pack_all_cpu_and_planned_with_the_python_engines_tokens(models, tmp_path):
     """tiny:moe's routed layers: the host runs each expert its router chose over those tokens only and adds their
-    outputs in expert order (runtime/moe.py's combine); a plans file for a MoE pack is refused (not yet)."""
+    outputs in expert order (runtime/moe.py's combine), all-CPU and on every rung of a ladder whose plans pin,
+    stream (through the two expert slots, copied after the router ran) or keep experts on the CPU."""
     reason = _missing_tools()
     if reason:
         pytest.skip(reason)
     import pipeshard
 
     pack = models.pack("tiny:moe")
+    probe, plans = tmp_path / "probe.json", tmp_path / "plans.json"
+    plan = [sys.executable, "-P", "-m", "pipeshard", "plan", str(pack), "--profile", "laptop-8gb"]
+    subprocess.run([*plan, "--vram", "25%", "--out", str(probe)], check=True, capture_output=True)
+    floor = json.loads(probe.read_text())["minimum_budget_bytes"]
+    # Above the floor: all experts pinned; some pinned, the rest streamed; all streamed; all on the CPU.
+    budgets = [floor + extra for extra in (6 << 20, 1 << 20, 600 << 10, 100 << 10)]
+    subprocess.run(
+        [*plan, "--vram", ",".join(map(str, budgets)), "--out", str(plans)], check=True, capture_output=True
+    )
+    expert_placements = {
+        rung["budget_bytes"]: {
+            where
+            for name, where in rung["tiers"][0]["chosen"]["placements"].items()
+            if ".expert" in name
+        }
+        for rung in json.loads(plans.read_text())["ladder"]
+    }
+    assert {"pinned", "streamed"} <= set().union(*expert_placements.values()), expert_placements
+    assert any(len(places) > 1 for places in expert_placements.values()), expert_placements
     engine = pipeshard.load(pack, threads=THREADS)
     for text in ("Hi", "What is the capital of France, and why is it famous?", "Tell me a story."):
         expected = engine.generate(text, max_new_tokens=MAX_NEW_TOKENS)[0].tokens
@@ -525,7 +545,12 @@ def test_the_native_host_runs_a_moe_pack_on_the_cpu_with_the_python_engines_toke
         done = _host(str(pack), text, *arguments)
         assert done.returncode == 0, done.stderr[-2000:]
         assert [int(t) for t in done.stdout.split()] == expected, text
-    plans = tmp_path / "plans.json"
-    arguments = ["plan", str(pack), "--vram", "25%", "--profile", "laptop-8gb", "--out", str(plans)]
-    subprocess.run([sys.executable, "-P", "-m", "pipeshard", *arguments], check=True, capture_output=True)
-    _refused(_host(str(pack), "Hi", "--plans", str(plans), "--device", "sim"), "mixture-of-experts")
+        for budget, places in expert_placements.items():
+            planned = ["--plans", str(plans), "--device", "sim", "--vram", str(budget), "--report"]
+            done = _host(str(pack), text, *arguments, *planned)
+            assert done.returncode == 0, done.stderr[-2000:]
+            assert [int(t) for t in done.stdout.split()] == expected, (text, places)
+            report = json.loads(done.stderr.splitlines()[-1])
+            assert 0 < report["peak_device_bytes"] <= budget, report
+            if "streamed" in places:
+                assert report["streamed_weight_bytes"] > 0, report

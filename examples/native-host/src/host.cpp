@@ -45,6 +45,10 @@ namespace {
 constexpr uint64_t kJoinedBytes = 64ull << 20;  // weights per joined decode session, as the Python engine's chain
 constexpr int kMaxThreads = 1024;  // more intra-op threads than any client CPU has: a typing mistake
 constexpr int kAllCpuPrefillChunk = 64;  // prompt tokens per step without plans: cancel acts between steps
+// Streamed experts are copied once their router has run, two in flight per layer (formats/plans.py's EXPERT_SLOTS);
+// their copies' events come after every ring slot's (a plan has at most 64 slots).
+constexpr int kExpertSlots = 2;
+constexpr int kFirstExpertEvent = 64;
 // A VLM's tensors: the vision blocks' first input and last output, which the decoder's embed sub-layer reads.
 constexpr const char* kPixelValues = "pixel_values";
 constexpr const char* kImageFeatures = "image_features";
@@ -239,9 +243,6 @@ Host::Host(const std::string& pack_dir, const pipeshard_options& options) {
         fail(PIPESHARD_ERR_PACK, error.what());
     }
 
-    if (has_plans_ && !manifest_.moe_blocks.empty())
-        fail(PIPESHARD_ERR_PLANS, "a mixture-of-experts pack runs all on the CPU in this host (yet): open it without "
-                                  "a plans file");
     for (const MoeBlock& block : manifest_.moe_blocks)
         for (const SubLayer& sub : manifest_.sub_layers)
             if (sub.name == block.router)
@@ -722,6 +723,8 @@ void Host::deactivate() {
     pinned_.clear();
     for (void* slot : slots_) device_release(slot);
     slots_.clear();
+    for (void* slot : expert_slots_) device_release(slot);
+    expert_slots_.clear();
     slot_holds_.clear();
     runs_.clear();
     streamed_.clear();
@@ -753,7 +756,7 @@ void Host::activate(const Plan* plan) {
             }
         }
         Run run{u, placement, -1};
-        if (placement == "streamed") {
+        if (placement == "streamed" && sub.kind != "expert") {
             run.streamed_index = static_cast<int>(streamed_.size());
             streamed_.push_back(runs_.size());
         }
@@ -808,6 +811,13 @@ void Host::activate(const Plan* plan) {
         if (plan->prefetch)
             for (int k = 0; k < static_cast<int>(std::min(slots_.size(), streamed_.size())); ++k) start_copy(k, k);
     }
+    uint64_t expert_slot_bytes = 0;
+    for (const Run& run : runs_)
+        if (run.placement == "streamed" && run.streamed_index < 0)
+            expert_slot_bytes = std::max(expert_slot_bytes, unit_size(units_[run.unit]));
+    if (expert_slot_bytes)
+        for (int slot = 0; slot < kExpertSlots; ++slot)
+            expert_slots_.push_back(device_allocate(expert_slot_bytes, "an expert staging slot"));
 }
 
 // The AUTO budget: the device's free memory (the game's figure when it gave one) plus what this host holds, minus
@@ -1177,36 +1187,80 @@ void Host::run_experts(const MoeBlock& block, size_t block_index, int64_t tokens
             host.set_value(block.routing, routing);
         }
     } restore{*this, block, whole_hidden, whole_routing};
+    // Each chosen expert's rows and run, in the order they run (pinned, CPU, streamed; expert order within each).
+    struct Chosen {
+        size_t expert, run;
+        std::vector<size_t> rows;
+    };
+    auto run_order = [&](size_t run) {
+        const std::string& placement = runs_[run].placement;
+        return placement == "pinned" ? 0 : placement == "cpu" ? 1 : 2;
+    };
+    std::vector<Chosen> chosen;
     for (size_t expert = 0; expert < experts; ++expert) {
-        std::vector<size_t> chosen;
+        Chosen pick{expert, runs_.size(), {}};
         for (size_t row = 0; row < rows; ++row)
-            if (routing[row * experts + expert] != 0.0f) chosen.push_back(row);
-        if (chosen.empty()) continue;
+            if (routing[row * experts + expert] != 0.0f) pick.rows.push_back(row);
+        if (pick.rows.empty()) continue;
+        for (size_t index = 0; index < runs_.size(); ++index)
+            if (manifest_.sub_layers[units_[runs_[index].unit].sub_layer].name == block.experts[expert]) pick.run = index;
+        if (pick.run == runs_.size()) fail(PIPESHARD_ERR_PACK, block.experts[expert] + " is in no run");
+        chosen.push_back(std::move(pick));
+    }
+    std::stable_sort(chosen.begin(), chosen.end(),
+                     [&](const Chosen& a, const Chosen& b) { return run_order(a.run) < run_order(b.run); });
+    std::vector<size_t> streamed;  // positions in `chosen`
+    for (size_t i = 0; i < chosen.size(); ++i)
+        if (run_order(chosen[i].run) == 2) streamed.push_back(i);
+    for (size_t k = 0; k < std::min<size_t>(kExpertSlots, streamed.size()); ++k)
+        start_expert_copy(runs_[chosen[streamed[k]].run], static_cast<int>(k));
+    expert_results_.resize(experts);
+    size_t streamed_run = 0;
+    for (const Chosen& pick : chosen) {
         if (cancel_requested()) fail(PIPESHARD_ERR_CANCELLED, "cancelled");
-        int64_t count = static_cast<int64_t>(chosen.size());
-        expert_hidden_.resize(chosen.size() * width);
-        expert_routing_.resize(chosen.size() * experts);
-        for (size_t i = 0; i < chosen.size(); ++i) {
-            std::copy_n(hidden + chosen[i] * width, width, expert_hidden_.begin() + i * width);
-            std::copy_n(routing + chosen[i] * experts, experts, expert_routing_.begin() + i * experts);
+        int64_t count = static_cast<int64_t>(pick.rows.size());
+        expert_hidden_.resize(pick.rows.size() * width);
+        expert_routing_.resize(pick.rows.size() * experts);
+        for (size_t i = 0; i < pick.rows.size(); ++i) {
+            std::copy_n(hidden + pick.rows[i] * width, width, expert_hidden_.begin() + i * width);
+            std::copy_n(routing + pick.rows[i] * experts, experts, expert_routing_.begin() + i * experts);
         }
         set_value(block.hidden, tensor(cpu_memory_, expert_hidden_.data(), expert_hidden_.size() * 4,
                                        {1, count, static_cast<int64_t>(width)}, "float32"));
         set_value(block.routing, tensor(cpu_memory_, expert_routing_.data(), expert_routing_.size() * 4,
                                         {1, count, static_cast<int64_t>(experts)}, "float32"));
-        size_t run = runs_.size();
-        for (size_t index = 0; index < runs_.size(); ++index)
-            if (manifest_.sub_layers[units_[runs_[index].unit].sub_layer].name == block.experts[expert]) run = index;
-        if (run == runs_.size()) fail(PIPESHARD_ERR_PACK, block.experts[expert] + " is in no run");
-        run_unit(runs_[run], count);
-        const float* output = floats(block.expert_outputs[expert], chosen.size() * width);
-        for (size_t i = 0; i < chosen.size(); ++i)
+        const uint8_t* weights = nullptr;
+        int slot = static_cast<int>(streamed_run % kExpertSlots);
+        bool is_streamed = run_order(pick.run) == 2;
+        if (is_streamed) {
+            device_->wait(kFirstExpertEvent + slot);
+            weights = static_cast<const uint8_t*>(expert_slots_.at(static_cast<size_t>(slot)));
+        }
+        run_unit(runs_[pick.run], count, nullptr, nullptr, weights);
+        const float* output = floats(block.expert_outputs[pick.expert], pick.rows.size() * width);
+        expert_results_[pick.expert].assign(output, output + pick.rows.size() * width);
+        if (is_streamed && ++streamed_run + kExpertSlots - 1 < streamed.size())
+            start_expert_copy(runs_[chosen[streamed[streamed_run + kExpertSlots - 1]].run], slot);
+    }
+    // Added in expert order, as the dense graph adds them.
+    std::sort(chosen.begin(), chosen.end(), [](const Chosen& a, const Chosen& b) { return a.expert < b.expert; });
+    for (const Chosen& pick : chosen) {
+        const std::vector<float>& output = expert_results_[pick.expert];
+        for (size_t i = 0; i < pick.rows.size(); ++i)
             for (size_t column = 0; column < width; ++column)
-                total[chosen[i] * width + column] += output[i * width + column];
+                total[pick.rows[i] * width + column] += output[i * width + column];
     }
     for (size_t i = 0; i < total.size(); ++i) total[i] = residual[i] + total[i];
     set_value(block.output, tensor(cpu_memory_, total.data(), total.size() * 4,
                                    {1, static_cast<int64_t>(rows), static_cast<int64_t>(width)}, "float32"));
+}
+
+void Host::start_expert_copy(const Run& run, int slot) {
+    const Unit& unit = units_[run.unit];
+    auto [file, offset] = unit_bytes(unit);
+    uint64_t bytes = unit_size(unit);
+    device_->upload(expert_slots_.at(static_cast<size_t>(slot)), mapped(file) + offset, bytes, kFirstExpertEvent + slot);
+    streamed_weight_bytes_ += bytes;
 }
 
 void Host::release_weight_pages() {
@@ -1226,7 +1280,8 @@ void Host::deactivate_after_failure() {
     }
 }
 
-void Host::run_unit(const Run& run, int64_t tokens, OrtSession* session, const SubLayer* spec) {
+void Host::run_unit(const Run& run, int64_t tokens, OrtSession* session, const SubLayer* spec,
+                    const uint8_t* device_weights) {
     const Unit& unit = units_[run.unit];
     const SubLayer& sub = spec ? *spec : manifest_.sub_layers[unit.sub_layer];
     if (!session) session = session_for(run);
@@ -1269,8 +1324,9 @@ void Host::run_unit(const Run& run, int64_t tokens, OrtSession* session, const S
     }
     bool weights_as_inputs = run.placement != "cpu" || unit.chunk;
     if (weights_as_inputs) {
-        const uint8_t* device_bytes = nullptr;
-        if (run.placement == "pinned") {
+        const uint8_t* device_bytes = device_weights;
+        if (device_bytes) {
+        } else if (run.placement == "pinned") {
             device_bytes = static_cast<const uint8_t*>(pinned_.at(run.unit));
         } else if (run.placement == "streamed") {
             int slot = run.streamed_index % static_cast<int>(slots_.size());
@@ -1319,7 +1375,7 @@ void Host::run_unit(const Run& run, int64_t tokens, OrtSession* session, const S
         }
     }
     check(ort().RunWithBinding(session, run_options_, binding));
-    if (run.placement == "streamed" && active_->prefetch && streamed_.size() > slots_.size()) {
+    if (run.streamed_index >= 0 && active_->prefetch && streamed_.size() > slots_.size()) {
         // The slot is free again: start the copy of the streamed unit `slots` places ahead (the next step's first
         // ones after the last).
         int slot = run.streamed_index % static_cast<int>(slots_.size());

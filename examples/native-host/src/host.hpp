@@ -196,6 +196,7 @@ private:
     std::vector<size_t> streamed_;  // run indices of the streamed units, in order
     std::map<size_t, void*> pinned_;  // unit -> device buffer
     std::vector<void*> slots_;
+    std::vector<void*> expert_slots_;  // kExpertSlots buffers as large as the plan's largest streamed expert
     std::vector<int> slot_holds_;     // streamed index each slot holds (or is receiving), -1 none
     uint64_t slot_bytes_ = 0;
     std::map<void*, uint64_t> device_allocations_;
@@ -207,6 +208,7 @@ private:
     std::vector<uint8_t> logits_bytes_;
     std::vector<float> expert_hidden_, expert_routing_;  // a MoE layer's rows gathered for one expert
     std::vector<std::vector<float>> moe_outputs_;        // per MoE block: residual + experts, read later this step
+    std::vector<std::vector<float>> expert_results_;     // per expert of the running block: its rows' outputs
     std::string logits_dtype_ = "float32";
     std::vector<float> logits_;
 
@@ -264,9 +266,13 @@ private:
 
     void feed(const int64_t* ids, int64_t tokens, int64_t past, Conversation* conversation);
     void forward(const int64_t* ids, int64_t tokens, int64_t past);
-    void run_unit(const Run& run, int64_t tokens, OrtSession* session = nullptr, const SubLayer* spec = nullptr);
-    // Runs after a router: the experts its tokens chose, each over those tokens, and the combine.
+    // `device_weights`: a streamed expert's weights, already copied into its staging slot.
+    void run_unit(const Run& run, int64_t tokens, OrtSession* session = nullptr, const SubLayer* spec = nullptr,
+                  const uint8_t* device_weights = nullptr);
+    // Runs after a router: the experts its tokens chose, each over those tokens (pinned ones first, then CPU ones
+    // while the first streamed ones' copies land, then the streamed ones), and the combine.
     void run_experts(const MoeBlock& block, size_t block_index, int64_t tokens);
+    void start_expert_copy(const Run& run, int slot);
     const MoeBlock* moe_block_after(size_t run, size_t* index) const;  // the block whose router this run is
     bool is_expert(size_t run) const;
     OrtValue* tensor(const OrtMemoryInfo* memory, void* data, size_t bytes, const std::vector<int64_t>& shape,
