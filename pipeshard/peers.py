@@ -327,7 +327,7 @@ class LlamaCppRunner:
 
 
 class HostOptions(ctypes.Structure):
-    """The native host's `pipeshard_options` (examples/native-host/include/pipeshard_host.h, ABI 2)."""
+    """The native host's `pipeshard_options` (examples/native-host/include/pipeshard_host.h, ABI 3)."""
 
     _fields_ = [
         ("abi_version", ctypes.c_int),
@@ -340,6 +340,7 @@ class HostOptions(ctypes.Structure):
         ("budget_mode", ctypes.c_int),
         ("vram_reserve_bytes", ctypes.c_uint64),
         ("prefill_chunk_tokens", ctypes.c_int),
+        ("sessions_per_step", ctypes.c_int),
     ]
 
 

@@ -43,9 +43,10 @@ def _missing_tools() -> str | None:
     return None
 
 
-def _plan_ladder(pack: Path, out: Path) -> dict:
-    """A two-rung ladder for `pack`: the larger budget runs the planner's gpu-only plans (pinned and streamed units,
-    the output layer in streamed row chunks), the smaller its static ones (pinned attention, the rest on the CPU)."""
+def _plan_ladder(pack: Path, out: Path, batch: int = 1) -> dict:
+    """A two-rung ladder for `pack` and `batch` sequences: the larger budget runs the planner's gpu-only plans (pinned
+    and streamed units, the output layer in streamed row chunks), the smaller its static ones (pinned attention, the
+    rest on the CPU)."""
     command = [
         sys.executable,
         "-P",
@@ -61,6 +62,8 @@ def _plan_ladder(pack: Path, out: Path) -> dict:
         "1,16,64",
         "--context",
         str(CONTEXT),
+        "--batch",
+        str(batch),
         "--out",
         str(out),
     ]
@@ -92,6 +95,8 @@ def host_expected(models, tiny_pack, tmp_path_factory) -> Path:
     plans = tmp_path / "plans.json"
     document = _plan_ladder(pack, plans)
     assert any(p == "streamed" for p in document["ladder"][0]["tiers"][0]["chosen"]["placements"].values())
+    batch_plans = tmp_path / "batch-plans.json"
+    _plan_ladder(pack, batch_plans, batch=2)
     other_plans = tmp_path / "other-plans.json"
     subprocess.run(
         [
@@ -165,6 +170,7 @@ def host_expected(models, tiny_pack, tmp_path_factory) -> Path:
         "pack": str(pack),
         "plans": str(plans),
         "other_plans": str(other_plans),
+        "batch_plans": str(batch_plans),
         "threads": THREADS,
         "max_new_tokens": MAX_NEW_TOKENS,
         "prompts": prompts,
@@ -530,9 +536,7 @@ def test_the_native_host_runs_a_moe_pack_all_cpu_and_planned_with_the_python_eng
     )
     expert_placements = {
         rung["budget_bytes"]: {
-            where
-            for name, where in rung["tiers"][0]["chosen"]["placements"].items()
-            if ".expert" in name
+            where for name, where in rung["tiers"][0]["chosen"]["placements"].items() if ".expert" in name
         }
         for rung in json.loads(plans.read_text())["ladder"]
     }

@@ -38,6 +38,7 @@ namespace Pipeshard
         public BudgetMode BudgetMode;     // Fixed by default
         public ulong VramReserveBytes;    // Auto: device memory left free for the game
         public int PrefillChunkTokens;    // prompt tokens per step (cancel acts between them); 0: the host's default
+        public int SessionsPerStep;       // turns of this many sessions submitted together share decode steps; 0: 1
     }
 
     /// <summary>How tokens are chosen (pipeshard_sampling); the defaults are greedy with the chat template.</summary>
@@ -92,6 +93,7 @@ namespace Pipeshard
             public int budget_mode;
             public ulong vram_reserve_bytes;
             public int prefill_chunk_tokens;
+            public int sessions_per_step;
         }
 
         [StructLayout(LayoutKind.Sequential)]
@@ -208,6 +210,7 @@ namespace Pipeshard
                 native.budget_mode = (int)options.BudgetMode;
                 native.vram_reserve_bytes = options.VramReserveBytes;
                 native.prefill_chunk_tokens = options.PrefillChunkTokens;
+                native.sessions_per_step = options.SessionsPerStep;
                 Status status = pipeshard_open(Utf8(packDir, strings), ref native, out handle);
                 if (status != Status.Ok) throw new PipeshardException(status, FromUtf8(pipeshard_last_error(IntPtr.Zero)));
             }

@@ -47,7 +47,7 @@ static class Program
     }
 
     // GenerateAsync with a token callback, a cancelled long prefill, and two sessions taking turns on one host (an
-    // all-CPU one, whose context holds the long prompt).
+    // all-CPU one, whose context holds the long prompt; the sessions' turns submitted together share decode steps).
     static void AsyncCancelAndSessions(PipeshardHost host, Sampling sampling, string prompt, List<long> expectedIds,
                                        string otherPrompt)
     {
@@ -90,6 +90,9 @@ static class Program
             Expect(turns[1].Result == pirateExpected, "session 2, turn 1 is the one-shot answer with its system prompt: \"" +
                                                       turns[1].Result + "\"");
             Expect(guard.Turns == 2 && pirate.Turns == 2, "each session keeps its own two turns");
+            string report = host.Report();
+            Expect(report.Contains("\"shared_steps\": ") && !report.Contains("\"shared_steps\": 0,"),
+                   "the two sessions' turns shared decode steps: " + report);
             pirate.Rollback();
             string again = pirate.SayAsync(otherPrompt, sampling).Result;
             Expect(again == turns[3].Result && pirate.Turns == 2, "a rolled-back turn said again: \"" + again + "\"");
@@ -106,7 +109,8 @@ static class Program
         var cases = lines.Skip(1).Select(line => line.Split('\t'))
                          .Select(parts => new { Prompt = parts[0], Ids = parts[1].Split(' ').Select(long.Parse).ToList() })
                          .ToList();
-        using (var host = new PipeshardHost(pack, new HostOptions { ExtensionsLibrary = extensions, Threads = threads }))
+        using (var host = new PipeshardHost(pack, new HostOptions { ExtensionsLibrary = extensions, Threads = threads,
+                                                                SessionsPerStep = 2 }))
         {
             foreach (var item in cases)
             {

@@ -31,7 +31,7 @@
 extern "C" {
 #endif
 
-#define PIPESHARD_HOST_ABI_VERSION 2
+#define PIPESHARD_HOST_ABI_VERSION 3
 
 typedef enum pipeshard_status {
     PIPESHARD_OK = 0,
@@ -65,6 +65,9 @@ typedef struct pipeshard_options {
     uint64_t vram_reserve_bytes;    /* AUTO: device memory left free for the game */
     int prefill_chunk_tokens;       /* a prompt is fed in steps of at most this many tokens (cancel acts between
                                        them); 0: the plans' largest tier, or 64 without plans */
+    int sessions_per_step;          /* sequences of the KV cache: turns of up to this many sessions, submitted
+                                       together, share their decode steps (1 to 16; a plans file made with --batch
+                                       of it); 0: 1 */
 } pipeshard_options;
 
 typedef struct pipeshard_sampling {

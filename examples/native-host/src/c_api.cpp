@@ -133,30 +133,37 @@ pipeshard_status budget_changed(pipeshard_host* host, const std::function<void(p
 
 // Queue a request on the host's worker: `body(sink)` makes its answer, handing each token to `sink`: the token
 // callback, then (with `on_sentence`) the sentences its piece completes, and the remainder once the answer is made.
-// `on_done`, when given, gets the answer's text.
+// `on_done`, when given, gets the answer's text. A session's `turn` (its user text and sampling) may instead share
+// its decode steps with other sessions' turns (Host::run_turns), with the same callbacks.
 template <typename Body>
 void queue_request(pipeshard_host* host, pipeshard::Conversation* conversation, Body body,
                    pipeshard_token_callback on_token, pipeshard_sentence_callback on_sentence,
-                   pipeshard_done_callback on_done, void* user_data, pipeshard_request_id* out_request) {
+                   pipeshard_done_callback on_done, void* user_data, pipeshard_request_id* out_request,
+                   std::shared_ptr<pipeshard::Turn> turn = nullptr) {
     auto task = std::make_unique<pipeshard::Task>();
     auto answer = std::make_shared<pipeshard::Answer>();
+    auto splitter = std::make_shared<pipeshard::SentenceSplitter>();
     task->conversation = conversation;
     uint64_t* id = &task->id;
-    pipeshard::TokenSink tokens = sink_of(on_token, user_data);
-    task->body = [=] {
-        if (!on_sentence) {
-            *answer = body(tokens);
-            return;
-        }
-        pipeshard::SentenceSplitter splitter;
-        *answer = body([&](int64_t token, const std::string& piece) {
+    pipeshard::TokenSink tokens = sink_of(on_token, user_data), sink = tokens;
+    if (on_sentence)
+        sink = [=](int64_t token, const std::string& piece) {
             bool go_on = !tokens || tokens(token, piece);
-            for (const std::string& sentence : splitter.feed(piece)) on_sentence(*id, sentence.c_str(), user_data);
+            for (const std::string& sentence : splitter->feed(piece)) on_sentence(*id, sentence.c_str(), user_data);
             return go_on;
-        });
-        std::string rest = splitter.finish();
+        };
+    auto answered = [=](const pipeshard::Answer& made) {
+        *answer = made;
+        std::string rest = on_sentence ? splitter->finish() : std::string();
         if (!rest.empty()) on_sentence(*id, rest.c_str(), user_data);
     };
+    task->body = [=] { answered(body(sink)); };
+    if (turn) {
+        turn->sink = sink;
+        turn->cancelled = &task->cancelled;
+        turn->answered = answered;
+        task->turn = std::move(turn);
+    }
     if (on_done)
         task->finish = [=](pipeshard_status status, const std::string& message) {
             on_done(*id, status, answer->text.c_str(), message.c_str(), user_data);
@@ -283,13 +290,20 @@ pipeshard_status pipeshard_submit_with_sentences(pipeshard_host* host, pipeshard
         pipeshard::Host* engine = &host->runner->host();
         pipeshard::Conversation* conversation = session ? session->conversation.get() : nullptr;
         std::string text = prompt;
+        std::shared_ptr<pipeshard::Turn> turn;
+        if (conversation) {
+            turn = std::make_shared<pipeshard::Turn>();
+            turn->conversation = conversation;
+            turn->user = text;
+            turn->sampling = chosen;
+        }
         queue_request(
             host, conversation,
             [=](const pipeshard::TokenSink& sink) {
                 return conversation ? engine->say(*conversation, text, chosen, sink)
                                     : engine->generate(engine->prompt_ids(text, chosen), chosen, sink);
             },
-            on_token, on_sentence, on_done, user_data, out_request);
+            on_token, on_sentence, on_done, user_data, out_request, turn);
     });
 }
 

@@ -64,13 +64,17 @@ std::string Host::render_chat(const std::vector<Message>& messages) const {
     return text;
 }
 
-Answer Host::say(Conversation& conversation, const std::string& user, const Sampling& sampling,
-                 const TokenSink& sink) {
+std::vector<Message> Host::history_with(const Conversation& conversation, const std::string& user) const {
     std::vector<Message> messages;
     if (conversation.has_system) messages.push_back({"system", conversation.system});
     messages.insert(messages.end(), conversation.turns.begin(), conversation.turns.end());
     messages.push_back({"user", user});
-    std::vector<int64_t> ids = tokenize(render_chat(messages));
+    return messages;
+}
+
+Answer Host::say(Conversation& conversation, const std::string& user, const Sampling& sampling,
+                 const TokenSink& sink) {
+    std::vector<int64_t> ids = tokenize(render_chat(history_with(conversation, user)));
     Answer answer = generate(ids, sampling, sink, &conversation);
     conversation.turns.push_back({"user", user});
     conversation.turns.push_back({"assistant", answer.text});
@@ -93,22 +97,22 @@ void Host::sync_kv_to_device() {
                 device_->upload(cache.device[i], cache.host[i].data(), cache.host[i].size(), -1);
 }
 
-void Host::store_cells(Conversation& conversation) {
+void Host::store_cells(Conversation& conversation, size_t sequence) {
     sync_kv_to_host();
-    size_t positions = conversation.cached.size(), buffer = 0;
+    size_t positions = conversation.cached.size();
     conversation.kv.clear();
     for (auto& [index, cache] : kv_)
-        for (size_t i = 0; i < cache.host.size(); ++i, ++buffer) {
+        for (size_t i = 0; i < cache.host.size(); ++i) {
             size_t row = positions * cache.position_bytes[i];
             size_t stride = static_cast<size_t>(capacity_) * cache.position_bytes[i];
+            const uint8_t* first = cache.host[i].data() + sequence * cache.rows[i] * stride;
             std::vector<uint8_t> cells(cache.rows[i] * row);
-            for (size_t r = 0; r < cache.rows[i]; ++r)
-                std::memcpy(cells.data() + r * row, cache.host[i].data() + r * stride, row);
+            for (size_t r = 0; r < cache.rows[i]; ++r) std::memcpy(cells.data() + r * row, first + r * stride, row);
             conversation.kv.push_back(std::move(cells));
         }
 }
 
-void Host::load_cells(Conversation& conversation) {
+void Host::load_cells(Conversation& conversation, size_t sequence) {
     size_t positions = conversation.cached.size(), buffer = 0;
     if (positions > static_cast<size_t>(capacity_)) {
         conversation.cached.clear();  // from a host with a longer context: fed again
@@ -117,37 +121,59 @@ void Host::load_cells(Conversation& conversation) {
     for (auto& [index, cache] : kv_)
         for (size_t i = 0; i < cache.host.size(); ++i, ++buffer) {
             size_t row = positions * cache.position_bytes[i];
-            size_t stride = static_cast<size_t>(capacity_) * cache.position_bytes[i];
             if (buffer >= conversation.kv.size() || conversation.kv[buffer].size() != cache.rows[i] * row) {
                 conversation.cached.clear();
                 return;
             }
+        }
+    sync_kv_to_host();  // the other sequences' cells, when the cache is on the device
+    buffer = 0;
+    for (auto& [index, cache] : kv_)
+        for (size_t i = 0; i < cache.host.size(); ++i, ++buffer) {
+            size_t row = positions * cache.position_bytes[i];
+            size_t stride = static_cast<size_t>(capacity_) * cache.position_bytes[i];
+            uint8_t* first = cache.host[i].data() + sequence * cache.rows[i] * stride;
             for (size_t r = 0; r < cache.rows[i]; ++r)
-                std::memcpy(cache.host[i].data() + r * stride, conversation.kv[buffer].data() + r * row, row);
+                std::memcpy(first + r * stride, conversation.kv[buffer].data() + r * row, row);
         }
     conversation.kv.clear();
     sync_kv_to_device();
 }
 
-void Host::make_resident(Conversation* conversation) {
-    if (resident_ == conversation) return;
-    if (resident_) store_cells(*resident_);
-    resident_ = nullptr;
-    if (conversation) load_cells(*conversation);
-    resident_ = conversation;
+size_t Host::sequence_for(Conversation* conversation, const std::vector<size_t>& busy) {
+    auto taken = [&](size_t s) { return std::find(busy.begin(), busy.end(), s) != busy.end(); };
+    size_t chosen = sequences_;
+    for (size_t s = 0; s < sequences_ && conversation && chosen == sequences_; ++s)
+        if (owner_[s] == conversation) chosen = s;
+    if (chosen == sequences_) {
+        for (size_t s = 0; s < sequences_ && chosen == sequences_; ++s)  // a free one
+            if (!owner_[s] && !taken(s)) chosen = s;
+        if (chosen == sequences_)  // else the one used longest ago
+            for (size_t s = 0; s < sequences_; ++s)
+                if (!taken(s) && (chosen == sequences_ || last_used_[s] < last_used_[chosen])) chosen = s;
+        if (chosen == sequences_) fail(PIPESHARD_ERR_ARGUMENT, "every sequence of the cache is in use");
+        if (owner_[chosen]) store_cells(*owner_[chosen], chosen);
+        owner_[chosen] = nullptr;
+        if (conversation) load_cells(*conversation, chosen);
+        owner_[chosen] = conversation;
+    }
+    last_used_[chosen] = ++uses_;
+    return chosen;
 }
 
 void Host::forget(Conversation* conversation) {
-    if (resident_ == conversation) resident_ = nullptr;
+    for (Conversation*& owner : owner_)
+        if (owner == conversation) owner = nullptr;
 }
 
 // ---- A conversation's file: one header line of JSON, then its cells -----------------------------------------------
 
 void Host::save(Conversation& conversation, const std::string& path) {
-    if (resident_ == &conversation) {
-        store_cells(conversation);
-        resident_ = nullptr;
-    }
+    for (size_t s = 0; s < sequences_; ++s)
+        if (owner_[s] == &conversation) {
+            store_cells(conversation, s);
+            owner_[s] = nullptr;
+        }
     std::ostringstream header;
     header << "{\"schema_version\": " << kSessionSchemaVersion << ", \"pack_manifest_sha256\": "
            << json_string(manifest_sha256_) << ", \"system\": " << (conversation.has_system ? json_string(conversation.system)

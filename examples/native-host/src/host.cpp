@@ -44,7 +44,8 @@ namespace pipeshard {
 namespace {
 constexpr uint64_t kJoinedBytes = 64ull << 20;  // weights per joined decode session, as the Python engine's chain
 constexpr int kMaxThreads = 1024;  // more intra-op threads than any client CPU has: a typing mistake
-constexpr int kAllCpuPrefillChunk = 64;  // prompt tokens per step without plans: cancel acts between steps
+constexpr int kAllCpuPrefillChunk = 64;
+constexpr int kMaxSessionsPerStep = 16;  // prompt tokens per step without plans: cancel acts between steps
 // Streamed experts are copied once their router has run, two in flight per layer (formats/plans.py's EXPERT_SLOTS);
 // their copies' events come after every ring slot's (a plan has at most 64 slots).
 constexpr int kExpertSlots = 2;
@@ -237,6 +238,11 @@ Host::Host(const std::string& pack_dir, const pipeshard_options& options) {
     if (options.budget_mode != PIPESHARD_BUDGET_FIXED && options.budget_mode != PIPESHARD_BUDGET_AUTO)
         fail(PIPESHARD_ERR_ARGUMENT, "budget_mode must be PIPESHARD_BUDGET_FIXED (0) or PIPESHARD_BUDGET_AUTO (1)");
     if (options.prefill_chunk_tokens < 0) fail(PIPESHARD_ERR_ARGUMENT, "prefill_chunk_tokens must be >= 0");
+    if (options.sessions_per_step < 0 || options.sessions_per_step > kMaxSessionsPerStep)
+        fail(PIPESHARD_ERR_ARGUMENT, "sessions_per_step must be from 0 (one) to " + std::to_string(kMaxSessionsPerStep));
+    sequences_ = static_cast<size_t>(std::max(1, options.sessions_per_step));
+    owner_.assign(sequences_, nullptr);
+    last_used_.assign(sequences_, 0);
     try {
         manifest_sha256_ = sha256_file(manifest_.folder + "/manifest.json");
     } catch (const std::runtime_error& error) {
@@ -253,7 +259,7 @@ Host::Host(const std::string& pack_dir, const pipeshard_options& options) {
     moe_outputs_.resize(manifest_.moe_blocks.size());
 
     if (has_plans_) {
-        plans_ = read_plans(options.plans_path, manifest_, units_);
+        plans_ = read_plans(options.plans_path, manifest_, static_cast<int64_t>(sequences_), units_);
         if (options.context > plans_.context)
             fail(PIPESHARD_ERR_PLANS, std::string(options.plans_path) + " was made for a context of " +
                                           std::to_string(plans_.context) + " tokens, less than the " +
@@ -341,9 +347,9 @@ Host::~Host() {
     } catch (...) {
     }
     clear_values();
-    for (auto& entry : kv_) {
-        for (OrtValue* value : entry.second.host_values) ort().ReleaseValue(value);
-    }
+    for (auto& entry : kv_)
+        for (auto& views : entry.second.host_views)
+            for (auto& view : views) ort().ReleaseValue(view.second);
     // Sessions first, then the options that registered the extensions library, then the environment: ONNX Runtime
     // 1.29 crashes at exit in any other order.
     for (auto& entry : bindings_) ort().ReleaseIoBinding(entry.second);
@@ -596,13 +602,15 @@ void Host::allocate_kv() {
             for (const TensorSpec& input : sub.inputs)
                 if (input.name == past) spec = &input;
             if (!spec) fail(PIPESHARD_ERR_PACK, sub.name + ": its past " + past + " is not among its inputs");
-            std::vector<int64_t> shape;
+            std::vector<int64_t> shape;  // one sequence's
             size_t sequence_axis = 0;
             for (const Json& dim : spec->shape.items) {
                 bool positions = !dim.is_number() && dim.str() != "batch";
                 if (positions) sequence_axis = shape.size();
                 shape.push_back(dim.is_number() ? dim.integer() : positions ? capacity_ : 1);
             }
+            if (shape.empty() || shape[0] != 1 || sequence_axis == 0)
+                fail(PIPESHARD_ERR_PACK, sub.name + ": its past " + past + " is not [batch, heads, positions, size]");
             size_t bytes = element_type(spec->dtype).bytes;
             for (int64_t dim : shape) bytes *= static_cast<size_t>(dim);
             size_t rows = 1, position_bytes = element_type(spec->dtype).bytes;
@@ -615,10 +623,29 @@ void Host::allocate_kv() {
             if (position < sub.present.size()) kv_names_[sub.present[position]] = {index, position};
             cache.rows.push_back(rows);
             cache.position_bytes.push_back(position_bytes);
-            cache.host.emplace_back(bytes, 0);
-            cache.host_values.push_back(tensor(cpu_memory_, cache.host.back().data(), bytes, shape, spec->dtype));
+            cache.shape.push_back(shape);
+            cache.dtype.push_back(spec->dtype);
+            cache.host.emplace_back(bytes * sequences_, 0);
+            cache.host_views.emplace_back();
+            cache.device_views.emplace_back();
         }
     }
+}
+
+OrtValue* Host::kv_value(const std::string& name) {
+    const auto& [sub_layer, index] = kv_names_.at(name);
+    KvCache& cache = kv_.at(sub_layer);
+    auto& views = cache.on_device ? cache.device_views[index] : cache.host_views[index];
+    auto& view = views[{step_first_, step_count_}];
+    if (!view) {
+        std::vector<int64_t> shape = cache.shape[index];
+        size_t sequence_bytes = cache.host[index].size() / sequences_;
+        uint8_t* base = cache.on_device ? static_cast<uint8_t*>(cache.device[index]) : cache.host[index].data();
+        shape[0] = static_cast<int64_t>(step_count_);
+        view = tensor(cache.on_device ? device_->memory_info() : cpu_memory_, base + step_first_ * sequence_bytes,
+                      step_count_ * sequence_bytes, shape, cache.dtype[index]);
+    }
+    return view;
 }
 
 // ---- Plans, rungs and device memory ----------------------------------------------------------------------------
@@ -712,11 +739,11 @@ void Host::deactivate() {
         if (!cache.on_device) continue;
         for (size_t i = 0; i < cache.device.size(); ++i) {
             device_->download(cache.host[i].data(), cache.device[i], cache.host[i].size());
-            ort().ReleaseValue(cache.device_values[i]);
+            for (auto& view : cache.device_views[i]) ort().ReleaseValue(view.second);
+            cache.device_views[i].clear();
             device_release(cache.device[i]);
         }
         cache.device.clear();
-        cache.device_values.clear();
         cache.on_device = false;
     }
     for (auto& entry : pinned_) device_release(entry.second);
@@ -791,13 +818,6 @@ void Host::activate(const Plan* plan) {
                 void* buffer = device_allocate(kv.host[i].size(), "the KV cache of " + sub.name);
                 device_->upload(buffer, kv.host[i].data(), kv.host[i].size(), -1);
                 kv.device.push_back(buffer);
-                std::vector<int64_t> shape;
-                for (const TensorSpec& input : sub.inputs)
-                    if (input.name == sub.past[i])
-                        for (const Json& dim : input.shape.items)
-                            shape.push_back(dim.is_number() ? dim.integer() : dim.str() == "batch" ? 1 : capacity_);
-                kv.device_values.push_back(tensor(device_->memory_info(), buffer, kv.host[i].size(), shape,
-                                                  input_dtype_of(sub, sub.past[i])));
             }
             kv.on_device = true;
         }
@@ -899,9 +919,8 @@ void Host::restart_ring() {
 }
 
 void Host::warmup() {
-    make_resident(nullptr);
     int64_t token = 0;
-    feed(&token, 1, 0, nullptr);
+    feed(sequence_for(nullptr, {}), &token, 1, 0, nullptr);
 }
 
 // ---- The step --------------------------------------------------------------------------------------------------
@@ -927,23 +946,52 @@ void Host::clear_values() {
 
 // The tokens in steps of at most prefill_chunk_ (the largest tier with plans), each a forward of its own; a
 // conversation holds each step's tokens once the step has run.
-void Host::feed(const int64_t* ids, int64_t tokens, int64_t past, Conversation* conversation) {
+void Host::feed(size_t sequence, const int64_t* ids, int64_t tokens, int64_t past, Conversation* conversation) {
     for (int64_t begin = 0; begin < tokens; begin += prefill_chunk_) {
         int64_t count = std::min<int64_t>(prefill_chunk_, tokens - begin);
-        forward(ids + begin, count, past + begin);
+        forward({sequence}, ids + begin, count, {past + begin});
         if (conversation) conversation->cached.insert(conversation->cached.end(), ids + begin, ids + begin + count);
     }
 }
 
-void Host::forward(const int64_t* ids, int64_t tokens, int64_t past) {
+void Host::forward(const std::vector<size_t>& sequences, const int64_t* ids, int64_t tokens,
+                   const std::vector<int64_t>& pasts) {
     if (cancel_requested()) fail(PIPESHARD_ERR_CANCELLED, "cancelled");
+    // A shared step runs the cache's first sequences up to the last one fed: one that no turn feeds now gets a
+    // placeholder token just past its cells (written where its next token goes, so nothing it holds changes).
+    int64_t batch = 1;
+    std::vector<int64_t> lengths(1, pasts.at(0));
+    if (sequences.size() == 1) {
+        step_first_ = sequences[0];
+        input_ids_.assign(ids, ids + tokens);
+    } else {
+        step_first_ = 0;
+        batch = static_cast<int64_t>(*std::max_element(sequences.begin(), sequences.end())) + 1;
+        lengths.assign(static_cast<size_t>(batch), 0);
+        input_ids_.assign(static_cast<size_t>(batch), 0);
+        for (size_t s = 0; s < static_cast<size_t>(batch); ++s)
+            if (owner_[s]) {
+                std::vector<int64_t>& cached = owner_[s]->cached;
+                if (static_cast<int64_t>(cached.size()) >= capacity_) cached.resize(static_cast<size_t>(capacity_ - 1));
+                lengths[s] = static_cast<int64_t>(cached.size());
+            }
+        for (size_t k = 0; k < sequences.size(); ++k) {
+            lengths[sequences[k]] = pasts[k];
+            input_ids_[sequences[k]] = ids[k];
+        }
+    }
+    step_count_ = static_cast<size_t>(batch);
+    live_rows_.assign(static_cast<size_t>(batch * tokens), sequences.size() == 1);
+    for (size_t sequence : sequences)
+        if (sequences.size() > 1) live_rows_[sequence] = 1;
+    for (size_t sequence : sequences) last_used_[sequence] = ++uses_;
     {
         // What report() reads changes here, under its lock; the units then run without it, so a report from
         // another thread never waits for a whole step.
         std::lock_guard<std::mutex> lock(report_mutex_);
         apply_pending_budget();
         int tier = 0;
-        const Plan* plan = plan_for(tokens, &tier);
+        const Plan* plan = plan_for(batch * tokens, &tier);
         if (!plan) {
             if (!active_ && runs_.empty()) {
                 for (size_t u = 0; u < units_.size(); ++u) runs_.push_back({u, "cpu", -1});
@@ -953,20 +1001,26 @@ void Host::forward(const int64_t* ids, int64_t tokens, int64_t past) {
         }
         ++steps_;
         ++tier_steps_[tier];
+        if (sequences.size() > 1) ++shared_steps_;
     }
-    int64_t total = past + tokens;
-    input_ids_.assign(ids, ids + tokens);
-    attention_mask_.assign(static_cast<size_t>(total), 1);
-    position_ids_.resize(static_cast<size_t>(tokens));
-    std::iota(position_ids_.begin(), position_ids_.end(), past);
+    // Each row's mask covers its cells and its new tokens (the rest of a shorter row's is zeros).
+    int64_t total = *std::max_element(lengths.begin(), lengths.end()) + tokens;
+    attention_mask_.assign(static_cast<size_t>(batch * total), 0);
+    position_ids_.resize(static_cast<size_t>(batch * tokens));
+    for (size_t b = 0; b < static_cast<size_t>(batch); ++b) {
+        std::fill_n(attention_mask_.begin() + static_cast<std::ptrdiff_t>(b * static_cast<size_t>(total)),
+                    lengths[b] + tokens, 1);
+        std::iota(position_ids_.begin() + static_cast<std::ptrdiff_t>(b * static_cast<size_t>(tokens)),
+                  position_ids_.begin() + static_cast<std::ptrdiff_t>((b + 1) * static_cast<size_t>(tokens)), lengths[b]);
+    }
     clear_values();
-    set_value("input_ids", tensor(cpu_memory_, input_ids_.data(), input_ids_.size() * 8, {1, tokens}, "int64"));
-    set_value("attention_mask", tensor(cpu_memory_, attention_mask_.data(), attention_mask_.size() * 8, {1, total},
-                                       "int64"));
-    set_value("position_ids", tensor(cpu_memory_, position_ids_.data(), position_ids_.size() * 8, {1, tokens},
+    set_value("input_ids", tensor(cpu_memory_, input_ids_.data(), input_ids_.size() * 8, {batch, tokens}, "int64"));
+    set_value("attention_mask", tensor(cpu_memory_, attention_mask_.data(), attention_mask_.size() * 8,
+                                       {batch, total}, "int64"));
+    set_value("position_ids", tensor(cpu_memory_, position_ids_.data(), position_ids_.size() * 8, {batch, tokens},
                                      "int64"));
-    set_image_features(ids, tokens);
-    size_t logit_bytes = static_cast<size_t>(manifest_.vocab_size) * element_type(logits_dtype_).bytes;
+    set_image_features(input_ids_.data(), batch * tokens);
+    size_t logit_bytes = static_cast<size_t>(batch * manifest_.vocab_size) * element_type(logits_dtype_).bytes;
     logits_bytes_.resize(logit_bytes);
     try {
         if (tokens == 1) {
@@ -1007,7 +1061,6 @@ void Host::forward(const int64_t* ids, int64_t tokens, int64_t past) {
         deactivate_after_failure();
         throw;
     }
-    read_logits();
 }
 
 // The products the decode step's sessions compute with pipeshard's ops: its joined sessions' and its CPU runs'.
@@ -1167,7 +1220,7 @@ void Host::run_experts(const MoeBlock& block, size_t block_index, int64_t tokens
         return static_cast<const float*>(data);
     };
     size_t experts = block.experts.size(), width = static_cast<size_t>(manifest_.hidden_size);
-    size_t rows = static_cast<size_t>(tokens);
+    size_t rows = step_count_ * static_cast<size_t>(tokens);
     const float* hidden = floats(block.hidden, rows * width);
     const float* routing = floats(block.routing, rows * experts);
     const float* residual = floats(block.residual, rows * width);
@@ -1199,8 +1252,8 @@ void Host::run_experts(const MoeBlock& block, size_t block_index, int64_t tokens
     std::vector<Chosen> chosen;
     for (size_t expert = 0; expert < experts; ++expert) {
         Chosen pick{expert, runs_.size(), {}};
-        for (size_t row = 0; row < rows; ++row)
-            if (routing[row * experts + expert] != 0.0f) pick.rows.push_back(row);
+        for (size_t row = 0; row < rows; ++row)  // a placeholder row's experts do not run (it adds nothing)
+            if (live_rows_[row] && routing[row * experts + expert] != 0.0f) pick.rows.push_back(row);
         if (pick.rows.empty()) continue;
         for (size_t index = 0; index < runs_.size(); ++index)
             if (manifest_.sub_layers[units_[runs_[index].unit].sub_layer].name == block.experts[expert]) pick.run = index;
@@ -1252,7 +1305,7 @@ void Host::run_experts(const MoeBlock& block, size_t block_index, int64_t tokens
     }
     for (size_t i = 0; i < total.size(); ++i) total[i] = residual[i] + total[i];
     set_value(block.output, tensor(cpu_memory_, total.data(), total.size() * 4,
-                                   {1, static_cast<int64_t>(rows), static_cast<int64_t>(width)}, "float32"));
+                                   {static_cast<int64_t>(step_count_), tokens, static_cast<int64_t>(width)}, "float32"));
 }
 
 void Host::start_expert_copy(const Run& run, int slot) {
@@ -1296,11 +1349,6 @@ void Host::run_unit(const Run& run, int64_t tokens, OrtSession* session, const S
         }
     } release{temporaries};
 
-    auto kv_value = [&](const std::string& name) -> OrtValue* {
-        const auto& [sub_layer, index] = kv_names_.at(name);
-        KvCache& cache = kv_.at(sub_layer);
-        return cache.on_device ? cache.device_values[index] : cache.host_values[index];
-    };
     bool is_output_layer = sub.kind == "final";
     for (const TensorSpec& input : sub.inputs) {
         if (std::find(sub.past.begin(), sub.past.end(), input.name) != sub.past.end()) {
@@ -1358,23 +1406,40 @@ void Host::run_unit(const Run& run, int64_t tokens, OrtSession* session, const S
         }
     }
     std::vector<std::string> handed_on;
+    std::function<void()> spread_logits;
     for (const TensorSpec& output : sub.outputs) {
         if (std::find(sub.present.begin(), sub.present.end(), output.name) != sub.present.end()) {
             check(ort().BindOutput(binding, output.name.c_str(), kv_value(output.name)));
         } else if (output.name == "logits") {
+            // A row chunk of a one-row step writes its columns in place; of several rows, its own block of them,
+            // spread into the rows after the run.
             size_t element = element_type(output.dtype).bytes;
             int64_t start = unit.chunk ? unit.row_start : 0;
             int64_t width = unit.chunk ? unit.row_stop - unit.row_start : manifest_.vocab_size;
-            OrtValue* value = tensor(cpu_memory_, logits_bytes_.data() + static_cast<size_t>(start) * element,
-                                     static_cast<size_t>(width) * element, {1, 1, width}, output.dtype);
+            int64_t batch = static_cast<int64_t>(step_count_);
+            uint8_t* data = logits_bytes_.data() + static_cast<size_t>(start) * element;
+            if (unit.chunk && batch > 1) {
+                chunk_logits_.resize(static_cast<size_t>(batch * width) * element);
+                data = chunk_logits_.data();
+            }
+            OrtValue* value = tensor(cpu_memory_, data, static_cast<size_t>(batch * width) * element, {batch, 1, width},
+                                     output.dtype);
             temporaries.push_back(value);
             check(ort().BindOutput(binding, output.name.c_str(), value));
+            if (unit.chunk && batch > 1)
+                spread_logits = [this, start, width, batch, element] {
+                    size_t row = static_cast<size_t>(manifest_.vocab_size) * element, part = static_cast<size_t>(width) * element;
+                    for (int64_t b = 0; b < batch; ++b)
+                        std::memcpy(logits_bytes_.data() + static_cast<size_t>(b) * row + static_cast<size_t>(start) * element,
+                                    chunk_logits_.data() + static_cast<size_t>(b) * part, part);
+                };
         } else {
             check(ort().BindOutputToDevice(binding, output.name.c_str(), cpu_memory_));
             handed_on.push_back(output.name);
         }
     }
     check(ort().RunWithBinding(session, run_options_, binding));
+    if (spread_logits) spread_logits();
     if (run.streamed_index >= 0 && active_->prefetch && streamed_.size() > slots_.size()) {
         // The slot is free again: start the copy of the streamed unit `slots` places ahead (the next step's first
         // ones after the last).
@@ -1402,13 +1467,13 @@ void Host::run_unit(const Run& run, int64_t tokens, OrtSession* session, const S
     check(ort().AllocatorFree(allocator, outputs));
 }
 
-void Host::read_logits() {
+void Host::read_logits(size_t row) {
     size_t vocab = static_cast<size_t>(manifest_.vocab_size);
     logits_.resize(vocab);
     if (logits_dtype_ == "float32") {
-        std::memcpy(logits_.data(), logits_bytes_.data(), vocab * 4);
+        std::memcpy(logits_.data(), logits_bytes_.data() + row * vocab * 4, vocab * 4);
     } else if (logits_dtype_ == "float16") {
-        const uint16_t* half = reinterpret_cast<const uint16_t*>(logits_bytes_.data());
+        const uint16_t* half = reinterpret_cast<const uint16_t*>(logits_bytes_.data()) + row * vocab;
         for (size_t i = 0; i < vocab; ++i) logits_[i] = half_to_float(half[i]);
     } else {
         fail(PIPESHARD_ERR_PACK, "logits of dtype " + logits_dtype_ + " are not supported");
@@ -1611,8 +1676,28 @@ size_t stop_position(const std::string& text, const std::vector<std::string>& st
 
 }  // namespace
 
-Answer Host::generate(const std::vector<int64_t>& prompt, const Sampling& sampling, const TokenSink& sink,
-                      Conversation* conversation) {
+// One request's answer in the making: its sequence of the cache, what it has fed, and what it has handed on.
+struct Generation {
+    std::vector<int64_t> prompt;
+    Sampling sampling;
+    TokenSink sink;
+    Conversation* conversation = nullptr;
+    const std::atomic<bool>* cancelled = nullptr;
+    size_t sequence = 0;
+    int64_t past = 0;  // the sequence's tokens in the cache
+    int64_t next = -1;  // the token to feed next, once chosen
+    std::mt19937_64 rng;
+    std::vector<int64_t> history;
+    Answer answer;
+    std::string emitted;  // the text handed to the sink so far
+    IncrementalText text;
+    GenerationTimes times;
+    std::chrono::steady_clock::time_point started, first_token_at;
+};
+
+std::unique_ptr<Generation> Host::begin(const std::vector<int64_t>& prompt, const Sampling& sampling,
+                                        const TokenSink& sink, Conversation* conversation,
+                                        const std::vector<size_t>& busy) {
     if (prompt.empty()) fail(PIPESHARD_ERR_ARGUMENT, "the prompt is empty");
     for (int64_t id : prompt)
         if (id < 0 || id >= manifest_.vocab_size)
@@ -1624,89 +1709,222 @@ Answer Host::generate(const std::vector<int64_t>& prompt, const Sampling& sampli
                                         std::to_string(capacity_) + " tokens");
     if (!sampling.stop_strings.empty() && !detokenizer_)
         fail(PIPESHARD_ERR_ARGUMENT, "stop strings need the detokenizer: open the host with extensions_library");
-    make_resident(conversation);
-    int64_t past = 0;
+    auto generation = std::make_unique<Generation>();
+    Generation& g = *generation;
+    g.prompt = prompt;
+    g.sampling = sampling;
+    g.sink = sink;
+    g.conversation = conversation;
+    g.sequence = sequence_for(conversation, busy);
     if (conversation) {  // the cells it holds of the prompt's first tokens (at least one token is fed)
         std::vector<int64_t>& cached = conversation->cached;
-        while (past < static_cast<int64_t>(std::min(cached.size(), prompt.size() - 1)) &&
-               cached[static_cast<size_t>(past)] == prompt[static_cast<size_t>(past)])
-            ++past;
-        cached.resize(static_cast<size_t>(past));
+        while (g.past < static_cast<int64_t>(std::min(cached.size(), prompt.size() - 1)) &&
+               cached[static_cast<size_t>(g.past)] == prompt[static_cast<size_t>(g.past)])
+            ++g.past;
+        cached.resize(static_cast<size_t>(g.past));
     }
-    std::mt19937_64 rng(sampling.seed);
-    std::vector<int64_t> history(prompt);
-    Answer answer;
-    std::string emitted;  // the text handed to the sink so far
-    IncrementalText text;
-    text.decode = [this](const std::vector<int64_t>& ids) { return detokenize(ids); };
-    GenerationTimes times;
-    times.prompt_tokens = prompt.size();
-    times.stop_reason = "length";
-    auto started = std::chrono::steady_clock::now();
-    auto first_token_at = started;
-    try {
-        feed(prompt.data() + past, static_cast<int64_t>(prompt.size()) - past, past, conversation);
-        past = static_cast<int64_t>(prompt.size());
-        for (int step = 0; step < sampling.max_new_tokens; ++step) {
-            int64_t token = choose(sampling, history, rng);
-            if (step == 0) {
-                first_token_at = std::chrono::steady_clock::now();
-                times.prefill_s = seconds_since(started);
+    g.rng.seed(sampling.seed);
+    g.history = prompt;
+    g.text.decode = [this](const std::vector<int64_t>& ids) { return detokenize(ids); };
+    g.times.prompt_tokens = prompt.size();
+    g.times.stop_reason = "length";
+    g.started = g.first_token_at = std::chrono::steady_clock::now();
+    return generation;
+}
+
+// The next token from the logits just read: handed to the sink (its text held back while it could begin a stop
+// string); false when the answer ends here (end of sequence, a stop string, the sink, max_new_tokens).
+bool Host::take(Generation& g) {
+    int64_t token = choose(g.sampling, g.history, g.rng);
+    g.next = -1;
+    if (g.answer.tokens.empty()) {
+        g.first_token_at = std::chrono::steady_clock::now();
+        g.times.prefill_s = seconds_since(g.started);
+    }
+    if (std::find(eos_ids_.begin(), eos_ids_.end(), token) != eos_ids_.end()) {
+        g.times.stop_reason = "eos";
+        return false;
+    }
+    g.answer.tokens.push_back(token);
+    g.history.push_back(token);
+    std::string piece;
+    bool stopped = false;
+    if (detokenizer_) {
+        g.text.extend(g.answer.tokens);
+        if (!ends_incomplete(g.text.text)) {
+            size_t held_back = 0;
+            size_t stop = stop_position(g.text.text, g.sampling.stop_strings, &held_back);
+            stopped = stop != std::string::npos;
+            size_t shown = stopped ? stop : g.text.text.size() - held_back;
+            if (shown >= g.emitted.size() && g.text.text.compare(0, g.emitted.size(), g.emitted) == 0) {
+                piece = g.text.text.substr(g.emitted.size(), shown - g.emitted.size());
+                g.emitted = g.text.text.substr(0, shown);
             }
-            if (std::find(eos_ids_.begin(), eos_ids_.end(), token) != eos_ids_.end()) {
-                times.stop_reason = "eos";
-                break;
-            }
-            answer.tokens.push_back(token);
-            history.push_back(token);
-            std::string piece;
-            bool stopped = false;
-            if (detokenizer_) {
-                text.extend(answer.tokens);
-                if (!ends_incomplete(text.text)) {
-                    size_t held_back = 0;
-                    size_t stop = stop_position(text.text, sampling.stop_strings, &held_back);
-                    stopped = stop != std::string::npos;
-                    size_t shown = stopped ? stop : text.text.size() - held_back;
-                    if (shown >= emitted.size() && text.text.compare(0, emitted.size(), emitted) == 0) {
-                        piece = text.text.substr(emitted.size(), shown - emitted.size());
-                        emitted = text.text.substr(0, shown);
-                    }
-                }
-            }
-            times.generated_tokens = answer.tokens.size();
-            if (sink && !sink(token, piece)) {
-                times.stop_reason = "callback";
-                break;
-            }
-            if (stopped) {
-                times.stop_reason = "stop";
-                break;
-            }
-            if (step + 1 == sampling.max_new_tokens) break;
-            feed(&token, 1, past, conversation);
-            ++past;
-            ++times.decode_steps;
         }
-    } catch (const HostError& error) {
-        if (conversation && error.status != PIPESHARD_ERR_CANCELLED) conversation->cached.clear();
-        throw;
-    } catch (...) {
-        if (conversation) conversation->cached.clear();
-        throw;
     }
-    times.decode_s = seconds_since(first_token_at);
-    if (!sampling.stop_strings.empty() && times.stop_reason != "stop" && times.stop_reason != "callback") {
-        std::string text = detokenize(answer.tokens);  // what was held back while it could begin a stop string
-        if (!ends_incomplete(text) && text.size() > emitted.size() && sink) sink(-1, text.substr(emitted.size()));
+    g.times.generated_tokens = g.answer.tokens.size();
+    if (g.sink && !g.sink(token, piece)) {
+        g.times.stop_reason = "callback";
+        return false;
+    }
+    if (stopped) {
+        g.times.stop_reason = "stop";
+        return false;
+    }
+    if (static_cast<int>(g.answer.tokens.size()) == g.sampling.max_new_tokens) return false;
+    g.next = token;
+    return true;
+}
+
+Answer Host::finish(Generation& g) {
+    GenerationTimes& times = g.times;
+    times.decode_s = seconds_since(g.first_token_at);
+    if (!g.sampling.stop_strings.empty() && times.stop_reason != "stop" && times.stop_reason != "callback") {
+        std::string text = detokenize(g.answer.tokens);  // what was held back while it could begin a stop string
+        if (!ends_incomplete(text) && text.size() > g.emitted.size() && g.sink) g.sink(-1, text.substr(g.emitted.size()));
     }
     {
         std::lock_guard<std::mutex> lock(report_mutex_);
         last_ = times;
     }
-    answer.text = emitted;
-    if (detokenizer_ && times.stop_reason != "stop") answer.text = detokenize(answer.tokens);
-    return answer;
+    g.answer.text = g.emitted;
+    if (detokenizer_ && times.stop_reason != "stop") g.answer.text = detokenize(g.answer.tokens);
+    return std::move(g.answer);
+}
+
+// After a step failed other than by a cancel: the sequence's cells are in an unknown state, fed again next time.
+void Host::forget_cells(Generation& g) {
+    if (g.conversation) g.conversation->cached.clear();
+}
+
+Answer Host::generate(const std::vector<int64_t>& prompt, const Sampling& sampling, const TokenSink& sink,
+                      Conversation* conversation) {
+    std::unique_ptr<Generation> generation = begin(prompt, sampling, sink, conversation, {});
+    Generation& g = *generation;
+    try {
+        feed(g.sequence, prompt.data() + g.past, static_cast<int64_t>(prompt.size()) - g.past, g.past, conversation);
+        g.past = static_cast<int64_t>(prompt.size());
+        read_logits(0);
+        while (take(g)) {
+            feed(g.sequence, &g.next, 1, g.past, conversation);
+            ++g.past;
+            ++g.times.decode_steps;
+            read_logits(0);
+        }
+    } catch (const HostError& error) {
+        if (error.status != PIPESHARD_ERR_CANCELLED) forget_cells(g);
+        throw;
+    } catch (...) {
+        forget_cells(g);
+        throw;
+    }
+    return finish(g);
+}
+
+// Several sessions' turns, each prefilled into its own sequence of the cache a chunk at a time, decoded together: one
+// step feeds every turn's last token. Turns `more` gives join between steps while sequences are free; each ends on
+// its own (its `ended` called on this thread), a cancel taking effect between steps.
+void Host::run_turns(const std::vector<Turn*>& first, const std::function<std::vector<Turn*>(size_t)>& more) {
+    struct Running {
+        Turn* turn;
+        std::unique_ptr<Generation> generation;
+    };
+    std::vector<Running> running;
+    auto busy = [&] {
+        std::vector<size_t> sequences;
+        for (const Running& r : running) sequences.push_back(r.generation->sequence);
+        return sequences;
+    };
+    auto end = [&](size_t index, pipeshard_status status, const std::string& message) {
+        Running r = std::move(running[index]);
+        running.erase(running.begin() + static_cast<std::ptrdiff_t>(index));
+        Turn& turn = *r.turn;
+        std::string said = message;
+        if (status == PIPESHARD_OK) {
+            status = guarded(said, [&] {
+                Answer answer = finish(*r.generation);
+                turn.conversation->turns.push_back({"user", turn.user});
+                turn.conversation->turns.push_back({"assistant", answer.text});
+                if (turn.answered) turn.answered(answer);
+            });
+        } else if (status != PIPESHARD_ERR_CANCELLED) {
+            forget_cells(*r.generation);
+        }
+        turn.ended(status, said);
+    };
+    auto start = [&](Turn* turn) {
+        if (turn->cancelled->load()) return turn->ended(PIPESHARD_ERR_CANCELLED, "cancelled before it started");
+        std::string message;
+        pipeshard_status status = guarded(message, [&] {
+            std::vector<int64_t> ids = tokenize(render_chat(history_with(*turn->conversation, turn->user)));
+            running.push_back({turn, begin(ids, turn->sampling, turn->sink, turn->conversation, busy())});
+            running.back().generation->cancelled = turn->cancelled;
+        });
+        if (status != PIPESHARD_OK) turn->ended(status, message);
+    };
+    for (Turn* turn : first) start(turn);
+    while (!running.empty()) {
+        if (running.size() < sequences_)
+            for (Turn* turn : more(sequences_ - running.size())) start(turn);
+        for (size_t i = running.size(); i-- > 0;)
+            if (running[i].turn->cancelled->load()) end(i, PIPESHARD_ERR_CANCELLED, "cancelled");
+        // One prompt chunk of the first turn still prefilling; its first token once its prompt is in.
+        for (size_t i = 0; i < running.size(); ++i) {
+            Generation& g = *running[i].generation;
+            int64_t left = static_cast<int64_t>(g.prompt.size()) - g.past;
+            if (left <= 0) continue;  // prefilled (decoding since)
+            std::string message;
+            bool answered = false;
+            set_cancel_flag(g.cancelled);
+            pipeshard_status status = guarded(message, [&] {
+                int64_t count = std::min<int64_t>(prefill_chunk_, left);
+                forward({g.sequence}, g.prompt.data() + g.past, count, {g.past});
+                g.conversation->cached.insert(g.conversation->cached.end(), g.prompt.begin() + g.past,
+                                              g.prompt.begin() + g.past + count);
+                g.past += count;
+                if (g.past == static_cast<int64_t>(g.prompt.size())) {
+                    read_logits(0);
+                    answered = !take(g);
+                }
+            });
+            set_cancel_flag(nullptr);
+            if (status != PIPESHARD_OK || answered) end(i, status, message);
+            break;
+        }
+        // One decode step over every turn with a token to feed.
+        std::vector<size_t> sequences, indices;
+        std::vector<int64_t> ids, pasts;
+        for (size_t i = 0; i < running.size(); ++i) {
+            const Generation& g = *running[i].generation;
+            if (g.next < 0) continue;
+            indices.push_back(i);
+            sequences.push_back(g.sequence);
+            ids.push_back(g.next);
+            pasts.push_back(g.past);
+        }
+        if (indices.empty()) continue;
+        std::string message;
+        pipeshard_status status = guarded(message, [&] { forward(sequences, ids.data(), 1, pasts); });
+        if (status != PIPESHARD_OK) {
+            for (size_t k = indices.size(); k-- > 0;) end(indices[k], status, message);
+            continue;
+        }
+        std::vector<std::pair<pipeshard_status, std::string>> endings(indices.size(), {PIPESHARD_OK, ""});
+        std::vector<bool> ends(indices.size(), false);
+        for (size_t k = 0; k < indices.size(); ++k) {
+            Generation& g = *running[indices[k]].generation;
+            g.conversation->cached.push_back(g.next);
+            ++g.past;
+            ++g.times.decode_steps;
+            endings[k].first = guarded(endings[k].second, [&] {
+                read_logits(step_row(g.sequence));
+                ends[k] = !take(g);
+            });
+            ends[k] = ends[k] || endings[k].first != PIPESHARD_OK;  // a sink that threw ends its own turn only
+        }
+        for (size_t k = indices.size(); k-- > 0;)
+            if (ends[k]) end(indices[k], endings[k].first, endings[k].second);
+    }
 }
 
 // ---- Images ----------------------------------------------------------------------------------------------------
@@ -1842,7 +2060,7 @@ std::string Host::report() const {
     out << ", \"units\": " << units_.size() << ", \"decode_runs\": " << decode_runs_
         << ", \"decode_attention_nodes\": " << decode_attention_nodes_
         << ", \"decode_product_nodes\": " << decode_product_nodes_;
-    out << ", \"steps\": " << steps_ << ", \"plan_switches\": " << plan_switches_ << ", \"tier_steps\": {";
+    out << ", \"steps\": " << steps_ << ", \"shared_steps\": " << shared_steps_ << ", \"plan_switches\": " << plan_switches_ << ", \"tier_steps\": {";
     bool first = true;
     for (const auto& [tier, count] : tier_steps_) {
         out << (first ? "" : ", ") << "\"" << tier << "\": " << count;

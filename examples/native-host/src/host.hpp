@@ -25,15 +25,17 @@ namespace pipeshard {
 
 class MappedFile;
 
-// One attention's cache: a [1, kv_heads, capacity, head_dim] buffer per past name, on the host and (while its
-// attention runs on the device) on the device; bound as both the past input and the present output. A buffer is
-// `rows` rows (batch x heads) of `capacity` positions of `position_bytes` each.
+// One attention's cache: per past name a [sequences, kv_heads, capacity, head_dim] buffer, on the host and (while
+// its attention runs on the device) on the device; bound as both the past input and the present output, over the
+// sequences a step runs (`views`: made once per first sequence and count). One sequence's part of a buffer is `rows`
+// rows (its heads) of `capacity` positions of `position_bytes` each.
 struct KvCache {
     std::vector<std::vector<uint8_t>> host;
-    std::vector<OrtValue*> host_values;
     std::vector<void*> device;
-    std::vector<OrtValue*> device_values;
+    std::vector<std::vector<int64_t>> shape;  // one sequence's
+    std::vector<std::string> dtype;
     std::vector<size_t> rows, position_bytes;
+    std::vector<std::map<std::pair<size_t, size_t>, OrtValue*>> host_views, device_views;
     bool on_device = false;
 };
 
@@ -91,6 +93,19 @@ struct Piece {
     int product_nodes = 0;  // products of the joined session computed by BlockMatMul or WeightMatMul
 };
 
+// A session's turn that may share its decode steps with other sessions' turns (Host::run_turns).
+struct Turn {
+    Conversation* conversation = nullptr;
+    std::string user;
+    Sampling sampling;
+    TokenSink sink;
+    const std::atomic<bool>* cancelled = nullptr;
+    std::function<void(const Answer& answer)> answered;  // once it ended well, before `ended`
+    std::function<void(pipeshard_status status, const std::string& message)> ended;  // as it ends, on the worker
+};
+
+struct Generation;  // one request's answer in the making (host.cpp)
+
 struct GenerationTimes {
     size_t prompt_tokens = 0, generated_tokens = 0, decode_steps = 0;
     double prefill_s = 0, decode_s = 0;
@@ -119,6 +134,10 @@ public:
                                 const Sampling& sampling, const TokenSink& sink);
     // A user's next turn in the conversation; it joins the history unless cancelled or failed.
     Answer say(Conversation& conversation, const std::string& user, const Sampling& sampling, const TokenSink& sink);
+    // Turns of different sessions (at most sequences() of them, more joining between steps from `more(room)`), their
+    // decode steps shared; each turn's `ended` is called as it ends.
+    void run_turns(const std::vector<Turn*>& turns, const std::function<std::vector<Turn*>(size_t room)>& more);
+    size_t sequences() const { return sequences_; }  // any thread
     std::string render_chat(const std::vector<Message>& messages) const;  // any thread
     void save(Conversation& conversation, const std::string& path);
     std::unique_ptr<Conversation> load(const std::string& path);
@@ -146,6 +165,7 @@ private:
     std::string device_kind_ = "cpu";
     std::unique_ptr<Device> device_;
     int64_t capacity_ = 0;
+    size_t sequences_ = 1;  // the cache's sequences: turns of that many sessions share a decode step
     int prefill_chunk_ = 0;
     std::string manifest_sha256_;
 
@@ -205,7 +225,7 @@ private:
     // Step state.
     std::map<std::string, OrtValue*> values_;  // what runs hand on by name (ORT-allocated outputs, step inputs)
     std::vector<int64_t> input_ids_, attention_mask_, position_ids_;
-    std::vector<uint8_t> logits_bytes_;
+    std::vector<uint8_t> logits_bytes_, chunk_logits_;
     std::vector<float> expert_hidden_, expert_routing_;  // a MoE layer's rows gathered for one expert
     std::vector<std::vector<float>> moe_outputs_;        // per MoE block: residual + experts, read later this step
     std::vector<std::vector<float>> expert_results_;     // per expert of the running block: its rows' outputs
@@ -213,11 +233,18 @@ private:
     std::vector<float> logits_;
 
     const std::atomic<bool>* cancel_ = nullptr;
-    Conversation* resident_ = nullptr;  // whose cells the cache holds (nullptr: a one-shot prompt's, or none)
+    // Per sequence of the cache: whose cells it holds (nullptr: a one-shot prompt's, or none), and when it last ran.
+    std::vector<Conversation*> owner_;
+    std::vector<uint64_t> last_used_;
+    uint64_t uses_ = 0;
+    // The step running: its first sequence and how many (a one-sequence step: that sequence), and per row of its
+    // tokens whether a request fed it (a sequence in a shared step no turn of which runs feeds a placeholder).
+    size_t step_first_ = 0, step_count_ = 1;
+    std::vector<char> live_rows_;
     mutable std::mutex report_mutex_;   // a step's plan and budget changes, and report() from another thread
 
     // What the host has done.
-    std::atomic<uint64_t> steps_{0}, plan_switches_{0}, streamed_weight_bytes_{0};
+    std::atomic<uint64_t> steps_{0}, shared_steps_{0}, plan_switches_{0}, streamed_weight_bytes_{0};
     std::atomic<uint64_t> decode_runs_{0}, decode_attention_nodes_{0}, decode_product_nodes_{0};  // of the last decode step
     std::map<std::string, int> cpu_product_nodes_;  // sub-layer -> products its CPU session's ops compute
     std::map<int, uint64_t> tier_steps_;
@@ -257,15 +284,28 @@ private:
     uint64_t auto_budget() const;
     void release_device();
     void restart_ring();
-    void make_resident(Conversation* conversation);
-    void store_cells(Conversation& conversation);
-    void load_cells(Conversation& conversation);
+    // The sequence that holds (or is given) the conversation's cells; a one-shot prompt (nullptr) gets a free one.
+    // A sequence taken from another conversation stores its cells first; those in `busy` are not taken.
+    size_t sequence_for(Conversation* conversation, const std::vector<size_t>& busy);
+    void store_cells(Conversation& conversation, size_t sequence);
+    void load_cells(Conversation& conversation, size_t sequence);
+    OrtValue* kv_value(const std::string& name);  // the step's sequences of a past or present buffer
+    size_t step_row(size_t sequence) const { return sequence - step_first_; }
     void sync_kv_to_host();
     void sync_kv_to_device();
     bool cancel_requested() const { return cancel_ && cancel_->load(std::memory_order_relaxed); }
 
-    void feed(const int64_t* ids, int64_t tokens, int64_t past, Conversation* conversation);
-    void forward(const int64_t* ids, int64_t tokens, int64_t past);
+    std::vector<Message> history_with(const Conversation& conversation, const std::string& user) const;
+    std::unique_ptr<Generation> begin(const std::vector<int64_t>& prompt, const Sampling& sampling,
+                                      const TokenSink& sink, Conversation* conversation,
+                                      const std::vector<size_t>& busy);
+    bool take(Generation& generation);
+    Answer finish(Generation& generation);
+    void forget_cells(Generation& generation);
+    void feed(size_t sequence, const int64_t* ids, int64_t tokens, int64_t past, Conversation* conversation);
+    // One step: `tokens` new tokens of one sequence, or one token of each of several; `pasts`: what each holds.
+    void forward(const std::vector<size_t>& sequences, const int64_t* ids, int64_t tokens,
+                 const std::vector<int64_t>& pasts);
     // `device_weights`: a streamed expert's weights, already copied into its staging slot.
     void run_unit(const Run& run, int64_t tokens, OrtSession* session = nullptr, const SubLayer* spec = nullptr,
                   const uint8_t* device_weights = nullptr);
@@ -279,7 +319,7 @@ private:
                      const std::string& dtype);
     void set_value(const std::string& name, OrtValue* value);
     void clear_values();
-    void read_logits();
+    void read_logits(size_t row);  // the step's logits of one of its rows
     int64_t choose(const Sampling& sampling, const std::vector<int64_t>& history, std::mt19937_64& rng);
 };
 

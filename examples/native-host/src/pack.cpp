@@ -261,7 +261,7 @@ Plan read_plan(const Json& chosen) {
 
 }  // namespace
 
-PlansFile read_plans(const std::string& path, const Manifest& manifest, std::vector<Unit>& units) {
+PlansFile read_plans(const std::string& path, const Manifest& manifest, int64_t sequences, std::vector<Unit>& units) {
     if (!is_file(path)) fail(PIPESHARD_ERR_PLANS, path + " does not exist (a plans file of `pipeshard plan --out`)");
     PlansFile plans;
     plans.path = path;
@@ -279,10 +279,11 @@ PlansFile read_plans(const std::string& path, const Manifest& manifest, std::vec
                                           "), not " + manifest.folder + ": its pack_sha256 differs from this "
                                           "pack's manifest.json");
         plans.context = static_cast<int64_t>(count_of(document.at("context"), "context", 1, manifest.max_context));
-        if (document.at("batch").integer() != 1)
+        if (document.at("batch").integer() != sequences)
             fail(PIPESHARD_ERR_PLANS, path + ": made for batches of " +
-                                          std::to_string(document.at("batch").integer()) + "; this host runs one "
-                                          "sequence (plan with --batch 1)");
+                                          std::to_string(document.at("batch").integer()) + "; this host runs " +
+                                          std::to_string(sequences) + " sessions per step (plan with --batch " +
+                                          std::to_string(sequences) + ")");
         std::vector<const Json*> ladder;
         if (document.has("ladder") && document.at("ladder").size() != 0) {
             for (const Json& rung : document.at("ladder").items) ladder.push_back(&rung);

@@ -108,7 +108,7 @@ Manifest read_manifest(const std::string& folder);
 std::vector<Unit> planning_units(const Manifest& manifest, int chunks);
 
 // Throws HostError(PIPESHARD_ERR_PLANS) when the file is not for this pack or does not place its units.
-PlansFile read_plans(const std::string& path, const Manifest& manifest, std::vector<Unit>& units);
+PlansFile read_plans(const std::string& path, const Manifest& manifest, int64_t sequences, std::vector<Unit>& units);
 
 // Whether a sub-layer always runs on the host (cheap, or reading few rows of a large table).
 bool host_only(const SubLayer& sub_layer);

@@ -1,5 +1,6 @@
 #include "runner.hpp"
 
+#include <algorithm>
 #include <chrono>
 
 #include "errors.hpp"
@@ -13,7 +14,7 @@ Runner::~Runner() {
         std::lock_guard<std::mutex> lock(mutex_);
         stopping_ = true;
         for (auto& task : queue_) task->cancelled = true;
-        if (running_) running_->cancelled = true;
+        for (Task* task : running_) task->cancelled = true;
     }
     wake_.notify_all();
     worker_.join();
@@ -30,20 +31,23 @@ uint64_t Runner::submit(std::unique_ptr<Task> task) {
 
 void Runner::cancel(uint64_t id) {
     std::lock_guard<std::mutex> lock(mutex_);
-    if (running_ && running_->id == id) running_->cancelled = true;
+    for (Task* task : running_)
+        if (task->id == id) task->cancelled = true;
     for (auto& task : queue_)
         if (task->id == id) task->cancelled = true;
 }
 
 void Runner::cancel_conversation(const Conversation* conversation) {
     std::lock_guard<std::mutex> lock(mutex_);
-    if (running_ && running_->conversation == conversation) running_->cancelled = true;
+    for (Task* task : running_)
+        if (task->conversation == conversation) task->cancelled = true;
     for (auto& task : queue_)
         if (task->conversation == conversation) task->cancelled = true;
 }
 
 bool Runner::known(uint64_t id) const {
-    if (running_ && running_->id == id) return true;
+    for (const Task* task : running_)
+        if (task->id == id) return true;
     for (const auto& task : queue_)
         if (task->id == id) return true;
     return false;
@@ -86,36 +90,89 @@ pipeshard_status Runner::run(std::function<void()> body, std::string* message, C
 
 void Runner::loop() {
     for (;;) {
-        std::unique_ptr<Task> task;
+        std::vector<std::unique_ptr<Task>> tasks;
         {
             std::unique_lock<std::mutex> lock(mutex_);
             wake_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
             if (queue_.empty()) return;  // stopping, and nothing left to report
-            task = std::move(queue_.front());
-            queue_.pop_front();
-            running_ = task.get();
+            if (shares_steps(*queue_.front())) {
+                take_turns(tasks, host_->sequences());
+            } else {
+                tasks.push_back(std::move(queue_.front()));
+                queue_.pop_front();
+                running_.push_back(tasks.back().get());
+            }
         }
-        std::string message;
-        pipeshard_status status = PIPESHARD_ERR_CANCELLED;
-        if (task->cancelled) {
-            message = "cancelled before it started";
+        if (shares_steps(*tasks.front())) {
+            run_turns(tasks);
         } else {
-            host_->set_cancel_flag(&task->cancelled);
-            status = guarded(message, task->body);
-            host_->set_cancel_flag(nullptr);
+            run_one(*tasks.front());
         }
-        if (task->finish) {
-            std::string ignored;
-            guarded(ignored, [&] { task->finish(status, message); });
+    }
+}
+
+void Runner::take_turns(std::vector<std::unique_ptr<Task>>& into, size_t room) {
+    auto running = [&](const Conversation* conversation) {
+        for (const Task* task : running_)
+            if (task->conversation == conversation) return true;
+        return false;
+    };
+    while (room > 0 && !queue_.empty() && shares_steps(*queue_.front()) && !running(queue_.front()->conversation)) {
+        into.push_back(std::move(queue_.front()));
+        queue_.pop_front();
+        running_.push_back(into.back().get());
+        --room;
+    }
+}
+
+void Runner::run_one(Task& task) {
+    std::string message;
+    pipeshard_status status = PIPESHARD_ERR_CANCELLED;
+    if (task.cancelled) {
+        message = "cancelled before it started";
+    } else {
+        host_->set_cancel_flag(&task.cancelled);
+        status = guarded(message, task.body);
+        host_->set_cancel_flag(nullptr);
+    }
+    complete(task, status, message);
+}
+
+// The turns share decode steps; turns queued meanwhile join between steps while the cache has room for them.
+void Runner::run_turns(std::vector<std::unique_ptr<Task>>& tasks) {
+    auto prepare = [this](size_t first, const std::vector<std::unique_ptr<Task>>& list) {
+        std::vector<Turn*> turns;
+        for (size_t i = first; i < list.size(); ++i) {
+            Task* task = list[i].get();
+            task->turn->ended = [this, task](pipeshard_status status, const std::string& message) {
+                complete(*task, status, message);
+            };
+            turns.push_back(task->turn.get());
         }
+        return turns;
+    };
+    host_->run_turns(prepare(0, tasks), [&](size_t room) {
+        size_t first = tasks.size();
         {
             std::lock_guard<std::mutex> lock(mutex_);
-            running_ = nullptr;
-            results_[task->id] = {status, message};
-            while (results_.size() > kKeptResults) results_.erase(results_.begin());
+            take_turns(tasks, room);
         }
-        ended_.notify_all();
+        return prepare(first, tasks);
+    });
+}
+
+void Runner::complete(Task& task, pipeshard_status status, const std::string& message) {
+    if (task.finish) {
+        std::string ignored;
+        guarded(ignored, [&] { task.finish(status, message); });
     }
+    {
+        std::lock_guard<std::mutex> lock(mutex_);
+        running_.erase(std::find(running_.begin(), running_.end(), &task));
+        results_[task.id] = {status, message};
+        while (results_.size() > kKeptResults) results_.erase(results_.begin());
+    }
+    ended_.notify_all();
 }
 
 }  // namespace pipeshard

@@ -22,6 +22,7 @@ struct Task {
     std::atomic<bool> cancelled{false};
     Conversation* conversation = nullptr;  // whose turn it is, or nullptr
     std::function<void()> body;            // throws on failure (HostError with PIPESHARD_ERR_CANCELLED when cancelled)
+    std::shared_ptr<Turn> turn;            // a session's turn: run by Host::run_turns instead, when steps are shared
     std::function<void(pipeshard_status, const std::string& message)> finish;  // on the worker, after the body
 };
 
@@ -53,7 +54,7 @@ private:
     std::mutex mutex_;
     std::condition_variable wake_, ended_;
     std::deque<std::unique_ptr<Task>> queue_;
-    Task* running_ = nullptr;
+    std::vector<Task*> running_;
     std::map<uint64_t, Ended> results_;
     uint64_t next_id_ = 1;
     bool stopping_ = false;
@@ -61,6 +62,12 @@ private:
 
     void loop();
     bool known(uint64_t id) const;  // queued or running (mutex_ held)
+    bool shares_steps(const Task& task) const { return task.turn && host_->sequences() > 1; }
+    // mutex_ held: turns at the queue's front, of sessions with no turn running, at most `room` of them.
+    void take_turns(std::vector<std::unique_ptr<Task>>& into, size_t room);
+    void run_one(Task& task);
+    void run_turns(std::vector<std::unique_ptr<Task>>& tasks);
+    void complete(Task& task, pipeshard_status status, const std::string& message);
 };
 
 }  // namespace pipeshard

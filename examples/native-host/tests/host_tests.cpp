@@ -437,6 +437,110 @@ int sessions(const Json& expected, const std::string& extensions) {
     return failures;
 }
 
+// ---- Sessions sharing decode steps ---------------------------------------------------------------------------
+
+struct SharedTurn {
+    Done done;
+    std::vector<int64_t> ids;  // written by the worker only
+    pipeshard_host* host = nullptr;
+    size_t cancel_after = 0;  // cancel its own request after this many tokens (0: never)
+    std::atomic<pipeshard_request_id> request{0};
+};
+
+int shared_token(int64_t token, const char* piece, void* user_data) {
+    auto* turn = static_cast<SharedTurn*>(user_data);
+    if (token >= 0) turn->ids.push_back(token);
+    turn->done.pieces += piece;
+    if (turn->cancel_after && turn->ids.size() == turn->cancel_after) pipeshard_cancel(turn->host, turn->request);
+    return 0;
+}
+
+void shared_done(pipeshard_request_id request, pipeshard_status status, const char* text, const char* message,
+                 void* user_data) {
+    on_done(request, status, text, message, &static_cast<SharedTurn*>(user_data)->done);
+}
+
+void wait_for(SharedTurn& turn) {
+    std::unique_lock<std::mutex> lock(turn.done.mutex);
+    turn.done.ended.wait_for(lock, std::chrono::seconds(120), [&] { return turn.done.done; });
+}
+
+uint64_t shared_steps_of(const std::string& report) {
+    size_t at = report.find("\"shared_steps\": ");
+    return at == std::string::npos ? 0 : std::strtoull(report.c_str() + at + 16, nullptr, 10);
+}
+
+// Two characters' turns submitted together run in one decode step (sessions_per_step 2), all-CPU and planned on sim
+// with a plans file made for batches of 2: each answer equals a fresh prefill of that session's history; a turn
+// cancelled mid-answer leaves the other's answer and its own history as they were.
+int shared_steps(const Json& expected, const std::string& extensions) {
+    std::string batch_plans = expected.at("batch_plans").str();
+    for (bool planned : {false, true}) {
+        std::string where = planned ? "planned on sim: " : "all-CPU: ";
+        pipeshard_options options;
+        pipeshard_default_options(&options);
+        options.sessions_per_step = 2;
+        if (planned) {
+            options.plans_path = batch_plans.c_str();
+            options.device = "sim";
+        }
+        pipeshard_host* host = open_host(expected, extensions, false, 0, options);
+        if (!host) return failures;
+        pipeshard_sampling sampling = greedy(expected);
+        sampling.max_new_tokens = static_cast<int>(expected.at("session_max_new_tokens").integer());
+        const Json& prompts = expected.at("prompts");
+        struct Character {
+            pipeshard_session* session = nullptr;
+            std::vector<std::pair<std::string, std::string>> history;
+        } characters[2];
+        std::string pirate = "You are a pirate captain. Answer briefly.";
+        pipeshard_session_create(host, nullptr, &characters[0].session);
+        pipeshard_session_create(host, pirate.c_str(), &characters[1].session);
+        characters[1].history.push_back({"system", pirate});
+        for (int turn = 0; turn < 3; ++turn) {
+            SharedTurn runs[2];
+            std::string users[2];
+            for (int c = 0; c < 2; ++c) {
+                users[c] = prompts.at(static_cast<size_t>((turn * 2 + c) % prompts.size())).at("text").str();
+                runs[c].host = host;
+                runs[c].cancel_after = turn == 2 && c == 1 ? 3 : 0;  // the last turn of the pirate: cancelled
+                pipeshard_request_id request = 0;
+                expect(pipeshard_submit(host, characters[c].session, users[c].c_str(), &sampling, shared_token,
+                                        shared_done, &runs[c], &request) == PIPESHARD_OK,
+                       where + "submit a turn");
+                runs[c].request = request;
+            }
+            for (SharedTurn& run : runs) wait_for(run);
+            for (int c = 0; c < 2; ++c) {
+                Character& character = characters[c];
+                std::string which = where + "session " + std::to_string(c) + " turn " + std::to_string(turn + 1);
+                if (runs[c].cancel_after) {
+                    size_t turns = 0;
+                    pipeshard_session_turns(character.session, &turns);
+                    expect(runs[c].done.status == PIPESHARD_ERR_CANCELLED && turns == 2,
+                           which + ": cancelled, its history unchanged (" + runs[c].done.message + ")");
+                    pipeshard_status status;
+                    users[c] += " Be brief.";
+                    runs[c].ids = say(character.session, users[c], sampling, &status);
+                    runs[c].done.status = status;
+                }
+                character.history.push_back({"user", users[c]});
+                std::vector<int64_t> want = fresh(host, character.history, sampling);
+                expect(runs[c].done.status == PIPESHARD_OK && runs[c].ids == want && !want.empty(),
+                       which + ": [" + join(runs[c].ids) + "] fresh prefill of its history [" + join(want) + "] " +
+                           runs[c].done.message);
+                character.history.push_back({"assistant", text_of(host, runs[c].ids)});
+            }
+        }
+        uint64_t shared = shared_steps_of(report(host));
+        std::printf("     %s%llu decode steps shared by both sessions\n", where.c_str(),
+                    static_cast<unsigned long long>(shared));
+        expect(shared >= static_cast<uint64_t>(sampling.max_new_tokens), where + "turns shared steps: " + report(host));
+        pipeshard_close(host);
+    }
+    return failures;
+}
+
 int tokenizer_round_trip(const Json& expected, const std::string& extensions) {
     pipeshard_host* host = open_host(expected, extensions, false);
     if (!host) return failures;
@@ -731,6 +835,7 @@ int main(int argc, char** argv) {
                  : which == "auto_budget" ? auto_budget(expected, extensions)
                  : which == "async_cancel" ? async_cancel(expected, extensions)
                  : which == "sessions" ? sessions(expected, extensions)
+                 : which == "shared_steps" ? shared_steps(expected, extensions)
                  : which == "sentences" ? sentences(expected, extensions)
                  : which == "tokenizer_round_trip" ? tokenizer_round_trip(expected, extensions) : -1;
     if (result < 0) {
