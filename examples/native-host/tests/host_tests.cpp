@@ -371,6 +371,20 @@ int async_cancel(const Json& expected, const std::string& extensions) {
     return failures;
 }
 
+// A session and the history it has said, to check its answers against a fresh prefill of that history.
+struct Character {
+    pipeshard_session* session = nullptr;
+    std::vector<std::pair<std::string, std::string>> history;
+};
+
+// Two characters over one host: the first without a system prompt, the second a pirate.
+void create_characters(pipeshard_host* host, Character (&characters)[2]) {
+    std::string pirate = "You are a pirate captain. Answer briefly.";
+    pipeshard_session_create(host, nullptr, &characters[0].session);
+    pipeshard_session_create(host, pirate.c_str(), &characters[1].session);
+    characters[1].history.push_back({"system", pirate});
+}
+
 // Two characters over one host, turns alternating: each keeps its history, each answer is a fresh prefill's; a
 // saved session continues as the original; a rolled-back turn is said again the same way.
 int sessions(const Json& expected, const std::string& extensions) {
@@ -390,14 +404,8 @@ int sessions(const Json& expected, const std::string& extensions) {
     pipeshard_sampling sampling = greedy(expected);
     sampling.max_new_tokens = static_cast<int>(expected.at("session_max_new_tokens").integer());
     const Json& prompts = expected.at("prompts");
-    struct Character {
-        pipeshard_session* session = nullptr;
-        std::vector<std::pair<std::string, std::string>> history;
-    } characters[2];
-    std::string pirate = "You are a pirate captain. Answer briefly.";
-    pipeshard_session_create(host, nullptr, &characters[0].session);
-    pipeshard_session_create(host, pirate.c_str(), &characters[1].session);
-    characters[1].history.push_back({"system", pirate});
+    Character characters[2];
+    create_characters(host, characters);
     for (int turn = 0; turn < 2; ++turn)
         for (int c = 0; c < 2; ++c) {
             Character& character = characters[c];
@@ -489,14 +497,8 @@ int shared_steps(const Json& expected, const std::string& extensions) {
         pipeshard_sampling sampling = greedy(expected);
         sampling.max_new_tokens = static_cast<int>(expected.at("session_max_new_tokens").integer());
         const Json& prompts = expected.at("prompts");
-        struct Character {
-            pipeshard_session* session = nullptr;
-            std::vector<std::pair<std::string, std::string>> history;
-        } characters[2];
-        std::string pirate = "You are a pirate captain. Answer briefly.";
-        pipeshard_session_create(host, nullptr, &characters[0].session);
-        pipeshard_session_create(host, pirate.c_str(), &characters[1].session);
-        characters[1].history.push_back({"system", pirate});
+        Character characters[2];
+        create_characters(host, characters);
         for (int turn = 0; turn < 3; ++turn) {
             SharedTurn runs[2];
             std::string users[2];
