@@ -44,8 +44,8 @@ namespace pipeshard {
 namespace {
 constexpr uint64_t kJoinedBytes = 64ull << 20;  // weights per joined decode session, as the Python engine's chain
 constexpr int kMaxThreads = 1024;  // more intra-op threads than any client CPU has: a typing mistake
-constexpr int kAllCpuPrefillChunk = 64;
-constexpr int kMaxSessionsPerStep = 16;  // prompt tokens per step without plans: cancel acts between steps
+constexpr int kAllCpuPrefillChunk = 64;  // prompt tokens per step without plans: cancel acts between steps
+constexpr int kMaxSessionsPerStep = 16;  // the most sequences one KV cache holds
 // Streamed experts are copied once their router has run, two in flight per layer (formats/plans.py's EXPERT_SLOTS);
 // their copies' events come after every ring slot's (a plan has at most 64 slots).
 constexpr int kExpertSlots = 2;
@@ -1372,11 +1372,10 @@ void Host::run_unit(const Run& run, int64_t tokens, OrtSession* session, const S
     }
     bool weights_as_inputs = run.placement != "cpu" || unit.chunk;
     if (weights_as_inputs) {
-        const uint8_t* device_bytes = device_weights;
-        if (device_bytes) {
-        } else if (run.placement == "pinned") {
+        const uint8_t* device_bytes = device_weights;  // a streamed expert's staging slot, its copy waited for
+        if (!device_bytes && run.placement == "pinned") {
             device_bytes = static_cast<const uint8_t*>(pinned_.at(run.unit));
-        } else if (run.placement == "streamed") {
+        } else if (!device_bytes && run.placement == "streamed") {
             int slot = run.streamed_index % static_cast<int>(slots_.size());
             if (!active_->prefetch || slot_holds_[static_cast<size_t>(slot)] != run.streamed_index)
                 start_copy(run.streamed_index, slot);
