@@ -958,7 +958,8 @@ void Host::forward(const std::vector<size_t>& sequences, const int64_t* ids, int
                    const std::vector<int64_t>& pasts) {
     if (cancel_requested()) fail(PIPESHARD_ERR_CANCELLED, "cancelled");
     // A shared step runs the cache's first sequences up to the last one fed: one that no turn feeds now gets a
-    // placeholder token just past its cells (written where its next token goes, so nothing it holds changes).
+    // placeholder token just past its cells (written where its next token goes, so nothing it holds changes; a full
+    // sequence gives up its last cell instead, fed again at its session's next turn).
     int64_t batch = 1;
     std::vector<int64_t> lengths(1, pasts.at(0));
     if (sequences.size() == 1) {
@@ -1877,9 +1878,7 @@ void Host::run_turns(const std::vector<Turn*>& first, const std::function<std::v
             set_cancel_flag(g.cancelled);
             pipeshard_status status = guarded(message, [&] {
                 int64_t count = std::min<int64_t>(prefill_chunk_, left);
-                forward({g.sequence}, g.prompt.data() + g.past, count, {g.past});
-                g.conversation->cached.insert(g.conversation->cached.end(), g.prompt.begin() + g.past,
-                                              g.prompt.begin() + g.past + count);
+                feed(g.sequence, g.prompt.data() + g.past, count, g.past, g.conversation);
                 g.past += count;
                 if (g.past == static_cast<int64_t>(g.prompt.size())) {
                     read_logits(0);
